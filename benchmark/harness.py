@@ -1,0 +1,184 @@
+"""Side-by-side benchmark harness: vanilla SGLang 0.5.17 vs sglang-pic, in one run.
+
+Each *variant* runs the same workload in its own process, so the two never share an Engine,
+CUDA context or imported plugin:
+
+- ``vanilla``: SGLang as installed (on the H200: the devkit), with our source tree *not* on
+  ``sys.path``; SGLang finds no ``sglang.srt.plugins`` entry point from us.
+- ``sglang-pic``: the same SGLang, plus ``python/`` and ``sgl-kernel/python/`` on ``sys.path`` and
+  a minimal ``sglang_pic-*.dist-info`` that declares our entry point, so SGLang loads our plugin in
+  every process exactly as a ``pip install`` would (the device has no network and no build tools).
+
+A workload is a function ``fn(engine_kwargs: dict, params: dict) -> dict`` in a benchmark module;
+the harness calls it in the child with the variant's engine arguments and collects the returned
+numbers. ``run_side_by_side`` prints a table and writes JSON (machine, versions, config, raw
+numbers and pic/vanilla ratios) into ``benchmark/results/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmark" / "results"
+MODELS = REPO / "benchmark" / "models"
+VARIANTS = ("vanilla", "sglang-pic")
+
+
+def plugin_site(root: Path) -> Path:
+    """A folder that makes our source tree an installed distribution for importlib.metadata."""
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic import __version__
+
+    dist = root / f"sglang_pic-{__version__}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: sglang-pic\nVersion: {__version__}\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nsglang_pic = sglang_pic.plugin:register\n"
+    )
+    return root
+
+
+def variant_env(variant: str, site: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ours = {str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), str(site)}
+    parts = [p for p in parts if p not in ours]
+    if variant == "sglang-pic":
+        parts = [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), *parts]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["SGLANG_PIC_BENCH_VARIANT"] = variant
+    return env
+
+
+def environment() -> dict[str, Any]:
+    """Machine and versions, recorded with every result."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    for mod in ("sglang", "triton"):
+        try:
+            info[mod] = importlib.import_module(mod).__version__
+        except ImportError:
+            info[mod] = None
+    return info
+
+
+def _child(module: str, func: str, engine_kwargs: dict, params: dict, out: str) -> None:
+    """Runs inside the variant's process."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    fn = getattr(importlib.import_module(module), func)
+    result = fn(engine_kwargs, params)
+    try:
+        import sglang_pic.plugin as plugin
+
+        result["plugin_loaded"] = bool(plugin._registered)
+    except ImportError:
+        result["plugin_loaded"] = False
+    Path(out).write_text(json.dumps(result))
+
+
+def ratio_table(results: dict[str, dict], higher_is_better: set[str]) -> list[dict]:
+    """Rows of (metric, vanilla, pic, ratio pic/vanilla) for every numeric metric both reported."""
+    rows = []
+    van, pic = results.get("vanilla", {}), results.get("sglang-pic", {})
+    for key, v in van.items():
+        p = pic.get(key)
+        if isinstance(v, (int, float)) and isinstance(p, (int, float)) and not isinstance(v, bool):
+            rows.append(
+                {
+                    "metric": key,
+                    "vanilla": v,
+                    "sglang-pic": p,
+                    "ratio": (p / v) if v else None,
+                    "better": "higher" if key in higher_is_better else "lower",
+                }
+            )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'metric':<40}{'vanilla':>14}{'sglang-pic':>14}{'pic/vanilla':>13}")
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        print(f"{r['metric']:<40}{r['vanilla']:>14.4g}{r['sglang-pic']:>14.4g}{ratio:>13}")
+
+
+def run_side_by_side(
+    name: str,
+    module: str,
+    func: str,
+    engine_kwargs: dict,
+    params: dict,
+    higher_is_better: set[str] = frozenset(),
+    variants: tuple[str, ...] = VARIANTS,
+    timeout_s: float = 1200,
+    out_dir: str | None = None,
+) -> dict:
+    """Run `module.func` once per variant, each in a fresh process; write and return the report."""
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        site = plugin_site(Path(tmp) / "site")
+        for variant in variants:
+            out = Path(tmp) / f"{variant}.json"
+            code = (
+                "import sys, json; sys.path.insert(0, %r); from harness import _child; "
+                "_child(%r, %r, json.loads(%r), json.loads(%r), %r)"
+                % (
+                    str(REPO / "benchmark"),
+                    module,
+                    func,
+                    json.dumps(engine_kwargs),
+                    json.dumps(params),
+                    str(out),
+                )
+            )
+            print(f"[bench] {name}: running {variant} ...", flush=True)
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-c", code],
+                env=variant_env(variant, site),
+                timeout=timeout_s,
+            )
+            if proc.returncode != 0 or not out.exists():
+                results[variant] = {"error": f"exit code {proc.returncode}"}
+            else:
+                results[variant] = json.loads(out.read_text())
+            print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = ratio_table(results, set(higher_is_better))
+    report = {
+        "benchmark": name,
+        "environment": environment(),
+        "engine_kwargs": engine_kwargs,
+        "params": params,
+        "results": results,
+        "ratios": rows,
+    }
+    print_table(rows)
+    folder = Path(out_dir) if out_dir else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"[bench] wrote {path}")
+    return report

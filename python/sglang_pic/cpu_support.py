@@ -1,0 +1,251 @@
+"""CPU support for SGLang 0.5.17: what a CPU-only machine lacks, and what we put in its place.
+
+SGLang 0.5.17 targets CUDA. On a CPU-only machine (our developer machines and CI) it runs a dense
+Llama/Qwen correctly once four gaps are closed; this module is the one place that closes them.
+
+1. `torchvision` is imported unconditionally (`sglang/srt/utils/common.py`, multimodal utils), but
+   PyPI's torchvision does not load beside a CPU torch build ("operator torchvision::nms does not
+   exist") and the matching CUDA build is 5 GB. We serve an import-only stand-in.
+2. `sgl_kernel` (the CUDA/AMX kernel library) is imported by kernel modules at import time; its CPU
+   build is not on PyPI and the CUDA build fails without `libcuda.so.1`. For a dense model none of its
+   ops is called on CPU, so a stand-in whose every op raises `NotImplementedError` naming the op is
+   enough, and says loudly when that assumption breaks.
+   Both stand-ins are served by a finder appended to the *end* of `sys.meta_path`: it is consulted
+   only when no real package was found, so on a machine with the real libraries it never acts.
+   Because SGLang imports them before any plugin can run (and again in every spawned scheduler
+   process), the finder is installed at interpreter start by `sglang_pic_cpu.pth`, which
+   `sglang-pic setup-cpu` writes into a CPU environment's site-packages.
+3. The CPU engine: SGLang's `is_cpu()` is driven by `SGLANG_USE_CPU_ENGINE=1`; without it RoPE falls
+   through to a vLLM kernel. `cpu_server_defaults` picks the flags a CPU server needs
+   (`--device cpu`, a CPU attention backend, a KV budget that fits the host).
+4. HiCache's host pool assumes CUDA: `cudaHostRegister` for pinning
+   (`sglang.srt.mem_cache.pool_host.common._cuda_host_register`), `pin_memory=True` allocations,
+   `torch.cpu.Stream` without `synchronize`/`wait_stream`, and `transfer_kv_direct`, which is only
+   imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. `register_hicache_cpu_hooks` closes these
+   through SGLang's HookRegistry (and a pure-torch `transfer_kv_direct`), so HiCache L2/L3 run on CPU
+   with `--hicache-io-backend direct --hicache-mem-layout layer_first`.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 2: import stand-ins for torchvision and sgl_kernel
+# ---------------------------------------------------------------------------------------------
+
+STUBBED_PACKAGES = ("torchvision", "sgl_kernel")
+
+
+class _UnavailableMeta(type):
+    """Attribute access on the placeholder class yields the placeholder (`InterpolationMode.X`)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Unavailable(metaclass=_UnavailableMeta):
+    """Placeholder for any torchvision class/function: importable, fails when used."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "torchvision is not installed in this CPU environment (sglang-pic stand-in)"
+        )
+
+
+def _torchvision_getattr(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Unavailable
+
+
+def _sgl_kernel_getattr(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def _missing_op(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not available on this CPU-only install (sglang-pic stand-in); "
+            "this model or setting needs a CUDA machine"
+        )
+
+    _missing_op.__name__ = name
+    return _missing_op
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `torchvision[.*]` and top-level `sgl_kernel` when, and only when, nothing else can."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        top = fullname.split(".", 1)[0]
+        if top not in STUBBED_PACKAGES:
+            return None
+        if top == "sgl_kernel" and fullname != top:
+            # No `sgl_kernel.<sub>` modules: SGLang guards those imports with ImportError
+            # fallbacks of its own (e.g. `sgl_kernel.scalar_type`), which are right on CPU.
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__sglang_pic_stand_in__ = True
+        if spec.name.startswith("torchvision"):
+            module.__version__ = "0.0.0+sglang-pic-stand-in"
+            module.__getattr__ = _torchvision_getattr
+        else:
+            module.__version__ = "0.0.0+sglang-pic-stand-in"
+            module.__getattr__ = _sgl_kernel_getattr
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def install_import_stand_ins() -> None:
+    """Append the stand-in finder to `sys.meta_path` (idempotent, cheap: no imports)."""
+    if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+        sys.meta_path.append(_StandInFinder())
+
+
+def is_stand_in(module: types.ModuleType) -> bool:
+    return bool(getattr(module, "__sglang_pic_stand_in__", False))
+
+
+PTH_NAME = "sglang_pic_cpu.pth"
+PTH_LINE = "import sglang_pic.cpu_support as _m; _m.install_import_stand_ins()\n"
+
+
+def write_pth(site_packages: str) -> str:
+    """Write the start-up hook that installs the stand-ins in every process of an environment."""
+    path = os.path.join(site_packages, PTH_NAME)
+    with open(path, "w") as f:
+        f.write(PTH_LINE)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 3: CPU engine and server defaults
+# ---------------------------------------------------------------------------------------------
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def enable_cpu_engine() -> None:
+    """Select SGLang's CPU engine for this process and the processes it spawns."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    install_import_stand_ins()
+
+
+def _flag_given(argv: list[str], flag: str) -> bool:
+    alt = flag.replace("-", "_")
+    return any(a == flag or a.startswith(flag + "=") or a == alt for a in argv)
+
+
+def kv_budget_tokens(model_path: str, fraction: float = 0.10, cap: int = 65536) -> int:
+    """A KV budget that fits this host: `fraction` of available RAM, at most `cap` tokens.
+
+    Without an explicit budget SGLang sizes the KV pool from host memory (tens of millions of
+    tokens, many seconds of allocation), which is never what a CPU user wants.
+    """
+    import json
+
+    import psutil
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    bytes_per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 4  # K+V, fp32 worst case
+    budget = int(psutil.virtual_memory().available * fraction) // bytes_per_token
+    return max(1024, min(cap, budget))
+
+
+def cpu_server_defaults(argv: list[str], model_path: str | None) -> list[str]:
+    """SGLang flags a CPU server needs, for each one the user did not give."""
+    extra: list[str] = []
+    if not _flag_given(argv, "--device"):
+        extra += ["--device", "cpu"]
+    if not _flag_given(argv, "--attention-backend"):
+        extra += ["--attention-backend", "torch_native"]
+    if not _flag_given(argv, "--max-total-tokens") and model_path and os.path.isdir(model_path):
+        extra += ["--max-total-tokens", str(kv_budget_tokens(model_path))]
+    if not _flag_given(argv, "--disable-cuda-graph"):
+        extra += ["--disable-cuda-graph"]
+    return extra
+
+
+# ---------------------------------------------------------------------------------------------
+# 4: HiCache host pool on CPU
+# ---------------------------------------------------------------------------------------------
+
+# Modules whose HiCache transfer paths call `transfer_kv_direct` (imported from
+# `sgl_kernel.kvcacheio` only under CUDA/ROCm, so the name is undefined on CPU).
+_TRANSFER_KV_DIRECT_MODULES = (
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.memory_pool_host",
+)
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size: int) -> None:
+    """Pure-torch `sgl_kernel.kvcacheio.transfer_kv_direct`: copy token rows layer by layer.
+
+    `src_layers[i][src_indices]` -> `dst_layers[i][dst_indices]`; indices are token slots, so the
+    page size only matters to the CUDA kernel's vectorisation, not to the result.
+    """
+    src_idx = src_indices.long().cpu()
+    dst_idx = dst_indices.long().cpu()
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_idx] = src[src_idx].to(dst.dtype)
+
+
+def _no_host_register(buffer) -> None:
+    """Replaces `pool_host.common._cuda_host_register`/`_cuda_host_unregister`: no CUDA to pin for."""
+    return None
+
+
+def _host_pool_without_pinning(result, self, *args, **kwargs) -> None:
+    """AFTER `HostKVCache.__init__`: CPU torch cannot allocate `pin_memory=True` tensors."""
+    self.pin_memory = False
+
+
+def _patch_cpu_stream() -> None:
+    """`torch.cpu.Stream` lacks `synchronize`/`query`, which HiCache's cache controller calls."""
+    import torch
+
+    for name in ("synchronize", "query"):
+        if not hasattr(torch.cpu.Stream, name):
+            setattr(torch.cpu.Stream, name, lambda self, *a, **k: True)
+
+
+def register_hicache_cpu_hooks() -> None:
+    """Register the HiCache CPU replacements with SGLang's HookRegistry (call from the plugin)."""
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    common = "sglang.srt.mem_cache.pool_host.common"
+    HookRegistry.register(f"{common}._cuda_host_register", _no_host_register, HookType.REPLACE)
+    HookRegistry.register(f"{common}._cuda_host_unregister", _no_host_register, HookType.REPLACE)
+    HookRegistry.register(
+        "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__",
+        _host_pool_without_pinning,
+        HookType.AFTER,
+    )
+    _patch_cpu_stream()
+    # HookRegistry can only wrap names that exist; these modules never define the name on CPU.
+    for name in _TRANSFER_KV_DIRECT_MODULES:
+        module = importlib.import_module(name)
+        if not hasattr(module, "transfer_kv_direct"):
+            module.transfer_kv_direct = transfer_kv_direct

@@ -1,0 +1,73 @@
+"""The single place where sglang-pic registers itself with SGLang.
+
+SGLang calls `register()` through the `sglang.srt.plugins` entry point in every process it starts
+(the launcher, each scheduler, the detokenizer), before server arguments are parsed and before any
+model code runs (`sglang.srt.plugins.load_plugins`). Each capability adds its registration here,
+and only here, so one file shows everything sglang-pic changes in SGLang:
+
+| capability                     | SGLang seam                                                    |
+|--------------------------------|----------------------------------------------------------------|
+| CPU support (`cpu_support`)    | HookRegistry on the HiCache host pool (CPU processes only)     |
+| request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
+| position-free KV (planned)     | `register_attention_backend` + a HookRegistry hook on RoPE      |
+| span cache (planned)           | `register_radix_cache_backend`                                  |
+| SAE eviction (planned)         | `_EVICTION_POLICY_FACTORIES` / `add_radix_eviction_policy_choices` |
+| sparse decode (planned)        | attention backend for long-context decode                       |
+| PTStore (planned)              | HiCache `dynamic` storage backend (`HiCacheStorage`)            |
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+
+from sglang_pic import __version__
+
+logger = logging.getLogger("sglang_pic")
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point `sglang.srt.plugins: sglang_pic`. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_pic import request_validation
+
+    features: list[str] = ["request-validation"]
+    HookRegistry.register(
+        request_validation.HOOK_TARGET,
+        request_validation.check_generate_request,
+        HookType.BEFORE,
+    )
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        from sglang_pic import cpu_support
+
+        cpu_support.install_import_stand_ins()
+        cpu_support.register_hicache_cpu_hooks()
+        features.append("cpu-support")
+
+    _announce(
+        f"sglang-pic {__version__} plugin active (features: {', '.join(features)})"
+    )
+
+
+def _announce(message: str) -> None:
+    """One line per server, from the launching process (scheduler/detokenizer children stay quiet).
+
+    Plugins load before SGLang configures logging, so an INFO record would be dropped; we write
+    the line in SGLang's log format ourselves.
+    """
+    if multiprocessing.parent_process() is not None:
+        logger.debug(message)
+        return
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
