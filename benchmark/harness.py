@@ -85,18 +85,19 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def _child(module: str, func: str, engine_kwargs: dict, params: dict, out: str) -> None:
-    """Runs inside the variant's process."""
+def _child(spec_path: str) -> None:
+    """Runs inside the variant's process: `python harness.py --child SPEC.json`."""
+    spec = json.loads(Path(spec_path).read_text())
     sys.path.insert(0, str(REPO / "benchmark"))
-    fn = getattr(importlib.import_module(module), func)
-    result = fn(engine_kwargs, params)
+    fn = getattr(importlib.import_module(spec["module"]), spec["func"])
+    result = fn(spec["engine_kwargs"], spec["params"])
     try:
         import sglang_pic.plugin as plugin
 
         result["plugin_loaded"] = bool(plugin._registered)
     except ImportError:
         result["plugin_loaded"] = False
-    Path(out).write_text(json.dumps(result))
+    Path(spec["out"]).write_text(json.dumps(result))
 
 
 def ratio_table(results: dict[str, dict], higher_is_better: set[str]) -> list[dict]:
@@ -142,22 +143,13 @@ def run_side_by_side(
         site = plugin_site(Path(tmp) / "site")
         for variant in variants:
             out = Path(tmp) / f"{variant}.json"
-            code = (
-                "import sys, json; sys.path.insert(0, %r); from harness import _child; "
-                "_child(%r, %r, json.loads(%r), json.loads(%r), %r)"
-                % (
-                    str(REPO / "benchmark"),
-                    module,
-                    func,
-                    json.dumps(engine_kwargs),
-                    json.dumps(params),
-                    str(out),
-                )
-            )
+            spec = Path(tmp) / f"{variant}.spec.json"
+            spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
+                                        "engine_kwargs": engine_kwargs, "params": params}))
             print(f"[bench] {name}: running {variant} ...", flush=True)
             t0 = time.perf_counter()
             proc = subprocess.run(
-                [sys.executable, "-c", code],
+                [sys.executable, __file__, "--child", str(spec)],
                 env=variant_env(variant, site),
                 timeout=timeout_s,
             )
@@ -182,3 +174,10 @@ def run_side_by_side(
     path.write_text(json.dumps(report, indent=2))
     print(f"[bench] wrote {path}")
     return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child(sys.argv[2])
+    else:
+        sys.exit("usage: harness.py --child SPEC.json (internal; run a benchmark script instead)")

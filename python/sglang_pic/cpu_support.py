@@ -21,9 +21,12 @@ Llama/Qwen correctly once four gaps are closed; this module is the one place tha
 4. HiCache's host pool assumes CUDA: `cudaHostRegister` for pinning
    (`sglang.srt.mem_cache.pool_host.common._cuda_host_register`), `pin_memory=True` allocations,
    `torch.cpu.Stream` without `synchronize`/`wait_stream`, and `transfer_kv_direct`, which is only
-   imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. `register_hicache_cpu_hooks` closes these
+   imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. `register_cpu_hooks` closes these
    through SGLang's HookRegistry (and a pure-torch `transfer_kv_direct`), so HiCache L2/L3 run on CPU
    with `--hicache-io-backend direct --hicache-mem-layout layer_first`.
+5. `--page-size` > 1: the paged allocator launches a Triton kernel (`alloc_extend_kernel`) that
+   Triton 3.6's CPU interpreter cannot run; SGLang's own torch version (`alloc_extend_naive`)
+   replaces it. Other Triton kernels run under `TRITON_INTERPRET=1`, which the CPU engine sets.
 """
 
 from __future__ import annotations
@@ -143,9 +146,19 @@ def has_cuda() -> bool:
 
 
 def enable_cpu_engine() -> None:
-    """Select SGLang's CPU engine for this process and the processes it spawns."""
+    """Select SGLang's CPU engine for this process and the processes it spawns.
+
+    Also sets `TRITON_INTERPRET=1`: a few of SGLang's CPU-path helpers are Triton kernels (e.g. the
+    paged allocator's `alloc_extend_kernel` for `--page-size` > 1), and on a machine without a GPU
+    Triton's interpreter is the only way they run ("0 active drivers" otherwise).
+    """
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     install_import_stand_ins()
+
+
+# KV budget when the model's config cannot be read here (e.g. a hub id): small but serviceable.
+FALLBACK_KV_TOKENS = 16384
 
 
 def _flag_given(argv: list[str], flag: str) -> bool:
@@ -179,15 +192,50 @@ def cpu_server_defaults(argv: list[str], model_path: str | None) -> list[str]:
         extra += ["--device", "cpu"]
     if not _flag_given(argv, "--attention-backend"):
         extra += ["--attention-backend", "torch_native"]
-    if not _flag_given(argv, "--max-total-tokens") and model_path and os.path.isdir(model_path):
-        extra += ["--max-total-tokens", str(kv_budget_tokens(model_path))]
+    if not _flag_given(argv, "--max-total-tokens"):
+        has_config = bool(model_path) and os.path.isfile(os.path.join(model_path, "config.json"))
+        budget = kv_budget_tokens(model_path) if has_config else FALLBACK_KV_TOKENS
+        extra += ["--max-total-tokens", str(budget)]
     if not _flag_given(argv, "--disable-cuda-graph"):
         extra += ["--disable-cuda-graph"]
     return extra
 
 
 # ---------------------------------------------------------------------------------------------
-# 4: HiCache host pool on CPU
+# 4a: paged KV allocation (--page-size > 1) on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+class _NaiveAllocExtend:
+    """Stands in for the Triton `alloc_extend_kernel` in `sglang.srt.mem_cache.allocator.paged`.
+
+    `PagedTokenToKVPoolAllocator.alloc_extend` launches it as `kernel[(bs,)](prefix_lens, seq_lens,
+    last_loc, free_pages, out_indices, bs_upper, page_size)`; Triton 3.6's interpreter fails on it
+    on CPU ("only 0-dimensional arrays can be converted"). SGLang ships the same computation in
+    torch as `alloc_extend_naive`, which we call instead.
+    """
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    @staticmethod
+    def _launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+        from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
+
+        alloc_extend_naive(
+            prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
+        )
+
+
+def patch_paged_allocator() -> None:
+    import importlib
+
+    paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
+    paged.alloc_extend_kernel = _NaiveAllocExtend()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4b: HiCache host pool on CPU
 # ---------------------------------------------------------------------------------------------
 
 # Modules whose HiCache transfer paths call `transfer_kv_direct` (imported from
@@ -206,7 +254,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     """
     src_idx = src_indices.long().cpu()
     dst_idx = dst_indices.long().cpu()
-    for src, dst in zip(src_layers, dst_layers):
+    for src, dst in zip(src_layers, dst_layers, strict=True):
         dst[dst_idx] = src[src_idx].to(dst.dtype)
 
 
@@ -229,8 +277,8 @@ def _patch_cpu_stream() -> None:
             setattr(torch.cpu.Stream, name, lambda self, *a, **k: True)
 
 
-def register_hicache_cpu_hooks() -> None:
-    """Register the HiCache CPU replacements with SGLang's HookRegistry (call from the plugin)."""
+def register_cpu_hooks() -> None:
+    """Register the CPU replacements (paged allocator, HiCache host pool); call from the plugin."""
     import importlib
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -244,6 +292,7 @@ def register_hicache_cpu_hooks() -> None:
         HookType.AFTER,
     )
     _patch_cpu_stream()
+    patch_paged_allocator()
     # HookRegistry can only wrap names that exist; these modules never define the name on CPU.
     for name in _TRANSFER_KV_DIRECT_MODULES:
         module = importlib.import_module(name)

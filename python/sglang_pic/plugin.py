@@ -51,8 +51,8 @@ def register() -> None:
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from sglang_pic import cpu_support
 
-        cpu_support.install_import_stand_ins()
-        cpu_support.register_hicache_cpu_hooks()
+        cpu_support.enable_cpu_engine()  # children spawned after this inherit the settings
+        cpu_support.register_cpu_hooks()
         features.append("cpu-support")
 
     _announce(

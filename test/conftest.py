@@ -1,0 +1,103 @@
+"""Shared fixtures: one real sglang-pic server (SmolLM2-135M on CPU) for the whole suite.
+
+Starting a server costs ~25 s on 2 cores, so the suite shares one (session scope); modules that
+need other server flags start their own with `start_server`. Every wait is bounded, so a dead
+scheduler fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 240
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+    def post(self, path: str, timeout: float = 120, **kwargs) -> requests.Response:
+        return requests.post(self.url + path, timeout=timeout, **kwargs)
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+
+def start_server(args: list[str], log: Path) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_pic", "serve", "--port", str(port), *args]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.time() + START_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; log:\n{log.read_text()[-4000:]}")
+        if server.healthy():
+            return server
+        time.sleep(2)
+    stop_server(server)
+    raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s; log:\n{log.read_text()[-4000:]}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(["--max-total-tokens", "16384"], log)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from sglang_pic.default_model import ensure_default_model
+
+    return ensure_default_model()

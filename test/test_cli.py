@@ -1,0 +1,50 @@
+"""The `sglang-pic` command: versions, argv building, plugin entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+from sglang_pic.launch_server import build_argv
+
+
+def test_version_prints_three_versions():
+    out = subprocess.run([sys.executable, "-m", "sglang_pic", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "sglang-pic 0.1.0" in out.stdout
+    assert "sglang 0.5.17" in out.stdout
+    assert "torch " in out.stdout
+
+
+def test_plugin_entry_point_is_registered():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("sglang_pic") == "sglang_pic.plugin:register"
+
+
+def test_build_argv_uses_default_model_and_keeps_user_flags(model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    argv = build_argv(["--port", "1234", "--attention-backend", "triton"])
+    assert argv[:2] == ["--model-path", str(model_dir)]
+    assert argv[argv.index("--port") + 1] == "1234"
+    assert argv.count("--attention-backend") == 1
+    assert "--max-total-tokens" in argv
+
+
+def test_build_argv_respects_given_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    argv = build_argv(["--model-path", str(tmp_path)])
+    assert argv.count("--model-path") == 1
+    # no config.json to size the KV pool from: a fixed, small budget instead of SGLang's RAM sizing
+    assert argv[argv.index("--max-total-tokens") + 1] == "16384"
+
+
+def test_plain_sglang_launcher_loads_plugin():
+    """`python -m sglang.launch_server` (not our CLI) runs our plugin: checked via load_plugins."""
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "import sglang_pic.plugin as p; print(p._registered)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True")
+    assert "sglang-pic 0.1.0 plugin active" in out.stderr

@@ -1,0 +1,39 @@
+"""The side-by-side benchmark harness: variants see (or do not see) our plugin; ratios."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmark"))
+
+import harness  # noqa: E402
+
+
+def test_ratio_table():
+    rows = harness.ratio_table({"vanilla": {"a": 2.0, "b": 4, "flag": True, "lst": [1]},
+                                "sglang-pic": {"a": 1.0, "b": 4}}, {"b"})
+    by = {r["metric"]: r for r in rows}
+    assert set(by) == {"a", "b"}
+    assert by["a"]["ratio"] == 0.5 and by["b"]["ratio"] == 1.0 and by["b"]["better"] == "higher"
+
+
+def test_plugin_site_declares_our_entry_point(tmp_path):
+    from importlib.metadata import distributions
+
+    site = harness.plugin_site(tmp_path / "site")
+    dists = list(distributions(path=[str(site)]))
+    assert [d.metadata["Name"] for d in dists] == ["sglang-pic"]
+    eps = {e.name: e.value for e in dists[0].entry_points if e.group == "sglang.srt.plugins"}
+    assert eps == {"sglang_pic": "sglang_pic.plugin:register"}
+
+
+def test_only_pic_variant_gets_our_paths(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    monkeypatch.setenv("PYTHONPATH", f"/elsewhere:{REPO / 'python'}")
+    van = harness.variant_env("vanilla", site)["PYTHONPATH"].split(":")
+    pic = harness.variant_env("sglang-pic", site)["PYTHONPATH"].split(":")
+    assert van == ["/elsewhere"]
+    assert pic[:3] == [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python")]
+    assert pic[-1] == "/elsewhere"

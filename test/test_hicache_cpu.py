@@ -1,0 +1,34 @@
+"""HiCache on CPU: a prefix evicted from the device pool is served from the host tier (L2)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def hicache_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("hicache") / "server.log"
+    srv = start_server(["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                        "--hicache-mem-layout", "layer_first", "--hicache-size", "1",
+                        "--max-total-tokens", "512", "--page-size", "16"], log)
+    yield srv
+    stop_server(srv)
+
+
+def _gen(server, text):
+    r = server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 8,
+                                                                          "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_evicted_prefix_is_loaded_from_host(hicache_server):
+    target = "The history of the Roman Empire spans many centuries. " * 12
+    first = _gen(hicache_server, target)
+    for i in range(6):  # ~830 tokens of other prompts through a 512-token device pool
+        _gen(hicache_server, f"Topic {i}: " + f"another sentence about subject {i}. " * 14)
+    again = _gen(hicache_server, target)
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details["host"] >= 96, details
+    assert again["text"] == first["text"]
