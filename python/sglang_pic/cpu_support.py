@@ -100,12 +100,9 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = types.ModuleType(spec.name)
         module.__path__ = []
         module.__sglang_pic_stand_in__ = True
-        if spec.name.startswith("torchvision"):
-            module.__version__ = "0.0.0+sglang-pic-stand-in"
-            module.__getattr__ = _torchvision_getattr
-        else:
-            module.__version__ = "0.0.0+sglang-pic-stand-in"
-            module.__getattr__ = _sgl_kernel_getattr
+        module.__version__ = "0.0.0+sglang-pic-stand-in"
+        is_torchvision = spec.name.startswith("torchvision")
+        module.__getattr__ = _torchvision_getattr if is_torchvision else _sgl_kernel_getattr
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -162,8 +159,7 @@ FALLBACK_KV_TOKENS = 16384
 
 
 def _flag_given(argv: list[str], flag: str) -> bool:
-    alt = flag.replace("-", "_")
-    return any(a == flag or a.startswith(flag + "=") or a == alt for a in argv)
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def kv_budget_tokens(model_path: str, fraction: float = 0.10, cap: int = 65536) -> int:

@@ -7,7 +7,7 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 
 | capability                     | SGLang seam                                                    |
 |--------------------------------|----------------------------------------------------------------|
-| CPU support (`cpu_support`)    | HookRegistry on the HiCache host pool (CPU processes only)     |
+| CPU support (`cpu_support`)    | HookRegistry on the HiCache host pool, paged allocator (CPU only) |
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
 | position-free KV (planned)     | `register_attention_backend` + a HookRegistry hook on RoPE      |
 | span cache (planned)           | `register_radix_cache_backend`                                  |
