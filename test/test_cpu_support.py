@@ -80,3 +80,22 @@ def test_transfer_kv_direct_copies_rows():
     assert dst[0][0].tolist() == [14.0, 15.0] and dst[0][5].tolist() == [4.0, 5.0]
     assert dst[1][0].tolist() == [34.0, 35.0]
     assert dst[0][1:5].abs().sum() == 0
+
+
+def test_alloc_decode_torch_matches_sglang_triton_kernel():
+    """Our torch decode allocator vs SGLang's Triton kernel run by the interpreter."""
+    out = _run("""
+        import os; os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from sglang.kernels.ops.memory.allocator import alloc_decode_kernel
+        from sglang_pic.cpu_support import alloc_decode_torch
+        ps = 4
+        seq_lens = torch.tensor([5, 7, 9, 13, 2], dtype=torch.int64)   # 5, 9, 13 start new pages
+        last_loc = torch.tensor([43, 21, 63, 95, 100], dtype=torch.int64)
+        free_pages = torch.tensor([30, 31, 40, 41], dtype=torch.int64)
+        ref = torch.empty(5, dtype=torch.int64); ours = torch.empty(5, dtype=torch.int64)
+        alloc_decode_kernel[(5,)](seq_lens, last_loc, free_pages, ref, 8, ps)
+        alloc_decode_torch(seq_lens, last_loc, free_pages, ours, 8, ps)
+        print(ref.tolist() == ours.tolist(), ours.tolist())
+    """)
+    assert out == "True [120, 22, 124, 160, 101]"

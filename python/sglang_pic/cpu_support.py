@@ -24,9 +24,10 @@ Llama/Qwen correctly once four gaps are closed; this module is the one place tha
    imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. `register_cpu_hooks` closes these
    through SGLang's HookRegistry (and a pure-torch `transfer_kv_direct`), so HiCache L2/L3 run on CPU
    with `--hicache-io-backend direct --hicache-mem-layout layer_first`.
-5. `--page-size` > 1: the paged allocator launches a Triton kernel (`alloc_extend_kernel`) that
-   Triton 3.6's CPU interpreter cannot run; SGLang's own torch version (`alloc_extend_naive`)
-   replaces it. Other Triton kernels run under `TRITON_INTERPRET=1`, which the CPU engine sets.
+5. `--page-size` > 1: the paged allocator launches Triton kernels (`alloc_extend_kernel`,
+   `alloc_decode_kernel`) that Triton 3.6's CPU interpreter cannot run or runs very slowly; torch
+   versions replace them (for extend, SGLang's own `alloc_extend_naive`). Other Triton kernels run
+   under `TRITON_INTERPRET=1`, which the CPU engine sets.
 """
 
 from __future__ import annotations
@@ -202,32 +203,53 @@ def cpu_server_defaults(argv: list[str], model_path: str | None) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _NaiveAllocExtend:
-    """Stands in for the Triton `alloc_extend_kernel` in `sglang.srt.mem_cache.allocator.paged`.
+def alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    """`alloc_extend_kernel[(bs,)](...)` via SGLang's own torch version, `alloc_extend_naive`."""
+    from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
 
-    `PagedTokenToKVPoolAllocator.alloc_extend` launches it as `kernel[(bs,)](prefix_lens, seq_lens,
-    last_loc, free_pages, out_indices, bs_upper, page_size)`; Triton 3.6's interpreter fails on it
-    on CPU ("only 0-dimensional arrays can be converted"). SGLang ships the same computation in
-    torch as `alloc_extend_naive`, which we call instead.
+    alloc_extend_naive(
+        prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
+    )
+
+
+def alloc_decode_torch(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    """`alloc_decode_kernel[(bs,)](...)` in torch: one slot per request for its next token.
+
+    `seq_lens` already counts the new token. A request whose previous length filled its last page
+    takes the next free page (in batch order: an exclusive prefix sum over the requests that need
+    one), the others write at `last_loc + 1`.
     """
+    import torch  # not at module level: this module is imported at every interpreter start
+
+    needs_page = (seq_lens + page_size - 1) // page_size - (seq_lens - 1 + page_size - 1) // page_size
+    start = torch.cumsum(needs_page, 0) - needs_page
+    if len(free_pages):
+        pages = free_pages[start.clamp(max=len(free_pages) - 1)]
+    else:
+        pages = torch.zeros_like(start)
+    out_indices.copy_(torch.where(needs_page.bool(), pages * page_size, last_loc + 1))
+
+
+class _TorchLaunch:
+    """Makes a torch function launchable like a Triton kernel: `kernel[grid](*args)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
 
     def __getitem__(self, grid):
-        return self._launch
-
-    @staticmethod
-    def _launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
-        from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
-
-        alloc_extend_naive(
-            prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
-        )
+        return self.fn
 
 
 def patch_paged_allocator() -> None:
+    """Replace the paged allocator's Triton kernels (module attributes of
+    `sglang.srt.mem_cache.allocator.paged`) with torch: Triton 3.6's CPU interpreter fails on
+    `alloc_extend_kernel` ("only 0-dimensional arrays can be converted") and runs
+    `alloc_decode_kernel` at a few steps per second."""
     import importlib
 
     paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
-    paged.alloc_extend_kernel = _NaiveAllocExtend()
+    paged.alloc_extend_kernel = _TorchLaunch(alloc_extend_torch)
+    paged.alloc_decode_kernel = _TorchLaunch(alloc_decode_torch)
 
 
 # ---------------------------------------------------------------------------------------------
