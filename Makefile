@@ -1,10 +1,10 @@
 # Two commands do everything on a fresh machine; each creates .venv first if it is missing.
 #   make serve   the SGLang server with sglang-pic (embedded SmolLM2 unless ARGS names a model)
-#   make test    lint + the test suite
+#   make test    lint (ruff) + the test suite
 ARGS ?=
 VENV ?= .venv
 
-.PHONY: serve test env lint
+.PHONY: serve test env
 
 env:
 	@bash scripts/setup_env.sh
@@ -14,6 +14,3 @@ serve: env
 
 test:
 	@bash scripts/run_tests.sh $(ARGS)
-
-lint: env
-	$(VENV)/bin/ruff check python sgl-kernel benchmark test

@@ -18,15 +18,10 @@ from pathlib import Path
 
 import pytest
 import requests
+from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 240
-
-
-def has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def pytest_configure(config):

@@ -1,7 +1,7 @@
 """CPU support for SGLang 0.5.17: what a CPU-only machine lacks, and what we put in its place.
 
 SGLang 0.5.17 targets CUDA. On a CPU-only machine (our developer machines and CI) it runs a dense
-Llama/Qwen correctly once four gaps are closed; this module is the one place that closes them.
+Llama/Qwen correctly once five gaps are closed; this module is the one place that closes them.
 
 1. `torchvision` is imported unconditionally (`sglang/srt/utils/common.py`, multimodal utils), but
    PyPI's torchvision does not load beside a CPU torch build ("operator torchvision::nms does not
@@ -146,9 +146,9 @@ def has_cuda() -> bool:
 def enable_cpu_engine() -> None:
     """Select SGLang's CPU engine for this process and the processes it spawns.
 
-    Also sets `TRITON_INTERPRET=1`: a few of SGLang's CPU-path helpers are Triton kernels (e.g. the
-    paged allocator's `alloc_extend_kernel` for `--page-size` > 1), and on a machine without a GPU
-    Triton's interpreter is the only way they run ("0 active drivers" otherwise).
+    Also sets `TRITON_INTERPRET=1`: any Triton kernel SGLang launches on its CPU path (beyond the
+    paged allocator's, which `patch_paged_allocator` replaces) can only run in Triton's interpreter
+    on a machine without a GPU ("0 active drivers" otherwise).
     """
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -41,9 +41,7 @@ def build_argv(argv: list[str]) -> list[str]:
 
 
 def serve(argv: list[str]) -> int:
-    from sglang_pic import cpu_support
-
-    cpu_support.install_import_stand_ins()
+    # On CPU, build_argv -> enable_cpu_engine installs the import stand-ins before SGLang is imported.
     sglang_argv = build_argv(argv)
 
     from sglang.launch_server import run_server
