@@ -300,6 +300,9 @@ def register_cpu_hooks() -> None:
     import importlib
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_pic_kernel._interpreter import fix_interpreter_scalar_index
+
+    fix_interpreter_scalar_index()  # Triton interpreter vs NumPy >= 2.4 (see that module)
 
     common = "sglang.srt.mem_cache.pool_host.common"
     HookRegistry.register(f"{common}._cuda_host_register", _no_host_register, HookType.REPLACE)

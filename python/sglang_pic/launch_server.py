@@ -3,7 +3,10 @@
 Every SGLang server flag passes through unchanged. What we add:
 - no `--model-path`: serve the embedded default model (SmolLM2-135M-Instruct, converted once);
 - no GPU: pick working CPU settings (CPU engine, torch_native attention, a KV budget that fits),
-  each only when the user did not choose it.
+  each only when the user did not choose it;
+- `--enable-position-free-kv`: keys stored un-rotated, rotated in our attention kernels; selects
+  the position-free twin of the chosen attention backend (`triton` -> `pic_triton`,
+  `torch_native` -> `pic_torch_native`; default `pic_triton` on GPU).
 """
 
 from __future__ import annotations
@@ -34,10 +37,53 @@ def build_argv(argv: list[str]) -> list[str]:
 
         model_path = str(ensure_default_model())
         argv = ["--model-path", model_path, *argv]
+    position_free = _pop_flag(argv, POSITION_FREE_FLAG)
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
         cpu_support.enable_cpu_engine()
         argv += cpu_support.cpu_server_defaults(argv, model_path)
+    if position_free:
+        argv = _with_position_free_backend(argv)
     return argv
+
+
+POSITION_FREE_FLAG = "--enable-position-free-kv"
+
+
+def _pop_flag(argv: list[str], flag: str) -> bool:
+    present = flag in argv
+    while flag in argv:
+        argv.remove(flag)
+    return present
+
+
+def _with_position_free_backend(argv: list[str]) -> list[str]:
+    """Replace (or add) `--attention-backend` with its position-free twin."""
+    from sglang_pic.position_free import BACKEND_FOR
+
+    chosen = _value_of(argv, "--attention-backend")
+    if chosen is None:
+        return [*argv, "--attention-backend", "pic_triton"]
+    if chosen in BACKEND_FOR.values():
+        return argv
+    if chosen not in BACKEND_FOR:
+        raise SystemExit(
+            f"error: {POSITION_FREE_FLAG} needs --attention-backend triton or torch_native "
+            f"(got {chosen!r})"
+        )
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--attention-backend" and i + 1 < len(argv):
+            out += [a, BACKEND_FOR[chosen]]
+            skip = True
+        elif a.startswith("--attention-backend="):
+            out.append(f"--attention-backend={BACKEND_FOR[chosen]}")
+        else:
+            out.append(a)
+    return out
 
 
 def serve(argv: list[str]) -> int:

@@ -1,0 +1,319 @@
+"""Extend (prefill) attention over un-rotated keys: cached prefix + new tokens, causal.
+
+Same contract as SGLang's ``extend_attention_fwd`` (``sglang.kernels.ops.attention.
+extend_attention``), plus a ``rope`` table. A request ``s`` has ``P = kv_indptr[s+1]-kv_indptr[s]``
+cached prefix keys in the pool and ``E = qo_indptr[s+1]-qo_indptr[s]`` new tokens. Keys are
+rotated at their index in the request's KV sequence: prefix key ``n`` at ``n``, new key ``n`` at
+``P + n``. Queries arrive rotated. This covers plain prefill (``P = 0``), prefix-cache hits and
+chunked prefill (earlier chunks are the prefix).
+
+Grid ``requests x q_heads x ceil(max E / BLOCK_M)``; each program keeps an online softmax over
+the prefix tiles (read through ``kv_indices``, rotated in registers) and then over the causal
+new-key tiles. New keys are either rotated in the same way (``new_keys="in_kernel"``) or once,
+up front, by :func:`_rotate_new_keys` into a scratch buffer (``"pre_rotated"``): the prefix must
+be rotated on read because it is shared, the new keys need not be.
+
+    q_extend, o_extend   [new_tokens, q_heads, head_dim]
+    k_extend, v_extend   [new_tokens, kv_heads, head_dim]  (k un-rotated)
+    k/v_buffer           [pool_slots, kv_heads, head_dim]  (k un-rotated)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, rope_cos_sin, rotate_pair, tanh
+from .rope import RotaryTable
+
+NEW_KEYS_IN_KERNEL = "in_kernel"
+NEW_KEYS_PRE_ROTATED = "pre_rotated"
+
+
+@triton.jit
+def _online_softmax_step(qk, v, acc, e_max, e_sum):
+    n_max = tl.maximum(tl.max(qk, 1), e_max)
+    rescale = tl.exp(e_max - n_max)
+    p = tl.exp(qk - n_max[:, None])
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    e_sum = e_sum * rescale + tl.sum(p, 1)
+    return acc, n_max, e_sum
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K_Ext,
+    V_Ext,
+    Out,
+    K_Buffer,
+    V_Buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    CosSin,
+    InvFreq,
+    sm_scale,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ket,
+    stride_keh,
+    stride_vet,
+    stride_veh,
+    stride_ot,
+    stride_oh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    stride_cs,
+    GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    LV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    ROPE_FROM_CACHE: tl.constexpr,
+    ROTATE_NEW_KEYS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(qo_indptr + seq).to(tl.int64)
+    ext_len = tl.load(qo_indptr + seq + 1) - q_start
+    kv_start = tl.load(kv_indptr + seq)
+    pre_len = tl.load(kv_indptr + seq + 1) - kv_start
+    if block_m * BLOCK_M >= ext_len:
+        return
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < ext_len
+    offs_d = tl.arange(0, HALF_P)
+    mask_d = offs_d < HALF
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < LV
+
+    q_off = (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    q1 = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    q2 = tl.load(Q + q_off + HALF, mask=q_mask, other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Stage 1: the cached prefix, gathered through kv_indices and rotated at n.
+    kb_base = kv_head * stride_kbh + offs_d[:, None]
+    vb_base = kv_head * stride_vbh + offs_dv[None, :]
+    for n0 in range(0, pre_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < pre_len
+        loc = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k_mask = mask_n[None, :] & mask_d[:, None]
+        k_off = loc[None, :] * stride_kbt + kb_base
+        k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
+        k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
+        cos, sin = rope_cos_sin(
+            offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
+            HALF, ROPE_FROM_CACHE,
+        )
+        r1, r2 = rotate_pair(k1, k2, cos, sin)
+        qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
+        qk *= sm_scale
+        if LOGIT_CAP > 0:
+            qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+        qk = tl.where(mask_m[:, None] & mask_n[None, :], qk, float("-inf"))
+        v = tl.load(
+            V_Buffer + loc[:, None] * stride_vbt + vb_base,
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        acc, e_max, e_sum = _online_softmax_step(qk, v, acc, e_max, e_sum)
+
+    # Stage 2: the new tokens, contiguous, causal; key n sits at position pre_len + n.
+    if IS_CAUSAL:
+        ext_end = tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
+    else:
+        ext_end = ext_len
+    ke_base = kv_head * stride_keh + offs_d[:, None]
+    ve_base = kv_head * stride_veh + offs_dv[None, :]
+    for n0 in range(0, ext_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ext_end
+        k_mask = mask_n[None, :] & mask_d[:, None]
+        k_off = (q_start + offs_n)[None, :] * stride_ket + ke_base
+        k1 = tl.load(K_Ext + k_off, mask=k_mask, other=0.0)
+        k2 = tl.load(K_Ext + k_off + HALF, mask=k_mask, other=0.0)
+        if ROTATE_NEW_KEYS:
+            cos, sin = rope_cos_sin(
+                (pre_len + offs_n)[None, :], offs_d[:, None], k_mask, CosSin, stride_cs,
+                InvFreq, HALF, ROPE_FROM_CACHE,
+            )
+            r1, r2 = rotate_pair(k1, k2, cos, sin)
+            qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
+        else:
+            qk = tl.dot(q1, k1.to(q1.dtype)) + tl.dot(q2, k2.to(q2.dtype))
+        qk *= sm_scale
+        if LOGIT_CAP > 0:
+            qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+        valid = mask_m[:, None] & mask_n[None, :]
+        if IS_CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk, float("-inf"))
+        v = tl.load(
+            V_Ext + (q_start + offs_n)[:, None] * stride_vet + ve_base,
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        acc, e_max, e_sum = _online_softmax_step(qk, v, acc, e_max, e_sum)
+
+    o_off = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
+    out = acc / e_sum[:, None] * v_scale
+    tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+@triton.jit
+def _rotate_new_keys(
+    K_Ext,
+    K_Out,
+    qo_indptr,
+    kv_indptr,
+    CosSin,
+    InvFreq,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_cs,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROPE_FROM_CACHE: tl.constexpr,
+):
+    """K_Out[t] = rope(K_Ext[t], P_s + t - qo_indptr[s]) for the new tokens of request s."""
+    seq = tl.program_id(0)
+    block_t = tl.program_id(1)
+    q_start = tl.load(qo_indptr + seq).to(tl.int64)
+    ext_len = tl.load(qo_indptr + seq + 1) - q_start
+    pre_len = tl.load(kv_indptr + seq + 1) - tl.load(kv_indptr + seq)
+    if block_t * BLOCK_T >= ext_len:
+        return
+    offs_t = block_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HALF_P)
+    mask = (offs_t < ext_len)[:, None] & (offs_d < HALF)[None, :]
+    cos, sin = rope_cos_sin(
+        (pre_len + offs_t)[:, None], offs_d[None, :], mask, CosSin, stride_cs, InvFreq,
+        HALF, ROPE_FROM_CACHE,
+    )
+    for h in range(KV_HEADS):
+        src = (q_start + offs_t)[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
+        dst = (q_start + offs_t)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        k1 = tl.load(K_Ext + src, mask=mask, other=0.0)
+        k2 = tl.load(K_Ext + src + HALF, mask=mask, other=0.0)
+        r1, r2 = rotate_pair(k1, k2, cos, sin)
+        tl.store(K_Out + dst, r1.to(K_Out.dtype.element_ty), mask=mask)
+        tl.store(K_Out + dst + HALF, r2.to(K_Out.dtype.element_ty), mask=mask)
+
+
+def _block_sizes(head_dim: int, is_cuda: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps); Hopper-sized tiles as in SGLang's extend kernel."""
+    if not is_cuda:
+        return 16, 16, 4
+    major, _ = torch.cuda.get_device_capability()
+    if major >= 9 and head_dim <= 128:
+        return 128, 64, 8
+    if major >= 8 and head_dim <= 128:
+        return 64, 64, 4 if head_dim <= 64 else 8
+    return 64, 64, 8 if head_dim > 64 else 4
+
+
+def rotating_extend_attention_fwd(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    o_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    custom_mask: torch.Tensor | None,
+    is_causal: bool,
+    mask_indptr: torch.Tensor | None,
+    max_len_extend: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    sinks: torch.Tensor | None = None,
+    window_kv_offsets: torch.Tensor | None = None,
+    xai_temperature_len: int = -1,
+    page_size: int = 1,
+    score_mod=None,
+    aux_tensors=None,
+    *,
+    rope: RotaryTable,
+    new_keys: str = NEW_KEYS_PRE_ROTATED,
+) -> None:
+    """Extend attention with keys rotated on read; writes ``o_extend``. See the module docstring.
+
+    Takes SGLang's ``extend_attention_fwd`` arguments; custom masks (speculative verify), sliding
+    windows, sinks, score mods and xai temperature are refused by the backend at start.
+    """
+    assert custom_mask is None and sinks is None and score_mod is None, (
+        "rotating extend attention: custom masks / sinks / score_mod are not supported"
+    )
+    assert (sliding_window_size is None or sliding_window_size < 0) and xai_temperature_len <= 0
+    del mask_indptr, window_kv_offsets, page_size, aux_tensors
+    if new_keys not in (NEW_KEYS_IN_KERNEL, NEW_KEYS_PRE_ROTATED):
+        raise ValueError(f"new_keys must be 'in_kernel' or 'pre_rotated', got {new_keys!r}")
+    head_dim = q_extend.shape[-1]
+    q_heads, kv_heads = q_extend.shape[1], k_extend.shape[1]
+    lv = v_extend.shape[-1]
+    assert head_dim == rope.head_dim and head_dim % 2 == 0, (head_dim, rope.head_dim)
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    half = head_dim // 2
+    half_p = max(16, next_pow2(half))
+    is_cuda = q_extend.is_cuda
+    block_m, block_n, num_warps = _block_sizes(head_dim, is_cuda)
+    batch = qo_indptr.shape[0] - 1
+    launch = {"num_warps": num_warps, "num_stages": 1} if is_cuda else {}
+
+    rotate_in_kernel = new_keys == NEW_KEYS_IN_KERNEL
+    if not rotate_in_kernel:
+        k_rot = torch.empty_like(k_extend)
+        block_t = 64 if is_cuda else 16
+        _rotate_new_keys[(batch, triton.cdiv(max_len_extend, block_t))](
+            k_extend, k_rot, qo_indptr, kv_indptr, rope.cos_sin_cache, rope.inv_freq,
+            k_extend.stride(0), k_extend.stride(1), k_rot.stride(0), k_rot.stride(1),
+            rope.cos_sin_cache.stride(0),
+            KV_HEADS=kv_heads, HALF=half, HALF_P=half_p, BLOCK_T=block_t,
+            ROPE_FROM_CACHE=rope.from_cache,
+        )
+        k_extend = k_rot
+
+    grid = (batch, q_heads, triton.cdiv(max_len_extend, block_m))
+    _extend_kernel[grid](
+        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+        qo_indptr, kv_indptr, kv_indices, rope.cos_sin_cache, rope.inv_freq,
+        sm_scale * k_scale, v_scale,
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        rope.cos_sin_cache.stride(0),
+        GROUP=q_heads // kv_heads, HALF=half, HALF_P=half_p, LV=lv,
+        BLOCK_DV=next_pow2(lv), BLOCK_M=block_m, BLOCK_N=block_n,
+        LOGIT_CAP=float(logit_cap), IS_CAUSAL=bool(is_causal),
+        ROPE_FROM_CACHE=rope.from_cache, ROTATE_NEW_KEYS=rotate_in_kernel,
+        **launch,
+    )
