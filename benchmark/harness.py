@@ -136,16 +136,22 @@ def run_side_by_side(
     variants: tuple[str, ...] = VARIANTS,
     timeout_s: float = 1200,
     out_dir: str | None = None,
+    variant_kwargs: dict[str, dict] | None = None,
 ) -> dict:
-    """Run `module.func` once per variant, each in a fresh process; write and return the report."""
+    """Run `module.func` once per variant, each in a fresh process; write and return the report.
+
+    ``variant_kwargs`` overrides engine arguments per variant (e.g. the attention backend a
+    sglang-pic feature needs); everything else is the same for both.
+    """
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         site = plugin_site(Path(tmp) / "site")
         for variant in variants:
             out = Path(tmp) / f"{variant}.json"
             spec = Path(tmp) / f"{variant}.spec.json"
+            kwargs = {**engine_kwargs, **(variant_kwargs or {}).get(variant, {})}
             spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
-                                        "engine_kwargs": engine_kwargs, "params": params}))
+                                        "engine_kwargs": kwargs, "params": params}))
             print(f"[bench] {name}: running {variant} ...", flush=True)
             t0 = time.perf_counter()
             proc = subprocess.run(
@@ -163,6 +169,7 @@ def run_side_by_side(
         "benchmark": name,
         "environment": environment(),
         "engine_kwargs": engine_kwargs,
+        "variant_kwargs": variant_kwargs or {},
         "params": params,
         "results": results,
         "ratios": rows,

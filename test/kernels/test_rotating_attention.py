@@ -18,6 +18,7 @@ from sglang_pic_kernel.rotating_attention import (  # noqa: E402
     NEW_KEYS_PRE_ROTATED,
     ROPE_FROM_CACHE,
     ROPE_IN_KERNEL,
+    ROPE_STEP,
     RotaryTable,
     reference_decode,
     reference_extend,
@@ -76,14 +77,15 @@ def _scattered_slots(lens: list[int], slots: int, page_size: int) -> tuple[torch
 
 
 CPU_DECODE = [  # (q_heads, kv_heads, head_dim, lens, page_size, rope, mode)
-    (4, 2, 32, [5, 40, 77], 1, "llama3", ROPE_FROM_CACHE),
+    (4, 2, 32, [5, 40, 77], 1, "llama3", ROPE_STEP),
     (4, 1, 32, [33, 3], 4, "qwen2", ROPE_IN_KERNEL),
     (2, 2, 32, [64], 16, "llama2", ROPE_FROM_CACHE),
 ]
 GPU_DECODE = [
-    (32, 8, 128, [1000, 4096, 17, 8000], 1, "llama3", ROPE_FROM_CACHE),
+    (32, 8, 128, [1000, 4096, 17, 8000], 1, "llama3", ROPE_STEP),
+    (32, 8, 128, [1000, 4096, 17, 30000], 1, "llama3", ROPE_FROM_CACHE),
     (32, 8, 128, [1000, 4096, 17, 8000], 16, "llama3", ROPE_IN_KERNEL),
-    (28, 4, 128, [3000, 129], 64, "qwen2", ROPE_FROM_CACHE),
+    (28, 4, 128, [3000, 129], 64, "qwen2", ROPE_STEP),
     (32, 32, 128, [2048, 5], 1, "llama2", ROPE_IN_KERNEL),
 ]
 
@@ -114,13 +116,13 @@ def test_decode_matches_reference(case, dtype):
 
 
 CPU_EXTEND = [  # (q_heads, kv_heads, head_dim, prefix_lens, extend_lens, page, rope, mode)
-    (4, 2, 32, [0, 7], [20, 9], 1, "llama3", ROPE_FROM_CACHE),
+    (4, 2, 32, [0, 7], [20, 9], 1, "llama3", ROPE_STEP),
     (2, 1, 32, [33], [17], 4, "qwen2", ROPE_IN_KERNEL),
 ]
 GPU_EXTEND = [
     (32, 8, 128, [0, 0], [1024, 300], 1, "llama3", ROPE_FROM_CACHE),
     (32, 8, 128, [2048, 100, 0], [512, 1, 777], 16, "llama3", ROPE_IN_KERNEL),
-    (28, 4, 128, [4000], [129], 64, "qwen2", ROPE_FROM_CACHE),
+    (28, 4, 128, [4000], [129], 64, "qwen2", ROPE_STEP),
     (32, 32, 128, [64], [64], 1, "llama2", ROPE_FROM_CACHE),
 ]
 
@@ -157,7 +159,7 @@ def test_same_span_at_two_offsets_reads_one_physical_copy():
     gives exactly what a private, pre-rotated copy at each offset would."""
     torch.manual_seed(2)
     hq, hk, d = 4, 2, 32
-    table = _table("llama3", d, ROPE_FROM_CACHE, max_pos=128)
+    table = _table("llama3", d, ROPE_STEP, max_pos=128)
     k_buf, v_buf = _pool(64, hk, d, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
     span = torch.arange(40, 56)                     # 16 slots holding the shared span
     pre_a, pre_b = torch.arange(0, 3), torch.arange(3, 20)

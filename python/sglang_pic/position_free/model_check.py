@@ -17,7 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-ROPE_MODE_ENV = "SGLANG_PIC_ROPE_MODE"  # "cache" | "compute"
+ROPE_MODE_ENV = "SGLANG_PIC_ROPE_MODE"  # "step" (default) | "cache" | "compute"
 NEW_KEYS_ENV = "SGLANG_PIC_NEW_KEYS"  # "pre_rotated" | "in_kernel"
 
 
@@ -88,7 +88,7 @@ def rotary_table(model_runner):
     context_len = int(model_runner.model_config.context_len)
     if rotary.cos_sin_cache.shape[0] <= context_len:
         rotary._ensure_cos_sin_cache_length(context_len)
-    mode = os.environ.get(ROPE_MODE_ENV, "cache")
+    mode = os.environ.get(ROPE_MODE_ENV, "step")
     inv_freq = rotary._compute_inv_freq(rotary.base)
     device = model_runner.device
     return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, mode).to(device), rotary

@@ -12,13 +12,14 @@ from .extend import (
     rotating_extend_attention_fwd,
 )
 from .reference import reference_decode, reference_extend
-from .rope import ROPE_FROM_CACHE, ROPE_IN_KERNEL, RotaryTable, rotate_neox
+from .rope import ROPE_FROM_CACHE, ROPE_IN_KERNEL, ROPE_STEP, RotaryTable, rotate_neox
 
 __all__ = [
     "NEW_KEYS_IN_KERNEL",
     "NEW_KEYS_PRE_ROTATED",
     "ROPE_FROM_CACHE",
     "ROPE_IN_KERNEL",
+    "ROPE_STEP",
     "RotaryTable",
     "reference_decode",
     "reference_extend",

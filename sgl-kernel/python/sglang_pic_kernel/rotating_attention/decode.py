@@ -68,6 +68,7 @@ def _decode_stage1(
     MIN_BLOCK: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     ROPE_FROM_CACHE: tl.constexpr,
+    ROPE_STEP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -105,6 +106,11 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         k_base = kv_head * stride_kh + offs_d[:, None]
         v_base = kv_head * stride_vh + offs_dv[None, :]
+        if ROPE_STEP:
+            # cos/sin of j*f for the BLOCK_N offsets j of a tile: loaded once, in registers.
+            step_off = tl.arange(0, BLOCK_N)[None, :] * stride_cs + offs_d[:, None]
+            step_cos = tl.load(CosSin + step_off, mask=mask_d[:, None], other=1.0)
+            step_sin = tl.load(CosSin + step_off + HALF, mask=mask_d[:, None], other=0.0)
 
         for n0 in tl.range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -114,10 +120,18 @@ def _decode_stage1(
             k_off = loc[None, :] * stride_kt + k_base
             k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
             k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
-            cos, sin = rope_cos_sin(
-                offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
-                HALF, ROPE_FROM_CACHE,
-            )
+            if ROPE_STEP:
+                # the tile's first row, stepped to n0 + j by angle addition
+                row = CosSin + n0 * stride_cs + offs_d
+                c0 = tl.load(row, mask=mask_d, other=1.0)[:, None]
+                s0 = tl.load(row + HALF, mask=mask_d, other=0.0)[:, None]
+                cos = c0 * step_cos - s0 * step_sin
+                sin = s0 * step_cos + c0 * step_sin
+            else:
+                cos, sin = rope_cos_sin(
+                    offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
+                    HALF, ROPE_FROM_CACHE,
+                )
             r1, r2 = rotate_pair(k1, k2, cos, sin)
             qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
             qk *= sm_scale
@@ -247,7 +261,7 @@ def rotating_decode_attention_fwd(
         attn_lse.stride(0), attn_lse.stride(1),
         GROUP=group, Q_HEADS=q_heads, HALF=half, HALF_P=max(16, next_pow2(half)),
         LV=lv, BLOCK_DV=block_dv, BLOCK_N=32, BLOCK_H=block_h, MIN_BLOCK=MIN_BLOCK_KV,
-        LOGIT_CAP=float(logit_cap), ROPE_FROM_CACHE=rope.from_cache,
+        LOGIT_CAP=float(logit_cap), ROPE_FROM_CACHE=rope.from_cache, ROPE_STEP=rope.step,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )
     _decode_stage2[(batch, q_heads)](

@@ -3,9 +3,13 @@
 Position-free KV keeps keys un-rotated in the pool; every kernel that reads a key rotates it at
 its logical position (its index in the request's KV sequence). The angle for position ``p`` and
 frequency ``i`` is ``p * inv_freq[i]``; the kernels either read ``cos``/``sin`` from the model's
-own ``cos_sin_cache`` (exactly the numbers SGLang rotated keys with, so outputs match vanilla) or
-compute them in-kernel from ``inv_freq`` (no table traffic). Both are exposed because which one
-is faster depends on the kernel (see ``docs/position-free-kv.md``).
+own ``cos_sin_cache`` (exactly the numbers SGLang rotated keys with, so outputs match vanilla),
+compute them in-kernel from ``inv_freq`` (no table traffic, but accurate ``cosf`` is slow), or -
+the default, ``step`` - let the decode kernel read one table row per key tile and step it to each
+key of the tile by angle addition, ``cos((n0+j)f) = cos(n0 f) cos(j f) - sin(n0 f) sin(j f)``,
+with the ``j`` rows loaded once per program: decode is bandwidth-bound and a full table row per
+key costs twice the key's own bytes. The extend kernel reads table rows in ``step`` mode (it is
+compute-bound). Measurements: ``docs/position-free-kv.md``.
 
 Only the neox layout (``rotate_half``: dims ``[0, d/2)`` pair with ``[d/2, d)``) over the full
 head dimension is supported: Llama 2/3.x, Qwen2/2.5/3 and Mistral all use it in SGLang.
@@ -19,6 +23,8 @@ import torch
 
 ROPE_FROM_CACHE = "cache"
 ROPE_IN_KERNEL = "compute"
+ROPE_STEP = "step"
+ROPE_MODES = (ROPE_STEP, ROPE_FROM_CACHE, ROPE_IN_KERNEL)
 
 
 @dataclass(frozen=True)
@@ -27,16 +33,16 @@ class RotaryTable:
 
     cos_sin_cache: float32 ``[max_positions, head_dim]``; row ``p`` is ``cos(p*f) ++ sin(p*f)``.
     inv_freq:      float32 ``[head_dim // 2]``, the (possibly llama3-scaled) frequencies.
-    mode:          ``"cache"`` (read cos/sin from the table) or ``"compute"`` (in-kernel).
+    mode:          ``"step"`` (default), ``"cache"`` or ``"compute"`` (see the module docstring).
     """
 
     cos_sin_cache: torch.Tensor
     inv_freq: torch.Tensor
-    mode: str = ROPE_FROM_CACHE
+    mode: str = ROPE_STEP
 
     def __post_init__(self) -> None:
-        if self.mode not in (ROPE_FROM_CACHE, ROPE_IN_KERNEL):
-            raise ValueError(f"rope mode must be 'cache' or 'compute', got {self.mode!r}")
+        if self.mode not in ROPE_MODES:
+            raise ValueError(f"rope mode must be one of {ROPE_MODES}, got {self.mode!r}")
         if self.cos_sin_cache.dim() != 2 or self.cos_sin_cache.shape[1] != 2 * self.inv_freq.numel():
             raise ValueError(
                 f"cos_sin_cache {tuple(self.cos_sin_cache.shape)} does not match "
@@ -53,11 +59,16 @@ class RotaryTable:
 
     @property
     def from_cache(self) -> bool:
-        return self.mode == ROPE_FROM_CACHE
+        """Whether kernels read cos/sin from the table (``step`` reads it too)."""
+        return self.mode in (ROPE_FROM_CACHE, ROPE_STEP)
+
+    @property
+    def step(self) -> bool:
+        return self.mode == ROPE_STEP
 
     @classmethod
     def from_inv_freq(
-        cls, inv_freq: torch.Tensor, max_positions: int, mode: str = ROPE_FROM_CACHE
+        cls, inv_freq: torch.Tensor, max_positions: int, mode: str = ROPE_STEP
     ) -> RotaryTable:
         """Build the table the way SGLang's ``RotaryEmbedding._compute_cos_sin_cache`` does."""
         inv_freq = inv_freq.float()
