@@ -13,6 +13,10 @@ scattered over 16-token pages, SGLang's own kv-split heuristic) and their output
   kernel, each with both RoPE sources.
 
     python3 benchmark/kernels/bench_rotating_attention.py [--out benchmark/results] [--quick]
+    python3 benchmark/kernels/bench_rotating_attention.py --tune-decode [--best-config-out F]
+
+``--tune-decode`` sweeps the decode kernel's (BLOCK_N, num_warps, num_stages) and RoPE source
+over representative cases and reports the config with the lowest geometric-mean time ratio.
 
 Needs a CUDA GPU and SGLang; writes ``rotating_attention_kernels.json`` and prints a table.
 """
@@ -127,6 +131,70 @@ def decode_case(batch: int, ctx: int) -> dict:
     return row
 
 
+def tune_decode(cases, out: Path, best_config_out: str | None) -> None:
+    """Sweep stage-1 launch configs x RoPE source; pick the lowest geometric-mean ratio."""
+    import itertools
+    import math
+    from functools import partial
+
+    import torch
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang_pic_kernel.rotating_attention import rotate_neox, rotating_decode_attention_fwd
+
+    dev, dt = "cuda", torch.bfloat16
+    configs = [c for c in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3))]
+    modes = ("cache", "step")
+    ratios: dict[str, list[float]] = {}
+    rows = []
+    for batch, ctx in cases:
+        lens = [ctx] * batch
+        indptr, indices, slots = scattered_indices(lens, dev)
+        k = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+        v = torch.randn_like(k)
+        tables = {m: llama3_table(ctx + 1, m) for m in modes}
+        pos = torch.empty(slots, dtype=torch.int64, device=dev)
+        for b in range(batch):
+            pos[indices[indptr[b] : indptr[b + 1]]] = torch.arange(ctx, device=dev)
+        k_rot = rotate_neox(k, pos, tables["cache"])
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dt)
+        splits = num_kv_splits(torch.tensor(lens, device=dev, dtype=torch.int32))
+        logits = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device=dev)
+        lse = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, device=dev)
+        o = torch.empty_like(q)
+        scale = HEAD_DIM**-0.5
+        args = (o, indptr, indices, logits, lse, splits, MAX_KV_SPLITS, scale)
+        base = 1000 * bench_graph(partial(decode_attention_fwd, q, k_rot, v, *args, 1.0, 1.0))
+        for mode, cfg in itertools.product(modes, configs):
+            fn = partial(rotating_decode_attention_fwd, q, k, v, *args, rope=tables[mode],
+                         config=cfg)
+            try:
+                fn()
+                t = 1000 * bench_graph(fn)
+            except Exception as e:  # e.g. out of shared memory for a large tile
+                print(f"  skip {mode} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            key = f"{mode}:{cfg[0]},{cfg[1]},{cfg[2]}"
+            ratios.setdefault(key, []).append(t / base)
+            rows.append({"batch": batch, "context": ctx, "config": key, "us": t,
+                         "vanilla_us": base})
+        print(f"tuned b={batch} ctx={ctx}: vanilla {base:.1f} us, best "
+              f"{min((r for r in rows if r['batch'] == batch and r['context'] == ctx), key=lambda r: r['us'])}",
+              flush=True)
+    complete = {k: v for k, v in ratios.items() if len(v) == len(cases)}
+    score = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in complete.items()}
+    ranked = sorted(score.items(), key=lambda kv: kv[1])
+    for key, g in ranked[:8]:
+        print(f"  {key:<16} geomean ratio {g:.3f}  per case "
+              f"{' '.join(f'{x:.3f}' for x in complete[key])}")
+    best = ranked[0][0]
+    (out / "rotating_decode_tuning.json").write_text(json.dumps(
+        {"cases": cases, "rows": rows, "geomean_ratio": score, "best": best}, indent=1))
+    if best_config_out:
+        mode, cfg = best.split(":")
+        Path(best_config_out).write_text(f"{mode} {cfg}\n")
+    print(f"best decode config: {best} (geomean ratio {ranked[0][1]:.3f})")
+
+
 def extend_case(prefix: int, new: int, batch: int = 1) -> dict:
     import torch
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
@@ -165,6 +233,11 @@ def extend_case(prefix: int, new: int, batch: int = 1) -> dict:
             None, new, 1.0, 1.0, scale, rope=tables[mode], new_keys=new_keys)
 
     row = {"kind": "extend", "batch": batch, "prefix": prefix, "new": new}
+    vanilla()
+    for new_keys in ("pre_rotated", "in_kernel"):
+        for mode in ("cache", "compute"):
+            ours(mode, new_keys)()  # compile outside the timed region
+    torch.cuda.synchronize()
     row["vanilla_us"] = 1000 * bench(vanilla)
     for new_keys in ("pre_rotated", "in_kernel"):
         for mode in ("cache", "compute"):
@@ -180,8 +253,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
     ap.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
+    ap.add_argument("--tune-decode", action="store_true")
+    ap.add_argument("--best-config-out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.tune_decode:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tune_decode([(1, 32768), (32, 8192), (256, 1024), (256, 8192)], out,
+                    args.best_config_out)
+        return
     decode_grid = [(1, 1024), (32, 1024)] if args.quick else [
         (b, c) for b in (1, 32, 256) for c in (1024, 8192, 32768)]
     extend_grid = [(0, 1024), (1024, 64)] if args.quick else [

@@ -22,6 +22,8 @@ host-side branching on data, so it is CUDA-graph safe.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,18 @@ from ._common import next_pow2, rope_cos_sin, rotate_pair, tanh
 from .rope import RotaryTable
 
 MIN_BLOCK_KV = 32
+# (BLOCK_N, num_warps, num_stages) of stage 1 on CUDA; measured on the H200 (see
+# benchmark/kernels/bench_rotating_attention.py --tune-decode). Override for experiments with
+# SGLANG_PIC_DECODE_CONFIG="BLOCK_N,WARPS,STAGES".
+DECODE_CONFIG = (32, 4, 2)
+
+
+def decode_config() -> tuple[int, int, int]:
+    env = os.environ.get("SGLANG_PIC_DECODE_CONFIG")
+    if env:
+        block_n, warps, stages = (int(x) for x in env.split(","))
+        return block_n, warps, stages
+    return DECODE_CONFIG
 
 
 @triton.jit
@@ -229,8 +243,11 @@ def rotating_decode_attention_fwd(
     aux_tensors=None,
     *,
     rope: RotaryTable,
+    config: tuple[int, int, int] | None = None,
 ) -> None:
     """Decode attention with keys rotated on read; writes ``o``. See the module docstring.
+
+    ``config`` = (BLOCK_N, num_warps, num_stages) for stage 1 (default: :func:`decode_config`).
 
     The trailing SGLang arguments exist so the backend can call this exactly like
     ``decode_attention_fwd``; features the kernel does not implement (attention sinks, MLA,
@@ -250,6 +267,9 @@ def rotating_decode_attention_fwd(
     half = head_dim // 2
     block_dv = next_pow2(lv)
     interp = not q.is_cuda
+    block_n, warps, stages = config or decode_config()
+    if interp:
+        block_n = max(block_n, 16)
 
     grid = (batch, triton.cdiv(q_heads, min(block_h, group)), max_kv_splits)
     _decode_stage1[grid](
@@ -260,9 +280,9 @@ def rotating_decode_attention_fwd(
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         GROUP=group, Q_HEADS=q_heads, HALF=half, HALF_P=max(16, next_pow2(half)),
-        LV=lv, BLOCK_DV=block_dv, BLOCK_N=32, BLOCK_H=block_h, MIN_BLOCK=MIN_BLOCK_KV,
+        LV=lv, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_H=block_h, MIN_BLOCK=MIN_BLOCK_KV,
         LOGIT_CAP=float(logit_cap), ROPE_FROM_CACHE=rope.from_cache, ROPE_STEP=rope.step,
-        **({} if interp else {"num_warps": 4, "num_stages": 2}),
+        **({} if interp else {"num_warps": warps, "num_stages": stages}),
     )
     _decode_stage2[(batch, q_heads)](
         attn_logits, attn_lse, o, v_scale, kv_indptr, num_kv_splits,
