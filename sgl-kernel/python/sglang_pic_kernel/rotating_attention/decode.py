@@ -35,7 +35,7 @@ MIN_BLOCK_KV = 32
 # (BLOCK_N, num_warps, num_stages) of stage 1 on CUDA; measured on the H200 (see
 # benchmark/kernels/bench_rotating_attention.py --tune-decode). Override for experiments with
 # SGLANG_PIC_DECODE_CONFIG="BLOCK_N,WARPS,STAGES".
-DECODE_CONFIG = (32, 4, 2)
+DECODE_CONFIG = (64, 2, 3)
 
 
 def decode_config() -> tuple[int, int, int]:
