@@ -11,7 +11,7 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
 | span cache (planned)           | `register_radix_cache_backend`                                  |
-| SAE eviction (planned)         | `_EVICTION_POLICY_FACTORIES` / `add_radix_eviction_policy_choices` |
+| SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events |
 | sparse decode (planned)        | attention backend for long-context decode                       |
 | PTStore (planned)              | HiCache `dynamic` storage backend (`HiCacheStorage`)            |
 """
@@ -40,15 +40,16 @@ def register() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_pic import position_free, request_validation
+    from sglang_pic import eviction, position_free, request_validation
 
-    features: list[str] = ["request-validation", "position-free-kv"]
+    features: list[str] = ["request-validation", "position-free-kv", "eviction"]
     HookRegistry.register(
         request_validation.HOOK_TARGET,
         request_validation.check_generate_request,
         HookType.BEFORE,
     )
     position_free.register()
+    eviction.register()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from sglang_pic import cpu_support
 

@@ -1,0 +1,42 @@
+"""Token hit rate vs cache size per workload, one line per policy (from eviction_sim.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(Path(path).read_text())
+    rows = report["rows"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    cols = min(3, len(workloads))
+    nrows = -(-len(workloads) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, w in zip(axes.flat, workloads, strict=False):
+        for pol in report["policies"]:
+            pts = sorted((r["fraction"], r["token_hit_rate"]) for r in rows
+                         if r["workload"] == w and r["policy"] == pol)
+            style = {"lw": 2.5, "color": "black"} if pol == "sae" else {"lw": 1, "alpha": 0.8}
+            ax.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", ms=3,
+                    label=pol, **style)
+        ax.set_title(w)
+        ax.set_xlabel("cache size (% of unique tokens)")
+        ax.set_ylabel("token hit rate (%)")
+    for ax in list(axes.flat)[len(workloads):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, ncol=2)
+    fig.suptitle("Prefix-cache token hit rate, SGLang RadixCache replay "
+                 f"(sglang {report['environment']['sglang']})", fontsize=10)
+    fig.tight_layout()
+    out = REPO / "docs" / "figures" / "eviction_hit_rate.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

@@ -1,0 +1,208 @@
+"""Replay a request trace against SGLang's real ``RadixCache`` with a token capacity.
+
+The cache is SGLang 0.5.17's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` with the
+eviction policy under test (SGLang's or ours, through the same policy table the server uses), a
+counting allocator instead of GPU memory, and a virtual clock: ``RadixCache`` stamps nodes with
+``time.monotonic()``, so while a replay runs, the module's ``time`` is a proxy whose
+``monotonic()`` returns trace time (everything else is the real ``time``).
+
+Each request does what SGLang's scheduler does: match the prompt (prefix hit), lock the matched
+path, make room for the tokens it adds by evicting, insert prompt + output when it finishes,
+unlock. Reported per replay: token hit rate, an estimated TTFT per request (prefill cost of the
+missed tokens, fitted to vanilla SGLang's H200 prefill times), and policy time per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from traces import Request
+
+# Prefill time model t(n) = A*n + B*n^2 ms for n new tokens after `h` cached ones:
+# t = A*(L-h) + B*(L^2-h^2), least-squares fit to vanilla SGLang 0.5.17 on the H200
+# (Llama-3-8B, triton: 1K 32 ms, 8K 265 ms, 32K 2574 ms; benchmark/results/position_free_h200_*).
+PREFILL_A_MS = 0.0286
+PREFILL_B_MS = 1.53e-6
+TTFT_OVERHEAD_MS = 8.0
+
+
+def estimated_ttft_ms(prompt_len: int, cached: int) -> float:
+    new = prompt_len - cached
+    return TTFT_OVERHEAD_MS + PREFILL_A_MS * new + PREFILL_B_MS * (prompt_len**2 - cached**2)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _TimeProxy:
+    """Stands in for the ``time`` module inside ``radix_cache`` during a replay."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self._clock = clock
+
+    def monotonic(self) -> float:
+        return self._clock.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+class CountingAllocator:
+    """What ``RadixCache`` needs from a KV allocator: a device and ``free_*`` calls."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def free_segment(self, value, start_pos: int = 0) -> None:
+        self.freed += len(value)
+
+    def free_segments(self, segments) -> None:
+        for value, _ in segments:
+            self.freed += len(value)
+
+    def free(self, value) -> None:
+        self.freed += len(value)
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    capacity: int
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    evict_calls: int = 0
+    evict_s: float = 0.0
+    insert_calls: int = 0
+    insert_s: float = 0.0
+    nodes_max: int = 0
+    max_used_tokens: int = 0
+    hits_by_phase: list[tuple[int, int]] = field(default_factory=list)
+    hits_by_app: dict[str, list[int]] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        t = np.array(self.ttft_ms) if self.ttft_ms else np.zeros(1)
+        return {
+            "policy": self.policy, "capacity": self.capacity, "requests": self.requests,
+            "token_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1),
+            "ttft_mean_ms": float(t.mean()), "ttft_p50_ms": float(np.percentile(t, 50)),
+            "ttft_p99_ms": float(np.percentile(t, 99)),
+            "evict_us_per_call": 1e6 * self.evict_s / max(self.evict_calls, 1),
+            "insert_us_per_call": 1e6 * self.insert_s / max(self.insert_calls, 1),
+            "evict_calls": self.evict_calls, "nodes_max": self.nodes_max,
+            "max_used_tokens": self.max_used_tokens,
+            "phase_hit_rates": [h / max(p, 1) for h, p in self.hits_by_phase],
+            "app_hit_rates": {a: h / max(p, 1) for a, (h, p) in self.hits_by_app.items()},
+        }
+
+
+def make_cache(policy: str):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    allocator = CountingAllocator()
+    params = CacheInitParams(disable=False, req_to_token_pool=None,
+                             token_to_kv_pool_allocator=allocator, page_size=1,
+                             eviction_policy=policy)
+    return RadixCache(params), allocator
+
+
+def _count_nodes(cache) -> int:
+    n, stack = 0, [cache.root_node]
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend(node.children.values())
+    return n
+
+
+def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) -> ReplayResult:
+    """Replay `trace` through a RadixCache of `capacity` tokens evicting with `policy`."""
+    from sglang.srt.mem_cache import radix_cache as rc
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+
+    cache, _ = make_cache(policy)
+    clock = _Clock()
+    strategy = cache.eviction_strategy
+    if hasattr(strategy, "now_fn"):
+        strategy.now_fn = clock.monotonic
+    result = ReplayResult(policy, capacity)
+    phase_len = max(len(trace) // phases, 1)
+    phase_stats = [[0, 0] for _ in range(phases)]
+    next_slot = 0
+    with _patched(rc, "time", _TimeProxy(clock)):
+        for i, req in enumerate(trace):
+            clock.now = req.t
+            ctx = RequestContext(session_id=req.session_id, app_type=req.app_type,
+                                 segments=req.segments, decode_start=len(req.prompt),
+                                 output_segments=req.output_segments,
+                                 prompt_len=len(req.prompt), now=req.t)
+            with using(ctx):
+                key = RadixKey(token_ids=array("q", req.prompt), extra_key=None)
+                match = cache.match_prefix(MatchPrefixParams(key=key))
+                hit = len(match.device_indices)
+                cache.inc_lock_ref(match.last_device_node)
+                full = array("q", req.prompt) + array("q", req.output)
+                need = len(full) - hit
+                used = cache.evictable_size() + cache.protected_size()
+                if used + need > capacity:
+                    t0 = time.perf_counter()
+                    cache.evict(EvictParams(num_tokens=used + need - capacity))
+                    result.evict_s += time.perf_counter() - t0
+                    result.evict_calls += 1
+                room = capacity - cache.evictable_size() - cache.protected_size()
+                if room >= need:
+                    value = torch.cat((match.device_indices.to(torch.int64),
+                                       torch.arange(next_slot, next_slot + need)))
+                    next_slot += need
+                    t0 = time.perf_counter()
+                    cache.insert(InsertParams(key=RadixKey(token_ids=full, extra_key=None),
+                                              value=value))
+                    result.insert_s += time.perf_counter() - t0
+                    result.insert_calls += 1
+                cache.dec_lock_ref(match.last_device_node)
+                result.max_used_tokens = max(result.max_used_tokens,
+                                             cache.evictable_size() + cache.protected_size())
+            result.requests += 1
+            result.prompt_tokens += len(req.prompt)
+            result.hit_tokens += hit
+            result.ttft_ms.append(estimated_ttft_ms(len(req.prompt), hit))
+            app = result.hits_by_app.setdefault(req.app_type, [0, 0])
+            app[0] += hit
+            app[1] += len(req.prompt)
+            ph = phase_stats[min(i // phase_len, phases - 1)]
+            ph[0] += hit
+            ph[1] += len(req.prompt)
+            if i % 500 == 0:
+                result.nodes_max = max(result.nodes_max, _count_nodes(cache))
+    result.hits_by_phase = [tuple(p) for p in phase_stats]
+    return result
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)

@@ -1,0 +1,32 @@
+"""Semantic adaptive eviction (SAECache) and strong baselines for SGLang's prefix cache.
+
+Registered by ``register()`` (called from ``sglang_pic/plugin.py``):
+
+1. policies ``sae`` (``sae.SAEStrategy``), ``gdsf`` and ``s3fifo`` (``baselines``) in SGLang's
+   eviction-policy table ``sglang.srt.mem_cache.utils._EVICTION_POLICY_FACTORIES`` and as
+   ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
+2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to policies
+   that learn from them; SGLang's own policies are untouched.
+
+The trace-driven simulator that drives SGLang's real ``RadixCache`` with these policies lives in
+``benchmark/eviction/``; how it all works: ``docs/eviction.md``.
+"""
+
+from __future__ import annotations
+
+POLICIES = ("sae", "gdsf", "s3fifo")
+
+
+def register() -> None:
+    from sglang.srt.mem_cache import utils as cache_utils
+    from sglang.srt.server_args import add_radix_eviction_policy_choices
+
+    from . import hooks
+    from .baselines import GDSFStrategy, S3FIFOStrategy
+    from .sae import SAEStrategy
+
+    cache_utils._EVICTION_POLICY_FACTORIES.update(
+        {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy}
+    )
+    add_radix_eviction_policy_choices(list(POLICIES))
+    hooks.register()

@@ -1,0 +1,178 @@
+"""Online estimators behind SAECache's scores; each adapts from observed cache events.
+
+No constant here is a tuned knob of the hot path: the few numbers are priors (what the estimator
+says before it has data) or smoothing rates, documented with each class and in
+``docs/eviction.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from scipy.special import ndtr
+
+
+@dataclass
+class Ema:
+    """Exponential moving average with a prior; ``rate`` is the weight of a new sample."""
+
+    value: float
+    rate: float = 0.05
+    samples: int = 0
+
+    def update(self, x: float) -> float:
+        self.value += self.rate * (x - self.value)
+        self.samples += 1
+        return self.value
+
+
+@dataclass
+class ReuseRate:
+    """Reuses per cached block of one kind: ``(hits + k*prior) / (blocks + k)``, decayed.
+
+    Counting hits per inserted block (not "hit = 1, eviction = 0" samples) keeps the estimate
+    free of the policy's own feedback: a kind that is evicted often does not look less useful
+    for that reason. A miss-after-eviction counts as the hit it would have been. Both counts
+    decay by ``decay`` every ``period`` blocks so the rate follows workload shifts.
+    """
+
+    prior: float
+    k: float = 20.0
+    decay: float = 0.5
+    period: int = 2000
+    hits: float = 0.0
+    blocks: float = 0.0
+    _n: int = 0
+
+    def add_block(self) -> None:
+        self.blocks += 1
+        self._n += 1
+        if self._n >= self.period:
+            self._n = 0
+            self.hits *= self.decay
+            self.blocks *= self.decay
+
+    def add_hit(self) -> None:
+        self.hits += 1
+
+    @property
+    def value(self) -> float:
+        return (self.hits + self.k * self.prior) / (self.blocks + self.k)
+
+
+@dataclass
+class LogNormalGaps:
+    """Online maximum-likelihood log-normal fit of inter-request gaps of one session type.
+
+    The MLE of a log-normal is the mean and (biased) variance of ``log(gap)``; Welford's update
+    keeps them exactly, in O(1) per observation. Before ``min_samples`` gaps the prior
+    ``(mu0, sigma0)`` is used (median gap ``exp(mu0)`` seconds).
+    """
+
+    mu0: float = math.log(30.0)
+    sigma0: float = 1.5
+    min_samples: int = 8
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def observe(self, gap_s: float) -> None:
+        x = math.log(max(gap_s, 1e-3))
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    @property
+    def mu(self) -> float:
+        return self.mean if self.n >= self.min_samples else self.mu0
+
+    @property
+    def sigma(self) -> float:
+        if self.n < self.min_samples:
+            return self.sigma0
+        return max(math.sqrt(self.m2 / self.n), 1e-3)
+
+    def survival(self, elapsed_s: float) -> float:
+        """P(next gap > elapsed): the chance the session is still going to come back."""
+        if elapsed_s <= 0:
+            return 1.0
+        z = (math.log(elapsed_s) - self.mu) / self.sigma
+        return float(ndtr(-z))
+
+
+@dataclass
+class PositionDecay:
+    """``1 - (o / o_max)^gamma`` for the structural queue, with gamma fitted online.
+
+    We record, for hits and for all inserted blocks, their relative offset ``o / o_max`` in
+    buckets. The hit rate per bucket ``h(x)`` is modelled as ``h(0) (1 - x^gamma)``; gamma is
+    the least-squares fit of ``log(1 - h(x)/h(0))`` against ``log x`` over populated buckets.
+    A large gamma means only the tail of prompts is cold; a small one, that hits fade early.
+    """
+
+    gamma: float = 1.0
+    buckets: int = 10
+    hits: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+    _since_fit: int = 0
+
+    def __post_init__(self) -> None:
+        self.hits = [0.0] * self.buckets
+        self.seen = [0.0] * self.buckets
+
+    def _bucket(self, rel: float) -> int:
+        return min(int(rel * self.buckets), self.buckets - 1)
+
+    def observe(self, rel_offset: float, hit: bool) -> None:
+        b = self._bucket(min(max(rel_offset, 0.0), 1.0))
+        self.seen[b] += 1
+        self.hits[b] += float(hit)
+        self._since_fit += 1
+        if self._since_fit >= 256:
+            self.fit()
+
+    def fit(self) -> float:
+        self._since_fit = 0
+        rates = [h / s if s >= 4 else None for h, s in zip(self.hits, self.seen, strict=True)]
+        if rates[0] is None or rates[0] <= 0:
+            return self.gamma
+        xs, ys = [], []
+        for i, r in enumerate(rates[1:], start=1):
+            if r is None:
+                continue
+            frac = 1.0 - min(r / rates[0], 0.999)
+            if frac <= 0:
+                continue
+            xs.append(math.log((i + 0.5) / self.buckets))
+            ys.append(math.log(frac))
+        if len(xs) < 2:
+            return self.gamma
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var <= 0:
+            return self.gamma
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        self.gamma = min(max(slope, 0.1), 10.0)
+        # forget slowly (an effective window of ~25K observations) to follow workload shifts
+        self.hits = [h * 0.99 for h in self.hits]
+        self.seen = [s * 0.99 for s in self.seen]
+        return self.gamma
+
+    def value(self, rel_offset: float) -> float:
+        rel = min(max(rel_offset, 0.0), 1.0)
+        return max(1.0 - rel**self.gamma, 1e-3)
+
+
+def softmax_weights(scores: dict[str, float], temperature: float) -> dict[str, float]:
+    """Queue weights alpha_q from hit tokens per allocated capacity, with a temperature."""
+    if not scores:
+        return {}
+    t = max(temperature, 1e-6)
+    m = max(scores.values())
+    exps = {k: math.exp((v - m) / t) for k, v in scores.items()}
+    z = sum(exps.values())
+    n = len(scores)
+    # scaled so that equal scores give alpha = 1 for every queue
+    return {k: n * e / z for k, e in exps.items()}

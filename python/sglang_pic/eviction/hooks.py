@@ -1,0 +1,141 @@
+"""How learning eviction policies see cache events: hooks on SGLang's ``RadixCache``.
+
+SGLang's eviction policies are pure priority functions (``EvictionStrategy.get_priority``); ours
+also learn from what happens to blocks. Three AROUND hooks (HookRegistry) report those events to
+the cache's strategy when it has the matching method, and do nothing for SGLang's own policies:
+
+- ``RadixCache.match_prefix``: ``on_hit(node, tokens, ctx)`` for every matched node, once per
+  request (the scheduler may match the same request several times while it waits);
+- ``RadixCache.insert``: ``on_request(ctx, now)`` once per request, then
+  ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path;
+- ``RadixCache._delete_leaf``: ``on_evict(node)``;
+- ``RadixCache._split_node``: ``on_split(head, tail)`` (SGLang cuts a node in two when a new key
+  diverges inside it; the policy re-derives what each half holds);
+- ``RadixCache.evict``: ``begin_evict()`` / ``end_evict()`` around a pass, so a policy reads the
+  clock once per pass rather than once per leaf.
+
+In the server the request context comes from SGLang's ``Req`` (``request_context``); the trace
+simulator sets it itself (``context.using``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from . import context as ctxmod
+
+RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+_MAX_SEEN = 4096
+
+
+def _learner(cache):
+    strategy = getattr(cache, "eviction_strategy", None)
+    return strategy if hasattr(strategy, "on_evict") else None
+
+
+def request_context(req) -> ctxmod.RequestContext:
+    """What the server knows about a request: generated tokens start at the prompt's end; the
+    session is SGLang's ``session_id`` or, failing that, the first 64 prompt tokens after the
+    first 32 (multi-turn chat resends the whole history, so its opening identifies it)."""
+    prompt = list(req.origin_input_ids)
+    session = getattr(req, "session_id", None)
+    if session is None and len(prompt) > 48:
+        session = hashlib.blake2b(repr(prompt[32:96]).encode(), digest_size=8).hexdigest()
+    return ctxmod.RequestContext(session_id=session, app_type=None, segments=[(0, "user")],
+                                 decode_start=len(prompt), prompt_len=len(prompt))
+
+
+def _now(strategy, ctx) -> float:
+    return ctx.now if ctx is not None and ctx.now is not None else strategy.now_fn()
+
+
+def around_match_prefix(original, self, params, *args, **kwargs):
+    result = original(self, params, *args, **kwargs)
+    strategy = _learner(self)
+    if strategy is None or not hasattr(strategy, "on_hit"):
+        return result
+    req = getattr(params, "req", None)
+    ctx = ctxmod.current() or (request_context(req) if req is not None else None)
+    if req is not None:  # count a request's hits once, however often it is matched
+        seen = self.__dict__.setdefault("_pic_hit_counted", {})
+        if req.rid in seen:
+            return result
+        seen[req.rid] = None
+        if len(seen) > _MAX_SEEN:
+            seen.pop(next(iter(seen)))
+    node = result.last_device_node
+    while node is not None and node is not self.root_node:
+        strategy.on_hit(node, len(node.key), ctx)
+        node = node.parent
+    return result
+
+
+def around_insert(original, self, params, *args, **kwargs):
+    strategy = _learner(self)
+    ctx = ctxmod.current()
+    if strategy is None or ctx is None:
+        return original(self, params, *args, **kwargs)
+    if hasattr(strategy, "on_request"):
+        strategy.on_request(ctx, _now(strategy, ctx))
+    result = original(self, params, *args, **kwargs)
+    if hasattr(strategy, "on_insert"):
+        path = []
+        node = result.last_device_node
+        while node is not None and node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        offset = 0
+        for node in reversed(path):
+            is_new = not hasattr(node, "_pic_seen")
+            node._pic_seen = True
+            strategy.on_insert(node, ctx, offset, is_new)
+            offset += len(node.key)
+    return result
+
+
+def around_delete_leaf(original, self, node, *args, **kwargs):
+    strategy = _learner(self)
+    if strategy is not None:
+        strategy.on_evict(node)
+    return original(self, node, *args, **kwargs)
+
+
+def around_evict(original, self, *args, **kwargs):
+    strategy = _learner(self)
+    if strategy is None or not hasattr(strategy, "begin_evict"):
+        return original(self, *args, **kwargs)
+    strategy.begin_evict()
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        strategy.end_evict()
+
+
+def around_split_node(original, self, key, child, split_len, *args, **kwargs):
+    head = original(self, key, child, split_len, *args, **kwargs)
+    strategy = _learner(self)
+    if strategy is not None:
+        head._pic_seen = getattr(child, "_pic_seen", False)
+        if hasattr(strategy, "on_split"):
+            strategy.on_split(head, child)
+    return head
+
+
+def around_cache_req(original, self, req, *args, **kwargs):
+    """Make the request's context current while SGLang caches it (insert happens inside)."""
+    if _learner(self) is None or ctxmod.current() is not None:
+        return original(self, req, *args, **kwargs)
+    with ctxmod.using(request_context(req)):
+        return original(self, req, *args, **kwargs)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{RADIX}.match_prefix", around_match_prefix, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}.insert", around_insert, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}._delete_leaf", around_delete_leaf, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}._split_node", around_split_node, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}.evict", around_evict, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}.cache_finished_req", around_cache_req, HookType.AROUND)
+    HookRegistry.register(f"{RADIX}.cache_unfinished_req", around_cache_req, HookType.AROUND)

@@ -1,0 +1,217 @@
+"""SAECache estimators, routing, baselines and the trace simulator (SGLang's real RadixCache)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmark" / "eviction"))
+
+from sglang_pic.eviction.estimators import (  # noqa: E402
+    Ema,
+    LogNormalGaps,
+    PositionDecay,
+    ReuseRate,
+    softmax_weights,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def policies_registered():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang_pic import eviction
+
+    eviction.register()
+    HookRegistry.apply_hooks()
+
+
+def test_lognormal_mle_recovers_known_parameters():
+    rng = np.random.default_rng(0)
+    est = LogNormalGaps(mu0=0.0, sigma0=1.0)
+    for x in rng.lognormal(2.0, 0.7, size=5000):
+        est.observe(float(x))
+    assert est.mu == pytest.approx(2.0, abs=0.05)
+    assert est.sigma == pytest.approx(0.7, abs=0.03)
+    assert est.survival(math.exp(2.0)) == pytest.approx(0.5, abs=0.02)
+    assert est.survival(1e-6) > 0.99 and est.survival(1e4) < 0.01
+
+
+def test_lognormal_uses_prior_until_enough_samples():
+    est = LogNormalGaps(mu0=math.log(30.0), sigma0=1.5, min_samples=8)
+    for _ in range(7):
+        est.observe(1.0)
+    assert est.mu == pytest.approx(math.log(30.0))
+    est.observe(1.0)
+    assert est.mu == pytest.approx(0.0)
+
+
+def test_ema_moves_toward_samples_at_its_rate():
+    e = Ema(0.0, rate=0.1)
+    e.update(1.0)
+    assert e.value == pytest.approx(0.1)
+    for _ in range(200):
+        e.update(1.0)
+    assert e.value == pytest.approx(1.0, abs=1e-6)
+
+
+def test_reuse_rate_prior_then_data():
+    r = ReuseRate(prior=0.5, k=10.0)
+    assert r.value == pytest.approx(0.5)
+    for i in range(1000):
+        r.add_block()
+        if i % 4 == 0:
+            r.add_hit()
+    assert r.value == pytest.approx(0.25, abs=0.02)
+
+
+def test_position_decay_fits_gamma():
+    rng = np.random.default_rng(1)
+    pd = PositionDecay()
+    for _ in range(40000):
+        x = rng.random()
+        pd.observe(x, rng.random() < 0.8 * (1 - x**2))
+    pd.fit()
+    assert pd.gamma == pytest.approx(2.0, abs=0.5)
+    assert pd.value(0.0) == pytest.approx(1.0) and pd.value(1.0) < 0.01
+
+
+def test_softmax_weights_temperature():
+    assert softmax_weights({"a": 1.0, "b": 1.0}, 1.0) == {"a": 1.0, "b": 1.0}
+    w = softmax_weights({"a": 2.0, "b": 0.0}, 1.0)
+    assert w["a"] > 1.0 > w["b"] and w["a"] + w["b"] == pytest.approx(2.0)
+    flat = softmax_weights({"a": 2.0, "b": 0.0}, 1e6)
+    assert flat["a"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_routing_rules():
+    from sglang_pic.eviction.sae import BlockInfo, SAEStrategy
+
+    s = SAEStrategy()
+    assert s.route(BlockInfo("cot", "s", "agent", 0, 10)) == "evict_first"
+    assert s.route(BlockInfo("system", "s", "chat", 0, 10)) == "structural"
+    assert s.route(BlockInfo("user", "s", "chat", 0, 10, sessions_seen=3)) == "structural"
+    assert s.route(BlockInfo("user", None, "single", 5, 10)) == "evict_first"
+    assert s.route(BlockInfo("decode", "s", "chat", 5, 10)) == "chat"
+    assert s.route(BlockInfo("tool", "s", "agent", 5, 10)) == "agent"
+
+
+def test_policies_are_in_sglangs_table():
+    from sglang.srt.mem_cache.utils import get_eviction_strategy
+    from sglang.srt.server_args import RADIX_EVICTION_POLICY_CHOICES
+
+    for name in ("sae", "gdsf", "s3fifo"):
+        assert get_eviction_strategy(name).name == name
+        assert name in RADIX_EVICTION_POLICY_CHOICES
+
+
+def test_split_rederives_offset_and_type():
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    a = list(range(100, 120))
+    ctx = RequestContext("s1", "chat", [(0, "system"), (8, "user")], decode_start=20,
+                         prompt_len=20)
+    with using(ctx):
+        cache.insert(InsertParams(key=RadixKey(array("q", a), None), value=None))
+    ctx2 = RequestContext("s2", "chat", [(0, "system"), (8, "user")], decode_start=20,
+                          prompt_len=20)
+    with using(ctx2):  # diverges at 12: splits the first node into [0, 12) + [12, 20)
+        cache.insert(InsertParams(key=RadixKey(array("q", a[:12] + [7] * 8), None), value=None))
+    head = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert len(head.key) == 12 and head.sae.offset == 0 and head.sae.token_type == "system"
+    tails = sorted(head.children.values(), key=lambda n: n.sae.session_id)
+    assert [t.sae.offset for t in tails] == [12, 12]
+    assert all(t.sae.token_type == "user" for t in tails)
+
+
+def test_simulator_counts_exact_prefix_hits_and_respects_capacity():
+    from simulator import replay
+    from traces import Request
+
+    p1, out1 = list(range(1000, 1100)), list(range(5000, 5050))
+    trace = [
+        Request(0.0, "s", "chat", p1, out1, [(0, "user")]),
+        Request(10.0, "s", "chat", p1 + out1 + list(range(6000, 6020)), [1, 2, 3], [(0, "user")]),
+    ]
+    for policy in ("lru", "sae", "gdsf", "s3fifo"):
+        res = replay(trace, policy, capacity=10_000)
+        assert res.hit_tokens == len(p1) + len(out1), policy
+    small = replay(trace, "sae", capacity=120)
+    assert small.summary()["max_used_tokens"] <= 120
+
+
+@pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf"])
+def test_replay_under_pressure_stays_within_capacity(policy):
+    from simulator import replay
+    from traces import generate
+
+    trace = generate("mix", scale=12, seed=3)
+    res = replay(trace, policy, capacity=4000).summary()
+    assert 0.0 < res["token_hit_rate"] < 1.0
+    assert res["max_used_tokens"] <= 4000
+    assert res["evict_calls"] > 0
+
+
+def test_mooncake_and_bailian_loaders(tmp_path):
+    from simulator import replay
+    from traces import load_bailian, load_mooncake
+
+    mc = tmp_path / "mooncake.jsonl"
+    mc.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 1300, "output_length": 5, "hash_ids": [1, 2, 9]},
+    ]))
+    reqs = load_mooncake(mc)
+    assert [len(r.prompt) for r in reqs] == [1100, 1300]
+    assert replay(reqs, "lru", 100_000).hit_tokens == 1024  # blocks 1 and 2 are shared
+    bl = tmp_path / "bailian.jsonl"
+    bl.write_text("\n".join(json.dumps(r) for r in [
+        {"chat_id": 1, "parent_chat_id": -1, "turn": 1, "timestamp": 0.0, "input_length": 40,
+         "output_length": 8, "hash_ids": [1, 2, 3]},
+        {"chat_id": 2, "parent_chat_id": 1, "turn": 2, "timestamp": 30.0, "input_length": 64,
+         "output_length": 8, "hash_ids": [1, 2, 3, 4]},
+    ]))
+    reqs = load_bailian(bl)
+    assert reqs[0].session_id == reqs[1].session_id == "1"
+    assert reqs[1].app_type == "chat"
+
+
+@pytest.fixture(scope="module")
+def sae_server(tmp_path_factory):
+    from conftest import start_server, stop_server
+
+    log = tmp_path_factory.mktemp("sae") / "server.log"
+    srv = start_server(["--radix-eviction-policy", "sae", "--max-total-tokens", "600"], log)
+    yield srv
+    stop_server(srv)
+
+
+def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server, server):
+    """600-token pool: ~14 prompts of ~60 tokens force evictions; a system prompt shared by
+    all requests and a second round (prefix hits on what survived) must not change outputs."""
+    system = "You are a concise assistant who answers in one short sentence. "
+    prompts = [f"{system}Question {i}: name a fruit that is {c}."
+               for i, c in enumerate(["red", "yellow", "green", "orange", "purple", "brown",
+                                      "blue", "pink"])]
+    body = {"sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    cached = 0
+    for round_ in range(2):
+        for p in prompts:
+            got = sae_server.post("/generate", json={"text": p, **body})
+            ref = server.post("/generate", json={"text": p, **body})
+            assert got.status_code == ref.status_code == 200, got.text
+            assert got.json()["text"] == ref.json()["text"], (round_, p)
+            cached += got.json()["meta_info"]["cached_tokens"]
+    assert cached > 0  # the shared system prompt stayed cached through evictions
+    assert sae_server.healthy()
