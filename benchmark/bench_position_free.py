@@ -26,7 +26,9 @@ import statistics
 import time
 from pathlib import Path
 
-MODEL = "benchmark/models/llama3-8b"
+from harness import LLAMA3_8B_DUMMY
+
+MODEL = LLAMA3_8B_DUMMY["model_path"]
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # layers x kv heads x head_dim x (K, V) x bf16
 
 
@@ -174,14 +176,9 @@ def compare_logits(results: dict) -> dict:
 
 
 ENGINE_KWARGS = {
-    "model_path": MODEL,
-    "load_format": "dummy",
-    "skip_tokenizer_init": True,
-    "attention_backend": "triton",
-    "dtype": "bfloat16",
+    **LLAMA3_8B_DUMMY,
     "context_length": 40960,
     "mem_fraction_static": 0.85,
-    "disable_prefill_cuda_graph": True,
     "cuda_graph_max_bs_decode": 256,
     "max_running_requests": 256,
 }

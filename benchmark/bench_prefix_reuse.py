@@ -23,7 +23,9 @@ import statistics
 import time
 from pathlib import Path
 
-MODEL = "benchmark/models/llama3-8b"
+from harness import LLAMA3_8B_DUMMY
+
+MODEL = LLAMA3_8B_DUMMY["model_path"]
 
 
 def _tokens(rng, n: int) -> list[int]:
@@ -99,14 +101,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
 
 
 ENGINE_KWARGS = {
-    "model_path": MODEL,
-    "load_format": "dummy",
-    "skip_tokenizer_init": True,
-    "attention_backend": "triton",
-    "dtype": "bfloat16",
+    **LLAMA3_8B_DUMMY,
     "context_length": 16384,
     "mem_fraction_static": 0.80,
-    "disable_prefill_cuda_graph": True,
     "cuda_graph_max_bs_decode": 64,
 }
 

@@ -32,6 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmark" / "results"
 MODELS = REPO / "benchmark" / "models"
 VARIANTS = ("vanilla", "sglang-pic")
+# Llama-3.1-8B shape with dummy weights, token ids only, SGLang's triton backend: the common base
+# of the H200 benchmarks (each adds its context length, memory fraction and graph sizes).
+LLAMA3_8B_DUMMY = {
+    "model_path": "benchmark/models/llama3-8b",
+    "load_format": "dummy",
+    "skip_tokenizer_init": True,
+    "attention_backend": "triton",
+    "dtype": "bfloat16",
+    "disable_prefill_cuda_graph": True,
+}
 
 
 def plugin_site(root: Path) -> Path:

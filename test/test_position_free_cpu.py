@@ -75,32 +75,3 @@ def test_prefix_hit_and_chunked_prefill_equal_vanilla(servers):
     assert _tokens_and_logprobs(outs["pic"])[0] == _tokens_and_logprobs(outs["vanilla"])[0]
     assert outs["pic"]["text"] == outs["vanilla"]["text"]
 
-
-@pytest.fixture(scope="module")
-def triton_server(tmp_path_factory):
-    """`pic_triton` on CPU: SGLang's Triton backend running our rotating kernels interpreted."""
-    log = tmp_path_factory.mktemp("position_free_triton") / "server.log"
-    # one KV split: the interpreter runs every Triton program in Python, so fewer is faster
-    srv = start_server([*COMMON, "--enable-position-free-kv", "--attention-backend", "triton",
-                        "--triton-attention-num-kv-splits", "1"], log)
-    yield srv
-    stop_server(srv)
-
-
-def test_triton_kernels_in_sglang_equal_vanilla(servers, triton_server):
-    """Our Triton kernels (TRITON_INTERPRET=1) inside SGLang's Triton backend: greedy tokens equal
-    vanilla's; a prefix hit reads un-rotated cached keys through the extend kernel."""
-    info = requests.get(triton_server.url + "/get_server_info", timeout=30).json()
-    assert info["attention_backend"] == "pic_triton"
-    prompts = ["The capital of France is", "List three prime numbers:"]
-    pic = _generate(triton_server, prompts, max_new_tokens=3, timeout=600)
-    vanilla = _generate(servers.vanilla, prompts, max_new_tokens=3)
-    for a, b in zip(pic, vanilla, strict=True):
-        assert _tokens_and_logprobs(a)[0] == _tokens_and_logprobs(b)[0]
-    story = "Once upon a time, in a land far away, " * 3  # > 16 tokens: one cached page
-    _generate(triton_server, [story + "the king said"], max_new_tokens=1, timeout=600)
-    again = _generate(triton_server, [story + "the queen asked"], max_new_tokens=2,
-                      timeout=600)[0]
-    ref = _generate(servers.vanilla, [story + "the queen asked"], max_new_tokens=2)[0]
-    assert again["meta_info"]["cached_tokens"] > 0
-    assert _tokens_and_logprobs(again)[0] == _tokens_and_logprobs(ref)[0]

@@ -79,6 +79,32 @@ def num_kv_splits(seq_lens):
     return out
 
 
+def decode_inputs(batch: int, ctx: int, modes):
+    """One decode case: a pool of un-rotated keys (ours) and the same keys rotated at their
+    positions (vanilla's pool), scattered 16-token pages, SGLang's kv-split choice."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang_pic_kernel.rotating_attention import rotate_neox
+
+    dev, dt = "cuda", torch.bfloat16
+    lens = [ctx] * batch
+    indptr, indices, slots = scattered_indices(lens, dev)
+    k = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+    tables = {m: llama3_table(ctx + 1, m) for m in modes}
+    pos = torch.empty(slots, dtype=torch.int64, device=dev)
+    for b in range(batch):
+        pos[indices[indptr[b] : indptr[b + 1]]] = torch.arange(ctx, device=dev)
+    return SimpleNamespace(
+        k=k, v=torch.randn_like(k), k_rot=rotate_neox(k, pos, next(iter(tables.values()))),
+        tables=tables, indptr=indptr, indices=indices, scale=HEAD_DIM**-0.5,
+        q=torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dt),
+        splits=num_kv_splits(torch.tensor(lens, device=dev, dtype=torch.int32)),
+        logits=torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device=dev),
+        lse=torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, device=dev),
+    )
+
+
 def bench_graph(fn) -> float:
     import triton
 
@@ -94,34 +120,18 @@ def bench(fn) -> float:
 def decode_case(batch: int, ctx: int) -> dict:
     import torch
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-    from sglang_pic_kernel.rotating_attention import rotate_neox, rotating_decode_attention_fwd
+    from sglang_pic_kernel.rotating_attention import rotating_decode_attention_fwd
 
-    dev, dt = "cuda", torch.bfloat16
-    lens = [ctx] * batch
-    indptr, indices, slots = scattered_indices(lens, dev)
-    k = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
-    v = torch.randn_like(k)
-    tables = {m: llama3_table(ctx + 1, m) for m in ("step", "cache", "compute")}
-    # vanilla pool: every key rotated at its position, as SGLang stores it
-    pos = torch.empty(slots, dtype=torch.int64, device=dev)
-    for b in range(batch):
-        pos[indices[indptr[b] : indptr[b + 1]]] = torch.arange(ctx, device=dev)
-    k_rot = rotate_neox(k, pos, tables["cache"])
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dt)
-    splits = num_kv_splits(torch.tensor(lens, device=dev, dtype=torch.int32))
-    logits = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device=dev, dtype=torch.float32)
-    lse = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, device=dev, dtype=torch.float32)
-    scale = HEAD_DIM**-0.5
-    outs = {name: torch.empty_like(q) for name in ("vanilla", "step", "cache", "compute")}
+    d = decode_inputs(batch, ctx, ("step", "cache", "compute"))
+    outs = {name: torch.empty_like(d.q) for name in ("vanilla", "step", "cache", "compute")}
+    meta = (d.indptr, d.indices, d.logits, d.lse, d.splits, MAX_KV_SPLITS, d.scale)
 
     def vanilla():
-        decode_attention_fwd(q, k_rot, v, outs["vanilla"], indptr, indices, logits, lse, splits,
-                             MAX_KV_SPLITS, scale, 1.0, 1.0)
+        decode_attention_fwd(d.q, d.k_rot, d.v, outs["vanilla"], *meta, 1.0, 1.0)
 
     def ours(mode):
-        return lambda: rotating_decode_attention_fwd(
-            q, k, v, outs[mode], indptr, indices, logits, lse, splits, MAX_KV_SPLITS, scale,
-            rope=tables[mode])
+        return lambda: rotating_decode_attention_fwd(d.q, d.k, d.v, outs[mode], *meta,
+                                                     rope=d.tables[mode])
 
     row = {"kind": "decode", "batch": batch, "context": ctx}
     row["vanilla_us"] = 1000 * bench_graph(vanilla)
@@ -139,34 +149,21 @@ def tune_decode(cases, out: Path, best_config_out: str | None) -> None:
 
     import torch
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-    from sglang_pic_kernel.rotating_attention import rotate_neox, rotating_decode_attention_fwd
+    from sglang_pic_kernel.rotating_attention import rotating_decode_attention_fwd
 
-    dev, dt = "cuda", torch.bfloat16
     configs = [c for c in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3))]
     modes = ("cache", "step")
     ratios: dict[str, list[float]] = {}
     rows = []
     for batch, ctx in cases:
-        lens = [ctx] * batch
-        indptr, indices, slots = scattered_indices(lens, dev)
-        k = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
-        v = torch.randn_like(k)
-        tables = {m: llama3_table(ctx + 1, m) for m in modes}
-        pos = torch.empty(slots, dtype=torch.int64, device=dev)
-        for b in range(batch):
-            pos[indices[indptr[b] : indptr[b + 1]]] = torch.arange(ctx, device=dev)
-        k_rot = rotate_neox(k, pos, tables["cache"])
-        q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=dt)
-        splits = num_kv_splits(torch.tensor(lens, device=dev, dtype=torch.int32))
-        logits = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device=dev)
-        lse = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, device=dev)
-        o = torch.empty_like(q)
-        scale = HEAD_DIM**-0.5
-        args = (o, indptr, indices, logits, lse, splits, MAX_KV_SPLITS, scale)
-        base = 1000 * bench_graph(partial(decode_attention_fwd, q, k_rot, v, *args, 1.0, 1.0))
+        d = decode_inputs(batch, ctx, modes)
+        args = (torch.empty_like(d.q), d.indptr, d.indices, d.logits, d.lse, d.splits,
+                MAX_KV_SPLITS, d.scale)
+        base = 1000 * bench_graph(partial(decode_attention_fwd, d.q, d.k_rot, d.v, *args,
+                                          1.0, 1.0))
         for mode, cfg in itertools.product(modes, configs):
-            fn = partial(rotating_decode_attention_fwd, q, k, v, *args, rope=tables[mode],
-                         config=cfg)
+            fn = partial(rotating_decode_attention_fwd, d.q, d.k, d.v, *args,
+                         rope=d.tables[mode], config=cfg)
             try:
                 fn()
                 t = 1000 * bench_graph(fn)

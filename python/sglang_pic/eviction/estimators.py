@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scipy.special import ndtr
-
 
 @dataclass
 class Ema:
@@ -99,7 +97,7 @@ class LogNormalGaps:
         if elapsed_s <= 0:
             return 1.0
         z = (math.log(elapsed_s) - self.mu) / self.sigma
-        return float(ndtr(-z))
+        return 0.5 * math.erfc(z / math.sqrt(2.0))  # standard normal tail, stdlib only
 
 
 @dataclass

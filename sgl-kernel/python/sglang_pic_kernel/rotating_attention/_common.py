@@ -70,5 +70,30 @@ def tanh(x):
     return 2 * tl.sigmoid(2 * x) - 1
 
 
+@triton.jit
+def rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP: tl.constexpr):
+    """``q . rope(k)`` for a tile: keys rotated in fp32, then two half-width dots.
+
+    q1/q2: ``[M, HALF]`` query halves; k1/k2, cos/sin: ``[HALF, N]``. Returns ``[M, N]`` fp32.
+    """
+    r1, r2 = rotate_pair(k1, k2, cos, sin)
+    qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
+    qk *= sm_scale
+    if LOGIT_CAP > 0:
+        qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+    return qk
+
+
+@triton.jit
+def online_softmax_step(qk, v, acc, e_max, e_sum):
+    """One tile of the streaming softmax: rescale the running sums, add ``softmax(qk) @ v``."""
+    n_max = tl.maximum(tl.max(qk, 1), e_max)
+    rescale = tl.exp(e_max - n_max)
+    p = tl.exp(qk - n_max[:, None])
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    e_sum = e_sum * rescale + tl.sum(p, 1)
+    return acc, n_max, e_sum
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, rope_cos_sin, rotate_pair, tanh
+from ._common import next_pow2, online_softmax_step, rope_cos_sin, rotated_scores
 from .rope import RotaryTable
 
 MIN_BLOCK_KV = 32
@@ -146,24 +146,14 @@ def _decode_stage1(
                     offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
                     HALF, ROPE_FROM_CACHE,
                 )
-            r1, r2 = rotate_pair(k1, k2, cos, sin)
-            qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
-            qk *= sm_scale
-            if LOGIT_CAP > 0:
-                qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+            qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
-
             v = tl.load(
                 V_Buffer + loc[:, None] * stride_vt + v_base,
                 mask=mask_n[:, None] & mask_dv[None, :],
                 other=0.0,
             )
-            n_max = tl.maximum(tl.max(qk, 1), e_max)
-            rescale = tl.exp(e_max - n_max)
-            p = tl.exp(qk - n_max[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            e_sum = e_sum * rescale + tl.sum(p, 1)
-            e_max = n_max
+            acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
         mo_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_dv[None, :]
         tl.store(Mid_O + mo_off, acc / e_sum[:, None], mask=mask_h[:, None] & mask_dv[None, :])

@@ -24,21 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, rope_cos_sin, rotate_pair, tanh
+from ._common import (
+    next_pow2,
+    online_softmax_step,
+    rope_cos_sin,
+    rotate_pair,
+    rotated_scores,
+    tanh,
+)
 from .rope import RotaryTable
 
 NEW_KEYS_IN_KERNEL = "in_kernel"
 NEW_KEYS_PRE_ROTATED = "pre_rotated"
-
-
-@triton.jit
-def _online_softmax_step(qk, v, acc, e_max, e_sum):
-    n_max = tl.maximum(tl.max(qk, 1), e_max)
-    rescale = tl.exp(e_max - n_max)
-    p = tl.exp(qk - n_max[:, None])
-    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-    e_sum = e_sum * rescale + tl.sum(p, 1)
-    return acc, n_max, e_sum
 
 
 @triton.jit
@@ -124,18 +121,14 @@ def _extend_kernel(
             offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
             HALF, ROPE_FROM_CACHE,
         )
-        r1, r2 = rotate_pair(k1, k2, cos, sin)
-        qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
-        qk *= sm_scale
-        if LOGIT_CAP > 0:
-            qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+        qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
         qk = tl.where(mask_m[:, None] & mask_n[None, :], qk, float("-inf"))
         v = tl.load(
             V_Buffer + loc[:, None] * stride_vbt + vb_base,
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
         )
-        acc, e_max, e_sum = _online_softmax_step(qk, v, acc, e_max, e_sum)
+        acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
     # Stage 2: the new tokens, contiguous, causal; key n sits at position pre_len + n.
     if IS_CAUSAL:
@@ -156,13 +149,12 @@ def _extend_kernel(
                 (pre_len + offs_n)[None, :], offs_d[:, None], k_mask, CosSin, stride_cs,
                 InvFreq, HALF, ROPE_FROM_CACHE,
             )
-            r1, r2 = rotate_pair(k1, k2, cos, sin)
-            qk = tl.dot(q1, r1.to(q1.dtype)) + tl.dot(q2, r2.to(q2.dtype))
+            qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
         else:
             qk = tl.dot(q1, k1.to(q1.dtype)) + tl.dot(q2, k2.to(q2.dtype))
-        qk *= sm_scale
-        if LOGIT_CAP > 0:
-            qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+            qk *= sm_scale
+            if LOGIT_CAP > 0:
+                qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
         valid = mask_m[:, None] & mask_n[None, :]
         if IS_CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
@@ -172,7 +164,7 @@ def _extend_kernel(
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
         )
-        acc, e_max, e_sum = _online_softmax_step(qk, v, acc, e_max, e_sum)
+        acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
     o_off = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
     out = acc / e_sum[:, None] * v_scale
