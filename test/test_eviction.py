@@ -215,3 +215,35 @@ def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server,
             cached += got.json()["meta_info"]["cached_tokens"]
     assert cached > 0  # the shared system prompt stayed cached through evictions
     assert sae_server.healthy()
+
+
+def test_sampled_evict_frees_enough_and_keeps_leaf_set_consistent():
+    """With a sample smaller than the tree, SGLang's evict runs over samples; afterwards the
+    cache's evictable-leaf set must be exactly the unlocked leaves of the tree."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    cache.eviction_strategy.sample_size = 16
+    for i in range(300):
+        ctx = RequestContext(f"s{i}", "chat", [(0, "system"), (8, "user")], decode_start=12,
+                             prompt_len=12)
+        with using(ctx):
+            tokens = [1 + i % 3] * 8 + [100 + i] * 4
+            cache.insert(InsertParams(key=RadixKey(array("q", tokens), None), value=None))
+    before = cache.evictable_size()
+    # all 300 four-token leaves and then two of the three 8-token system prompts, which only
+    # become leaves (and evictable) during the pass
+    freed = cache.evict(EvictParams(num_tokens=1210)).num_tokens_evicted
+    assert freed >= 1210 and cache.evictable_size() == before - freed
+
+    def leaves(node):
+        if not node.children:
+            return {node} if node is not cache.root_node and node.lock_ref == 0 else set()
+        return set().union(*(leaves(c) for c in node.children.values()))
+
+    assert cache.evictable_leaves == leaves(cache.root_node)

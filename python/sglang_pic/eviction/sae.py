@@ -27,6 +27,8 @@ adapt online from cache events the hooks report (``on_insert``, ``on_hit``, ``on
 from __future__ import annotations
 
 import math
+import os
+import random
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from .context import APP_TYPES, TOKEN_TYPES, RequestContext
 from .estimators import Ema, LogNormalGaps, PositionDecay, ReuseRate, softmax_weights
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
+# Leaves scored per evict pass (hooks._sampled_evict); 0 scores all of them, as SGLang does.
+SAMPLE_SIZE = int(os.environ.get("SGLANG_PIC_SAE_SAMPLE", "1024"))
 # Priors for w_tau before any evidence (probability that a block of this type is reused).
 TYPE_PRIORS = {"system": 0.9, "tool": 0.5, "user": 0.5, "assistant": 0.5, "cot": 0.1,
                "decode": 0.2}
@@ -67,7 +71,8 @@ class SAEStrategy(EvictionStrategy):
 
     name = "sae"
 
-    def __init__(self, temperature: float = 2.0, ghost_capacity: int = 65536) -> None:
+    def __init__(self, temperature: float = 2.0, ghost_capacity: int = 65536,
+                 sample_size: int = SAMPLE_SIZE) -> None:
         self.w = {(t, a): ReuseRate(TYPE_PRIORS[t]) for t in TOKEN_TYPES for a in APP_TYPES}
         self.gaps = {a: LogNormalGaps(*GAP_PRIORS[a]) for a in APP_TYPES}
         self.position = PositionDecay()
@@ -80,6 +85,8 @@ class SAEStrategy(EvictionStrategy):
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
         self.events = defaultdict(int)
+        self.sample_size = sample_size  # evict passes look at this many leaves (0 = all)
+        self.rng = random.Random(0)
         # get_priority runs for every evictable leaf on every evict call (SGLang rebuilds its
         # heap each time), so the per-class factor alpha * w * p is computed once per class
         # and clock reading, not once per leaf.
