@@ -207,8 +207,8 @@ def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server,
     body = {"sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     cached = 0
     for round_ in range(2):
-        for p in prompts:
-            got = sae_server.post("/generate", json={"text": p, **body})
+        for i, p in enumerate(prompts):
+            got = sae_server.post("/generate", json={"text": p, "session_id": f"s{i % 3}", **body})
             ref = server.post("/generate", json={"text": p, **body})
             assert got.status_code == ref.status_code == 200, got.text
             assert got.json()["text"] == ref.json()["text"], (round_, p)
