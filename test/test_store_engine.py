@@ -64,3 +64,88 @@ def test_missing_tensors_are_misses_not_errors():
     eng = StoreEngine(memory_bytes=4 * PAGE)
     assert eng.get_tensors(["nope", "nada"]) == [None, None]
     assert eng.stats["misses"] == 2 and not eng.has("nope")
+
+
+# ---- server + client over zmq (loopback) --------------------------------------------------
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+from sglang_pic.store.client import StoreClient  # noqa: E402
+from sglang_pic.store.protocol import Limits  # noqa: E402
+from sglang_pic.store.server import StoreServer  # noqa: E402
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    servers = [StoreServer(StoreEngine(256 * PAGE), f"ipc://{tmp_path}/s{i}.sock", TOKEN,
+                           Limits(max_tensor_bytes=4 * PAGE)).start() for i in range(3)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_batched_puts_and_gets_one_rpc_per_owner(cluster):
+    client = StoreClient([s.endpoint for s in cluster], TOKEN)
+    pages = _pages("p", 60)
+    assert client.batch_set(pages) == 60 * PAGE
+    owners = {s.endpoint: s.engine for s in cluster}
+    assert sum(len(e.owned.entries) for e in owners.values()) == 60
+    assert all(len(e.owned.entries) > 0 for e in owners.values())  # spread over all servers
+    before = client.rpcs
+    got = client.batch_get([t for t, _ in pages])
+    assert got == [d for _, d in pages]
+    assert client.rpcs - before == 3  # one message per owner
+    assert client.batch_exists(["p0", "zz"]) == [True, False]
+    assert client.batch_set(pages[:10]) == 0  # already stored: nothing added twice
+    client.close()
+
+
+def test_bad_requests_are_rejected_and_the_server_keeps_serving(cluster):
+    srv = cluster[0]
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(srv.endpoint)
+    import json
+
+    def ask(frames):
+        raw.send_multipart(frames)
+        assert raw.poll(2000)
+        return json.loads(raw.recv_multipart()[0])
+
+    assert "malformed" in ask([b"{not json"])["error"]
+    assert ask([json.dumps({"op": "get", "tids": ["a"]}).encode()])["error"] == "unauthenticated"
+    big = b"x" * (5 * PAGE)
+    reply = ask([json.dumps({"op": "put", "tids": ["big"], "crc": [0], "token": TOKEN}).encode(),
+                 big])
+    assert reply["error"] == "tensor too large"
+    reply = ask([json.dumps({"op": "put", "tids": ["t"], "crc": [123], "token": TOKEN}).encode(),
+                 b"abc"])
+    assert reply["error"] == "checksum mismatch"
+    assert ask([json.dumps({"op": "drop_all", "token": TOKEN}).encode()])["ok"] is False
+    raw.close(0)
+    client = StoreClient([srv.endpoint], TOKEN)
+    assert client.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
+    assert client.status(srv.endpoint)["rejected"] == 5
+    assert "ptstore_rejected 5" in srv.metrics_text()
+
+
+def test_dead_server_gives_misses_not_errors(cluster):
+    client = StoreClient([s.endpoint for s in cluster], TOKEN, timeout_ms=300)
+    pages = _pages("q", 30)
+    client.batch_set(pages)
+    dead = cluster[1]
+    dead.stop()
+    got = client.batch_get([t for t, _ in pages])
+    lost = {t for t, _ in pages if client.ring.owner(t) == dead.endpoint}
+    assert lost and all((d is None) == (t in lost) for (t, _), d in zip(pages, got, strict=True))
+    assert all(d == want for (t, want), d in zip(pages, got, strict=True) if d is not None)
+    client.close()
+
+
+def test_wrong_token_client_gets_nothing(cluster):
+    client = StoreClient([s.endpoint for s in cluster], "wrong")
+    assert client.batch_set(_pages("w", 3)) == 0
+    assert client.batch_get(["w0"]) == [None]
+    assert sum(s.rejected for s in cluster) >= 2  # the put and the get were refused

@@ -1,0 +1,120 @@
+"""PTStore client: consistent-hash ownership over the servers, one batched RPC per owner.
+
+A tensor id (page hash) is owned by the first server clockwise from its hash on a ring with
+``vnodes`` virtual nodes per server. ``batch_get`` / ``batch_set`` / ``batch_exists`` group ids by
+owner and send one message to each. A server that does not answer within ``timeout_ms`` (down,
+overloaded) yields misses for its ids - never an exception, never a wrong page: payloads whose
+CRC does not match are dropped as misses too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import uuid
+from collections import defaultdict
+
+import zmq
+
+from .protocol import crc, encode
+
+
+def _point(s: str) -> int:
+    return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    def __init__(self, servers: list[str], vnodes: int = 64) -> None:
+        self.ring = sorted((_point(f"{s}#{i}"), s) for s in servers for i in range(vnodes))
+        self.keys = [k for k, _ in self.ring]
+
+    def owner(self, tid: str) -> str:
+        i = bisect.bisect(self.keys, _point(tid)) % len(self.ring)
+        return self.ring[i][1]
+
+
+class StoreClient:
+    def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000):
+        if not servers:
+            raise ValueError("PTStore client needs at least one server endpoint")
+        self.servers = list(servers)
+        self.ring = HashRing(self.servers)
+        self.token = token
+        self.timeout_ms = timeout_ms
+        self.ctx = zmq.Context.instance()
+        self.socks: dict[str, zmq.Socket] = {}
+        self.rpcs = 0
+
+    def _sock(self, server: str) -> zmq.Socket:
+        s = self.socks.get(server)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+            s.connect(server)
+            self.socks[server] = s
+        return s
+
+    def _call(self, server: str, header: dict, payloads: list[bytes] | None = None):
+        """One round trip; None on timeout (the socket is replaced: no stale reply later)."""
+        sock = self._sock(server)
+        self.rpcs += 1
+        sock.send_multipart(encode({**header, "token": self.token}, payloads), copy=False)
+        if not sock.poll(self.timeout_ms):
+            sock.close(0)
+            self.socks.pop(server, None)
+            return None
+        frames = sock.recv_multipart(copy=False)
+        return json.loads(bytes(frames[0])), [f.buffer for f in frames[1:]]
+
+    def _by_owner(self, tids: list[str]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(tids):
+            groups[self.ring.owner(t)].append(i)
+        return groups
+
+    def batch_set(self, items: list[tuple[str, bytes]]) -> int:
+        """Store pages on their owners; returns bytes the servers actually added."""
+        added = 0
+        tids = [t for t, _ in items]
+        for server, idx in self._by_owner(tids).items():
+            payloads = [items[i][1] for i in idx]
+            reply = self._call(server, {"op": "put", "tids": [tids[i] for i in idx],
+                                        "crc": [crc(p) for p in payloads]}, payloads)
+            if reply is not None and reply[0].get("ok"):
+                added += reply[0]["added_bytes"]
+        return added
+
+    def batch_get(self, tids: list[str]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(tids)
+        for server, idx in self._by_owner(tids).items():
+            reply = self._call(server, {"op": "get", "tids": [tids[i] for i in idx]})
+            if reply is None or not reply[0].get("ok"):
+                continue
+            header, payloads = reply
+            it = iter(zip(payloads, header["crc"], strict=True))
+            for i, found in zip(idx, header["found"], strict=True):
+                if found:
+                    data, c = next(it)
+                    if crc(data) == c:
+                        out[i] = bytes(data)
+        return out
+
+    def batch_exists(self, tids: list[str]) -> list[bool]:
+        out = [False] * len(tids)
+        for server, idx in self._by_owner(tids).items():
+            reply = self._call(server, {"op": "exists", "tids": [tids[i] for i in idx]})
+            if reply is not None and reply[0].get("ok"):
+                for i, f in zip(idx, reply[0]["found"], strict=True):
+                    out[i] = bool(f)
+        return out
+
+    def status(self, server: str) -> dict | None:
+        reply = self._call(server, {"op": "status"})
+        return reply[0].get("status") if reply else None
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(0)
+        self.socks.clear()

@@ -1,0 +1,76 @@
+"""PTStore wire format: one zmq multipart message per request and per reply.
+
+    frame 0: JSON header  {"op": ..., "token": ..., "tids": [...], "crc": [...], ...}
+    frame 1..n: tensor payloads (bytes), in the order of ``tids`` (puts and get replies)
+
+Frames are sent and received zero-copy by zmq. Every tensor carries a CRC32 so a reader never
+accepts a torn or corrupted page. Limits are checked before anything is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+
+OPS = ("put", "get", "exists", "put_object", "get_object", "status")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header_bytes: int = 1 << 20
+    max_tensor_bytes: int = 64 << 20
+    max_message_bytes: int = 1 << 30
+    max_tensors: int = 65536
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses (answered with ``{"ok": false, "error": ...}``)."""
+
+
+def crc(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def encode(header: dict, payloads: list[bytes] | None = None) -> list[bytes]:
+    return [json.dumps(header).encode(), *(payloads or [])]
+
+
+def decode_request(frames: list, limits: Limits, token: str | None) -> tuple[dict, list]:
+    """Validate a request; returns (header, payload frames) or raises ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = bytes(frames[0])
+    if len(head) > limits.max_header_bytes:
+        raise ProtocolError("header too large")
+    try:
+        header = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"malformed header: {e}") from None
+    if not isinstance(header, dict) or header.get("op") not in OPS:
+        raise ProtocolError(f"unknown op {header.get('op') if isinstance(header, dict) else None!r}")
+    if token is not None and header.get("token") != token:
+        raise ProtocolError("unauthenticated")
+    tids = header.get("tids", [])
+    if not isinstance(tids, list) or not all(isinstance(t, str) for t in tids):
+        raise ProtocolError("tids must be a list of strings")
+    if len(tids) > limits.max_tensors:
+        raise ProtocolError("too many tensors in one message")
+    payloads = frames[1:]
+    if header["op"] == "put":
+        sums = header.get("crc")
+        if len(payloads) != len(tids) or not isinstance(sums, list) or len(sums) != len(tids):
+            raise ProtocolError("put needs one payload frame and one crc per tensor id")
+        total = 0
+        for frame, c in zip(payloads, sums, strict=True):
+            n = len(frame)
+            total += n
+            if n > limits.max_tensor_bytes:
+                raise ProtocolError("tensor too large")
+            if crc(frame) != c:
+                raise ProtocolError("checksum mismatch")
+        if total > limits.max_message_bytes:
+            raise ProtocolError("message too large")
+    elif payloads:
+        raise ProtocolError(f"{header['op']} takes no payload")
+    return header, payloads

@@ -1,0 +1,111 @@
+"""A PTStore server: a zmq ROUTER socket in front of a :class:`StoreEngine`.
+
+One request = one multipart message (``protocol``); a batched get or put for many pages is one
+round trip. Bad input (malformed, unauthenticated, oversized, wrong checksum) is answered with an
+error and counted; the server keeps serving. ``status`` returns counters; ``metrics_text()``
+renders them in the Prometheus exposition format.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from .engine import OWNED, REPLICA, StoreEngine
+from .protocol import Limits, ProtocolError, crc, decode_request, encode
+
+logger = logging.getLogger(__name__)
+
+
+class StoreServer:
+    def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
+                 limits: Limits | None = None) -> None:
+        limits = limits or Limits()
+        self.engine = engine
+        self.endpoint = endpoint
+        self.token = token
+        self.limits = limits
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.requests = 0
+        self.rejected = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> StoreServer:
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.sock.close(0)
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            ident, body = frames[0], [f.buffer for f in frames[1:]]
+            self.sock.send_multipart([ident, *self.handle(body)], copy=False)
+
+    def handle(self, body: list) -> list[bytes]:
+        self.requests += 1
+        try:
+            header, payloads = decode_request(body, self.limits, self.token)
+            return self._dispatch(header, payloads)
+        except ProtocolError as e:
+            self.rejected += 1
+            return encode({"ok": False, "error": str(e)})
+        except Exception as e:  # never let one request take the server down
+            logger.exception("store request failed")
+            self.rejected += 1
+            return encode({"ok": False, "error": f"internal error: {type(e).__name__}"})
+
+    def _dispatch(self, header: dict, payloads: list) -> list[bytes]:
+        op, tids = header["op"], header.get("tids", [])
+        eng = self.engine
+        if op == "put":
+            kind = REPLICA if header.get("kind") == REPLICA else OWNED
+            added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads, strict=True)],
+                                    kind)
+            return encode({"ok": True, "added_bytes": added})
+        if op == "get":
+            data = eng.get_tensors(tids)
+            found = [d is not None for d in data]
+            return encode({"ok": True, "found": found,
+                           "crc": [crc(d) for d in data if d is not None]},
+                          [d for d in data if d is not None])
+        if op == "exists":
+            return encode({"ok": True, "found": [eng.has(t) for t in tids]})
+        if op == "put_object":
+            eng.put_object(str(header.get("key")), tids)
+            return encode({"ok": True})
+        if op == "get_object":
+            return encode({"ok": True, "tids": eng.get_object(str(header.get("key")))})
+        return encode({"ok": True, "status": self.status()})
+
+    def status(self) -> dict:
+        eng = self.engine
+        return {**eng.stats, "requests": self.requests, "rejected": self.rejected,
+                "owned_bytes": eng.owned.used, "replica_bytes": eng.replica.used,
+                "owned_tensors": len(eng.owned.entries),
+                "replica_tensors": len(eng.replica.entries),
+                "evictions": eng.owned.evictions + eng.replica.evictions,
+                "objects": len(eng.objects)}
+
+    def metrics_text(self) -> str:
+        """The counters in Prometheus text format (``ptstore_<name>``)."""
+        lines = []
+        for k, v in self.status().items():
+            lines += [f"# TYPE ptstore_{k} gauge", f"ptstore_{k} {v}"]
+        return "\n".join(lines) + "\n"
