@@ -23,7 +23,8 @@ def _runner(**over):
         attention_arch=AttentionArch.MHA, is_multimodal=False,
     )
     args = SimpleNamespace(speculative_algorithm=None, enable_deterministic_inference=False,
-                           dcp_size=1)
+                           dcp_size=1, prefill_attention_backend=None,
+                           decode_attention_backend=None)
     runner = SimpleNamespace(model_config=config, server_args=args,
                              kv_cache_dtype=torch.bfloat16, sliding_window_size=None)
     for key, value in over.items():
@@ -44,6 +45,7 @@ def test_supported_settings_pass():
     ({"enable_deterministic_inference": True}, "deterministic"),
     ({"hf_config": SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])}, "architecture"),
     ({"is_multimodal": True}, "multimodal"),
+    ({"decode_attention_backend": "flashinfer"}, "both phases must be position-free"),
 ])
 def test_unsupported_settings_are_refused_with_reason(override, words):
     with pytest.raises(PositionFreeUnsupported, match=words):

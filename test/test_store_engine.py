@@ -149,3 +149,37 @@ def test_wrong_token_client_gets_nothing(cluster):
     assert client.batch_set(_pages("w", 3)) == 0
     assert client.batch_get(["w0"]) == [None]
     assert sum(s.rejected for s in cluster) >= 2  # the put and the get were refused
+
+
+def test_store_cli_serves_reports_status_and_recovers(tmp_path):
+    """`sglang-pic store` runs a server; `store-status` reads it; SIGTERM flushes to SSD and a
+    restart recovers the objects."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep, "--memory-gb", "0.01",
+           "--ssd-dir", str(tmp_path), "--token", "t"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert "PTStore server on" in proc.stdout.readline()
+    client = StoreClient([ep], "t")
+    pages = _pages("c", 4)
+    assert client.batch_set(pages) == 4 * PAGE
+    client._call(ep, {"op": "put_object", "key": "doc", "tids": [t for t, _ in pages]})
+    st = subprocess.run([sys.executable, "-m", "sglang_pic", "store-status", ep, "--token", "t"],
+                        capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0 and '"owned_tensors": 4' in st.stdout
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    client.close()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert "1 objects recovered" in proc.stdout.readline()
+    client = StoreClient([ep], "t")
+    reply = client._call(ep, {"op": "get_object", "key": "doc"})
+    assert reply[0]["tids"] == [t for t, _ in pages]
+    assert client.batch_get(reply[0]["tids"]) == [d for _, d in pages]  # from the SSD tier
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)

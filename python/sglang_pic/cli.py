@@ -3,6 +3,8 @@
     sglang-pic serve [SGLang server flags...]   the SGLang HTTP server (OpenAI API included) with
                                                 our plugin; no --model-path serves SmolLM2-135M
     sglang-pic setup-cpu                        install the CPU start-up hook in this environment
+    sglang-pic store [--endpoint ...]           run a PTStore server (HiCache L3 tier)
+    sglang-pic store-status ENDPOINT...         counters of running PTStore servers
     sglang-pic --version                        our, SGLang's and torch's versions
 """
 
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(argv[1:])
     if argv and argv[0] == "setup-cpu":
         return _setup_cpu()
+    if argv and argv[0] in ("store", "store-status"):
+        from sglang_pic.store import cli as store_cli
+
+        return (store_cli.serve if argv[0] == "store" else store_cli.status)(argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="sglang-pic",
@@ -51,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         "`sglang-pic serve --help` lists the server flags (all of SGLang's pass through).",
     )
     parser.add_argument("--version", action="store_true", help="print versions and exit")
-    parser.add_argument("command", nargs="?", choices=["serve", "setup-cpu"])
+    parser.add_argument("command", nargs="?",
+                        choices=["serve", "setup-cpu", "store", "store-status"])
     args = parser.parse_args(argv)
     if args.version:
         print(" ".join(f"{k} {v}" for k, v in versions().items()))

@@ -31,6 +31,9 @@ class RequestContext:
     output_segments: list[tuple[int, str]] = field(default_factory=list)
     prompt_len: int = 0
     now: float | None = None  # virtual clock for the simulator; None = time.monotonic()
+    rid: str | None = None  # SGLang request id (server path): report the request once
+    count_hits: bool = True  # False while SGLang re-matches a request's own blocks
+    announced: bool = False
 
     def token_type_at(self, offset: int) -> str:
         if self.decode_start is not None and offset >= self.decode_start:

@@ -43,7 +43,8 @@ def request_context(req) -> ctxmod.RequestContext:
     if session is None and len(prompt) > 48:
         session = hashlib.blake2b(repr(prompt[32:96]).encode(), digest_size=8).hexdigest()
     return ctxmod.RequestContext(session_id=session, app_type=None, segments=[(0, "user")],
-                                 decode_start=len(prompt), prompt_len=len(prompt))
+                                 decode_start=len(prompt), prompt_len=len(prompt),
+                                 rid=getattr(req, "rid", None))
 
 
 def _now(strategy, ctx) -> float:
@@ -57,6 +58,8 @@ def around_match_prefix(original, self, params, *args, **kwargs):
         return result
     req = getattr(params, "req", None)
     ctx = ctxmod.current() or (request_context(req) if req is not None else None)
+    if ctx is not None and not ctx.count_hits:
+        return result  # SGLang re-matching blocks a request just inserted: not a reuse
     if req is not None:  # count a request's hits once, however often it is matched
         seen = self.__dict__.setdefault("_pic_hit_counted", {})
         if req.rid in seen:
@@ -76,7 +79,7 @@ def around_insert(original, self, params, *args, **kwargs):
     ctx = ctxmod.current()
     if strategy is None or ctx is None:
         return original(self, params, *args, **kwargs)
-    if hasattr(strategy, "on_request"):
+    if hasattr(strategy, "on_request") and _first_report(self, ctx):
         strategy.on_request(ctx, _now(strategy, ctx))
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_insert"):
@@ -92,6 +95,20 @@ def around_insert(original, self, params, *args, **kwargs):
             strategy.on_insert(node, ctx, offset, is_new)
             offset += len(node.key)
     return result
+
+
+def _first_report(cache, ctx) -> bool:
+    """A request reaches insert once per chunk and once at the end; count it once."""
+    if ctx.rid is None:
+        first, ctx.announced = not ctx.announced, True
+        return first
+    seen = cache.__dict__.setdefault("_pic_requests_seen", {})
+    if ctx.rid in seen:
+        return False
+    seen[ctx.rid] = None
+    if len(seen) > _MAX_SEEN:
+        seen.pop(next(iter(seen)))
+    return True
 
 
 def around_delete_leaf(original, self, node, *args, **kwargs):
@@ -128,20 +145,24 @@ def _sampled_evict(original, cache, params, k: int, rng):
 
     full = cache.evictable_leaves
     need, freed = params.num_tokens, 0
-    try:
-        while freed < need and full:
-            sample = set(rng.sample(list(full), min(k, len(full))))
-            cache.evictable_leaves = set(sample)
-            got = original(cache, EvictParams(num_tokens=need - freed)).num_tokens_evicted
+    while freed < need and full:
+        sample = set(rng.sample(list(full), min(k, len(full))))
+        # ask for at most ~1/8 of the sample's tokens per call, so the victims are the
+        # sample's lowest-scored leaves and not "most of the sample" on a large request
+        budget = max(sum(len(n.key) for n in sample) // 8, 1)
+        cache.evictable_leaves = set(sample)
+        got = 0
+        try:
+            got = original(cache, EvictParams(num_tokens=min(need - freed, budget)))
+            got = got.num_tokens_evicted
+        finally:  # fold back even if SGLang's evict raised half-way
             after = cache.evictable_leaves
             full -= sample - after
             full |= after - sample
             cache.evictable_leaves = full
-            freed += got
-            if got == 0:
-                break
-    finally:
-        cache.evictable_leaves = full
+        freed += got
+        if got == 0:
+            break
     return EvictResult(num_tokens_evicted=freed)
 
 
@@ -159,7 +180,9 @@ def around_cache_req(original, self, req, *args, **kwargs):
     """Make the request's context current while SGLang caches it (insert happens inside)."""
     if _learner(self) is None or ctxmod.current() is not None:
         return original(self, req, *args, **kwargs)
-    with ctxmod.using(request_context(req)):
+    ctx = request_context(req)
+    ctx.count_hits = False  # cache_unfinished_req re-matches what it just inserted
+    with ctxmod.using(ctx):
         return original(self, req, *args, **kwargs)
 
 

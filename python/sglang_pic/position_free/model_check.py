@@ -56,6 +56,11 @@ def check_server_settings(model_runner) -> None:
         _refuse("--enable-deterministic-inference")
     if getattr(args, "dcp_size", 1) not in (None, 1):
         _refuse("decode context parallelism")
+    for flag in ("prefill_attention_backend", "decode_attention_backend"):
+        chosen = getattr(args, flag, None)
+        if chosen is not None and not str(chosen).startswith("pic_"):
+            # a non-rotating backend on one side would attend over un-rotated keys
+            _refuse(f"--{flag.replace('_', '-')} {chosen} (both phases must be position-free)")
 
 
 def find_rotary(model: torch.nn.Module):

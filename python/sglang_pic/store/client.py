@@ -75,15 +75,19 @@ class StoreClient:
         return groups
 
     def batch_set(self, items: list[tuple[str, bytes]]) -> int:
-        """Store pages on their owners; returns bytes the servers actually added."""
+        """Store pages on their owners; returns bytes the servers actually added (pages they
+        already held add nothing). Ids whose owner failed are in ``self.last_failed``."""
         added = 0
         tids = [t for t, _ in items]
+        self.last_failed: list[str] = []
         for server, idx in self._by_owner(tids).items():
             payloads = [items[i][1] for i in idx]
             reply = self._call(server, {"op": "put", "tids": [tids[i] for i in idx],
                                         "crc": [crc(p) for p in payloads]}, payloads)
             if reply is not None and reply[0].get("ok"):
                 added += reply[0]["added_bytes"]
+            else:
+                self.last_failed += [tids[i] for i in idx]
         return added
 
     def batch_get(self, tids: list[str]) -> list[bytes | None]:
