@@ -13,7 +13,7 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 | span cache (planned)           | `register_radix_cache_backend`                                  |
 | SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events |
 | sparse decode (planned)        | attention backend for long-context decode                       |
-| PTStore (planned)              | HiCache `dynamic` storage backend (`HiCacheStorage`)            |
+| PTStore (`store`)              | HiCache `dynamic` storage backend: `store.hicache_backend.PTStoreHiCacheStorage`, named in `--hicache-storage-backend-extra-config` (nothing to register) |
 """
 
 from __future__ import annotations

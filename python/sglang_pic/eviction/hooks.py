@@ -60,13 +60,9 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     ctx = ctxmod.current() or (request_context(req) if req is not None else None)
     if ctx is not None and not ctx.count_hits:
         return result  # SGLang re-matching blocks a request just inserted: not a reuse
-    if req is not None:  # count a request's hits once, however often it is matched
-        seen = self.__dict__.setdefault("_pic_hit_counted", {})
-        if req.rid in seen:
-            return result
-        seen[req.rid] = None
-        if len(seen) > _MAX_SEEN:
-            seen.pop(next(iter(seen)))
+    # count a request's hits once, however often the scheduler matches it
+    if req is not None and not _first_time(self, "_pic_hit_counted", req.rid):
+        return result
     node = result.last_device_node
     while node is not None and node is not self.root_node:
         strategy.on_hit(node, len(node.key), ctx)
@@ -97,18 +93,23 @@ def around_insert(original, self, params, *args, **kwargs):
     return result
 
 
+def _first_time(cache, table: str, rid) -> bool:
+    """True the first time ``rid`` is seen in ``cache.<table>`` (a bounded, FIFO-trimmed dict)."""
+    seen = cache.__dict__.setdefault(table, {})
+    if rid in seen:
+        return False
+    seen[rid] = None
+    if len(seen) > _MAX_SEEN:
+        seen.pop(next(iter(seen)))
+    return True
+
+
 def _first_report(cache, ctx) -> bool:
     """A request reaches insert once per chunk and once at the end; count it once."""
     if ctx.rid is None:
         first, ctx.announced = not ctx.announced, True
         return first
-    seen = cache.__dict__.setdefault("_pic_requests_seen", {})
-    if ctx.rid in seen:
-        return False
-    seen[ctx.rid] = None
-    if len(seen) > _MAX_SEEN:
-        seen.pop(next(iter(seen)))
-    return True
+    return _first_time(cache, "_pic_requests_seen", ctx.rid)
 
 
 def around_delete_leaf(original, self, node, *args, **kwargs):
