@@ -25,14 +25,13 @@ from . import model_check, rope_hook
 class PositionFreeTritonBackend(TritonAttnBackend):
     def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
         model_check.check_server_settings(model_runner)
-        table, _ = model_check.rotary_table(model_runner)
+        table = model_check.rotary_table(model_runner)
         super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
         from sglang_pic_kernel.rotating_attention import (
             rotating_decode_attention_fwd,
             rotating_extend_attention_fwd,
         )
 
-        self.rotary_table = table
         self.decode_attention_fwd = torch.compiler.disable(
             functools.partial(rotating_decode_attention_fwd, rope=table)
         )
@@ -66,10 +65,7 @@ class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         model_check.check_server_settings(model_runner)
         super().__init__(model_runner)
-        self.rotary = model_check.find_rotary(model_runner.model)
-        context_len = int(model_runner.model_config.context_len)
-        if self.rotary.cos_sin_cache.shape[0] <= context_len:
-            self.rotary._ensure_cos_sin_cache_length(context_len)
+        self.rotary = model_check.model_rotary(model_runner)
         rope_hook.activate()
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, *args, **kwargs):

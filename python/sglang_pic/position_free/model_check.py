@@ -84,19 +84,25 @@ def find_rotary(model: torch.nn.Module):
     return rotary
 
 
-def rotary_table(model_runner):
-    """The kernels' RoPE table: SGLang's own cos/sin cache (grown to the context length with
-    SGLang's own method), in float32, plus the model's frequencies."""
-    from sglang_pic_kernel.rotating_attention import RotaryTable
-
+def model_rotary(model_runner):
+    """The model's RoPE module, its cos/sin cache grown to the context length with SGLang's own
+    ``_ensure_cos_sin_cache_length`` (keys are rotated at every position up to it)."""
     rotary = find_rotary(model_runner.model)
     context_len = int(model_runner.model_config.context_len)
     if rotary.cos_sin_cache.shape[0] <= context_len:
         rotary._ensure_cos_sin_cache_length(context_len)
+    return rotary
+
+
+def rotary_table(model_runner):
+    """The kernels' RoPE table: SGLang's own cos/sin cache in float32, plus the model's
+    frequencies."""
+    from sglang_pic_kernel.rotating_attention import RotaryTable
+
+    rotary = model_rotary(model_runner)
     mode = os.environ.get(ROPE_MODE_ENV, "step")
     inv_freq = rotary._compute_inv_freq(rotary.base)
-    device = model_runner.device
-    return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, mode).to(device), rotary
+    return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, mode).to(model_runner.device)
 
 
 def new_keys_mode() -> str:
