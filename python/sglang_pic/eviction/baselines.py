@@ -18,6 +18,8 @@ from collections import OrderedDict
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
+from .context import block_key, block_offset
+
 # Offset (tokens) at which a token's attention costs as much as its linear layers; ~30K for
 # Llama-3-8B (16 GFLOP/token of weights vs 4 * 4096 * 32 FLOP per token of context).
 ATTENTION_CROSSOVER_TOKENS = 30000.0
@@ -29,14 +31,9 @@ class GDSFStrategy(EvictionStrategy):
     def __init__(self) -> None:
         self.inflation = 0.0
 
-    @staticmethod
-    def _offset(node) -> int:
-        info = getattr(node, "sae", None)
-        return info.offset if info is not None else 0
-
     def value(self, node) -> float:
         n = max(len(node.key), 1)
-        cost_per_token = 1.0 + (self._offset(node) + n / 2) / ATTENTION_CROSSOVER_TOKENS
+        cost_per_token = 1.0 + (block_offset(node) + n / 2) / ATTENTION_CROSSOVER_TOKENS
         return (node.hit_count + 1) * cost_per_token
 
     def get_priority(self, node) -> float:
@@ -60,17 +57,12 @@ class S3FIFOStrategy(EvictionStrategy):
         self.ghost_capacity = ghost_capacity
         self.counter = 0
 
-    @staticmethod
-    def _key(node) -> tuple:
-        info = getattr(node, "sae", None)
-        return (info.offset if info is not None else -1, tuple(node.key.token_ids[:32]))
-
     def on_insert(self, node, ctx, offset: int, is_new: bool) -> None:
         if not is_new:
             return
         self.counter += 1
         node.s3_order = self.counter
-        node.s3_main = self.ghost.pop(self._key(node), False) is None
+        node.s3_main = self.ghost.pop(block_key(node), False) is None
 
     def get_priority(self, node) -> tuple:
         order = getattr(node, "s3_order", 0)
@@ -79,6 +71,6 @@ class S3FIFOStrategy(EvictionStrategy):
 
     def on_evict(self, node) -> None:
         if not (getattr(node, "s3_main", False) or node.hit_count >= 1):
-            self.ghost[self._key(node)] = None
+            self.ghost[block_key(node)] = None
             if len(self.ghost) > self.ghost_capacity:
                 self.ghost.popitem(last=False)

@@ -56,6 +56,18 @@ _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar
 )
 
 
+def block_offset(node) -> int:
+    """Tokens from the root to ``node``'s first token, kept by ``hooks`` for every node a
+    learning policy sees (set on insert, moved on split); 0 for nodes created without hooks."""
+    return getattr(node, "_pic_offset", 0)
+
+
+def block_key(node) -> tuple:
+    """Identifies a block's content well enough to notice it coming back after an eviction
+    (the ghost sets of ``sae`` and ``s3fifo``)."""
+    return (block_offset(node), tuple(node.key.token_ids[:32]))
+
+
 def current() -> RequestContext | None:
     return _current.get()
 

@@ -38,13 +38,20 @@ def request_context(req) -> ctxmod.RequestContext:
     """What the server knows about a request: generated tokens start at the prompt's end; the
     session is SGLang's ``session_id`` or, failing that, the first 64 prompt tokens after the
     first 32 (multi-turn chat resends the whole history, so its opening identifies it)."""
-    prompt = list(req.origin_input_ids)
+    prompt = req.origin_input_ids
     session = getattr(req, "session_id", None)
     if session is None and len(prompt) > 48:
         session = hashlib.blake2b(repr(prompt[32:96]).encode(), digest_size=8).hexdigest()
     return ctxmod.RequestContext(session_id=session, app_type=None, segments=[(0, "user")],
                                  decode_start=len(prompt), prompt_len=len(prompt),
                                  rid=getattr(req, "rid", None))
+
+
+def _path_up(cache, node):
+    """``node`` and its ancestors, deepest first, without the root."""
+    while node is not None and node is not cache.root_node:
+        yield node
+        node = node.parent
 
 
 def _now(strategy, ctx) -> float:
@@ -57,16 +64,17 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     if strategy is None or not hasattr(strategy, "on_hit"):
         return result
     req = getattr(params, "req", None)
-    ctx = ctxmod.current() or (request_context(req) if req is not None else None)
+    ctx = ctxmod.current()
     if ctx is not None and not ctx.count_hits:
         return result  # SGLang re-matching blocks a request just inserted: not a reuse
-    # count a request's hits once, however often the scheduler matches it
+    # count a request's hits once, however often the scheduler matches it (checked before
+    # building its context: waiting requests are matched on every scheduling round)
     if req is not None and not _first_time(self, "_pic_hit_counted", req.rid):
         return result
-    node = result.last_device_node
-    while node is not None and node is not self.root_node:
+    if ctx is None and req is not None:
+        ctx = request_context(req)
+    for node in _path_up(self, result.last_device_node):
         strategy.on_hit(node, len(node.key), ctx)
-        node = node.parent
     return result
 
 
@@ -79,15 +87,11 @@ def around_insert(original, self, params, *args, **kwargs):
         strategy.on_request(ctx, _now(strategy, ctx))
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_insert"):
-        path = []
-        node = result.last_device_node
-        while node is not None and node is not self.root_node:
-            path.append(node)
-            node = node.parent
         offset = 0
-        for node in reversed(path):
+        for node in reversed(list(_path_up(self, result.last_device_node))):
             is_new = not hasattr(node, "_pic_seen")
             node._pic_seen = True
+            node._pic_offset = offset
             strategy.on_insert(node, ctx, offset, is_new)
             offset += len(node.key)
     return result
@@ -172,6 +176,8 @@ def around_split_node(original, self, key, child, split_len, *args, **kwargs):
     strategy = _learner(self)
     if strategy is not None:
         head._pic_seen = getattr(child, "_pic_seen", False)
+        head._pic_offset = ctxmod.block_offset(child)
+        child._pic_offset = head._pic_offset + len(head.key)
         if hasattr(strategy, "on_split"):
             strategy.on_split(head, child)
     return head

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from .context import APP_TYPES, TOKEN_TYPES, RequestContext
+from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import Ema, LogNormalGaps, PositionDecay, ReuseRate, softmax_weights
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
@@ -174,7 +174,7 @@ class SAEStrategy(EvictionStrategy):
         node.sae = info
         self.w[ttype, info.app_type].add_block()
         self.resident[info.queue] += len(node.key)
-        ghost_key = self._ghost_key(node, offset)
+        ghost_key = block_key(node)
         if ghost_key in self.ghost:  # asked for again after we evicted it: a mistake
             self.w[self.ghost.pop(ghost_key)].add_hit()
             self.events["miss_after_eviction"] += 1
@@ -188,7 +188,7 @@ class SAEStrategy(EvictionStrategy):
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
                              info.last_hit, info.interval, info.queue)
         old_queue = info.queue
-        info.offset += len(head.key)
+        info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
             info.token_type = info.ctx.token_type_at(info.offset)
         info.queue = self.route(info)
@@ -221,7 +221,7 @@ class SAEStrategy(EvictionStrategy):
         queue = info.queue
         self.resident[queue] = max(self.resident[queue] - len(node.key), 0)
         self.position.observe(info.offset / max(info.prompt_len, 1), False)
-        self.ghost[self._ghost_key(node, info.offset)] = (info.token_type, info.app_type)
+        self.ghost[block_key(node)] = (info.token_type, info.app_type)
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
         self.events["evictions"] += 1
@@ -235,8 +235,3 @@ class SAEStrategy(EvictionStrategy):
             scores[q] = math.log1p(hits.value / max(self.resident[q], 1))
             hits.value *= 0.9  # forget slowly, so alpha follows workload shifts
         self.alpha = softmax_weights(scores, self.temperature)
-
-    @staticmethod
-    def _ghost_key(node, offset: int) -> tuple:
-        """Identifies a block's content well enough to notice it coming back."""
-        return (offset, tuple(node.key.token_ids[:32]))
