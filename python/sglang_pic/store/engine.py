@@ -19,6 +19,8 @@ metadata journal is replayed at start).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import os
 import threading
@@ -52,6 +54,13 @@ class GDSFCache:
         self.entries: dict[str, _Entry] = {}
         self.on_evict = on_evict
         self.evictions = 0
+        # (priority, order, id); entries whose priority changed leave stale rows that the
+        # eviction loop skips, so a get is O(log n) and an eviction amortised O(log n)
+        self._heap: list[tuple[float, int, str]] = []
+        self._order = itertools.count()
+
+    def _push(self, tid: str, e: _Entry) -> None:
+        heapq.heappush(self._heap, (e.priority, next(self._order), tid))
 
     def __contains__(self, tid: str) -> bool:
         return tid in self.entries
@@ -62,6 +71,7 @@ class GDSFCache:
             return None
         e.freq += 1
         e.priority = self.inflation + e.freq
+        self._push(tid, e)
         return e.data
 
     def put(self, tid: str, data: bytes) -> bool:
@@ -73,7 +83,8 @@ class GDSFCache:
             self.used -= len(old.data)
         freq = old.freq + 1 if old else 1
         self._make_room(len(data))
-        self.entries[tid] = _Entry(data, freq, self.inflation + freq)
+        e = self.entries[tid] = _Entry(data, freq, self.inflation + freq)
+        self._push(tid, e)
         self.used += len(data)
         return True
 
@@ -86,8 +97,11 @@ class GDSFCache:
 
     def _make_room(self, nbytes: int) -> None:
         while self.used + nbytes > self.capacity and self.entries:
-            tid = min(self.entries, key=lambda k: self.entries[k].priority)
-            e = self.entries.pop(tid)
+            priority, _, tid = heapq.heappop(self._heap)
+            e = self.entries.get(tid)
+            if e is None or e.priority != priority:
+                continue  # a stale row: the entry was refreshed or removed since
+            del self.entries[tid]
             self.used -= len(e.data)
             self.inflation = max(self.inflation, e.priority)
             self.evictions += 1
@@ -109,6 +123,7 @@ class StoreEngine:
         self.objects: dict[str, list[str]] = {}
         self.ssd = Path(ssd_dir) if ssd_dir else None
         self.ssd_bytes = ssd_bytes
+        self.ssd_used = 0
         self.stats = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "spills": 0,
                       "ssd_hits": 0, "dedup_bytes": 0}
         if self.ssd is not None:
@@ -167,13 +182,14 @@ class StoreEngine:
 
     def _spill(self, tid: str, data: bytes) -> None:
         """Owned tensors leave memory for the SSD directory, never into nothing."""
-        if self.ssd is None:
-            return
-        if self.ssd_bytes and self._ssd_used() + len(data) > self.ssd_bytes:
+        if self.ssd is None or self._ssd_path(tid) is not None:
+            return  # same id, same bytes: already on SSD
+        if self.ssd_bytes and self.ssd_used + len(data) > self.ssd_bytes:
             return
         tmp = self.ssd / "tensors" / f".{tid}.tmp"
         tmp.write_bytes(data)
         tmp.replace(self.ssd / "tensors" / tid)  # atomic: a crash never leaves half a page
+        self.ssd_used += len(data)
         self.stats["spills"] += 1
 
     def _ssd_read(self, tid: str) -> bytes | None:
@@ -183,9 +199,6 @@ class StoreEngine:
         self.stats["ssd_hits"] += 1
         return p.read_bytes()
 
-    def _ssd_used(self) -> int:
-        return sum(f.stat().st_size for f in (self.ssd / "tensors").iterdir())
-
     def _journal(self, record: dict) -> None:
         if self.ssd is None:
             return
@@ -193,6 +206,7 @@ class StoreEngine:
             f.write(json.dumps(record) + "\n")
 
     def _recover(self) -> None:
+        self.ssd_used = sum(f.stat().st_size for f in (self.ssd / "tensors").glob("[!.]*"))
         journal = self.ssd / "objects.jsonl"
         if not journal.exists():
             return
@@ -207,5 +221,4 @@ class StoreEngine:
         """Write every owned tensor to the SSD tier (graceful shutdown)."""
         with self.lock:
             for tid, e in list(self.owned.entries.items()):
-                if self._ssd_path(tid) is None:
-                    self._spill(tid, e.data)
+                self._spill(tid, e.data)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
@@ -64,7 +65,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
             if len(blob) != flat.numel():  # a page of another shape: treat as a miss
                 out.append(None)
                 continue
-            flat.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            flat.numpy()[:] = np.frombuffer(blob, dtype=np.uint8)  # one copy, into the page
             out.append(target)
         self.stats["get_pages"] += len(keys)
         self.stats["get_hits"] += sum(o is not None for o in out)
