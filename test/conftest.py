@@ -22,6 +22,9 @@ from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 240
+# HiCache on the CPU engine (see docs/cpu.md): host tier of 1 GB, direct I/O, layer-first layout
+HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                     "--hicache-mem-layout", "layer_first", "--hicache-size", "1"]
 
 
 def pytest_configure(config):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from conftest import start_server, stop_server
+from conftest import HICACHE_CPU_FLAGS, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def hicache_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("hicache") / "server.log"
-    srv = start_server(["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                        "--hicache-mem-layout", "layer_first", "--hicache-size", "1",
-                        "--max-total-tokens", "512", "--page-size", "16"], log)
+    srv = start_server([*HICACHE_CPU_FLAGS, "--max-total-tokens", "512", "--page-size", "16"],
+                       log)
     yield srv
     stop_server(srv)
 

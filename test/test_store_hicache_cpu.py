@@ -11,7 +11,7 @@ import json
 import time
 
 import pytest
-from conftest import free_port, start_server, stop_server
+from conftest import HICACHE_CPU_FLAGS, free_port, start_server, stop_server
 from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.server import StoreServer
 
@@ -31,9 +31,7 @@ def _instance_args(servers) -> list[str]:
     extra = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
              "class_name": "PTStoreHiCacheStorage", "token": TOKEN,
              "servers": [s.endpoint for s in servers]}
-    return ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-            "--hicache-mem-layout", "layer_first", "--hicache-size", "1",
-            "--hicache-write-policy", "write_through",
+    return [*HICACHE_CPU_FLAGS, "--hicache-write-policy", "write_through",
             "--hicache-storage-prefetch-policy", "wait_complete",
             "--hicache-storage-backend", "dynamic",
             "--hicache-storage-backend-extra-config", json.dumps(extra),
