@@ -7,6 +7,10 @@ Every SGLang server flag passes through unchanged. What we add:
 - `--enable-position-free-kv`: keys stored un-rotated, rotated in our attention kernels; selects
   the position-free twin of the chosen attention backend (`triton` -> `pic_triton`,
   `torch_native` -> `pic_torch_native`; default `pic_triton` on GPU).
+- `--enable-span-cache`: span caching (SSEP/PDEP markers, `spans` field); implies
+  `--enable-position-free-kv` and selects `--radix-cache-backend pic_span`. Its knobs
+  `--span-schedule isps|barrier`, `--span-recompute-tokens K`, `--span-pad-token-id ID`,
+  `--span-markers SSEP,PDEP` reach SGLang's processes as `SGLANG_PIC_SPAN_*` variables.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ def build_argv(argv: list[str]) -> list[str]:
         model_path = str(ensure_default_model())
         argv = ["--model-path", model_path, *argv]
     position_free = _pop_flag(argv, POSITION_FREE_FLAG)
+    if _pop_flag(argv, SPAN_FLAG):
+        position_free = True
+        if _value_of(argv, "--radix-cache-backend") is None:
+            argv += ["--radix-cache-backend", "pic_span"]
+    for flag, env in SPAN_OPTIONS.items():
+        value = _pop_option(argv, flag)
+        if value is not None:
+            os.environ[env] = value
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
         cpu_support.enable_cpu_engine()
         argv += cpu_support.cpu_server_defaults(argv, model_path)
@@ -47,6 +59,29 @@ def build_argv(argv: list[str]) -> list[str]:
 
 
 POSITION_FREE_FLAG = "--enable-position-free-kv"
+SPAN_FLAG = "--enable-span-cache"
+SPAN_OPTIONS = {
+    "--span-schedule": "SGLANG_PIC_SPAN_SCHEDULE",
+    "--span-recompute-tokens": "SGLANG_PIC_SPAN_RECOMPUTE_TOKENS",
+    "--span-pad-token-id": "SGLANG_PIC_SPAN_PAD_TOKEN_ID",
+    "--span-markers": "SGLANG_PIC_SPAN_MARKERS",
+}
+
+
+def _pop_option(argv: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` / ``flag=VALUE`` from argv; return the (last) value."""
+    value = None
+    i = 0
+    while i < len(argv):
+        if argv[i] == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i : i + 2]
+        elif argv[i].startswith(flag + "="):
+            value = argv[i].split("=", 1)[1]
+            del argv[i]
+        else:
+            i += 1
+    return value
 
 
 def _pop_flag(argv: list[str], flag: str) -> bool:

@@ -1,0 +1,45 @@
+"""Frontend DSL support: ``sgl.span(...)`` inside ``@sgl.function`` programs.
+
+    import sglang as sgl
+    import sglang_pic.lang  # noqa: F401  (adds sgl.span; the server plugin does it too)
+
+    @sgl.function
+    def rag(s, docs, question):
+        s += "Answer from the documents.\\n"
+        for d in docs:
+            s += sgl.span(d)                 # cached once, reused at any offset
+        s += "Question: " + question + "\\nAnswer:"
+        s += sgl.gen("answer", max_tokens=32)
+
+A span is text between an SSEP marker and a PDEP marker: the span is computed as if it stood alone
+and whatever follows it in the program reads everything (see ``docs/spans.md``). The markers are
+plain strings, so programs run against any ``sglang-pic serve --enable-span-cache`` endpoint.
+"""
+
+from __future__ import annotations
+
+from sglang_pic.spans import config as _config
+from sglang_pic.spans.segments import SpanError
+
+
+def span(text: str, mode: str = "independent") -> str:
+    """Text for one span: ``mode`` is "independent" (SSEP) or "dependent" (PDEP)."""
+    ssep, pdep = _config.load().markers
+    if mode not in ("independent", "dependent"):
+        raise SpanError(f"sgl.span: mode must be 'independent' or 'dependent', got {mode!r}")
+    if not isinstance(text, str) or (mode == "independent" and not text):
+        raise SpanError("sgl.span: text must be a non-empty string")
+    if ssep in text or pdep in text:
+        raise SpanError("sgl.span: the text contains a span marker; spans cannot be nested")
+    return f"{ssep if mode == 'independent' else pdep}{text}{pdep}"
+
+
+def install() -> None:
+    """Expose ``span`` as ``sglang.span`` (idempotent)."""
+    import sglang
+
+    if getattr(sglang, "span", None) is not span:
+        sglang.span = span
+
+
+install()

@@ -1,0 +1,108 @@
+"""Span caching (MiniPIC section 2.2): SSEP / PDEP / page padding, span sub-request prefill, ISPS.
+
+A prompt may be cut into pieces by markers (``<|ssep|>`` opens an independent span, ``<|pdep|>`` a
+dependent segment; ``-1`` / ``-2`` in ``input_ids``; or the ``spans`` request field). An independent
+span is computed as if it stood alone and cached under its own hash chain, so one physical copy of
+its KV serves every request that contains it, at any offset, after any prefix (this needs the
+position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, all registered by
+``register()``:
+
+| where (process)   | SGLang seam                                                    | module         |
+|-------------------|----------------------------------------------------------------|----------------|
+| tokenizer         | AFTER ``TokenizerManager.init_tokenizer_and_processor``: markers become special tokens | ``request`` |
+| tokenizer         | BEFORE ``TokenizerManager.generate_request``: markers -> padded ids + layout (400 on bad input) | ``request`` |
+| HTTP server       | BEFORE ``http_server.launch_server``: middleware turning the ``spans`` field into a prompt | ``http`` |
+| scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
+| scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
+| scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held | ``planner`` |
+| scheduler         | AROUND ``SchedulerOutputStreamer.stream_output``: internal span prefills are not streamed | here |
+
+``sglang-pic serve --enable-span-cache`` selects all of it; semantics and API: ``docs/spans.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import BACKEND
+from .planner import is_unit
+from .request import PDEP_ID, SSEP_ID, spans_to_prompt
+from .segments import SpanError
+
+__all__ = ["BACKEND", "PDEP_ID", "SSEP_ID", "SpanError", "register", "spans_to_prompt"]
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+
+
+def register() -> None:
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import http, request
+    from .radix_cache import create_span_radix_cache
+
+    register_radix_cache_backend(BACKEND, create_span_radix_cache)
+    hooks = [
+        (
+            f"{_TOKENIZER_MANAGER}.init_tokenizer_and_processor",
+            request.install_resolver,
+            HookType.AFTER,
+        ),
+        (
+            f"{_TOKENIZER_MANAGER}.generate_request",
+            request.resolve_generate_request,
+            HookType.BEFORE,
+        ),
+        (
+            "sglang.srt.entrypoints.http_server.launch_server",
+            http.install_middleware,
+            HookType.BEFORE,
+        ),
+        (f"{_SCHEDULER}.handle_generate_request", _on_generate_request, HookType.AROUND),
+        (f"{_SCHEDULER}._add_request_to_queue", _on_add_to_queue, HookType.AROUND),
+        (f"{_SCHEDULER}.abort_request", _on_abort, HookType.AFTER),
+        (
+            "sglang.srt.managers.scheduler_components.output_streamer."
+            "SchedulerOutputStreamer.stream_output",
+            _hide_span_prefills,
+            HookType.AROUND,
+        ),
+    ]
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
+
+
+def _planner(scheduler: Any) -> Any:
+    return getattr(getattr(scheduler, "tree_cache", None), "planner", None)
+
+
+def _on_generate_request(
+    original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    planner = _planner(scheduler)
+    if planner is None:
+        return original(scheduler, recv_req, *args, **kwargs)
+    return planner.on_generate_request(original, scheduler, recv_req)
+
+
+def _on_add_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    planner = _planner(scheduler)
+    if planner is None:
+        return original(scheduler, req, *args, **kwargs)
+    return planner.on_add_to_queue(original, scheduler, req, *args, **kwargs)
+
+
+def _on_abort(result: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    planner = _planner(scheduler)
+    if planner is not None:
+        planner.on_abort(scheduler, recv_req)
+    return result
+
+
+def _hide_span_prefills(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    if any(is_unit(r) for r in reqs):
+        reqs = [r for r in reqs if not is_unit(r)]
+        if not reqs:
+            return None
+    return original(streamer, reqs, *args, **kwargs)

@@ -1,0 +1,137 @@
+"""HTTP extension field ``spans``: an ASGI middleware that turns it into an ordinary prompt.
+
+SGLang parses request bodies into fixed schemas (``GenerateReqInput``, OpenAI pydantic models), so
+an extra field would be dropped silently. The middleware rewrites the body before routing:
+
+* ``POST /generate``:  ``{"spans": [...]}`` -> ``text`` (marker strings) or ``input_ids`` (-1/-2);
+* ``POST /v1/completions``: ``{"spans": [...]}`` -> ``prompt``;
+* ``POST /v1/chat/completions``: a message ``{"role": ..., "spans": [...]}`` -> its ``content``,
+  with a trailing dependent marker after a final independent span, so the chat template's closing
+  tokens (and everything after) read the spans.
+
+Bad ``spans`` get HTTP 400 with the reason, in SGLang's error format.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .request import spans_to_prompt, with_spans
+from .segments import SpanError
+
+_PROMPT_FIELD = {"/generate": "text", "/v1/completions": "prompt"}
+_CHAT = "/v1/chat/completions"
+
+
+def rewrite_body(path: str, body: Any) -> Any:
+    """The request body with every ``spans`` field replaced; raises SpanError on bad spans."""
+    if not isinstance(body, dict):
+        return body
+    if path in _PROMPT_FIELD and "spans" in body:
+        return with_spans(body, _PROMPT_FIELD[path])
+    if path == _CHAT and isinstance(body.get("messages"), list):
+        messages = []
+        for i, message in enumerate(body["messages"]):
+            if isinstance(message, dict) and "spans" in message:
+                message = dict(message)
+                spans = message.pop("spans")
+                if message.get("content"):
+                    raise SpanError(f"messages[{i}]: give either 'spans' or 'content', not both")
+                from . import config
+
+                ssep, pdep = config.load().markers
+                content = spans_to_prompt(spans, (ssep, pdep))
+                if not isinstance(content, str):
+                    raise SpanError(f"messages[{i}].spans: chat spans must be text")
+                last_mode = (
+                    spans[-1].get("mode", "dependent") if isinstance(spans[-1], dict) else ""
+                )
+                if last_mode in ("independent", "ssep"):
+                    content += pdep
+                message["content"] = content
+            messages.append(message)
+        body = {**body, "messages": messages}
+    return body
+
+
+class SpansMiddleware:
+    """Pure ASGI middleware (no response buffering; only span-carrying request bodies are read)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (
+            scope.get("type") != "http"
+            or scope.get("method") != "POST"
+            or (path not in _PROMPT_FIELD and path != _CHAT)
+        ):
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        if b'"spans"' in raw:
+            try:
+                raw = json.dumps(rewrite_body(path, json.loads(raw))).encode()
+            except SpanError as e:
+                await _send_400(send, str(e), openai=path != "/generate")
+                return
+            except ValueError:
+                pass  # not JSON: let SGLang answer as it would
+            scope = dict(scope)
+            scope["headers"] = [
+                (k, str(len(raw)).encode() if k == b"content-length" else v)
+                for k, v in scope.get("headers", [])
+            ]
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _send_400(send: Any, message: str, openai: bool) -> None:
+    """400 in the error format of the endpoint (SGLang's ``/generate`` or OpenAI's)."""
+    if openai:
+        error = {
+            "object": "error",
+            "message": message,
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    else:
+        error = {"error": {"message": message}}
+    body = json.dumps(error).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def install_middleware(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook for ``sglang.srt.entrypoints.http_server.launch_server``."""
+    from sglang.srt.entrypoints import http_server
+
+    if not getattr(http_server.app.state, "pic_spans_middleware", False):
+        http_server.app.add_middleware(SpansMiddleware)
+        http_server.app.state.pic_spans_middleware = True

@@ -1,0 +1,350 @@
+"""`SpanPlanner`: prefill a request's uncached spans as internal sub-requests, then run it.
+
+A request with a span layout can only run once every segment but its last is in the cache:
+otherwise SGLang's extend would compute an independent span attending to what precedes it. The
+planner lives in the scheduler process (one per ``SpanRadixCache``) and, when such a request
+arrives:
+
+1. looks each non-final segment up; a cached one is *pinned* (its node locked for this request, so
+   eviction cannot take it before the request is admitted);
+2. turns each missing one into a **unit**: an internal request (rid ``pic-span-*``, one output
+   token, never streamed to the client) whose prompt is the span alone (independent: computed as if
+   it stood alone, at positions 0..L-1; with position-free keys its pages are valid at any offset)
+   or the prompt up to that segment (dependent: it attends to everything before it);
+   units are shared: concurrent requests that need the same uncached span wait on one unit;
+3. holds the request until its units are cached, then puts it in SGLang's waiting queue, where
+   ``SpanRadixCache.match_prefix`` finds every segment and only the final piece is computed.
+
+Scheduling (``--span-schedule``): ``isps`` (interleaved span-prefill scheduling) releases a request
+as soon as its own units are done, and units enter the waiting queue like any request, so span
+prefills batch together with other prefills and alternate with running decodes; ``barrier`` holds
+every final prompt until no unit is pending at all (prefill all spans, then all questions).
+
+Pins are released when the request finishes, or is aborted before it ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import uuid
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from .config import SpanConfig
+from .request import LAYOUT_KEY
+from .segments import Segment, SpanError, build_segments, decode_pieces
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from .radix_cache import SpanRadixCache
+
+logger = logging.getLogger(__name__)
+
+UNIT_RID_PREFIX = "pic-span-"
+
+# SamplingParams fields reset for a unit (it produces one throw-away token, with no constraints).
+_UNIT_SAMPLING = {
+    "max_new_tokens": 1,
+    "min_new_tokens": 0,
+    "custom_params": None,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "n": 1,
+}
+
+
+@dataclass
+class Unit:
+    """One missing segment being prefilled by an internal request."""
+
+    key: str
+    rid: str
+    segments: list[Segment] | None  # None: a plain prompt (span alone, or the leading piece)
+    waiters: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Held:
+    """A request (final prompt or dependent unit) waiting for units; its pins are separate."""
+
+    req: Req
+    pending: set[str]
+    unit_tokens: int = 0
+    """Tokens its units compute: not counted as cached tokens when the request is admitted."""
+
+
+def is_unit(req: Any) -> bool:
+    return str(getattr(req, "rid", "")).startswith(UNIT_RID_PREFIX)
+
+
+class SpanPlanner:
+    def __init__(self, cache: SpanRadixCache, cfg: SpanConfig):
+        self.cache = cache
+        self.cfg = cfg
+        self.scheduler: Any = None
+        self._enqueue: Callable[..., Any] | None = None
+        self._handle: Callable[..., Any] | None = None
+        self._expected: dict[str, Any] = {}
+        self.units: dict[str, Unit] = {}
+        self.unit_by_rid: dict[str, Unit] = {}
+        self.held: dict[str, Held] = {}
+        self.pins: dict[str, tuple[Req, list[Any]]] = {}
+        self.stats = {"units": 0, "unit_tokens": 0, "shared_waits": 0, "pinned_hits": 0}
+
+    # ---- scheduler hooks ------------------------------------------------------------------
+    def on_generate_request(self, handle: Callable, scheduler: Any, recv_req: Any) -> Any:
+        """AROUND ``Scheduler.handle_generate_request``: remember the request for the queue hook."""
+        self.scheduler, self._handle = scheduler, handle
+        custom = getattr(recv_req.sampling_params, "custom_params", None) or {}
+        if LAYOUT_KEY not in custom:
+            return handle(scheduler, recv_req)
+        self._expected[recv_req.rid] = recv_req
+        try:
+            return handle(scheduler, recv_req)
+        finally:
+            self._expected.pop(recv_req.rid, None)
+
+    def on_add_to_queue(self, enqueue: Callable, scheduler: Any, req: Req, *args, **kwargs) -> Any:
+        """AROUND ``Scheduler._add_request_to_queue``: hold requests whose segments are missing."""
+        self.scheduler, self._enqueue = scheduler, enqueue
+        retracted = kwargs.get("is_retracted", args[0] if args else False)
+        if not retracted and self._intercept(req):
+            return None
+        return enqueue(scheduler, req, *args, **kwargs)
+
+    def on_abort(self, scheduler: Any, recv_req: Any) -> None:
+        """AFTER ``Scheduler.abort_request``: drop held requests, free pins of never-run ones."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        def matches(rid: str) -> bool:
+            return recv_req.abort_all or (bool(recv_req.rid) and rid.startswith(recv_req.rid))
+
+        for rid in [r for r in self.held if matches(r)]:
+            held = self.held.pop(rid)
+            scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=rid), held.req)
+            self._unpin(rid)
+        for rid, (req, _) in list(self.pins.items()):
+            if matches(rid) and req.req_pool_idx is None and rid not in self.held:
+                self._unpin(rid)
+        if recv_req.abort_all:
+            for unit in list(self.units.values()):
+                self._finish_unit(unit, failed="aborted")
+
+    # ---- planning -------------------------------------------------------------------------
+    def _intercept(self, req: Req) -> bool:
+        """True when the planner keeps ``req`` (held until its units are cached)."""
+        unit = self.unit_by_rid.get(req.rid)
+        if unit is not None:
+            if req.finished():
+                self._finish_unit(unit, failed=_abort_message(req))
+                return False
+            if unit.segments is None:
+                return False
+            req.pic_segments = unit.segments
+            return self._plan(req, unit.segments)
+        recv = self._expected.get(req.rid)
+        if recv is None or req.finished():
+            return False
+        try:
+            pieces = decode_pieces(recv.sampling_params.custom_params[LAYOUT_KEY])
+            if pieces[-1].end != len(req.origin_input_ids):
+                raise SpanError("span layout does not match the prompt length")
+            if any(p.start % self.cache.page_size for p in pieces):
+                raise SpanError("span layout is not page-aligned for this server")
+        except SpanError as e:
+            req.set_finish_with_abort(str(e))
+            return False
+        req.pic_segments = build_segments(
+            req.origin_input_ids,
+            pieces,
+            req.extra_key,
+            page_size=self.cache.page_size,
+            recompute_tokens=self.cfg.recompute_tokens,
+        )
+        self._template = recv
+        return self._plan(req, req.pic_segments)
+
+    def _plan(self, req: Req, segments: list[Segment]) -> bool:
+        ids = req.origin_input_ids
+        pending: set[str] = set()
+        unit_tokens = 0
+        pins: list[Any] = []
+        for i, seg in enumerate(segments[:-1]):
+            key = _unit_key(ids, seg)
+            unit = self.units.get(key)
+            if unit is None:
+                node = self._cached_node(ids, seg)
+                if node is not None:
+                    self.cache.inc_lock_ref(node)
+                    pins.append(node)
+                    self.stats["pinned_hits"] += 1
+                    continue
+                unit = self._submit_unit(key, ids, seg, segments[: i + 1])
+                if unit is None:  # the unit request was rejected; so is this request
+                    self._release_pins(pins)
+                    req.set_finish_with_abort("span prefill was rejected (see the server log)")
+                    return False
+            else:
+                self.stats["shared_waits"] += 1
+            unit.waiters.append(req.rid)
+            pending.add(key)
+            unit_tokens += seg.key_end - seg.key_start
+        self.pins[req.rid] = (req, pins)
+        if not pending and not self._barrier_blocks(req):
+            return False  # everything is cached: the caller enqueues it now
+        self.held[req.rid] = Held(req, pending, unit_tokens)
+        return True
+
+    def _barrier_blocks(self, req: Req) -> bool:
+        return self.cfg.schedule == "barrier" and bool(self.units) and not is_unit(req)
+
+    def _cached_node(self, ids: Any, seg: Segment) -> Any:
+        want = seg.key_end - seg.key_start
+        result = RadixCache.match_prefix(
+            self.cache,
+            MatchPrefixParams(key=RadixKey(ids[seg.key_start : seg.key_end], seg.namespace)),
+        )
+        return result.last_device_node if len(result.device_indices) == want else None
+
+    def _submit_unit(
+        self, key: str, ids: Any, seg: Segment, prefix_segments: list[Segment]
+    ) -> Unit | None:
+        plain = seg.independent or (seg.key_start == 0 and len(prefix_segments) == 1)
+        if plain:
+            tokens, segments = ids[seg.key_start : seg.key_end], None
+        else:
+            tokens = ids[: seg.end]
+            last = prefix_segments[-1]
+            segments = [
+                *prefix_segments[:-1],
+                Segment(last.start, None, last.namespace, last.key_start, None, False),
+            ]
+        unit = Unit(key, f"{UNIT_RID_PREFIX}{uuid.uuid4().hex}", segments)
+        self.units[key] = unit
+        self.unit_by_rid[unit.rid] = unit
+        self.stats["units"] += 1
+        self.stats["unit_tokens"] += seg.key_end - seg.key_start
+        recv = copy.copy(self._template)
+        recv.rid = unit.rid
+        recv.input_ids = array("q", tokens)
+        recv.input_text = None
+        recv.sampling_params = _unit_sampling(recv.sampling_params)
+        for name, value in (
+            ("return_logprob", False),
+            ("logprob_start_len", -1),
+            ("top_logprobs_num", 0),
+            ("token_ids_logprob", None),
+            ("stream", False),
+            ("return_hidden_states", False),
+            ("session_params", None),
+            ("session_id", None),
+            ("custom_logit_processor", None),
+        ):
+            if hasattr(recv, name):
+                setattr(recv, name, value)
+        self._handle(self.scheduler, recv)
+        return self.units.get(key)
+
+    # ---- completion -----------------------------------------------------------------------
+    def on_request_cached(self, req: Req) -> None:
+        """Called by SpanRadixCache after a request's KV went into the tree (or was dropped)."""
+        unit = self.unit_by_rid.get(req.rid)
+        if unit is not None:
+            failed = _abort_message(req) if req.finished() and _is_abort(req) else None
+            self._finish_unit(unit, failed=failed, req=req)
+        if req.finished() and req.rid in self.pins:
+            self._unpin(req.rid)
+
+    def _finish_unit(self, unit: Unit, failed: str | None = None, req: Req | None = None) -> None:
+        if self.units.get(unit.key) is not unit:
+            return
+        del self.units[unit.key]
+        self.unit_by_rid.pop(unit.rid, None)
+        node = None
+        if failed is None and req is not None:
+            seg = (unit.segments or [None])[-1]
+            ids = req.origin_input_ids
+            if seg is None:
+                node = self._cached_node(
+                    ids, Segment(0, len(ids), req.extra_key, 0, len(ids), True)
+                )
+            else:
+                node = self._cached_node(
+                    ids, Segment(seg.start, len(ids), seg.namespace, seg.key_start, len(ids), False)
+                )
+            if node is None:
+                failed = "span prefill finished but its pages are not in the cache"
+        for rid in unit.waiters:
+            held = self.held.get(rid)
+            if held is None:
+                continue
+            if failed is not None:
+                self._fail(rid, f"span prefill failed: {failed}")
+                continue
+            self.cache.inc_lock_ref(node)
+            self.pins[rid][1].append(node)
+            held.pending.discard(unit.key)
+        for rid in list(self.held):
+            self._try_release(rid)
+
+    def _try_release(self, rid: str) -> None:
+        held = self.held.get(rid)
+        if held is None or held.pending or self._barrier_blocks(held.req):
+            return
+        del self.held[rid]
+        # SGLang adds the matched prefix length at admission (ScheduleBatch.prepare_for_extend);
+        # what our own span prefills computed a moment ago was not a cache hit for this request.
+        held.req.cached_tokens -= held.unit_tokens
+        self._enqueue(self.scheduler, held.req)
+
+    def _fail(self, rid: str, message: str) -> None:
+        held = self.held.pop(rid, None)
+        self._unpin(rid)
+        if held is None:
+            return
+        unit = self.unit_by_rid.get(rid)
+        if unit is not None:
+            self._finish_unit(unit, failed=message)
+        held.req.set_finish_with_abort(message)
+        self._enqueue(self.scheduler, held.req)
+
+    def _unpin(self, rid: str) -> None:
+        _, pins = self.pins.pop(rid, (None, []))
+        self._release_pins(pins)
+
+    def _release_pins(self, pins: list[Any]) -> None:
+        for node in pins:
+            self.cache.dec_lock_ref(node)
+
+
+def _unit_key(ids: Any, seg: Segment) -> str:
+    h = hashlib.blake2b(array("q", ids[seg.key_start : seg.key_end]).tobytes(), digest_size=16)
+    return f"{seg.namespace or ''}\x1f{h.hexdigest()}"
+
+
+def _unit_sampling(params: Any) -> Any:
+    names = {f.name for f in msgspec.structs.fields(params)}
+    return msgspec.structs.replace(
+        params, **{k: v for k, v in _UNIT_SAMPLING.items() if k in names}
+    )
+
+
+def _is_abort(req: Req) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return type(reason).__name__ == "FINISH_ABORT"
+
+
+def _abort_message(req: Req) -> str:
+    reason = getattr(req, "finished_reason", None)
+    return getattr(reason, "message", None) or "aborted"

@@ -1,0 +1,257 @@
+"""`SpanRadixCache`: SGLang's RadixCache with span-aware (segmented) prefix matching.
+
+SGLang's radix tree matches a request by token prefix from one root, so a document that follows a
+different system prompt is never found. Here a request that carries a span layout
+(``req.pic_segments``, see ``segments.py``) is matched segment by segment, each segment under its
+own radix namespace (``RadixKey.extra_key``): independent spans from the base root (SSEP: a new
+hash chain), dependent pieces under a digest of what precedes them (PDEP). The matched KV indices
+are concatenated, so the request's ``req_to_token`` row points at the *same physical pages* the
+span occupies in every other request, at whatever offset. That is only correct because the KV pool
+holds keys un-rotated (position-free KV: ``pic_triton`` / ``pic_torch_native``), which the factory
+checks.
+
+Requests without a layout (plain prompts, and the internal span-prefill requests) take the
+unchanged RadixCache paths. What is overridden, and why:
+
+* ``match_prefix``: segment-wise lookup; the returned node handle is a ``SpanPath`` (every
+  segment's last node) so that locking protects every segment;
+* ``inc_lock_ref`` / ``dec_lock_ref`` / ``resolve_node_handle``: accept a ``SpanPath``;
+* ``cache_finished_req`` / ``cache_unfinished_req``: insert each segment's own KV under its
+  namespace and free exactly the duplicate indices this request owns;
+* after a finished request is cached, the ``SpanPlanner`` is told (span prefills finishing is what
+  releases the requests waiting for them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefResult,
+    IncLockRefResult,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from .segments import Segment
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from .planner import SpanPlanner
+
+logger = logging.getLogger(__name__)
+
+
+class SpanPath:
+    """Node handle of a segmented match: the last matched node of every segment, in order.
+
+    SGLang keeps one handle per request (``req.last_node``) and only passes it back to the cache
+    (lock/unlock, scheduling weight); attribute reads fall through to the deepest node.
+    """
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[TreeNode]):
+        self.nodes = nodes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.nodes[-1], name)
+
+    def __repr__(self) -> str:
+        return f"SpanPath({[n.id for n in self.nodes]})"
+
+
+def segments_of(req: Req | None) -> list[Segment] | None:
+    return getattr(req, "pic_segments", None) if req is not None else None
+
+
+class SpanRadixCache(RadixCache):
+    """RadixCache whose requests may be made of independently cached segments."""
+
+    planner: SpanPlanner | None = None
+
+    # ---- matching -------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        segments = segments_of(params.req)
+        if segments is None or self.disable:
+            return super().match_prefix(params)
+        return self.match_segments(params.key.token_ids, len(params.key), segments)
+
+    def match_segments(self, token_ids: Any, limit: int, segments: list[Segment]) -> MatchResult:
+        """Longest run of fully cached segments (the last one may be partial), concatenated."""
+        parts: list[torch.Tensor] = []
+        nodes: list[TreeNode] = []
+        for seg in segments:
+            if seg.start >= limit:
+                break
+            end = limit if seg.end is None else min(seg.end, limit)
+            key_end = end if seg.key_end is None else seg.key_end
+            result = super().match_prefix(
+                MatchPrefixParams(key=RadixKey(token_ids[seg.key_start : key_end], seg.namespace))
+            )
+            got = result.device_indices
+            offset = seg.start - seg.key_start
+            usable = got[offset : offset + (end - seg.start)]
+            if len(usable):
+                parts.append(usable)
+                nodes.append(result.last_device_node)
+            if len(usable) < end - seg.start:
+                break
+        if not parts:
+            return self._empty_match_result
+        handle: Any = nodes[0] if len(nodes) == 1 else SpanPath(nodes)
+        return MatchResult(
+            device_indices=torch.cat(parts),
+            last_device_node=handle,
+            last_host_node=handle,
+            best_match_node=handle,
+        )
+
+    # ---- locking ---------------------------------------------------------------------------
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if isinstance(node, SpanPath):
+            return IncLockRefResult(
+                delta=sum(super(SpanRadixCache, self).inc_lock_ref(n).delta for n in node.nodes)
+            )
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: Any, params: Any = None) -> DecLockRefResult:
+        if isinstance(node, SpanPath):
+            return DecLockRefResult(
+                delta=sum(
+                    super(SpanRadixCache, self).dec_lock_ref(n, params).delta for n in node.nodes
+                )
+            )
+        return super().dec_lock_ref(node, params)
+
+    def resolve_node_handle(self, node_handle: Any) -> Any:
+        if isinstance(node_handle, SpanPath):
+            return node_handle.nodes[-1]
+        return super().resolve_node_handle(node_handle)
+
+    # ---- insertion -------------------------------------------------------------------------
+    def _insert_segments(
+        self, req: Req, token_ids: Any, kv_indices: torch.Tensor, *, chunked: bool, is_insert: bool
+    ) -> list[tuple[torch.Tensor, int]]:
+        """Insert each segment's own KV; return the (indices, start) ranges this request must free.
+
+        Positions below ``req.cache_protected_len`` came from the tree and are not ours to free;
+        anything the tree already held from another request is a duplicate we free; the unaligned
+        tail of the last segment is freed too (as RadixCache does).
+        """
+        n = len(token_ids)
+        protected = req.cache_protected_len
+        priority = getattr(req, "priority", 0) or 0
+        to_free: list[tuple[torch.Tensor, int]] = []
+        for seg in segments_of(req) or ():
+            if seg.start >= n:
+                break
+            end = n if seg.end is None else min(seg.end, n)
+            if not seg.owns_key:
+                # A link-recompute tail: its pages belong to the standalone span already cached.
+                if end > max(seg.start, protected):
+                    lo = max(seg.start, protected)
+                    to_free.append((kv_indices[lo:end], lo))
+                continue
+            key = RadixKey(token_ids[seg.start : end], seg.namespace).page_aligned(self.page_size)
+            klen = len(key)
+            if is_insert and klen:
+                values = kv_indices[seg.start : seg.start + klen].to(dtype=torch.int64, copy=True)
+                prefix_len = self.insert(
+                    InsertParams(key=key, value=values, priority=priority, chunked=chunked)
+                ).prefix_len
+            else:
+                prefix_len = klen
+            lo, hi = max(seg.start, protected), seg.start + prefix_len
+            if hi > lo:
+                to_free.append((kv_indices[lo:hi], lo))
+            if end > seg.start + klen:
+                lo = max(seg.start + klen, protected)
+                to_free.append((kv_indices[lo:end], lo))
+        return to_free
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True, *, kv_len_to_handle: int):
+        if segments_of(req) is None or self.disable:
+            super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        else:
+            if self.disable_finished_insert:
+                is_insert = False
+            token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+            kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+            to_free = self._insert_segments(
+                req, token_ids, kv_indices, chunked=False, is_insert=is_insert
+            )
+            self.token_to_kv_pool_allocator.free_segments(to_free)
+            if req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
+        if self.planner is not None:
+            self.planner.on_request_cached(req)
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False):
+        segments = segments_of(req)
+        if segments is None or self.disable:
+            return super().cache_unfinished_req(req, chunked)
+        token_ids = req.get_fill_ids()
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        to_free = self._insert_segments(req, token_ids, kv_indices, chunked=chunked, is_insert=True)
+        # Unlike the finished case, the unaligned tail stays: the request keeps computing into it.
+        n = len(token_ids)
+        last = segments[-1]
+        tail_start = last.start + (n - last.start) // self.page_size * self.page_size
+        self.token_to_kv_pool_allocator.free_segments(
+            [(idx, start) for idx, start in to_free if start < tail_start]
+        )
+        match = self.match_segments(token_ids, n, segments)
+        new_indices, new_last_node = match.device_indices, match.last_device_node
+        self.req_to_token_pool.write(
+            (req.req_pool_idx, slice(req.cache_protected_len, len(new_indices))),
+            new_indices[req.cache_protected_len :],
+        )
+        req.cache_protected_len = len(new_indices)
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(new_last_node)
+        if len(new_indices) < len(kv_indices):
+            req.prefix_indices = torch.cat([new_indices, kv_indices[len(new_indices) :]])
+        else:
+            req.prefix_indices = new_indices
+        req.last_node = new_last_node
+
+
+def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
+    """Factory registered as ``--radix-cache-backend pic_span``; refuses what it cannot serve."""
+    from sglang_pic.position_free import BACKEND_FOR
+
+    from . import config as span_config
+    from .planner import SpanPlanner
+
+    args = ctx.server_args
+    problems = []
+    backends = {
+        args.attention_backend,
+        args.prefill_attention_backend,
+        args.decode_attention_backend,
+    }
+    backends.discard(None)
+    if not backends or not backends <= set(BACKEND_FOR.values()):
+        problems.append(
+            "it needs position-free KV (keys stored un-rotated): use --attention-backend "
+            f"{' or '.join(BACKEND_FOR.values())} (sglang-pic serve --enable-span-cache picks it)"
+        )
+    if ctx.disable_radix_cache:
+        problems.append("--disable-radix-cache is set")
+    if ctx.enable_hierarchical_cache:
+        problems.append("HiCache (--enable-hierarchical-cache) is not supported with spans yet")
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
+        problems.append("hybrid (sliding-window / SSM / DSA) models are not supported")
+    if problems:
+        raise ValueError(f"--radix-cache-backend {span_config.BACKEND}: " + "; ".join(problems))
+    cache = SpanRadixCache(ctx.params)
+    cache.planner = SpanPlanner(cache, span_config.load())
+    logger.info("span cache: segmented radix matching, schedule=%s", cache.planner.cfg.schedule)
+    return cache

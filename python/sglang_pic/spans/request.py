@@ -1,0 +1,241 @@
+"""Tokenizer-side span handling: markers become a padded prompt plus its piece layout.
+
+Runs in SGLang's TokenizerManager (the HTTP server / `Engine` process), before tokenization:
+
+* the marker strings are added to the tokenizer as special tokens, so any text path (``/generate``
+  text, OpenAI completions, chat templates, the frontend DSL) tokenizes each piece on its own and
+  the markers come out as single ids that never reach the model;
+* in ``input_ids``, ``SSEP_ID`` (-1) and ``PDEP_ID`` (-2) are the markers (for clients that send
+  token ids, e.g. ``skip_tokenizer_init``);
+* the pieces are padded to page boundaries and the layout travels to the scheduler in
+  ``sampling_params["custom_params"]["pic_spans"]`` (a flat int list: start, end, independent).
+
+Bad input raises ``SpanError`` (a ValueError), which SGLang answers with HTTP 400.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from . import config as span_config
+from .segments import SpanError, encode_pieces, pad_pieces, split_pieces
+
+SSEP_ID = -1
+"""Independent-span marker inside ``input_ids``."""
+PDEP_ID = -2
+"""Dependent-segment marker inside ``input_ids``."""
+LAYOUT_KEY = "pic_spans"
+"""``custom_params`` key carrying the padded layout to the scheduler."""
+
+
+def add_marker_tokens(tokenizer: Any, cfg: span_config.SpanConfig) -> tuple[int, int]:
+    """Register both markers as special tokens of ``tokenizer``; return their ids."""
+    tokenizer.add_tokens(list(cfg.markers), special_tokens=True)
+    ssep, pdep = (tokenizer.convert_tokens_to_ids(m) for m in cfg.markers)
+    return int(ssep), int(pdep)
+
+
+def span_cache_enabled(server_args: Any) -> bool:
+    return getattr(server_args, "radix_cache_backend", None) == span_config.BACKEND
+
+
+def pad_token_id(tokenizer: Any, cfg: span_config.SpanConfig) -> int:
+    if cfg.pad_token_id is not None:
+        return cfg.pad_token_id
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def layout_prompt(
+    ids: Sequence[int],
+    *,
+    marker_ids: tuple[int, int],
+    page_size: int,
+    pad_id: int,
+) -> tuple[list[int], list[int]] | None:
+    """(padded ids, encoded layout) for a prompt with markers, or None when it has none."""
+    ssep, pdep = marker_ids
+    norm = [SSEP_ID if t == ssep else PDEP_ID if t == pdep else t for t in ids]
+    pieces = split_pieces(norm, SSEP_ID, PDEP_ID)
+    if pieces is None:
+        return None
+    if any(t < 0 for _, toks in pieces for t in toks):
+        raise SpanError("input_ids contain negative ids other than the span markers -1 and -2")
+    padded, layout = pad_pieces(pieces, page_size, pad_id)
+    return padded, encode_pieces(layout)
+
+
+class SpanRequestResolver:
+    """Turns span markers in a ``GenerateReqInput`` into padded ``input_ids`` + layout."""
+
+    def __init__(self, tokenizer_manager: Any, cfg: span_config.SpanConfig | None = None):
+        self.cfg = cfg or span_config.load()
+        tm = tokenizer_manager
+        self.enabled = span_cache_enabled(tm.server_args)
+        self.page_size = max(1, int(getattr(tm.server_args, "page_size", 1) or 1))
+        self.context_len = int(getattr(tm, "context_len", 0) or 0)
+        self.tokenizer = getattr(tm, "tokenizer", None)
+        self.marker_ids = (SSEP_ID, PDEP_ID)
+        if self.enabled and self.tokenizer is not None:
+            self.marker_ids = add_marker_tokens(self.tokenizer, self.cfg)
+        self.pad_id = pad_token_id(self.tokenizer, self.cfg)
+
+    def __call__(self, obj: Any) -> None:
+        if getattr(obj, "input_embeds", None) is not None:
+            return
+        text, input_ids = obj.text, obj.input_ids
+        batched = isinstance(text, list) or (
+            isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+        )
+        items = (text if isinstance(text, list) else input_ids) if batched else [text or input_ids]
+        if items is None:
+            return
+        resolved = [self._resolve_one(item) for item in items]
+        if all(r is None for r in resolved):
+            return
+        params = obj.sampling_params
+        per_item = params if isinstance(params, list) else [params] * len(items)
+        new_ids: list[list[int]] = []
+        new_params: list[dict] = []
+        for item, r, sp in zip(items, resolved, per_item, strict=True):
+            sp = dict(sp or {})
+            if r is None:
+                new_ids.append(self._tokenize(item))
+            else:
+                ids, layout = r
+                max_new = sp.get("max_new_tokens")
+                total = len(ids) + (int(max_new) if isinstance(max_new, int) else 0)
+                if self.context_len and total > self.context_len:
+                    raise SpanError(
+                        f"the spans exceed the context: {len(ids)} prompt tokens after page "
+                        f"padding + {max_new or 0} new tokens > context length {self.context_len}"
+                    )
+                custom = dict(sp.get("custom_params") or {})
+                custom[LAYOUT_KEY] = layout
+                sp["custom_params"] = custom
+                new_ids.append(ids)
+            new_params.append(sp)
+        obj.text = None
+        obj.input_ids = new_ids if batched else new_ids[0]
+        obj.sampling_params = new_params if batched else new_params[0]
+
+    def _tokenize(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            if self.tokenizer is None:
+                raise SpanError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return list(self.tokenizer(item)["input_ids"])
+        return list(item)
+
+    def _resolve_one(self, item: Any) -> tuple[list[int], list[int]] | None:
+        if isinstance(item, str):
+            if not any(m in item for m in self.cfg.markers):
+                return None
+            if not self.enabled:
+                return None  # vanilla behaviour: marker strings are ordinary text
+            ids = self._tokenize(item)
+        elif isinstance(item, list):
+            has_sentinel = any(isinstance(t, int) and t < 0 for t in item)
+            has_marker = self.enabled and any(t in self.marker_ids for t in item)
+            if not (has_sentinel or has_marker):
+                return None
+            ids = item
+        else:
+            return None
+        if not self.enabled:
+            raise SpanError(
+                "span markers need the span cache: start the server with "
+                "`sglang-pic serve --enable-span-cache` (or --radix-cache-backend pic_span)"
+            )
+        return layout_prompt(
+            ids, marker_ids=self.marker_ids, page_size=self.page_size, pad_id=self.pad_id
+        )
+
+
+def install_resolver(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook for ``TokenizerManager.init_tokenizer_and_processor(self)``.
+
+    Registers the markers with the tokenizer before any request (chat templates tokenize before
+    ``generate_request`` is reached).
+    """
+    self._pic_span_resolver = SpanRequestResolver(self)
+
+
+def resolve_generate_request(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook for ``TokenizerManager.generate_request(self, obj, request=None)``."""
+    resolver = getattr(self, "_pic_span_resolver", None)
+    if resolver is None:
+        resolver = self._pic_span_resolver = SpanRequestResolver(self)
+    resolver(obj)
+
+
+def spans_to_prompt(spans: Any, markers: tuple[str, str] | None = None) -> str | list[int]:
+    """The prompt (text with marker strings, or ids with -1/-2) for a ``spans`` list.
+
+    ``spans`` is ``[{"text": str} | {"input_ids": [int]}, "mode": "independent"|"dependent"}]``;
+    mode defaults to dependent. Text-only lists give text, any token-id item gives ids (text items
+    are then not allowed, since tokenizing them is the server's job).
+    """
+    ssep, pdep = markers or span_config.load().markers
+    if not isinstance(spans, list) or not spans:
+        raise SpanError("'spans' must be a non-empty list of {text|input_ids, mode} objects")
+    texts: list[str] = []
+    ids: list[int] = []
+    kinds: set[str] = set()
+    for i, item in enumerate(spans):
+        if not isinstance(item, dict):
+            raise SpanError(f"spans[{i}] must be an object, got {type(item).__name__}")
+        unknown = set(item) - {"text", "input_ids", "mode"}
+        if unknown:
+            raise SpanError(f"spans[{i}]: unknown field(s) {sorted(unknown)}")
+        mode = item.get("mode", "dependent")
+        if mode not in ("independent", "dependent", "ssep", "pdep"):
+            raise SpanError(f"spans[{i}]: mode must be 'independent' or 'dependent', got {mode!r}")
+        independent = mode in ("independent", "ssep")
+        if ("text" in item) == ("input_ids" in item):
+            raise SpanError(f"spans[{i}] needs exactly one of 'text' and 'input_ids'")
+        if "text" in item:
+            value = item["text"]
+            if not isinstance(value, str):
+                raise SpanError(f"spans[{i}].text must be a string")
+            if ssep in value or pdep in value:
+                raise SpanError(f"spans[{i}] contains a span marker; markers cannot be nested")
+            if independent and not value:
+                raise SpanError(f"spans[{i}] is an empty independent span")
+            kinds.add("text")
+            texts.append((ssep if independent else pdep if i else "") + value)
+        else:
+            value = item["input_ids"]
+            if not isinstance(value, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value
+            ):
+                raise SpanError(f"spans[{i}].input_ids must be a list of token ids")
+            if any(t < 0 for t in value):
+                raise SpanError(f"spans[{i}] contains a negative id (a span marker)")
+            if independent and not value:
+                raise SpanError(f"spans[{i}] is an empty independent span")
+            kinds.add("ids")
+            ids += ([SSEP_ID] if independent else [PDEP_ID] if i else []) + value
+    if len(kinds) > 1:
+        raise SpanError("spans must be all text or all input_ids, not a mix")
+    return "".join(texts) if "text" in kinds else ids
+
+
+def with_spans(body: dict, prompt_field: str) -> dict:
+    """Request JSON with its ``spans`` extension field turned into ``prompt_field``."""
+    body = copy.copy(body)
+    spans = body.pop("spans")
+    if body.get(prompt_field) or body.get("text") or body.get("input_ids"):
+        raise SpanError(f"give either 'spans' or '{prompt_field}', not both")
+    prompt = spans_to_prompt(spans)
+    body.pop("text", None)
+    body.pop("input_ids", None)
+    if prompt_field == "text":
+        body["text" if isinstance(prompt, str) else "input_ids"] = prompt
+    else:
+        body[prompt_field] = prompt
+    return body

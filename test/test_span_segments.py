@@ -1,0 +1,62 @@
+"""Span layout logic without a server: marker splitting, page padding, namespaces, link segments."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt, spans_to_prompt
+from sglang_pic.spans.segments import SpanError, build_segments, decode_pieces, split_pieces
+
+
+def test_split_drops_empty_dependent_pieces_and_rejects_bad_ones():
+    assert split_pieces([1, 2], SSEP_ID, PDEP_ID) is None
+    assert split_pieces([PDEP_ID, 1, SSEP_ID, 2, PDEP_ID, PDEP_ID, 3], SSEP_ID, PDEP_ID) == [
+        (False, [1]), (True, [2]), (False, [3])]
+    with pytest.raises(SpanError, match="empty span"):
+        split_pieces([1, SSEP_ID, PDEP_ID, 2], SSEP_ID, PDEP_ID)
+    with pytest.raises(SpanError, match="ends inside"):
+        split_pieces([1, SSEP_ID, 2], SSEP_ID, PDEP_ID)
+
+
+def test_padding_puts_every_piece_on_a_page_start():
+    ids, layout = layout_prompt([1, 2, 3, SSEP_ID, 4, 5, PDEP_ID, 6], marker_ids=(SSEP_ID, PDEP_ID),
+                                page_size=4, pad_id=0)
+    assert ids == [1, 2, 3, 0, 4, 5, 0, 0, 6]
+    assert [(p.start, p.end, p.independent) for p in decode_pieces(layout)] == [
+        (0, 4, False), (4, 8, True), (8, 9, False)]
+
+
+def _segments(ids, page_size=1, recompute=0, base=None):
+    padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=page_size, pad_id=0)
+    return padded, build_segments(padded, decode_pieces(layout), base, page_size, recompute)
+
+
+def test_spans_share_a_namespace_dependent_pieces_depend_on_everything_before():
+    _, a = _segments([1, 2, SSEP_ID, 7, 8, PDEP_ID, 9])
+    _, b = _segments([3, 4, 5, SSEP_ID, 7, 8, PDEP_ID, 9])
+    _, c = _segments([1, 2, SSEP_ID, 6, 8, PDEP_ID, 9])
+    assert a[1].namespace is None  # a span lives under the base root (SSEP: h_0)
+    assert a[1].namespace == b[1].namespace
+    assert a[2].namespace != b[2].namespace  # same question, other prefix
+    assert a[2].namespace != c[2].namespace  # same question, other document
+    assert a[-1].end is None and a[0].namespace is None
+
+
+def test_link_recompute_splits_each_span():
+    _, segs = _segments([1, SSEP_ID, *range(10, 20), PDEP_ID, 9], page_size=2, recompute=3)
+    # the link is rounded up to a page (4 tokens); the tail is looked up by the whole span
+    link, tail = segs[1], segs[2]
+    assert (link.start, link.end, link.independent) == (2, 6, False)
+    assert (tail.start, tail.end, tail.key_start, tail.key_end) == (6, 12, 2, 12)
+    assert not tail.owns_key and link.owns_key
+
+
+def test_spans_field_validation():
+    assert spans_to_prompt([{"text": "a"}, {"text": "b", "mode": "independent"}, {"text": "c"}],
+                           ("<s>", "<p>")) == "a<s>b<p>c"
+    assert spans_to_prompt([{"input_ids": [1]}, {"input_ids": [2], "mode": "ssep"}]) == [
+        1, SSEP_ID, 2]
+    for bad, msg in [([], "non-empty"), ([{"text": 1}], "string"), ([{"txt": "a"}], "unknown"),
+                     ([{"text": "a"}, {"input_ids": [1]}], "mix"),
+                     ([{"text": "a", "input_ids": [1]}], "exactly one")]:
+        with pytest.raises(SpanError, match=msg):
+            spans_to_prompt(bad)

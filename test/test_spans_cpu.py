@@ -1,0 +1,246 @@
+"""Span caching on CPU with SmolLM2: outputs equal an HF block-attention reference, spans are hit at
+other offsets, PDEP pages are not falsely shared, one physical copy serves concurrent requests,
+and bad input gets a 400.
+
+The servers run `sglang-pic serve --enable-span-cache` (pic_torch_native, page size 16, so page
+padding is exercised); the reference is `sglang_pic.spans.reference` (one HF forward with an
+explicit block-attention mask and the same positions).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+from conftest import start_server, stop_server
+from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
+from sglang_pic.spans.segments import decode_pieces
+
+PAGE = 16
+NEW = 10
+SP = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+DOCS = [
+    "The secret code of the blue castle is 4417. The castle was built in 1502 by King Aldric.",
+    "Mount Quellen is 3120 metres high and lies north of the river Aster, near the town of Brill.",
+    "The bakery on Elm Street sells rye bread on Mondays and cherry pie on Fridays.",
+]
+PREFIXES = ["You are a helpful assistant.", "Read the documents below and answer the question briefly."]
+QUESTION = "\nQuestion: what is the secret code of the blue castle?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def span_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("spans") / "server.log"
+    srv = start_server(["--enable-span-cache", "--max-total-tokens", "8192", "--page-size",
+                        str(PAGE), "--chunked-prefill-size", "128"], log)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)  # a server's scheduler polls the other core
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return tok, model
+
+
+def span_ids(tok, prefix: str, docs: list[str], question: str = QUESTION) -> list[int]:
+    ids = tok(prefix)["input_ids"]
+    for d in docs:
+        ids += [SSEP_ID] + tok(" " + d, add_special_tokens=False)["input_ids"]
+    return ids + [PDEP_ID] + tok(question, add_special_tokens=False)["input_ids"]
+
+
+def reference(hf, ids: list[int], recompute: int = 0) -> list[int]:
+    from sglang_pic.spans.reference import block_attention_greedy
+
+    padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=PAGE,
+                                   pad_id=hf[0].eos_token_id)
+    return block_attention_greedy(hf[1], padded, decode_pieces(layout), NEW, recompute)
+
+
+def generate(server, **body) -> dict:
+    r = server.post("/generate", json={"sampling_params": SP, **body}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def loads(server) -> dict:
+    return requests.get(server.url + "/v1/loads", timeout=30).json()["loads"][0]
+
+
+@pytest.mark.parametrize(
+    "prefix,order", [(0, [0, 1]), (1, [1, 0]), (1, [2, 0, 1])], ids=["p0-ab", "p1-ba", "p1-cab"]
+)
+def test_output_equals_block_attention_reference(span_server, hf, prefix, order):
+    """Spans at different offsets, after different prefixes, in different orders."""
+    ids = span_ids(hf[0], PREFIXES[prefix], [DOCS[i] for i in order])
+    out = generate(span_server, input_ids=ids)
+    assert out["output_ids"] == reference(hf, ids)
+
+
+def test_text_markers_equal_token_markers(span_server, hf):
+    tok = hf[0]
+    text = PREFIXES[0] + "".join("<|ssep|> " + d for d in DOCS[:2]) + "<|pdep|>" + QUESTION
+    by_text = generate(span_server, text=text)
+    by_ids = generate(span_server, input_ids=span_ids(tok, PREFIXES[0], DOCS[:2]))
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    spans = [{"text": PREFIXES[0]}, *({"text": " " + d, "mode": "independent"} for d in DOCS[:2]),
+             {"text": QUESTION}]
+    by_field = generate(span_server, spans=spans)
+    assert by_field["output_ids"] == by_ids["output_ids"]
+
+
+def test_span_is_hit_at_another_offset(span_server, hf):
+    tok = hf[0]
+    doc = " ".join(DOCS) + " This paragraph is only in the offset test."
+    first = generate(span_server, input_ids=span_ids(tok, "Short prefix.", [doc]))
+    before = loads(span_server)["total_prefill_uncached_tokens"]
+    ids = span_ids(tok, "A much longer and different system prompt, placed before the document.", [doc])
+    second = generate(span_server, input_ids=ids)
+    computed = loads(span_server)["total_prefill_uncached_tokens"] - before
+    doc_tokens = len(tok(" " + doc, add_special_tokens=False)["input_ids"])
+    doc_pages = doc_tokens // PAGE * PAGE
+    assert first["meta_info"]["cached_tokens"] == 0, "nothing was cached before the first request"
+    assert second["meta_info"]["cached_tokens"] >= doc_pages
+    assert computed < second["meta_info"]["prompt_tokens"] - doc_pages + PAGE
+    assert second["output_ids"] == reference(hf, ids)
+
+
+def test_pdep_pages_are_not_shared_across_contexts(span_server, hf):
+    """The same question after different documents: its pages depend on the whole prompt."""
+    tok = hf[0]
+    q = "\nQuestion: which of these facts is the most surprising, and why?\nAnswer:" * 3
+    a = span_ids(tok, "PDEP test prefix.", [DOCS[0] + " (PDEP test A)"], q)
+    b = span_ids(tok, "PDEP test prefix.", [DOCS[1] + " (PDEP test B)"], q)
+    out_a = generate(span_server, input_ids=a)
+    out_b = generate(span_server, input_ids=b)
+    prefix_pages = -(-len(tok("PDEP test prefix.")["input_ids"]) // PAGE) * PAGE
+    assert out_a["meta_info"]["cached_tokens"] == 0
+    # only the shared prefix was in the cache for b: not a page of the (identical) question
+    assert out_b["meta_info"]["cached_tokens"] == prefix_pages
+    assert out_b["output_ids"] == reference(hf, b)
+    again = generate(span_server, input_ids=b)  # same context: now the question pages are hits
+    assert again["meta_info"]["cached_tokens"] >= len(b) - 2 - PAGE
+
+
+def test_concurrent_requests_share_one_physical_copy(span_server, hf):
+    tok = hf[0]
+    doc = " ".join(DOCS * 6)  # ~400 tokens
+    doc_tokens = len(tok(" " + doc, add_special_tokens=False)["input_ids"])
+    reqs = [span_ids(tok, p, [doc]) for p in ("First offset.", "A second, longer prompt prefix here.")]
+    before = loads(span_server)["total_prefill_uncached_tokens"]
+    peak = [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], loads(span_server)["num_used_tokens"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    outs: list[dict] = [None, None]
+
+    def run(i):
+        r = span_server.post("/generate", timeout=300, json={
+            "input_ids": reqs[i], "sampling_params": {**SP, "max_new_tokens": 48}})
+        outs[i] = r.json()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    watcher.join()
+    computed = loads(span_server)["total_prefill_uncached_tokens"] - before
+    assert all(o and len(o["output_ids"]) == 48 for o in outs), outs
+    # the document was prefilled once, and one copy of it was in use while both ran
+    assert computed < 2 * doc_tokens
+    assert doc_tokens <= peak[0] < 2 * doc_tokens
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"spans": [{"text": "a"}, {"text": "x<|ssep|>y", "mode": "independent"}]}, "marker"),
+        ({"spans": [{"text": "a"}, {"text": "", "mode": "independent"}, {"text": "q"}]}, "empty"),
+        ({"spans": [{"text": "a", "mode": "sideways"}]}, "mode"),
+        ({"spans": [{"text": "a"}, {"text": "doc", "mode": "independent"}]}, "ends inside"),
+        ({"spans": [{"text": "a"}, {"text": "doc " * 9000, "mode": "independent"},
+                    {"text": "q"}]}, "exceed the context"),
+        ({"text": "a<|ssep|><|pdep|>question"}, "empty span"),
+        ({"input_ids": [1, 2, SSEP_ID, 3, PDEP_ID, 4, -7]}, "negative"),
+        ({"spans": [{"text": "a"}], "text": "b"}, "not both"),
+    ],
+)
+def test_bad_span_input_is_a_400(span_server, body, message):
+    r = span_server.post("/generate", json={**body, "sampling_params": SP})
+    assert r.status_code == 400, r.text
+    assert message in r.text
+    assert span_server.healthy()
+
+
+def test_openai_endpoints_accept_spans(span_server, hf):
+    spans = [{"text": PREFIXES[0]}, {"text": " " + DOCS[0], "mode": "independent"},
+             {"text": QUESTION}]
+    native = generate(span_server, spans=spans)
+    r = span_server.post("/v1/completions", json={"model": "default", "spans": spans,
+                                                   "max_tokens": NEW, "temperature": 0,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == native["text"]
+    chat = span_server.post("/v1/chat/completions", json={
+        "model": "default", "max_tokens": NEW, "temperature": 0,
+        "messages": [{"role": "user", "spans": [{"text": DOCS[0], "mode": "independent"},
+                                                {"text": "What is the secret code?"}]}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"]
+    bad = span_server.post("/v1/completions", json={"model": "default", "max_tokens": 4,
+                                                     "spans": [{"text": "a", "mode": "bad"}]})
+    assert bad.status_code == 400 and "mode" in bad.json()["message"]
+
+
+def test_dsl_span_program(span_server):
+    import sglang as sgl
+    import sglang_pic.lang  # noqa: F401
+
+    @sgl.function
+    def rag(s, docs, question):
+        s += PREFIXES[0]
+        for d in docs:
+            s += sgl.span(" " + d)
+        s += question
+        s += sgl.gen("answer", max_tokens=NEW, temperature=0, ignore_eos=True)
+
+    backend = sgl.RuntimeEndpoint(span_server.url)
+    state = rag.run(docs=DOCS[:2], question=QUESTION, backend=backend)
+    text = PREFIXES[0] + "".join(sgl.span(" " + d) for d in DOCS[:2]) + QUESTION
+    assert state["answer"] == generate(span_server, text=text)["text"]
+
+
+@pytest.fixture(scope="module")
+def link_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("spans_link") / "server.log"
+    srv = start_server(["--enable-span-cache", "--span-recompute-tokens", "16",
+                        "--span-schedule", "barrier", "--max-total-tokens", "8192",
+                        "--page-size", str(PAGE)], log)
+    yield srv
+    stop_server(srv)
+
+
+def test_link_recompute_equals_reference(link_server, hf):
+    """EPIC-style link recompute (first 16 tokens of each span in context), barrier scheduling."""
+    for prefix, order in ((0, [0, 1]), (1, [1, 0])):
+        ids = span_ids(hf[0], PREFIXES[prefix], [DOCS[i] for i in order])
+        out = generate(link_server, input_ids=ids)
+        assert out["output_ids"] == reference(hf, ids, recompute=16)
