@@ -65,7 +65,7 @@ def variant_env(variant: str, site: Path) -> dict[str, str]:
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     ours = {str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), str(site)}
     parts = [p for p in parts if p not in ours]
-    if variant == "sglang-pic":
+    if variant.startswith("sglang-pic"):  # "sglang-pic" and its configurations ("sglang-pic-x")
         parts = [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), *parts]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["SGLANG_PIC_BENCH_VARIANT"] = variant
@@ -174,6 +174,10 @@ def run_side_by_side(
             else:
                 results[variant] = json.loads(out.read_text())
             print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            if len(results) < len(variants):  # a partial report survives a later variant's crash
+                _write_report(name, out_dir, {"benchmark": name, "partial": True,
+                                              "environment": environment(), "params": params,
+                                              "results": results})
     rows = ratio_table(results, set(higher_is_better))
     report = {
         "benchmark": name,
@@ -185,12 +189,17 @@ def run_side_by_side(
         "ratios": rows,
     }
     print_table(rows)
+    path = _write_report(name, out_dir, report)
+    print(f"[bench] wrote {path}")
+    return report
+
+
+def _write_report(name: str, out_dir: str | None, report: dict) -> Path:
     folder = Path(out_dir) if out_dir else RESULTS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
     path.write_text(json.dumps(report, indent=2))
-    print(f"[bench] wrote {path}")
-    return report
+    return path
 
 
 if __name__ == "__main__":

@@ -1,0 +1,228 @@
+"""RAG with span caching on the H200: vanilla SGLang vs sglang-pic (ISPS and barrier), one run.
+
+Model: Llama-3-8B shape, dummy weights, token ids only, triton attention (sglang-pic: ``pic_triton``
+with ``--radix-cache-backend pic_span``), bf16. Every variant gets the *same* token sequences; the
+sglang-pic variants mark each retrieved document as an independent span (``-1`` before it) and the
+question as dependent (``-2``); vanilla gets the plain concatenation and its own radix cache.
+
+Two measurements:
+
+1. **TTFT of an 8K document after a different prefix** (the case position-independent caching
+   exists for). The document is first served after system prompt A; then, after system prompt B:
+   ``cached_prefix`` (B was seen before with another document: every segment is cached) and
+   ``new_prefix`` (B never seen: sglang-pic prefills B as a span sub-request first). Vanilla misses
+   the document in both. Also ``cold`` (nothing cached).
+2. **RAG batch**: a pool of documents with Zipf popularity, ``k`` distinct documents per request
+   behind one system prompt, a question, a short answer (``ignore_eos``); all requests submitted at
+   once through ``async_generate(stream=True)``: requests/s and TTFT p50/p99.
+
+    python3 benchmark/bench_spans.py [--out DIR] [--variants vanilla,sglang-pic,sglang-pic-barrier]
+    python3 benchmark/bench_spans.py --smoke      # CPU: SmolLM2, tiny sizes (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from harness import LLAMA3_8B_DUMMY
+
+SSEP, PDEP = -1, -2
+SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
+
+
+def _variant() -> str:
+    return os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
+
+
+def _prompt(system: list[int], docs: list[list[int]], question: list[int], spans: bool) -> list[int]:
+    ids = list(system)
+    for d in docs:
+        ids += ([SSEP] if spans else []) + d
+    return ids + ([PDEP] if spans else []) + question
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def _stream_one(engine, ids: list[int], sp: dict) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first = None
+    last: dict = {}
+    gen = await engine.async_generate(input_ids=ids, sampling_params=sp, stream=True)
+    async for chunk in gen:
+        if first is None:
+            first = time.perf_counter() - t0
+        last = chunk
+    return first or 0.0, time.perf_counter() - t0, int(last.get("meta_info", {}).get("cached_tokens", 0))
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    import numpy as np
+
+    variant = _variant()
+    spans = variant != "vanilla"
+    if spans:
+        os.environ["SGLANG_PIC_SPAN_SCHEDULE"] = SCHEDULE.get(variant, "isps")
+    import sglang as sgl
+
+    repo = Path(__file__).resolve().parent.parent
+    kwargs = dict(engine_kwargs)
+    if not Path(kwargs["model_path"]).is_absolute() and (repo / kwargs["model_path"]).exists():
+        kwargs["model_path"] = str(repo / kwargs["model_path"])
+    if spans:
+        kwargs["attention_backend"] = params.get("pic_backend", "pic_triton")
+        kwargs["radix_cache_backend"] = "pic_span"
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**kwargs)
+    start_s = time.perf_counter() - t0
+    rng = np.random.default_rng(params["seed"])
+    vocab = params["vocab"]
+
+    def toks(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(1000, vocab, size=n)]
+
+    def ttft(ids: list[int]) -> tuple[float, int]:
+        t = time.perf_counter()
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        return time.perf_counter() - t, int(out["meta_info"].get("cached_tokens", 0))
+
+    sys_len, doc_len, q_len = params["system_tokens"], params["doc_tokens"], params["question_tokens"]
+    result: dict = {"engine_start_s": start_s, "variant": variant}
+    try:
+        for _ in range(2):  # untimed warm-up: Triton JIT for prefill, prefix-extend and decode
+            ttft(_prompt(toks(sys_len), [toks(doc_len)], toks(q_len), spans))
+        cases: dict[str, list[float]] = {"cold": [], "cached_prefix": [], "new_prefix": []}
+        cached: dict[str, list[int]] = {k: [] for k in cases}
+        for _ in range(params["repeats"]):
+            sys_a, sys_b, sys_c = toks(sys_len), toks(sys_len), toks(sys_len)
+            doc = toks(doc_len)
+            dt, hit = ttft(_prompt(sys_a, [doc], toks(q_len), spans))
+            cases["cold"].append(dt)
+            cached["cold"].append(hit)
+            ttft(_prompt(sys_b, [toks(params["other_doc_tokens"])], toks(q_len), spans))  # B seen
+            for case, system in (("cached_prefix", sys_b), ("new_prefix", sys_c)):
+                dt, hit = ttft(_prompt(system, [doc], toks(q_len), spans))
+                cases[case].append(dt)
+                cached[case].append(hit)
+        for case, times in cases.items():
+            result[f"ttft_{case}_ms"] = 1000 * statistics.median(times)
+            result[f"ttft_{case}_ms_all"] = [round(1000 * t, 2) for t in times]
+            result[f"cached_tokens_{case}"] = statistics.median(cached[case])
+
+        # RAG batch: Zipf popularity over the pool, k distinct documents per request
+        n_docs, k = params["rag_docs"], params["rag_docs_per_request"]
+        pool = [toks(params["rag_doc_tokens"]) for _ in range(n_docs)]
+        weights = 1.0 / np.arange(1, n_docs + 1) ** params["zipf_s"]
+        weights /= weights.sum()
+        system = toks(sys_len)
+        prompts = []
+        for _ in range(params["rag_requests"]):
+            pick = rng.choice(n_docs, size=k, replace=False, p=weights)
+            prompts.append(_prompt(system, [pool[int(d)] for d in pick], toks(q_len), spans))
+        sp = {"max_new_tokens": params["rag_output_tokens"], "temperature": 0, "ignore_eos": True}
+
+        async def batch():
+            return await asyncio.gather(*(_stream_one(engine, p, sp) for p in prompts))
+
+        t = time.perf_counter()
+        outs = engine.loop.run_until_complete(batch())
+        rag_s = time.perf_counter() - t
+        ttfts = [o[0] for o in outs]
+        result.update(
+            rag_batch_s=rag_s,
+            rag_requests_per_s=len(prompts) / rag_s,
+            rag_ttft_p50_ms=1000 * _percentile(ttfts, 50),
+            rag_ttft_p99_ms=1000 * _percentile(ttfts, 99),
+            rag_latency_p50_ms=1000 * _percentile([o[1] for o in outs], 50),
+            rag_cached_tokens_total=sum(o[2] for o in outs),
+            rag_prompt_tokens_total=sum(len(p) - (k + 1 if spans else 0) for p in prompts),
+            rag_distinct_docs=len({tuple(p) for p in pool}),
+        )
+    finally:
+        engine.shutdown()
+    return result
+
+
+ENGINE_KWARGS = {
+    **LLAMA3_8B_DUMMY,
+    "context_length": 16384,
+    "mem_fraction_static": 0.80,
+    "cuda_graph_max_bs_decode": 128,
+}
+
+PARAMS = {
+    "seed": 0,
+    "vocab": 120000,
+    "repeats": 3,
+    "system_tokens": 256,
+    "doc_tokens": 8192,
+    "other_doc_tokens": 512,
+    "question_tokens": 64,
+    "rag_docs": 32,
+    "rag_doc_tokens": 2048,
+    "rag_docs_per_request": 4,
+    "rag_requests": 128,
+    "rag_output_tokens": 32,
+    "zipf_s": 1.0,
+}
+
+SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
+    "engine_kwargs": {"device": "cpu", "skip_tokenizer_init": True, "dtype": "bfloat16",
+                      "attention_backend": "torch_native", "max_total_tokens": 8192,
+                      "disable_cuda_graph": True, "page_size": 1},
+    "params": {"vocab": 49000, "repeats": 1, "system_tokens": 16, "doc_tokens": 256,
+               "other_doc_tokens": 32, "question_tokens": 8, "rag_docs": 6, "rag_doc_tokens": 64,
+               "rag_docs_per_request": 2, "rag_requests": 6, "rag_output_tokens": 4,
+               "pic_backend": "pic_torch_native"},
+}
+
+
+def main() -> None:
+    from harness import run_side_by_side
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
+    ap.add_argument("--variants", default="vanilla,sglang-pic,sglang-pic-barrier")
+    ap.add_argument("--repeats", type=int, default=PARAMS["repeats"])
+    ap.add_argument("--requests", type=int, default=PARAMS["rag_requests"])
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
+    args = ap.parse_args()
+    engine_kwargs, params = ENGINE_KWARGS, dict(PARAMS, repeats=args.repeats, rag_requests=args.requests)
+    name = "spans_rag_h200"
+    if args.smoke:
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        engine_kwargs = {"model_path": str(ensure_default_model()), **SMOKE["engine_kwargs"]}
+        params = {**PARAMS, **SMOKE["params"]}
+        name = "spans_rag_cpu_smoke"
+    report = run_side_by_side(name, "bench_spans", "workload", engine_kwargs, params,
+                              higher_is_better={"rag_requests_per_s"}, out_dir=args.out,
+                              variants=tuple(args.variants.split(",")), timeout_s=1800)
+    res = report["results"]
+    van = res.get("vanilla", {})
+    print(f"\n{'variant':<22}{'req/s':>9}{'x vanilla':>11}{'TTFT p50':>10}{'p99':>9}"
+          f"{'cached-prefix TTFT':>20}{'x lower':>9}")
+    for v, r in res.items():
+        if "rag_requests_per_s" not in r:
+            print(f"{v:<22} error: {r.get('error')}")
+            continue
+        thr = r["rag_requests_per_s"] / van["rag_requests_per_s"] if van.get("rag_requests_per_s") else float("nan")
+        low = van.get("ttft_cached_prefix_ms", float("nan")) / r["ttft_cached_prefix_ms"]
+        print(f"{v:<22}{r['rag_requests_per_s']:>9.2f}{thr:>11.2f}{r['rag_ttft_p50_ms']:>10.0f}"
+              f"{r['rag_ttft_p99_ms']:>9.0f}{r['ttft_cached_prefix_ms']:>17.1f} ms{low:>9.1f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+    main()
