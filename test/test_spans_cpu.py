@@ -244,3 +244,15 @@ def test_link_recompute_equals_reference(link_server, hf):
         ids = span_ids(hf[0], PREFIXES[prefix], [DOCS[i] for i in order])
         out = generate(link_server, input_ids=ids)
         assert out["output_ids"] == reference(hf, ids, recompute=16)
+
+
+def test_without_span_cache_spans_are_refused_and_markers_are_text(server):
+    """A server started without --enable-span-cache behaves like vanilla SGLang."""
+    r = server.post("/generate", json={"spans": [{"text": "a"}], "sampling_params": SP})
+    assert r.status_code == 400 and "--enable-span-cache" in r.text
+    r = server.post("/generate", json={"input_ids": [1, 2, SSEP_ID, 3, PDEP_ID, 4],
+                                        "sampling_params": SP})
+    assert r.status_code == 400 and "--enable-span-cache" in r.text
+    text = "Hello<|ssep|>world<|pdep|>!"
+    out = server.post("/generate", json={"text": text, "sampling_params": SP}).json()
+    assert out["meta_info"]["prompt_tokens"] > 6  # the marker strings were tokenized as text

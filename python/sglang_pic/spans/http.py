@@ -32,8 +32,10 @@ def rewrite_body(path: str, body: Any) -> Any:
         return with_spans(body, _PROMPT_FIELD[path])
     if path == _CHAT and isinstance(body.get("messages"), list):
         messages = []
+        changed = False
         for i, message in enumerate(body["messages"]):
             if isinstance(message, dict) and "spans" in message:
+                changed = True
                 message = dict(message)
                 spans = message.pop("spans")
                 if message.get("content"):
@@ -51,15 +53,17 @@ def rewrite_body(path: str, body: Any) -> Any:
                     content += pdep
                 message["content"] = content
             messages.append(message)
-        body = {**body, "messages": messages}
+        if changed:
+            body = {**body, "messages": messages}
     return body
 
 
 class SpansMiddleware:
     """Pure ASGI middleware (no response buffering; only span-carrying request bodies are read)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, enabled: bool = True):
         self.app = app
+        self.enabled = enabled
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -79,7 +83,14 @@ class SpansMiddleware:
         raw = b"".join(chunks)
         if b'"spans"' in raw:
             try:
-                raw = json.dumps(rewrite_body(path, json.loads(raw))).encode()
+                body = json.loads(raw)
+                rewritten = rewrite_body(path, body)
+                if rewritten is not body and not self.enabled:
+                    raise SpanError(
+                        "the 'spans' field needs the span cache: start the server with "
+                        "`sglang-pic serve --enable-span-cache` (or --radix-cache-backend pic_span)"
+                    )
+                raw = json.dumps(rewritten).encode()
             except SpanError as e:
                 await _send_400(send, str(e), openai=path != "/generate")
                 return
@@ -128,10 +139,13 @@ async def _send_400(send: Any, message: str, openai: bool) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def install_middleware(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook for ``sglang.srt.entrypoints.http_server.launch_server``."""
+def install_middleware(server_args: Any = None, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook for ``sglang.srt.entrypoints.http_server.launch_server(server_args, ...)``."""
     from sglang.srt.entrypoints import http_server
 
+    from .request import span_cache_enabled
+
+    server_args = kwargs.get("server_args", server_args)
     if not getattr(http_server.app.state, "pic_spans_middleware", False):
-        http_server.app.add_middleware(SpansMiddleware)
+        http_server.app.add_middleware(SpansMiddleware, enabled=span_cache_enabled(server_args))
         http_server.app.state.pic_spans_middleware = True

@@ -1,0 +1,141 @@
+"""End to end on the H200: `--radix-eviction-policy sae` (sglang-pic) vs `lru` (vanilla SGLang).
+
+The trace is ``traces.generate("mix")`` (chat sessions, agent loops, templated single-turn
+requests; content-faithful token ids), replayed open-loop through ``Engine.async_generate`` at its
+arrival times compressed by ``--speedup``, with a KV budget (``max_total_tokens``) well below the
+trace's unique tokens so the prefix cache has to evict. Each request generates a few tokens
+(``ignore_eos``); the next turn's prompt carries the trace's recorded answer, as a client resending
+history would. Reported per variant: token hit rate (cached / prompt tokens), TTFT p50/p99,
+makespan.
+
+    python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8]
+    python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from harness import LLAMA3_8B_DUMMY  # noqa: E402
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    import sglang as sgl
+    import traces
+
+    repo = HERE.parent.parent
+    kwargs = dict(engine_kwargs)
+    if not Path(kwargs["model_path"]).is_absolute():
+        kwargs["model_path"] = str(repo / kwargs["model_path"])
+    trace = traces.generate("mix", scale=params["scale"], seed=params["seed"])
+    limit = params["max_prompt_tokens"]
+    vocab = params["vocab"]
+    trace = [r for r in trace if len(r.prompt) <= limit]
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**kwargs)
+    start_s = time.perf_counter() - t0
+    out_tokens = params["output_tokens"]
+
+    def ids(tokens: list[int]) -> list[int]:
+        return [1000 + t % (vocab - 1000) for t in tokens]
+
+    async def one(req, start: float) -> tuple[float, int, int]:
+        delay = start + req.t / params["speedup"] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        first = None
+        last: dict = {}
+        sp = {"max_new_tokens": min(out_tokens, max(1, len(req.output))), "temperature": 0,
+              "ignore_eos": True}
+        gen = await engine.async_generate(input_ids=ids(req.prompt), sampling_params=sp,
+                                          stream=True)
+        async for chunk in gen:
+            if first is None:
+                first = time.perf_counter() - sent
+            last = chunk
+        return first or 0.0, int(last["meta_info"].get("cached_tokens", 0)), len(req.prompt)
+
+    async def replay():
+        start = time.perf_counter()
+        return await asyncio.gather(*(one(r, start) for r in trace))
+
+    try:
+        # warm-up outside the trace's token range (JIT compile); then flush, so both start empty
+        engine.generate(input_ids=[7] * 512, sampling_params={"max_new_tokens": 2})
+        engine.flush_cache()
+        t = time.perf_counter()
+        outs = engine.loop.run_until_complete(replay())
+        makespan = time.perf_counter() - t
+    finally:
+        engine.shutdown()
+    ttft = [o[0] for o in outs]
+    cached, prompt = sum(o[1] for o in outs), sum(o[2] for o in outs)
+    return {
+        "engine_start_s": start_s,
+        "requests": len(outs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "token_hit_rate": cached / prompt,
+        "ttft_p50_ms": 1000 * _percentile(ttft, 50),
+        "ttft_p99_ms": 1000 * _percentile(ttft, 99),
+        "ttft_mean_ms": 1000 * sum(ttft) / len(ttft),
+        "makespan_s": makespan,
+        "policy": kwargs.get("radix_eviction_policy", "lru"),
+    }
+
+
+ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 32768, "max_total_tokens": 32768,
+                 "mem_fraction_static": 0.80, "cuda_graph_max_bs_decode": 64}
+PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 120000,
+          "max_prompt_tokens": 24000}
+
+
+def main() -> None:
+    from harness import run_side_by_side
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--scale", type=int, default=PARAMS["scale"])
+    ap.add_argument("--kv-tokens", type=int, default=ENGINE_KWARGS["max_total_tokens"])
+    ap.add_argument("--speedup", type=float, default=PARAMS["speedup"])
+    ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
+    args = ap.parse_args()
+    kwargs = {**ENGINE_KWARGS, "max_total_tokens": args.kv_tokens}
+    params = {**PARAMS, "scale": args.scale, "speedup": args.speedup}
+    name = "eviction_e2e_h200"
+    if args.smoke:
+        sys.path.insert(0, str(HERE.parent.parent / "python"))
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
+                  "skip_tokenizer_init": True, "attention_backend": "torch_native",
+                  "max_total_tokens": 6000, "disable_cuda_graph": True}
+        params = {**params, "scale": 4, "speedup": 200.0, "output_tokens": 2, "vocab": 49000,
+                  "max_prompt_tokens": 2500}
+        name = "eviction_e2e_cpu_smoke"
+    os.environ.setdefault("SGLANG_PIC_SAE_SAMPLE", "1024")
+    run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
+                     higher_is_better={"token_hit_rate", "cached_tokens"}, out_dir=args.out,
+                     variant_kwargs={"sglang-pic": {"radix_eviction_policy": "sae"}},
+                     timeout_s=1800)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""TTFT of a prefix computed by *another* instance: recompute vs SGLang's `file` backend vs PTStore.
+
+One GPU, instances one after the other (each its own process and Engine, so the reader has never
+seen the prefixes and shares no GPU or host memory with the writer):
+
+* ``vanilla``: vanilla SGLang 0.5.17, no HiCache: the reader recomputes the prefix;
+* ``vanilla-file-writer`` then ``vanilla-file``: vanilla SGLang with HiCache and its built-in
+  ``file`` storage backend (a directory on the node's disk); the writer computes the prefixes and
+  waits until they are written through to storage, the reader loads them;
+* ``sglang-pic-ptstore-writer`` then ``sglang-pic-ptstore``: the same with PTStore (three store
+  servers on this node, started by this script, over loopback TCP) as the ``dynamic`` backend.
+
+Prefixes of 1K/2K/4K/8K tokens (several samples each) + a fresh 64-token question, one output
+token. Llama-3-8B shape, dummy weights, triton attention, bf16, page size 64, HiCache write-through
+and ``wait_complete`` prefetch. The reader reports TTFT and where the cached tokens came from.
+
+    python3 benchmark/store/bench_store_ttft.py [--out DIR] [--samples 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from harness import LLAMA3_8B_DUMMY  # noqa: E402
+
+REPO = HERE.parent.parent
+LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def _role() -> tuple[str, bool]:
+    variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
+    return variant.removesuffix("-writer"), variant.endswith("-writer")
+
+
+def _prefixes(params: dict) -> dict[int, list[list[int]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(params["seed"])
+    return {n: [[int(t) for t in rng.integers(1000, params["vocab"], size=n)]
+                for _ in range(params["samples"])] for n in params["lengths"]}
+
+
+def _stored_bytes(params: dict, kind: str) -> int:
+    if kind.endswith("file"):
+        root = Path(params["file_dir"])
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.store.client import StoreClient
+
+    client = StoreClient(params["servers"], params["token"], timeout_ms=2000)
+    try:
+        return sum((client.status(s) or {}).get("bytes_in", 0) for s in params["servers"])
+    finally:
+        client.close()
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    import sglang as sgl
+
+    kind, writer = _role()
+    kwargs = dict(engine_kwargs)
+    if not Path(kwargs["model_path"]).is_absolute():
+        kwargs["model_path"] = str(REPO / kwargs["model_path"])
+    lengths = params["lengths"]
+    vocab = params["vocab"]
+    if kind != "vanilla":
+        kwargs.update(params.get("hicache_kwargs", {}))
+        kwargs.update(enable_hierarchical_cache=True, hicache_size=params["hicache_gb"],
+                      hicache_write_policy="write_through",
+                      hicache_storage_prefetch_policy="wait_complete")
+        if kind.endswith("file"):
+            os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = params["file_dir"]
+            kwargs["hicache_storage_backend"] = "file"
+        else:
+            kwargs["hicache_storage_backend"] = "dynamic"
+            kwargs["hicache_storage_backend_extra_config"] = json.dumps({
+                "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
+                "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
+                "token": params["token"]})
+    prefixes = _prefixes(params)
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**kwargs)
+    result: dict = {"engine_start_s": time.perf_counter() - t0, "role": "writer" if writer else "reader"}
+    import numpy as np
+
+    rng = np.random.default_rng(params["seed"] + (1 if writer else 2))
+
+    def question() -> list[int]:
+        return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]
+
+    def ttft(ids: list[int]) -> tuple[float, dict]:
+        t = time.perf_counter()
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        return time.perf_counter() - t, out["meta_info"]
+
+    try:
+        for n in lengths:  # warm-up: JIT for every shape class, on prompts nobody else uses
+            ttft([int(t) for t in rng.integers(1000, vocab, size=n + params["question_tokens"])])
+        if writer:
+            for n in lengths:
+                for p in prefixes[n]:
+                    ttft(p + question())
+            # write-through to storage is asynchronous: wait until the stored bytes stop growing
+            last, stable, deadline = -1, 0, time.time() + 120
+            while time.time() < deadline and stable < 3:
+                now = _stored_bytes(params, kind)
+                stable = stable + 1 if now == last and now > 0 else 0
+                last = now
+                time.sleep(1)
+            result["stored_bytes"] = last
+        else:
+            for n in lengths:
+                times, hits, storage = [], [], []
+                for p in prefixes[n]:
+                    dt, meta = ttft(p + question())
+                    times.append(dt)
+                    hits.append(int(meta.get("cached_tokens", 0)))
+                    storage.append(int((meta.get("cached_tokens_details") or {}).get("storage", 0)))
+                result[f"ttft_{n}_ms"] = 1000 * statistics.median(times)
+                result[f"ttft_{n}_ms_all"] = [round(1000 * t, 2) for t in times]
+                result[f"cached_{n}"] = statistics.median(hits)
+                result[f"storage_hit_{n}"] = statistics.median(storage)
+    finally:
+        engine.shutdown()
+    return result
+
+
+ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 16384, "mem_fraction_static": 0.70,
+                 "page_size": 64, "cuda_graph_max_bs_decode": 16}
+PARAMS = {"seed": 0, "samples": 3, "question_tokens": 64, "hicache_gb": 32, "vocab": 120000,
+          "lengths": list(LENGTHS)}
+SMOKE_KWARGS = {"device": "cpu", "skip_tokenizer_init": True, "attention_backend": "torch_native",
+                "max_total_tokens": 4096, "disable_cuda_graph": True, "page_size": 16}
+SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49000,
+                "lengths": [320, 640],
+                "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
+VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
+            "sglang-pic-ptstore")
+
+
+def _start_stores(n: int, token: str, memory_gb: float) -> tuple[list[subprocess.Popen], list[str]]:
+    import socket
+
+    procs, endpoints = [], []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ep = f"tcp://127.0.0.1:{port}"
+        procs.append(subprocess.Popen([sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep,
+                                       "--memory-gb", str(memory_gb), "--token", token], env=env))
+        endpoints.append(ep)
+    time.sleep(3)
+    return procs, endpoints
+
+
+def main() -> None:
+    from harness import run_side_by_side
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--samples", type=int, default=PARAMS["samples"])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--stores", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny prefixes")
+    args = ap.parse_args()
+    kwargs, extra, name = ENGINE_KWARGS, {}, "store_ttft_h200"
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "python"))
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}
+        extra, name = SMOKE_PARAMS, "store_ttft_cpu_smoke"
+    token = "bench-token"
+    stores, endpoints = _start_stores(args.stores, token, memory_gb=16)
+    try:
+        with tempfile.TemporaryDirectory() as file_dir:
+            params = {**PARAMS, "samples": args.samples, **extra, "servers": endpoints,
+                      "token": token, "file_dir": file_dir}
+            report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params, variants=tuple(args.variants.split(",")),
+                                      out_dir=args.out, timeout_s=900)
+    finally:
+        for p in stores:
+            p.terminate()
+    res = report["results"]
+    print(f"\n{'prefix':>8}{'recompute':>12}{'file':>10}{'PTStore':>10}{'vs recompute':>14}{'vs file':>10}")
+    for n in params["lengths"]:
+        rec = res.get("vanilla", {}).get(f"ttft_{n}_ms")
+        fil = res.get("vanilla-file", {}).get(f"ttft_{n}_ms")
+        pts = res.get("sglang-pic-ptstore", {}).get(f"ttft_{n}_ms")
+        if None in (rec, fil, pts):
+            continue
+        print(f"{n:>8}{rec:>10.1f}ms{fil:>8.1f}ms{pts:>8.1f}ms{rec / pts:>13.2f}x{fil / pts:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
