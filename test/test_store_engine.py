@@ -183,3 +183,32 @@ def test_store_cli_serves_reports_status_and_recovers(tmp_path):
     assert client.batch_get(reply[0]["tids"]) == [d for _, d in pages]  # from the SSD tier
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
+
+
+def test_hot_pages_are_replicated_onto_the_reading_node(cluster):
+    """Pages read twice from a remote owner are copied into the local server's replica cache;
+    later reads are served locally, also when the owner is down."""
+    local, others = cluster[0], cluster[1:]
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN)
+    pages = _pages("hot", 40)
+    writer.batch_set(pages)
+    ring = writer.ring
+    remote = [(t, d) for t, d in pages if ring.owner(t) != local.endpoint]
+    assert remote
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN, local=local.endpoint,
+                         replicate_after=2)
+    tids = [t for t, _ in remote]
+    assert reader.batch_get(tids) == [d for _, d in remote]
+    assert len(local.engine.replica.entries) == 0  # read once: not hot yet
+    assert reader.batch_get(tids) == [d for _, d in remote]
+    assert len(local.engine.replica.entries) == len(remote)  # read twice: replicated
+    owner_requests = sum(s.requests for s in others)
+    before = reader.rpcs
+    assert reader.batch_get(tids) == [d for _, d in remote]
+    assert reader.rpcs - before == 1  # one RPC, to the local server
+    assert sum(s.requests for s in others) == owner_requests
+    assert reader.stats["replica_hits"] == len(remote)
+    for s in others:  # the owners go down: the replicas still serve
+        s.stop()
+    assert reader.batch_get(tids) == [d for _, d in remote]
+    assert local.status()["replica_tensors"] == len(remote)

@@ -5,6 +5,13 @@ A tensor id (page hash) is owned by the first server clockwise from its hash on 
 owner and send one message to each. A server that does not answer within ``timeout_ms`` (down,
 overloaded) yields misses for its ids - never an exception, never a wrong page: payloads whose
 CRC does not match are dropped as misses too.
+
+**Replication onto the reading node.** A client given ``local`` (the store server on its own node)
+counts how often it reads each page from a remote owner; once a page has been read
+``replicate_after`` times it is copied into the local server's *replica* cache (one batched put),
+and later reads of it go to the local server first (the owner only on a local miss, e.g. after the
+replica was evicted). Hot prefixes thus end up next to every instance that reads them, and keep
+being served when their owner is down.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import bisect
 import hashlib
 import json
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import zmq
 
@@ -35,16 +42,27 @@ class HashRing:
 
 
 class StoreClient:
-    def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000):
+    TRACKED_PAGES = 1 << 20
+    """Bound on the pages whose remote reads (or local replicas) the client remembers."""
+
+    def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
+                 local: str | None = None, replicate_after: int = 2):
         if not servers:
             raise ValueError("PTStore client needs at least one server endpoint")
+        if replicate_after < 1:
+            raise ValueError("replicate_after must be >= 1")
         self.servers = list(servers)
         self.ring = HashRing(self.servers)
         self.token = token
         self.timeout_ms = timeout_ms
+        self.local = local
+        self.replicate_after = replicate_after
         self.ctx = zmq.Context.instance()
         self.socks: dict[str, zmq.Socket] = {}
         self.rpcs = 0
+        self.remote_reads: OrderedDict[str, int] = OrderedDict()
+        self.replicated: OrderedDict[str, None] = OrderedDict()
+        self.stats = {"replicated_pages": 0, "replica_hits": 0}
 
     def _sock(self, server: str) -> zmq.Socket:
         s = self.socks.get(server)
@@ -90,20 +108,65 @@ class StoreClient:
                 self.last_failed += [tids[i] for i in idx]
         return added
 
+    def _get_from(self, server: str, tids: list[str], idx: list[int],
+                  out: list[bytes | None]) -> None:
+        reply = self._call(server, {"op": "get", "tids": [tids[i] for i in idx]})
+        if reply is None or not reply[0].get("ok"):
+            return
+        header, payloads = reply
+        it = iter(zip(payloads, header["crc"], strict=True))
+        for i, found in zip(idx, header["found"], strict=True):
+            if found:
+                data, c = next(it)
+                if crc(data) == c:
+                    out[i] = bytes(data)
+
     def batch_get(self, tids: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(tids)
-        for server, idx in self._by_owner(tids).items():
-            reply = self._call(server, {"op": "get", "tids": [tids[i] for i in idx]})
-            if reply is None or not reply[0].get("ok"):
-                continue
-            header, payloads = reply
-            it = iter(zip(payloads, header["crc"], strict=True))
-            for i, found in zip(idx, header["found"], strict=True):
-                if found:
-                    data, c = next(it)
-                    if crc(data) == c:
-                        out[i] = bytes(data)
+        if self.local is not None:
+            near = [i for i, t in enumerate(tids) if t in self.replicated]
+            if near:
+                self._get_from(self.local, tids, near, out)
+                for i in near:
+                    if out[i] is None:  # the replica was evicted: ask the owner again
+                        self.replicated.pop(tids[i], None)
+                    else:
+                        self.stats["replica_hits"] += 1
+        todo = [t for i, t in enumerate(tids) if out[i] is None]
+        pos = [i for i in range(len(tids)) if out[i] is None]
+        for server, idx in self._by_owner(todo).items():
+            got: list[bytes | None] = [None] * len(todo)
+            self._get_from(server, todo, idx, got)
+            for j in idx:
+                out[pos[j]] = got[j]
+        if self.local is not None:
+            self._replicate_hot(tids, out)
         return out
+
+    def _replicate_hot(self, tids: list[str], data: list[bytes | None]) -> None:
+        """Copy pages read often enough from remote owners into the local replica cache."""
+        hot: list[tuple[str, bytes]] = []
+        for t, d in zip(tids, data, strict=True):
+            if d is None or t in self.replicated or self.ring.owner(t) == self.local:
+                continue
+            n = self.remote_reads.pop(t, 0) + 1
+            if n >= self.replicate_after:
+                hot.append((t, d))
+            else:
+                self.remote_reads[t] = n
+                if len(self.remote_reads) > self.TRACKED_PAGES:
+                    self.remote_reads.popitem(last=False)
+        if not hot:
+            return
+        reply = self._call(self.local, {"op": "put", "kind": "replica",
+                                        "tids": [t for t, _ in hot],
+                                        "crc": [crc(d) for _, d in hot]}, [d for _, d in hot])
+        if reply is not None and reply[0].get("ok"):
+            for t, _ in hot:
+                self.replicated[t] = None
+                if len(self.replicated) > self.TRACKED_PAGES:
+                    self.replicated.popitem(last=False)
+            self.stats["replicated_pages"] += len(hot)
 
     def batch_exists(self, tids: list[str]) -> list[bool]:
         out = [False] * len(tids)

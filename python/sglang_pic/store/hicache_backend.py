@@ -34,7 +34,9 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         if not servers or not isinstance(servers, list):
             raise ValueError("PTStore backend: extra_config needs 'servers': [endpoints]")
         self.client = StoreClient(servers, extra.get("token"),
-                                  timeout_ms=int(extra.get("timeout_ms", 2000)))
+                                  timeout_ms=int(extra.get("timeout_ms", 2000)),
+                                  local=extra.get("local"),
+                                  replicate_after=int(extra.get("replicate_after", 2)))
         model = "-".join((storage_config.model_name or "").split("/"))
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:
