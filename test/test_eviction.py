@@ -247,3 +247,44 @@ def test_sampled_evict_frees_enough_and_keeps_leaf_set_consistent():
         return set().union(*(leaves(c) for c in node.children.values()))
 
     assert cache.evictable_leaves == leaves(cache.root_node)
+
+
+def test_chat_template_segmentation_and_client_hints(model_dir):
+    """Server-path token types come from the chat template's role headers; session and app type
+    from custom_params."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from sglang_pic.eviction.hooks import request_context
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "system", "content": "You are a careful assistant."},
+                {"role": "user", "content": "List three rivers."},
+                {"role": "assistant", "content": "<think>Europe first.</think>Rhine, Danube, Po."},
+                {"role": "user", "content": "And two lakes?"}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def offset_of(s):  # token offset where the substring s starts
+        for i in range(len(ids)):
+            if s in tok.decode(ids[: i + 1]):
+                return i
+        raise AssertionError(s)
+
+    req = SimpleNamespace(origin_input_ids=ids, tokenizer=tok, rid="r1", session_id=None,
+                          sampling_params=SimpleNamespace(custom_params={
+                              "app_type": "chat", "session_id": "s-42"}))
+    ctx = request_context(req)
+    assert "careful" in text
+    assert ctx.token_type_at(offset_of("careful")) == "system"
+    assert ctx.token_type_at(offset_of("three rivers")) == "user"
+    assert ctx.token_type_at(offset_of("Europe")) == "cot"
+    assert ctx.token_type_at(offset_of("Danube")) == "assistant"
+    assert ctx.token_type_at(offset_of("two lakes")) == "user"
+    assert ctx.token_type_at(len(ids)) == "decode"
+    assert (ctx.session_id, ctx.app_type) == ("s-42", "chat")
+    plain = SimpleNamespace(origin_input_ids=list(range(100, 200)), tokenizer=None, rid="r2",
+                            session_id=None, sampling_params=SimpleNamespace(custom_params=None))
+    ctx = request_context(plain)
+    assert ctx.segments == [(0, "user")] and ctx.app_type is None and ctx.session_id

@@ -256,3 +256,36 @@ def test_without_span_cache_spans_are_refused_and_markers_are_text(server):
     text = "Hello<|ssep|>world<|pdep|>!"
     out = server.post("/generate", json={"text": text, "sampling_params": SP}).json()
     assert out["meta_info"]["prompt_tokens"] > 6  # the marker strings were tokenized as text
+
+
+@pytest.fixture(scope="module")
+def tight_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("spans_tight") / "server.log"
+    srv = start_server(["--enable-span-cache", "--max-total-tokens", "1536", "--page-size",
+                        str(PAGE)], log)
+    yield srv
+    stop_server(srv)
+
+
+def test_span_burst_larger_than_the_pool_completes(tight_server, hf):
+    """8 concurrent requests whose 8 distinct spans (~1000 tokens) plus prompts outgrow a
+    1536-token KV pool: pinned spans are bounded (backlog), every request completes correctly."""
+    tok = hf[0]
+    docs = [f"Record {i}: " + " ".join(DOCS) for i in range(8)]
+    reqs = [span_ids(tok, f"Burst prefix {i}.", [docs[i], docs[(i + 1) % 8]]) for i in range(8)]
+    outs: list[dict | None] = [None] * len(reqs)
+
+    def run(i):
+        r = tight_server.post("/generate", timeout=600, json={"input_ids": reqs[i],
+                                                              "sampling_params": SP})
+        outs[i] = r.json() if r.status_code == 200 else {"error": r.text}
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert all(o and "output_ids" in o for o in outs), outs
+    for i in (0, 5):
+        assert outs[i]["output_ids"] == reference(hf, reqs[i])
+    assert tight_server.healthy()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 
 from . import context as ctxmod
+from . import segmentation
 
 RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 _MAX_SEEN = 4096
@@ -35,14 +36,25 @@ def _learner(cache):
 
 
 def request_context(req) -> ctxmod.RequestContext:
-    """What the server knows about a request: generated tokens start at the prompt's end; the
-    session is SGLang's ``session_id`` or, failing that, the first 64 prompt tokens after the
-    first 32 (multi-turn chat resends the whole history, so its opening identifies it)."""
+    """What the server knows about a request: token types from the chat template's role headers
+    (``segmentation``); generated tokens start at the prompt's end; session and application type
+    from the client's ``custom_params``, else SGLang's ``session_id``, else the first 64 prompt
+    tokens after the first 32 (multi-turn chat resends the whole history, so its opening
+    identifies it). Computed once per request."""
+    cached = getattr(req, "_pic_eviction_ctx", None)
     prompt = req.origin_input_ids
-    session = getattr(req, "session_id", None)
-    if session is None and len(prompt) > 48:
-        session = hashlib.blake2b(repr(prompt[32:96]).encode(), digest_size=8).hexdigest()
-    return ctxmod.RequestContext(session_id=session, app_type=None, segments=[(0, "user")],
+    if cached is None:
+        session, app = segmentation.client_hints(req)
+        session = session or getattr(req, "session_id", None)
+        if session is None and len(prompt) > 48:
+            session = hashlib.blake2b(repr(prompt[32:96]).encode(), digest_size=8).hexdigest()
+        cached = (session, app, segmentation.segments_for(req))
+        try:
+            req._pic_eviction_ctx = cached
+        except AttributeError:  # a Req stand-in with __slots__
+            pass
+    session, app, segments = cached
+    return ctxmod.RequestContext(session_id=session, app_type=app, segments=list(segments),
                                  decode_start=len(prompt), prompt_len=len(prompt),
                                  rid=getattr(req, "rid", None))
 

@@ -20,7 +20,11 @@ as soon as its own units are done, and units enter the waiting queue like any re
 prefills batch together with other prefills and alternate with running decodes; ``barrier`` holds
 every final prompt until no unit is pending at all (prefill all spans, then all questions).
 
-Pins are released when the request finishes, or is aborted before it ran.
+Pins are released when the request finishes, or is aborted before it ran. Pinned pages cannot be
+evicted, so the planner bounds them: while pinned plus in-flight span tokens exceed
+``MAX_PINNED_FRACTION`` of the KV pool and some request is already held, new requests wait in a
+FIFO backlog (unplanned, pinning nothing) until running requests finish; otherwise a burst whose
+spans outgrow the pool would pin it full and leave no room for the prefills it waits for.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import logging
 import uuid
 from array import array
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +55,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNIT_RID_PREFIX = "pic-span-"
+MAX_PINNED_FRACTION = 0.5
+"""Share of the KV pool that pinned spans plus pending span prefills may take before new requests
+wait in the backlog."""
 
 # SamplingParams fields reset for a unit (it produces one throw-away token, with no constraints).
 _UNIT_SAMPLING = {
@@ -71,6 +79,7 @@ class Unit:
     key: str
     rid: str
     segments: list[Segment] | None  # None: a plain prompt (span alone, or the leading piece)
+    tokens: int = 0
     waiters: list[str] = field(default_factory=list)
 
 
@@ -99,7 +108,12 @@ class SpanPlanner:
         self.units: dict[str, Unit] = {}
         self.unit_by_rid: dict[str, Unit] = {}
         self.held: dict[str, Held] = {}
-        self.pins: dict[str, tuple[Req, list[Any]]] = {}
+        self.pins: dict[str, tuple[Req, list[tuple[Any, int]]]] = {}
+        self.pinned_tokens = 0
+        self.backlog: deque[tuple[Req, Any]] = deque()
+        self._draining = False
+        pool = getattr(cache, "token_to_kv_pool_allocator", None)
+        self.pin_budget = int(MAX_PINNED_FRACTION * getattr(pool, "size", 0)) or (1 << 62)
         self.stats = {"units": 0, "unit_tokens": 0, "shared_waits": 0, "pinned_hits": 0}
 
     # ---- scheduler hooks ------------------------------------------------------------------
@@ -134,6 +148,9 @@ class SpanPlanner:
             held = self.held.pop(rid)
             scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=rid), held.req)
             self._unpin(rid)
+        for req, recv in [b for b in self.backlog if matches(b[0].rid)]:
+            self.backlog.remove((req, recv))
+            scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=req.rid), req)
         for rid, (req, _) in list(self.pins.items()):
             if matches(rid) and req.req_pool_idx is None and rid not in self.held:
                 self._unpin(rid)
@@ -156,6 +173,28 @@ class SpanPlanner:
         recv = self._expected.get(req.rid)
         if recv is None or req.finished():
             return False
+        if self.held and self._load() > self.pin_budget:
+            self.backlog.append((req, recv))
+            return True
+        return self._plan_request(req, recv)
+
+    def _load(self) -> int:
+        return self.pinned_tokens + sum(u.tokens for u in self.units.values())
+
+    def _drain_backlog(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self.backlog and (not self.held or self._load() <= self.pin_budget):
+                req, recv = self.backlog.popleft()
+                if not self._plan_request(req, recv):
+                    self._enqueue(self.scheduler, req)
+        finally:
+            self._draining = False
+
+    def _plan_request(self, req: Req, recv: Any) -> bool:
+        """Build the request's segments and plan them; False: enqueue it now."""
         try:
             pieces = decode_pieces(recv.sampling_params.custom_params[LAYOUT_KEY])
             if pieces[-1].end != len(req.origin_input_ids):
@@ -179,15 +218,14 @@ class SpanPlanner:
         ids = req.origin_input_ids
         pending: set[str] = set()
         unit_tokens = 0
-        pins: list[Any] = []
+        pins: list[tuple[Any, int]] = []
         for i, seg in enumerate(segments[:-1]):
             key = _unit_key(ids, seg)
             unit = self.units.get(key)
             if unit is None:
                 node = self._cached_node(ids, seg)
                 if node is not None:
-                    self.cache.inc_lock_ref(node)
-                    pins.append(node)
+                    self._pin(pins, node, seg.key_end - seg.key_start)
                     self.stats["pinned_hits"] += 1
                     continue
                 unit = self._submit_unit(key, ids, seg, segments[: i + 1])
@@ -230,7 +268,9 @@ class SpanPlanner:
                 *prefix_segments[:-1],
                 Segment(last.start, None, last.namespace, last.key_start, None, False),
             ]
-        unit = Unit(key, f"{UNIT_RID_PREFIX}{uuid.uuid4().hex}", segments)
+        unit = Unit(
+            key, f"{UNIT_RID_PREFIX}{uuid.uuid4().hex}", segments, seg.key_end - seg.key_start
+        )
         self.units[key] = unit
         self.unit_by_rid[unit.rid] = unit
         self.stats["units"] += 1
@@ -292,11 +332,11 @@ class SpanPlanner:
             if failed is not None:
                 self._fail(rid, f"span prefill failed: {failed}")
                 continue
-            self.cache.inc_lock_ref(node)
-            self.pins[rid][1].append(node)
+            self._pin(self.pins[rid][1], node, unit.tokens)
             held.pending.discard(unit.key)
         for rid in list(self.held):
             self._try_release(rid)
+        self._drain_backlog()
 
     def _try_release(self, rid: str) -> None:
         held = self.held.get(rid)
@@ -319,13 +359,20 @@ class SpanPlanner:
         held.req.set_finish_with_abort(message)
         self._enqueue(self.scheduler, held.req)
 
+    def _pin(self, pins: list[tuple[Any, int]], node: Any, tokens: int) -> None:
+        self.cache.inc_lock_ref(node)
+        pins.append((node, tokens))
+        self.pinned_tokens += tokens
+
     def _unpin(self, rid: str) -> None:
         _, pins = self.pins.pop(rid, (None, []))
         self._release_pins(pins)
+        self._drain_backlog()
 
-    def _release_pins(self, pins: list[Any]) -> None:
-        for node in pins:
+    def _release_pins(self, pins: list[tuple[Any, int]]) -> None:
+        for node, tokens in pins:
             self.cache.dec_lock_ref(node)
+            self.pinned_tokens -= tokens
 
 
 def _unit_key(ids: Any, seg: Segment) -> str:
