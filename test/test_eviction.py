@@ -254,9 +254,8 @@ def test_chat_template_segmentation_and_client_hints(model_dir):
     from custom_params."""
     from types import SimpleNamespace
 
-    from transformers import AutoTokenizer
-
     from sglang_pic.eviction.hooks import request_context
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "system", "content": "You are a careful assistant."},
