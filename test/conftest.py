@@ -55,12 +55,24 @@ class Server:
 
     def healthy(self) -> bool:
         try:
-            return requests.get(self.url + "/health", timeout=10).status_code == 200
+            return requests.get(self.url + "/health", timeout=30).status_code == 200
         except requests.RequestException:
             return False
 
 
-def start_server(args: list[str], log: Path) -> Server:
+def start_server(args: list[str], log: Path, attempts: int = 3) -> Server:
+    """Start `sglang-pic serve` on a free port and wait until /health answers; retried on a new
+    port when another process took the chosen one in between (free_port cannot reserve it)."""
+    for attempt in range(attempts):
+        try:
+            return _start_server_once(args, log)
+        except RuntimeError as e:
+            if "address already in use" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server_once(args: list[str], log: Path) -> Server:
     """Start `sglang-pic serve` on a free port and wait until /health answers.
 
     Test servers run torch with one thread: the suite keeps two or three servers up at once on a
@@ -78,6 +90,9 @@ def start_server(args: list[str], log: Path) -> Server:
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; log:\n{log.read_text()[-4000:]}")
+        if "address already in use" in log.read_text(errors="replace")[-2000:]:
+            stop_server(server)
+            raise RuntimeError(f"port {port}: address already in use")
         if server.healthy():
             return server
         time.sleep(2)

@@ -289,3 +289,16 @@ def test_span_burst_larger_than_the_pool_completes(tight_server, hf):
     for i in (0, 5):
         assert outs[i]["output_ids"] == reference(hf, reqs[i])
     assert tight_server.healthy()
+
+
+def test_reserved_layout_field_and_logprobs_inside_spans_are_400(span_server, hf):
+    r = span_server.post("/generate", json={"text": "hello", "sampling_params": {
+        **SP, "custom_params": {"pic_spans": [0, 1, 1]}}})
+    assert r.status_code == 400 and "set by the server" in r.text
+    ids = span_ids(hf[0], PREFIXES[0], DOCS[:1])
+    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
+                                             "return_logprob": True, "logprob_start_len": 0})
+    assert r.status_code == 400 and "logprob_start_len" in r.text
+    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
+                                             "return_logprob": True})
+    assert r.status_code == 200, r.text  # output logprobs only: fine

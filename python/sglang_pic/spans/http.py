@@ -69,7 +69,7 @@ class SpansMiddleware:
         path = scope.get("path", "")
         if (
             scope.get("type") != "http"
-            or scope.get("method") != "POST"
+            or scope.get("method") not in ("POST", "PUT")
             or (path not in _PROMPT_FIELD and path != _CHAT)
         ):
             await self.app(scope, receive, send)

@@ -110,6 +110,7 @@ class SpanPlanner:
         self.held: dict[str, Held] = {}
         self.pins: dict[str, tuple[Req, list[tuple[Any, int]]]] = {}
         self.pinned_tokens = 0
+        self._pin_count: dict[int, int] = {}
         self.backlog: deque[tuple[Req, Any]] = deque()
         self._draining = False
         pool = getattr(cache, "token_to_kv_pool_allocator", None)
@@ -123,11 +124,10 @@ class SpanPlanner:
         custom = getattr(recv_req.sampling_params, "custom_params", None) or {}
         if LAYOUT_KEY not in custom:
             return handle(scheduler, recv_req)
+        # kept until the request reaches the queue hook (structured-output requests get there
+        # later, from SGLang's grammar queue); dropped there or when the request is aborted
         self._expected[recv_req.rid] = recv_req
-        try:
-            return handle(scheduler, recv_req)
-        finally:
-            self._expected.pop(recv_req.rid, None)
+        return handle(scheduler, recv_req)
 
     def on_add_to_queue(self, enqueue: Callable, scheduler: Any, req: Req, *args, **kwargs) -> Any:
         """AROUND ``Scheduler._add_request_to_queue``: hold requests whose segments are missing."""
@@ -144,6 +144,8 @@ class SpanPlanner:
         def matches(rid: str) -> bool:
             return recv_req.abort_all or (bool(recv_req.rid) and rid.startswith(recv_req.rid))
 
+        for rid in [r for r in self._expected if matches(r)]:
+            del self._expected[rid]
         for rid in [r for r in self.held if matches(r)]:
             held = self.held.pop(rid)
             scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=rid), held.req)
@@ -163,15 +165,15 @@ class SpanPlanner:
         """True when the planner keeps ``req`` (held until its units are cached)."""
         unit = self.unit_by_rid.get(req.rid)
         if unit is not None:
-            if req.finished():
+            if _ending(req):
                 self._finish_unit(unit, failed=_abort_message(req))
                 return False
             if unit.segments is None:
                 return False
             req.pic_segments = unit.segments
             return self._plan(req, unit.segments)
-        recv = self._expected.get(req.rid)
-        if recv is None or req.finished():
+        recv = self._expected.pop(req.rid, None)
+        if recv is None or _ending(req):
             return False
         if self.held and self._load() > self.pin_budget:
             self.backlog.append((req, recv))
@@ -201,6 +203,8 @@ class SpanPlanner:
                 raise SpanError("span layout does not match the prompt length")
             if any(p.start % self.cache.page_size for p in pieces):
                 raise SpanError("span layout is not page-aligned for this server")
+            if pieces[-1].independent:
+                raise SpanError("span layout ends with an independent span")
         except SpanError as e:
             req.set_finish_with_abort(str(e))
             return False
@@ -299,11 +303,13 @@ class SpanPlanner:
     # ---- completion -----------------------------------------------------------------------
     def on_request_cached(self, req: Req) -> None:
         """Called by SpanRadixCache after a request's KV went into the tree (or was dropped)."""
+        if not _ending(req):
+            return  # retracted or paused: it comes back through the queue, pins and all
         unit = self.unit_by_rid.get(req.rid)
         if unit is not None:
-            failed = _abort_message(req) if req.finished() and _is_abort(req) else None
+            failed = _abort_message(req) if _is_abort(req) else None
             self._finish_unit(unit, failed=failed, req=req)
-        if req.finished() and req.rid in self.pins:
+        if req.rid in self.pins:
             self._unpin(req.rid)
 
     def _finish_unit(self, unit: Unit, failed: str | None = None, req: Req | None = None) -> None:
@@ -360,9 +366,13 @@ class SpanPlanner:
         self._enqueue(self.scheduler, held.req)
 
     def _pin(self, pins: list[tuple[Any, int]], node: Any, tokens: int) -> None:
+        """Lock ``node`` for a held request; ``pinned_tokens`` counts each pinned node once."""
         self.cache.inc_lock_ref(node)
         pins.append((node, tokens))
-        self.pinned_tokens += tokens
+        count = self._pin_count.get(id(node), 0)
+        self._pin_count[id(node)] = count + 1
+        if count == 0:
+            self.pinned_tokens += tokens
 
     def _unpin(self, rid: str) -> None:
         _, pins = self.pins.pop(rid, (None, []))
@@ -372,7 +382,11 @@ class SpanPlanner:
     def _release_pins(self, pins: list[tuple[Any, int]]) -> None:
         for node, tokens in pins:
             self.cache.dec_lock_ref(node)
-            self.pinned_tokens -= tokens
+            count = self._pin_count.pop(id(node)) - 1
+            if count:
+                self._pin_count[id(node)] = count
+            else:
+                self.pinned_tokens -= tokens
 
 
 def _unit_key(ids: Any, seg: Segment) -> str:
@@ -387,11 +401,19 @@ def _unit_sampling(params: Any) -> Any:
     )
 
 
+def _ending(req: Req) -> bool:
+    """Finished, or marked to finish (SGLang's ``set_finish_with_abort`` / OOM abort set only
+    ``to_finish``; such a request leaves the batch without coming back)."""
+    return req.finished() or getattr(req, "to_finish", None) is not None
+
+
+def _reason(req: Req) -> Any:
+    return getattr(req, "finished_reason", None) or getattr(req, "to_finish", None)
+
+
 def _is_abort(req: Req) -> bool:
-    reason = getattr(req, "finished_reason", None)
-    return type(reason).__name__ == "FINISH_ABORT"
+    return type(_reason(req)).__name__ == "FINISH_ABORT"
 
 
 def _abort_message(req: Req) -> str:
-    reason = getattr(req, "finished_reason", None)
-    return getattr(reason, "message", None) or "aborted"
+    return getattr(_reason(req), "message", None) or "aborted"

@@ -202,8 +202,7 @@ class SpanRadixCache(RadixCache):
         to_free = self._insert_segments(req, token_ids, kv_indices, chunked=chunked, is_insert=True)
         # Unlike the finished case, the unaligned tail stays: the request keeps computing into it.
         n = len(token_ids)
-        last = segments[-1]
-        tail_start = last.start + (n - last.start) // self.page_size * self.page_size
+        tail_start = n // self.page_size * self.page_size  # pieces start on page boundaries
         self.token_to_kv_pool_allocator.free_segments(
             [(idx, start) for idx, start in to_free if start < tail_start]
         )
@@ -249,6 +248,8 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
         problems.append("HiCache (--enable-hierarchical-cache) is not supported with spans yet")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         problems.append("hybrid (sliding-window / SSM / DSA) models are not supported")
+    if getattr(ctx.params, "is_eagle", False):
+        problems.append("speculative decoding (EAGLE bigram keys) is not supported")
     if problems:
         raise ValueError(f"--radix-cache-backend {span_config.BACKEND}: " + "; ".join(problems))
     cache = SpanRadixCache(ctx.params)

@@ -10,7 +10,8 @@ One forward pass over the whole prompt with an explicit attention mask and expli
   what the engine does when it reuses the standalone pages from offset k. Ghosts are invisible to
   every other token and share the link tokens' positions.
 
-Generated tokens are dependent. Greedy decoding recomputes the full pass per token (tiny models).
+Generated tokens are dependent. ``recompute_tokens`` is taken as given: the server rounds it up to a
+page, so pass the rounded value when comparing with a server whose page size is above 1.
 """
 
 from __future__ import annotations

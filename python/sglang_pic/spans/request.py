@@ -86,6 +86,10 @@ class SpanRequestResolver:
         self.pad_id = pad_token_id(self.tokenizer, self.cfg)
 
     def __call__(self, obj: Any) -> None:
+        params = obj.sampling_params
+        for sp in params if isinstance(params, list) else [params]:
+            if isinstance(sp, dict) and LAYOUT_KEY in (sp.get("custom_params") or {}):
+                raise SpanError(f"custom_params.{LAYOUT_KEY} is set by the server, not by clients")
         if getattr(obj, "input_embeds", None) is not None:
             return
         text, input_ids = obj.text, obj.input_ids
@@ -115,6 +119,7 @@ class SpanRequestResolver:
                         f"the spans exceed the context: {len(ids)} prompt tokens after page "
                         f"padding + {max_new or 0} new tokens > context length {self.context_len}"
                     )
+                self._check_logprobs(obj, len(new_params), layout)
                 custom = dict(sp.get("custom_params") or {})
                 custom[LAYOUT_KEY] = layout
                 sp["custom_params"] = custom
@@ -123,6 +128,24 @@ class SpanRequestResolver:
         obj.text = None
         obj.input_ids = new_ids if batched else new_ids[0]
         obj.sampling_params = new_params if batched else new_params[0]
+
+    @staticmethod
+    def _check_logprobs(obj: Any, i: int, layout: list[int]) -> None:
+        """Input logprobs inside the spans would make SGLang compute them in context."""
+
+        def at(v: Any) -> Any:
+            return v[i] if isinstance(v, list) else v
+
+        start = at(getattr(obj, "logprob_start_len", None))
+        if (
+            at(getattr(obj, "return_logprob", False))
+            and isinstance(start, int)
+            and 0 <= start < layout[-3]
+        ):
+            raise SpanError(
+                f"logprob_start_len {start} falls before the last dependent segment (token "
+                f"{layout[-3]}): input logprobs are only available after the spans"
+            )
 
     def _tokenize(self, item: Any) -> list[int]:
         if isinstance(item, str):
