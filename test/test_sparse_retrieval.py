@@ -60,7 +60,11 @@ def test_rsq_ip_estimate_tracks_exact_inner_products():
     assert corr > 0.97
 
 
-def test_planted_keys_are_retrieved():
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("vote", ["tiers", "similarity"])
+def test_planted_keys_are_retrieved(vote):
     """Keys aligned with the query (what attention concentrates on) survive voting and rerank."""
     torch.manual_seed(2)
     h, n, d, k = 2, 4000, 128, 64
@@ -68,7 +72,7 @@ def test_planted_keys_are_retrieved():
     q = torch.randn(h, d)
     planted = torch.randperm(n)[:k]
     keys[:, planted] = q[:, None, :] * 0.6 + 0.8 * torch.randn(h, k, d) / math.sqrt(d) * 4
-    index = KeyIndex(keys)
+    index = KeyIndex(keys, ParisConfig(vote=vote))
     got = index.select(q, k)
     exact = torch.einsum("hd,hnd->hn", q, keys).topk(k, dim=-1).indices
     recall = sum(len(set(got[i].tolist()) & set(exact[i].tolist())) for i in range(h)) / (h * k)

@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--local", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "benchmark/results/sparse_recall_cpu.json"))
+    ap.add_argument("--vote", default="tiers", choices=["tiers", "similarity"])
+    ap.add_argument("--out", default=None, help="default benchmark/results/sparse_recall_cpu_<vote>.json")
     args = ap.parse_args()
 
     import torch
@@ -86,7 +87,7 @@ def main() -> None:
     with torch.no_grad():
         model(torch.tensor([ids]))
     print(f"forward over {len(ids)} tokens: {time.time() - t0:.1f} s; needle: {needle}")
-    cfg = ParisConfig()
+    cfg = ParisConfig(vote=args.vote)
     rows = []
     for layer_idx, (q, k, v) in sorted(captured.items()):
         groups = q.shape[0] // k.shape[0]
@@ -122,6 +123,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "benchmark"))
     from harness import environment
 
+    args.out = args.out or str(REPO / f"benchmark/results/sparse_recall_cpu_{args.vote}.json")
     Path(args.out).write_text(json.dumps({
         "benchmark": "sparse_recall_cpu", "environment": environment(), "params": vars(args),
         "config": cfg.__dict__ if hasattr(cfg, "__dict__") else str(cfg), "tokens": len(ids),

@@ -47,6 +47,10 @@ class ParisConfig:
     """Share of keys kept by voting for the rerank ..."""
     min_candidates_per_k: int = 8
     """... but at least this many per selected key (short contexts: 10 % is too few)."""
+    vote: str = "tiers"
+    """``tiers``: the paper's tiered integer votes for the query's ``top_rho`` centroids;
+    ``similarity``: every key votes the similarity of its centroid to the query sub-vector (the
+    limit of infinitely many tiers; same table lookup, measured better on SmolLM2)."""
     seed: int = 0
 
 
@@ -115,6 +119,8 @@ class KeyIndex:
             raise ValueError(f"head dim {d} is not a multiple of subspace_dim {cfg.subspace_dim}")
         if len(cfg.tier_weights) != cfg.top_rho:
             raise ValueError("tier_weights needs one weight per top_rho rank")
+        if cfg.vote not in ("tiers", "similarity"):
+            raise ValueError(f"vote must be 'tiers' or 'similarity', got {cfg.vote!r}")
         self.cfg, self.d, self.m, self.B = cfg, d, cfg.subspace_dim, d // cfg.subspace_dim
         self.srht = SRHT(d, cfg.seed, keys.device)
         self.levels = torch.tensor(lloyd_max_levels(d), device=keys.device)
@@ -150,11 +156,14 @@ class KeyIndex:
         return sign * self.levels[(codes & 7).long()]
 
     def coarse_votes(self, q: torch.Tensor) -> torch.Tensor:
-        """``[h, n]`` integer collision votes of every key for queries ``q`` ``[h, d]``."""
+        """``[h, n]`` collision votes of every key for queries ``q`` ``[h, d]`` (integers for
+        ``tiers``)."""
         cfg = self.cfg
         qr = self.srht(q)
         qs = qr.view(q.shape[0], self.B, self.m)
         sim = qs @ self.centroids.T  # [h, B, 2^m]
+        if cfg.vote == "similarity":
+            return sim.gather(2, self.centroid.transpose(1, 2)).sum(1)
         top = sim.topk(cfg.top_rho, dim=-1).indices  # [h, B, rho]
         table = torch.zeros(q.shape[0], self.B, 2**self.m, dtype=torch.int32, device=q.device)
         tiers = torch.tensor(cfg.tier_weights, dtype=torch.int32, device=q.device)
