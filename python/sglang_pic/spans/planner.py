@@ -294,6 +294,7 @@ class SpanPlanner:
             ("session_params", None),
             ("session_id", None),
             ("custom_logit_processor", None),
+            ("priority", None),
         ):
             if hasattr(recv, name):
                 setattr(recv, name, value)
