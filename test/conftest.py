@@ -53,6 +53,13 @@ class Server:
     def post(self, path: str, timeout: float = 120, **kwargs) -> requests.Response:
         return requests.post(self.url + path, timeout=timeout, **kwargs)
 
+    def generate_text(self, text: str, max_new_tokens: int = 8) -> dict:
+        """Greedy ``/generate`` of ``text``; asserts HTTP 200 and returns the JSON answer."""
+        r = self.post("/generate", json={"text": text, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def healthy(self) -> bool:
         try:
             return requests.get(self.url + "/health", timeout=30).status_code == 200

@@ -15,19 +15,12 @@ def hicache_server(tmp_path_factory):
     stop_server(srv)
 
 
-def _gen(server, text):
-    r = server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 8,
-                                                                          "temperature": 0}})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_evicted_prefix_is_loaded_from_host(hicache_server):
     target = "The history of the Roman Empire spans many centuries. " * 12
-    first = _gen(hicache_server, target)
+    first = hicache_server.generate_text(target)
     for i in range(6):  # ~830 tokens of other prompts through a 512-token device pool
-        _gen(hicache_server, f"Topic {i}: " + f"another sentence about subject {i}. " * 14)
-    again = _gen(hicache_server, target)
+        hicache_server.generate_text(f"Topic {i}: " + f"another sentence about subject {i}. " * 14)
+    again = hicache_server.generate_text(target)
     details = again["meta_info"]["cached_tokens_details"]
     assert details["host"] >= 96, details
     assert again["text"] == first["text"]

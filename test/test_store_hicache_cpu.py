@@ -48,18 +48,11 @@ def two_instances(store_cluster, tmp_path_factory):
     stop_server(b)
 
 
-def _gen(server, text):
-    r = server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 8,
-                                                                          "temperature": 0}})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, two_instances):
     a, b = two_instances
     # > 256 tokens: SGLang only prefetches storage hits of at least prefetch_threshold (256)
     prompt = "The history of the Roman Empire spans many centuries of conquest. " * 32
-    first = _gen(a, prompt)
+    first = a.generate_text(prompt)
     deadline = time.time() + 60
     while time.time() < deadline:  # write-through to L3 is asynchronous
         if sum(s.engine.stats["bytes_in"] for s in store_cluster) > 0 and \
@@ -69,7 +62,7 @@ def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, t
     stored_pages = sum(len(s.engine.owned.entries) for s in store_cluster)
     assert stored_pages >= 20
     assert sum(len(s.engine.owned.entries) > 0 for s in store_cluster) >= 2  # spread by owner
-    second = _gen(b, prompt)
+    second = b.generate_text(prompt)
     details = second["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) >= 256, second["meta_info"]
     assert second["text"] == first["text"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import config
 from .request import spans_to_prompt, with_spans
 from .segments import SpanError
 
@@ -31,6 +32,7 @@ def rewrite_body(path: str, body: Any) -> Any:
     if path in _PROMPT_FIELD and "spans" in body:
         return with_spans(body, _PROMPT_FIELD[path])
     if path == _CHAT and isinstance(body.get("messages"), list):
+        markers = config.load().markers
         messages = []
         changed = False
         for i, message in enumerate(body["messages"]):
@@ -40,17 +42,14 @@ def rewrite_body(path: str, body: Any) -> Any:
                 spans = message.pop("spans")
                 if message.get("content"):
                     raise SpanError(f"messages[{i}]: give either 'spans' or 'content', not both")
-                from . import config
-
-                ssep, pdep = config.load().markers
-                content = spans_to_prompt(spans, (ssep, pdep))
+                content = spans_to_prompt(spans, markers)
                 if not isinstance(content, str):
                     raise SpanError(f"messages[{i}].spans: chat spans must be text")
                 last_mode = (
                     spans[-1].get("mode", "dependent") if isinstance(spans[-1], dict) else ""
                 )
                 if last_mode in ("independent", "ssep"):
-                    content += pdep
+                    content += markers[1]
                 message["content"] = content
             messages.append(message)
         if changed:

@@ -115,18 +115,16 @@ class SpanPlanner:
         self._draining = False
         pool = getattr(cache, "token_to_kv_pool_allocator", None)
         self.pin_budget = int(MAX_PINNED_FRACTION * getattr(pool, "size", 0)) or (1 << 62)
-        self.stats = {"units": 0, "unit_tokens": 0, "shared_waits": 0, "pinned_hits": 0}
 
     # ---- scheduler hooks ------------------------------------------------------------------
     def on_generate_request(self, handle: Callable, scheduler: Any, recv_req: Any) -> Any:
         """AROUND ``Scheduler.handle_generate_request``: remember the request for the queue hook."""
         self.scheduler, self._handle = scheduler, handle
         custom = getattr(recv_req.sampling_params, "custom_params", None) or {}
-        if LAYOUT_KEY not in custom:
-            return handle(scheduler, recv_req)
-        # kept until the request reaches the queue hook (structured-output requests get there
-        # later, from SGLang's grammar queue); dropped there or when the request is aborted
-        self._expected[recv_req.rid] = recv_req
+        if LAYOUT_KEY in custom:
+            # kept until the request reaches the queue hook (structured-output requests get there
+            # later, from SGLang's grammar queue); dropped there or when the request is aborted
+            self._expected[recv_req.rid] = recv_req
         return handle(scheduler, recv_req)
 
     def on_add_to_queue(self, enqueue: Callable, scheduler: Any, req: Req, *args, **kwargs) -> Any:
@@ -227,21 +225,18 @@ class SpanPlanner:
             key = _unit_key(ids, seg)
             unit = self.units.get(key)
             if unit is None:
-                node = self._cached_node(ids, seg)
+                node = self._cached_node(ids, seg.namespace, seg.key_start, seg.key_end)
                 if node is not None:
                     self._pin(pins, node, seg.key_end - seg.key_start)
-                    self.stats["pinned_hits"] += 1
                     continue
                 unit = self._submit_unit(key, ids, seg, segments[: i + 1])
                 if unit is None:  # the unit request was rejected; so is this request
                     self._release_pins(pins)
                     req.set_finish_with_abort("span prefill was rejected (see the server log)")
                     return False
-            else:
-                self.stats["shared_waits"] += 1
             unit.waiters.append(req.rid)
             pending.add(key)
-            unit_tokens += seg.key_end - seg.key_start
+            unit_tokens += unit.tokens
         self.pins[req.rid] = (req, pins)
         if not pending and not self._barrier_blocks(req):
             return False  # everything is cached: the caller enqueues it now
@@ -251,13 +246,12 @@ class SpanPlanner:
     def _barrier_blocks(self, req: Req) -> bool:
         return self.cfg.schedule == "barrier" and bool(self.units) and not is_unit(req)
 
-    def _cached_node(self, ids: Any, seg: Segment) -> Any:
-        want = seg.key_end - seg.key_start
+    def _cached_node(self, ids: Any, namespace: str | None, start: int, end: int) -> Any:
+        """The node ending key ``ids[start:end]`` in ``namespace`` if all of it is cached."""
         result = RadixCache.match_prefix(
-            self.cache,
-            MatchPrefixParams(key=RadixKey(ids[seg.key_start : seg.key_end], seg.namespace)),
+            self.cache, MatchPrefixParams(key=RadixKey(ids[start:end], namespace))
         )
-        return result.last_device_node if len(result.device_indices) == want else None
+        return result.last_device_node if len(result.device_indices) == end - start else None
 
     def _submit_unit(
         self, key: str, ids: Any, seg: Segment, prefix_segments: list[Segment]
@@ -277,8 +271,6 @@ class SpanPlanner:
         )
         self.units[key] = unit
         self.unit_by_rid[unit.rid] = unit
-        self.stats["units"] += 1
-        self.stats["unit_tokens"] += seg.key_end - seg.key_start
         recv = copy.copy(self._template)
         recv.rid = unit.rid
         recv.input_ids = array("q", tokens)
@@ -320,16 +312,12 @@ class SpanPlanner:
         self.unit_by_rid.pop(unit.rid, None)
         node = None
         if failed is None and req is not None:
-            seg = (unit.segments or [None])[-1]
+            # a plain unit is keyed from its first token in the request's namespace; a dependent
+            # one by its last segment
+            last = unit.segments[-1] if unit.segments else None
+            namespace, start = (last.namespace, last.key_start) if last else (req.extra_key, 0)
             ids = req.origin_input_ids
-            if seg is None:
-                node = self._cached_node(
-                    ids, Segment(0, len(ids), req.extra_key, 0, len(ids), True)
-                )
-            else:
-                node = self._cached_node(
-                    ids, Segment(seg.start, len(ids), seg.namespace, seg.key_start, len(ids), False)
-                )
+            node = self._cached_node(ids, namespace, start, len(ids))
             if node is None:
                 failed = "span prefill finished but its pages are not in the cache"
         for rid in unit.waiters:

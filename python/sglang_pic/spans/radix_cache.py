@@ -137,13 +137,21 @@ class SpanRadixCache(RadixCache):
 
     # ---- insertion -------------------------------------------------------------------------
     def _insert_segments(
-        self, req: Req, token_ids: Any, kv_indices: torch.Tensor, *, chunked: bool, is_insert: bool
+        self,
+        req: Req,
+        token_ids: Any,
+        kv_indices: torch.Tensor,
+        *,
+        chunked: bool,
+        finished: bool,
+        is_insert: bool = True,
     ) -> list[tuple[torch.Tensor, int]]:
         """Insert each segment's own KV; return the (indices, start) ranges this request must free.
 
         Positions below ``req.cache_protected_len`` came from the tree and are not ours to free;
-        anything the tree already held from another request is a duplicate we free; the unaligned
-        tail of the last segment is freed too (as RadixCache does).
+        anything the tree already held from another request is a duplicate we free. A finished
+        request also frees the unaligned tail of the last segment (as RadixCache does); an
+        unfinished one keeps computing into it.
         """
         n = len(token_ids)
         protected = req.cache_protected_len
@@ -155,8 +163,8 @@ class SpanRadixCache(RadixCache):
             end = n if seg.end is None else min(seg.end, n)
             if not seg.owns_key:
                 # A link-recompute tail: its pages belong to the standalone span already cached.
-                if end > max(seg.start, protected):
-                    lo = max(seg.start, protected)
+                lo = max(seg.start, protected)
+                if end > lo:
                     to_free.append((kv_indices[lo:end], lo))
                 continue
             key = RadixKey(token_ids[seg.start : end], seg.namespace).page_aligned(self.page_size)
@@ -171,7 +179,7 @@ class SpanRadixCache(RadixCache):
             lo, hi = max(seg.start, protected), seg.start + prefix_len
             if hi > lo:
                 to_free.append((kv_indices[lo:hi], lo))
-            if end > seg.start + klen:
+            if finished and end > seg.start + klen:
                 lo = max(seg.start + klen, protected)
                 to_free.append((kv_indices[lo:end], lo))
         return to_free
@@ -185,7 +193,7 @@ class SpanRadixCache(RadixCache):
             token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
             kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
             to_free = self._insert_segments(
-                req, token_ids, kv_indices, chunked=False, is_insert=is_insert
+                req, token_ids, kv_indices, chunked=False, finished=True, is_insert=is_insert
             )
             self.token_to_kv_pool_allocator.free_segments(to_free)
             if req.last_node is not None:
@@ -199,14 +207,10 @@ class SpanRadixCache(RadixCache):
             return super().cache_unfinished_req(req, chunked)
         token_ids = req.get_fill_ids()
         kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        to_free = self._insert_segments(req, token_ids, kv_indices, chunked=chunked, is_insert=True)
-        # Unlike the finished case, the unaligned tail stays: the request keeps computing into it.
-        n = len(token_ids)
-        tail_start = n // self.page_size * self.page_size  # pieces start on page boundaries
         self.token_to_kv_pool_allocator.free_segments(
-            [(idx, start) for idx, start in to_free if start < tail_start]
+            self._insert_segments(req, token_ids, kv_indices, chunked=chunked, finished=False)
         )
-        match = self.match_segments(token_ids, n, segments)
+        match = self.match_segments(token_ids, len(token_ids), segments)
         new_indices, new_last_node = match.device_indices, match.last_device_node
         self.req_to_token_pool.write(
             (req.req_pool_idx, slice(req.cache_protected_len, len(new_indices))),

@@ -102,7 +102,6 @@ class SpanRequestResolver:
         resolved = [self._resolve_one(item) for item in items]
         if all(r is None for r in resolved):
             return
-        params = obj.sampling_params
         per_item = params if isinstance(params, list) else [params] * len(items)
         new_ids: list[list[int]] = []
         new_params: list[dict] = []

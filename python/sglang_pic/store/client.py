@@ -86,10 +86,13 @@ class StoreClient:
         frames = sock.recv_multipart(copy=False)
         return json.loads(bytes(frames[0])), [f.buffer for f in frames[1:]]
 
-    def _by_owner(self, tids: list[str]) -> dict[str, list[int]]:
+    def _by_owner(self, tids: list[str], owners: list[str] | None = None,
+                  positions: list[int] | None = None) -> dict[str, list[int]]:
+        """Positions of ``tids`` (all, or ``positions``) grouped by owner (``owners[i]``, or the
+        ring's answer)."""
         groups: dict[str, list[int]] = defaultdict(list)
-        for i, t in enumerate(tids):
-            groups[self.ring.owner(t)].append(i)
+        for i in range(len(tids)) if positions is None else positions:
+            groups[owners[i] if owners is not None else self.ring.owner(tids[i])].append(i)
         return groups
 
     def batch_set(self, items: list[tuple[str, bytes]]) -> int:
@@ -132,22 +135,20 @@ class StoreClient:
                         self.replicated.pop(tids[i], None)
                     else:
                         self.stats["replica_hits"] += 1
-        todo = [t for i, t in enumerate(tids) if out[i] is None]
-        pos = [i for i in range(len(tids)) if out[i] is None]
-        for server, idx in self._by_owner(todo).items():
-            got: list[bytes | None] = [None] * len(todo)
-            self._get_from(server, todo, idx, got)
-            for j in idx:
-                out[pos[j]] = got[j]
+        owners = [self.ring.owner(t) for t in tids]
+        missing = [i for i in range(len(tids)) if out[i] is None]
+        for server, idx in self._by_owner(tids, owners, missing).items():
+            self._get_from(server, tids, idx, out)
         if self.local is not None:
-            self._replicate_hot(tids, out)
+            self._replicate_hot(tids, owners, out)
         return out
 
-    def _replicate_hot(self, tids: list[str], data: list[bytes | None]) -> None:
+    def _replicate_hot(self, tids: list[str], owners: list[str],
+                       data: list[bytes | None]) -> None:
         """Copy pages read often enough from remote owners into the local replica cache."""
         hot: list[tuple[str, bytes]] = []
-        for t, d in zip(tids, data, strict=True):
-            if d is None or t in self.replicated or self.ring.owner(t) == self.local:
+        for t, owner, d in zip(tids, owners, data, strict=True):
+            if d is None or t in self.replicated or owner == self.local:
                 continue
             n = self.remote_reads.pop(t, 0) + 1
             if n >= self.replicate_after:
