@@ -228,7 +228,20 @@ def test_dsl_span_program(span_server):
     assert state["answer"] == generate(span_server, text=text)["text"]
 
 
-@pytest.fixture(scope="module")
+def test_reserved_layout_field_and_logprobs_inside_spans_are_400(span_server, hf):
+    r = span_server.post("/generate", json={"text": "hello", "sampling_params": {
+        **SP, "custom_params": {"pic_spans": [0, 1, 1]}}})
+    assert r.status_code == 400 and "set by the server" in r.text
+    ids = span_ids(hf[0], PREFIXES[0], DOCS[:1])
+    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
+                                             "return_logprob": True, "logprob_start_len": 0})
+    assert r.status_code == 400 and "logprob_start_len" in r.text
+    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
+                                             "return_logprob": True})
+    assert r.status_code == 200, r.text  # output logprobs only: fine
+
+
+@pytest.fixture  # one test uses it: stopped right after, so few servers share the 2 cores
 def link_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("spans_link") / "server.log"
     srv = start_server(["--enable-span-cache", "--span-recompute-tokens", "16",
@@ -258,7 +271,7 @@ def test_without_span_cache_spans_are_refused_and_markers_are_text(server):
     assert out["meta_info"]["prompt_tokens"] > 6  # the marker strings were tokenized as text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: stopped right after
 def tight_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("spans_tight") / "server.log"
     srv = start_server(["--enable-span-cache", "--max-total-tokens", "1536", "--page-size",
@@ -289,16 +302,3 @@ def test_span_burst_larger_than_the_pool_completes(tight_server, hf):
     for i in (0, 5):
         assert outs[i]["output_ids"] == reference(hf, reqs[i])
     assert tight_server.healthy()
-
-
-def test_reserved_layout_field_and_logprobs_inside_spans_are_400(span_server, hf):
-    r = span_server.post("/generate", json={"text": "hello", "sampling_params": {
-        **SP, "custom_params": {"pic_spans": [0, 1, 1]}}})
-    assert r.status_code == 400 and "set by the server" in r.text
-    ids = span_ids(hf[0], PREFIXES[0], DOCS[:1])
-    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
-                                             "return_logprob": True, "logprob_start_len": 0})
-    assert r.status_code == 400 and "logprob_start_len" in r.text
-    r = span_server.post("/generate", json={"input_ids": ids, "sampling_params": SP,
-                                             "return_logprob": True})
-    assert r.status_code == 200, r.text  # output logprobs only: fine

@@ -117,10 +117,10 @@ def test_bad_requests_are_rejected_and_the_server_keeps_serving(cluster):
     assert "malformed" in ask([b"{not json"])["error"]
     assert ask([json.dumps({"op": "get", "tids": ["a"]}).encode()])["error"] == "unauthenticated"
     big = b"x" * (5 * PAGE)
-    reply = ask([json.dumps({"op": "put", "tids": ["big"], "crc": [0], "token": TOKEN}).encode(),
+    reply = ask([json.dumps({"op": "put", "tids": ["big"], "sums": [0], "token": TOKEN}).encode(),
                  big])
     assert reply["error"] == "tensor too large"
-    reply = ask([json.dumps({"op": "put", "tids": ["t"], "crc": [123], "token": TOKEN}).encode(),
+    reply = ask([json.dumps({"op": "put", "tids": ["t"], "sums": [123], "token": TOKEN}).encode(),
                  b"abc"])
     assert reply["error"] == "checksum mismatch"
     assert ask([json.dumps({"op": "drop_all", "token": TOKEN}).encode()])["ok"] is False

@@ -86,7 +86,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             kwargs["hicache_storage_backend_extra_config"] = json.dumps({
                 "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
                 "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
-                "token": params["token"]})
+                "token": params["token"], "interface_v1": 1})
     prefixes = _prefixes(params)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)

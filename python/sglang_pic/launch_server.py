@@ -11,10 +11,14 @@ Every SGLang server flag passes through unchanged. What we add:
   `--enable-position-free-kv` and selects `--radix-cache-backend pic_span`. Its knobs
   `--span-schedule isps|barrier`, `--span-recompute-tokens K`, `--span-pad-token-id ID`,
   `--span-markers SSEP,PDEP` reach SGLang's processes as `SGLANG_PIC_SPAN_*` variables.
+- `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token T]`: PTStore as HiCache's L3
+  tier (zero-copy `interface_v1`); turns on `--enable-hierarchical-cache` with the `dynamic`
+  storage backend. Every HiCache flag the user sets wins.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -50,7 +54,12 @@ def build_argv(argv: list[str]) -> list[str]:
         value = _pop_option(argv, flag)
         if value is not None:
             os.environ[env] = value
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
+    on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
+    ptstore = _pop_option(argv, PTSTORE_FLAG)
+    token = _pop_option(argv, PTSTORE_TOKEN_FLAG)
+    if ptstore is not None:
+        argv += ptstore_args(argv, ptstore, token, on_cpu)
+    if on_cpu:
         cpu_support.enable_cpu_engine()
         argv += cpu_support.cpu_server_defaults(argv, model_path)
     if position_free:
@@ -66,6 +75,34 @@ SPAN_OPTIONS = {
     "--span-pad-token-id": "SGLANG_PIC_SPAN_PAD_TOKEN_ID",
     "--span-markers": "SGLANG_PIC_SPAN_MARKERS",
 }
+
+
+PTSTORE_FLAG = "--ptstore"
+PTSTORE_TOKEN_FLAG = "--ptstore-token"
+
+
+def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool) -> list[str]:
+    """The HiCache flags that make PTStore (``servers``: comma-separated endpoints) the L3 tier;
+    flags the user already gave are kept."""
+    endpoints = [s.strip() for s in servers.split(",") if s.strip()]
+    if not endpoints:
+        raise SystemExit(f"error: {PTSTORE_FLAG} needs store endpoints, e.g. tcp://node1:7400")
+    if _value_of(argv, "--hicache-storage-backend") not in (None, "dynamic"):
+        raise SystemExit(f"error: {PTSTORE_FLAG} is a HiCache storage backend; drop "
+                         f"--hicache-storage-backend {_value_of(argv, '--hicache-storage-backend')}")
+    config = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
+              "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1}
+    if token:
+        config["token"] = token
+    extra = [] if "--enable-hierarchical-cache" in argv else ["--enable-hierarchical-cache"]
+    wanted = {"--hicache-storage-backend": "dynamic",
+              "--hicache-storage-backend-extra-config": json.dumps(config)}
+    if on_cpu:  # the host-pool layout and copy path SGLang supports without CUDA
+        wanted |= {"--hicache-io-backend": "direct", "--hicache-mem-layout": "layer_first"}
+    for flag, value in wanted.items():
+        if _value_of(argv, flag) is None:
+            extra += [flag, value]
+    return extra
 
 
 def _pop_option(argv: list[str], flag: str) -> str | None:

@@ -2,9 +2,15 @@
 
 A tensor id (page hash) is owned by the first server clockwise from its hash on a ring with
 ``vnodes`` virtual nodes per server. ``batch_get`` / ``batch_set`` / ``batch_exists`` group ids by
-owner and send one message to each. A server that does not answer within ``timeout_ms`` (down,
-overloaded) yields misses for its ids - never an exception, never a wrong page: payloads whose
-CRC does not match are dropped as misses too.
+owner and send one message to each; the messages to all owners are sent before any reply is
+awaited, so the owners serve one batch in parallel. A server that does not answer in time (down,
+overloaded; the allowance is ``timeout_ms`` plus the bytes at ``min_gbps``) yields misses for
+its ids - never an exception, never a wrong page: payloads whose checksum does not match are
+dropped as misses too.
+
+**Zero copy.** Payloads to store may be any buffer (a view of SGLang's host KV pool): zmq sends
+them without copying. ``batch_get_into`` copies each received page once, straight into its
+destination buffer (the host pool page), after checking it.
 
 **Replication onto the reading node.** A client given ``local`` (the store server on its own node)
 counts how often it reads each page from a remote owner; once a page has been read
@@ -19,12 +25,17 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import time
 import uuid
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 
+import numpy as np
 import zmq
 
-from .protocol import crc, encode
+from .protocol import checksum, encode
+
+Buffer = bytes | memoryview
 
 
 def _point(s: str) -> int:
@@ -46,7 +57,7 @@ class StoreClient:
     """Bound on the pages whose remote reads (or local replicas) the client remembers."""
 
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
-                 local: str | None = None, replicate_after: int = 2):
+                 local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5):
         if not servers:
             raise ValueError("PTStore client needs at least one server endpoint")
         if replicate_after < 1:
@@ -55,6 +66,8 @@ class StoreClient:
         self.ring = HashRing(self.servers)
         self.token = token
         self.timeout_ms = timeout_ms
+        self.min_gbps = min_gbps
+        self.page_bytes = 0  # the largest page seen: sizes the allowance of a get
         self.local = local
         self.replicate_after = replicate_after
         self.ctx = zmq.Context.instance()
@@ -74,17 +87,29 @@ class StoreClient:
             self.socks[server] = s
         return s
 
-    def _call(self, server: str, header: dict, payloads: list[bytes] | None = None):
-        """One round trip; None on timeout (the socket is replaced: no stale reply later)."""
-        sock = self._sock(server)
+    def _send(self, server: str, header: dict, payloads: list[Buffer] | None = None) -> None:
         self.rpcs += 1
-        sock.send_multipart(encode({**header, "token": self.token}, payloads), copy=False)
-        if not sock.poll(self.timeout_ms):
+        self._sock(server).send_multipart(encode({**header, "token": self.token}, payloads),
+                                          copy=False)
+
+    def _recv(self, server: str, deadline: float):
+        """The reply of ``server``, or None past ``deadline`` (the socket is then replaced, so a
+        late reply can never be taken for the answer to a later request)."""
+        sock = self.socks[server]
+        if not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
             sock.close(0)
             self.socks.pop(server, None)
             return None
         frames = sock.recv_multipart(copy=False)
         return json.loads(bytes(frames[0])), [f.buffer for f in frames[1:]]
+
+    def _deadline(self, nbytes: int) -> float:
+        return time.monotonic() + self.timeout_ms / 1000 + nbytes / (self.min_gbps * 1e9)
+
+    def _call(self, server: str, header: dict, payloads: list[Buffer] | None = None):
+        """One round trip; None on timeout."""
+        self._send(server, header, payloads)
+        return self._recv(server, self._deadline(sum(len(p) for p in payloads or ())))
 
     def _by_owner(self, tids: list[str], owners: list[str] | None = None,
                   positions: list[int] | None = None) -> dict[str, list[int]]:
@@ -95,58 +120,95 @@ class StoreClient:
             groups[owners[i] if owners is not None else self.ring.owner(tids[i])].append(i)
         return groups
 
-    def batch_set(self, items: list[tuple[str, bytes]]) -> int:
-        """Store pages on their owners; returns bytes the servers actually added (pages they
-        already held add nothing). Ids whose owner failed are in ``self.last_failed``."""
+    def batch_set(self, items: list[tuple[str, Buffer]], kind: str | None = None) -> int:
+        """Store pages on their owners (``kind="replica"``: the replica cache of the local
+        server); returns bytes the servers actually added (pages they already held add nothing).
+        Ids whose owner failed are in ``self.last_failed``."""
         added = 0
         tids = [t for t, _ in items]
         self.last_failed: list[str] = []
-        for server, idx in self._by_owner(tids).items():
+        groups = ({self.local: list(range(len(items)))} if kind == "replica"
+                  else self._by_owner(tids))
+        for server, idx in groups.items():
             payloads = [items[i][1] for i in idx]
-            reply = self._call(server, {"op": "put", "tids": [tids[i] for i in idx],
-                                        "crc": [crc(p) for p in payloads]}, payloads)
+            self._send(server, {"op": "put", "tids": [tids[i] for i in idx],
+                                "sums": [checksum(p) for p in payloads],
+                                **({"kind": kind} if kind else {})}, payloads)
+        deadline = self._deadline(sum(len(p) for _, p in items))
+        for server, idx in groups.items():
+            reply = self._recv(server, deadline)
             if reply is not None and reply[0].get("ok"):
                 added += reply[0]["added_bytes"]
             else:
                 self.last_failed += [tids[i] for i in idx]
         return added
 
-    def _get_from(self, server: str, tids: list[str], idx: list[int],
-                  out: list[bytes | None]) -> None:
-        reply = self._call(server, {"op": "get", "tids": [tids[i] for i in idx]})
-        if reply is None or not reply[0].get("ok"):
-            return
-        header, payloads = reply
-        it = iter(zip(payloads, header["crc"], strict=True))
-        for i, found in zip(idx, header["found"], strict=True):
-            if found:
-                data, c = next(it)
-                if crc(data) == c:
-                    out[i] = bytes(data)
+    def _fetch(self, groups: dict[str, list[int]], tids: list[str],
+               sink: Callable[[int, memoryview], None]) -> None:
+        """Ask every owner for its ids (all requests out first), hand each verified payload to
+        ``sink(position, data)``."""
+        for server, idx in groups.items():
+            self._send(server, {"op": "get", "tids": [tids[i] for i in idx]})
+        deadline = self._deadline(self.page_bytes * sum(len(i) for i in groups.values()))
+        for server, idx in groups.items():
+            reply = self._recv(server, deadline)
+            if reply is None or not reply[0].get("ok"):
+                continue
+            header, payloads = reply
+            it = iter(zip(payloads, header["sums"], strict=True))
+            for i, found in zip(idx, header["found"], strict=True):
+                if found:
+                    data, s = next(it)
+                    self.page_bytes = max(self.page_bytes, len(data))
+                    if checksum(data) == s:
+                        sink(i, data)
 
     def batch_get(self, tids: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(tids)
+
+        def keep(i: int, data: memoryview) -> None:
+            out[i] = bytes(data)
+
+        self._get(tids, keep, lambda i: out[i] is not None, lambda i: out[i])
+        return out
+
+    def batch_get_into(self, tids: list[str], dests: list[memoryview]) -> list[bool]:
+        """Read pages straight into ``dests`` (writable buffers of the pages' sizes; one copy
+        each, after the checksum); True where the page was found whole."""
+        ok = [False] * len(tids)
+        views = [np.frombuffer(d, dtype=np.uint8) for d in dests]
+
+        def copy(i: int, data: memoryview) -> None:
+            src = np.frombuffer(data, dtype=np.uint8)
+            if src.size == views[i].size:  # a page of another shape is a miss
+                np.copyto(views[i], src)  # numpy releases the GIL for the copy
+                ok[i] = True
+
+        self._get(tids, copy, ok.__getitem__, lambda i: dests[i])
+        return ok
+
+    def _get(self, tids: list[str], sink: Callable[[int, memoryview], None],
+             have: Callable[[int], bool], data_of: Callable[[int], Buffer | None]) -> None:
         if self.local is not None:
             near = [i for i, t in enumerate(tids) if t in self.replicated]
             if near:
-                self._get_from(self.local, tids, near, out)
+                self._fetch({self.local: near}, tids, sink)
                 for i in near:
-                    if out[i] is None:  # the replica was evicted: ask the owner again
+                    if not have(i):  # the replica was evicted: ask the owner again
                         self.replicated.pop(tids[i], None)
                     else:
                         self.stats["replica_hits"] += 1
         owners = [self.ring.owner(t) for t in tids]
-        missing = [i for i in range(len(tids)) if out[i] is None]
-        for server, idx in self._by_owner(tids, owners, missing).items():
-            self._get_from(server, tids, idx, out)
+        missing = [i for i in range(len(tids)) if not have(i)]
+        self._fetch(self._by_owner(tids, owners, missing), tids, sink)
         if self.local is not None:
-            self._replicate_hot(tids, owners, out)
-        return out
+            self._replicate_hot(tids, owners, [data_of(i) if have(i) else None
+                                               for i in range(len(tids))])
 
     def _replicate_hot(self, tids: list[str], owners: list[str],
-                       data: list[bytes | None]) -> None:
+                       data: list[Buffer | None]) -> None:
         """Copy pages read often enough from remote owners into the local replica cache."""
-        hot: list[tuple[str, bytes]] = []
+        hot: list[tuple[str, Buffer]] = []
         for t, owner, d in zip(tids, owners, data, strict=True):
             if d is None or t in self.replicated or owner == self.local:
                 continue
@@ -159,20 +221,23 @@ class StoreClient:
                     self.remote_reads.popitem(last=False)
         if not hot:
             return
-        reply = self._call(self.local, {"op": "put", "kind": "replica",
-                                        "tids": [t for t, _ in hot],
-                                        "crc": [crc(d) for _, d in hot]}, [d for _, d in hot])
-        if reply is not None and reply[0].get("ok"):
-            for t, _ in hot:
-                self.replicated[t] = None
-                if len(self.replicated) > self.TRACKED_PAGES:
-                    self.replicated.popitem(last=False)
-            self.stats["replicated_pages"] += len(hot)
+        self.batch_set(hot, kind="replica")
+        if self.last_failed:
+            return
+        for t, _ in hot:
+            self.replicated[t] = None
+            if len(self.replicated) > self.TRACKED_PAGES:
+                self.replicated.popitem(last=False)
+        self.stats["replicated_pages"] += len(hot)
 
     def batch_exists(self, tids: list[str]) -> list[bool]:
         out = [False] * len(tids)
-        for server, idx in self._by_owner(tids).items():
-            reply = self._call(server, {"op": "exists", "tids": [tids[i] for i in idx]})
+        groups = self._by_owner(tids)
+        for server, idx in groups.items():
+            self._send(server, {"op": "exists", "tids": [tids[i] for i in idx]})
+        deadline = self._deadline(0)
+        for server, idx in groups.items():
+            reply = self._recv(server, deadline)
             if reply is not None and reply[0].get("ok"):
                 for i, f in zip(idx, reply[0]["found"], strict=True):
                     out[i] = bool(f)

@@ -8,13 +8,23 @@
 SGLang's cache controller hands us pages of the host KV pool keyed by its chained page hashes
 (``get_hash_str``: equal key = equal prefix up to that page), which is exactly PTStore's tensor
 id: a prefix shared by many prompts is stored once, wherever it was computed. Keys get a
-model/rank suffix so different models or TP ranks never share pages. This uses the page-copy
-interface (``batch_get`` / ``batch_set`` / ``batch_exists``); the zero-copy ``interface_v1`` into
-the host pool is the next step.
+model/rank suffix so different models or TP ranks never share pages.
+
+Two interfaces, as SGLang's controller chooses:
+
+* ``"interface_v1": 1`` in the extra config (what ``sglang-pic serve --ptstore`` sets): **zero
+  copy**. ``batch_set_v1`` / ``batch_get_v1`` get host-pool indices; the pool's
+  ``get_page_buffer_meta`` names the memory of each page (K and V of a page for the
+  ``page_first`` layout; one block per layer and K/V for ``layer_first``), which zmq sends
+  without a copy and into which received pages are copied once, straight from the socket buffer.
+  Each block is one store tensor ``<page hash>@<model>@tp<r>of<n>#<block>``.
+* otherwise the page-copy interface (``batch_get`` / ``batch_set``): SGLang hands flat page
+  tensors, which costs a copy on each side.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any
 
@@ -41,14 +51,35 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:
             self.suffix += f"@tp{storage_config.tp_rank}of{storage_config.tp_size}"
+        self.zero_copy = bool(extra.get("interface_v1", 0))
+        self.blocks = 1  # memory blocks per page in the host pool (zero copy)
         self.stats = {"get_pages": 0, "get_hits": 0, "set_pages": 0, "set_bytes": 0}
 
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.zero_copy:
+            page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+            self.blocks = len(mem_pool_host.get_page_buffer_meta(page)[0])
+
     def _ids(self, keys: list[str]) -> list[str]:
-        return [k + self.suffix for k in keys]
+        if not self.zero_copy:
+            return [k + self.suffix for k in keys]
+        return [f"{k}{self.suffix}#{j}" for k in keys for j in range(self.blocks)]
+
+    def _page_buffers(self, host_indices: torch.Tensor) -> list[memoryview]:
+        """The host pool's memory of the pages at ``host_indices``, as writable byte views
+        (``blocks`` per page, in ``_ids`` order)."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        return [memoryview((ctypes.c_char * n).from_address(p)).cast("B")
+                for p, n in zip(ptrs, sizes, strict=True)]
+
+    def _per_page(self, ok: list[bool]) -> list[bool]:
+        b = self.blocks
+        return [all(ok[i:i + b]) for i in range(0, len(ok), b)]
 
     # ---- what SGLang's cache controller calls -------------------------------------------
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
-        found = self.client.batch_exists(self._ids(keys))
+        found = self._per_page(self.client.batch_exists(self._ids(keys)))
         for i, f in enumerate(found):
             if not f:
                 return i
@@ -81,6 +112,24 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.stats["set_pages"] += len(items)
         self.stats["set_bytes"] += added
         return not self.client.last_failed
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info=None) -> list[bool]:
+        ok = self._per_page(self.client.batch_get_into(self._ids(keys),
+                                                       self._page_buffers(host_indices)))
+        self.stats["get_pages"] += len(keys)
+        self.stats["get_hits"] += sum(ok)
+        return ok
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info=None) -> list[bool]:
+        ids = self._ids(keys)
+        added = self.client.batch_set(list(zip(ids, self._page_buffers(host_indices),
+                                               strict=True)))
+        failed = set(self.client.last_failed)
+        self.stats["set_pages"] += len(keys)
+        self.stats["set_bytes"] += added
+        return self._per_page([t not in failed for t in ids])
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
         return self.batch_get([key], [target_location])[0]

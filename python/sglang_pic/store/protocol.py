@@ -1,17 +1,20 @@
 """PTStore wire format: one zmq multipart message per request and per reply.
 
-    frame 0: JSON header  {"op": ..., "token": ..., "tids": [...], "crc": [...], ...}
+    frame 0: JSON header  {"op": ..., "token": ..., "tids": [...], "sums": [...], ...}
     frame 1..n: tensor payloads (bytes), in the order of ``tids`` (puts and get replies)
 
-Frames are sent and received zero-copy by zmq. Every tensor carries a CRC32 so a reader never
-accepts a torn or corrupted page. Limits are checked before anything is stored.
+Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH3 checksum so a
+reader never accepts a torn or corrupted page (XXH3 runs at memory speed, ~20x CRC32 in zlib: an
+8K-token Llama-3-8B prefix is 1 GiB of pages, which CRC32 alone would spend ~0.7 s on). Limits
+are checked before anything is stored.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass
+
+import xxhash
 
 OPS = ("put", "get", "exists", "put_object", "get_object", "status")
 
@@ -28,8 +31,8 @@ class ProtocolError(ValueError):
     """A request the server refuses (answered with ``{"ok": false, "error": ...}``)."""
 
 
-def crc(data: bytes | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+def checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def encode(header: dict, payloads: list[bytes] | None = None) -> list[bytes]:
@@ -58,16 +61,16 @@ def decode_request(frames: list, limits: Limits, token: str | None) -> tuple[dic
         raise ProtocolError("too many tensors in one message")
     payloads = frames[1:]
     if header["op"] == "put":
-        sums = header.get("crc")
+        sums = header.get("sums")
         if len(payloads) != len(tids) or not isinstance(sums, list) or len(sums) != len(tids):
-            raise ProtocolError("put needs one payload frame and one crc per tensor id")
+            raise ProtocolError("put needs one payload frame and one checksum per tensor id")
         total = 0
         for frame, c in zip(payloads, sums, strict=True):
             n = len(frame)
             total += n
             if n > limits.max_tensor_bytes:
                 raise ProtocolError("tensor too large")
-            if crc(frame) != c:
+            if checksum(frame) != c:
                 raise ProtocolError("checksum mismatch")
         if total > limits.max_message_bytes:
             raise ProtocolError("message too large")

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 
 import zmq
 
 from .engine import OWNED, REPLICA, StoreEngine
-from .protocol import Limits, ProtocolError, crc, decode_request, encode
+from .protocol import Limits, ProtocolError, checksum, decode_request, encode
 
 logger = logging.getLogger(__name__)
 
 
 class StoreServer:
+    SUMS_KEPT = 1 << 22
+    """Checksums remembered from puts (verified on arrival), so a get does not hash the bytes again."""
+
     def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
                  limits: Limits | None = None) -> None:
         limits = limits or Limits()
@@ -34,6 +38,7 @@ class StoreServer:
         self.sock.bind(endpoint)
         self.requests = 0
         self.rejected = 0
+        self.sums: OrderedDict[str, int] = OrderedDict()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,14 +81,21 @@ class StoreServer:
         eng = self.engine
         if op == "put":
             kind = REPLICA if header.get("kind") == REPLICA else OWNED
-            added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads, strict=True)],
-                                    kind)
+            with eng.lock:  # the ids whose bytes this put will store (the engine skips the rest)
+                stored = [t not in eng.owned and (kind == OWNED or t not in eng.replica)
+                          for t in tids]
+                added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads,
+                                                                       strict=True)], kind)
+            for t, s, new in zip(tids, header["sums"], stored, strict=True):
+                if new:
+                    self._remember(t, s)
             return encode({"ok": True, "added_bytes": added})
         if op == "get":
             data = eng.get_tensors(tids)
             found = [d is not None for d in data]
-            return encode({"ok": True, "found": found,
-                           "crc": [crc(d) for d in data if d is not None]},
+            sums = [checksum(d) if (s := self.sums.get(t)) is None else s
+                    for t, d in zip(tids, data, strict=True) if d is not None]
+            return encode({"ok": True, "found": found, "sums": sums},
                           [d for d in data if d is not None])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
@@ -93,6 +105,12 @@ class StoreServer:
         if op == "get_object":
             return encode({"ok": True, "tids": eng.get_object(str(header.get("key")))})
         return encode({"ok": True, "status": self.status()})
+
+    def _remember(self, tid: str, s: int) -> None:
+        self.sums[tid] = s
+        self.sums.move_to_end(tid)
+        if len(self.sums) > self.SUMS_KEPT:
+            self.sums.popitem(last=False)
 
     def status(self) -> dict:
         eng = self.engine

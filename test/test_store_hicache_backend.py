@@ -1,0 +1,84 @@
+"""PTStoreHiCacheStorage against a stand-in host KV pool: both interfaces SGLang's cache
+controller uses (page copies, and zero copy into the pool's memory) move the exact bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import free_port
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang_pic.store.engine import StoreEngine
+from sglang_pic.store.hicache_backend import PTStoreHiCacheStorage
+from sglang_pic.store.server import StoreServer
+
+TOKEN = "t"
+PAGE, BLOCKS, BLOCK_BYTES = 4, 3, 96
+
+
+class HostPool:
+    """What the backend needs of SGLang's host pool: ``page_size`` and
+    ``get_page_buffer_meta`` (pointers and sizes of each page's ``BLOCKS`` memory blocks)."""
+
+    page_size = PAGE
+
+    def __init__(self, pages: int) -> None:
+        self.buf = torch.zeros(BLOCKS, pages, BLOCK_BYTES, dtype=torch.uint8)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor):
+        ptrs = [self.buf[b, int(i) // PAGE].data_ptr()
+                for i in indices[::PAGE] for b in range(BLOCKS)]
+        return ptrs, [BLOCK_BYTES] * len(ptrs)
+
+    def page(self, index: int) -> torch.Tensor:
+        return self.buf[:, index // PAGE]
+
+
+@pytest.fixture
+def server():
+    srv = StoreServer(StoreEngine(1 << 24), f"tcp://127.0.0.1:{free_port()}", TOKEN).start()
+    yield srv
+    srv.stop()
+
+
+def _backend(server, zero_copy: bool, pool: HostPool | None = None) -> PTStoreHiCacheStorage:
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, enable_storage_metrics=False, is_mla_model=False,
+                               is_page_first_layout=True, model_name="m",
+                               extra_config={"servers": [server.endpoint], "token": TOKEN,
+                                             "interface_v1": int(zero_copy)})
+    backend = PTStoreHiCacheStorage(cfg)
+    if pool is not None:
+        backend.register_mem_pool_host(pool)
+    return backend
+
+
+def test_zero_copy_moves_pool_pages_between_instances(server):
+    src, dst = HostPool(8), HostPool(8)
+    src.buf.copy_(torch.randint(0, 256, src.buf.shape, dtype=torch.uint8))
+    writer, reader = _backend(server, True, src), _backend(server, True, dst)
+    assert writer.blocks == BLOCKS
+    keys = ["h0", "h1", "h2"]
+    at = torch.arange(2 * PAGE, 5 * PAGE)  # pages 2, 3, 4 of the writer's pool
+    assert writer.batch_set_v1(keys, at) == [True] * 3
+    assert server.engine.stats["bytes_in"] == 3 * BLOCKS * BLOCK_BYTES
+    assert reader.batch_exists(keys + ["h9"]) == 3
+    into = torch.cat([torch.arange(6 * PAGE, 7 * PAGE), torch.arange(0, PAGE),
+                      torch.arange(5 * PAGE, 6 * PAGE)])  # other pages of the reader's pool
+    assert reader.batch_get_v1(keys, into) == [True] * 3
+    for k, (w, r) in enumerate(((2, 6), (3, 0), (4, 5))):
+        assert torch.equal(dst.page(r * PAGE), src.page(w * PAGE)), keys[k]
+    assert dst.buf[:, 1:5].count_nonzero() == 0  # nothing written elsewhere
+    assert reader.batch_get_v1(["h0", "nope"], torch.arange(0, 2 * PAGE)) == [True, False]
+    # a page stored by the copying interface is not a zero-copy hit (different blocks)
+    assert _backend(server, False).batch_exists(keys) == 0
+
+
+def test_page_copy_interface(server):
+    backend = _backend(server, False)
+    pages = [torch.randint(0, 256, (BLOCKS * BLOCK_BYTES,), dtype=torch.uint8) for _ in range(2)]
+    assert backend.batch_set(["a", "b"], pages)
+    assert backend.batch_exists(["a", "b", "c"]) == 2
+    out = backend.batch_get(["a", "b"], [torch.empty_like(p) for p in pages])
+    assert all(torch.equal(o, p) for o, p in zip(out, pages, strict=True))
+    wrong = backend.batch_get(["a"], [torch.empty(5, dtype=torch.uint8)])
+    assert wrong == [None]  # a page of another shape is a miss, never a partial write
