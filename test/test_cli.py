@@ -48,3 +48,26 @@ def test_plain_sglang_launcher_loads_plugin():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("True")
     assert "sglang-pic 0.1.0 plugin active" in out.stderr
+
+
+def test_ptstore_flag_expands_to_the_hicache_storage_flags(model_dir, monkeypatch):
+    import json
+
+    import pytest
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    argv = build_argv(["--ptstore", "tcp://a:1, tcp://b:2", "--ptstore-token", "T",
+                       "--hicache-size", "2", "--hicache-mem-layout", "layer_first"])
+    assert "--ptstore" not in argv and "--ptstore-token" not in argv
+    assert "--enable-hierarchical-cache" in argv
+    assert argv[argv.index("--hicache-storage-backend") + 1] == "dynamic"
+    config = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
+    assert config["servers"] == ["tcp://a:1", "tcp://b:2"] and config["token"] == "T"
+    assert config["interface_v1"] == 1
+    assert config["module_path"] == "sglang_pic.store.hicache_backend"
+    assert argv.count("--hicache-mem-layout") == 1  # the user's choice wins
+    assert argv[argv.index("--hicache-size") + 1] == "2"
+    with pytest.raises(SystemExit, match="needs store endpoints"):
+        build_argv(["--ptstore", " , "])
+    with pytest.raises(SystemExit, match="drop --hicache-storage-backend file"):
+        build_argv(["--ptstore", "tcp://a:1", "--hicache-storage-backend", "file"])

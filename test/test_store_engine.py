@@ -212,3 +212,33 @@ def test_hot_pages_are_replicated_onto_the_reading_node(cluster):
         s.stop()
     assert reader.batch_get(tids) == [d for _, d in remote]
     assert local.status()["replica_tensors"] == len(remote)
+
+
+def test_one_client_used_from_several_threads_gets_its_own_answers(cluster):
+    """SGLang's cache controller calls the backend from three threads at once: every thread
+    must get the reply to its own request (zmq sockets are per thread)."""
+    import threading
+
+    client = StoreClient([s.endpoint for s in cluster], TOKEN)
+    errors: list[str] = []
+
+    def worker(name: str) -> None:
+        pages = _pages(name, 20)
+        try:
+            for _ in range(15):
+                client.batch_set(pages)
+                ids = [t for t, _ in pages]
+                if client.batch_exists(ids + [name + "-none"]) != [True] * 20 + [False]:
+                    errors.append(f"{name}: exists")
+                if client.batch_get(ids) != [d for _, d in pages]:
+                    errors.append(f"{name}: get")
+        except Exception as e:  # a reply meant for another thread breaks the parsing
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}-",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:5]
+    client.close()

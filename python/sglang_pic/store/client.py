@@ -12,6 +12,10 @@ dropped as misses too.
 them without copying. ``batch_get_into`` copies each received page once, straight into its
 destination buffer (the host pool page), after checking it.
 
+**Threads.** SGLang's cache controller calls one backend from three threads (storage hit
+queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
+wrong thread would be a wrong answer, so every thread has its own socket per server.
+
 **Replication onto the reading node.** A client given ``local`` (the store server on its own node)
 counts how often it reads each page from a remote owner; once a page has been read
 ``replicate_after`` times it is copied into the local server's *replica* cache (one batched put),
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict, defaultdict
@@ -71,11 +76,21 @@ class StoreClient:
         self.local = local
         self.replicate_after = replicate_after
         self.ctx = zmq.Context.instance()
-        self.socks: dict[str, zmq.Socket] = {}
+        self._local = threading.local()  # .socks: this thread's {server: socket}
+        self._all_socks: list[zmq.Socket] = []
+        self._socks_lock = threading.Lock()
         self.rpcs = 0
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
         self.stats = {"replicated_pages": 0, "replica_hits": 0}
+
+    @property
+    def socks(self) -> dict[str, zmq.Socket]:
+        """This thread's sockets, one per server."""
+        socks = getattr(self._local, "socks", None)
+        if socks is None:
+            socks = self._local.socks = {}
+        return socks
 
     def _sock(self, server: str) -> zmq.Socket:
         s = self.socks.get(server)
@@ -85,6 +100,8 @@ class StoreClient:
             s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
             s.connect(server)
             self.socks[server] = s
+            with self._socks_lock:
+                self._all_socks.append(s)
         return s
 
     def _send(self, server: str, header: dict, payloads: list[Buffer] | None = None) -> None:
@@ -99,6 +116,8 @@ class StoreClient:
         if not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
             sock.close(0)
             self.socks.pop(server, None)
+            with self._socks_lock:
+                self._all_socks.remove(sock)
             return None
         frames = sock.recv_multipart(copy=False)
         return json.loads(bytes(frames[0])), [f.buffer for f in frames[1:]]
@@ -248,6 +267,8 @@ class StoreClient:
         return reply[0].get("status") if reply else None
 
     def close(self) -> None:
-        for s in self.socks.values():
-            s.close(0)
-        self.socks.clear()
+        with self._socks_lock:
+            for s in self._all_socks:
+                s.close(0)
+            self._all_socks.clear()
+        self._local = threading.local()
