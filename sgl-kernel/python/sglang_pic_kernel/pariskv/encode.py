@@ -1,0 +1,116 @@
+"""ParisKV key encoding (prefill, and each key moved into the retrieval region during decode).
+
+One pass over full-precision keys writes the compact metadata that stays on the GPU while the
+keys themselves live in host memory:
+
+    keys      [n, kv_heads, D]   fp16/bf16, post-RoPE (read with any row/head strides)
+    centroid  [kv_heads, N, B]   uint8: per subspace of 4 rotated coordinates, its sign pattern
+                                 (bit j set when coordinate 4b+j > 0) = the nearest of the 16
+                                 analytic centroids +-1/2
+    codes     [kv_heads, N, D/2] uint8: 4 bits per rotated, normalised coordinate
+                                 (sign << 3 | Lloyd-Max magnitude level), two per byte:
+                                 byte 2b = code(4b) | code(4b+1) << 4, byte 2b+1 = code(4b+2) | ...
+    weights   [kv_heads, N, B]   fp16: least-squares calibration ``<k_b, v_b> / <v_b, v_b>``
+                                 (includes the key norm)
+
+``B = D / 4`` subspaces. The SRHT rotation ``R = H diag(s) / sqrt(D)`` is applied as a matmul
+with ``Rt = R^T`` (``[D, D]`` fp32): on tensor cores that is cheaper than a butterfly network and
+exact enough for 4-bit codes (``input_precision="ieee"`` keeps it bit-stable against the torch
+reference). Each program encodes ``BLOCK_N`` keys of one KV head; the four strided column sets
+``Rt[:, j::4]`` give the coordinates ``4b + j`` of all subspaces at once, so centroid ids and
+packed codes come out without reshapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUBSPACE = 4
+
+
+@triton.jit
+def _rotate_part(x, Rt, offs_d, offs_b, J: tl.constexpr, D: tl.constexpr):
+    r = tl.load(Rt + offs_d[:, None] * D + (offs_b * 4 + J)[None, :])  # [D, B]: Rt[:, 4b+J]
+    return tl.dot(x, r, input_precision="ieee")
+
+
+@triton.jit
+def _code(xn, Edges, Levels):
+    """4-bit code and its dequantised value of normalised coordinates ``xn``."""
+    a = tl.abs(xn)
+    mag = tl.zeros(xn.shape, dtype=tl.int32)
+    for e in tl.static_range(7):
+        mag += (a > tl.load(Edges + e)).to(tl.int32)
+    neg = (xn < 0).to(tl.int32)
+    value = (1.0 - 2.0 * neg.to(tl.float32)) * tl.load(Levels + mag)
+    return (neg << 3) | mag, value
+
+
+@triton.jit
+def _encode_kernel(
+    K, Rt, Edges, Levels, Cent, Codes, W,
+    n, offset,
+    stride_kn, stride_kh,
+    stride_ch, stride_cn,
+    stride_oh, stride_on,
+    stride_wh, stride_wn,
+    D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = rows < n
+    offs_d = tl.arange(0, D)
+    offs_b = tl.arange(0, B)
+    x = tl.load(K + rows[:, None].to(tl.int64) * stride_kn + h * stride_kh + offs_d[None, :],
+                mask=mask[:, None], other=0.0).to(tl.float32)
+    r0 = _rotate_part(x, Rt, offs_d, offs_b, 0, D)  # [BLOCK_N, B]: coordinate 4b
+    r1 = _rotate_part(x, Rt, offs_d, offs_b, 1, D)
+    r2 = _rotate_part(x, Rt, offs_d, offs_b, 2, D)
+    r3 = _rotate_part(x, Rt, offs_d, offs_b, 3, D)
+    norm2 = tl.sum(r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3, axis=1)
+    inv = 1.0 / tl.sqrt(tl.maximum(norm2, 1e-24))[:, None]
+    n0, n1, n2, n3 = r0 * inv, r1 * inv, r2 * inv, r3 * inv
+    cent = ((n0 > 0).to(tl.int32) | ((n1 > 0).to(tl.int32) << 1)
+            | ((n2 > 0).to(tl.int32) << 2) | ((n3 > 0).to(tl.int32) << 3))
+    c0, v0 = _code(n0, Edges, Levels)
+    c1, v1 = _code(n1, Edges, Levels)
+    c2, v2 = _code(n2, Edges, Levels)
+    c3, v3 = _code(n3, Edges, Levels)
+    w = (r0 * v0 + r1 * v1 + r2 * v2 + r3 * v3) / tl.maximum(
+        v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, 1e-12)
+    out_rows = (rows + offset).to(tl.int64)[:, None]
+    m2 = mask[:, None]
+    tl.store(Cent + h * stride_ch + out_rows * stride_cn + offs_b[None, :], cent.to(tl.uint8),
+             mask=m2)
+    code_base = Codes + h * stride_oh + out_rows * stride_on + 2 * offs_b[None, :]
+    tl.store(code_base, (c0 | (c1 << 4)).to(tl.uint8), mask=m2)
+    tl.store(code_base + 1, (c2 | (c3 << 4)).to(tl.uint8), mask=m2)
+    tl.store(W + h * stride_wh + out_rows * stride_wn + offs_b[None, :], w.to(W.dtype.element_ty),
+             mask=m2)
+
+
+def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, levels: torch.Tensor,
+                centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
+                offset: int = 0, block_n: int = 64) -> None:
+    """Encode ``keys`` ``[n, kv_heads, D]`` into rows ``offset .. offset + n`` of ``centroid`` /
+    ``codes`` / ``weights`` (``[kv_heads, N, ...]`` views of one sequence's metadata).
+
+    ``rt``: ``[D, D]`` fp32, ``R^T`` of the SRHT; ``edges`` ``[7]`` / ``levels`` ``[8]``: the
+    Lloyd-Max magnitude quantiser (fp32)."""
+    n, heads, d = keys.shape
+    if d % SUBSPACE or d < 64 or d & (d - 1):
+        raise ValueError(f"ParisKV kernels need a power-of-two head dim >= 64, got {d}")
+    if keys.stride(-1) != 1:
+        raise ValueError("keys need a contiguous last dim")
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, block_n), heads)
+    _encode_kernel[grid](
+        keys, rt, edges, levels, centroid, codes, weights, n, offset,
+        keys.stride(0), keys.stride(1), centroid.stride(0), centroid.stride(1),
+        codes.stride(0), codes.stride(1), weights.stride(0), weights.stride(1),
+        D=d, B=d // SUBSPACE, BLOCK_N=block_n,
+    )

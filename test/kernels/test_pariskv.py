@@ -1,0 +1,169 @@
+"""ParisKV Triton kernels vs the torch specification (``sglang_pic.sparse.retrieval``).
+
+On CPU under TRITON_INTERPRET=1 at tiny shapes (head dim 64, a few hundred keys); with a GPU
+also at the Llama-3-8B head shape (32 q heads, 8 KV heads, head dim 128, bf16) with the
+retrieval region in pinned host memory read by the attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+from sglang_pic.sparse.kv_layout import ParisKVLayer  # noqa: E402
+from sglang_pic.sparse.retrieval import SRHT, KeyIndex, ParisConfig, lloyd_max_levels  # noqa: E402
+from sglang_pic_kernel.pariskv import NBINS, Selector, SparseAttention, encode_keys  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(4, 2, 64, 150)] + ([(32, 8, 128, 4096)] if DEVICE == "cuda" else [])
+
+
+def _quantiser(d: int):
+    rt = SRHT(d, 0)(torch.eye(d)).contiguous().to(DEVICE)
+    levels = torch.tensor(lloyd_max_levels(d), dtype=torch.float32, device=DEVICE)
+    return rt, levels, ((levels[1:] + levels[:-1]) / 2).contiguous()
+
+
+def _encoded(keys: torch.Tensor):
+    n, hk, d = keys.shape
+    rt, levels, edges = _quantiser(d)
+    cent = torch.zeros(hk, n, d // 4, dtype=torch.uint8, device=DEVICE)
+    codes = torch.zeros(hk, n, d // 2, dtype=torch.uint8, device=DEVICE)
+    w = torch.zeros(hk, n, d // 4, dtype=torch.float16, device=DEVICE)
+    encode_keys(keys, rt, edges, levels, cent, codes, w)
+    return rt, levels, cent, codes, w
+
+
+@pytest.mark.parametrize("hq,hk,d,n", SHAPES)
+def test_encode_matches_reference_index(hq, hk, d, n):
+    torch.manual_seed(0)
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    _, _, cent, codes, w = _encoded(keys)
+    ref = KeyIndex(keys.transpose(0, 1).float().cpu(), ParisConfig())
+    assert torch.equal(cent.long().cpu(), ref.centroid)
+    unpacked = torch.stack([codes & 15, codes >> 4], -1).view(hk, n, d).cpu()
+    # a coordinate within float rounding of a level edge may land on either side
+    assert (unpacked != ref.codes).float().mean() < 1e-3
+    torch.testing.assert_close(w.float().cpu(), ref.weights, rtol=2e-3, atol=2e-3)
+
+
+def _group_estimate(keys: torch.Tensor, q: torch.Tensor, hk: int) -> torch.Tensor:
+    """[hk, n]: RSQ-IP estimate of q.k, max over each KV head's query heads (the reference)."""
+    n, _, d = keys.shape
+    g = q.shape[0] // hk
+    out = []
+    for h in range(hk):
+        index = KeyIndex(keys[:, h].float().cpu()[None].expand(g, n, d).contiguous())
+        est = index.estimate(q[h * g:(h + 1) * g].float().cpu(), torch.arange(n).expand(g, n))
+        out.append(est.max(0).values)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("similarity", [True, False])
+@pytest.mark.parametrize("hq,hk,d,n", SHAPES)
+def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity):
+    """With every key a candidate, the selection is the top-k of the reference estimate."""
+    torch.manual_seed(1)
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w = _encoded(keys)
+    k = 16
+    sel = Selector(1, hq, hk, d, n, c=n, k=k, similarity=similarity, device=DEVICE)
+    got = sel(q, rt, levels, cent[None], codes[None], w[None],
+              torch.tensor([n], dtype=torch.int32, device=DEVICE))
+    est = _group_estimate(keys, q[0], hk)
+    for h in range(hk):
+        want = set(est[h].topk(k).indices.tolist())
+        assert len(want & set(got[0, h].tolist())) >= k - 1  # one near-tie may swap
+
+
+@pytest.mark.parametrize("similarity", [True, False])
+def test_votes_and_pruning_follow_the_histogram(similarity):
+    """Tiered votes equal the reference's integer votes; pruning keeps every key binned above
+    the threshold and fills the budget from the threshold bin, never below it."""
+    torch.manual_seed(2)
+    hq, hk, d, n, c = 4, 2, 64, 300, 40
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w = _encoded(keys)
+    sel = Selector(1, hq, hk, d, n, c=c, k=8, similarity=similarity, device=DEVICE)
+    sel(q, rt, levels, cent[None], codes[None], w[None],
+        torch.tensor([n], dtype=torch.int32, device=DEVICE))
+    bins, thresh = sel.bins[0].cpu(), sel.thresh[0].cpu()
+    assert torch.equal(sel.hist[0].cpu(), torch.stack([torch.bincount(b, minlength=NBINS)
+                                                      for b in bins]).int())
+    if not similarity:
+        g = hq // hk
+        for h in range(hk):
+            index = KeyIndex(keys[:, h].float().cpu()[None].expand(g, n, d).contiguous(),
+                             ParisConfig(vote="tiers"))
+            votes = index.coarse_votes(q[0, h * g:(h + 1) * g].float().cpu()).sum(0)
+            assert torch.equal(bins[h], votes.int())
+    for h in range(hk):
+        cand = sel.cand[0, h].cpu()
+        assert (cand >= 0).all() and len(set(cand.tolist())) == c
+        above = set((bins[h] > thresh[h]).nonzero().flatten().tolist())
+        at = set((bins[h] == thresh[h]).nonzero().flatten().tolist())
+        assert above <= set(cand.tolist()) <= above | at
+        assert len(above) < c <= len(above) + len(at)
+
+
+def test_sparse_attention_equals_dense_over_the_chosen_keys():
+    torch.manual_seed(3)
+    hq, hk, d, w, n, k = 4, 2, 64, 40, 120, 24
+    dt = torch.float16
+    q = torch.randn(2, hq, d, device=DEVICE).to(dt)
+    kw, vw = (torch.randn(2, hk, w, d, device=DEVICE).to(dt) for _ in range(2))
+    kh, vh = (torch.randn(2, hk, n, d).to(dt).pin_memory() if DEVICE == "cuda"
+              else torch.randn(2, hk, n, d).to(dt) for _ in range(2))
+    sel = torch.randint(0, n, (2, hk, k), dtype=torch.int32, device=DEVICE)
+    sel[1, :, k - 5:] = -1  # fewer than k selected
+    win_len = torch.tensor([w, 13], dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    SparseAttention(2, hq, hk, d, w, k, device=DEVICE, chunk=16, block_t=16)(
+        q, kw, vw, win_len, kh, vh, sel, out, 1 / math.sqrt(d))
+    for b in range(2):
+        for h in range(hq):
+            kv = h // (hq // hk)
+            rows = sel[b, kv][sel[b, kv] >= 0].cpu()
+            keys = torch.cat([kw[b, kv, :win_len[b]].cpu(), kh[b, kv, rows]]).float()
+            vals = torch.cat([vw[b, kv, :win_len[b]].cpu(), vh[b, kv, rows]]).float()
+            p = torch.softmax(keys @ q[b, h].float().cpu() / math.sqrt(d), 0)
+            torch.testing.assert_close(out[b, h].float().cpu(), p @ vals, rtol=2e-2, atol=2e-3)
+
+
+def test_layer_slides_tokens_to_host_and_full_selection_is_dense_attention():
+    """Prefill + decode through the window: tokens leave the window for the host region in
+    ``update`` chunks; selecting every host token makes sparse attention exact."""
+    torch.manual_seed(4)
+    hq, hk, d, batch = 4, 2, 64, 2
+    sink, local, update, cap = 4, 16, 8, 256
+    layer = ParisKVLayer(batch, hq, hk, d, cap, k=cap, candidates=cap, sink=sink, local=local,
+                         update=update, dtype=torch.float16, device=DEVICE)
+    seqs_k = [torch.randn(n, hk, d, device=DEVICE).to(torch.float16) for n in (60, 10)]
+    seqs_v = [torch.randn_like(k) for k in seqs_k]
+    for b in range(batch):
+        layer.prefill(b, seqs_k[b], seqs_v[b])
+    assert layer.n_ret_host == [60 - sink - local, 0]
+    for _ in range(20):
+        k, v = (torch.randn(batch, hk, d, device=DEVICE).to(torch.float16) for _ in range(2))
+        layer.append(k, v)
+        for b in range(batch):
+            seqs_k[b] = torch.cat([seqs_k[b], k[b][None]])
+            seqs_v[b] = torch.cat([seqs_v[b], v[b][None]])
+    # sequence 0: 80 tokens = 4 sink + 16..23 recent + the rest on the host
+    assert layer.n_ret_host[0] + layer.win_len_host[0] == 80
+    assert layer.n_ret_host[0] == 40 + 16 and layer.win_len_host[0] == sink + 20
+    q = torch.randn(batch, hq, d, device=DEVICE).to(torch.float16)
+    out = layer.attend(q)
+    for b in range(batch):
+        for h in range(hq):
+            kv = h // (hq // hk)
+            p = torch.softmax(seqs_k[b][:, kv].float() @ q[b, h].float() / math.sqrt(d), 0)
+            torch.testing.assert_close(out[b, h].float(), p @ seqs_v[b][:, kv].float(),
+                                       rtol=2e-2, atol=2e-3)
