@@ -82,37 +82,61 @@ def _query_kernel(Q, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
 
 
 @triton.jit
-def _vote_kernel(Cent, Table, NRet, Bins, Hist,
-                 stride_cb, stride_ch, stride_cn, N,
+def _vote_kernel(Cent, Table, Qs, NRet, Bins, Hist,
+                 stride_cb, stride_ch, stride_cn, N, SPAN,
                  lo, scale,
                  B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                  SIMILARITY: tl.constexpr):
+    """Votes of the keys ``[pid * SPAN, (pid + 1) * SPAN)`` of one KV head. The histogram is
+    accumulated in registers over the whole span and added to the global one once, so the
+    atomics per key stay far below one (``NB`` per ``SPAN`` keys)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     kv_heads = tl.num_programs(1)
     n_ret = tl.load(NRet + b)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if pid * BLOCK_N < n_ret:
-        mask = rows < n_ret
+    start = pid * SPAN
+    if start < n_ret:
+        end = tl.minimum(start + SPAN, n_ret)
         offs_b = tl.arange(0, B)
-        cent = tl.load(Cent + b * stride_cb + h * stride_ch + rows[:, None].to(tl.int64) * stride_cn
-                       + offs_b[None, :], mask=mask[:, None], other=0).to(tl.int32)
-        score = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for g in tl.static_range(G):
-            row = (b * kv_heads + h) * G + g
-            t = tl.load(Table + row * B * 16 + offs_b[None, :] * 16 + cent)
-            score += tl.sum(t, axis=1)
+        local = tl.zeros([NB], dtype=tl.int32)
+        pad = 0
         if SIMILARITY:
-            bins = ((score - lo) * scale).to(tl.int32)
-        else:
-            bins = score.to(tl.int32)
-        bins = tl.minimum(tl.maximum(bins, 0), NB - 1)
-        bins = tl.where(mask, bins, 0)
-        tl.store(Bins + (b * kv_heads + h) * N + rows, bins, mask=mask)
-        local = tl.histogram(bins, NB)
+            # sum_g table[g, b, cent_b] is linear in the key's sign bits: with qs = sum_g q~_g
+            # it is sum_{b,j} qs[4b+j] * bit_j(cent_b) - sum(qs) / 2, four multiply-adds per
+            # subspace instead of G table gathers
+            qrow = Qs + (b * kv_heads + h) * 4 * B + offs_b
+            qs0 = tl.load(qrow)[None, :]
+            qs1 = tl.load(qrow + B)[None, :]
+            qs2 = tl.load(qrow + 2 * B)[None, :]
+            qs3 = tl.load(qrow + 3 * B)[None, :]
+            half_sum = 0.5 * tl.sum(qs0 + qs1 + qs2 + qs3)
+        for n0 in tl.range(start, end, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            mask = rows < end
+            cent = tl.load(Cent + b * stride_cb + h * stride_ch
+                           + rows[:, None].to(tl.int64) * stride_cn + offs_b[None, :],
+                           mask=mask[:, None], other=0).to(tl.int32)
+            if SIMILARITY:
+                score = tl.sum((cent & 1).to(tl.float32) * qs0
+                               + ((cent >> 1) & 1).to(tl.float32) * qs1
+                               + ((cent >> 2) & 1).to(tl.float32) * qs2
+                               + ((cent >> 3) & 1).to(tl.float32) * qs3, axis=1) - half_sum
+                bins = ((score - lo) * scale).to(tl.int32)
+            else:
+                score = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for g in tl.static_range(G):
+                    row = (b * kv_heads + h) * G + g
+                    t = tl.load(Table + row * B * 16 + offs_b[None, :] * 16 + cent)
+                    score += tl.sum(t, axis=1)
+                bins = score.to(tl.int32)
+            bins = tl.minimum(tl.maximum(bins, 0), NB - 1)
+            bins = tl.where(mask, bins, 0)
+            tl.store(Bins + (b * kv_heads + h) * N + rows, bins, mask=mask)
+            local += tl.histogram(bins, NB)
+            pad += tl.sum((~mask).to(tl.int32), axis=0)
         offs = tl.arange(0, NB)
-        local -= tl.where(offs == 0, tl.sum((~mask).to(tl.int32), axis=0), 0)  # padding rows
+        local -= tl.where(offs == 0, pad, 0)  # padding rows were counted in bin 0
         tl.atomic_add(Hist + (b * kv_heads + h) * NB + offs, local, mask=local > 0)
 
 
@@ -208,7 +232,8 @@ class Selector:
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, n: int, c: int, k: int,
                  tiers: tuple[int, ...] = (4, 3, 3, 2, 2, 2, 1, 1), similarity: bool = True,
-                 device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64):
+                 device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64,
+                 span: int | None = None):
         if q_heads % kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if len(tiers) > 16:
@@ -216,6 +241,9 @@ class Selector:
         self.batch, self.q_heads, self.kv_heads, self.d = batch, q_heads, kv_heads, d
         self.B, self.G, self.N, self.C, self.k = d // 4, q_heads // kv_heads, n, c, min(k, c)
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
+        # keys per vote program: about 64 programs per KV head and sequence, whatever N is
+        self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 64)))
+        self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
         dev = device
         self.tiers = torch.zeros(16, dtype=torch.float32, device=dev)
         self.tiers[: len(tiers)] = torch.tensor(tiers, dtype=torch.float32)
@@ -224,6 +252,7 @@ class Selector:
         f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
         self.table = torch.empty(batch, q_heads, self.B, 16, **f32)
         self.qt = torch.empty(batch, q_heads, d, **f32)
+        self.qs = torch.empty(batch, kv_heads, d, **f32)  # sum of qt over each group
         self.qnorm = torch.empty(batch, q_heads, **f32)
         self.bins = torch.empty(batch, kv_heads, n, **i32)
         self.hist = torch.zeros(batch, kv_heads, NBINS, **i32)
@@ -248,17 +277,19 @@ class Selector:
         _query_kernel[(bsz, hq)](q, rt, self.tiers, self.table, self.qt, self.qnorm,
                                  q.stride(0), q.stride(1), D=d, B=B,
                                  SIMILARITY=self.similarity)
+        torch.sum(self.qt.view(bsz, self.kv_heads, G, d), dim=2, out=self.qs)
         self.hist.zero_()
-        grid_n = (triton.cdiv(N, self.block_n), self.kv_heads, bsz)
-        _vote_kernel[grid_n](centroid, self.table, n_ret, self.bins, self.hist,
-                             centroid.stride(0), centroid.stride(1), centroid.stride(2), N,
-                             self.lo, self.scale, B=B, G=G, NB=NBINS, BLOCK_N=self.block_n,
-                             SIMILARITY=self.similarity)
+        _vote_kernel[(triton.cdiv(N, self.span), self.kv_heads, bsz)](
+            centroid, self.table, self.qs, n_ret, self.bins, self.hist,
+            centroid.stride(0), centroid.stride(1), centroid.stride(2), N, self.span,
+            self.lo, self.scale, B=B, G=G, NB=NBINS, BLOCK_N=self.block_n,
+            SIMILARITY=self.similarity)
+        grid_n = (triton.cdiv(N, self.compact_block), self.kv_heads, bsz)
         _threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh, self.quota,
                                                 self.need, self.counters, C, NB=NBINS)
         self.cand.fill_(-1)
         _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
-                                self.counters, self.cand, N, C, BLOCK_N=self.block_n)
+                                self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
         _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
             self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
             codes.stride(0), codes.stride(1), codes.stride(2),

@@ -1,0 +1,227 @@
+"""ParisKV decode attention vs SGLang's dense Triton decode kernel, per layer, on one GPU.
+
+Llama-3-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16). For each context
+length and batch: SGLang 0.5.17's ``decode_attention_fwd`` over the whole KV in GPU memory (the
+dense baseline, SGLang's default kv-split choice), and ParisKV (``sglang_pic.sparse.kv_layout``):
+sink + local window on the GPU, the rest in pinned host memory with only 4-bit codes, centroid
+ids and calibration weights on the GPU; a step = query tables, votes, histogram pruning,
+rerank, top-k, attention over window + selected rows read from host memory, LSE merge. Both
+are timed as CUDA graphs (as SGLang runs decode).
+
+Keys are synthetic, with the structure that makes sparse attention meaningful: Gaussian keys
+plus, per KV head, 100 "heavy hitter" tokens aligned with the query at graded strengths (the
+exact top-100 then holds most of them plus the strongest random keys). Recall@k is measured
+against the exact top-k of ``max over the group's query heads of q.k``; the attention output is
+compared with dense attention over every token.
+
+    python3 benchmark/sparse/bench_decode.py [--contexts 32768 131072 524288 1048576]
+        [--batches 1 8] [--candidates 2048 16384] [--quick]
+
+Writes ``benchmark/results/sparse_decode_<gpu>.json`` and prints a table. Memory per token and
+layer (8 KV heads): dense 4 KiB of GPU memory; ParisKV 1.25 KiB on the GPU (per KV head 64 B of
+codes, 32 B of centroid ids, 64 B of weights) + 4 KiB of pinned host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "kernels"), str(REPO / "python"),
+                str(REPO / "sgl-kernel" / "python")]
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEAVY = 100
+SINK, LOCAL, UPDATE, TOPK = 16, 512, 128, 100
+
+
+def _keys(n: int, gen, q_dir):
+    """[n, KV_HEADS, D] keys (bf16, GPU) with HEAVY planted heavy hitters per KV head."""
+    import torch
+
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", generator=gen)
+    strength = torch.linspace(3.0, 9.0, HEAVY, device="cuda")
+    for h in range(KV_HEADS):
+        rows = torch.randint(SINK, n - LOCAL, (HEAVY,), device="cuda", generator=gen)
+        k[rows, h] += strength[:, None] * q_dir[h][None, :]
+    return k.to(torch.bfloat16)
+
+
+def _dense(batch: int, ctx: int, q, ks, vs):
+    """SGLang's decode kernel over a contiguous pool holding every sequence's KV."""
+    import torch
+    from bench_rotating_attention import MAX_KV_SPLITS, num_kv_splits
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    k = torch.cat(ks)
+    v = torch.cat(vs)
+    indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    indices = torch.arange(batch * ctx, dtype=torch.int64, device="cuda")
+    splits = num_kv_splits(torch.full((batch,), ctx, dtype=torch.int32, device="cuda"))
+    logits = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device="cuda")
+    lse = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, device="cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        decode_attention_fwd(q, k, v, out, indptr, indices, logits, lse, splits, MAX_KV_SPLITS,
+                             HEAD_DIM**-0.5, 1.0, 1.0)
+
+    return step, out
+
+
+def case(batch: int, ctx: int, candidates: list[int], dense: bool,
+         profile: bool = False) -> list[dict]:
+    import torch
+    import triton
+    from sglang_pic.sparse.kv_layout import ParisKVLayer
+
+    gen = torch.Generator(device="cuda").manual_seed(ctx + batch)
+    q_dir = torch.nn.functional.normalize(torch.randn(KV_HEADS, HEAD_DIM, device="cuda",
+                                                      generator=gen), dim=-1)
+    # the group's query heads point near their KV head's heavy-hitter direction
+    q = (q_dir.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None]
+         + 0.3 * torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=gen) / 11.3)
+    q = (24.0 * torch.nn.functional.normalize(q, dim=-1)).to(torch.bfloat16)
+    ks, vs = [], []
+    rows = []
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        ks.append(_keys(ctx, gen, q_dir))
+        vs.append(torch.randn(ctx, KV_HEADS, HEAD_DIM, device="cuda", generator=gen,
+                              dtype=torch.bfloat16))
+    dense_us = None
+    ref = None
+    if dense:
+        step, ref = _dense(batch, ctx, q, ks, vs)
+        step()
+        dense_us = 1000 * triton.testing.do_bench_cudagraph(step, rep=100)
+    for c in candidates:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        layer = ParisKVLayer(batch, Q_HEADS, KV_HEADS, HEAD_DIM, ctx, k=TOPK, candidates=c,
+                             sink=SINK, local=LOCAL, update=UPDATE, dtype=torch.bfloat16)
+        for b in range(batch):
+            layer.prefill(b, ks[b], vs[b])
+        torch.cuda.synchronize()
+        gpu_bytes = torch.cuda.memory_allocated() - base_mem
+        out = torch.empty_like(q)
+        layer.attend(q, out)
+        bench = triton.testing.do_bench_cudagraph
+        sparse_us = 1000 * bench(partial(layer.attend, q, out), rep=100)
+        select_us = 1000 * bench(partial(layer.select, q), rep=100)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    layer.attend(q, out)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        # recall@k of the host-region selection vs the exact top-k (max over the group)
+        sel = layer.select(q)
+        recall = []
+        for b in range(batch):
+            host_k = ks[b][SINK:ctx - LOCAL].float()
+            for h in range(KV_HEADS):
+                g = Q_HEADS // KV_HEADS
+                scores = (host_k[:, h] @ q[b, h * g:(h + 1) * g].float().T).max(1).values
+                exact = set(scores.topk(TOPK).indices.tolist())
+                recall.append(len(exact & set(sel[b, h].tolist())) / TOPK)
+        row = {"batch": batch, "context": ctx, "candidates": c, "topk": TOPK, "sink": SINK,
+               "local": LOCAL, "dense_us": dense_us, "sparse_us": sparse_us,
+               "select_us": select_us, "recall_at_k": sum(recall) / len(recall),
+               "recall_min": min(recall), "gpu_bytes_sparse": gpu_bytes,
+               "host_bytes_sparse": 2 * layer.k_host.numel() * 2,
+               "gpu_bytes_dense": 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2,
+               "setup_s": time.perf_counter() - t0}
+        if ref is not None:
+            err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+            row["rel_err_mean"] = err.mean().item()
+            row["speedup"] = dense_us / sparse_us
+        rows.append(row)
+        print(f"b={batch} ctx={ctx:>8} C={c:>6}: dense {dense_us or float('nan'):9.1f} us  "
+              f"pariskv {sparse_us:7.1f} us (select {select_us:6.1f})  "
+              f"x{(dense_us or math.nan) / sparse_us:6.2f}  recall@{TOPK} {row['recall_at_k']:.3f}"
+              f" (min {row['recall_min']:.2f})  rel.err {row.get('rel_err_mean', math.nan):.4f}",
+              flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+",
+                    default=[32768, 131072, 524288, 1048576])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--candidates", type=int, nargs="+", default=[2048, 16384])
+    ap.add_argument("--max-host-gib", type=float, default=40.0,
+                    help="skip cases needing more pinned host memory than this")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
+    ap.add_argument("--case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.batches, args.candidates = [32768], [1], [2048]
+
+    rows = []
+    if args.case:  # one case in this process (spawned below): rows as JSON on the last line
+        batch, ctx = args.case
+        rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+    for batch in args.batches:
+        for ctx in args.contexts:
+            host_gib = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / 2**30
+            if host_gib > args.max_host_gib:
+                print(f"skip b={batch} ctx={ctx}: {host_gib:.0f} GiB of pinned host KV", flush=True)
+                continue
+            # each case in a fresh process: a CUDA error or OOM cannot poison the next one
+            cmd = [sys.executable, __file__, "--case", str(batch), str(ctx), "--candidates",
+                   *map(str, args.candidates)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = proc.stdout.splitlines()
+            for line in lines:
+                if not line.startswith("ROWS "):
+                    print(line, flush=True)
+            got = [json.loads(x[5:]) for x in lines if x.startswith("ROWS ")]
+            if got:
+                rows += got[0]
+            else:
+                err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                oom = "out of memory" in proc.stderr.lower()
+                print(f"b={batch} ctx={ctx}: failed ({err})", flush=True)
+                rows.append({"batch": batch, "context": ctx, "oom": oom, "error": err})
+            _write(args.out, rows)  # after every case: a run cut short keeps what it measured
+
+
+def _write(out_dir: str, rows: list[dict]) -> None:
+    import torch
+    from harness import environment
+
+    props = torch.cuda.get_device_properties(0)
+    report = {"benchmark": "sparse_decode", "environment": environment(),
+              "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                        "dtype": "bfloat16", "heavy_hitters": HEAVY},
+              "gpu_memory_bytes": props.total_memory, "rows": rows}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "sparse_decode_" + torch.cuda.get_device_name(0).split()[-1].lower() + ".json"
+    (out / name).write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / name}", flush=True)
+
+if __name__ == "__main__":
+    main()
