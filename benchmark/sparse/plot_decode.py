@@ -1,0 +1,61 @@
+"""Plot `benchmark/results/sparse_decode_h200.json` into `docs/figures/sparse_decode_h200.png`:
+decode attention time per layer (dense SGLang vs ParisKV) and recall@100 against context length.
+
+    python benchmark/sparse/plot_decode.py [RESULTS.json] [OUT.png]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "benchmark/results/sparse_decode_h200.json"
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else REPO / "docs/figures/sparse_decode_h200.png"
+    rows = [r for r in json.loads(src.read_text())["rows"] if "sparse_us" in r]
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = {1: "-", 8: "--"}
+    for batch in sorted({r["batch"] for r in rows}):
+        mine = [r for r in rows if r["batch"] == batch]
+        ctxs = sorted({r["context"] for r in mine})
+        dense = [next(r["dense_us"] for r in mine if r["context"] == c) for c in ctxs]
+        ax_t.plot(ctxs, [d / 1000 for d in dense], styles[batch], color="#888888", marker="o",
+                  label=f"dense SGLang triton, batch {batch}")
+        for cand, color in ((2048, "#1f77b4"), (16384, "#ff7f0e")):
+            pts = [(r["context"], r["sparse_us"], r["recall_at_k"]) for r in mine
+                   if r["candidates"] == cand]
+            if not pts:
+                continue
+            ax_t.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], styles[batch], marker="o",
+                      color=color, label=f"ParisKV C={cand}, batch {batch}")
+            ax_r.plot([p[0] for p in pts], [p[2] for p in pts], styles[batch], marker="o",
+                      color=color, label=f"C={cand}, batch {batch}")
+    for ax in (ax_t, ax_r):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("decode attention per layer (ms)")
+    ax_t.legend(fontsize=7)
+    ax_r.axhline(0.9, color="black", lw=0.8, ls=":")
+    ax_r.set_ylabel("recall@100 vs exact top-100")
+    ax_r.set_ylim(0.8, 1.0)
+    ax_r.legend(fontsize=7)
+    fig.suptitle("ParisKV decode on the H200 (Llama-3-8B attention shape, bf16, CUDA graphs; "
+                 "synthetic keys with heavy hitters)", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
