@@ -194,6 +194,15 @@ def run_side_by_side(
     return report
 
 
+def save_figure(fig, out: Path) -> Path:
+    """Lay out, write (creating the folder) and announce a matplotlib figure."""
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return out
+
+
 def _write_report(name: str, out_dir: str | None, report: dict) -> Path:
     folder = Path(out_dir) if out_dir else RESULTS
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmark"))
+from harness import save_figure  # noqa: E402
 
 
 def main() -> None:
@@ -53,10 +55,7 @@ def main() -> None:
     ax.legend(fontsize=8, loc="lower left")
     fig.suptitle("Span caching on the H200: Llama-3-8B shape, dummy weights, triton backend; vanilla SGLang 0.5.17 in the same run",
                  fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

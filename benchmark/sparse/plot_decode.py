@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "benchmark"))
+from harness import save_figure  # noqa: E402
 
 
 def main() -> None:
@@ -51,10 +53,7 @@ def main() -> None:
     ax_r.legend(fontsize=7)
     fig.suptitle("ParisKV decode on the H200 (Llama-3-8B attention shape, bf16, CUDA graphs; "
                  "synthetic keys with heavy hitters)", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":
