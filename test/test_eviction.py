@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark" / "eviction"))
 
 from sglang_pic.eviction.estimators import (  # noqa: E402
+    ContinuationModel,
     Ema,
     LogNormalGaps,
     PositionDecay,
@@ -49,6 +50,47 @@ def test_lognormal_uses_prior_until_enough_samples():
     assert est.mu == pytest.approx(math.log(30.0))
     est.observe(1.0)
     assert est.mu == pytest.approx(0.0)
+
+
+def test_lognormal_quantile_inverts_survival():
+    gaps = LogNormalGaps(math.log(60.0), 1.0)
+    assert gaps.quantile(0.5) == pytest.approx(60.0)
+    assert gaps.survival(gaps.quantile(0.99)) == pytest.approx(0.01, rel=1e-6)
+
+
+def test_continuation_model_learns_which_sessions_come_back():
+    """Sessions past their third turn come back 90 % of the time, first turns 20 %: the online
+    logistic model separates them from the request features alone."""
+    rng = np.random.default_rng(0)
+    model = ContinuationModel(prior=0.5)
+    first = ContinuationModel.features(300, 1, "chat", True)
+    later = ContinuationModel.features(1500, 4, "chat", True)
+    assert model.predict(first) == pytest.approx(0.5)
+    for _ in range(4000):
+        turns = int(rng.integers(1, 6))
+        x = ContinuationModel.features(300 * turns, turns, "chat", True)
+        model.update(x, float(rng.random() < (0.2 if turns == 1 else 0.9 if turns >= 3 else 0.5)))
+    assert model.predict(first) < 0.35
+    assert model.predict(later) > 0.8
+
+
+def test_sae_session_predictor_labels_from_traffic():
+    """A session's next request labels its previous one 1; silence past the gap distribution's
+    99th percentile labels it 0; the prediction scales the chat queue's survival."""
+    from sglang_pic.eviction.context import RequestContext
+    from sglang_pic.eviction.sae import BlockInfo, SAEStrategy
+
+    sae = SAEStrategy()
+    t = 0.0
+    for i in range(300):  # one-shot chat sessions, a new one every 30 s
+        t += 30.0
+        sae.on_request(RequestContext(session_id=f"s{i}", app_type="chat", prompt_len=200,
+                                      segments=[(0, "system"), (20, "user")]), t)
+    assert sae.continuation.updates > 250  # all but the last ~40 ended (no return in ~1000 s)
+    p = sae.session_p["s299"]
+    assert p < 0.2
+    info = BlockInfo("user", "s299", "chat", 0, 200)
+    assert sae.p_queue("chat", info, t) == pytest.approx(p * sae.gaps["chat"].survival(0.0))
 
 
 def test_ema_moves_toward_samples_at_its_rate():

@@ -2,7 +2,8 @@
 
     python benchmark/eviction/bench_eviction.py [--scale 100] [--quick] [--trace FILE --format mooncake|bailian]
 
-For every workload (chat, agent, single-turn, mix, single-heavy, shift) and cache size (a
+For every workload (chat, agent, single-turn, mix, single-heavy, shift, and chat with
+ShareGPT-like turn counts alone and mixed) and cache size (a
 fraction of the trace's unique tokens), each policy replays the same trace through SGLang's real
 ``RadixCache`` (``simulator.py``). Prints a table of token hit rates (and the gain of ``sae``
 over the best other policy), writes ``benchmark/results/eviction_sim.json`` and
@@ -24,7 +25,8 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "sae")
-WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift")
+WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegpt",
+             "sharegpt_mix")
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
 
 
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES))
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_sim.json"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
+                    ",".join(WORKLOADS))
     args = ap.parse_args()
 
     import sglang
@@ -63,6 +67,8 @@ def main() -> None:
         workloads = {Path(args.trace).stem: loader(args.trace)}
     else:
         names = ("mix", "single_heavy") if args.quick else WORKLOADS
+        if args.workloads:
+            names = tuple(args.workloads.split(","))
         workloads = {w: generate(w, scale=args.scale, seed=0) for w in names}
     fractions = (0.1, 0.2) if args.quick else FRACTIONS
     rows = []
@@ -78,7 +84,7 @@ def main() -> None:
                 rows.append(res)
                 line.append(f"{pol} {res['token_hit_rate']:.3f}")
             best_other = max(r["token_hit_rate"] for r in rows[-len(policies):]
-                             if r["policy"] != "sae")
+                             if not r["policy"].startswith("sae"))
             sae = next((r for r in rows[-len(policies):] if r["policy"] == "sae"), None)
             gain = f"  sae-best={100 * (sae['token_hit_rate'] - best_other):+.1f}pp" if sae else ""
             print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} cap {frac:>4.0%} "

@@ -109,15 +109,23 @@ class ReplayResult:
         }
 
 
+ABLATIONS = {"sae-nopred": ("sae", {"use_predictor": False})}
+"""Variants of our policies for ablations: name -> (registered policy, strategy attributes)."""
+
+
 def make_cache(policy: str):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     allocator = CountingAllocator()
+    base, attrs = ABLATIONS.get(policy, (policy, {}))
     params = CacheInitParams(disable=False, req_to_token_pool=None,
                              token_to_kv_pool_allocator=allocator, page_size=1,
-                             eviction_policy=policy)
-    return RadixCache(params), allocator
+                             eviction_policy=base)
+    cache = RadixCache(params)
+    for k, v in attrs.items():
+        setattr(cache.eviction_strategy, k, v)
+    return cache, allocator
 
 
 def _count_nodes(cache) -> int:

@@ -56,7 +56,12 @@ def _lognormal(rng, median: float, sigma: float, lo: int = 1, hi: int = 8192) ->
 def chat(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.5,
          n_system: int = 4, system_len: int = 400, turns_mean: float = 4.0,
          user_median: float = 60, reply_median: float = 220, gap_median: float = 45.0,
-         gap_sigma: float = 1.0) -> list[Request]:
+         gap_sigma: float = 1.0, one_shot: float = 0.0) -> list[Request]:
+    """Chat sessions. Turns per session: geometric with mean ``turns_mean`` (memoryless: every
+    turn is followed by another with the same chance), or with ``one_shot > 0`` ShareGPT/LMSys-
+    like, where a ``one_shot`` share of conversations stop after their first turn and the rest
+    run ``1 + geometric(turns_mean)`` turns - so whether a session goes on depends on how long
+    it already is, as in real chat logs."""
     systems = [ids.take(_lognormal(rng, system_len, 0.3)) for _ in range(n_system)]
     out, t = [], t0
     for s in range(n_sessions):
@@ -66,7 +71,11 @@ def chat(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.5,
         history: list[int] = list(system)
         segments: list[tuple[int, str]] = [(0, "system")]
         now = t
-        for _ in range(max(1, rng.geometric(1.0 / turns_mean))):
+        if one_shot > 0:
+            turns = 1 if rng.random() < one_shot else 1 + rng.geometric(1.0 / turns_mean)
+        else:
+            turns = max(1, rng.geometric(1.0 / turns_mean))
+        for _ in range(turns):
             user = ids.take(_lognormal(rng, user_median, 1.0))
             segments.append((len(history), "user"))
             prompt = history + user
@@ -120,7 +129,8 @@ def single(n_requests: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 2.0,
 
 
 def generate(kind: str, scale: int = 100, seed: int = 0) -> list[Request]:
-    """A named workload: chat | agent | single | mix | single_heavy | shift."""
+    """A named workload: chat | agent | single | mix | single_heavy | shift | sharegpt |
+    sharegpt_mix (``sharegpt*``: chat with ShareGPT-like turn counts, 45 % one-shot)."""
     rng = np.random.default_rng(seed)
     ids = _Ids()
     if kind == "chat":
@@ -137,6 +147,11 @@ def generate(kind: str, scale: int = 100, seed: int = 0) -> list[Request]:
         first = chat(scale // 2, rng, ids) + single(scale // 2, rng, ids)
         end = max(r.t for r in first)
         reqs = first + agent(scale // 3, rng, ids, t0=end) + single(scale * 2, rng, ids, t0=end)
+    elif kind == "sharegpt":
+        reqs = chat(scale * 2, rng, ids, one_shot=0.45)
+    elif kind == "sharegpt_mix":
+        reqs = (chat(scale, rng, ids, one_shot=0.45) + agent(scale // 4, rng, ids)
+                + single(scale * 2, rng, ids))
     else:
         raise ValueError(f"unknown workload {kind!r}")
     return sorted(reqs, key=lambda r: r.t)

@@ -99,6 +99,56 @@ class LogNormalGaps:
         z = (math.log(elapsed_s) - self.mu) / self.sigma
         return 0.5 * math.erfc(z / math.sqrt(2.0))  # standard normal tail, stdlib only
 
+    def quantile(self, q: float) -> float:
+        """Gap (seconds) below which a fraction ``q`` of gaps fall."""
+        from scipy.special import ndtri  # inverse standard normal CDF
+
+        return math.exp(self.mu + self.sigma * float(ndtri(q)))
+
+
+@dataclass
+class ContinuationModel:
+    """P(a session sends another request | this request), learned online.
+
+    The session predictor for requests whose session has no history yet (and every later
+    request): a logistic model over cheap request features (``features``), trained by SGD on
+    labels the traffic itself provides - 1 when the session's next request arrives, 0 when none
+    came within the ``horizon`` quantile of its application's gap distribution. The seed uses the
+    model's final hidden state as features; SGLang's scheduler does not expose it to the radix
+    cache, so this is the fallback the seed describes. Starts at ``prior`` for every request.
+    """
+
+    prior: float = 0.7
+    lr: float = 0.05
+    l2: float = 1e-4
+    weights: list[float] = field(default_factory=list)
+    updates: int = 0
+
+    N_FEATURES = 8
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            self.weights = [math.log(self.prior / (1 - self.prior))] + [0.0] * (self.N_FEATURES - 1)
+
+    @staticmethod
+    def features(prompt_len: int, turns: int, app_type: str, has_system: bool) -> list[float]:
+        """Bias, log prompt length, turn-count bucket (1, 2, 3-4, 5+; one-hot against 3-4: how
+        likely a session goes on depends on how long it already is), application type, system
+        prompt."""
+        return [1.0, math.log1p(prompt_len) / 10.0, float(turns <= 1), float(turns == 2),
+                float(turns >= 5), float(app_type == "agent"), float(app_type == "single"),
+                float(has_system)]
+
+    def predict(self, x: list[float]) -> float:
+        z = sum(w * v for w, v in zip(self.weights, x, strict=True))
+        return 1.0 / (1.0 + math.exp(-min(max(z, -30.0), 30.0)))
+
+    def update(self, x: list[float], label: float) -> None:
+        err = self.predict(x) - label
+        self.weights = [w - self.lr * (err * v + self.l2 * w)
+                        for w, v in zip(self.weights, x, strict=True)]
+        self.updates += 1
+
 
 @dataclass
 class PositionDecay:

@@ -19,7 +19,9 @@ adapt online from cache events the hooks report (``on_insert``, ``on_hit``, ``on
   resent next turn, those of a single-turn request never, so the same type learns different
   weights per application;
 - survival: per session type, a log-normal fitted by online MLE to observed inter-request gaps
-  (``estimators.LogNormalGaps``), evaluated at the time since the session's last request;
+  (``estimators.LogNormalGaps``), evaluated at the time since the session's last request, times
+  the session predictor's chance that the session sends another request at all
+  (``estimators.ContinuationModel``, learned online from which sessions came back);
 - ``gamma``: fitted to how the hit rate falls with relative offset (``estimators.PositionDecay``);
 - ``alpha_q``: softmax over queues of hit tokens per resident token, with a temperature.
 """
@@ -36,7 +38,14 @@ from dataclasses import dataclass
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
-from .estimators import Ema, LogNormalGaps, PositionDecay, ReuseRate, softmax_weights
+from .estimators import (
+    ContinuationModel,
+    Ema,
+    LogNormalGaps,
+    PositionDecay,
+    ReuseRate,
+    softmax_weights,
+)
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
 # Leaves scored per evict pass (hooks._sampled_evict); 0 scores all of them, as SGLang does.
@@ -47,6 +56,10 @@ TYPE_PRIORS = {"system": 0.9, "tool": 0.5, "user": 0.5, "assistant": 0.5, "cot":
 # Priors for the session-gap log-normals: chat users think for ~a minute, agents call back fast.
 GAP_PRIORS = {"chat": (math.log(60.0), 1.2), "agent": (math.log(5.0), 1.2),
               "single": (math.log(600.0), 1.5)}
+# A session with no request for this quantile of its application's gaps has ended (label 0 for
+# the session predictor).
+END_QUANTILE = 0.99
+TRACKED_SESSIONS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -80,7 +93,12 @@ class SAEStrategy(EvictionStrategy):
         self.hit_tokens = {q: Ema(1.0, rate=0.02) for q in QUEUES}
         self.resident = dict.fromkeys(QUEUES, 0)
         self.alpha = dict.fromkeys(QUEUES, 1.0)
-        self.session_last: dict[str, float] = {}
+        self.session_last: OrderedDict[str, float] = OrderedDict()
+        self.continuation = ContinuationModel()
+        # session -> (features of its last request, its time, app type), oldest first
+        self.pending: OrderedDict[str, tuple[list[float], float, str]] = OrderedDict()
+        self.session_p: dict[str, float] = {}  # P(another request) after the last one
+        self.use_predictor = True  # False: survival alone (ablation)
         self.ghost: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
@@ -108,8 +126,11 @@ class SAEStrategy(EvictionStrategy):
         if queue == "structural":
             return self.position.value(info.offset / max(info.prompt_len, 1))
         if queue in ("chat", "agent"):
-            last = self.session_last.get(info.session_id, now) if info.session_id else now
-            return max(self.gaps[info.app_type].survival(now - last), 1e-4)
+            if not info.session_id:
+                return 1.0
+            last = self.session_last.get(info.session_id, now)
+            p = self.session_p.get(info.session_id, 1.0) if self.use_predictor else 1.0
+            return max(p * self.gaps[info.app_type].survival(now - last), 1e-4)
         return 1.0
 
     def begin_evict(self) -> None:
@@ -154,10 +175,32 @@ class SAEStrategy(EvictionStrategy):
     def on_request(self, ctx: RequestContext, now: float) -> None:
         if ctx.session_id is None:
             return
-        last = self.session_last.get(ctx.session_id)
+        sid, app = ctx.session_id, ctx.app_type or "chat"
+        self._end_sessions(now)
+        prev = self.pending.pop(sid, None)
+        if prev is not None:  # the session came back: its last request was not its final one
+            self.continuation.update(prev[0], 1.0)
+        types = [t for _, t in ctx.segments]
+        x = ContinuationModel.features(ctx.prompt_len, types.count("user"), app,
+                                       "system" in types)
+        self.pending[sid] = (x, now, app)
+        self.session_p[sid] = self.continuation.predict(x)
+        last = self.session_last.pop(sid, None)
         if last is not None:
-            self.gaps[ctx.app_type or "chat"].observe(now - last)
-        self.session_last[ctx.session_id] = now
+            self.gaps[app].observe(now - last)
+        self.session_last[sid] = now
+        if len(self.session_last) > TRACKED_SESSIONS:
+            old, _ = self.session_last.popitem(last=False)
+            self.session_p.pop(old, None)
+
+    def _end_sessions(self, now: float) -> None:
+        """Sessions silent for longer than almost any gap of their kind have ended: label 0."""
+        while self.pending:
+            sid, (x, t, app) = next(iter(self.pending.items()))
+            if now - t <= self.gaps[app].quantile(END_QUANTILE):
+                break
+            self.pending.popitem(last=False)
+            self.continuation.update(x, 0.0)
 
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
