@@ -67,6 +67,14 @@ def test_ptstore_flag_expands_to_the_hicache_storage_flags(model_dir, monkeypatc
     assert config["module_path"] == "sglang_pic.store.hicache_backend"
     assert argv.count("--hicache-mem-layout") == 1  # the user's choice wins
     assert argv[argv.index("--hicache-size") + 1] == "2"
+    merged = build_argv(["--ptstore", "tcp://a:1", "--hicache-storage-backend-extra-config",
+                         '{"timeout_ms": 5000, "local": "tcp://a:1"}'])
+    assert merged.count("--hicache-storage-backend-extra-config") == 1
+    config = json.loads(merged[merged.index("--hicache-storage-backend-extra-config") + 1])
+    assert config["timeout_ms"] == 5000 and config["local"] == "tcp://a:1"
+    assert config["servers"] == ["tcp://a:1"] and config["interface_v1"] == 1
+    with pytest.raises(SystemExit, match="not JSON"):
+        build_argv(["--ptstore", "tcp://a:1", "--hicache-storage-backend-extra-config", "{x"])
     with pytest.raises(SystemExit, match="needs store endpoints"):
         build_argv(["--ptstore", " , "])
     with pytest.raises(SystemExit, match="drop --hicache-storage-backend file"):

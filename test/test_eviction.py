@@ -93,6 +93,20 @@ def test_sae_session_predictor_labels_from_traffic():
     assert sae.p_queue("chat", info, t) == pytest.approx(p * sae.gaps["chat"].survival(0.0))
 
 
+def test_sae_ends_sessions_per_application_type():
+    """A chat session (cutoff ~16 min) waiting at the front does not hold back agent sessions
+    (cutoff ~1.5 min) from being labelled as ended."""
+    from sglang_pic.eviction.context import RequestContext
+    from sglang_pic.eviction.sae import SAEStrategy
+
+    sae = SAEStrategy()
+    sae.on_request(RequestContext(session_id="c", app_type="chat", prompt_len=100), 0.0)
+    sae.on_request(RequestContext(session_id="a", app_type="agent", prompt_len=100), 1.0)
+    sae.on_request(RequestContext(session_id="a2", app_type="agent", prompt_len=100), 300.0)
+    assert "a" not in sae.pending["agent"] and "c" in sae.pending["chat"]
+    assert sae.continuation.updates == 1  # "a" ended (label 0); "c" still open
+
+
 def test_ema_moves_toward_samples_at_its_rate():
     e = Ema(0.0, rate=0.1)
     e.update(1.0)

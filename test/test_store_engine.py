@@ -242,3 +242,52 @@ def test_one_client_used_from_several_threads_gets_its_own_answers(cluster):
         t.join(timeout=120)
     assert not errors, errors[:5]
     client.close()
+
+
+def test_a_page_is_always_served_with_the_checksum_of_its_own_bytes(tmp_path):
+    """Recomputed KV is not bit-exact: the same id can arrive with other bytes after its first
+    copy went to SSD. Whatever copy a get returns must carry its own checksum (the client drops
+    a mismatch as a miss forever, since `exists` keeps saying yes)."""
+    srv = StoreServer(StoreEngine(2 * PAGE, replica_fraction=0.0, ssd_dir=tmp_path),
+                      f"ipc://{tmp_path}/c.sock", TOKEN).start()
+    client = StoreClient([srv.endpoint], TOKEN)
+    try:
+        client.batch_set([("t", b"A" * PAGE)])
+        client.batch_set([("x", b"x" * PAGE), ("y", b"y" * PAGE)])  # "t" (bytes A) spills
+        client.batch_set([("t", b"B" * PAGE)])  # back in memory with other bytes
+        assert client.batch_get(["t"]) == [b"B" * PAGE]
+        client.batch_set([("u", b"u" * PAGE), ("v", b"v" * PAGE)])  # B evicted; SSD keeps A
+        assert client.batch_get(["t"]) == [b"A" * PAGE]  # served, not dropped as corrupt
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_a_reply_that_does_not_add_up_is_a_miss_and_the_next_request_works(tmp_path):
+    """A peer answering with a malformed reply (an old protocol, a bug) gives misses and no
+    exception, and the next request to it starts on a fresh socket."""
+    import json
+    import threading
+
+    endpoint = f"ipc://{tmp_path}/bad.sock"
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    replies = [[b'{"ok": true, "found": [true], "crc": [1]}', b"zz"],  # no "sums"
+               [b"not json"],
+               [json.dumps({"ok": True, "found": [False]}).encode()]]
+
+    def serve():
+        for reply in replies:
+            ident, *_ = router.recv_multipart()
+            router.send_multipart([ident, *reply])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = StoreClient([endpoint], TOKEN, timeout_ms=2000)
+    assert client.batch_get(["a"]) == [None]
+    assert client.batch_exists(["a"]) == [False]
+    assert client.batch_get(["a"]) == [None]
+    t.join(timeout=10)
+    client.close()
+    router.close(0)

@@ -82,3 +82,26 @@ def test_page_copy_interface(server):
     assert all(torch.equal(o, p) for o, p in zip(out, pages, strict=True))
     wrong = backend.batch_get(["a"], [torch.empty(5, dtype=torch.uint8)])
     assert wrong == [None]  # a page of another shape is a miss, never a partial write
+
+
+def test_failures_become_misses_and_the_page_copy_path_works_in_zero_copy_mode(server):
+    """SGLang's controller threads die on an exception: the backend turns any failure into
+    misses / failed writes. SGLang's draft-model path uses the page-copy methods on a zero-copy
+    backend: they store one id per page."""
+    pool = HostPool(4)
+    backend = _backend(server, True, pool)
+    page = torch.arange(BLOCKS * BLOCK_BYTES, dtype=torch.int32).to(torch.uint8)
+    assert backend.batch_set(["d0"], [page])
+    out = backend.batch_get(["d0"], [torch.empty_like(page)])
+    assert torch.equal(out[0], page)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("store unreachable")
+
+    backend.client.batch_get_into = broken
+    backend.client.batch_exists = broken
+    backend.client.batch_set = broken
+    assert backend.batch_get_v1(["a", "b"], torch.arange(2 * PAGE)) == [False, False]
+    assert backend.batch_set_v1(["a"], torch.arange(PAGE)) == [False]
+    assert backend.batch_exists(["a"]) == 0
+    assert backend.batch_set(["d1"], [page]) is False

@@ -83,7 +83,8 @@ PTSTORE_TOKEN_FLAG = "--ptstore-token"
 
 def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool) -> list[str]:
     """The HiCache flags that make PTStore (``servers``: comma-separated endpoints) the L3 tier;
-    flags the user already gave are kept."""
+    flags the user already gave are kept, and a user's extra-config JSON is merged over ours.
+    Removes the user's extra-config option from ``argv`` (it comes back merged)."""
     endpoints = [s.strip() for s in servers.split(",") if s.strip()]
     if not endpoints:
         raise SystemExit(f"error: {PTSTORE_FLAG} needs store endpoints, e.g. tcp://node1:7400")
@@ -94,6 +95,15 @@ def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool)
               "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1}
     if token:
         config["token"] = token
+    user_config = _pop_option(argv, "--hicache-storage-backend-extra-config")
+    if user_config is not None:  # the user's keys (e.g. timeout_ms, local) win over ours
+        try:
+            given = json.loads(user_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --hicache-storage-backend-extra-config is not JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise SystemExit("error: --hicache-storage-backend-extra-config must be a JSON object")
+        config |= given
     extra = [] if "--enable-hierarchical-cache" in argv else ["--enable-hierarchical-cache"]
     wanted = {"--hicache-storage-backend": "dynamic",
               "--hicache-storage-backend-extra-config": json.dumps(config)}

@@ -95,8 +95,10 @@ class SAEStrategy(EvictionStrategy):
         self.alpha = dict.fromkeys(QUEUES, 1.0)
         self.session_last: OrderedDict[str, float] = OrderedDict()
         self.continuation = ContinuationModel()
-        # session -> (features of its last request, its time, app type), oldest first
-        self.pending: OrderedDict[str, tuple[list[float], float, str]] = OrderedDict()
+        # per application type (each has its own silence cutoff): session -> (features of its
+        # last request, its time), oldest first
+        self.pending: dict[str, OrderedDict[str, tuple[list[float], float]]] = {
+            a: OrderedDict() for a in APP_TYPES}
         self.session_p: dict[str, float] = {}  # P(another request) after the last one
         self.use_predictor = True  # False: survival alone (ablation)
         self.ghost: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
@@ -177,13 +179,14 @@ class SAEStrategy(EvictionStrategy):
             return
         sid, app = ctx.session_id, ctx.app_type or "chat"
         self._end_sessions(now)
-        prev = self.pending.pop(sid, None)
-        if prev is not None:  # the session came back: its last request was not its final one
-            self.continuation.update(prev[0], 1.0)
+        for queue in self.pending.values():
+            prev = queue.pop(sid, None)
+            if prev is not None:  # the session came back: its last request was not its final one
+                self.continuation.update(prev[0], 1.0)
         types = [t for _, t in ctx.segments]
         x = ContinuationModel.features(ctx.prompt_len, types.count("user"), app,
                                        "system" in types)
-        self.pending[sid] = (x, now, app)
+        self.pending[app][sid] = (x, now)
         self.session_p[sid] = self.continuation.predict(x)
         last = self.session_last.pop(sid, None)
         if last is not None:
@@ -195,12 +198,16 @@ class SAEStrategy(EvictionStrategy):
 
     def _end_sessions(self, now: float) -> None:
         """Sessions silent for longer than almost any gap of their kind have ended: label 0."""
-        while self.pending:
-            sid, (x, t, app) = next(iter(self.pending.items()))
-            if now - t <= self.gaps[app].quantile(END_QUANTILE):
-                break
-            self.pending.popitem(last=False)
-            self.continuation.update(x, 0.0)
+        for app, queue in self.pending.items():
+            if not queue:
+                continue
+            cutoff = self.gaps[app].quantile(END_QUANTILE)
+            while queue:
+                x, t = next(iter(queue.values()))
+                if now - t <= cutoff:
+                    break
+                queue.popitem(last=False)
+                self.continuation.update(x, 0.0)
 
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:

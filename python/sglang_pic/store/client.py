@@ -109,26 +109,63 @@ class StoreClient:
         self._sock(server).send_multipart(encode({**header, "token": self.token}, payloads),
                                           copy=False)
 
-    def _recv(self, server: str, deadline: float):
-        """The reply of ``server``, or None past ``deadline`` (the socket is then replaced, so a
-        late reply can never be taken for the answer to a later request)."""
-        sock = self.socks[server]
-        if not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+    def _drop(self, server: str) -> None:
+        """Close this thread's socket to ``server``: a reply still in flight can then never be
+        taken for the answer to a later request."""
+        sock = self.socks.pop(server, None)
+        if sock is not None:
             sock.close(0)
-            self.socks.pop(server, None)
             with self._socks_lock:
                 self._all_socks.remove(sock)
+
+    def _recv(self, server: str, deadline: float):
+        """The reply of ``server`` as ``(header, payloads)``, or None past ``deadline`` or when
+        it is not a reply at all."""
+        sock = self.socks.get(server)
+        if sock is None or not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            self._drop(server)
             return None
         frames = sock.recv_multipart(copy=False)
-        return json.loads(bytes(frames[0])), [f.buffer for f in frames[1:]]
+        try:
+            header = json.loads(bytes(frames[0]))
+        except ValueError:
+            self._drop(server)
+            return None
+        if not isinstance(header, dict):
+            self._drop(server)
+            return None
+        return header, [f.buffer for f in frames[1:]]
+
+    def _round_trips(self, requests: dict[str, tuple[dict, list[Buffer] | None]],
+                     nbytes: int) -> dict[str, tuple[dict, list] | None]:
+        """Send every request, then collect every reply against one deadline (``nbytes``: the
+        bytes the replies and requests carry). A server whose reply was not collected - time out,
+        or an error while collecting - loses its socket."""
+        replies: dict[str, tuple[dict, list] | None] = {}
+        try:
+            for server, (header, payloads) in requests.items():
+                self._send(server, header, payloads)
+            deadline = self._deadline(nbytes)
+            for server in requests:
+                replies[server] = self._recv(server, deadline)
+        finally:
+            for server in requests:
+                if server not in replies:
+                    self._drop(server)
+        return replies
 
     def _deadline(self, nbytes: int) -> float:
         return time.monotonic() + self.timeout_ms / 1000 + nbytes / (self.min_gbps * 1e9)
 
     def _call(self, server: str, header: dict, payloads: list[Buffer] | None = None):
         """One round trip; None on timeout."""
-        self._send(server, header, payloads)
-        return self._recv(server, self._deadline(sum(len(p) for p in payloads or ())))
+        return self._round_trips({server: (header, payloads)},
+                                 sum(len(p) for p in payloads or ()))[server]
+
+    @property
+    def last_failed(self) -> list[str]:
+        """Ids the last ``batch_set`` of this thread could not store."""
+        return getattr(self._local, "last_failed", [])
 
     def _by_owner(self, tids: list[str], owners: list[str] | None = None,
                   positions: list[int] | None = None) -> dict[str, list[int]]:
@@ -142,41 +179,54 @@ class StoreClient:
     def batch_set(self, items: list[tuple[str, Buffer]], kind: str | None = None) -> int:
         """Store pages on their owners (``kind="replica"``: the replica cache of the local
         server); returns bytes the servers actually added (pages they already held add nothing).
-        Ids whose owner failed are in ``self.last_failed``."""
-        added = 0
+        Ids whose owner failed are in ``self.last_failed`` (per thread)."""
         tids = [t for t, _ in items]
-        self.last_failed: list[str] = []
         groups = ({self.local: list(range(len(items)))} if kind == "replica"
                   else self._by_owner(tids))
+        requests = {}
         for server, idx in groups.items():
             payloads = [items[i][1] for i in idx]
-            self._send(server, {"op": "put", "tids": [tids[i] for i in idx],
-                                "sums": [checksum(p) for p in payloads],
-                                **({"kind": kind} if kind else {})}, payloads)
-        deadline = self._deadline(sum(len(p) for _, p in items))
+            requests[server] = ({"op": "put", "tids": [tids[i] for i in idx],
+                                 "sums": [checksum(p) for p in payloads],
+                                 **({"kind": kind} if kind else {})}, payloads)
+        nbytes = sum(len(p) for _, p in items)
+        if items:
+            self.page_bytes = max(self.page_bytes, max(len(p) for _, p in items))
+        replies = self._round_trips(requests, nbytes)
+        added, failed = 0, []
         for server, idx in groups.items():
-            reply = self._recv(server, deadline)
-            if reply is not None and reply[0].get("ok"):
-                added += reply[0]["added_bytes"]
+            reply = replies.get(server)
+            stored = reply[0].get("added_bytes") if reply is not None and reply[0].get("ok") \
+                else None
+            if isinstance(stored, int):
+                added += stored
             else:
-                self.last_failed += [tids[i] for i in idx]
+                failed += [tids[i] for i in idx]
+        self._local.last_failed = failed
         return added
 
     def _fetch(self, groups: dict[str, list[int]], tids: list[str],
-               sink: Callable[[int, memoryview], None]) -> None:
+               sink: Callable[[int, memoryview], None], nbytes: int | None = None) -> None:
         """Ask every owner for its ids (all requests out first), hand each verified payload to
-        ``sink(position, data)``."""
+        ``sink(position, data)``; a reply that does not add up is a miss for its ids."""
+        count = sum(len(i) for i in groups.values())
+        replies = self._round_trips(
+            {server: ({"op": "get", "tids": [tids[i] for i in idx]}, None)
+             for server, idx in groups.items()},
+            nbytes if nbytes is not None else self.page_bytes * count)
         for server, idx in groups.items():
-            self._send(server, {"op": "get", "tids": [tids[i] for i in idx]})
-        deadline = self._deadline(self.page_bytes * sum(len(i) for i in groups.values()))
-        for server, idx in groups.items():
-            reply = self._recv(server, deadline)
+            reply = replies.get(server)
             if reply is None or not reply[0].get("ok"):
                 continue
             header, payloads = reply
-            it = iter(zip(payloads, header["sums"], strict=True))
-            for i, found in zip(idx, header["found"], strict=True):
-                if found:
+            found, sums = header.get("found"), header.get("sums")
+            if (not isinstance(found, list) or not isinstance(sums, list)
+                    or len(found) != len(idx) or len(sums) != len(payloads)
+                    or sum(map(bool, found)) != len(payloads)):
+                continue
+            it = iter(zip(payloads, sums, strict=True))
+            for i, present in zip(idx, found, strict=True):
+                if present:
                     data, s = next(it)
                     self.page_bytes = max(self.page_bytes, len(data))
                     if checksum(data) == s:
@@ -203,15 +253,17 @@ class StoreClient:
                 np.copyto(views[i], src)  # numpy releases the GIL for the copy
                 ok[i] = True
 
-        self._get(tids, copy, ok.__getitem__, lambda i: dests[i])
+        self._get(tids, copy, ok.__getitem__, lambda i: dests[i],
+                  nbytes=sum(v.size for v in views))
         return ok
 
     def _get(self, tids: list[str], sink: Callable[[int, memoryview], None],
-             have: Callable[[int], bool], data_of: Callable[[int], Buffer | None]) -> None:
+             have: Callable[[int], bool], data_of: Callable[[int], Buffer | None],
+             nbytes: int | None = None) -> None:
         if self.local is not None:
             near = [i for i, t in enumerate(tids) if t in self.replicated]
             if near:
-                self._fetch({self.local: near}, tids, sink)
+                self._fetch({self.local: near}, tids, sink, nbytes)
                 for i in near:
                     if not have(i):  # the replica was evicted: ask the owner again
                         self.replicated.pop(tids[i], None)
@@ -219,7 +271,7 @@ class StoreClient:
                         self.stats["replica_hits"] += 1
         owners = [self.ring.owner(t) for t in tids]
         missing = [i for i in range(len(tids)) if not have(i)]
-        self._fetch(self._by_owner(tids, owners, missing), tids, sink)
+        self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes)
         if self.local is not None:
             self._replicate_hot(tids, owners, [data_of(i) if have(i) else None
                                                for i in range(len(tids))])
@@ -252,13 +304,14 @@ class StoreClient:
     def batch_exists(self, tids: list[str]) -> list[bool]:
         out = [False] * len(tids)
         groups = self._by_owner(tids)
+        replies = self._round_trips(
+            {server: ({"op": "exists", "tids": [tids[i] for i in idx]}, None)
+             for server, idx in groups.items()}, 0)
         for server, idx in groups.items():
-            self._send(server, {"op": "exists", "tids": [tids[i] for i in idx]})
-        deadline = self._deadline(0)
-        for server, idx in groups.items():
-            reply = self._recv(server, deadline)
-            if reply is not None and reply[0].get("ok"):
-                for i, f in zip(idx, reply[0]["found"], strict=True):
+            reply = replies.get(server)
+            found = reply[0].get("found") if reply is not None and reply[0].get("ok") else None
+            if isinstance(found, list) and len(found) == len(idx):
+                for i, f in zip(idx, found, strict=True):
                     out[i] = bool(f)
         return out
 

@@ -36,6 +36,7 @@ class _Entry:
     data: bytes
     freq: int
     priority: float
+    checksum: int | None = None  # as verified on arrival; None: compute when served
 
 
 class GDSFCache:
@@ -66,15 +67,19 @@ class GDSFCache:
         return tid in self.entries
 
     def get(self, tid: str) -> bytes | None:
+        e = self.get_entry(tid)
+        return None if e is None else e.data
+
+    def get_entry(self, tid: str) -> _Entry | None:
         e = self.entries.get(tid)
         if e is None:
             return None
         e.freq += 1
         e.priority = self.inflation + e.freq
         self._push(tid, e)
-        return e.data
+        return e
 
-    def put(self, tid: str, data: bytes) -> bool:
+    def put(self, tid: str, data: bytes, checksum: int | None = None) -> bool:
         """Insert (or refresh); False when ``data`` alone exceeds the capacity."""
         if len(data) > self.capacity:
             return False
@@ -83,7 +88,7 @@ class GDSFCache:
             self.used -= len(old.data)
         freq = old.freq + 1 if old else 1
         self._make_room(len(data))
-        e = self.entries[tid] = _Entry(data, freq, self.inflation + freq)
+        e = self.entries[tid] = _Entry(data, freq, self.inflation + freq, checksum)
         self._push(tid, e)
         self.used += len(data)
         return True
@@ -135,32 +140,39 @@ class StoreEngine:
         with self.lock:
             return tid in self.owned or tid in self.replica or self._ssd_path(tid) is not None
 
-    def put_tensors(self, items: list[tuple[str, bytes]], kind: str = OWNED) -> int:
-        """Store pages not already present; returns the bytes actually added."""
+    def put_tensors(self, items: list[tuple[str, bytes]], kind: str = OWNED,
+                    checksums: list[int] | None = None) -> int:
+        """Store pages not already present (with their verified ``checksums``, kept with the
+        bytes); returns the bytes actually added."""
         added = 0
         with self.lock:
-            for tid, data in items:
+            for i, (tid, data) in enumerate(items):
                 if tid in self.owned or (kind == REPLICA and tid in self.replica):
                     self.stats["dedup_bytes"] += len(data)
                     continue
                 cache = self.owned if kind == OWNED else self.replica
-                if cache.put(tid, data):
+                if cache.put(tid, data, checksums[i] if checksums else None):
                     added += len(data)
             self.stats["bytes_in"] += added
         return added
 
     def get_tensors(self, tids: list[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+        return [None if t is None else t[0] for t in self.get_tensors_checked(tids)]
+
+    def get_tensors_checked(self, tids: list[str]) -> list[tuple[bytes, int | None] | None]:
+        """``(bytes, checksum of exactly those bytes or None)`` per id; None when absent. A page
+        read back from SSD has no remembered checksum (the caller computes it)."""
+        out: list[tuple[bytes, int | None] | None] = []
         with self.lock:
             for tid in tids:
-                data = self.owned.get(tid)
-                if data is None:
-                    data = self.replica.get(tid)
-                if data is None:
+                e = self.owned.get_entry(tid) or self.replica.get_entry(tid)
+                found = (e.data, e.checksum) if e is not None else None
+                if found is None:
                     data = self._ssd_read(tid)
-                self.stats["hits" if data is not None else "misses"] += 1
-                self.stats["bytes_out"] += len(data) if data else 0
-                out.append(data)
+                    found = None if data is None else (data, None)
+                self.stats["hits" if found is not None else "misses"] += 1
+                self.stats["bytes_out"] += len(found[0]) if found else 0
+                out.append(found)
         return out
 
     # ---- objects (flat metadata) --------------------------------------------------------

@@ -25,6 +25,7 @@ Two interfaces, as SGLang's controller chooses:
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Any
 
@@ -35,6 +36,26 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .client import StoreClient
 
 logger = logging.getLogger(__name__)
+
+
+def _never_raise(failure):
+    """SGLang calls the backend from its cache controller's threads, whose loops do not survive
+    an exception (a dead prefetch thread hangs every later prefetch): a failure becomes a miss
+    or a failed write, and is logged. ``failure(keys)`` builds the result."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, keys, *args, **kwargs):
+            try:
+                return method(self, keys, *args, **kwargs)
+            except Exception:
+                logger.exception("PTStore %s failed; treated as a miss/failed write",
+                                 method.__name__)
+                return failure(keys)
+
+        return guarded
+
+    return wrap
 
 
 class PTStoreHiCacheStorage(HiCacheStorage):
@@ -66,6 +87,11 @@ class PTStoreHiCacheStorage(HiCacheStorage):
             return [k + self.suffix for k in keys]
         return [f"{k}{self.suffix}#{j}" for k in keys for j in range(self.blocks)]
 
+    def _page_ids(self, keys: list[str]) -> list[str]:
+        """One id per page: the page-copy interface (also used in zero-copy mode by SGLang's
+        draft-model path) stores flat pages, not host-pool blocks."""
+        return [k + self.suffix for k in keys]
+
     def _page_buffers(self, host_indices: torch.Tensor) -> list[memoryview]:
         """The host pool's memory of the pages at ``host_indices``, as writable byte views
         (``blocks`` per page, in ``_ids`` order)."""
@@ -78,6 +104,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         return [all(ok[i:i + b]) for i in range(0, len(ok), b)]
 
     # ---- what SGLang's cache controller calls -------------------------------------------
+    @_never_raise(lambda keys: 0)
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         found = self._per_page(self.client.batch_exists(self._ids(keys)))
         for i, f in enumerate(found):
@@ -85,9 +112,10 @@ class PTStoreHiCacheStorage(HiCacheStorage):
                 return i
         return len(keys)
 
+    @_never_raise(lambda keys: [None] * len(keys))
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        data = self.client.batch_get(self._ids(keys))
+        data = self.client.batch_get(self._page_ids(keys))
         out: list[torch.Tensor | None] = []
         targets = target_locations or [None] * len(keys)
         for blob, target in zip(data, targets, strict=True):
@@ -104,15 +132,17 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.stats["get_hits"] += sum(o is not None for o in out)
         return out
 
+    @_never_raise(lambda keys: False)
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         items = [(tid, v.contiguous().view(torch.uint8).numpy().tobytes())
-                 for tid, v in zip(self._ids(keys), values, strict=True)]
+                 for tid, v in zip(self._page_ids(keys), values, strict=True)]
         added = self.client.batch_set(items)
         self.stats["set_pages"] += len(items)
         self.stats["set_bytes"] += added
         return not self.client.last_failed
 
+    @_never_raise(lambda keys: [False] * len(keys))
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
         ok = self._per_page(self.client.batch_get_into(self._ids(keys),
@@ -121,6 +151,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.stats["get_hits"] += sum(ok)
         return ok
 
+    @_never_raise(lambda keys: [False] * len(keys))
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
         ids = self._ids(keys)

@@ -21,7 +21,7 @@ OPS = ("put", "get", "exists", "put_object", "get_object", "status")
 
 @dataclass(frozen=True)
 class Limits:
-    max_header_bytes: int = 1 << 20
+    max_header_bytes: int = 16 << 20  # ids of a 128-page batch of a layer-first pool: ~1-2 MB
     max_tensor_bytes: int = 64 << 20
     max_message_bytes: int = 1 << 30
     max_tensors: int = 65536

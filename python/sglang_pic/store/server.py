@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 
 import zmq
 
@@ -21,9 +20,6 @@ logger = logging.getLogger(__name__)
 
 
 class StoreServer:
-    SUMS_KEPT = 1 << 22
-    """Checksums remembered from puts (verified on arrival), so a get does not hash the bytes again."""
-
     def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
                  limits: Limits | None = None) -> None:
         limits = limits or Limits()
@@ -38,7 +34,6 @@ class StoreServer:
         self.sock.bind(endpoint)
         self.requests = 0
         self.rejected = 0
-        self.sums: OrderedDict[str, int] = OrderedDict()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -81,22 +76,17 @@ class StoreServer:
         eng = self.engine
         if op == "put":
             kind = REPLICA if header.get("kind") == REPLICA else OWNED
-            with eng.lock:  # the ids whose bytes this put will store (the engine skips the rest)
-                stored = [t not in eng.owned and (kind == OWNED or t not in eng.replica)
-                          for t in tids]
-                added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads,
-                                                                       strict=True)], kind)
-            for t, s, new in zip(tids, header["sums"], stored, strict=True):
-                if new:
-                    self._remember(t, s)
+            # the checksums were verified on arrival (decode_request): kept with the bytes, so a
+            # get does not hash them again
+            added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads, strict=True)],
+                                    kind, header["sums"])
             return encode({"ok": True, "added_bytes": added})
         if op == "get":
-            data = eng.get_tensors(tids)
-            found = [d is not None for d in data]
-            sums = [checksum(d) if (s := self.sums.get(t)) is None else s
-                    for t, d in zip(tids, data, strict=True) if d is not None]
-            return encode({"ok": True, "found": found, "sums": sums},
-                          [d for d in data if d is not None])
+            got = eng.get_tensors_checked(tids)
+            present = [g for g in got if g is not None]
+            return encode({"ok": True, "found": [g is not None for g in got],
+                           "sums": [checksum(d) if s is None else s for d, s in present]},
+                          [d for d, _ in present])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
         if op == "put_object":
@@ -105,12 +95,6 @@ class StoreServer:
         if op == "get_object":
             return encode({"ok": True, "tids": eng.get_object(str(header.get("key")))})
         return encode({"ok": True, "status": self.status()})
-
-    def _remember(self, tid: str, s: int) -> None:
-        self.sums[tid] = s
-        self.sums.move_to_end(tid)
-        if len(self.sums) > self.SUMS_KEPT:
-            self.sums.popitem(last=False)
 
     def status(self) -> dict:
         eng = self.engine
