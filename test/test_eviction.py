@@ -81,6 +81,7 @@ def test_sae_session_predictor_labels_from_traffic():
     from sglang_pic.eviction.sae import BlockInfo, SAEStrategy
 
     sae = SAEStrategy()
+    sae.use_predictor = True  # SGLANG_PIC_SAE_PREDICTOR=1
     t = 0.0
     for i in range(300):  # one-shot chat sessions, a new one every 30 s
         t += 30.0

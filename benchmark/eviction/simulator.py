@@ -109,7 +109,7 @@ class ReplayResult:
         }
 
 
-ABLATIONS = {"sae-nopred": ("sae", {"use_predictor": False})}
+ABLATIONS = {"sae-pred": ("sae", {"use_predictor": True})}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes)."""
 
 
