@@ -88,9 +88,10 @@ def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool)
     endpoints = [s.strip() for s in servers.split(",") if s.strip()]
     if not endpoints:
         raise SystemExit(f"error: {PTSTORE_FLAG} needs store endpoints, e.g. tcp://node1:7400")
-    if _value_of(argv, "--hicache-storage-backend") not in (None, "dynamic"):
+    backend = _value_of(argv, "--hicache-storage-backend")
+    if backend not in (None, "dynamic"):
         raise SystemExit(f"error: {PTSTORE_FLAG} is a HiCache storage backend; drop "
-                         f"--hicache-storage-backend {_value_of(argv, '--hicache-storage-backend')}")
+                         f"--hicache-storage-backend {backend}")
     config = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
               "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1}
     if token:

@@ -97,7 +97,6 @@ class ParisKVLayer:
         self.v_win[b, :, sink:sink + recent] = v[n - recent:].transpose(0, 1)
         self.win_len_host[b] = sink + recent
         self.win_len[b] = sink + recent
-        self.n_ret[b] = self.n_ret_host[b]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One decode token per sequence: ``k``/``v`` ``[batch, kv_heads, D]``."""

@@ -129,8 +129,7 @@ class StoreClient:
         try:
             header = json.loads(bytes(frames[0]))
         except ValueError:
-            self._drop(server)
-            return None
+            header = None
         if not isinstance(header, dict):
             self._drop(server)
             return None

@@ -195,7 +195,7 @@ class StoreEngine:
     def _spill(self, tid: str, data: bytes) -> None:
         """Owned tensors leave memory for the SSD directory, never into nothing."""
         if self.ssd is None or self._ssd_path(tid) is not None:
-            return  # same id, same bytes: already on SSD
+            return  # already on SSD: that copy serves the id (served with its own checksum)
         if self.ssd_bytes and self.ssd_used + len(data) > self.ssd_bytes:
             return
         tmp = self.ssd / "tensors" / f".{tid}.tmp"
