@@ -15,9 +15,17 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from sglang_pic.sparse.kv_layout import ParisKVLayer  # noqa: E402
 from sglang_pic.sparse.retrieval import SRHT, KeyIndex, ParisConfig, lloyd_max_levels  # noqa: E402
-from sglang_pic_kernel.pariskv import NBINS, Selector, SparseAttention, encode_keys  # noqa: E402
+from sglang_pic_kernel.pariskv import (  # noqa: E402
+    Selector,
+    SparseAttention,
+    encode_keys,
+    unpack_centroids,
+)
+from sglang_pic_kernel.pariskv.select import _popc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(4, 2, 64, 150)] + ([(32, 8, 128, 4096)] if DEVICE == "cuda" else [])
@@ -32,7 +40,7 @@ def _quantiser(d: int):
 def _encoded(keys: torch.Tensor):
     n, hk, d = keys.shape
     rt, levels, edges = _quantiser(d)
-    cent = torch.zeros(hk, n, d // 4, dtype=torch.uint8, device=DEVICE)
+    cent = torch.zeros(hk, n, d // 32, dtype=torch.int32, device=DEVICE)
     codes = torch.zeros(hk, n, d // 2, dtype=torch.uint8, device=DEVICE)
     w = torch.zeros(hk, n, d // 4, dtype=torch.float16, device=DEVICE)
     encode_keys(keys, rt, edges, levels, cent, codes, w)
@@ -45,7 +53,7 @@ def test_encode_matches_reference_index(hq, hk, d, n):
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     _, _, cent, codes, w = _encoded(keys)
     ref = KeyIndex(keys.transpose(0, 1).float().cpu(), ParisConfig())
-    assert torch.equal(cent.long().cpu(), ref.centroid)
+    assert torch.equal(unpack_centroids(cent).cpu(), ref.centroid)
     unpacked = torch.stack([codes & 15, codes >> 4], -1).view(hk, n, d).cpu()
     # a coordinate within float rounding of a level edge may land on either side
     assert (unpacked != ref.codes).float().mean() < 1e-3
@@ -85,8 +93,9 @@ def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity):
 
 @pytest.mark.parametrize("similarity", [True, False])
 def test_votes_and_pruning_follow_the_histogram(similarity):
-    """Tiered votes equal the reference's integer votes; pruning keeps every key binned above
-    the threshold and fills the budget from the threshold bin, never below it."""
+    """Similarity votes equal the group's centroid similarities up to the 8-bit query
+    quantisation, tiered votes equal the reference's integer votes; pruning keeps every key
+    binned above the threshold and fills the budget from the threshold bin, never below it."""
     torch.manual_seed(2)
     hq, hk, d, n, c = 4, 2, 64, 300, 40
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
@@ -97,24 +106,31 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
                    span=128)
     sel(q, rt, levels, cent[None], codes[None], w[None],
         torch.tensor([n], dtype=torch.int32, device=DEVICE))
-    bins, thresh = sel.bins[0].cpu(), sel.thresh[0].cpu()
-    assert torch.equal(sel.hist[0].cpu(), torch.stack([torch.bincount(b, minlength=NBINS)
+    bins, thresh = sel.bins[0].long().cpu(), sel.thresh[0].cpu()
+    assert torch.equal(sel.hist[0].cpu(), torch.stack([torch.bincount(b, minlength=sel.nbins)
                                                       for b in bins]).int())
-    if similarity:  # the kernel's sign-bit dot product equals the sum of table lookups
-        g = hq // hk
-        table = sel.table[0].cpu().view(hk, g, d // 4, 16)
-        ids = cent.long().cpu()  # [hk, n, B]
-        score = torch.stack([table[h][:, torch.arange(d // 4), ids[h]].sum((0, 2))
-                             for h in range(hk)])
-        want = ((score - sel.lo) * sel.scale).floor().clamp(0, NBINS - 1).int()
-        assert (bins - want).abs().max() <= 1
-    if not similarity:
-        g = hq // hk
+    g = hq // hk
+    if similarity:
+        # exact vote: sum over the group and subspaces of <q~_b, centroid_b>, centroid +-1/2
+        ids = unpack_centroids(cent).cpu()  # [hk, n, B]
+        signs = torch.stack([(ids >> j) & 1 for j in range(4)], -1).flatten(-2)  # coord 4b+j
+        qt = sel.qt[0].cpu().view(hk, g, 4, d // 4).transpose(2, 3).flatten(-2)  # coord order
+        exact = (signs.float() - 0.5) @ qt.sum(1)[..., None]  # [hk, n, 1]
+        zero, step, half, per_vote = sel.params[0].cpu().T
+        assert torch.allclose(half, qt.sum((1, 2)) / 2, atol=1e-5)
+        assert torch.allclose(per_vote, sel.nbins / (qt.sum(1).abs().sum(-1) / 2))
+        # quantised votes: each set bit's coordinate is off by at most half a step
+        bound = step[:, None] / 2 * signs.sum(-1) + 1e-4
+        want_lo = ((exact[..., 0] - bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
+        want_hi = ((exact[..., 0] + bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
+        assert ((bins >= want_lo) & (bins <= want_hi)).all()
+        assert (step < (qt.sum(1).amax(-1) - qt.sum(1).amin(-1)) / 254).all()
+    else:
         for h in range(hk):
             index = KeyIndex(keys[:, h].float().cpu()[None].expand(g, n, d).contiguous(),
                              ParisConfig(vote="tiers"))
             votes = index.coarse_votes(q[0, h * g:(h + 1) * g].float().cpu()).sum(0)
-            assert torch.equal(bins[h], votes.int())
+            assert torch.equal(bins[h], votes.long())
     for h in range(hk):
         cand = sel.cand[0, h].cpu()
         assert (cand >= 0).all() and len(set(cand.tolist())) == c
@@ -122,6 +138,22 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         at = set((bins[h] == thresh[h]).nonzero().flatten().tolist())
         assert above <= set(cand.tolist()) <= above | at
         assert len(above) < c <= len(above) + len(at)
+
+
+@triton.jit
+def _popcount_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _popc(tl.load(X + i), False))
+
+
+def test_popcount_fallback_counts_bits_of_negative_words():
+    """The SWAR popcount used where inline PTX is unavailable, on words with the sign bit set."""
+    x = torch.tensor([0, -1, -2**31, 2**31 - 1, 0x55555555, -0x55555556, 12345, -98765],
+                     dtype=torch.int32, device=DEVICE)
+    y = torch.empty_like(x)
+    _popcount_kernel[(1,)](x, y, N=8)
+    want = [bin(v & 0xFFFFFFFF).count("1") for v in x.tolist()]
+    assert y.tolist() == want
 
 
 def test_sparse_attention_equals_dense_over_the_chosen_keys():

@@ -53,8 +53,8 @@ class ParisKVLayer:
         self.k_host = torch.zeros(batch, kv_heads, capacity, d, dtype=dtype, pin_memory=pin)
         self.v_host = torch.zeros(batch, kv_heads, capacity, d, dtype=dtype, pin_memory=pin)
         B = d // 4
-        self.centroid = torch.zeros(batch, kv_heads, capacity, B, dtype=torch.uint8,
-                                    device=self.device)
+        self.centroid = torch.zeros(batch, kv_heads, capacity, d // 32, dtype=torch.int32,
+                                    device=self.device)  # sign bits, packed (encode_keys)
         self.codes = torch.zeros(batch, kv_heads, capacity, d // 2, dtype=torch.uint8,
                                  device=self.device)
         self.weights = torch.zeros(batch, kv_heads, capacity, B, dtype=torch.float16,

@@ -12,7 +12,9 @@ per-layer memory layout that drives them is ``sglang_pic.sparse.kv_layout``.
 """
 
 from .attention import SparseAttention
-from .encode import encode_keys
-from .select import NBINS, Selector
+from .encode import encode_keys, unpack_centroids
+from .select import NBINS, SIMILARITY_BINS, Selector
 
-__all__ = ["NBINS", "Selector", "SparseAttention", "encode_keys"]
+__all__ = [
+    "NBINS", "SIMILARITY_BINS", "Selector", "SparseAttention", "encode_keys", "unpack_centroids",
+]

@@ -4,9 +4,11 @@ One pass over full-precision keys writes the compact metadata that stays on the 
 keys themselves live in host memory:
 
     keys      [n, kv_heads, D]   fp16/bf16, post-RoPE (read with any row/head strides)
-    centroid  [kv_heads, N, B]   uint8: per subspace of 4 rotated coordinates, its sign pattern
+    centroid  [kv_heads, N, D/32] int32: per subspace of 4 rotated coordinates its sign pattern
                                  (bit j set when coordinate 4b+j > 0) = the nearest of the 16
-                                 analytic centroids +-1/2
+                                 analytic centroids +-1/2, packed 8 subspaces per word: bit i of
+                                 the key's D-bit string (word i // 32, bit i % 32) is the sign
+                                 of rotated coordinate i, so the id of subspace b is nibble b
     codes     [kv_heads, N, D/2] uint8: 4 bits per rotated, normalised coordinate
                                  (sign << 3 | Lloyd-Max magnitude level), two per byte:
                                  byte 2b = code(4b) | code(4b+1) << 4, byte 2b+1 = code(4b+2) | ...
@@ -83,13 +85,23 @@ def _encode_kernel(
         v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3, 1e-12)
     out_rows = (rows + offset).to(tl.int64)[:, None]
     m2 = mask[:, None]
-    tl.store(Cent + h * stride_ch + out_rows * stride_cn + offs_b[None, :], cent.to(tl.uint8),
+    # nibble b of the packed words holds subspace b (bit fields are disjoint: sum == or)
+    shifted = cent.to(tl.int64) << (4 * (offs_b % 8)).to(tl.int64)[None, :]
+    words = tl.sum(tl.reshape(shifted, [BLOCK_N, B // 8, 8]), axis=2).to(tl.int32)
+    tl.store(Cent + h * stride_ch + out_rows * stride_cn + tl.arange(0, B // 8)[None, :], words,
              mask=m2)
     code_base = Codes + h * stride_oh + out_rows * stride_on + 2 * offs_b[None, :]
     tl.store(code_base, (c0 | (c1 << 4)).to(tl.uint8), mask=m2)
     tl.store(code_base + 1, (c2 | (c3 << 4)).to(tl.uint8), mask=m2)
     tl.store(W + h * stride_wh + out_rows * stride_wn + offs_b[None, :], w.to(W.dtype.element_ty),
              mask=m2)
+
+
+def unpack_centroids(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., D/32]`` int32 packed ids -> ``[..., D/4]`` int64 centroid id per subspace."""
+    shifts = torch.arange(0, 32, 4, device=packed.device)
+    nibbles = (packed.long()[..., None] >> shifts) & 15
+    return nibbles.flatten(-2)
 
 
 def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, levels: torch.Tensor,
@@ -100,6 +112,8 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
 
     ``rt``: ``[D, D]`` fp32, ``R^T`` of the SRHT; ``edges`` ``[7]`` / ``levels`` ``[8]``: the
     Lloyd-Max magnitude quantiser (fp32)."""
+    if centroid.dtype != torch.int32 or centroid.shape[-1] != keys.shape[-1] // 32:
+        raise ValueError("centroid ids are packed: int32 [kv_heads, N, D / 32]")
     n, heads, d = keys.shape
     if d % SUBSPACE or d < 64 or d & (d - 1):
         raise ValueError(f"ParisKV kernels need a power-of-two head dim >= 64, got {d}")

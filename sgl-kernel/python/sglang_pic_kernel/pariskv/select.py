@@ -1,34 +1,48 @@
 """ParisKV top-k selection for one decode step: query tables, collision votes, candidate pruning,
 RSQ-IP rerank. All launches have fixed grids and write preallocated buffers (CUDA-graph safe).
 
-Shapes (``G = q_heads / kv_heads`` query heads share one KV head and vote together):
+Shapes (``G = q_heads / kv_heads`` query heads share one KV head and vote together, ``W = D/32``):
 
     q          [batch, q_heads, D]
-    table      [batch, q_heads, B, 16]  fp32  vote of each of the 16 centroids per subspace
+    table      [batch, q_heads, B, 16]  fp32  tiered vote of each of the 16 centroids per subspace
     qt         [batch, q_heads, 4 * B]  fp32  rotated normalised query, coordinate 4b+j at j*B+b
     qnorm      [batch, q_heads]         fp32
-    centroid / codes / weights: [batch, kv_heads, N, ...]  (``encode``)
+    planes     [batch, kv_heads, 8, W]  int32 bit planes of the group's summed query, quantised
+    params     [batch, kv_heads, 4]     fp32  (zero point, step, half sum, bins per vote unit)
+    centroid / codes / weights: [batch, kv_heads, N, ...]  (``encode``; ids packed, D bits/key)
     n_ret      [batch] int32            keys in each sequence's retrieval region
-    bins       [batch, kv_heads, N] int32, hist [batch, kv_heads, NBINS] int32
+    bins       [batch, kv_heads, N] int16, hist [batch, kv_heads, nbins] int32
     cand       [batch, kv_heads, C] int32 candidate key ids (-1 = none), C = candidate budget
     est        [batch, kv_heads, C] fp32  RSQ-IP estimate of q.k (max over the group)
 
+Similarity votes (the default) give each key the sum over the group of its centroids'
+similarity to the query, which is linear in the key's D sign bits: ``sum_i bit_i qs_i - sum(qs)/2``
+with ``qs`` the group's summed rotated query. ``qs`` is quantised to 8 bits per coordinate, so
+the vote is ``zero * popc(K) + step * sum_p 2^p popc(K & plane_p) - sum(qs)/2``: 36 popcounts
+per key of head dim 128 instead of 128 multiply-adds (error below ``step / 2`` per set bit).
+Tiered votes (the paper's) look up each subspace's centroid in the query's tier table.
+
 Pruning keeps the ``need = min(C, n_ret)`` best keys by vote without sorting: votes are binned
-(tiered votes are small integers, their bin is the vote; similarity votes are binned over their
-range), a per-block histogram is added up with atomics, one program per head finds the threshold
-bin from the cumulative histogram, and a compaction pass writes every key above it and the first
-keys at it (atomic counters; which keys *at* the threshold bin are kept is unspecified).
+(tiered votes are small integers, their bin is the vote; similarity votes are binned over
+``[0, max vote]`` - half the keys vote below 0 and land in bin 0), a per-program histogram in
+registers is added up with atomics, one program per head finds the threshold bin from the
+cumulative histogram, and a compaction pass writes every key above it and the first keys at it
+(atomic counters; which keys *at* the threshold bin are kept is unspecified). Fewer bins make
+the in-register histogram cheaper (Triton's warp histogram costs ~``nbins / 32`` operations per
+key) at the price of a wider threshold bin.
 """
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-NBINS = 1024
+NBINS = 1024  # tiered votes: up to G * B * max(tiers) must fit
+SIMILARITY_BINS = 256
+PLANES = 8  # bits per coordinate of the quantised group query
 
 
 @triton.jit
@@ -67,26 +81,69 @@ def _query_kernel(Q, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
     tl.store(out + B, q1)
     tl.store(out + 2 * B, q2)
     tl.store(out + 3 * B, q3)
-    sim = (_centroid_sim(q0, c, 0) + _centroid_sim(q1, c, 1) + _centroid_sim(q2, c, 2)
-           + _centroid_sim(q3, c, 3))
-    if SIMILARITY:
-        table = sim
-    else:
+    if not SIMILARITY:
+        sim = (_centroid_sim(q0, c, 0) + _centroid_sim(q1, c, 1) + _centroid_sim(q2, c, 2)
+               + _centroid_sim(q3, c, 3))
         # rank of each centroid among the 16 of its subspace (ties: lower id first)
         other = sim[:, None, :]
         mine = sim[:, :, None]
         beats = (other > mine) | ((other == mine) & (c[None, None, :] < c[None, :, None]))
         rank = tl.sum(beats.to(tl.int32), axis=2)
         table = tl.load(Tiers + rank)
-    tl.store(Table + row * B * 16 + offs_b[:, None] * 16 + c[None, :], table)
+        tl.store(Table + row * B * 16 + offs_b[:, None] * 16 + c[None, :], table)
 
 
 @triton.jit
-def _vote_kernel(Cent, Table, Qs, NRet, Bins, Hist,
+def _plane_kernel(Qt, Planes, Params, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                  NB: tl.constexpr, P: tl.constexpr):
+    """Bit planes of one KV head's summed query ``qs`` (coordinate order: bit ``i % 32`` of word
+    ``i // 32`` of plane ``p`` is bit ``p`` of coordinate ``i``'s 8-bit level)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kv_heads = tl.num_programs(1)
+    r = b * kv_heads + h
+    i = tl.arange(0, D)
+    src = (i % 4) * B + i // 4  # qt keeps coordinate 4b+j at j*B+b
+    qs = tl.zeros([D], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qs += tl.load(Qt + (r * G + g) * D + src)
+    lo = tl.min(qs, axis=0)
+    step = tl.maximum((tl.max(qs, axis=0) - lo) / (2**P - 1), 1e-30)
+    level = tl.minimum(tl.maximum(((qs - lo) / step + 0.5).to(tl.int32), 0), 2**P - 1)
+    level = tl.reshape(level, [D // 32, 32]).to(tl.int64)
+    bit = tl.arange(0, 32).to(tl.int64)[None, :]
+    words = tl.arange(0, D // 32)
+    for p in tl.static_range(P):
+        plane = tl.sum(((level >> p) & 1) << bit, axis=1).to(tl.int32)
+        tl.store(Planes + (r * P + p) * (D // 32) + words, plane)
+    max_vote = 0.5 * tl.sum(tl.abs(qs), axis=0)
+    tl.store(Params + r * 4, lo)
+    tl.store(Params + r * 4 + 1, step)
+    tl.store(Params + r * 4 + 2, 0.5 * tl.sum(qs, axis=0))
+    tl.store(Params + r * 4 + 3, NB / tl.maximum(max_vote, 1e-30))
+
+
+@triton.jit
+def _popc(x, ASM: tl.constexpr):
+    """Set bits of each int32 (``popc.b32`` on NVIDIA; SWAR where inline PTX is unavailable)."""
+    if ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        # arithmetic shifts are safe: each mask clears the bits a sign fill could set
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        x = x + (x >> 8)
+        x = x + (x >> 16)
+        return x & 0x3F
+
+
+@triton.jit
+def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
                  stride_cb, stride_ch, stride_cn, N, SPAN,
-                 lo, scale,
-                 B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SIMILARITY: tl.constexpr):
+                 B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
     """Votes of the keys ``[pid * SPAN, (pid + 1) * SPAN)`` of one KV head. The histogram is
     accumulated in registers over the whole span and added to the global one once, so the
     atomics per key stay far below one (``NB`` per ``SPAN`` keys)."""
@@ -94,50 +151,51 @@ def _vote_kernel(Cent, Table, Qs, NRet, Bins, Hist,
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     kv_heads = tl.num_programs(1)
+    r = b * kv_heads + h
     n_ret = tl.load(NRet + b)
     start = pid * SPAN
     if start < n_ret:
         end = tl.minimum(start + SPAN, n_ret)
+        offs_w = tl.arange(0, B // 8)
         offs_b = tl.arange(0, B)
         local = tl.zeros([NB], dtype=tl.int32)
         pad = 0
+        base = Cent + b * stride_cb + h * stride_ch
         if SIMILARITY:
-            # sum_g table[g, b, cent_b] is linear in the key's sign bits: with qs = sum_g q~_g
-            # it is sum_{b,j} qs[4b+j] * bit_j(cent_b) - sum(qs) / 2, four multiply-adds per
-            # subspace instead of G table gathers
-            qrow = Qs + (b * kv_heads + h) * 4 * B + offs_b
-            qs0 = tl.load(qrow)[None, :]
-            qs1 = tl.load(qrow + B)[None, :]
-            qs2 = tl.load(qrow + 2 * B)[None, :]
-            qs3 = tl.load(qrow + 3 * B)[None, :]
-            half_sum = 0.5 * tl.sum(qs0 + qs1 + qs2 + qs3)
+            p = tl.arange(0, P)
+            planes = tl.load(Planes + (r * P + p[:, None]) * (B // 8) + offs_w[None, :])[None, :, :]
+            weight = (1 << p)[None, :]
+            lo = tl.load(Params + r * 4)
+            step = tl.load(Params + r * 4 + 1)
+            half = tl.load(Params + r * 4 + 2)
+            scale = tl.load(Params + r * 4 + 3)
         for n0 in tl.range(start, end, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             mask = rows < end
-            cent = tl.load(Cent + b * stride_cb + h * stride_ch
-                           + rows[:, None].to(tl.int64) * stride_cn + offs_b[None, :],
-                           mask=mask[:, None], other=0).to(tl.int32)
+            row_base = base + rows[:, None].to(tl.int64) * stride_cn
             if SIMILARITY:
-                score = tl.sum((cent & 1).to(tl.float32) * qs0
-                               + ((cent >> 1) & 1).to(tl.float32) * qs1
-                               + ((cent >> 2) & 1).to(tl.float32) * qs2
-                               + ((cent >> 3) & 1).to(tl.float32) * qs3, axis=1) - half_sum
-                bins = ((score - lo) * scale).to(tl.int32)
+                keys = tl.load(row_base + offs_w[None, :], mask=mask[:, None], other=0)
+                ones = tl.sum(_popc(keys, ASM), axis=1)  # [BLOCK_N]
+                hits = tl.sum(_popc(keys[:, None, :] & planes, ASM), axis=2)  # [BLOCK_N, P]
+                dot = tl.sum(hits * weight, axis=1)
+                score = lo * ones.to(tl.float32) + step * dot.to(tl.float32) - half
+                bins = (score * scale).to(tl.int32)
             else:
+                words = tl.load(row_base + (offs_b // 8)[None, :], mask=mask[:, None], other=0)
+                cent = (words >> (4 * (offs_b % 8))[None, :]) & 15
                 score = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for g in tl.static_range(G):
-                    row = (b * kv_heads + h) * G + g
-                    t = tl.load(Table + row * B * 16 + offs_b[None, :] * 16 + cent)
+                    t = tl.load(Table + (r * G + g) * B * 16 + offs_b[None, :] * 16 + cent)
                     score += tl.sum(t, axis=1)
                 bins = score.to(tl.int32)
             bins = tl.minimum(tl.maximum(bins, 0), NB - 1)
             bins = tl.where(mask, bins, 0)
-            tl.store(Bins + (b * kv_heads + h) * N + rows, bins, mask=mask)
+            tl.store(Bins + r * N + rows, bins.to(tl.int16), mask=mask)
             local += tl.histogram(bins, NB)
             pad += tl.sum((~mask).to(tl.int32), axis=0)
         offs = tl.arange(0, NB)
         local -= tl.where(offs == 0, pad, 0)  # padding rows were counted in bin 0
-        tl.atomic_add(Hist + (b * kv_heads + h) * NB + offs, local, mask=local > 0)
+        tl.atomic_add(Hist + r * NB + offs, local, mask=local > 0)
 
 
 @triton.jit
@@ -172,7 +230,7 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
     if pid * BLOCK_N < n_ret:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = rows < n_ret
-        bins = tl.load(Bins + r * N + rows, mask=mask, other=-1)
+        bins = tl.load(Bins + r * N + rows, mask=mask, other=-1).to(tl.int32)
         t = tl.load(Thresh + r)
         quota = tl.load(Quota + r)
         first_eq = tl.load(Need + r) - quota
@@ -226,14 +284,15 @@ class Selector:
     """Buffers and launches of one decode step's selection, for fixed
     ``(batch, q_heads, kv_heads, D)``, key capacity ``N``, candidate budget ``C`` and ``k``.
 
-    ``similarity=True`` votes every key its centroid's similarity to the query (measured better
+    ``similarity=True`` votes every key its centroids' similarity to the query (measured better
     recall on real heads); otherwise the paper's tiered integer votes (``tiers``: weight of the
-    query's 1st, 2nd, ... centroid; up to 16)."""
+    query's 1st, 2nd, ... centroid; up to 16). ``nbins``: histogram bins of the pruning pass
+    (default 256 for similarity votes, 1024 for tiered votes, which need one bin per vote)."""
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, n: int, c: int, k: int,
                  tiers: tuple[int, ...] = (4, 3, 3, 2, 2, 2, 1, 1), similarity: bool = True,
                  device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64,
-                 span: int | None = None):
+                 span: int | None = None, nbins: int | None = None):
         if q_heads % kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if len(tiers) > 16:
@@ -241,52 +300,58 @@ class Selector:
         self.batch, self.q_heads, self.kv_heads, self.d = batch, q_heads, kv_heads, d
         self.B, self.G, self.N, self.C, self.k = d // 4, q_heads // kv_heads, n, c, min(k, c)
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
+        self.nbins = nbins or (SIMILARITY_BINS if similarity else NBINS)
+        if self.nbins & (self.nbins - 1) or not 32 <= self.nbins <= 32768:
+            raise ValueError(f"nbins must be a power of two in [32, 32768], got {self.nbins}")
         # keys per vote program: about 64 programs per KV head and sequence, whatever N is
         self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 64)))
         self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
-        dev = device
+        dev = torch.device(device)
+        # inline PTX popcount on NVIDIA GPUs; the interpreter and other targets use bit tricks
+        self.asm = (dev.type == "cuda" and torch.version.hip is None
+                    and os.environ.get("TRITON_INTERPRET", "0") != "1")
         self.tiers = torch.zeros(16, dtype=torch.float32, device=dev)
         self.tiers[: len(tiers)] = torch.tensor(tiers, dtype=torch.float32)
-        if not similarity and self.G * self.B * max(tiers) >= NBINS:
+        if not similarity and self.G * self.B * max(tiers) >= self.nbins:
             raise ValueError("tiered votes exceed the histogram range")
         f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
         self.table = torch.empty(batch, q_heads, self.B, 16, **f32)
         self.qt = torch.empty(batch, q_heads, d, **f32)
-        self.qs = torch.empty(batch, kv_heads, d, **f32)  # sum of qt over each group
         self.qnorm = torch.empty(batch, q_heads, **f32)
-        self.bins = torch.empty(batch, kv_heads, n, **i32)
-        self.hist = torch.zeros(batch, kv_heads, NBINS, **i32)
+        self.planes = torch.empty(batch, kv_heads, PLANES, d // 32, **i32)
+        self.params = torch.empty(batch, kv_heads, 4, **f32)
+        self.bins = torch.empty(batch, kv_heads, n, dtype=torch.int16, device=dev)
+        self.hist = torch.zeros(batch, kv_heads, self.nbins, **i32)
         self.thresh = torch.empty(batch, kv_heads, **i32)
         self.quota = torch.empty(batch, kv_heads, **i32)
         self.need = torch.empty(batch, kv_heads, **i32)
         self.counters = torch.empty(batch, kv_heads, 2, **i32)
         self.cand = torch.empty(batch, kv_heads, c, **i32)
         self.est = torch.empty(batch, kv_heads, c, **f32)
-        # similarity votes of a KV head lie in [-R, R], R = 0.5 * G * ||q~||_1 <= 0.5 G sqrt(D);
-        # binned over the typical extreme 0.5 * G * E||q~||_1 = 0.5 G sqrt(2 D / pi)
-        r = 0.5 * self.G * math.sqrt(2 * d / math.pi)
-        self.lo, self.scale = -r, NBINS / (2 * r)
 
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
                  n_ret: torch.Tensor) -> torch.Tensor:
         """``[batch, kv_heads, k]`` int32 ids of the selected keys in each sequence's retrieval
-        region (-1 where it holds fewer than ``k`` keys)."""
+        region (-1 where it holds fewer than ``k`` keys). ``centroid``: packed int32 ids
+        ``[batch, kv_heads, N, D / 32]`` (``encode_keys``)."""
         bsz, hq, d = q.shape
-        B, G, N, C = self.B, self.G, self.N, self.C
+        B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         _query_kernel[(bsz, hq)](q, rt, self.tiers, self.table, self.qt, self.qnorm,
                                  q.stride(0), q.stride(1), D=d, B=B,
                                  SIMILARITY=self.similarity)
-        torch.sum(self.qt.view(bsz, self.kv_heads, G, d), dim=2, out=self.qs)
+        if self.similarity:
+            _plane_kernel[(bsz, self.kv_heads)](self.qt, self.planes, self.params, G=G, D=d,
+                                                B=B, NB=NB, P=PLANES)
         self.hist.zero_()
         _vote_kernel[(triton.cdiv(N, self.span), self.kv_heads, bsz)](
-            centroid, self.table, self.qs, n_ret, self.bins, self.hist,
+            centroid, self.table, self.planes, self.params, n_ret, self.bins, self.hist,
             centroid.stride(0), centroid.stride(1), centroid.stride(2), N, self.span,
-            self.lo, self.scale, B=B, G=G, NB=NBINS, BLOCK_N=self.block_n,
-            SIMILARITY=self.similarity)
+            B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
+            SIMILARITY=self.similarity, ASM=self.asm)
         grid_n = (triton.cdiv(N, self.compact_block), self.kv_heads, bsz)
         _threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh, self.quota,
-                                                self.need, self.counters, C, NB=NBINS)
+                                                self.need, self.counters, C, NB=NB)
         self.cand.fill_(-1)
         _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
                                 self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
