@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sglang_pic.store.engine import OWNED, REPLICA, GDSFCache, StoreEngine
 
 PAGE = 1024
@@ -291,3 +293,102 @@ def test_a_reply_that_does_not_add_up_is_a_miss_and_the_next_request_works(tmp_p
     t.join(timeout=10)
     client.close()
     router.close(0)
+
+
+# ---- same-node shared-memory path -------------------------------------------------------
+def _get_into(client: StoreClient, tids: list[str]) -> tuple[list[bool], list[bytes]]:
+    dests = [memoryview(bytearray(PAGE)) for _ in tids]
+    ok = client.batch_get_into(tids, dests)
+    return ok, [bytes(d) for d in dests]
+
+
+def test_same_node_reads_go_through_shared_memory_in_rounds(cluster):
+    """A server that maps the reader's segment copies pages into it (no payload frames); a load
+    bigger than the segment goes in rounds; the bytes are the stored ones."""
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN, shm=False)
+    pages = _pages("m", 40)
+    writer.batch_set(pages)
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN, shm_bytes=7 * PAGE)
+    before = reader.rpcs
+    ok, got = _get_into(reader, [t for t, _ in pages] + ["absent"])
+    assert ok == [True] * 40 + [False]
+    assert got[:40] == [d for _, d in pages]
+    assert reader.stats["shm_pages"] == 40
+    assert reader.rpcs - before >= 3 + 40 // 7  # 3 probes, then at least 6 rounds
+    names = [seg.name for seg in reader._segments]
+    reader.close()
+    assert names and not any(Path("/dev/shm", n).exists() for n in names)  # unlinked on close
+    writer.close()
+
+
+def test_a_server_that_cannot_map_the_segment_is_read_over_the_socket(cluster, monkeypatch):
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN, shm=False)
+    pages = _pages("n", 30)
+    writer.batch_set(pages)
+
+    def elsewhere(name):  # a server in another container / on another host
+        raise FileNotFoundError(name)
+
+    monkeypatch.setattr(cluster[0].segments, "get", elsewhere)
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN)
+    ok, got = _get_into(reader, [t for t, _ in pages])
+    assert all(ok) and got == [d for _, d in pages]
+    assert reader._shm_ok == {cluster[0].endpoint: False, cluster[1].endpoint: True,
+                              cluster[2].endpoint: True}
+    owned_by_0 = len(cluster[0].engine.owned.entries)
+    assert 0 < owned_by_0 < 30 and reader.stats["shm_pages"] == 30 - owned_by_0
+    reader.close()
+    writer.close()
+
+
+def test_a_page_corrupted_in_the_segment_is_a_miss(cluster):
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN, shm=False)
+    writer.batch_set(_pages("c", 6))
+    for s in cluster:  # every remembered checksum is wrong: what lands in the segment is not
+        for e in s.engine.owned.entries.values():  # what was verified
+            e.checksum ^= 1
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN)
+    ok, _ = _get_into(reader, [f"c{i}" for i in range(6)])
+    assert ok == [False] * 6 and reader.stats["shm_pages"] == 0
+    reader.close()
+    writer.close()
+
+
+def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster):
+    import json
+
+    from sglang_pic.store.shm import ClientSegment
+
+    srv = cluster[0]
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(srv.endpoint)
+
+    def ask(header):
+        raw.send_multipart([json.dumps({**header, "token": TOKEN}).encode()])
+        assert raw.poll(2000)
+        return json.loads(raw.recv_multipart()[0])
+
+    seg = ClientSegment(4 * PAGE)
+    try:
+        shm = {"name": seg.name, "offsets": [64], "sizes": [PAGE]}
+        assert "unavailable" in ask({"op": "get", "tids": ["a"],
+                                     "shm": {**shm, "name": "../../etc/passwd"}})["error"]
+        assert "unavailable" in ask({"op": "get", "tids": ["a"],
+                                     "shm": {**shm, "name": "ptstore-none"}})["error"]
+        assert "outside" in ask({"op": "get", "tids": ["a"],
+                                 "shm": {**shm, "offsets": [4 * PAGE]}})["error"]
+        assert "outside" in ask({"op": "get", "tids": ["a"], "shm": {**shm, "offsets": [0]}})[
+            "error"]  # would overwrite the nonce
+        assert "one offset" in ask({"op": "get", "tids": ["a", "b"], "shm": shm})["error"]
+        assert "one offset" in ask({"op": "get", "tids": ["a"],
+                                    "shm": {**shm, "sizes": [-1]}})["error"]
+        assert "only get and probe" in ask({"op": "exists", "tids": ["a"], "shm": shm})["error"]
+        assert ask({"op": "probe", "shm": {"name": seg.name, "nonce": "00" * 16}})["shm"] is False
+        assert ask({"op": "probe", "shm": {"name": seg.name, "nonce": seg.nonce.hex()}})["shm"]
+    finally:
+        seg.close()
+        raw.close(0)
+    client = StoreClient([srv.endpoint], TOKEN)
+    assert client.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
+    client.close()

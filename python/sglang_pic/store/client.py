@@ -12,6 +12,11 @@ dropped as misses too.
 them without copying. ``batch_get_into`` copies each received page once, straight into its
 destination buffer (the host pool page), after checking it.
 
+**Same node.** Servers on the reader's node (found by a ``probe`` that proves they map the
+reader's shared-memory segment) return pages through that segment instead of the socket
+(``shm``): the server copies, the reply carries checksums only. Loads go in rounds of at most
+``shm_bytes``; other servers are asked over the socket in the first round.
+
 **Threads.** SGLang's cache controller calls one backend from three threads (storage hit
 queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
 wrong thread would be a wrong answer, so every thread has its own socket per server.
@@ -39,6 +44,7 @@ import numpy as np
 import zmq
 
 from .protocol import checksum, encode
+from .shm import DATA_OFFSET, ClientSegment
 
 Buffer = bytes | memoryview
 
@@ -62,7 +68,8 @@ class StoreClient:
     """Bound on the pages whose remote reads (or local replicas) the client remembers."""
 
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
-                 local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5):
+                 local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5,
+                 shm: bool = True, shm_bytes: int = 256 << 20):
         if not servers:
             raise ValueError("PTStore client needs at least one server endpoint")
         if replicate_after < 1:
@@ -76,13 +83,16 @@ class StoreClient:
         self.local = local
         self.replicate_after = replicate_after
         self.ctx = zmq.Context.instance()
-        self._local = threading.local()  # .socks: this thread's {server: socket}
+        self._local = threading.local()  # .socks: {server: socket}; .segment: shm staging
         self._all_socks: list[zmq.Socket] = []
+        self.shm, self.shm_bytes = shm, shm_bytes
+        self._shm_ok: dict[str, bool] = {}  # server -> maps our segments (probed once)
+        self._segments: list[ClientSegment] = []
         self._socks_lock = threading.Lock()
         self.rpcs = 0
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
-        self.stats = {"replicated_pages": 0, "replica_hits": 0}
+        self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0}
 
     @property
     def socks(self) -> dict[str, zmq.Socket]:
@@ -204,32 +214,118 @@ class StoreClient:
         self._local.last_failed = failed
         return added
 
+    def _segment(self) -> ClientSegment | None:
+        """This thread's staging segment (None where shared memory is off or unavailable)."""
+        if not self.shm:
+            return None
+        seg = getattr(self._local, "segment", None)
+        if seg is None and not getattr(self._local, "no_segment", False):
+            seg = ClientSegment.create(self.shm_bytes)
+            self._local.segment = seg
+            self._local.no_segment = seg is None
+            if seg is not None:
+                with self._socks_lock:
+                    self._segments.append(seg)
+        return seg
+
+    def _same_node(self, servers: list[str], seg: ClientSegment) -> set[str]:
+        """The servers among ``servers`` that map our segments (each probed once; a server that
+        does not answer is asked again next time)."""
+        unknown = [s for s in servers if s not in self._shm_ok]
+        if unknown:
+            probe = {"op": "probe", "shm": {"name": seg.name, "nonce": seg.nonce.hex()}}
+            replies = self._round_trips({s: (probe, None) for s in unknown}, 0)
+            for s in unknown:
+                if replies.get(s) is not None:
+                    self._shm_ok[s] = bool(replies[s][0].get("ok") and replies[s][0].get("shm"))
+        return {s for s in servers if self._shm_ok.get(s)}
+
     def _fetch(self, groups: dict[str, list[int]], tids: list[str],
-               sink: Callable[[int, memoryview], None], nbytes: int | None = None) -> None:
+               sink: Callable[[int, memoryview], None], nbytes: int | None = None,
+               sizes: list[int] | None = None) -> None:
         """Ask every owner for its ids (all requests out first), hand each verified payload to
-        ``sink(position, data)``; a reply that does not add up is a miss for its ids."""
+        ``sink(position, data)``; a reply that does not add up is a miss for its ids. With the
+        pages' ``sizes`` known, same-node owners answer through this thread's segment."""
+        seg = self._segment() if sizes is not None else None
+        rounds: list[dict[str, list[tuple[int, int]]]] = []  # server -> [(position, offset)]
+        if seg is not None:
+            near = self._same_node(list(groups), seg)
+            order = sorted((i, s) for s in near for i in groups[s])  # owners interleave by page
+            used = seg.capacity
+            for i, server in order:
+                if sizes[i] > seg.capacity:
+                    continue  # larger than the segment: over the socket
+                if used + sizes[i] > seg.capacity:
+                    rounds.append(defaultdict(list))
+                    used = 0
+                rounds[-1][server].append((i, used))
+                used += sizes[i]
+        in_shm = {i for r in rounds for items in r.values() for i, _ in items}
+        sockets = {s: [i for i in idx if i not in in_shm] for s, idx in groups.items()}
+        # the socket requests join the first round, except to a server already in it (one
+        # request per server and round: its replies come back on one socket, in order)
+        plan: list[dict[str, tuple[str, list]]] = [
+            {server: ("shm", items) for server, items in r.items()} for r in rounds] or [{}]
+        later: dict[str, tuple[str, list]] = {}
+        for server, idx in sockets.items():
+            if idx:
+                (later if server in plan[0] else plan[0])[server] = ("socket", idx)
+        if later:
+            plan.append(later)
         count = sum(len(i) for i in groups.values())
-        replies = self._round_trips(
-            {server: ({"op": "get", "tids": [tids[i] for i in idx]}, None)
-             for server, idx in groups.items()},
-            nbytes if nbytes is not None else self.page_bytes * count)
-        for server, idx in groups.items():
-            reply = replies.get(server)
-            if reply is None or not reply[0].get("ok"):
-                continue
-            header, payloads = reply
-            found, sums = header.get("found"), header.get("sums")
-            if (not isinstance(found, list) or not isinstance(sums, list)
-                    or len(found) != len(idx) or len(sums) != len(payloads)
-                    or sum(map(bool, found)) != len(payloads)):
-                continue
-            it = iter(zip(payloads, sums, strict=True))
-            for i, present in zip(idx, found, strict=True):
-                if present:
-                    data, s = next(it)
-                    self.page_bytes = max(self.page_bytes, len(data))
-                    if checksum(data) == s:
-                        sink(i, data)
+        budget = nbytes if nbytes is not None else self.page_bytes * count
+        for step in plan:
+            requests: dict[str, tuple[dict, None]] = {}
+            for server, (how, items) in step.items():
+                if how == "shm":
+                    requests[server] = ({"op": "get", "tids": [tids[i] for i, _ in items],
+                                         "shm": {"name": seg.name,
+                                                 "offsets": [DATA_OFFSET + o for _, o in items],
+                                                 "sizes": [sizes[i] for i, _ in items]}}, None)
+                else:
+                    requests[server] = ({"op": "get", "tids": [tids[i] for i in items]}, None)
+            replies = self._round_trips(requests, budget)
+            for server, (how, items) in step.items():
+                reply = replies.get(server)
+                if reply is None or not reply[0].get("ok"):
+                    continue
+                if how == "shm":
+                    self._take_segment(reply, items, seg, sizes, sink)
+                else:
+                    self._take_payloads(reply, items, sink)
+
+    def _take_payloads(self, reply: tuple[dict, list], idx: list[int],
+                       sink: Callable[[int, memoryview], None]) -> None:
+        header, payloads = reply
+        found, sums = header.get("found"), header.get("sums")
+        if (not isinstance(found, list) or not isinstance(sums, list)
+                or len(found) != len(idx) or len(sums) != len(payloads)
+                or sum(map(bool, found)) != len(payloads)):
+            return
+        it = iter(zip(payloads, sums, strict=True))
+        for i, present in zip(idx, found, strict=True):
+            if present:
+                data, s = next(it)
+                self.page_bytes = max(self.page_bytes, len(data))
+                if checksum(data) == s:
+                    sink(i, data)
+
+    def _take_segment(self, reply: tuple[dict, list], items: list[tuple[int, int]],
+                      seg: ClientSegment, sizes: list[int],
+                      sink: Callable[[int, memoryview], None]) -> None:
+        header = reply[0]
+        found, sums = header.get("found"), header.get("sums")
+        if (not isinstance(found, list) or not isinstance(sums, list)
+                or len(found) != len(items) or sum(map(bool, found)) != len(sums)):
+            return
+        it = iter(sums)
+        for (i, off), present in zip(items, found, strict=True):
+            if present:
+                view = seg.view(off, sizes[i])
+                if checksum(view) == next(it):
+                    sink(i, view)
+                    self.stats["shm_pages"] += 1
+                view.release()
 
     def batch_get(self, tids: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(tids)
@@ -253,16 +349,16 @@ class StoreClient:
                 ok[i] = True
 
         self._get(tids, copy, ok.__getitem__, lambda i: dests[i],
-                  nbytes=sum(v.size for v in views))
+                  nbytes=sum(v.size for v in views), sizes=[v.size for v in views])
         return ok
 
     def _get(self, tids: list[str], sink: Callable[[int, memoryview], None],
              have: Callable[[int], bool], data_of: Callable[[int], Buffer | None],
-             nbytes: int | None = None) -> None:
+             nbytes: int | None = None, sizes: list[int] | None = None) -> None:
         if self.local is not None:
             near = [i for i, t in enumerate(tids) if t in self.replicated]
             if near:
-                self._fetch({self.local: near}, tids, sink, nbytes)
+                self._fetch({self.local: near}, tids, sink, nbytes, sizes)
                 for i in near:
                     if not have(i):  # the replica was evicted: ask the owner again
                         self.replicated.pop(tids[i], None)
@@ -270,7 +366,7 @@ class StoreClient:
                         self.stats["replica_hits"] += 1
         owners = [self.ring.owner(t) for t in tids]
         missing = [i for i in range(len(tids)) if not have(i)]
-        self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes)
+        self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes, sizes)
         if self.local is not None:
             self._replicate_hot(tids, owners, [data_of(i) if have(i) else None
                                                for i in range(len(tids))])
@@ -323,4 +419,7 @@ class StoreClient:
             for s in self._all_socks:
                 s.close(0)
             self._all_socks.clear()
+            for seg in self._segments:
+                seg.close()
+            self._segments.clear()
         self._local = threading.local()

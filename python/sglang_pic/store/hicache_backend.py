@@ -67,7 +67,9 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.client = StoreClient(servers, extra.get("token"),
                                   timeout_ms=int(extra.get("timeout_ms", 2000)),
                                   local=extra.get("local"),
-                                  replicate_after=int(extra.get("replicate_after", 2)))
+                                  replicate_after=int(extra.get("replicate_after", 2)),
+                                  shm=bool(extra.get("shm", True)),
+                                  shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)))
         model = "-".join((storage_config.model_name or "").split("/"))
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:

@@ -3,6 +3,11 @@
     frame 0: JSON header  {"op": ..., "token": ..., "tids": [...], "sums": [...], ...}
     frame 1..n: tensor payloads (bytes), in the order of ``tids`` (puts and get replies)
 
+A get may instead name a shared-memory segment of the reader on the server's node
+(``"shm": {"name", "offsets", "sizes"}``, see ``shm``): the server copies each page there and the
+reply carries checksums only. ``probe`` (``"shm": {"name", "nonce"}``) asks whether the server
+maps that segment at all.
+
 Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH3 checksum so a
 reader never accepts a torn or corrupted page (measured on the 2-core CPU machine: 27 GB/s, ~4x
 zlib's CRC32; an 8K-token Llama-3-8B prefix is 1 GiB of pages). Limits are checked before
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-OPS = ("put", "get", "exists", "put_object", "get_object", "status")
+OPS = ("put", "get", "exists", "put_object", "get_object", "status", "probe")
 
 
 @dataclass(frozen=True)
@@ -76,4 +81,27 @@ def decode_request(frames: list, limits: Limits, token: str | None) -> tuple[dic
             raise ProtocolError("message too large")
     elif payloads:
         raise ProtocolError(f"{header['op']} takes no payload")
+    if "shm" in header or header["op"] == "probe":
+        _check_shm(header, tids)
     return header, payloads
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_shm(header: dict, tids: list) -> None:
+    shm = header.get("shm")
+    if header["op"] not in ("get", "probe") or not isinstance(shm, dict) \
+            or not isinstance(shm.get("name"), str):
+        raise ProtocolError("shm: only get and probe name a segment")
+    if header["op"] == "probe":
+        nonce = shm.get("nonce")
+        if not isinstance(nonce, str) or len(nonce) != 32:
+            raise ProtocolError("probe needs a 16-byte hex nonce")
+        return
+    offsets, sizes = shm.get("offsets"), shm.get("sizes")
+    if not (isinstance(offsets, list) and isinstance(sizes, list)
+            and len(offsets) == len(sizes) == len(tids)
+            and all(map(_is_count, offsets)) and all(map(_is_count, sizes))):
+        raise ProtocolError("shm get needs one offset and one size per tensor id")

@@ -15,6 +15,7 @@ import zmq
 
 from .engine import OWNED, REPLICA, StoreEngine
 from .protocol import Limits, ProtocolError, checksum, decode_request, encode
+from .shm import DATA_OFFSET, SegmentCache
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class StoreServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
+        self.segments = SegmentCache()  # readers' shared-memory segments on this node
         self.requests = 0
         self.rejected = 0
         self._stop = threading.Event()
@@ -47,6 +49,7 @@ class StoreServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.sock.close(0)
+        self.segments.close()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -81,6 +84,15 @@ class StoreServer:
             added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads, strict=True)],
                                     kind, header["sums"])
             return encode({"ok": True, "added_bytes": added})
+        if op == "probe":
+            try:
+                seen = self.segments.get(header["shm"]["name"])[:16]
+                same = seen == bytes.fromhex(header["shm"]["nonce"])
+            except (OSError, ValueError):
+                same = False
+            return encode({"ok": True, "shm": same})
+        if op == "get" and "shm" in header:
+            return self._get_into_segment(tids, header["shm"])
         if op == "get":
             got = eng.get_tensors_checked(tids)
             present = [g for g in got if g is not None]
@@ -95,6 +107,28 @@ class StoreServer:
         if op == "get_object":
             return encode({"ok": True, "tids": eng.get_object(str(header.get("key")))})
         return encode({"ok": True, "status": self.status()})
+
+    def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
+        """Copy each found page of the expected size to its offset in the reader's segment; the
+        reply names which were found, with their checksums."""
+        try:
+            mm = self.segments.get(shm["name"])
+        except (OSError, ValueError) as e:
+            raise ProtocolError(f"shm segment unavailable: {e}") from None
+        offsets, sizes = shm["offsets"], shm["sizes"]
+        if any(o < DATA_OFFSET or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):
+            raise ProtocolError("shm offsets outside the segment")
+        found, sums = [], []
+        for got, off, n in zip(self.engine.get_tensors_checked(tids), offsets, sizes,
+                               strict=True):
+            if got is None or len(got[0]) != n:  # absent, or a page of another shape: a miss
+                found.append(False)
+                continue
+            data, s = got
+            mm[off:off + n] = data
+            found.append(True)
+            sums.append(checksum(data) if s is None else s)
+        return encode({"ok": True, "found": found, "sums": sums})
 
     def status(self) -> dict:
         eng = self.engine
