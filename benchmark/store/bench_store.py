@@ -1,9 +1,11 @@
 """PTStore transfer throughput vs a raw loopback socket copy of the same bytes.
 
 For object sizes 64 KB - 64 MB (an object = a batch of 64 KB pages, as HiCache moves them), time
-``batch_set`` and ``batch_get`` through one PTStore server (zmq over loopback TCP, CRC checks,
-engine copy) and, as the floor, a plain zmq PUSH/PULL of the same bytes with no store behind it.
-Reports GB/s (median) and p99 latency per size, writes ``benchmark/results/store_throughput.json``.
+through one PTStore server (its own process, as deployed; zmq over loopback TCP, checksums,
+engine copy): ``batch_set``, ``batch_get``, and ``batch_get_into`` preallocated pages (what the
+HiCache backend does) over the socket and over the same-node shared-memory path; as the floor, a
+plain zmq round trip of the same bytes with no store behind it. Reports GB/s (median) and p99
+latency per size, writes ``benchmark/results/store_throughput.json``.
 
     python benchmark/store/bench_store.py [--repeats 20]
 """
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,27 +72,51 @@ def raw_copy_times(size: int, repeats: int) -> list[float]:
     return times
 
 
-def store_times(size: int, repeats: int) -> tuple[list[float], list[float]]:
+def start_server() -> tuple[subprocess.Popen, str]:
+    endpoint = f"tcp://127.0.0.1:{_port()}"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_pic", "store", "--endpoint", endpoint,
+                             "--memory-gb", "8", "--token", "t"], env=env)
     from sglang_pic.store.client import StoreClient
-    from sglang_pic.store.engine import StoreEngine
-    from sglang_pic.store.server import StoreServer
 
-    server = StoreServer(StoreEngine(4 << 30), f"tcp://127.0.0.1:{_port()}", "t").start()
-    client = StoreClient([server.endpoint], "t", timeout_ms=60000)
+    probe = StoreClient([endpoint], "t", timeout_ms=500)
+    for _ in range(60):
+        if probe.status(endpoint) is not None:
+            break
+    probe.close()
+    return proc, endpoint
+
+
+def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]]:
+    from sglang_pic.store.client import StoreClient
+
+    plain = StoreClient([endpoint], "t", timeout_ms=60000, shm=False)
+    shm = StoreClient([endpoint], "t", timeout_ms=60000, shm=True)
     n = max(size // PAGE, 1)
-    put, get = [], []
+    times: dict[str, list[float]] = {"set": [], "get": [], "get_into": [], "get_into_shm": []}
+    dests = [memoryview(bytearray(PAGE)) for _ in range(n)]
+    plain.batch_set([("warm", bytes(PAGE))])
+    for client in (plain, shm):  # one-time setup off the clock: connections, probe, segment
+        assert client.batch_get_into(["warm"], dests[:1]) == [True]
     for r in range(repeats):
-        items = [(f"r{r}p{i}", bytes([r % 251]) * PAGE) for i in range(n)]
+        items = [(f"s{size}r{r}p{i}", bytes([r % 251]) * PAGE) for i in range(n)]
+        tids = [t for t, _ in items]
         t0 = time.perf_counter()
-        client.batch_set(items)
-        put.append(time.perf_counter() - t0)
+        plain.batch_set(items)
+        times["set"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        got = client.batch_get([t for t, _ in items])
-        get.append(time.perf_counter() - t0)
+        got = plain.batch_get(tids)
+        times["get"].append(time.perf_counter() - t0)
         assert all(g is not None for g in got)
-    client.close()
-    server.stop()
-    return put, get
+        for name, client in (("get_into", plain), ("get_into_shm", shm)):
+            t0 = time.perf_counter()
+            ok = client.batch_get_into(tids, dests)
+            times[name].append(time.perf_counter() - t0)
+            assert all(ok) and bytes(dests[-1]) == items[-1][1]
+    assert shm.stats["shm_pages"] == repeats * n + 1  # the shared-memory path was taken
+    plain.close()
+    shm.close()
+    return times
 
 
 def _summ(times: list[float], size: int) -> dict:
@@ -104,16 +132,20 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "store_throughput.json"))
     args = ap.parse_args()
     rows = []
-    print(f"{'size':>8} {'raw GB/s':>9} {'set GB/s':>9} {'get GB/s':>9} {'get/raw':>8} "
-          f"{'raw p99':>9} {'set p99':>9} {'get p99':>9}")
-    for size in SIZES:
-        raw = _summ(raw_copy_times(size, args.repeats), size)
-        put_t, get_t = store_times(size, args.repeats)
-        put, get = _summ(put_t, size), _summ(get_t, size)
-        rows.append({"size_bytes": size, "raw": raw, "set": put, "get": get})
-        print(f"{size >> 10:>6}KB {raw['gb_per_s']:9.2f} {put['gb_per_s']:9.2f} "
-              f"{get['gb_per_s']:9.2f} {get['gb_per_s'] / raw['gb_per_s']:8.2f} "
-              f"{raw['p99_ms']:8.2f}ms {put['p99_ms']:8.2f}ms {get['p99_ms']:8.2f}ms", flush=True)
+    kinds = ("raw", "set", "get", "get_into", "get_into_shm")
+    print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>18}" for k in kinds)
+          + "".join(f"{k + ' p99':>18}" for k in kinds))
+    proc, endpoint = start_server()
+    try:
+        for size in SIZES:
+            times = {"raw": raw_copy_times(size, args.repeats),
+                     **store_times(endpoint, size, args.repeats)}
+            row = {"size_bytes": size, **{k: _summ(times[k], size) for k in kinds}}
+            rows.append(row)
+            print(f"{size >> 10:>6}KB" + "".join(f"{row[k]['gb_per_s']:18.2f}" for k in kinds)
+                  + "".join(f"{row[k]['p99_ms']:16.2f}ms" for k in kinds), flush=True)
+    finally:
+        proc.terminate()
     out = Path(args.out)
     out.write_text(json.dumps({"benchmark": "store_throughput", "page_bytes": PAGE,
                                "environment": {"host": platform.node(),
