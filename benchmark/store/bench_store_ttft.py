@@ -8,7 +8,10 @@ seen the prefixes and shares no GPU or host memory with the writer):
   ``file`` storage backend (a directory on the node's disk); the writer computes the prefixes and
   waits until they are written through to storage, the reader loads them;
 * ``sglang-pic-ptstore-writer`` then ``sglang-pic-ptstore``: the same with PTStore (three store
-  servers on this node, started by this script, over loopback TCP) as the ``dynamic`` backend.
+  servers on this node, started by this script) as the ``dynamic`` backend; the servers are on
+  the reader's node, so pages come through its shared-memory segment;
+* ``sglang-pic-ptstore-socket``: the PTStore reader with the shared-memory path off (every page
+  over loopback TCP, as from servers on other nodes).
 
 Prefixes of 1K/2K/4K/8K tokens (several samples each) + a fresh 64-token question, one output
 token. Llama-3-8B shape, dummy weights, triton attention, bf16, page size 64, HiCache write-through
@@ -40,6 +43,7 @@ LENGTHS = (1024, 2048, 4096, 8192)
 def _role() -> tuple[str, bool]:
     variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
     return variant.removesuffix("-writer"), variant.endswith("-writer")
+
 
 
 def _prefixes(params: dict) -> dict[int, list[list[int]]]:
@@ -86,7 +90,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             kwargs["hicache_storage_backend_extra_config"] = json.dumps({
                 "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
                 "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
-                "token": params["token"], "interface_v1": 1})
+                "token": params["token"], "interface_v1": 1,
+                "shm": not kind.endswith("-socket")})
     prefixes = _prefixes(params)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
@@ -99,9 +104,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]
 
     def ttft(ids: list[int]) -> tuple[float, dict]:
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
-        return time.perf_counter() - t, out["meta_info"]
+        dt = time.perf_counter() - t
+        if os.environ.get("SGLANG_PIC_STORE_TRACE") == "1":
+            print(f"[ptstore-trace] request at {wall:.3f}: {len(ids)} tokens, TTFT {1000 * dt:.1f} ms",
+                  file=sys.stderr, flush=True)
+        return dt, out["meta_info"]
 
     try:
         for n in lengths:  # warm-up: JIT for every shape class, on prompts nobody else uses
@@ -145,7 +154,7 @@ SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49
                 "lengths": [320, 640],
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
 VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
-            "sglang-pic-ptstore")
+            "sglang-pic-ptstore", "sglang-pic-ptstore-socket")
 
 
 def _start_stores(n: int, token: str, memory_gb: float) -> tuple[list[subprocess.Popen], list[str]]:
@@ -196,14 +205,17 @@ def main() -> None:
         for p in stores:
             p.terminate()
     res = report["results"]
-    print(f"\n{'prefix':>8}{'recompute':>12}{'file':>10}{'PTStore':>10}{'vs recompute':>14}{'vs file':>10}")
+    cols = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+            "PTStore/socket": "sglang-pic-ptstore-socket"}
+    print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in cols)
+          + f"{'PTStore vs recompute':>22}{'vs file':>10}")
     for n in params["lengths"]:
-        rec = res.get("vanilla", {}).get(f"ttft_{n}_ms")
-        fil = res.get("vanilla-file", {}).get(f"ttft_{n}_ms")
-        pts = res.get("sglang-pic-ptstore", {}).get(f"ttft_{n}_ms")
-        if None in (rec, fil, pts):
-            continue
-        print(f"{n:>8}{rec:>10.1f}ms{fil:>8.1f}ms{pts:>8.1f}ms{rec / pts:>13.2f}x{fil / pts:>9.2f}x")
+        ms = {c: res.get(v, {}).get(f"ttft_{n}_ms") for c, v in cols.items()}
+        cells = "".join(f"{m:>14.1f}ms" if m else f"{'-':>16}" for m in ms.values())
+        rec, fil, pts = ms["recompute"], ms["file"], ms["PTStore"]
+        ratio = f"{rec / pts:>21.2f}x" if rec and pts else f"{'-':>22}"
+        vs_file = f"{fil / pts:>9.2f}x" if fil and pts else f"{'-':>10}"
+        print(f"{n:>8}{cells}{ratio}{vs_file}")
 
 
 if __name__ == "__main__":

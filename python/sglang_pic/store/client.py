@@ -83,11 +83,12 @@ class StoreClient:
         self.local = local
         self.replicate_after = replicate_after
         self.ctx = zmq.Context.instance()
-        self._local = threading.local()  # .socks: {server: socket}; .segment: shm staging
+        self._local = threading.local()  # .socks: this thread's {server: socket}
         self._all_socks: list[zmq.Socket] = []
         self.shm, self.shm_bytes = shm, shm_bytes
         self._shm_ok: dict[str, bool] = {}  # server -> maps our segments (probed once)
         self._segments: list[ClientSegment] = []
+        self._free_segments: list[ClientSegment] = []
         self._socks_lock = threading.Lock()
         self.rpcs = 0
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
@@ -214,19 +215,36 @@ class StoreClient:
         self._local.last_failed = failed
         return added
 
-    def _segment(self) -> ClientSegment | None:
-        """This thread's staging segment (None where shared memory is off or unavailable)."""
+    def _acquire_segment(self) -> ClientSegment | None:
+        """A staging segment for one load (None where shared memory is off or unavailable).
+        Segments are pooled: a load holds one, so concurrent loads never share one."""
         if not self.shm:
             return None
-        seg = getattr(self._local, "segment", None)
-        if seg is None and not getattr(self._local, "no_segment", False):
-            seg = ClientSegment.create(self.shm_bytes)
-            self._local.segment = seg
-            self._local.no_segment = seg is None
-            if seg is not None:
-                with self._socks_lock:
-                    self._segments.append(seg)
+        with self._socks_lock:
+            if self._free_segments:
+                return self._free_segments.pop()
+        seg = ClientSegment.create(self.shm_bytes)
+        if seg is None:
+            self.shm = False  # no /dev/shm room on this node: sockets only
+            return None
+        with self._socks_lock:
+            self._segments.append(seg)
         return seg
+
+    def _release_segment(self, seg: ClientSegment | None) -> None:
+        if seg is not None:
+            with self._socks_lock:
+                self._free_segments.append(seg)
+
+    def prepare_shm(self) -> None:
+        """Create a segment and probe every server now, so the first load does not pay for it
+        (reserving the segment's memory takes ~0.1 s per 256 MB)."""
+        seg = self._acquire_segment()
+        if seg is not None:
+            try:
+                self._same_node(self.servers, seg)
+            finally:
+                self._release_segment(seg)
 
     def _same_node(self, servers: list[str], seg: ClientSegment) -> set[str]:
         """The servers among ``servers`` that map our segments (each probed once; a server that
@@ -246,7 +264,15 @@ class StoreClient:
         """Ask every owner for its ids (all requests out first), hand each verified payload to
         ``sink(position, data)``; a reply that does not add up is a miss for its ids. With the
         pages' ``sizes`` known, same-node owners answer through this thread's segment."""
-        seg = self._segment() if sizes is not None else None
+        seg = self._acquire_segment() if sizes is not None else None
+        try:
+            self._fetch_with(groups, tids, sink, nbytes, sizes, seg)
+        finally:
+            self._release_segment(seg)
+
+    def _fetch_with(self, groups: dict[str, list[int]], tids: list[str],
+                    sink: Callable[[int, memoryview], None], nbytes: int | None,
+                    sizes: list[int] | None, seg: ClientSegment | None) -> None:
         rounds: list[dict[str, list[tuple[int, int]]]] = []  # server -> [(position, offset)]
         if seg is not None:
             near = self._same_node(list(groups), seg)
@@ -422,4 +448,5 @@ class StoreClient:
             for seg in self._segments:
                 seg.close()
             self._segments.clear()
+            self._free_segments.clear()
         self._local = threading.local()

@@ -27,6 +27,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,25 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .client import StoreClient
 
 logger = logging.getLogger(__name__)
+TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup and load with timings
+
+
+def _traced(method):
+    """With ``SGLANG_PIC_STORE_TRACE=1``: one stderr line per call (wall clock, duration, pages),
+    to see how much of a load's time-to-first-token PTStore itself takes."""
+    if not TRACE:
+        return method
+
+    @functools.wraps(method)
+    def timed(self, keys, *args, **kwargs):
+        t0 = time.time()
+        out = method(self, keys, *args, **kwargs)
+        hits = out if isinstance(out, int) else sum(map(bool, out))
+        print(f"[ptstore-trace] {method.__name__} at {t0:.3f}: {len(keys)} pages, {hits} hits, "
+              f"{1000 * (time.time() - t0):.1f} ms", file=sys.stderr, flush=True)
+        return out
+
+    return timed
 
 
 def _never_raise(failure):
@@ -70,6 +92,8 @@ class PTStoreHiCacheStorage(HiCacheStorage):
                                   replicate_after=int(extra.get("replicate_after", 2)),
                                   shm=bool(extra.get("shm", True)),
                                   shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)))
+        if self.client.shm:
+            self.client.prepare_shm()
         model = "-".join((storage_config.model_name or "").split("/"))
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:
@@ -106,6 +130,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         return [all(ok[i:i + b]) for i in range(0, len(ok), b)]
 
     # ---- what SGLang's cache controller calls -------------------------------------------
+    @_traced
     @_never_raise(lambda keys: 0)
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         found = self._per_page(self.client.batch_exists(self._ids(keys)))
@@ -144,6 +169,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.stats["set_bytes"] += added
         return not self.client.last_failed
 
+    @_traced
     @_never_raise(lambda keys: [False] * len(keys))
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
