@@ -18,8 +18,8 @@ compared with dense attention over every token.
         [--batches 1 8] [--candidates 2048 16384] [--quick]
 
 Writes ``benchmark/results/sparse_decode_<gpu>.json`` and prints a table. Memory per token and
-layer (8 KV heads): dense 4 KiB of GPU memory; ParisKV 1.25 KiB on the GPU (per KV head 64 B of
-codes, 32 B of centroid ids, 64 B of weights) + 4 KiB of pinned host memory.
+layer (8 KV heads): dense 4 KiB of GPU memory; ParisKV 1.125 KiB on the GPU (per KV head 64 B
+of codes, 16 B of packed centroid ids, 64 B of weights) + 4 KiB of pinned host memory.
 """
 
 from __future__ import annotations
@@ -77,8 +77,34 @@ def _dense(batch: int, ctx: int, q, ks, vs):
     return step, out
 
 
+def _sweep(layer, q) -> list[dict]:
+    """Selection time of other vote-kernel tilings and histogram sizes on the same keys."""
+    import torch
+    import triton
+    from sglang_pic_kernel.pariskv import Selector
+
+    out = []
+    for block_n in (64, 128, 256):
+        for nbins in (128, 256, 1024):
+            sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
+                           layer.selector.C, layer.selector.k, block_n=block_n, nbins=nbins)
+
+            def step(sel=sel):
+                return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
+                           layer.n_ret)
+
+            step()
+            us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
+            same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
+            out.append({"block_n": block_n, "nbins": nbins, "select_us": us,
+                        "same_selection": same.float().mean().item()})
+            print(f"  sweep block_n={block_n:>4} nbins={nbins:>5}: select {us:7.1f} us "
+                  f"(same picks {out[-1]['same_selection']:.3f})", flush=True)
+    return out
+
+
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
-         profile: bool = False) -> list[dict]:
+         profile: bool = False, sweep: bool = False) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
@@ -127,6 +153,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                     layer.attend(q, out)
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        sweep_rows = _sweep(layer, q) if sweep else None
         # recall@k of the host-region selection vs the exact top-k (max over the group)
         sel = layer.select(q)
         recall = []
@@ -143,7 +170,10 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                "recall_min": min(recall), "gpu_bytes_sparse": gpu_bytes,
                "host_bytes_sparse": 2 * layer.k_host.numel() * 2,
                "gpu_bytes_dense": 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2,
-               "setup_s": time.perf_counter() - t0}
+               "setup_s": time.perf_counter() - t0,
+               "vote_block_n": layer.selector.block_n, "nbins": layer.selector.nbins}
+        if sweep_rows:
+            row["sweep"] = sweep_rows
         if ref is not None:
             err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
             row["rel_err_mean"] = err.mean().item()
@@ -170,6 +200,8 @@ def main() -> None:
                     help="skip cases needing more pinned host memory than this")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time other vote tilings / histogram sizes (with --case)")
     ap.add_argument("--case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
@@ -180,7 +212,8 @@ def main() -> None:
     rows = []
     if args.case:  # one case in this process (spawned below): rows as JSON on the last line
         batch, ctx = args.case
-        rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile)
+        rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
+                    sweep=args.sweep)
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:
