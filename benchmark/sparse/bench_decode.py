@@ -84,8 +84,8 @@ def _sweep(layer, q) -> list[dict]:
     from sglang_pic_kernel.pariskv import Selector
 
     out = []
-    for block_n in (64, 128, 256):
-        for nbins in (128, 256, 1024):
+    for block_n in (128, 256, 512):
+        for nbins in (128, 256):
             sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
                            layer.selector.C, layer.selector.k, block_n=block_n, nbins=nbins)
 

@@ -97,13 +97,13 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
     quantisation, tiered votes equal the reference's integer votes; pruning keeps every key
     binned above the threshold and fills the budget from the threshold bin, never below it."""
     torch.manual_seed(2)
-    hq, hk, d, n, c = 4, 2, 64, 300, 40
+    hq, hk, d, n, c = 4, 2, 64, 600, 40
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
     rt, levels, cent, codes, w = _encoded(keys)
-    # spans of 128 keys in blocks of 32: each vote program adds up several blocks
-    sel = Selector(1, hq, hk, d, n, c=c, k=8, similarity=similarity, device=DEVICE, block_n=32,
-                   span=128)
+    # spans of 256 keys in blocks of 128: each vote program adds up several blocks
+    sel = Selector(1, hq, hk, d, n, c=c, k=8, similarity=similarity, device=DEVICE, block_n=128,
+                   span=256)
     sel(q, rt, levels, cent[None], codes[None], w[None],
         torch.tensor([n], dtype=torch.int32, device=DEVICE))
     bins, thresh = sel.bins[0].long().cpu(), sel.thresh[0].cpu()

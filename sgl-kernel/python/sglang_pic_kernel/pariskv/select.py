@@ -242,7 +242,9 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
         base_e = tl.atomic_add(Counters + 2 * r + 1, n_equal)
         pos_a = base_a + tl.cumsum(above.to(tl.int32), axis=0) - 1
         pos_e = base_e + tl.cumsum(equal.to(tl.int32), axis=0) - 1
-        tl.store(Cand + r * C + pos_a, rows, mask=above)
+        # by construction pos_a < first_eq and first_eq + pos_e < need <= C; the bounds are
+        # checked anyway, so a histogram that disagreed with the bins could never write outside
+        tl.store(Cand + r * C + pos_a, rows, mask=above & (pos_a < first_eq))
         tl.store(Cand + r * C + first_eq + pos_e, rows, mask=equal & (pos_e < quota))
 
 
@@ -257,8 +259,8 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
     r = b * kv_heads + h
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
-    valid = slots < need
-    idx = tl.load(Cand + r * C + slots, mask=valid, other=0).to(tl.int64)
+    idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
+    valid = idx >= 0  # an unfilled slot is never read through
     offs_b = tl.arange(0, B)
     base = Codes + b * stride_ob + h * stride_oh + idx[:, None] * stride_on + 2 * offs_b[None, :]
     byte0 = tl.load(base, mask=valid[:, None], other=0).to(tl.int32)
@@ -301,6 +303,10 @@ class Selector:
         self.B, self.G, self.N, self.C, self.k = d // 4, q_heads // kv_heads, n, c, min(k, c)
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
         self.nbins = nbins or (SIMILARITY_BINS if similarity else NBINS)
+        if block_n < 128:
+            # measured: the vote pass hit illegal addresses on the H200 with 64-key blocks (fewer
+            # keys than threads in the warp histogram) and were no faster than 128
+            raise ValueError(f"block_n must be >= 128, got {block_n}")
         if self.nbins & (self.nbins - 1) or not 32 <= self.nbins <= 32768:
             raise ValueError(f"nbins must be a power of two in [32, 32768], got {self.nbins}")
         # keys per vote program: about 64 programs per KV head and sequence, whatever N is
