@@ -21,6 +21,11 @@ import requests
 from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
+if not has_cuda():
+    # Triton kernels bind the interpreter when first decorated, which may happen while any test
+    # module is collected (store and HiCache modules import SGLang's kernels): set it before all
+    # of them. The CPU engine sets the same for its servers (sglang_pic.cpu_support).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 START_TIMEOUT_S = 240
 # HiCache on the CPU engine (see docs/cpu.md): host tier of 1 GB, direct I/O, layer-first layout
 HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",

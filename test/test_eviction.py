@@ -108,6 +108,22 @@ def test_sae_ends_sessions_per_application_type():
     assert sae.continuation.updates == 1  # "a" ended (label 0); "c" still open
 
 
+def test_sae_sessions_waiting_for_a_label_are_bounded(monkeypatch):
+    """Single-turn traffic with session ids has an hours-long silence cutoff: the sessions
+    waiting for a continuation label stay bounded (the oldest dropped, unlabelled)."""
+    from sglang_pic.eviction import sae as sae_module
+    from sglang_pic.eviction.context import RequestContext
+
+    monkeypatch.setattr(sae_module, "TRACKED_SESSIONS", 50)
+    sae = sae_module.SAEStrategy()
+    for i in range(500):  # one request per session, a second apart: none has ended yet
+        sae.on_request(RequestContext(session_id=f"q{i}", app_type="single", prompt_len=50),
+                       float(i))
+    assert len(sae.pending["single"]) == 50 and "q499" in sae.pending["single"]
+    assert sae.continuation.updates == 0  # dropped ones were not labelled as ended
+    assert len(sae.session_last) <= 50
+
+
 def test_ema_moves_toward_samples_at_its_rate():
     e = Ema(0.0, rate=0.1)
     e.update(1.0)

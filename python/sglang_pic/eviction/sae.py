@@ -190,6 +190,9 @@ class SAEStrategy(EvictionStrategy):
         x = ContinuationModel.features(ctx.prompt_len, types.count("user"), app,
                                        "system" in types)
         self.pending[app][sid] = (x, now)
+        if len(self.pending[app]) > TRACKED_SESSIONS:
+            # the oldest waits for a label we can no longer afford to track: dropped unlabelled
+            self.pending[app].popitem(last=False)
         self.session_p[sid] = self.continuation.predict(x)
         last = self.session_last.pop(sid, None)
         if last is not None:
