@@ -290,6 +290,35 @@ def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server,
     assert sae_server.healthy()
 
 
+def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
+    """With HiCache, SGLang's tree is HiRadixCache, whose match/insert/split/evict do not call
+    RadixCache's: the policy must still see inserts, hits and evictions (before the hooks were
+    registered on HiRadixCache it saw none and ranked blocks by recency only), and outputs stay
+    those of the plain server."""
+    import json
+
+    from conftest import HICACHE_CPU_FLAGS, start_server, stop_server
+
+    stats = tmp_path / "sae.json"
+    monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
+    srv = start_server([*HICACHE_CPU_FLAGS, "--radix-eviction-policy", "sae",
+                        "--max-total-tokens", "512", "--page-size", "16"], tmp_path / "log")
+    try:
+        system = "You are a concise assistant who answers in one short sentence. " * 2
+        body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        for i in range(12):  # 12 x ~100 tokens (~70 unique each) through a 512-token pool
+            prompt = f"{system}Question {i}: " + f"describe detail {i} of the item. " * 8
+            got = srv.post("/generate", json={"text": prompt, "session_id": f"s{i % 2}", **body})
+            ref = server.post("/generate", json={"text": prompt, **body})
+            assert got.status_code == 200, got.text
+            assert got.json()["text"] == ref.json()["text"], i
+        events = json.loads(stats.read_text())["events"]
+        assert events.get("inserts", 0) > 10 and events.get("evictions", 0) > 0, events
+        assert events.get("hits", 0) > 0, events  # the shared system prompt
+    finally:
+        stop_server(srv)
+
+
 def test_sampled_evict_frees_enough_and_keeps_leaf_set_consistent():
     """With a sample smaller than the tree, SGLang's evict runs over samples; afterwards the
     cache's evictable-leaf set must be exactly the unlocked leaves of the tree."""

@@ -15,6 +15,13 @@ the cache's strategy when it has the matching method, and do nothing for SGLang'
   clock once per pass rather than once per leaf; a policy with ``sample_size`` has SGLang's
   evict run over random samples of that many leaves (``_sampled_evict``).
 
+With ``--enable-hierarchical-cache`` SGLang uses ``HiRadixCache``, which overrides
+``match_prefix``, ``insert``, ``_split_node`` and ``evict`` without calling ``RadixCache``'s: the
+same hooks are registered on those overrides (its ``insert`` returns no last node, so the inserted
+path is found by a read-only walk), and ``HiRadixCache._evict_backuped`` - a device eviction that
+keeps the block on the host tier - reports ``on_evict`` too (a later load back is a reuse of an
+evicted block, which is what the policy learns from).
+
 In the server the request context comes from SGLang's ``Req`` (``request_context``); the trace
 simulator sets it itself (``context.using``).
 """
@@ -27,6 +34,7 @@ from . import context as ctxmod
 from . import segmentation
 
 RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
 _MAX_SEEN = 4096
 
 
@@ -90,6 +98,25 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     return result
 
 
+def _end_of_path(cache, key):
+    """The last node whose whole key lies on ``key``'s path from the root (None: the root), found
+    without touching access times or splitting nodes (``HiRadixCache.insert`` returns no node)."""
+    if getattr(cache, "is_eagle", False):
+        return None  # bigram keys: the path is not the request's tokens
+    page = cache.page_size
+    key = key.page_aligned(page)
+    node = cache.root_node
+    while len(key):
+        child = node.children.get(key.child_key(page))
+        if child is None:
+            break
+        n = child.key.match(key, page_size=page)
+        if n < len(child.key):
+            break
+        node, key = child, key[n:]
+    return None if node is cache.root_node else node
+
+
 def around_insert(original, self, params, *args, **kwargs):
     strategy = _learner(self)
     ctx = ctxmod.current()
@@ -99,8 +126,11 @@ def around_insert(original, self, params, *args, **kwargs):
         strategy.on_request(ctx, _now(strategy, ctx))
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_insert"):
+        last = result.last_device_node
+        if last is None:
+            last = _end_of_path(self, params.key)
         offset = 0
-        for node in reversed(list(_path_up(self, result.last_device_node))):
+        for node in reversed(list(_path_up(self, last))):
             is_new = not hasattr(node, "_pic_seen")
             node._pic_seen = True
             node._pic_offset = offset
@@ -129,6 +159,14 @@ def _first_report(cache, ctx) -> bool:
 
 
 def around_delete_leaf(original, self, node, *args, **kwargs):
+    strategy = _learner(self)
+    if strategy is not None:
+        strategy.on_evict(node)
+    return original(self, node, *args, **kwargs)
+
+
+def around_evict_backuped(original, self, node, *args, **kwargs):
+    """HiCache drops a block's device copy and keeps it on the host tier."""
     strategy = _learner(self)
     if strategy is not None:
         strategy.on_evict(node)
@@ -215,3 +253,9 @@ def register() -> None:
     HookRegistry.register(f"{RADIX}.evict", around_evict, HookType.AROUND)
     HookRegistry.register(f"{RADIX}.cache_finished_req", around_cache_req, HookType.AROUND)
     HookRegistry.register(f"{RADIX}.cache_unfinished_req", around_cache_req, HookType.AROUND)
+    # HiCache's tree overrides these without calling RadixCache's
+    HookRegistry.register(f"{HIRADIX}.match_prefix", around_match_prefix, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}.insert", around_insert, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}._split_node", around_split_node, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)

@@ -29,6 +29,7 @@ adapt online from cache events the hooks report (``on_insert``, ``on_hit``, ``on
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -104,6 +105,8 @@ class SAEStrategy(EvictionStrategy):
         # Scale chat/agent survival by the predictor? Off by default: measured on the replay it
         # costs up to 2.6 pp on mixed traffic (docs/eviction.md); it keeps learning either way.
         self.use_predictor = os.environ.get("SGLANG_PIC_SAE_PREDICTOR", "0") == "1"
+        # a JSON file the counters are written to after every evict pass (inspection, tests)
+        self.stats_path = os.environ.get("SGLANG_PIC_SAE_STATS")
         self.ghost: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
@@ -144,6 +147,16 @@ class SAEStrategy(EvictionStrategy):
 
     def end_evict(self) -> None:
         self._pass_now = None
+        if self.stats_path:
+            self.dump_stats(self.stats_path)
+
+    def dump_stats(self, path: str) -> None:
+        """Write the event counters and per-queue resident tokens as JSON (atomically)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"events": dict(self.events), "resident": dict(self.resident),
+                       "alpha": dict(self.alpha)}, f)
+        os.replace(tmp, path)
 
     def get_priority(self, node) -> float:
         info: BlockInfo | None = getattr(node, "sae", None)
@@ -223,6 +236,7 @@ class SAEStrategy(EvictionStrategy):
                 info.last_session = ctx.session_id
                 info.queue = self.route(info)
             return
+        self.events["inserts"] += 1
         ttype = ctx.token_type_at(offset)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
                          max(ctx.prompt_len, offset + len(node.key)), 1, ctx.session_id, ctx)
