@@ -392,3 +392,33 @@ def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster)
     client = StoreClient([srv.endpoint], TOKEN)
     assert client.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
     client.close()
+
+
+def test_segments_of_killed_processes_are_reaped(tmp_path):
+    """SGLang's schedulers are killed, never closed: their segments (tmpfs memory) must not
+    accumulate. A segment whose creator is gone is unlinked by the next one created; a live
+    process's segment is left alone, and a closed one is gone at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sglang_pic.store.shm import SHM_DIR, ClientSegment
+
+    code = ("import os, sys, time; sys.path.insert(0, 'python');"
+            "from sglang_pic.store.shm import ClientSegment;"
+            "s = ClientSegment(1 << 20); print(s.name, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+    name = child.stdout.readline().strip()
+    assert (SHM_DIR / name).exists()
+    mine = ClientSegment(1 << 20)  # the child is alive: its segment stays
+    assert (SHM_DIR / name).exists()
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert (SHM_DIR / name).exists()  # nobody unlinked it on the way out
+    other = ClientSegment(1 << 20)
+    assert not (SHM_DIR / name).exists() and (SHM_DIR / mine.name).exists()
+    for seg in (mine, other):
+        seg.close()
+        assert not seg.path.exists()

@@ -15,6 +15,11 @@ verifies each page and copies it into SGLang's host pool.
 Only names ``ptstore-<...>`` under ``/dev/shm`` are ever opened; a segment is created with
 mode 0600, so only processes of the same user can map it. Memory is reserved up front
 (``posix_fallocate``): a full ``/dev/shm`` fails the creation, never a later write with SIGBUS.
+
+Lifetime. A segment is unlinked by ``close``, at interpreter exit, or - when its process was
+killed (SGLang's schedulers are) - by the next segment created on the node: names carry the
+creator's pid, and segments of pids that no longer exist are removed first. (tmpfs pages are
+memory: leaked segments once left a test machine without room for SGLang's host cache.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import mmap
 import os
 import re
 import uuid
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -36,6 +42,7 @@ class ClientSegment:
     """A staging buffer of ``nbytes`` in ``/dev/shm``, unlinked on :meth:`close`."""
 
     def __init__(self, nbytes: int) -> None:
+        reap_stale()
         self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         self.path = SHM_DIR / self.name
         self.nonce = os.urandom(16)
@@ -50,6 +57,7 @@ class ClientSegment:
             os.close(fd)
         self.mm[:16] = self.nonce
         self.capacity = nbytes
+        self._unlink_at_exit = weakref.finalize(self, _unlink, self.path)
 
     @classmethod
     def create(cls, nbytes: int) -> ClientSegment | None:
@@ -72,10 +80,32 @@ class ClientSegment:
             self.mm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink_at_exit()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def reap_stale() -> int:
+    """Unlink segments whose creating process no longer exists; returns how many."""
+    removed = 0
+    try:
+        names = [p.name for p in SHM_DIR.glob(f"{PREFIX}*")]
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(SHM_DIR / name)
+                removed += 1
+            except OSError:
+                pass  # another user's, or already gone
+    return removed
 
 
 class SegmentCache:
