@@ -254,16 +254,18 @@ def plot(report: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
-    for variant in VARIANTS:
+    for color, variant in zip(("C0", "C1", "C2"), VARIANTS, strict=True):
         rows = [r for r in report["rows"] if r["variant"] == variant and r["ttft_p50_ms"]]
         if not rows:
             continue
         ns = [r["n"] for r in rows]
-        ax_t.plot(ns, [r["ttft_p50_ms"] for r in rows], "o-", label=f"{variant} p50")
-        ax_t.plot(ns, [r["ttft_p99_ms"] for r in rows], "o:", label=f"{variant} p99")
-        ax_h.plot(ns, [r["hit_rate"] for r in rows], "o-", label=f"{variant} prefix hits")
+        ax_t.plot(ns, [r["ttft_p50_ms"] for r in rows], "o-", color=color, label=f"{variant} p50")
+        ax_t.plot(ns, [r["ttft_p99_ms"] for r in rows], "o:", color=color, label=f"{variant} p99")
+        ax_h.plot(ns, [r["hit_rate"] for r in rows], "o-", color=color,
+                  label=f"{variant}: cached tokens")
         if variant == "ptstore":
-            ax_h.plot(ns, [r["storage_share"] for r in rows], "o--", label="ptstore from L3")
+            ax_h.plot(ns, [r["storage_share"] for r in rows], "s--", color=color,
+                      label="ptstore: of which from L3")
     ax_t.set(xlabel="instances (one per GPU)", ylabel="TTFT (ms)", yscale="log")
     ax_h.set(xlabel="instances (one per GPU)", ylabel="share of prompt tokens", ylim=(0, 1))
     for ax in (ax_t, ax_h):
