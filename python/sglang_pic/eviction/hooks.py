@@ -159,14 +159,8 @@ def _first_report(cache, ctx) -> bool:
 
 
 def around_delete_leaf(original, self, node, *args, **kwargs):
-    strategy = _learner(self)
-    if strategy is not None:
-        strategy.on_evict(node)
-    return original(self, node, *args, **kwargs)
-
-
-def around_evict_backuped(original, self, node, *args, **kwargs):
-    """HiCache drops a block's device copy and keeps it on the host tier."""
+    """A block leaves the device tree (also ``HiRadixCache._evict_backuped``: its device copy is
+    dropped, the host tier keeps it)."""
     strategy = _learner(self)
     if strategy is not None:
         strategy.on_evict(node)
@@ -258,4 +252,4 @@ def register() -> None:
     HookRegistry.register(f"{HIRADIX}.insert", around_insert, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}._split_node", around_split_node, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_delete_leaf, HookType.AROUND)
