@@ -108,6 +108,16 @@ class _PageWriter:
             self.ok[i] = True
 
 
+def _found_and_sums(header: dict, n: int) -> tuple[list, list] | None:
+    """A get reply's ``found`` flags for ``n`` ids and one checksum per found page, or None when
+    they do not add up (the reply is then a miss for all ``n``)."""
+    found, sums = header.get("found"), header.get("sums")
+    if (not isinstance(found, list) or not isinstance(sums, list) or len(found) != n
+            or sum(map(bool, found)) != len(sums)):
+        return None
+    return found, sums
+
+
 _HASH_POOL: ThreadPoolExecutor | None = None
 
 
@@ -318,9 +328,9 @@ class StoreClient:
     def _fetch(self, groups: dict[str, list[int]], tids: list[str],
                sink: Sink, nbytes: int | None = None,
                sizes: list[int] | None = None) -> None:
-        """Ask every owner for its ids (all requests out first), hand each verified payload to
-        ``sink(position, data)``; a reply that does not add up is a miss for its ids. With the
-        pages' ``sizes`` known, same-node owners answer through this thread's segment."""
+        """Ask every owner for its ids (all requests out first) and hand each page received to
+        ``sink(position, data, checksum)``; a reply that does not add up is a miss for its ids.
+        With the pages' ``sizes`` known, same-node owners answer through a pooled segment."""
         seg = self._acquire_segment() if sizes is not None else None
         try:
             self._fetch_with(groups, tids, sink, nbytes, sizes, seg)
@@ -383,11 +393,10 @@ class StoreClient:
     def _take_payloads(self, reply: tuple[dict, list], idx: list[int],
                        sink: Sink) -> None:
         header, payloads = reply
-        found, sums = header.get("found"), header.get("sums")
-        if (not isinstance(found, list) or not isinstance(sums, list)
-                or len(found) != len(idx) or len(sums) != len(payloads)
-                or sum(map(bool, found)) != len(payloads)):
+        checked = _found_and_sums(header, len(idx))
+        if checked is None or len(checked[1]) != len(payloads):
             return
+        found, sums = checked
         it = iter(zip(payloads, sums, strict=True))
         for i, present in zip(idx, found, strict=True):
             if present:
@@ -398,11 +407,10 @@ class StoreClient:
     def _take_segment(self, reply: tuple[dict, list], items: list[tuple[int, int]],
                       seg: ClientSegment, sizes: list[int],
                       sink: Sink) -> None:
-        header = reply[0]
-        found, sums = header.get("found"), header.get("sums")
-        if (not isinstance(found, list) or not isinstance(sums, list)
-                or len(found) != len(items) or sum(map(bool, found)) != len(sums)):
+        checked = _found_and_sums(reply[0], len(items))
+        if checked is None:
             return
+        found, sums = checked
         it = iter(sums)
         for (i, off), present in zip(items, found, strict=True):
             if present:

@@ -92,8 +92,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
                                   replicate_after=int(extra.get("replicate_after", 2)),
                                   shm=bool(extra.get("shm", True)),
                                   shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)))
-        if self.client.shm:
-            self.client.prepare_shm()
+        self.client.prepare_shm()  # a no-op with "shm": false
         model = "-".join((storage_config.model_name or "").split("/"))
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:

@@ -20,6 +20,11 @@ from .shm import DATA_OFFSET, SegmentCache
 logger = logging.getLogger(__name__)
 
 
+def _checksum_of(data: bytes, known: int | None) -> int:
+    """The checksum remembered since the put, or (a page read back from SSD) computed now."""
+    return checksum(data) if known is None else known
+
+
 class StoreServer:
     def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
                  limits: Limits | None = None) -> None:
@@ -97,7 +102,7 @@ class StoreServer:
             got = eng.get_tensors_checked(tids)
             present = [g for g in got if g is not None]
             return encode({"ok": True, "found": [g is not None for g in got],
-                           "sums": [checksum(d) if s is None else s for d, s in present]},
+                           "sums": [_checksum_of(d, s) for d, s in present]},
                           [d for d, _ in present])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
@@ -127,7 +132,7 @@ class StoreServer:
             data, s = got
             mm[off:off + n] = data
             found.append(True)
-            sums.append(checksum(data) if s is None else s)
+            sums.append(_checksum_of(data, s))
         return encode({"ok": True, "found": found, "sums": sums})
 
     def status(self) -> dict:

@@ -51,7 +51,7 @@ class ClientSegment:
             os.posix_fallocate(fd, 0, DATA_OFFSET + nbytes)
             self.mm = mmap.mmap(fd, DATA_OFFSET + nbytes)
         except BaseException:
-            os.unlink(self.path)
+            _unlink(self.path)
             raise
         finally:
             os.close(fd)
@@ -76,11 +76,15 @@ class ClientSegment:
         return memoryview(self.mm)[DATA_OFFSET + offset:DATA_OFFSET + offset + size]
 
     def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a view is still alive; the mapping goes with the process
+        _close_quietly(self.mm)
         self._unlink_at_exit()
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view is still alive; the mapping goes with its last view or the process
 
 
 def _unlink(path: Path) -> None:
@@ -131,17 +135,10 @@ class SegmentCache:
             os.close(fd)
         self.maps[name] = mm
         while len(self.maps) > self.max_open:
-            _, old = self.maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:
-                pass
+            _close_quietly(self.maps.popitem(last=False)[1])
         return mm
 
     def close(self) -> None:
         for mm in self.maps.values():
-            try:
-                mm.close()
-            except BufferError:
-                pass
+            _close_quietly(mm)
         self.maps.clear()
