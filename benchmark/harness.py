@@ -194,6 +194,48 @@ def run_side_by_side(
     return report
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_store_servers(n: int, token: str, memory_gb: float, env: dict | None = None,
+                        log_dir: Path | None = None,
+                        timeout_s: float = 60) -> tuple[list[subprocess.Popen], list[str]]:
+    """``n`` PTStore servers (``sglang-pic store``) on loopback ports, each its own process,
+    returned once every one answers ``status``; their output goes to ``log_dir/store<i>.log``
+    when given."""
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.store.client import StoreClient
+
+    if env is None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    procs, endpoints = [], []
+    for i in range(n):
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        out = open(log_dir / f"store{i}.log", "w") if log_dir else None
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep, "--memory-gb",
+             str(memory_gb), "--token", token], env=env, stdout=out,
+            stderr=subprocess.STDOUT if out else None, start_new_session=log_dir is not None))
+        endpoints.append(ep)
+    client = StoreClient(endpoints, token, timeout_ms=500)
+    try:
+        deadline = time.time() + timeout_s
+        pending = list(endpoints)
+        while pending:
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"store servers not up: {pending}")
+            pending = [ep for ep in pending if client.status(ep) is None]
+    finally:
+        client.close()
+    return procs, endpoints
+
+
 def save_figure(fig, out: Path) -> Path:
     """Lay out, write (creating the folder) and announce a matplotlib figure."""
     fig.tight_layout()

@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "python"))
+sys.path[:0] = [str(REPO / "python"), str(REPO / "benchmark")]
+from harness import free_port, start_store_servers  # noqa: E402
 
 PAGE = 64 << 10
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raw_copy_times(size: int, repeats: int) -> list[float]:
@@ -43,7 +35,7 @@ def raw_copy_times(size: int, repeats: int) -> list[float]:
     import zmq
 
     ctx = zmq.Context.instance()
-    ep = f"tcp://127.0.0.1:{_port()}"
+    ep = f"tcp://127.0.0.1:{free_port()}"
     srv = ctx.socket(zmq.ROUTER)
     srv.bind(ep)
     stop = threading.Event()
@@ -70,21 +62,6 @@ def raw_copy_times(size: int, repeats: int) -> list[float]:
     cli.close(0)
     srv.close(0)
     return times
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    endpoint = f"tcp://127.0.0.1:{_port()}"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_pic", "store", "--endpoint", endpoint,
-                             "--memory-gb", "8", "--token", "t"], env=env)
-    from sglang_pic.store.client import StoreClient
-
-    probe = StoreClient([endpoint], "t", timeout_ms=500)
-    for _ in range(60):
-        if probe.status(endpoint) is not None:
-            break
-    probe.close()
-    return proc, endpoint
 
 
 def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]]:
@@ -135,7 +112,7 @@ def main() -> None:
     kinds = ("raw", "set", "get", "get_into", "get_into_shm")
     print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>18}" for k in kinds)
           + "".join(f"{k + ' p99':>18}" for k in kinds))
-    proc, endpoint = start_server()
+    procs, (endpoint,) = start_store_servers(1, "t", memory_gb=8)
     try:
         for size in SIZES:
             times = {"raw": raw_copy_times(size, args.repeats),
@@ -145,7 +122,7 @@ def main() -> None:
             print(f"{size >> 10:>6}KB" + "".join(f"{row[k]['gb_per_s']:18.2f}" for k in kinds)
                   + "".join(f"{row[k]['p99_ms']:16.2f}ms" for k in kinds), flush=True)
     finally:
-        proc.terminate()
+        procs[0].terminate()
     out = Path(args.out)
     out.write_text(json.dumps({"benchmark": "store_throughput", "page_bytes": PAGE,
                                "environment": {"host": platform.node(),

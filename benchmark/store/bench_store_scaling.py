@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from harness import REPO, environment, plugin_site, save_figure, variant_env  # noqa: E402
+from harness import (  # noqa: E402
+    REPO,
+    environment,
+    free_port,
+    plugin_site,
+    save_figure,
+    start_store_servers,
+    variant_env,
+)
 
 VARIANTS = ("recompute", "prefix", "ptstore")
 TOKEN = "scaling"
@@ -56,12 +63,6 @@ HICACHE_ARGS = ["--hicache-size", "24", "--hicache-write-policy", "write_through
 CPU_ARGS = ["--skip-tokenizer-init", "--max-total-tokens", "2048", "--page-size", "16"]
 CPU_HICACHE_ARGS = ["--hicache-size", "1", "--hicache-write-policy", "write_through",
                     "--hicache-storage-prefetch-policy", "wait_complete"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2.0) -> int | None:
@@ -86,14 +87,11 @@ class Cluster:
         if cpu:
             env["OMP_NUM_THREADS"] = "1"
         if variant == "ptstore":
-            for i in range(n):
-                ep = f"tcp://127.0.0.1:{_port()}"
-                self._spawn([sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep,
-                             "--memory-gb", "2" if cpu else "48", "--token", TOKEN],
-                            env, log_dir / f"store{i}.log")
-                self.stores.append(ep)
+            stores, self.stores = start_store_servers(n, TOKEN, 2 if cpu else 48, env, log_dir)
+            self.procs += stores
+            self.logs += [log_dir / f"store{i}.log" for i in range(n)]
         for i in range(n):
-            port = _port()
+            port = free_port()
             args = ["--port", str(port), *(CPU_ARGS if cpu else GPU_ARGS)]
             if not cpu:
                 args += ["--base-gpu-id", str(i)]

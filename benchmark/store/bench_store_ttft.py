@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -160,25 +159,8 @@ VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstor
             "sglang-pic-ptstore", "sglang-pic-ptstore-socket")
 
 
-def _start_stores(n: int, token: str, memory_gb: float) -> tuple[list[subprocess.Popen], list[str]]:
-    import socket
-
-    procs, endpoints = [], []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ep = f"tcp://127.0.0.1:{port}"
-        procs.append(subprocess.Popen([sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep,
-                                       "--memory-gb", str(memory_gb), "--token", token], env=env))
-        endpoints.append(ep)
-    time.sleep(3)
-    return procs, endpoints
-
-
 def main() -> None:
-    from harness import run_side_by_side
+    from harness import run_side_by_side, start_store_servers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -197,7 +179,7 @@ def main() -> None:
         kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}
         extra, name = SMOKE_PARAMS, "store_ttft_cpu_smoke"
     token = "bench-token"
-    stores, endpoints = _start_stores(args.stores, token, memory_gb=16)
+    stores, endpoints = start_store_servers(args.stores, token, memory_gb=16)
     try:
         with tempfile.TemporaryDirectory() as file_dir:
             params = {**PARAMS, "samples": args.samples, **extra, "servers": endpoints,
