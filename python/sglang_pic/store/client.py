@@ -96,7 +96,11 @@ class _PageWriter:
             return
         import torch
 
-        sums = _hash_pool().map(checksum, [d for _, d, _ in self.pending])
+        data = [d for _, d, _ in self.pending]
+        # one task per worker, not per page: small pages would cost more to hand out than to hash
+        step = -(-len(data) // _HASH_WORKERS)
+        parts = _hash_pool().map(_checksums, [data[k:k + step] for k in range(0, len(data), step)])
+        sums = [s for part in parts for s in part]
         good = [(i, d) for (i, d, s), got in zip(self.pending, sums, strict=True) if got == s]
         self.pending.clear()
         if not good:
@@ -118,6 +122,7 @@ def _found_and_sums(header: dict, n: int) -> tuple[list, list] | None:
     return found, sums
 
 
+_HASH_WORKERS = min(8, os.cpu_count() or 1)
 _HASH_POOL: ThreadPoolExecutor | None = None
 
 
@@ -125,9 +130,12 @@ def _hash_pool() -> ThreadPoolExecutor:
     """Checksum workers (XXH3 releases the GIL: pages hash in parallel)."""
     global _HASH_POOL
     if _HASH_POOL is None:
-        _HASH_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1),
-                                        thread_name_prefix="ptstore-hash")
+        _HASH_POOL = ThreadPoolExecutor(_HASH_WORKERS, thread_name_prefix="ptstore-hash")
     return _HASH_POOL
+
+
+def _checksums(pages: list[Buffer]) -> list[int]:
+    return [checksum(p) for p in pages]
 
 
 class StoreClient:
