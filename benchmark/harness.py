@@ -236,6 +236,21 @@ def start_store_servers(n: int, token: str, memory_gb: float, env: dict | None =
     return procs, endpoints
 
 
+def store_totals(endpoints: list[str], token: str,
+                 keys: tuple[str, ...] = ("bytes_in", "bytes_out", "hits", "misses")) -> dict:
+    """``keys`` of the store servers' ``status``, summed over ``endpoints`` (a server that does
+    not answer counts 0)."""
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.store.client import StoreClient
+
+    client = StoreClient(endpoints, token, timeout_ms=2000)
+    try:
+        status = [client.status(ep) or {} for ep in endpoints]
+    finally:
+        client.close()
+    return {k: sum(int(s.get(k, 0)) for s in status) for k in keys}
+
+
 def save_figure(fig, out: Path) -> Path:
     """Lay out, write (creating the folder) and announce a matplotlib figure."""
     fig.tight_layout()

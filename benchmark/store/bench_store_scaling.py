@@ -49,6 +49,7 @@ from harness import (  # noqa: E402
     plugin_site,
     save_figure,
     start_store_servers,
+    store_totals,
     variant_env,
 )
 
@@ -130,18 +131,7 @@ class Cluster:
             time.sleep(2)
 
     def store_bytes(self) -> dict[str, int]:
-        if not self.stores:
-            return {}
-        sys.path.insert(0, str(REPO / "python"))
-        from sglang_pic.store.client import StoreClient
-
-        client = StoreClient(self.stores, TOKEN, timeout_ms=2000)
-        try:
-            status = [client.status(s) or {} for s in self.stores]
-        finally:
-            client.close()
-        return {k: sum(int(s.get(k, 0)) for s in status)
-                for k in ("bytes_in", "bytes_out", "hits", "misses")}
+        return store_totals(self.stores, TOKEN) if self.stores else {}
 
     def stop(self) -> None:
         import signal

@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from harness import LLAMA3_8B_DUMMY  # noqa: E402
+from harness import LLAMA3_8B_DUMMY, store_totals  # noqa: E402
 
 REPO = HERE.parent.parent
 LENGTHS = (1024, 2048, 4096, 8192)
@@ -57,14 +57,7 @@ def _stored_bytes(params: dict, kind: str) -> int:
     if kind.endswith("file"):
         root = Path(params["file_dir"])
         return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-    sys.path.insert(0, str(REPO / "python"))
-    from sglang_pic.store.client import StoreClient
-
-    client = StoreClient(params["servers"], params["token"], timeout_ms=2000)
-    try:
-        return sum((client.status(s) or {}).get("bytes_in", 0) for s in params["servers"])
-    finally:
-        client.close()
+    return store_totals(params["servers"], params["token"], ("bytes_in",))["bytes_in"]
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
