@@ -14,6 +14,12 @@ Every SGLang server flag passes through unchanged. What we add:
 - `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token T]`: PTStore as HiCache's L3
   tier (zero-copy `interface_v1`); turns on `--enable-hierarchical-cache` with the `dynamic`
   storage backend. Every HiCache flag the user sets wins.
+- `--sparse-decode pariskv`: ParisKV sparse decoding for requests longer than
+  `--sparse-threshold` tokens (prefill and short requests stay dense); selects the sparse twin of
+  the attention backend (`triton` -> `pariskv_triton`, `torch_native` -> `pariskv_torch_native`).
+  Its knobs `--sparse-topk`, `--sparse-candidates`, `--sparse-sink`, `--sparse-local`,
+  `--sparse-update`, `--sparse-max-requests`, `--sparse-max-context` reach SGLang's processes as
+  `SGLANG_PIC_SPARSE_*` variables.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ def build_argv(argv: list[str]) -> list[str]:
         value = _pop_option(argv, flag)
         if value is not None:
             os.environ[env] = value
+    sparse_decode = _sparse_decode_env(argv)
+    if sparse_decode and position_free:
+        raise SystemExit("error: --sparse-decode does not combine with position-free KV "
+                         "(--enable-position-free-kv / --enable-span-cache) yet")
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
     ptstore = _pop_option(argv, PTSTORE_FLAG)
     token = _pop_option(argv, PTSTORE_TOKEN_FLAG)
@@ -64,6 +74,10 @@ def build_argv(argv: list[str]) -> list[str]:
         argv += cpu_support.cpu_server_defaults(argv, model_path)
     if position_free:
         argv = _with_position_free_backend(argv)
+    if sparse_decode:
+        from sglang_pic.sparse import BACKEND_FOR
+
+        argv = _with_backend_twin(argv, BACKEND_FOR, "--sparse-decode pariskv")
     return argv
 
 
@@ -143,15 +157,20 @@ def _with_position_free_backend(argv: list[str]) -> list[str]:
     """Replace (or add) `--attention-backend` with its position-free twin."""
     from sglang_pic.position_free import BACKEND_FOR
 
+    return _with_backend_twin(argv, BACKEND_FOR, POSITION_FREE_FLAG)
+
+
+def _with_backend_twin(argv: list[str], twins: dict[str, str], flag: str) -> list[str]:
+    """Replace (or add: the GPU default `triton`) `--attention-backend` with its twin in
+    ``twins`` (SGLang backend -> ours)."""
     chosen = _value_of(argv, "--attention-backend")
     if chosen is None:
-        return [*argv, "--attention-backend", "pic_triton"]
-    if chosen in BACKEND_FOR.values():
+        return [*argv, "--attention-backend", twins["triton"]]
+    if chosen in twins.values():
         return argv
-    if chosen not in BACKEND_FOR:
+    if chosen not in twins:
         raise SystemExit(
-            f"error: {POSITION_FREE_FLAG} needs --attention-backend triton or torch_native "
-            f"(got {chosen!r})"
+            f"error: {flag} needs --attention-backend {' or '.join(twins)} (got {chosen!r})"
         )
     out: list[str] = []
     skip = False
@@ -160,13 +179,37 @@ def _with_position_free_backend(argv: list[str]) -> list[str]:
             skip = False
             continue
         if a == "--attention-backend" and i + 1 < len(argv):
-            out += [a, BACKEND_FOR[chosen]]
+            out += [a, twins[chosen]]
             skip = True
         elif a.startswith("--attention-backend="):
-            out.append(f"--attention-backend={BACKEND_FOR[chosen]}")
+            out.append(f"--attention-backend={twins[chosen]}")
         else:
             out.append(a)
     return out
+
+
+def _sparse_decode_env(argv: list[str]) -> bool:
+    """Pop `--sparse-decode pariskv` and its knobs; the knobs reach SGLang's processes as
+    `SGLANG_PIC_SPARSE_*` variables (checked here, so a bad value fails before start-up)."""
+    from sglang_pic import sparse
+    from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
+
+    method = _pop_option(argv, sparse.FLAG)
+    values = {field: _pop_option(argv, flag) for flag, field in sparse.OPTIONS.items()}
+    if method is None:
+        given = [flag for flag, field in sparse.OPTIONS.items() if values[field] is not None]
+        if given:
+            raise SystemExit(f"error: {', '.join(given)} need {sparse.FLAG} pariskv")
+        return False
+    if method != "pariskv":
+        raise SystemExit(f"error: {sparse.FLAG} supports 'pariskv' (got {method!r})")
+    env = {f"SGLANG_PIC_SPARSE_{k.upper()}": v for k, v in values.items() if v is not None}
+    try:
+        SparseDecodeConfig.from_env({**os.environ, **env})
+    except SparseDecodeUnsupported as e:
+        raise SystemExit(f"error: {e}") from None
+    os.environ.update(env)
+    return True
 
 
 def serve(argv: list[str]) -> int:

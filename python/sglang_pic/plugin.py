@@ -12,7 +12,7 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS), the output streamer and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides) |
-| sparse decode (planned)        | attention backend for long-context decode                       |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hook on `support_triton` |
 | PTStore (`store`)              | HiCache `dynamic` storage backend: `store.hicache_backend.PTStoreHiCacheStorage`, named in `--hicache-storage-backend-extra-config` (nothing to register) |
 """
 
@@ -40,9 +40,11 @@ def register() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_pic import eviction, position_free, request_validation, spans
+    from sglang_pic import eviction, position_free, request_validation, spans, sparse
 
-    features: list[str] = ["request-validation", "position-free-kv", "spans", "eviction"]
+    features: list[str] = [
+        "request-validation", "position-free-kv", "spans", "eviction", "sparse-decode"
+    ]
     HookRegistry.register(
         request_validation.HOOK_TARGET,
         request_validation.check_generate_request,
@@ -52,6 +54,7 @@ def register() -> None:
     spans.register()
     import sglang_pic.lang  # noqa: F401  (sgl.span for frontend programs run in this process)
     eviction.register()
+    sparse.register()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from sglang_pic import cpu_support
 

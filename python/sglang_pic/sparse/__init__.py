@@ -1,8 +1,51 @@
-"""Sparse long-context decoding (ParisKV, seed 003) - work in progress.
+"""Sparse long-context decoding (ParisKV, seed 003).
 
-Today: ``retrieval``, the reference implementation (torch) of ParisKV's top-k key retrieval -
-SRHT rotation, analytic sign-pattern centroids, collision voting, 4-bit RSQ-IP rerank - and of
-sparse attention over sink + local window + retrieved tokens merged by log-sum-exp. It is what the
-Triton kernels (``sglang_pic_kernel``) will be tested against, and what ``benchmark/sparse/``
-measures recall with. Not yet: the kernels, host-memory KV, the SGLang decode path.
+- ``retrieval``: the torch reference of ParisKV's top-k key retrieval (SRHT rotation, analytic
+  sign-pattern centroids, collision voting, 4-bit RSQ-IP rerank) and of sparse attention over
+  sink + local window + retrieved tokens merged by log-sum-exp; the Triton kernels
+  (``sglang_pic_kernel.pariskv``) are tested against it;
+- ``kv_layout``: the standalone per-layer layout with the retrieval region's KV in pinned host
+  memory (what the kernel benchmark times);
+- in SGLang: ``backends`` (attention backends ``pariskv_triton`` / ``pariskv_torch_native``,
+  picked by ``sglang-pic serve --sparse-decode pariskv``), ``decode_state`` (which requests
+  decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
+
+What this changes in SGLang, all registered by ``register()``: the two attention backends
+(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``) and an
+AROUND hook on ``sglang.srt.utils.common.support_triton`` so that ``pariskv_torch_native``
+answers like ``torch_native``.
 """
+
+from __future__ import annotations
+
+BACKEND_FOR = {"triton": "pariskv_triton", "torch_native": "pariskv_torch_native"}
+FLAG = "--sparse-decode"
+OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
+    "--sparse-threshold": "threshold",
+    "--sparse-topk": "topk",
+    "--sparse-candidates": "candidates",
+    "--sparse-sink": "sink",
+    "--sparse-local": "local",
+    "--sparse-update": "update",
+    "--sparse-max-requests": "max_requests",
+    "--sparse-max-context": "max_context",
+}
+
+
+def register() -> None:
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    from . import backends
+
+    register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
+    register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
+    add_attention_backend_choices(list(BACKEND_FOR.values()))
+    HookRegistry.register(
+        "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
+    )
+
+
+def _support_triton(original, backend: str) -> bool:
+    return False if backend == "pariskv_torch_native" else original(backend)

@@ -1,0 +1,192 @@
+"""End-to-end decode (TPOT) of SGLang with ParisKV sparse decoding vs vanilla SGLang, same run.
+
+Two engines one after the other, each in its own process (``harness.run_side_by_side``):
+``vanilla`` (SGLang 0.5.17, triton attention) and ``sglang-pic`` (``pariskv_triton``: SGLang's
+triton backend for prefill and short requests, ParisKV for the decode of requests over
+``--threshold`` tokens). Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on (SGLang's
+default; the sparse part is captured in them).
+
+Per case (batch ``b`` prompts of ``n`` random tokens): the prompts are prefilled once (so the
+radix cache holds them), then generated again with 17 and with 145 new tokens (``ignore_eos``);
+TPOT = (t145 - t17) / 128, so prefill (one token: the prompt is cached), the sparse activation
+(encoding the retrieval region) and the scheduler's start-up cost cancel out. A case below the
+threshold measures what the sparse backend costs requests that stay dense.
+
+    python3 benchmark/sparse/bench_e2e_decode.py [--cases 1x4096,1x131072,1x262144,4x65536]
+                                                 [--variants vanilla,sglang-pic] [--out DIR]
+
+Prints a table; writes ``sparse_e2e_decode.json`` (machine, versions, config, ratios) and a plot
+into ``--out`` (default ``benchmark/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from harness import (  # noqa: E402
+    LLAMA3_8B_DUMMY,
+    RESULTS,
+    print_table,
+    ratio_table,
+    run_side_by_side,
+    save_figure,
+)
+
+SHORT, LONG = 17, 145
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    """Runs in the variant's process: one Engine, every case."""
+    import numpy as np
+    import sglang as sgl
+    import torch
+
+    os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+    for k, v in params["sparse_env"].items():
+        os.environ[k] = str(v)
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**engine_kwargs)
+    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    free, total = torch.cuda.mem_get_info()
+    out["gpu_used_gib_after_start"] = (total - free) / 2**30
+    rng = np.random.default_rng(params["seed"])
+    try:
+        for case in params["cases"]:
+            b, n = (int(x) for x in case.split("x"))
+            prompts = [[int(t) for t in rng.integers(1000, params["vocab"], size=n)]
+                       for _ in range(b)]
+            t = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
+            out[f"prefill_s_{case}"] = time.perf_counter() - t
+            tpots, ids = [], None
+            for _ in range(params["repeats"]):
+                times = {}
+                for new in (SHORT, LONG):
+                    sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}
+                    t = time.perf_counter()
+                    res = engine.generate(input_ids=prompts, sampling_params=sp)
+                    times[new] = time.perf_counter() - t
+                ids = res[0]["output_ids"]
+                tpots.append((times[LONG] - times[SHORT]) / (LONG - SHORT) * 1e3)
+            out[f"tpot_ms_{case}"] = statistics.median(tpots)
+            out[f"tokens_per_s_{case}"] = b * 1e3 / out[f"tpot_ms_{case}"]
+            out[f"output_ids_{case}"] = ids
+            print(f"[bench] {case}: TPOT {out[f'tpot_ms_{case}']:.2f} ms "
+                  f"(samples {', '.join(f'{x:.2f}' for x in tpots)})", flush=True)
+    finally:
+        engine.shutdown()
+    return out
+
+
+def plot(report: dict, out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    cases = report["params"]["cases"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for i, (variant, label) in enumerate((("vanilla", "vanilla SGLang (dense triton)"),
+                                           ("sglang-pic", "sglang-pic --sparse-decode pariskv"))):
+        ys = [res.get(variant, {}).get(f"tpot_ms_{c}", 0) for c in cases]
+        xs = [j + (i - 0.5) * width for j in range(len(cases))]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(cases)), [c.replace("x", " x ") for c in cases])
+    ax.set_xlabel("batch x context tokens")
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title("Decode TPOT, Llama-3-8B shape, H200, same run")
+    ax.legend()
+    return save_figure(fig, out_dir / "sparse_e2e_decode.png")
+
+
+def _merge_earlier(report: dict, prev: Path) -> dict:
+    """Add the results of variants this call did not run from an earlier report of the same
+    cases and settings (the variants can then run in separate device calls, each under its
+    time limit); the ratios are recomputed, the file rewritten."""
+    import json
+
+    if not prev.exists():
+        return report
+    old = json.loads(prev.read_text())
+    prev.unlink()
+    if old.get("params") != report["params"] or old.get("engine_kwargs") != report.get(
+            "engine_kwargs"):
+        return report
+    for variant, result in old.get("results", {}).items():
+        if variant not in report["results"] or "error" in report["results"][variant]:
+            report["results"][variant] = result
+            report.setdefault("merged_from_earlier_call", []).append(
+                {"variant": variant, "environment": old.get("environment")})
+    higher = {r["metric"] for r in report.get("ratios", []) if r["better"] == "higher"}
+    higher |= {f"tokens_per_s_{c}" for c in report["params"]["cases"]}
+    report["ratios"] = ratio_table(report["results"], higher)
+    print_table(report["ratios"])
+    (prev.parent / "sparse_e2e_decode.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="1x4096,1x131072,1x262144,4x65536")
+    ap.add_argument("--variants", default="vanilla,sglang-pic")
+    ap.add_argument("--threshold", type=int, default=32768)
+    ap.add_argument("--topk", type=int, default=100)
+    ap.add_argument("--candidates", type=int, default=4096)
+    ap.add_argument("--max-requests", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mem-fraction", type=float, default=0.55)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    out_dir = Path(args.out) if args.out else RESULTS
+    earlier = out_dir / "sparse_e2e_decode.json"
+    if earlier.exists():  # kept for _merge_earlier: variants may run in separate calls
+        earlier.replace(out_dir / "sparse_e2e_decode.json.prev")
+    longest = max(int(c.split("x")[1]) for c in cases)
+    context = longest + LONG + 64
+    engine_kwargs = {**LLAMA3_8B_DUMMY, "context_length": context,
+                     "mem_fraction_static": args.mem_fraction, "cuda_graph_max_bs": 8,
+                     "max_running_requests": 8, "chunked_prefill_size": 16384}
+    sparse_env = {"SGLANG_PIC_SPARSE_THRESHOLD": args.threshold,
+                  "SGLANG_PIC_SPARSE_TOPK": args.topk,
+                  "SGLANG_PIC_SPARSE_CANDIDATES": args.candidates,
+                  "SGLANG_PIC_SPARSE_MAX_REQUESTS": args.max_requests,
+                  "SGLANG_PIC_SPARSE_MAX_CONTEXT": context}
+    params = {"cases": cases, "seed": 0, "vocab": 128000, "repeats": args.repeats,
+              "sparse_env": sparse_env}
+    report = run_side_by_side(
+        "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
+        higher_is_better={f"tokens_per_s_{c}" for c in cases},
+        variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
+        variant_kwargs={"sglang-pic": {"attention_backend": "pariskv_triton"}})
+    out_dir = Path(args.out) if args.out else RESULTS
+    report = _merge_earlier(report, out_dir / "sparse_e2e_decode.json.prev")
+    res = report["results"]
+    print(f"\n{'case':>12} {'vanilla TPOT':>13} {'sparse TPOT':>12} {'speed-up':>9} "
+          f"{'same ids':>9}")
+    for c in cases:
+        v = res.get("vanilla", {}).get(f"tpot_ms_{c}")
+        s = res.get("sglang-pic", {}).get(f"tpot_ms_{c}")
+        iv = res.get("vanilla", {}).get(f"output_ids_{c}")
+        is_ = res.get("sglang-pic", {}).get(f"output_ids_{c}")
+        same = (sum(a == b for a, b in zip(iv, is_, strict=False)) / len(iv)
+                if iv and is_ else float("nan"))
+        speed = f"{v / s:.2f}x" if v and s else "-"
+        print(f"{c:>12} {v or float('nan'):>12.2f}  {s or float('nan'):>11.2f} {speed:>9} "
+              f"{same:>9.2f}")
+    path = plot(report, out_dir)
+    if path:
+        print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

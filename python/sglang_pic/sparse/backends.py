@@ -1,0 +1,236 @@
+"""Attention backends with sparse long-context decoding: SGLang's own backend for prefill and
+for short requests, ParisKV for the decode steps of long ones.
+
+``pariskv_triton`` (GPU): SGLang's ``TritonAttnBackend``. Its decode metadata is built with a
+length of 1 for sparse rows (so the dense kernel skips their context), and after its decode
+kernel the sparse rows of the output are overwritten by ParisKV attention over sink + retrieved
++ local keys (``decode_state``; kernels in ``sglang_pic_kernel.pariskv``). The sparse part has
+fixed shapes and lives in static buffers, so SGLang captures it in its decode CUDA graphs.
+
+``pariskv_torch_native`` (CPU engine): SGLang's ``TorchNativeAttnBackend``, the same split, with
+the torch reference of the selection (``index_ops.TorchIndexOps``).
+
+Prefill (extend) stays SGLang's, dense. Settings the sparse path does not implement are refused
+when the backend is created, with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+from .config import SparseDecodeConfig, SparseDecodeUnsupported
+from .decode_state import SparseDecodeState
+from .index_ops import KernelIndexOps, TorchIndexOps
+
+logger = logging.getLogger(__name__)
+FLAG = "--sparse-decode pariskv"
+GPU_MEMORY_MARGIN = 2 << 30  # left free for activations after the retrieval metadata
+
+
+def _refuse(reason: str) -> None:
+    raise SparseDecodeUnsupported(f"sparse decoding ({FLAG}) does not support {reason}.")
+
+
+def check_server_settings(model_runner, backend_name: str) -> None:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    config = model_runner.model_config
+    args = model_runner.server_args
+    if config.attention_arch == AttentionArch.MLA:
+        _refuse("MLA attention")
+    if getattr(config, "is_encoder_decoder", False):
+        _refuse("encoder-decoder models")
+    if getattr(model_runner, "sliding_window_size", None) is not None:
+        _refuse("sliding-window attention")
+    kv_dtype = getattr(model_runner, "kv_cache_dtype", None)
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        _refuse(f"KV cache dtype {kv_dtype}")
+    if getattr(args, "speculative_algorithm", None):
+        _refuse(f"speculative decoding ({args.speculative_algorithm})")
+    if getattr(args, "dcp_size", 1) not in (None, 1):
+        _refuse("decode context parallelism")
+    if getattr(args, "enable_dp_attention", False):
+        _refuse("--enable-dp-attention")
+    decode = getattr(args, "decode_attention_backend", None)
+    if decode is not None and decode != backend_name:
+        _refuse(f"--decode-attention-backend {decode} (the decode backend must be {backend_name})")
+    layers = attention_layers(model_runner)
+    if not layers:
+        _refuse("a model without RadixAttention layers")
+    if any((m.logit_cap or 0) > 0 for m in layers):
+        _refuse("attention logit soft-capping")
+    if any(getattr(m, "is_cross_attention", False) for m in layers):
+        _refuse("cross-attention")
+    shapes = {(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim, m.v_head_dim) for m in layers}
+    if len(shapes) > 1:
+        _refuse(f"layers of different attention shapes ({sorted(shapes)})")
+    hq, hkv, d, dv = shapes.pop()
+    if hq % hkv or hq // hkv > 16:
+        _refuse(f"{hq} query heads over {hkv} KV heads (at most 16 per KV head)")
+    if d < 64 or d & (d - 1):
+        _refuse(f"head dim {d} (a power of two >= 64 is needed by the SRHT and the 4-bit codes)")
+    if dv != d:
+        _refuse("a value head dim different from the key head dim")
+
+
+def attention_layers(model_runner) -> list:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+
+
+def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeState:
+    config = model_runner.model_config
+    pool = model_runner.token_to_kv_pool
+    req_to_token = model_runner.req_to_token_pool.req_to_token
+    first = attention_layers(model_runner)[0]
+    hq, hkv, d = first.tp_q_head_num, first.tp_k_head_num, first.qk_head_dim
+    max_context = min(cfg.max_context or config.context_len, req_to_token.shape[1])
+    capacity = max_context - cfg.sink - cfg.local
+    if capacity <= cfg.update or max_context <= cfg.threshold:
+        _refuse(f"a context length of {max_context} with --sparse-threshold {cfg.threshold} "
+                "(nothing would ever decode sparsely; raise --context-length or lower the "
+                "threshold)")
+    layers = pool.layer_num
+    first_layer = getattr(pool, "start_layer", 0) or 0
+    device = model_runner.device
+    if torch.device(device).type == "cuda":
+        need = (layers * cfg.max_requests * capacity * KernelIndexOps.bytes_per_token(hkv, d)
+                + cfg.max_requests * hkv * capacity * 2)
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if need + GPU_MEMORY_MARGIN > free:
+            _refuse(f"{cfg.max_requests} sparse requests of up to {max_context} tokens: their "
+                    f"retrieval metadata needs {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB "
+                    "are free after the KV pool (lower --mem-fraction-static, "
+                    "--sparse-max-requests or --sparse-max-context)")
+    ops = ops_cls(layers, cfg.max_requests, hq, hkv, d, capacity, cfg.topk, cfg.candidates,
+                  cfg.attended, device)
+    args = model_runner.server_args
+    max_batch = max(req_to_token.shape[0], getattr(args, "cuda_graph_max_bs", 0) or 0) + 1
+    state = SparseDecodeState(cfg, ops, layers=layers, first_layer=first_layer, q_heads=hq,
+                              kv_heads=hkv, head_dim=d, capacity=capacity, max_batch=max_batch,
+                              req_to_token=req_to_token, device=device)
+    state.key_buffer = pool.get_key_buffer
+    state.value_buffer = pool.get_value_buffer
+    logger.info("sparse decode (ParisKV): threshold %d, top-k %d, sink %d, local %d, "
+                "%d slots of %d tokens", cfg.threshold, cfg.topk, cfg.sink, cfg.local,
+                cfg.max_requests, max_context)
+    return state
+
+
+class _SparseDecodeMixin:
+    """What both backends add: bookkeeping in the metadata init, the sparse rows after the
+    dense decode."""
+
+    sparse: SparseDecodeState
+
+    def _note_batch(self, fb) -> torch.Tensor | None:
+        """Per step bookkeeping; for a decode batch, the lengths the dense kernel should see."""
+        mode = fb.forward_mode
+        if mode.is_decode():
+            raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
+            lens = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None \
+                else fb.seq_lens
+            return self.sparse.prepare_decode(fb.req_pool_indices[:raw].tolist(),
+                                              lens[:raw].tolist(), fb.seq_lens)
+        if mode.is_extend():
+            self.sparse.note_extend(fb.req_pool_indices.tolist(), getattr(fb, "rids", None),
+                                    getattr(fb, "extend_prefix_lens_cpu", None),
+                                    getattr(fb, "extend_seq_lens_cpu", None))
+        return None
+
+    @contextlib.contextmanager
+    def _dense_view(self, fb, dense_lens: torch.Tensor | None):
+        """``fb`` with the dense lengths while SGLang's metadata init reads it."""
+        if dense_lens is None or not self.sparse.active:
+            yield
+            return
+        saved = fb.seq_lens, getattr(fb, "seq_lens_cpu", None)
+        fb.seq_lens = dense_lens
+        if saved[1] is not None:
+            cpu = saved[1].clone()
+            cpu[self.sparse.slot_of_row[: cpu.shape[0]].cpu() >= 0] = 1
+            fb.seq_lens_cpu = cpu
+        try:
+            yield
+        finally:
+            fb.seq_lens, fb.seq_lens_cpu = saved
+
+    def _sparse_rows(self, q, o, layer) -> None:
+        if self.sparse.active or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            hq, d = layer.tp_q_head_num, layer.qk_head_dim
+            self.sparse.attend(layer.layer_id, q.reshape(-1, hq, d), o.view(-1, hq, d),
+                               layer.scaling)
+
+
+class ParisKVTritonBackend(_SparseDecodeMixin, TritonAttnBackend):
+    NAME = "pariskv_triton"
+
+    def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
+        cfg = SparseDecodeConfig.from_env()
+        check_server_settings(model_runner, self.NAME)
+        super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
+        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
+
+    def init_forward_metadata(self, forward_batch):
+        dense = self._note_batch(forward_batch)
+        with self._dense_view(forward_batch, dense):
+            super().init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+        # SGLang's warm-up runs before capture are not sparse (no request is), so compile the
+        # sparse kernels here: a first Triton launch inside a stream capture would fail
+        self.sparse.warm_up()
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if in_capture:  # capture: no requests; the sparse part is recorded as is
+            return super().init_forward_metadata_out_graph(forward_batch, in_capture=True)
+        dense = self._note_batch(forward_batch)
+        with self._dense_view(forward_batch, dense):
+            return super().init_forward_metadata_out_graph(forward_batch)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self._sparse_rows(q, o, layer)
+        return o
+
+
+class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
+    NAME = "pariskv_torch_native"
+
+    def __init__(self, model_runner):
+        cfg = SparseDecodeConfig.from_env()
+        check_server_settings(model_runner, self.NAME)
+        super().__init__(model_runner)
+        self.sparse = build_state(model_runner, TorchIndexOps, cfg)
+        self._dense_lens: torch.Tensor | None = None
+
+    def init_forward_metadata(self, forward_batch):
+        self._dense_lens = self._note_batch(forward_batch)
+        super().init_forward_metadata(forward_batch)
+
+    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token,
+                                 req_pool_indices, seq_lens, *args, **kwargs):
+        if self.sparse.active and self._dense_lens is not None:
+            seq_lens = self._dense_lens
+        return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, req_to_token,
+                                                req_pool_indices, seq_lens, *args, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self._sparse_rows(q, o, layer)
+        return o
+
+
+def create_pariskv_triton(model_runner):
+    return ParisKVTritonBackend(model_runner)
+
+
+def create_pariskv_torch_native(model_runner):
+    return ParisKVTorchNativeBackend(model_runner)

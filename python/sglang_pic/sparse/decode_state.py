@@ -1,0 +1,239 @@
+"""Which requests decode sparsely, where their keys are, and the sparse part of a decode step.
+
+SGLang's KV pool keeps every token's K/V (post-RoPE) in GPU memory; sparse decoding changes
+what a long request *attends*, not where its KV lives. Per sparse request ("slot", at most
+``max_requests``) and layer, its context is split as
+
+    positions [0, sink)                   sink: always attended
+    positions [sink, sink + n_ret)        retrieval region: encoded (ids, 4-bit codes, weights);
+                                          ``topk`` of them per KV head are selected each step
+    positions [sink + n_ret, seq_len)     local window, ``local`` .. ``local + update`` tokens:
+                                          always attended; its oldest ``update`` tokens enter
+                                          the retrieval region when it is full
+
+so each step attends ``sink + topk + window`` pool slots, listed per slot and KV head in
+``idx [R, kv_heads, attended]`` (int32 pool slots, -1 = none).
+
+Per step, outside any CUDA graph (``prepare_decode``, from the backend's metadata init):
+activate requests whose context exceeds ``threshold`` (their region is encoded from the pool,
+every layer), slide windows, rebuild the sink/window part of ``idx`` and the batch-row <-> slot
+maps, and give the dense kernel a length of 1 for sparse rows so it does no real work for them.
+Per layer, inside the graph when there is one (``attend``): select, write the selected rows'
+pool slots into ``idx``, attend, and overwrite the sparse rows of the dense output. Every tensor
+the graph touches is allocated once.
+
+A slot belongs to the request that activated it until an extend (prefill) batch shows its
+request-pool index holding another request (``note_extend``) or a new long request needs the
+slot of one no longer decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import SparseDecodeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    pool_index: int
+    rid: str | None
+    n_ret: int  # keys in the retrieval region
+    seq_len: int  # context length at the last step seen (the decoded token included)
+
+
+class SparseDecodeState:
+    def __init__(self, cfg: SparseDecodeConfig, ops, *, layers: int, first_layer: int,
+                 q_heads: int, kv_heads: int, head_dim: int, capacity: int, max_batch: int,
+                 req_to_token: torch.Tensor, device):
+        self.cfg, self.ops = cfg, ops
+        self.layers, self.first_layer = layers, first_layer
+        self.q_heads, self.kv_heads, self.d = q_heads, kv_heads, head_dim
+        self.capacity = capacity
+        self.req_to_token = req_to_token
+        dev = torch.device(device)
+        r = cfg.max_requests
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.slots: list[_Slot | None] = [None] * r
+        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.pool_of_slot = torch.zeros(r, **i64)
+        self.row_of_slot = torch.zeros(r, **i64)
+        self.slot_of_row = torch.full((max_batch,), -1, **i64)
+        self.idx = torch.full((r, kv_heads, cfg.attended), -1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(r, q_heads, head_dim, dtype=torch.float32, device=dev)
+        self.rid_of_pool: dict[int, str] = {}
+        self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
+        self.active = False
+        self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0}
+        self._warned_full = False
+
+    # ---- per step, eager ------------------------------------------------------------------
+    def note_extend(self, pool_indices: list[int], rids: list[str] | None,
+                    prefix_lens: list[int] | None, extend_lens: list[int] | None) -> None:
+        """An extend batch: a pool index now serving another request frees its slot; a sparse
+        request's own decode token processed in a mixed batch (dense) moves its length on."""
+        for i, p in enumerate(pool_indices):
+            rid = rids[i] if rids is not None else None
+            self.too_long.discard(p)
+            if rid is not None:
+                self.rid_of_pool[p] = rid
+            for s, slot in enumerate(self.slots):
+                if slot is None or slot.pool_index != p:
+                    continue
+                same = rid is not None and slot.rid == rid and prefix_lens is not None \
+                    and extend_lens is not None and prefix_lens[i] == slot.seq_len
+                if same:
+                    slot.seq_len += extend_lens[i]
+                else:
+                    self._release(s)
+
+    def prepare_decode(self, pool_indices: list[int], seq_lens: list[int],
+                       seq_lens_dev: torch.Tensor) -> torch.Tensor:
+        """Bookkeeping of one decode step over the batch's first ``len(pool_indices)`` rows.
+        Returns the lengths the dense kernel should see (1 for sparse rows)."""
+        cfg = self.cfg
+        in_batch = {p: i for i, p in enumerate(pool_indices)}
+        slot_of_pool = {s.pool_index: k for k, s in enumerate(self.slots) if s is not None}
+        for p, k in list(slot_of_pool.items()):
+            slot = self.slots[k]
+            row = in_batch.get(p)
+            # a request decodes one token per step; anything else is not the request we know
+            if row is not None and seq_lens[row] != slot.seq_len + 1:
+                self._release(k)
+                del slot_of_pool[p]
+        for p, n in zip(pool_indices, seq_lens, strict=True):
+            if p not in slot_of_pool and n > cfg.threshold and p not in self.too_long:
+                k = self._free_slot(in_batch)
+                if k is None:
+                    continue
+                self._activate(k, p, n)
+                slot_of_pool[p] = k
+        self.slot_of_row.fill_(-1)
+        rows, slots = [], []
+        for k, slot in enumerate(self.slots):
+            if slot is None:
+                continue
+            row = in_batch.get(slot.pool_index)
+            if row is None:
+                continue
+            slot.seq_len = seq_lens[row]
+            self._slide(k)
+            self._fill_idx(k, slot)
+            rows.append(row)
+            slots.append(k)
+        self.active = bool(rows)
+        dense_lens = seq_lens_dev
+        if rows:
+            self.stats["sparse_steps"] += len(rows)
+            dev = self.slot_of_row.device
+            row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            self.slot_of_row[row_t] = slot_t
+            self.row_of_slot.zero_()
+            self.row_of_slot[slot_t] = row_t
+            dense_lens = seq_lens_dev.clone()
+            dense_lens[row_t] = 1
+        return dense_lens
+
+    def _free_slot(self, in_batch: dict[int, int]) -> int | None:
+        for k, slot in enumerate(self.slots):
+            if slot is None:
+                return k
+        for k, slot in enumerate(self.slots):  # a slot whose request is not decoding any more
+            if slot.pool_index not in in_batch:
+                self._release(k)
+                return k
+        self.stats["refused_full"] += 1
+        if not self._warned_full:
+            self._warned_full = True
+            logger.warning("sparse decode: all %d slots busy; further long requests decode "
+                           "densely (raise --sparse-max-requests)", len(self.slots))
+        return None
+
+    def _positions_to_slots(self, pool_index: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[pool_index, start:end].long()
+
+    def _encode(self, k: int, pool_index: int, start: int, count: int, offset: int) -> None:
+        """Encode positions ``[start, start + count)`` at retrieval rows ``offset..`` (all layers)."""
+        locs = self._positions_to_slots(pool_index, start, start + count)
+        for layer in range(self.layers):
+            keys = self.key_buffer(self.first_layer + layer)[locs]
+            self.ops.encode(layer, k, keys, offset)
+        self.stats["encoded_tokens"] += count
+
+    def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
+        cfg = self.cfg
+        if seq_len > self.capacity + cfg.sink + cfg.local:
+            self.too_long.add(pool_index)
+            logger.warning("sparse decode: a context of %d tokens exceeds the sparse capacity "
+                           "(%d); it decodes densely", seq_len, self.capacity)
+            return
+        n_ret = seq_len - cfg.sink - cfg.local
+        self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), 0, seq_len - 1)
+        self._encode(k, pool_index, cfg.sink, n_ret, 0)
+        self.slots[k].n_ret = n_ret
+        self.n_ret[k] = n_ret
+        self.pool_of_slot[k] = pool_index
+        self.stats["activated"] += 1
+        logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
+                    "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
+                    self.stats["activated"])
+
+    def _slide(self, k: int) -> None:
+        cfg, slot = self.cfg, self.slots[k]
+        while slot.seq_len - cfg.sink - slot.n_ret > cfg.local + cfg.update:
+            if slot.n_ret + cfg.update > self.capacity:
+                break  # the window grows past local + update: attended tokens are capped
+            self._encode(k, slot.pool_index, cfg.sink + slot.n_ret, cfg.update, slot.n_ret)
+            slot.n_ret += cfg.update
+            self.n_ret[k] = slot.n_ret
+
+    def _fill_idx(self, k: int, slot: _Slot) -> None:
+        cfg = self.cfg
+        win_start = cfg.sink + slot.n_ret
+        window = self._positions_to_slots(slot.pool_index, win_start, slot.seq_len)
+        window = window[-(cfg.local + cfg.update):]  # capped when the region is full
+        row = torch.full((cfg.attended,), -1, dtype=torch.int32, device=self.idx.device)
+        row[: cfg.sink] = self._positions_to_slots(slot.pool_index, 0, cfg.sink).int()
+        w0 = cfg.sink + cfg.topk
+        row[w0 : w0 + window.numel()] = window.int()
+        self.idx[k] = row
+
+    def _release(self, k: int) -> None:
+        self.slots[k] = None
+        self.n_ret[k] = 0
+        self.idx[k] = -1
+        self.pool_of_slot[k] = 0
+        self.row_of_slot[k] = 0
+
+    # ---- per layer, graph-safe -----------------------------------------------------------
+    def attend(self, layer_id: int, q: torch.Tensor, o: torch.Tensor, scale: float) -> None:
+        """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention."""
+        cfg, layer = self.cfg, layer_id - self.first_layer
+        qs = q.index_select(0, self.row_of_slot.clamp(max=q.shape[0] - 1))
+        rows = self.ops.select(layer, qs, self.n_ret)  # [R, kvh, k]
+        k = rows.shape[-1]
+        pos = (rows.long() + cfg.sink).clamp(max=self.req_to_token.shape[1] - 1)
+        locs = self.req_to_token[self.pool_of_slot[:, None, None], pos]
+        self.idx[:, :, cfg.sink : cfg.sink + k] = torch.where(rows >= 0, locs, -1)
+        k_buf = self.key_buffer(layer_id)
+        v_buf = self.value_buffer(layer_id)
+        self.ops.attend(qs, k_buf, v_buf, self.idx, self.out, scale)
+        slot_of_row = self.slot_of_row[: o.shape[0]]
+        sparse = self.out.index_select(0, slot_of_row.clamp_min(0)).to(o.dtype)
+        o.copy_(torch.where((slot_of_row >= 0)[:, None, None], sparse, o))
+
+    def warm_up(self) -> None:
+        """Run the per-layer sparse path once (compiles its kernels; no slot is active)."""
+        q = torch.zeros(1, self.q_heads, self.d, dtype=self.key_buffer(self.first_layer).dtype,
+                        device=self.idx.device)
+        self.attend(self.first_layer, q, q.clone(), 1.0)
+
+    # the KV pool, bound by the backend (get_key_buffer / get_value_buffer of SGLang's pool)
+    key_buffer = None
+    value_buffer = None

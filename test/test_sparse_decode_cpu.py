@@ -1,0 +1,82 @@
+"""`sglang-pic serve --sparse-decode pariskv` on the CPU engine (SmolLM2-135M, real weights).
+
+The sparse server decodes requests over 700 tokens with ParisKV (sink 16, local 128, update 32,
+64 keys retrieved per KV head: ~13 % of a 1.9K-token context is attended per step) and must
+answer exactly what the plain server answers: needle prompts whose answer sits deep in the
+retrieval region, decoded long enough for the window to slide into the region, batched with a
+short request that stays dense.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import start_server, stop_server
+from sglang_pic.launch_server import build_argv
+
+SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
+                "128", "--sparse-update", "32", "--sparse-topk", "64", "--max-total-tokens",
+                "16384"]
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back. "
+SP = {"max_new_tokens": 40, "temperature": 0}
+
+
+def needle(n_fill: int, pos: int, key: int) -> str:
+    parts = [FILLER] * n_fill
+    parts.insert(pos, f"The special magic number is {key}. Remember it. ")
+    return "".join(parts) + "\nWhat is the special magic number? The special magic number is"
+
+
+@pytest.fixture(scope="module")
+def sparse_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("sparse") / "server.log"
+    srv = start_server(SPARSE_FLAGS, log)
+    yield srv
+    stop_server(srv)
+
+
+def _generate(server, text: str) -> dict:
+    r = server.post("/generate", timeout=600, json={"text": text, "sampling_params": SP})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_sparse_decode_answers_like_dense(sparse_server, server):
+    keys = [random.Random(i).randint(10000, 99999) for i in range(2)]
+    long_prompts = [needle(90, 15, keys[0]), needle(90, 60, keys[1])]
+    short = "Write one sentence about the sea."
+    with ThreadPoolExecutor(2) as pool:  # a long and a short request decode in one batch
+        first = list(pool.map(lambda t: _generate(sparse_server, t), [long_prompts[0], short]))
+    second = _generate(sparse_server, long_prompts[1])
+    sparse = [*first, second]
+    dense = [_generate(server, t) for t in [long_prompts[0], short, long_prompts[1]]]
+    for s, d in zip(sparse, dense, strict=True):
+        assert s["text"] == d["text"]
+    assert str(keys[0]) in sparse[0]["text"] and str(keys[1]) in sparse[2]["text"]
+    assert sparse[0]["meta_info"]["prompt_tokens"] > 1500
+    log = sparse_server.log.read_text()
+    assert log.count("decodes sparsely") == 2  # the two long requests, not the short one
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sparse-decode", "magic"], "supports 'pariskv'"),
+    (["--sparse-topk", "8"], "need --sparse-decode pariskv"),
+    (["--sparse-decode", "pariskv", "--sparse-threshold", "100"], "threshold"),
+    (["--sparse-decode", "pariskv", "--sparse-topk", "x"], "not an integer"),
+    (["--sparse-decode", "pariskv", "--enable-span-cache"], "does not combine"),
+    (["--sparse-decode", "pariskv", "--attention-backend", "flashinfer"], "needs --attention"),
+])
+def test_bad_sparse_flags_are_refused_before_start(argv, message, model_dir):
+    with pytest.raises(SystemExit, match=message):
+        build_argv(["--model-path", str(model_dir), *argv])
+
+
+def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_PIC_SPARSE_TOPK", "100")  # restored (unset) after the test
+    argv = build_argv(["--model-path", str(model_dir), "--sparse-decode", "pariskv",
+                       "--sparse-topk", "32", "--attention-backend", "torch_native"])
+    assert argv[argv.index("--attention-backend") + 1] == "pariskv_torch_native"
+    assert os.environ["SGLANG_PIC_SPARSE_TOPK"] == "32"

@@ -1,0 +1,166 @@
+"""Sparse decoding inside SGLang, below the server: ``SparseDecodeState`` over a stand-in KV pool.
+
+Both index implementations run here: ``TorchIndexOps`` (the CPU engine's) and
+``KernelIndexOps`` (the Triton kernels; under TRITON_INTERPRET=1 on CPU, at tiny shapes). What
+must hold: with every key of the retrieval region selectable, sparse attention equals dense
+attention over the whole context; windows slide into the retrieval region in ``update`` steps;
+slots follow requests (released by an extend batch of another request, reused when full).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
+from sglang_pic.sparse.decode_state import SparseDecodeState
+from sglang_pic.sparse.index_ops import KernelIndexOps, TorchIndexOps, indexed_attention
+
+HQ, HKV, D, LAYERS = 4, 2, 64, 2
+POOL, MAX_CTX = 4096, 1024
+# the kernels run on the GPU when there is one, else under the Triton interpreter on CPU
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPS = [(TorchIndexOps, "cpu"), (KernelIndexOps, KERNEL_DEVICE)]
+
+
+class FakePool:
+    """SGLang's KV pool as the state sees it: per layer ``[slots, kv_heads, D]`` buffers, and
+    ``req_to_token`` mapping each request's positions to slots (shuffled, like a real pool)."""
+
+    def __init__(self, requests: int, seed: int = 0, device: str = "cpu"):
+        g = torch.Generator().manual_seed(seed)
+        self.k = [torch.randn(POOL, HKV, D, generator=g).to(device) for _ in range(LAYERS)]
+        self.v = [torch.randn(POOL, HKV, D, generator=g).to(device) for _ in range(LAYERS)]
+        perm = torch.randperm(POOL - 1, generator=g) + 1
+        self.req_to_token = perm[: requests * MAX_CTX].view(requests, MAX_CTX).int().to(device)
+        self.device = device
+
+    def dense(self, layer: int, q: torch.Tensor, pool_index: int, n: int) -> torch.Tensor:
+        idx = self.req_to_token[pool_index, :n].long()[None, None].expand(1, HKV, n).int()
+        return indexed_attention(q[None], self.k[layer], self.v[layer], idx, 1 / math.sqrt(D))[0]
+
+
+def make_state(pool: FakePool, ops_cls, **cfg) -> SparseDecodeState:
+    dev = pool.device
+    cfg = SparseDecodeConfig(**{"threshold": 200, "topk": 8, "candidates": 64, "sink": 4,
+                                "local": 32, "update": 16, "max_requests": 2, **cfg})
+    cfg.validate()
+    capacity = MAX_CTX - cfg.sink - cfg.local
+    ops = ops_cls(LAYERS, cfg.max_requests, HQ, HKV, D, capacity, cfg.topk, cfg.candidates,
+                  cfg.attended, dev)
+    state = SparseDecodeState(cfg, ops, layers=LAYERS, first_layer=0, q_heads=HQ, kv_heads=HKV,
+                              head_dim=D, capacity=capacity, max_batch=8,
+                              req_to_token=pool.req_to_token, device=dev)
+    state.key_buffer = lambda layer: pool.k[layer]
+    state.value_buffer = lambda layer: pool.v[layer]
+    return state
+
+
+def step(state, pool_indices, lens):
+    return state.prepare_decode(pool_indices, lens, torch.tensor(lens, device=state.idx.device))
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_sparse_rows_equal_dense_when_every_key_is_selectable(ops_cls, device):
+    pool = FakePool(3, device=device)
+    # topk and candidates cover the whole retrieval region: the selection is everything
+    state = make_state(pool, ops_cls, topk=512, candidates=512, max_context=MAX_CTX)
+    state.warm_up()  # what the GPU backend runs before CUDA-graph capture: no slot, no effect
+    assert not state.active and (state.idx == -1).all()
+    lens = [300, 40, 420]  # rows 0 and 2 are long, row 1 short
+    dense_lens = step(state, [0, 1, 2], lens)
+    assert dense_lens.tolist() == [1, 40, 1] and state.active
+    assert state.slots[0].n_ret == 300 - 4 - 32 and state.slots[1].n_ret == 420 - 4 - 32
+    q = torch.randn(3, HQ, D, device=device)
+    for layer in range(LAYERS):
+        o = torch.full((3, HQ, D), 7.0, device=device)
+        state.attend(layer, q, o, 1 / math.sqrt(D))
+        for row in (0, 2):
+            torch.testing.assert_close(o[row], pool.dense(layer, q[row], row, lens[row]),
+                                       atol=2e-5, rtol=1e-4)
+        assert torch.equal(o[1], torch.full((HQ, D), 7.0, device=device))  # dense rows are left alone
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_retrieval_finds_planted_keys_and_attention_tracks_dense(ops_cls, device):
+    """A query aligned with 8 planted keys per KV head: they are retrieved."""
+    pool = FakePool(1, seed=1, device=device)
+    state = make_state(pool, ops_cls, topk=8)
+    n = 600
+    q = torch.randn(HQ, D, device=device)
+    planted = torch.arange(100, 500, 50, device=device)  # positions inside the retrieval region
+    for layer in range(LAYERS):
+        for h in range(HKV):
+            qk = q.view(HKV, HQ // HKV, D)[h].sum(0)
+            locs = pool.req_to_token[0, planted].long()
+            pool.k[layer][locs, h] = 4 * qk / qk.norm() * math.sqrt(D) ** 0.5
+    step(state, [0], [n])
+    o = torch.zeros(1, HQ, D, device=device)
+    state.attend(0, q[None], o, 1 / math.sqrt(D))
+    picked = state.idx[0, :, 4 : 4 + 8]
+    want = pool.req_to_token[0, planted].int()
+    for h in range(HKV):
+        assert set(want.tolist()) <= set(picked[h].tolist())
+    rel = (o[0] - pool.dense(0, q, 0, n)).norm() / pool.dense(0, q, 0, n).norm()
+    assert rel < 0.2
+
+
+def test_window_slides_in_update_steps_and_idx_lists_sink_selected_window():
+    pool = FakePool(1)
+    state = make_state(pool, TorchIndexOps)
+    n = 300
+    step(state, [0], [n])
+    slot = state.slots[0]
+    assert slot.n_ret == n - 4 - 32
+    for t in range(1, 40):  # the window (32) passes 32 + 16 at t = 17 and again at t = 33
+        step(state, [0], [n + t])
+    assert slot.n_ret == n - 4 - 32 + 2 * 16
+    assert state.stats["encoded_tokens"] == (n - 36) + 2 * 16
+    idx = state.idx[0, 0].tolist()
+    r2t = pool.req_to_token[0].tolist()
+    assert idx[:4] == r2t[:4]  # sink
+    window = [s for s in idx[4 + 8 :] if s >= 0]
+    assert window == r2t[4 + slot.n_ret : n + 39]  # the window: what the region does not hold
+    assert len(window) == n + 39 - 4 - slot.n_ret <= 32 + 16
+    assert state.ops.index[0][0].n == slot.n_ret  # each layer's index grew with the region
+
+
+def test_slots_follow_requests():
+    pool = FakePool(3)
+    state = make_state(pool, TorchIndexOps, max_requests=1)
+    state.note_extend([0], ["a"], [0], [300], )
+    step(state, [0], [301])
+    assert state.slots[0].rid == "a"
+    # a second long request while the only slot is busy: it decodes densely, counted
+    assert step(state, [0, 1], [302, 400]).tolist() == [1, 400]
+    assert state.stats["refused_full"] == 1
+    # a mixed batch carries request a's next token densely: a keeps its slot
+    state.note_extend([0], ["a"], [302], [1])
+    assert state.slots[0] is not None and state.slots[0].seq_len == 303
+    step(state, [0], [304])
+    # request a finished; its pool index is prefilled for request b: the slot is released
+    state.note_extend([0], ["b"], [0], [350])
+    assert state.slots[0] is None and not state.n_ret.any() and (state.idx == -1).all()
+    # a long request takes the slot of one that is no longer decoding
+    step(state, [2], [500])
+    assert state.slots[0].pool_index == 2
+    step(state, [1], [401])
+    assert state.slots[0].pool_index == 1
+    # a length that is not the next step of the known request: not that request, released
+    step(state, [1], [300])
+    assert state.slots[0] is None or state.slots[0].seq_len == 300
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(threshold=100), "threshold"),
+    (dict(topk=0), "topk"),
+    (dict(candidates=4, topk=8), "candidates"),
+    (dict(sink=-1), "sink"),
+])
+def test_bad_settings_are_refused(bad, message):
+    with pytest.raises(SparseDecodeUnsupported, match=message):
+        SparseDecodeConfig(**bad).validate()
+    env = {"SGLANG_PIC_SPARSE_TOPK": "many"}
+    with pytest.raises(SparseDecodeUnsupported, match="not an integer"):
+        SparseDecodeConfig.from_env(env)
