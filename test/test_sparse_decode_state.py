@@ -77,8 +77,9 @@ def test_sparse_rows_equal_dense_when_every_key_is_selectable(ops_cls, device):
         o = torch.full((3, HQ, D), 7.0, device=device)
         state.attend(layer, q, o, 1 / math.sqrt(D))
         for row in (0, 2):
-            torch.testing.assert_close(o[row], pool.dense(layer, q[row], row, lens[row]),
-                                       atol=2e-5, rtol=1e-4)
+            # on a GPU the kernels' fp32 dots run in TF32 (~1e-3 relative)
+            tol = dict(atol=2e-3, rtol=1e-2) if device == "cuda" else dict(atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(o[row], pool.dense(layer, q[row], row, lens[row]), **tol)
         assert torch.equal(o[1], torch.full((HQ, D), 7.0, device=device))  # dense rows are left alone
 
 
@@ -164,3 +165,34 @@ def test_bad_settings_are_refused(bad, message):
     env = {"SGLANG_PIC_SPARSE_TOPK": "many"}
     with pytest.raises(SparseDecodeUnsupported, match="not an integer"):
         SparseDecodeConfig.from_env(env)
+
+
+def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_needed():
+    """``graphs``: the AROUND hooks on SGLang's DecodeCudaGraphRunner, on a stand-in runner."""
+    from types import SimpleNamespace
+
+    from sglang_pic.sparse import graphs
+    from sglang_pic.sparse.backends import ParisKVTritonBackend
+
+    backend = object.__new__(ParisKVTritonBackend)  # no model: only the flags are used
+    backend.sparse = SimpleNamespace(active=False)
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+    keys: list[tuple] = []
+
+    def make_key(self, size, stream_idx=None, variant_label=None):
+        return (size, stream_idx, variant_label)
+
+    def capture(self):  # SGLang's capture makes one key per batch size
+        keys.append(graphs.around_make_graph_key(make_key, self, 4))
+
+    graphs.around_capture_one_stream(capture, runner)
+    assert keys == [(4, None, None), (4, None, "pariskv")] and not backend.capture_sparse
+    assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, None)
+    backend.sparse.active = True  # this step's batch has sparse rows
+    assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, "pariskv")
+    assert graphs.around_make_graph_key(make_key, runner, 2, None, "lora") == (
+        2, None, "lora+pariskv")
+    other = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=object()))
+    keys.clear()
+    graphs.around_capture_one_stream(capture, other)  # not our backend: captured once
+    assert keys == [(4, None, None)]

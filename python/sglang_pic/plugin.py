@@ -10,9 +10,10 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 | CPU support (`cpu_support`)    | HookRegistry on the HiCache host pool, paged allocator (CPU only) |
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
+| CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS), the output streamer and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides) |
-| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hook on `support_triton` |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part) |
 | PTStore (`store`)              | HiCache `dynamic` storage backend: `store.hicache_backend.PTStoreHiCacheStorage`, named in `--hicache-storage-backend-extra-config` (nothing to register) |
 """
 
@@ -51,6 +52,9 @@ def register() -> None:
         HookType.BEFORE,
     )
     position_free.register()
+    HookRegistry.register(
+        "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
+    )
     spans.register()
     import sglang_pic.lang  # noqa: F401  (sgl.span for frontend programs run in this process)
     eviction.register()
@@ -65,6 +69,15 @@ def register() -> None:
     _announce(
         f"sglang-pic {__version__} plugin active (features: {', '.join(features)})"
     )
+
+
+def _support_triton(original, backend: str) -> bool:
+    """Our CPU twins of ``torch_native`` (position-free, sparse) answer like it: False."""
+    from sglang_pic import position_free, sparse
+
+    if backend in position_free.CPU_BACKENDS or backend in sparse.CPU_BACKENDS:
+        return False
+    return original(backend)
 
 
 def _announce(message: str) -> None:

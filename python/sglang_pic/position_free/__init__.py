@@ -9,14 +9,15 @@ place it at different offsets. What this changes in SGLang, all registered by ``
    picks the one matching the chosen ``--attention-backend``;
 2. an AROUND hook on ``RotaryEmbedding.forward`` that rotates only the query once such a backend
    is active in the process (``rope_hook``);
-3. an AROUND hook on ``sglang.srt.utils.common.support_triton``, which decides by backend *name*
-   whether SGLang's Triton bookkeeping kernels may run: ``pic_torch_native`` answers like
-   ``torch_native`` (False).
+3. ``pic_torch_native`` must answer ``sglang.srt.utils.common.support_triton`` (which decides by
+   backend *name* whether SGLang's Triton bookkeeping kernels may run) like ``torch_native``
+   (False): ``CPU_BACKENDS``, answered by the plugin's one AROUND hook on it.
 """
 
 from __future__ import annotations
 
 BACKEND_FOR = {"triton": "pic_triton", "torch_native": "pic_torch_native"}
+CPU_BACKENDS = ("pic_torch_native",)  # answer support_triton like torch_native
 FLAG = "--enable-position-free-kv"
 
 
@@ -31,10 +32,3 @@ def register() -> None:
     register_attention_backend("pic_torch_native")(backends.create_pic_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
     HookRegistry.register(rope_hook.HOOK_TARGET, rope_hook.rotate_query_only, HookType.AROUND)
-    HookRegistry.register(
-        "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
-    )
-
-
-def _support_triton(original, backend: str) -> bool:
-    return False if backend == "pic_torch_native" else original(backend)

@@ -11,14 +11,16 @@
   decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
 
 What this changes in SGLang, all registered by ``register()``: the two attention backends
-(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``) and an
-AROUND hook on ``sglang.srt.utils.common.support_triton`` so that ``pariskv_torch_native``
-answers like ``torch_native``.
+(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``) and two
+AROUND hooks on SGLang's decode CUDA-graph runner (``graphs``: a second graph set with the sparse
+part). ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
+(``CPU_BACKENDS``, in the plugin's one hook on it).
 """
 
 from __future__ import annotations
 
 BACKEND_FOR = {"triton": "pariskv_triton", "torch_native": "pariskv_torch_native"}
+CPU_BACKENDS = ("pariskv_torch_native",)  # answer support_triton like torch_native
 FLAG = "--sparse-decode"
 OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
     "--sparse-threshold": "threshold",
@@ -34,18 +36,11 @@ OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
 
 def register() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends
+    from . import backends, graphs
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
-    HookRegistry.register(
-        "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
-    )
-
-
-def _support_triton(original, backend: str) -> bool:
-    return False if backend == "pariskv_torch_native" else original(backend)
+    graphs.register()

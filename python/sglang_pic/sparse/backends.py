@@ -5,7 +5,8 @@ for short requests, ParisKV for the decode steps of long ones.
 length of 1 for sparse rows (so the dense kernel skips their context), and after its decode
 kernel the sparse rows of the output are overwritten by ParisKV attention over sink + retrieved
 + local keys (``decode_state``; kernels in ``sglang_pic_kernel.pariskv``). The sparse part has
-fixed shapes and lives in static buffers, so SGLang captures it in its decode CUDA graphs.
+fixed shapes and lives in static buffers, so SGLang captures it in its decode CUDA graphs: a
+second set of graphs, replayed only for batches with sparse rows (``graphs``).
 
 ``pariskv_torch_native`` (CPU engine): SGLang's ``TorchNativeAttnBackend``, the same split, with
 the torch reference of the selection (``index_ops.TorchIndexOps``).
@@ -111,7 +112,9 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
     ops = ops_cls(layers, cfg.max_requests, hq, hkv, d, capacity, cfg.topk, cfg.candidates,
                   cfg.attended, device)
     args = model_runner.server_args
-    max_batch = max(req_to_token.shape[0], getattr(args, "cuda_graph_max_bs", 0) or 0) + 1
+    graph = getattr(getattr(args, "cuda_graph_config", None), "decode", None)
+    max_batch = max(req_to_token.shape[0], getattr(args, "cuda_graph_max_bs_decode", 0) or 0,
+                    getattr(graph, "max_bs", 0) or 0) + 1  # rows of a (padded) decode batch
     state = SparseDecodeState(cfg, ops, layers=layers, first_layer=first_layer, q_heads=hq,
                               kv_heads=hkv, head_dim=d, capacity=capacity, max_batch=max_batch,
                               req_to_token=req_to_token, device=device)
@@ -161,8 +164,15 @@ class _SparseDecodeMixin:
         finally:
             fb.seq_lens, fb.seq_lens_cpu = saved
 
+    capture_sparse = False  # set while the decode graphs with the sparse part are captured
+
+    def wants_sparse_graph(self) -> bool:
+        """Whether the decode graph to capture or replay is the one with the sparse part."""
+        return self.capture_sparse or self.sparse.active
+
     def _sparse_rows(self, q, o, layer) -> None:
-        if self.sparse.active or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.capture_sparse if capturing else self.sparse.active:
             hq, d = layer.tp_q_head_num, layer.qk_head_dim
             self.sparse.attend(layer.layer_id, q.reshape(-1, hq, d), o.view(-1, hq, d),
                                layer.scaling)

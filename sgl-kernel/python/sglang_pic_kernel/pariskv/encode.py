@@ -50,7 +50,7 @@ def _code(xn, Edges, Levels):
     return (neg << 3) | mag, value
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "offset"])  # one binary for every append position
 def _encode_kernel(
     K, Rt, Edges, Levels, Cent, Codes, W,
     n, offset,
