@@ -103,7 +103,7 @@ def plot(report: dict, out_dir: Path) -> Path | None:
     ax.set_xticks(range(len(cases)), [c.replace("x", " x ") for c in cases])
     ax.set_xlabel("batch x context tokens")
     ax.set_ylabel("TPOT (ms)")
-    ax.set_title("Decode TPOT, Llama-3-8B shape, H200, same run")
+    ax.set_title("Decode TPOT, Llama-3-8B shape (dummy weights, bf16, CUDA graphs), H200")
     ax.legend()
     return save_figure(fig, out_dir / "sparse_e2e_decode.png")
 
@@ -154,7 +154,7 @@ def main() -> None:
     longest = max(int(c.split("x")[1]) for c in cases)
     context = longest + LONG + 64
     engine_kwargs = {**LLAMA3_8B_DUMMY, "context_length": context,
-                     "mem_fraction_static": args.mem_fraction, "cuda_graph_max_bs": 8,
+                     "mem_fraction_static": args.mem_fraction, "cuda_graph_max_bs_decode": 8,
                      "max_running_requests": 8, "chunked_prefill_size": 16384}
     sparse_env = {"SGLANG_PIC_SPARSE_THRESHOLD": args.threshold,
                   "SGLANG_PIC_SPARSE_TOPK": args.topk,
