@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import start_server, stop_server
-from sglang_pic.launch_server import build_argv
+from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
                 "128", "--sparse-update", "32", "--sparse-topk", "64", "--max-total-tokens",
@@ -80,3 +80,12 @@ def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
                        "--sparse-topk", "32", "--attention-backend", "torch_native"])
     assert argv[argv.index("--attention-backend") + 1] == "pariskv_torch_native"
     assert os.environ["SGLANG_PIC_SPARSE_TOPK"] == "32"
+
+
+def test_serve_help_lists_every_flag_of_ours():
+    from sglang_pic import sparse
+
+    text = our_flags_help()
+    for flag in [*sparse.OPTIONS, *SPAN_OPTIONS, sparse.FLAG, "--ptstore", "--ptstore-token",
+                 "--enable-position-free-kv", "--enable-span-cache"]:
+        assert f"  {flag} " in text, flag

@@ -151,6 +151,13 @@ def test_slots_follow_requests():
     # a length that is not the next step of the known request: not that request, released
     step(state, [1], [300])
     assert state.slots[0] is None or state.slots[0].seq_len == 300
+    # an extend batch seen without rids or lengths (a graph runner's view): released, to be safe
+    state.note_extend([1], None, None, None)
+    assert all(slot is None for slot in state.slots)
+    # with lengths but no rid: the continuation of the slot's request keeps it
+    step(state, [2], [600])
+    state.note_extend([2], None, [600], [1])
+    assert state.slots[0] is not None and state.slots[0].seq_len == 601
 
 
 @pytest.mark.parametrize("bad,message", [

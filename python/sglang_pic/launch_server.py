@@ -212,7 +212,46 @@ def _sparse_decode_env(argv: list[str]) -> bool:
     return True
 
 
+def _our_flags() -> list[tuple[str, str]]:
+    from sglang_pic.sparse.config import SparseDecodeConfig
+
+    d = SparseDecodeConfig()
+    return [
+        ("(no --model-path)", "serve the embedded SmolLM2-135M-Instruct"),
+        (POSITION_FREE_FLAG, "keys stored un-rotated, rotated in our attention kernels"),
+        (SPAN_FLAG, "span caching (SSEP/PDEP markers, `spans` field); implies the flag above"),
+        ("--span-schedule isps|barrier", "span prefill scheduling (default isps)"),
+        ("--span-recompute-tokens K", "recompute the first K tokens of each span in context"),
+        ("--span-pad-token-id ID", "token that pads spans to whole pages"),
+        ("--span-markers SSEP,PDEP", "the marker strings in text prompts"),
+        (f"{PTSTORE_FLAG} tcp://HOST:PORT,...", "PTStore as HiCache's L3 tier"),
+        (f"{PTSTORE_TOKEN_FLAG} T", "auth token of the PTStore servers"),
+        ("--sparse-decode pariskv", "ParisKV sparse decoding of long requests"),
+        ("--sparse-threshold N", f"context from which a request decodes sparsely ({d.threshold})"),
+        ("--sparse-topk K", f"keys retrieved per KV head and step ({d.topk})"),
+        ("--sparse-candidates C", f"keys kept by voting for the rerank ({d.candidates})"),
+        ("--sparse-sink N", f"always-attended first tokens ({d.sink})"),
+        ("--sparse-local N", f"always-attended most recent tokens ({d.local})"),
+        ("--sparse-update N", f"window tokens moved to the retrieval region at once ({d.update})"),
+        ("--sparse-max-requests N", f"requests decoding sparsely at once ({d.max_requests})"),
+        ("--sparse-max-context N", "longest sparse context (default: the model's)"),
+    ]
+
+
+def our_flags_help() -> str:
+    """What `sglang-pic serve --help` prints before SGLang's own flags."""
+    flags = _our_flags()
+    width = max(len(flag) for flag, _ in flags) + 2
+    lines = ["sglang-pic serve: every SGLang server flag below, plus:"]
+    lines += [f"  {flag:<{width}}{what}" for flag, what in flags]
+    lines.append("Docs: docs/position-free-kv.md, docs/spans.md, docs/store.md, "
+                 "docs/sparse-decode.md, docs/eviction.md (--radix-eviction-policy sae).")
+    return "\n".join(lines) + "\n"
+
+
 def serve(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(our_flags_help())
     # On CPU, build_argv -> enable_cpu_engine installs the import stand-ins before SGLang is imported.
     sglang_argv = build_argv(argv)
 

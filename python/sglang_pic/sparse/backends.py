@@ -135,14 +135,15 @@ class _SparseDecodeMixin:
     def _note_batch(self, fb) -> torch.Tensor | None:
         """Per step bookkeeping; for a decode batch, the lengths the dense kernel should see."""
         mode = fb.forward_mode
+        # graph runners hand a padded view: only the first `raw` rows are requests
+        raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
         if mode.is_decode():
-            raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
             lens = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None \
                 else fb.seq_lens
             return self.sparse.prepare_decode(fb.req_pool_indices[:raw].tolist(),
                                               lens[:raw].tolist(), fb.seq_lens)
         if mode.is_extend():
-            self.sparse.note_extend(fb.req_pool_indices.tolist(), getattr(fb, "rids", None),
+            self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
                                     getattr(fb, "extend_prefix_lens_cpu", None),
                                     getattr(fb, "extend_seq_lens_cpu", None))
         return None

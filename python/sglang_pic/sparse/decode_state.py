@@ -85,8 +85,11 @@ class SparseDecodeState:
             for s, slot in enumerate(self.slots):
                 if slot is None or slot.pool_index != p:
                     continue
-                same = rid is not None and slot.rid == rid and prefix_lens is not None \
-                    and extend_lens is not None and prefix_lens[i] == slot.seq_len
+                # the slot's request continues when the extend starts where it stopped; the rid
+                # (absent from graph runners' views) must then match too when both are known
+                same = prefix_lens is not None and extend_lens is not None \
+                    and prefix_lens[i] == slot.seq_len \
+                    and (rid is None or slot.rid is None or slot.rid == rid)
                 if same:
                     slot.seq_len += extend_lens[i]
                 else:
