@@ -14,12 +14,13 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from conftest import start_server, stop_server
 from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
                 "128", "--sparse-update", "32", "--sparse-topk", "64", "--max-total-tokens",
-                "16384"]
+                "16384", "--enable-metrics"]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back. "
 SP = {"max_new_tokens": 40, "temperature": 0}
 
@@ -59,6 +60,12 @@ def test_sparse_decode_answers_like_dense(sparse_server, server):
     assert sparse[0]["meta_info"]["prompt_tokens"] > 1500
     log = sparse_server.log.read_text()
     assert log.count("decodes sparsely") == 2  # the two long requests, not the short one
+    metrics = requests.get(f"{sparse_server.url}/metrics", timeout=30).text
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("sglang_pic:sparse_")}
+    assert values["sglang_pic:sparse_activated_total"] == 2
+    assert values["sglang_pic:sparse_decode_steps_total"] >= 2 * 39  # 40 tokens: 39 decode steps
+    assert values["sglang_pic:sparse_encoded_tokens_total"] > 2 * 1300
 
 
 @pytest.mark.parametrize("argv,message", [

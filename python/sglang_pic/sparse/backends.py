@@ -27,6 +27,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from .config import SparseDecodeConfig, SparseDecodeUnsupported
 from .decode_state import SparseDecodeState
 from .index_ops import KernelIndexOps, TorchIndexOps
+from .metrics import metrics_for
 
 logger = logging.getLogger(__name__)
 FLAG = "--sparse-decode pariskv"
@@ -120,6 +121,7 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
                               req_to_token=req_to_token, device=device)
     state.key_buffer = pool.get_key_buffer
     state.value_buffer = pool.get_value_buffer
+    state.metrics = metrics_for(model_runner)
     logger.info("sparse decode (ParisKV): threshold %d, top-k %d, sink %d, local %d, "
                 "%d slots of %d tokens", cfg.threshold, cfg.topk, cfg.sink, cfg.local,
                 cfg.max_requests, max_context)

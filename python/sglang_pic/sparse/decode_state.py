@@ -70,6 +70,7 @@ class SparseDecodeState:
         self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
         self.active = False
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0}
+        self.metrics = None  # metrics.SparseMetrics with --enable-metrics (set by the backend)
         self._warned_full = False
 
     # ---- per step, eager ------------------------------------------------------------------
@@ -132,7 +133,7 @@ class SparseDecodeState:
         self.active = bool(rows)
         dense_lens = seq_lens_dev
         if rows:
-            self.stats["sparse_steps"] += len(rows)
+            self._count("sparse_steps", len(rows))
             dev = self.slot_of_row.device
             row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
             slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -143,6 +144,11 @@ class SparseDecodeState:
             dense_lens[row_t] = 1
         return dense_lens
 
+    def _count(self, name: str, n: int) -> None:
+        self.stats[name] += n
+        if self.metrics is not None:
+            self.metrics.inc(name, n)
+
     def _free_slot(self, in_batch: dict[int, int]) -> int | None:
         for k, slot in enumerate(self.slots):
             if slot is None:
@@ -151,7 +157,7 @@ class SparseDecodeState:
             if slot.pool_index not in in_batch:
                 self._release(k)
                 return k
-        self.stats["refused_full"] += 1
+        self._count("refused_full", 1)
         if not self._warned_full:
             self._warned_full = True
             logger.warning("sparse decode: all %d slots busy; further long requests decode "
@@ -167,7 +173,7 @@ class SparseDecodeState:
         for layer in range(self.layers):
             keys = self.key_buffer(self.first_layer + layer)[locs]
             self.ops.encode(layer, k, keys, offset)
-        self.stats["encoded_tokens"] += count
+        self._count("encoded_tokens", count)
 
     def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
         cfg = self.cfg
@@ -182,7 +188,7 @@ class SparseDecodeState:
         self.slots[k].n_ret = n_ret
         self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
-        self.stats["activated"] += 1
+        self._count("activated", 1)
         logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
                     "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
                     self.stats["activated"])
