@@ -49,9 +49,9 @@ def make_state(pool: FakePool, ops_cls, **cfg) -> SparseDecodeState:
     capacity = MAX_CTX - cfg.sink - cfg.local
     ops = ops_cls(LAYERS, cfg.max_requests, HQ, HKV, D, capacity, cfg.topk, cfg.candidates,
                   cfg.attended, dev)
-    state = SparseDecodeState(cfg, ops, layers=LAYERS, first_layer=0, q_heads=HQ, kv_heads=HKV,
-                              head_dim=D, capacity=capacity, max_batch=8,
-                              req_to_token=pool.req_to_token, device=dev)
+    state = SparseDecodeState(cfg, ops, layer_ids=list(range(LAYERS)), q_heads=HQ,
+                              kv_heads=HKV, head_dim=D, capacity=capacity, max_batch=8,
+                              req_to_token=pool.req_to_token, device=dev, dtype=torch.float32)
     state.key_buffer = lambda layer: pool.k[layer]
     state.value_buffer = lambda layer: pool.v[layer]
     return state
@@ -158,6 +158,23 @@ def test_slots_follow_requests():
     step(state, [2], [600])
     state.note_extend([2], None, [600], [1])
     assert state.slots[0] is not None and state.slots[0].seq_len == 601
+    # the slot learns its request's id from the first decode batch that names it ...
+    state.prepare_decode([2], [602], torch.tensor([602]), rids=["y"])
+    assert state.slots[0].rid == "y"
+    # ... and a decode batch that names another request at that pool index releases it
+    activated = state.stats["activated"]
+    assert state.prepare_decode([2], [603], torch.tensor([603]), rids=["z"]).tolist() == [1]
+    assert state.slots[0].rid == "z" and state.stats["activated"] == activated + 1
+
+
+def test_a_context_beyond_the_capacity_decodes_densely_without_taking_a_slot():
+    pool = FakePool(2)
+    state = make_state(pool, TorchIndexOps, max_requests=1, max_context=MAX_CTX)
+    step(state, [0], [300])
+    assert state.slots[0].pool_index == 0
+    too_long = MAX_CTX  # capacity + sink + local = MAX_CTX - sink - local + sink + local
+    assert step(state, [1], [too_long + 1]).tolist() == [too_long + 1]  # dense
+    assert state.slots[0].pool_index == 0 and 1 in state.too_long  # request 0 keeps its slot
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -182,7 +199,12 @@ def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_
     from sglang_pic.sparse.backends import ParisKVTritonBackend
 
     backend = object.__new__(ParisKVTritonBackend)  # no model: only the flags are used
-    backend.sparse = SimpleNamespace(active=False)
+
+    def deactivate():
+        backend.sparse.active = False
+
+    # the last step before a recapture had sparse rows: the capture must not see them
+    backend.sparse = SimpleNamespace(active=True, deactivate=deactivate)
     runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
     keys: list[tuple] = []
 
@@ -194,6 +216,7 @@ def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_
 
     graphs.around_capture_one_stream(capture, runner)
     assert keys == [(4, None, None), (4, None, "pariskv")] and not backend.capture_sparse
+    assert not backend.capturing and not backend.sparse.active
     assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, None)
     backend.sparse.active = True  # this step's batch has sparse rows
     assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, "pariskv")
@@ -203,3 +226,70 @@ def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_
     keys.clear()
     graphs.around_capture_one_stream(capture, other)  # not our backend: captured once
     assert keys == [(4, None, None)]
+
+
+def test_a_batch_with_no_long_request_reads_nothing_from_the_gpu():
+    """The backend's per-step bookkeeping: a batch whose lengths (known on the CPU) are all
+    within the threshold skips the pool-index read that would wait for the previous step."""
+    from types import SimpleNamespace
+
+    from sglang_pic.sparse.backends import ParisKVTritonBackend
+
+    class NoRead:  # stands for fb.req_pool_indices on the GPU
+        def __getitem__(self, _):
+            raise AssertionError("read the GPU")
+
+    backend = object.__new__(ParisKVTritonBackend)
+    backend.sparse = make_state(FakePool(2), TorchIndexOps)
+    decode = SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False)
+    lens = torch.tensor([50, 120, 1])  # the last row is graph padding
+    fb = SimpleNamespace(forward_mode=decode, batch_size=3, num_padding=1, seq_lens=lens,
+                         seq_lens_cpu=lens, req_pool_indices=NoRead(), rids=None)
+    assert backend._note_batch(fb) is None and not backend.sparse.active
+    fb.seq_lens_cpu = fb.seq_lens = torch.tensor([50, 300, 1])  # a long request: it is read
+    fb.req_pool_indices = torch.tensor([0, 1, 0])
+    assert backend._note_batch(fb).tolist() == [50, 1, 1] and backend.sparse.rows == [1]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(prefill_attention_backend="flashinfer"), "--prefill-attention-backend flashinfer"),
+    (dict(decode_attention_backend="triton"), "--decode-attention-backend triton"),
+    (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+    (dict(enable_pdmux=True), "--enable-pdmux"),
+    (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
+    (dict(speculative_algorithm="EAGLE"), "speculative decoding"),
+    (dict(layer_ids=[0, 3]), "hybrid models"),
+    (dict(head_dim=96), "head dim 96"),
+    (dict(logit_cap=30.0), "soft-capping"),
+    (dict(kv_cache_dtype=torch.float8_e4m3fn), "KV cache dtype"),
+])
+def test_unsupported_settings_are_refused_with_the_reason(change, message, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang_pic.sparse import backends
+
+    args = dict(prefill_attention_backend=None, decode_attention_backend=None,
+                enable_two_batch_overlap=False, enable_pdmux=False, disaggregation_mode="null",
+                speculative_algorithm=None, dcp_size=1, enable_dp_attention=False)
+    layer = dict(head_dim=128, logit_cap=0.0)
+    layer_ids, kv_dtype = [0, 1], torch.bfloat16
+    for k, v in change.items():
+        if k in args:
+            args[k] = v
+        elif k in layer:
+            layer[k] = v
+        elif k == "layer_ids":
+            layer_ids = v
+        else:
+            kv_dtype = v
+    layers = [SimpleNamespace(layer_id=i, logit_cap=layer["logit_cap"], is_cross_attention=False,
+                              tp_q_head_num=32, tp_k_head_num=8, qk_head_dim=layer["head_dim"],
+                              v_head_dim=layer["head_dim"]) for i in layer_ids]
+    monkeypatch.setattr(backends, "attention_layers", lambda runner: layers)
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False),
+        server_args=SimpleNamespace(**args), sliding_window_size=None, kv_cache_dtype=kv_dtype,
+        token_to_kv_pool=SimpleNamespace(start_layer=0, layer_num=2))
+    with pytest.raises(SparseDecodeUnsupported, match=message):
+        backends.check_server_settings(runner, "pariskv_triton")

@@ -58,12 +58,26 @@ def check_server_settings(model_runner, backend_name: str) -> None:
         _refuse("decode context parallelism")
     if getattr(args, "enable_dp_attention", False):
         _refuse("--enable-dp-attention")
-    decode = getattr(args, "decode_attention_backend", None)
-    if decode is not None and decode != backend_name:
-        _refuse(f"--decode-attention-backend {decode} (the decode backend must be {backend_name})")
+    for flag in ("decode_attention_backend", "prefill_attention_backend"):
+        chosen = getattr(args, flag, None)
+        if chosen is not None and chosen != backend_name:
+            # SGLang would wrap us in its hybrid backend: our graph hooks would not find us, and
+            # extend batches (how a slot learns its pool index serves another request) would
+            # not reach us
+            _refuse(f"--{flag.replace('_', '-')} {chosen} (both phases must use {backend_name})")
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        if getattr(args, flag, False):
+            _refuse(f"--{flag.replace('_', '-')}")
+    if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
+        # a decode instance runs no prefill, so nothing tells a slot its request has changed
+        _refuse(f"--disaggregation-mode {args.disaggregation_mode}")
     layers = attention_layers(model_runner)
     if not layers:
         _refuse("a model without RadixAttention layers")
+    pool = model_runner.token_to_kv_pool
+    first = getattr(pool, "start_layer", 0) or 0
+    if sorted(m.layer_id for m in layers) != list(range(first, first + pool.layer_num)):
+        _refuse("hybrid models (attention in only some layers, or layers the KV pool renumbers)")
     if any((m.logit_cap or 0) > 0 for m in layers):
         _refuse("attention logit soft-capping")
     if any(getattr(m, "is_cross_attention", False) for m in layers):
@@ -98,11 +112,10 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
         _refuse(f"a context length of {max_context} with --sparse-threshold {cfg.threshold} "
                 "(nothing would ever decode sparsely; raise --context-length or lower the "
                 "threshold)")
-    layers = pool.layer_num
-    first_layer = getattr(pool, "start_layer", 0) or 0
+    layer_ids = sorted(m.layer_id for m in attention_layers(model_runner))
     device = model_runner.device
     if torch.device(device).type == "cuda":
-        need = (layers * cfg.max_requests * capacity * KernelIndexOps.bytes_per_token(hkv, d)
+        need = (len(layer_ids) * cfg.max_requests * capacity * KernelIndexOps.bytes_per_token(hkv, d)
                 + cfg.max_requests * hkv * capacity * 2)
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         if need + GPU_MEMORY_MARGIN > free:
@@ -110,15 +123,16 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
                     f"retrieval metadata needs {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB "
                     "are free after the KV pool (lower --mem-fraction-static, "
                     "--sparse-max-requests or --sparse-max-context)")
-    ops = ops_cls(layers, cfg.max_requests, hq, hkv, d, capacity, cfg.topk, cfg.candidates,
+    ops = ops_cls(len(layer_ids), cfg.max_requests, hq, hkv, d, capacity, cfg.topk, cfg.candidates,
                   cfg.attended, device)
     args = model_runner.server_args
     graph = getattr(getattr(args, "cuda_graph_config", None), "decode", None)
     max_batch = max(req_to_token.shape[0], getattr(args, "cuda_graph_max_bs_decode", 0) or 0,
                     getattr(graph, "max_bs", 0) or 0) + 1  # rows of a (padded) decode batch
-    state = SparseDecodeState(cfg, ops, layers=layers, first_layer=first_layer, q_heads=hq,
-                              kv_heads=hkv, head_dim=d, capacity=capacity, max_batch=max_batch,
-                              req_to_token=req_to_token, device=device)
+    state = SparseDecodeState(cfg, ops, layer_ids=layer_ids, q_heads=hq, kv_heads=hkv,
+                              head_dim=d, capacity=capacity, max_batch=max_batch,
+                              req_to_token=req_to_token, device=device,
+                              dtype=model_runner.dtype)
     state.key_buffer = pool.get_key_buffer
     state.value_buffer = pool.get_value_buffer
     state.metrics = metrics_for(model_runner)
@@ -140,10 +154,16 @@ class _SparseDecodeMixin:
         # graph runners hand a padded view: only the first `raw` rows are requests
         raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
         if mode.is_decode():
-            lens = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None \
-                else fb.seq_lens
+            lens_cpu = getattr(fb, "seq_lens_cpu", None)
+            if lens_cpu is not None and (raw == 0 or int(lens_cpu[:raw].max())
+                                         <= self.sparse.cfg.threshold):
+                # no request of this batch can be sparse: skip the GPU reads (they would wait
+                # for the previous step and cost the overlap scheduler its overlap)
+                return self.sparse.skip_decode()
+            lens = lens_cpu if lens_cpu is not None else fb.seq_lens
             return self.sparse.prepare_decode(fb.req_pool_indices[:raw].tolist(),
-                                              lens[:raw].tolist(), fb.seq_lens)
+                                              lens[:raw].tolist(), fb.seq_lens,
+                                              rids=getattr(fb, "rids", None))
         if mode.is_extend():
             self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
                                     getattr(fb, "extend_prefix_lens_cpu", None),
@@ -160,18 +180,19 @@ class _SparseDecodeMixin:
         fb.seq_lens = dense_lens
         if saved[1] is not None:
             cpu = saved[1].clone()
-            cpu[self.sparse.slot_of_row[: cpu.shape[0]].cpu() >= 0] = 1
+            cpu[self.sparse.rows] = 1
             fb.seq_lens_cpu = cpu
         try:
             yield
         finally:
             fb.seq_lens, fb.seq_lens_cpu = saved
 
-    capture_sparse = False  # set while the decode graphs with the sparse part are captured
+    capturing = False  # set by graphs.py while SGLang captures decode graphs
+    capture_sparse = False  # ... and while it captures the set with the sparse part
 
     def wants_sparse_graph(self) -> bool:
         """Whether the decode graph to capture or replay is the one with the sparse part."""
-        return self.capture_sparse or self.sparse.active
+        return self.capture_sparse if self.capturing else self.sparse.active
 
     def _sparse_rows(self, q, o, layer) -> None:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -220,6 +241,10 @@ class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
     def __init__(self, model_runner):
         cfg = SparseDecodeConfig.from_env()
         check_server_settings(model_runner, self.NAME)
+        if torch.device(model_runner.device).type == "cuda" and not getattr(
+                model_runner.server_args, "disable_cuda_graph", False):
+            _refuse(f"{self.NAME} with CUDA graphs (it is the CPU engine's; use pariskv_triton "
+                    "on a GPU)")
         super().__init__(model_runner)
         self.sparse = build_state(model_runner, TorchIndexOps, cfg)
         self._dense_lens: torch.Tensor | None = None

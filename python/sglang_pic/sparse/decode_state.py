@@ -48,11 +48,13 @@ class _Slot:
 
 
 class SparseDecodeState:
-    def __init__(self, cfg: SparseDecodeConfig, ops, *, layers: int, first_layer: int,
-                 q_heads: int, kv_heads: int, head_dim: int, capacity: int, max_batch: int,
-                 req_to_token: torch.Tensor, device):
+    def __init__(self, cfg: SparseDecodeConfig, ops, *, layer_ids: list[int], q_heads: int,
+                 kv_heads: int, head_dim: int, capacity: int, max_batch: int,
+                 req_to_token: torch.Tensor, device, dtype: torch.dtype = torch.bfloat16):
         self.cfg, self.ops = cfg, ops
-        self.layers, self.first_layer = layers, first_layer
+        self.layer_ids = list(layer_ids)  # the model's attention layers; ops index them 0..n-1
+        self.layer_index = {lid: i for i, lid in enumerate(self.layer_ids)}
+        self.dtype = dtype
         self.q_heads, self.kv_heads, self.d = q_heads, kv_heads, head_dim
         self.capacity = capacity
         self.req_to_token = req_to_token
@@ -69,6 +71,7 @@ class SparseDecodeState:
         self.rid_of_pool: dict[int, str] = {}
         self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
         self.active = False
+        self.rows: list[int] = []  # batch rows decoding sparsely this step
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0}
         self.metrics = None  # metrics.SparseMetrics with --enable-metrics (set by the backend)
         self._warned_full = False
@@ -80,7 +83,8 @@ class SparseDecodeState:
         request's own decode token processed in a mixed batch (dense) moves its length on."""
         for i, p in enumerate(pool_indices):
             rid = rids[i] if rids is not None else None
-            self.too_long.discard(p)
+            if rid is None or rid != self.rid_of_pool.get(p):
+                self.too_long.discard(p)  # another request: its length is its own
             if rid is not None:
                 self.rid_of_pool[p] = rid
             for s, slot in enumerate(self.slots):
@@ -96,10 +100,23 @@ class SparseDecodeState:
                 else:
                     self._release(s)
 
+    def skip_decode(self) -> None:
+        """A decode step none of whose requests is long enough to be sparse."""
+        if self.active:
+            self.deactivate()
+        return None
+
+    def deactivate(self) -> None:
+        self.active = False
+        self.rows = []
+        self.slot_of_row.fill_(-1)
+
     def prepare_decode(self, pool_indices: list[int], seq_lens: list[int],
-                       seq_lens_dev: torch.Tensor) -> torch.Tensor:
-        """Bookkeeping of one decode step over the batch's first ``len(pool_indices)`` rows.
-        Returns the lengths the dense kernel should see (1 for sparse rows)."""
+                       seq_lens_dev: torch.Tensor,
+                       rids: list[str] | None = None) -> torch.Tensor:
+        """Bookkeeping of one decode step over the batch's first ``len(pool_indices)`` rows
+        (``rids``: their request ids, when the caller has them). Returns the lengths the dense
+        kernel should see (1 for sparse rows)."""
         cfg = self.cfg
         in_batch = {p: i for i, p in enumerate(pool_indices)}
         slot_of_pool = {s.pool_index: k for k, s in enumerate(self.slots) if s is not None}
@@ -107,14 +124,24 @@ class SparseDecodeState:
             slot = self.slots[k]
             row = in_batch.get(p)
             # a request decodes one token per step; anything else is not the request we know
-            if row is not None and seq_lens[row] != slot.seq_len + 1:
+            if row is not None and (seq_lens[row] != slot.seq_len + 1 or (
+                    rids is not None and slot.rid is not None and rids[row] != slot.rid)):
                 self._release(k)
                 del slot_of_pool[p]
-        for p, n in zip(pool_indices, seq_lens, strict=True):
-            if p not in slot_of_pool and n > cfg.threshold and p not in self.too_long:
-                k = self._free_slot(in_batch)
-                if k is None:
-                    continue
+            elif row is not None and rids is not None and slot.rid is None:
+                slot.rid = rids[row]  # activated from a graph runner's view, which has no rids
+        for row, (p, n) in enumerate(zip(pool_indices, seq_lens, strict=True)):
+            if p in slot_of_pool or n <= cfg.threshold or p in self.too_long:
+                continue
+            if n > self.capacity + cfg.sink + cfg.local:
+                self.too_long.add(p)
+                logger.warning("sparse decode: a context of %d tokens exceeds the sparse "
+                               "capacity (%d); it decodes densely", n, self.capacity)
+                continue
+            if rids is not None:
+                self.rid_of_pool[p] = rids[row]
+            k = self._free_slot(in_batch)
+            if k is not None:
                 self._activate(k, p, n)
                 slot_of_pool[p] = k
         self.slot_of_row.fill_(-1)
@@ -131,6 +158,7 @@ class SparseDecodeState:
             rows.append(row)
             slots.append(k)
         self.active = bool(rows)
+        self.rows = rows
         dense_lens = seq_lens_dev
         if rows:
             self._count("sparse_steps", len(rows))
@@ -170,18 +198,13 @@ class SparseDecodeState:
     def _encode(self, k: int, pool_index: int, start: int, count: int, offset: int) -> None:
         """Encode positions ``[start, start + count)`` at retrieval rows ``offset..`` (all layers)."""
         locs = self._positions_to_slots(pool_index, start, start + count)
-        for layer in range(self.layers):
-            keys = self.key_buffer(self.first_layer + layer)[locs]
+        for layer, layer_id in enumerate(self.layer_ids):
+            keys = self.key_buffer(layer_id)[locs]
             self.ops.encode(layer, k, keys, offset)
         self._count("encoded_tokens", count)
 
     def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
         cfg = self.cfg
-        if seq_len > self.capacity + cfg.sink + cfg.local:
-            self.too_long.add(pool_index)
-            logger.warning("sparse decode: a context of %d tokens exceeds the sparse capacity "
-                           "(%d); it decodes densely", seq_len, self.capacity)
-            return
         n_ret = seq_len - cfg.sink - cfg.local
         self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), 0, seq_len - 1)
         self._encode(k, pool_index, cfg.sink, n_ret, 0)
@@ -223,7 +246,7 @@ class SparseDecodeState:
     # ---- per layer, graph-safe -----------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, o: torch.Tensor, scale: float) -> None:
         """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention."""
-        cfg, layer = self.cfg, layer_id - self.first_layer
+        cfg, layer = self.cfg, self.layer_index[layer_id]
         qs = q.index_select(0, self.row_of_slot.clamp(max=q.shape[0] - 1))
         rows = self.ops.select(layer, qs, self.n_ret)  # [R, kvh, k]
         k = rows.shape[-1]
@@ -239,9 +262,8 @@ class SparseDecodeState:
 
     def warm_up(self) -> None:
         """Run the per-layer sparse path once (compiles its kernels; no slot is active)."""
-        q = torch.zeros(1, self.q_heads, self.d, dtype=self.key_buffer(self.first_layer).dtype,
-                        device=self.idx.device)
-        self.attend(self.first_layer, q, q.clone(), 1.0)
+        q = torch.zeros(1, self.q_heads, self.d, dtype=self.dtype, device=self.idx.device)
+        self.attend(self.layer_ids[0], q, q.clone(), 1.0)
 
     # the KV pool, bound by the backend (get_key_buffer / get_value_buffer of SGLang's pool)
     key_buffer = None

@@ -42,15 +42,19 @@ def _sparse_backend(runner):
 
 
 def around_capture_one_stream(original, self, *args, **kwargs):
-    original(self, *args, **kwargs)
     backend = _sparse_backend(self)
     if backend is None:
-        return None
-    backend.capture_sparse = True
+        return original(self, *args, **kwargs)
+    # a recapture (e.g. after a weight update) may find the last step's sparse rows still set:
+    # the capture's own forwards must see none, and the first set must be the dense one
+    backend.sparse.deactivate()
+    backend.capturing = True
     try:
+        original(self, *args, **kwargs)
+        backend.capture_sparse = True
         return original(self, *args, **kwargs)
     finally:
-        backend.capture_sparse = False
+        backend.capturing = backend.capture_sparse = False
 
 
 def around_make_graph_key(original, self, size, stream_idx=None, variant_label=None):
