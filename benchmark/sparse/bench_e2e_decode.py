@@ -13,6 +13,7 @@ TPOT = (t145 - t17) / 128, so prefill (one token: the prompt is cached), the spa
 threshold measures what the sparse backend costs requests that stay dense.
 
     python3 benchmark/sparse/bench_e2e_decode.py [--cases 1x4096,1x131072,1x262144,4x65536]
+                                                 (a case "1x131072+7x4096" mixes lengths)
                                                  [--variants vanilla,sglang-pic] [--out DIR]
 
 Prints a table; writes ``sparse_e2e_decode.json`` (machine, versions, config, ratios) and a plot
@@ -59,9 +60,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     rng = np.random.default_rng(params["seed"])
     try:
         for case in params["cases"]:
-            b, n = (int(x) for x in case.split("x"))
             prompts = [[int(t) for t in rng.integers(1000, params["vocab"], size=n)]
-                       for _ in range(b)]
+                       for n in case_lengths(case)]
             t = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
             out[f"prefill_s_{case}"] = time.perf_counter() - t
@@ -76,13 +76,23 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 ids = res[0]["output_ids"]
                 tpots.append((times[LONG] - times[SHORT]) / (LONG - SHORT) * 1e3)
             out[f"tpot_ms_{case}"] = statistics.median(tpots)
-            out[f"tokens_per_s_{case}"] = b * 1e3 / out[f"tpot_ms_{case}"]
+            out[f"tokens_per_s_{case}"] = len(prompts) * 1e3 / out[f"tpot_ms_{case}"]
             out[f"output_ids_{case}"] = ids
             print(f"[bench] {case}: TPOT {out[f'tpot_ms_{case}']:.2f} ms "
                   f"(samples {', '.join(f'{x:.2f}' for x in tpots)})", flush=True)
     finally:
         engine.shutdown()
     return out
+
+
+def case_lengths(case: str) -> list[int]:
+    """Prompt lengths of a case: ``BxN`` is B prompts of N tokens; ``+`` joins groups into one
+    batch (``1x262144+7x4096``: a long request decoding beside seven short ones)."""
+    lengths = []
+    for group in case.split("+"):
+        b, n = (int(x) for x in group.split("x"))
+        lengths += [n] * b
+    return lengths
 
 
 def plot(report: dict, out_dir: Path) -> Path | None:
@@ -151,7 +161,7 @@ def main() -> None:
     earlier = out_dir / "sparse_e2e_decode.json"
     if earlier.exists():  # kept for _merge_earlier: variants may run in separate calls
         earlier.replace(out_dir / "sparse_e2e_decode.json.prev")
-    longest = max(int(c.split("x")[1]) for c in cases)
+    longest = max(max(case_lengths(c)) for c in cases)
     context = longest + LONG + 64
     engine_kwargs = {**LLAMA3_8B_DUMMY, "context_length": context,
                      "mem_fraction_static": args.mem_fraction, "cuda_graph_max_bs_decode": 8,
