@@ -203,7 +203,7 @@ def _sparse_decode_env(argv: list[str]) -> bool:
         return False
     if method != "pariskv":
         raise SystemExit(f"error: {sparse.FLAG} supports 'pariskv' (got {method!r})")
-    env = {f"SGLANG_PIC_SPARSE_{k.upper()}": v for k, v in values.items() if v is not None}
+    env = {SparseDecodeConfig.env_name(k): v for k, v in values.items() if v is not None}
     try:
         SparseDecodeConfig.from_env({**os.environ, **env})
     except SparseDecodeUnsupported as e:

@@ -44,14 +44,14 @@ class SparseDecodeConfig:
         env = os.environ if environ is None else environ
         values = {}
         for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
+            raw = env.get(cls.env_name(f.name))
             if raw is None:
                 continue
             try:
                 values[f.name] = int(raw)
             except ValueError:
                 raise SparseDecodeUnsupported(
-                    f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not an integer") from None
+                    f"{cls.env_name(f.name)}={raw!r} is not an integer") from None
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -77,5 +77,7 @@ class SparseDecodeConfig:
         """Key slots a sparse request attends per KV head and step (sink, retrieved, window)."""
         return self.sink + self.topk + self.local + self.update
 
-    def to_env(self) -> dict[str, str]:
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+    @staticmethod
+    def env_name(field: str) -> str:
+        """The variable that sets ``field`` (``topk`` -> ``SGLANG_PIC_SPARSE_TOPK``)."""
+        return ENV_PREFIX + field.upper()
