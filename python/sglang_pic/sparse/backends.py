@@ -104,15 +104,15 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
     config = model_runner.model_config
     pool = model_runner.token_to_kv_pool
     req_to_token = model_runner.req_to_token_pool.req_to_token
-    first = attention_layers(model_runner)[0]
-    hq, hkv, d = first.tp_q_head_num, first.tp_k_head_num, first.qk_head_dim
+    layers = attention_layers(model_runner)  # one shape (check_server_settings)
+    hq, hkv, d = layers[0].tp_q_head_num, layers[0].tp_k_head_num, layers[0].qk_head_dim
     max_context = min(cfg.max_context or config.context_len, req_to_token.shape[1])
     capacity = max_context - cfg.sink - cfg.local
     if capacity <= cfg.update or max_context <= cfg.threshold:
         _refuse(f"a context length of {max_context} with --sparse-threshold {cfg.threshold} "
                 "(nothing would ever decode sparsely; raise --context-length or lower the "
                 "threshold)")
-    layer_ids = sorted(m.layer_id for m in attention_layers(model_runner))
+    layer_ids = sorted(m.layer_id for m in layers)
     device = model_runner.device
     if torch.device(device).type == "cuda":
         need = (len(layer_ids) * cfg.max_requests * capacity * KernelIndexOps.bytes_per_token(hkv, d)
@@ -194,12 +194,15 @@ class _SparseDecodeMixin:
         """Whether the decode graph to capture or replay is the one with the sparse part."""
         return self.capture_sparse if self.capturing else self.sparse.active
 
-    def _sparse_rows(self, q, o, layer) -> None:
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """SGLang's decode (the backend this mixes into), then the sparse rows overwritten."""
+        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.capture_sparse if capturing else self.sparse.active:
             hq, d = layer.tp_q_head_num, layer.qk_head_dim
             self.sparse.attend(layer.layer_id, q.reshape(-1, hq, d), o.view(-1, hq, d),
                                layer.scaling)
+        return o
 
 
 class ParisKVTritonBackend(_SparseDecodeMixin, TritonAttnBackend):
@@ -229,11 +232,6 @@ class ParisKVTritonBackend(_SparseDecodeMixin, TritonAttnBackend):
         with self._dense_view(forward_batch, dense):
             return super().init_forward_metadata_out_graph(forward_batch)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        self._sparse_rows(q, o, layer)
-        return o
-
 
 class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
     NAME = "pariskv_torch_native"
@@ -259,11 +257,6 @@ class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
             seq_lens = self._dense_lens
         return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, req_to_token,
                                                 req_pool_indices, seq_lens, *args, **kwargs)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        self._sparse_rows(q, o, layer)
-        return o
 
 
 def create_pariskv_triton(model_runner):
