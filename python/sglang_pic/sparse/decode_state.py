@@ -16,14 +16,16 @@ so each step attends ``sink + topk + window`` pool slots, listed per slot and KV
 
 Per step, outside any CUDA graph (``prepare_decode``, from the backend's metadata init):
 activate requests whose context exceeds ``threshold`` (their region is encoded from the pool,
-every layer), slide windows, rebuild the sink/window part of ``idx`` and the batch-row <-> slot
-maps, and give the dense kernel a length of 1 for sparse rows so it does no real work for them.
+every layer, and their sink listed in ``idx``), slide windows, rebuild the window part of
+``idx`` and the batch-row <-> slot maps, and give the dense kernel a length of 1 for sparse rows
+so it does no real work for them.
 Per layer, inside the graph when there is one (``attend``): select, write the selected rows'
 pool slots into ``idx``, attend, and overwrite the sparse rows of the dense output. Every tensor
 the graph touches is allocated once.
 
-A slot belongs to the request that activated it until an extend (prefill) batch shows its
-request-pool index holding another request (``note_extend``) or a new long request needs the
+A slot belongs to the request that activated it until a batch shows its request-pool index
+holding another request - an extend (``note_extend``) or a decode step (``prepare_decode``: a
+different request id, or a length that is not the next step) - or a new long request needs the
 slot of one no longer decoding.
 """
 
@@ -154,7 +156,7 @@ class SparseDecodeState:
                 continue
             slot.seq_len = seq_lens[row]
             self._slide(k)
-            self._fill_idx(k, slot)
+            self._fill_window(k, slot)
             rows.append(row)
             slots.append(k)
         self.active = bool(rows)
@@ -206,11 +208,12 @@ class SparseDecodeState:
     def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
         cfg = self.cfg
         n_ret = seq_len - cfg.sink - cfg.local
-        self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), 0, seq_len - 1)
         self._encode(k, pool_index, cfg.sink, n_ret, 0)
-        self.slots[k].n_ret = n_ret
+        self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), n_ret, seq_len - 1)
         self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
+        # the sink's pool slots never change while the request holds the slot
+        self.idx[k, :, : cfg.sink] = self._positions_to_slots(pool_index, 0, cfg.sink).int()
         self._count("activated", 1)
         logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
                     "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
@@ -225,16 +228,15 @@ class SparseDecodeState:
             slot.n_ret += cfg.update
             self.n_ret[k] = slot.n_ret
 
-    def _fill_idx(self, k: int, slot: _Slot) -> None:
+    def _fill_window(self, k: int, slot: _Slot) -> None:
+        """This step's window part of ``idx`` (the selected part is written per layer)."""
         cfg = self.cfg
         win_start = cfg.sink + slot.n_ret
         window = self._positions_to_slots(slot.pool_index, win_start, slot.seq_len)
         window = window[-(cfg.local + cfg.update):]  # capped when the region is full
-        row = torch.full((cfg.attended,), -1, dtype=torch.int32, device=self.idx.device)
-        row[: cfg.sink] = self._positions_to_slots(slot.pool_index, 0, cfg.sink).int()
         w0 = cfg.sink + cfg.topk
-        row[w0 : w0 + window.numel()] = window.int()
-        self.idx[k] = row
+        self.idx[k, :, w0:] = -1
+        self.idx[k, :, w0 : w0 + window.numel()] = window.int()
 
     def _release(self, k: int) -> None:
         self.slots[k] = None
