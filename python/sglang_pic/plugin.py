@@ -52,6 +52,7 @@ def register() -> None:
         HookType.BEFORE,
     )
     position_free.register()
+    _CPU_TWINS.update(position_free.CPU_BACKENDS, sparse.CPU_BACKENDS)
     HookRegistry.register(
         "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
     )
@@ -71,13 +72,14 @@ def register() -> None:
     )
 
 
-def _support_triton(original, backend: str) -> bool:
-    """Our CPU twins of ``torch_native`` (position-free, sparse) answer like it: False."""
-    from sglang_pic import position_free, sparse
+# our CPU twins of ``torch_native`` (position-free, sparse), filled by register()
+_CPU_TWINS: set[str] = set()
 
-    if backend in position_free.CPU_BACKENDS or backend in sparse.CPU_BACKENDS:
-        return False
-    return original(backend)
+
+def _support_triton(original, backend: str) -> bool:
+    """Our CPU twins of ``torch_native`` answer like it: False. SGLang asks on allocation
+    paths, so the names are gathered once, at registration."""
+    return False if backend in _CPU_TWINS else original(backend)
 
 
 def _announce(message: str) -> None:
