@@ -329,7 +329,7 @@ def test_a_server_that_cannot_map_the_segment_is_read_over_the_socket(cluster, m
     def elsewhere(name):  # a server in another container / on another host
         raise FileNotFoundError(name)
 
-    monkeypatch.setattr(cluster[0].segments, "get", elsewhere)
+    monkeypatch.setattr(cluster[0].segments, "mapping", elsewhere)
     reader = StoreClient([s.endpoint for s in cluster], TOKEN)
     ok, got = _get_into(reader, [t for t, _ in pages])
     assert all(ok) and got == [d for _, d in pages]
@@ -422,3 +422,158 @@ def test_segments_of_killed_processes_are_reaped(tmp_path):
     for seg in (mine, other):
         seg.close()
         assert not seg.path.exists()
+
+
+# ---- same node, host pool in shared memory: servers write into it ------------------------
+def _memfd_pool(nbytes: int):
+    import mmap
+    import os
+
+    fd = os.memfd_create("ptstore-test-pool")
+    os.ftruncate(fd, nbytes)
+    return fd, mmap.mmap(fd, nbytes)
+
+
+def test_same_node_servers_write_straight_into_a_shared_host_pool(cluster):
+    """With the destinations inside a memfd the reader names (SGLang's host pool with
+    ``"allocator": "shm"``), same-node servers copy each page into its slot: the exact bytes,
+    one request per server, nothing through the staging segment or the socket."""
+    import os
+
+    from sglang_pic.store.shm import address_of
+
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN, shm=False)
+    pages = _pages("q", 30)
+    writer.batch_set(pages)
+    fd, mm = _memfd_pool(40 * PAGE)
+    base = address_of(mm)
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN)
+    reader.use_pool(fd, base, len(mm))
+    assert reader._pool_ok == {s.endpoint: True for s in cluster}
+    slots = [(7 * i + 3) % 40 for i in range(30)]  # scattered, as host-pool slots are
+    dests = [memoryview(mm)[k * PAGE:(k + 1) * PAGE] for k in slots]
+    before = reader.rpcs
+    ok = reader.batch_get_into([t for t, _ in pages] + ["absent"],
+                               dests + [memoryview(bytearray(PAGE))],
+                               [base + k * PAGE for k in slots] + [0])
+    assert ok == [True] * 30 + [False]
+    assert [bytes(d) for d in dests] == [d for _, d in pages]
+    untouched = set(range(40)) - set(slots)
+    assert all(mm[k * PAGE:(k + 1) * PAGE] == bytes(PAGE) for k in untouched)
+    assert reader.stats["pool_pages"] == 30 and reader.stats["shm_pages"] == 0
+    assert sum(s.pool_pages for s in cluster) == 30
+    assert sum(s.status()["pool_pages"] for s in cluster) == 30
+    # one get per owner; the page outside the pool probes the staging path (3) and asks its owner
+    assert reader.rpcs - before <= 3 + 3 + 1
+    del dests
+    reader.close()
+    writer.close()
+    mm.close()
+    os.close(fd)
+
+
+def test_a_page_corrupted_on_its_way_into_the_pool_is_a_miss(cluster):
+    import os
+
+    from sglang_pic.store.shm import address_of
+
+    writer = StoreClient([s.endpoint for s in cluster], TOKEN, shm=False)
+    writer.batch_set(_pages("z", 6))
+    for s in cluster:
+        for e in s.engine.owned.entries.values():
+            e.checksum ^= 1
+    fd, mm = _memfd_pool(6 * PAGE)
+    base = address_of(mm)
+    reader = StoreClient([s.endpoint for s in cluster], TOKEN)
+    reader.use_pool(fd, base, len(mm))
+    dests = [memoryview(mm)[k * PAGE:(k + 1) * PAGE] for k in range(6)]
+    ok = reader.batch_get_into([f"z{i}" for i in range(6)], dests,
+                               [base + k * PAGE for k in range(6)])
+    assert ok == [False] * 6 and reader.stats["pool_pages"] == 6  # written, verified, rejected
+    del dests
+    reader.close()
+    writer.close()
+    mm.close()
+    os.close(fd)
+
+
+def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp_path):
+    """A pool must be a shared-memory file of the named process with the named identity;
+    offsets stay inside it; a get past its ``until`` copies nothing (the reader has stopped
+    waiting and may have reused the slots). The server keeps serving."""
+    import json
+    import os
+    import time
+
+    from sglang_pic.store.shm import pool_spec
+
+    srv = cluster[0]
+    writer = StoreClient([srv.endpoint], TOKEN, shm=False)
+    writer.batch_set([("late", b"L" * PAGE)])
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(srv.endpoint)
+
+    def ask(header):
+        raw.send_multipart([json.dumps({**header, "token": TOKEN}).encode()])
+        assert raw.poll(2000)
+        return json.loads(raw.recv_multipart()[0])
+
+    fd, mm = _memfd_pool(4 * PAGE)
+    plain = os.open(tmp_path / "not-shm", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain, 4 * PAGE)
+    try:
+        spec = pool_spec(fd)
+        get = {"op": "get", "tids": ["late"]}
+        shm = {"pool": spec, "offsets": [0], "sizes": [PAGE], "until": time.time() + 5}
+
+        def err(**kw):
+            return ask({**get, "shm": {**shm, **kw}})["error"]
+
+        assert "not a shared-memory file" in err(pool=pool_spec(plain))
+        assert "not the reader's pool" in err(pool={**spec, "ino": spec["ino"] + 1})
+        assert "unavailable" in err(pool={**spec, "pid": 2 ** 22 + 7})  # no such process
+        assert "bad pool spec" in err(pool={**spec, "fd": "3"})
+        assert "outside" in err(offsets=[4 * PAGE])
+        assert "until" in ask({**get, "shm": {"pool": spec, "offsets": [0],
+                                              "sizes": [PAGE]}})["error"]
+        assert ask({"op": "probe", "shm": {"pool": pool_spec(plain)}})["shm"] is False
+        assert ask({"op": "probe", "shm": {"pool": spec}})["shm"] is True
+        late = ask({**get, "shm": {**shm, "until": time.time() - 1}})
+        assert late["ok"] and late["found"] == [False] and mm[:PAGE] == bytes(PAGE)
+        on_time = ask({**get, "shm": shm})
+        assert on_time["found"] == [True] and mm[:PAGE] == b"L" * PAGE
+    finally:
+        raw.close(0)
+        mm.close()
+        os.close(fd)
+        os.close(plain)
+    assert writer.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
+    writer.close()
+
+
+def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
+    """A killed scheduler's host pool (tens of GB) is freed only once no server maps it."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sglang_pic.store.shm import SegmentCache
+
+    code = ("import json, mmap, os, sys, time; sys.path.insert(0, 'python');"
+            "from sglang_pic.store.shm import pool_spec;"
+            "fd = os.memfd_create('pool'); os.ftruncate(fd, 1 << 20);"
+            "print(json.dumps(pool_spec(fd)), flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+    try:
+        spec = json.loads(child.stdout.readline())
+        cache = SegmentCache()
+        assert len(cache.get(spec)) == 1 << 20
+        assert cache.reap() == 0 and len(cache.maps) == 1  # alive: kept
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert cache.reap() == 1 and not cache.maps

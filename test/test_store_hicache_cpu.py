@@ -69,3 +69,6 @@ def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, t
     details = second["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) >= 256, second["meta_info"]
     assert second["text"] == first["text"]
+    # --ptstore puts B's host pool in shared memory: the servers (this process) wrote the
+    # loaded blocks straight into it, K and V of each layer of each loaded page
+    assert sum(s.pool_pages for s in store_cluster) >= 2 * 30 * 256 // 16

@@ -9,7 +9,10 @@ seen the prefixes and shares no GPU or host memory with the writer):
   waits until they are written through to storage, the reader loads them;
 * ``sglang-pic-ptstore-writer`` then ``sglang-pic-ptstore``: the same with PTStore (three store
   servers on this node, started by this script) as the ``dynamic`` backend; the servers are on
-  the reader's node, so pages come through its shared-memory segment;
+  the reader's node and SGLang's host pool is in shared memory (``"allocator": "shm"``, as
+  ``--ptstore`` sets it), so the servers write the pages straight into the reader's host pool;
+* ``sglang-pic-ptstore-staging``: the PTStore reader with a private host pool: pages come
+  through its shared-memory staging segment and are copied into the pool by the reader;
 * ``sglang-pic-ptstore-socket``: the PTStore reader with the shared-memory path off (every page
   over loopback TCP, as from servers on other nodes).
 
@@ -83,7 +86,10 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
                 "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
                 "token": params["token"], "interface_v1": 1,
-                "shm": not kind.endswith("-socket")})
+                "shm": not kind.endswith("-socket"),
+                # as --ptstore sets it; "-staging": the host pool in private memory, pages
+                # come through the reader's staging segment
+                **({} if kind.endswith("-staging") else {"allocator": "shm"})})
     prefixes = _prefixes(params)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
@@ -149,7 +155,7 @@ SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49
                 "lengths": [320, 640],
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
 VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
-            "sglang-pic-ptstore", "sglang-pic-ptstore-socket")
+            "sglang-pic-ptstore", "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
 
 
 def main() -> None:
@@ -184,6 +190,7 @@ def main() -> None:
             p.terminate()
     res = report["results"]
     cols = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+            "PTStore/staging": "sglang-pic-ptstore-staging",
             "PTStore/socket": "sglang-pic-ptstore-socket"}
     print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in cols)
           + f"{'PTStore vs recompute':>22}{'vs file':>10}")

@@ -107,7 +107,9 @@ def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool)
         raise SystemExit(f"error: {PTSTORE_FLAG} is a HiCache storage backend; drop "
                          f"--hicache-storage-backend {backend}")
     config = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
-              "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1}
+              "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1,
+              # the host pool in a memfd: same-node store servers write loaded pages into it
+              "allocator": "shm"}
     if token:
         config["token"] = token
     user_config = _pop_option(argv, "--hicache-storage-backend-extra-config")

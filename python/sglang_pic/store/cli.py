@@ -22,11 +22,16 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--ssd-gb", type=float, default=0.0, help="SSD tier budget (0: unbounded)")
     ap.add_argument("--token", default=None, help="shared secret clients must send")
     ap.add_argument("--max-tensor-mb", type=float, default=64.0)
+    ap.add_argument("--copy-threads", type=int, default=4,
+                    help="threads copying pages into same-node readers' memory")
     args = ap.parse_args(argv)
+    if args.copy_threads < 1:
+        ap.error("--copy-threads must be >= 1")
     engine = StoreEngine(int(args.memory_gb * (1 << 30)), args.replica_fraction, args.ssd_dir,
                          int(args.ssd_gb * (1 << 30)))
     server = StoreServer(engine, args.endpoint, args.token,
-                         Limits(max_tensor_bytes=int(args.max_tensor_mb * (1 << 20))))
+                         Limits(max_tensor_bytes=int(args.max_tensor_mb * (1 << 20))),
+                         copy_threads=args.copy_threads)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -15,7 +15,10 @@ destination buffer (the host pool page), after checking it.
 **Same node.** Servers on the reader's node (found by a ``probe`` that proves they map the
 reader's shared-memory segment) return pages through that segment instead of the socket
 (``shm``): the server copies, the reply carries checksums only. Loads go in rounds of at most
-``shm_bytes``; other servers are asked over the socket in the first round.
+``shm_bytes``; other servers are asked over the socket in the first round. Where the reader's
+destination buffers lie in a shared-memory file (``use_pool``: SGLang's host pool allocated with
+``"allocator": "shm"``), same-node servers write the pages straight into them, all in one
+round, and the reader only verifies them where they are.
 
 **Threads.** SGLang's cache controller calls one backend from three threads (storage hit
 queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
@@ -46,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from .protocol import checksum, encode
-from .shm import DATA_OFFSET, ClientSegment
+from .shm import DATA_OFFSET, ClientSegment, pool_spec
 
 Buffer = bytes | memoryview
 Sink = Callable[[int, memoryview, int], None]
@@ -91,6 +94,10 @@ class _PageWriter:
         if memoryview(data).nbytes == self.sizes[i]:  # a page of another shape is a miss
             self.pending.append((i, data, s))
 
+    def placed(self, i: int, s: int) -> None:
+        """Page ``i`` was written into its destination by a server: verify it there."""
+        self.pending.append((i, self.dests[i], s))
+
     def flush(self) -> None:
         if not self.pending:
             return
@@ -105,9 +112,11 @@ class _PageWriter:
         self.pending.clear()
         if not good:
             return
-        src = [torch.frombuffer(d, dtype=torch.uint8) for _, d in good]
-        dst = [torch.frombuffer(self.dests[i], dtype=torch.uint8) for i, _ in good]
-        torch._foreach_copy_(dst, src)
+        moved = [(i, d) for i, d in good if d is not self.dests[i]]  # not already in place
+        if moved:
+            src = [torch.frombuffer(d, dtype=torch.uint8) for _, d in moved]
+            dst = [torch.frombuffer(self.dests[i], dtype=torch.uint8) for i, _ in moved]
+            torch._foreach_copy_(dst, src)
         for i, _ in good:
             self.ok[i] = True
 
@@ -141,6 +150,9 @@ def _checksums(pages: list[Buffer]) -> list[int]:
 class StoreClient:
     TRACKED_PAGES = 1 << 20
     """Bound on the pages whose remote reads (or local replicas) the client remembers."""
+    POOL_GRACE_S = 0.5
+    """How long past a pool get's ``until`` the reader still waits for the reply (a server
+    writes nothing after ``until``; the reply of a page copy begun just before comes after)."""
 
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
                  local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5,
@@ -162,13 +174,15 @@ class StoreClient:
         self._all_socks: list[zmq.Socket] = []
         self.shm, self.shm_bytes = shm, shm_bytes
         self._shm_ok: dict[str, bool] = {}  # server -> maps our segments (probed once)
+        self._pool: tuple[dict, int, int] | None = None  # (pool_spec, address, size)
+        self._pool_ok: dict[str, bool] = {}  # server -> maps our pool (probed once)
         self._segments: list[ClientSegment] = []
         self._free_segments: list[ClientSegment] = []
         self._socks_lock = threading.Lock()
         self.rpcs = 0
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
-        self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0}
+        self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0}
 
     @property
     def socks(self) -> dict[str, zmq.Socket]:
@@ -222,15 +236,17 @@ class StoreClient:
         return header, [f.buffer for f in frames[1:]]
 
     def _round_trips(self, requests: dict[str, tuple[dict, list[Buffer] | None]],
-                     nbytes: int) -> dict[str, tuple[dict, list] | None]:
+                     nbytes: int, deadline: float | None = None
+                     ) -> dict[str, tuple[dict, list] | None]:
         """Send every request, then collect every reply against one deadline (``nbytes``: the
-        bytes the replies and requests carry). A server whose reply was not collected - time out,
-        or an error while collecting - loses its socket."""
+        bytes the replies and requests carry; or ``deadline``, monotonic). A server whose reply
+        was not collected - time out, or an error while collecting - loses its socket."""
         replies: dict[str, tuple[dict, list] | None] = {}
         try:
             for server, (header, payloads) in requests.items():
                 self._send(server, header, payloads)
-            deadline = self._deadline(nbytes)
+            if deadline is None:
+                deadline = self._deadline(nbytes)
             for server in requests:
                 replies[server] = self._recv(server, deadline)
         finally:
@@ -324,30 +340,62 @@ class StoreClient:
     def _same_node(self, servers: list[str], seg: ClientSegment) -> set[str]:
         """The servers among ``servers`` that map our segments (each probed once; a server that
         does not answer is asked again next time)."""
-        unknown = [s for s in servers if s not in self._shm_ok]
+        probe = {"name": seg.name, "nonce": seg.nonce.hex()}
+        return self._probe(servers, probe, self._shm_ok)
+
+    def _probe(self, servers: list[str], shm: dict, known: dict[str, bool]) -> set[str]:
+        unknown = [s for s in servers if s not in known]
         if unknown:
-            probe = {"op": "probe", "shm": {"name": seg.name, "nonce": seg.nonce.hex()}}
-            replies = self._round_trips({s: (probe, None) for s in unknown}, 0)
+            replies = self._round_trips({s: ({"op": "probe", "shm": shm}, None)
+                                         for s in unknown}, 0)
             for s in unknown:
                 if replies.get(s) is not None:
-                    self._shm_ok[s] = bool(replies[s][0].get("ok") and replies[s][0].get("shm"))
-        return {s for s in servers if self._shm_ok.get(s)}
+                    known[s] = bool(replies[s][0].get("ok") and replies[s][0].get("shm"))
+        return {s for s in servers if known.get(s)}
+
+    def use_pool(self, fd: int, address: int, size: int) -> None:
+        """Destinations in ``[address, address + size)`` are the shared-memory file ``fd`` of
+        this process (SGLang's host pool with ``"allocator": "shm"``): servers on this node
+        write pages there directly. Probes every server now, off the first load's path."""
+        self._pool = (pool_spec(fd), address, size)
+        self._pool_ok.clear()
+        self._probe(self.servers, {"pool": self._pool[0]}, self._pool_ok)
+
+    def _in_pool(self, groups: dict[str, list[int]], addrs: list[int] | None,
+                 sizes: list[int] | None) -> dict[str, list[int]]:
+        """Per same-node server, the positions it can write straight into our pool."""
+        if self._pool is None or addrs is None or sizes is None:
+            return {}
+        spec, base, size = self._pool
+        out = {}
+        for s in self._probe(list(groups), {"pool": spec}, self._pool_ok):
+            idx = [i for i in groups[s] if base <= addrs[i] and addrs[i] + sizes[i] <= base + size]
+            if idx:
+                out[s] = idx
+        return out
 
     def _fetch(self, groups: dict[str, list[int]], tids: list[str],
                sink: Sink, nbytes: int | None = None,
-               sizes: list[int] | None = None) -> None:
+               sizes: list[int] | None = None, addrs: list[int] | None = None) -> None:
         """Ask every owner for its ids (all requests out first) and hand each page received to
         ``sink(position, data, checksum)``; a reply that does not add up is a miss for its ids.
-        With the pages' ``sizes`` known, same-node owners answer through a pooled segment."""
-        seg = self._acquire_segment() if sizes is not None else None
+        With the pages' ``sizes`` known, same-node owners answer through a pooled segment, or
+        (``addrs`` inside our pool) write straight into the destinations (``sink.placed``)."""
+        pool = self._in_pool(groups, addrs, sizes)
+        if pool:
+            groups = {s: [i for i in idx if i not in set(pool.get(s, ()))]
+                      for s, idx in groups.items()}
+        rest = any(groups.values())
+        seg = self._acquire_segment() if sizes is not None and rest else None
         try:
-            self._fetch_with(groups, tids, sink, nbytes, sizes, seg)
+            self._fetch_with(groups, tids, sink, nbytes, sizes, seg, pool, addrs)
         finally:
             self._release_segment(seg)
 
     def _fetch_with(self, groups: dict[str, list[int]], tids: list[str],
                     sink: Sink, nbytes: int | None,
-                    sizes: list[int] | None, seg: ClientSegment | None) -> None:
+                    sizes: list[int] | None, seg: ClientSegment | None,
+                    pool: dict[str, list[int]], addrs: list[int] | None) -> None:
         rounds: list[dict[str, list[tuple[int, int]]]] = []  # server -> [(position, offset)]
         if seg is not None:
             near = self._same_node(list(groups), seg)
@@ -371,26 +419,39 @@ class StoreClient:
         for server, idx in sockets.items():
             if idx:
                 (later if server in plan[0] else plan[0])[server] = ("socket", idx)
+        for server, idx in pool.items():
+            (later if server in plan[0] else plan[0])[server] = ("pool", idx)
         if later:
             plan.append(later)
-        count = sum(len(i) for i in groups.values())
+        count = sum(len(i) for i in groups.values()) + sum(len(i) for i in pool.values())
         budget = nbytes if nbytes is not None else self.page_bytes * count
         for step in plan:
             requests: dict[str, tuple[dict, None]] = {}
+            deadline = self._deadline(budget)
+            until = time.time() + (deadline - time.monotonic())
             for server, (how, items) in step.items():
-                if how == "shm":
+                if how == "pool":
+                    spec, base, _ = self._pool
+                    requests[server] = ({"op": "get", "tids": [tids[i] for i in items],
+                                         "shm": {"pool": spec,
+                                                 "offsets": [addrs[i] - base for i in items],
+                                                 "sizes": [sizes[i] for i in items],
+                                                 "until": until}}, None)
+                elif how == "shm":
                     requests[server] = ({"op": "get", "tids": [tids[i] for i, _ in items],
                                          "shm": {"name": seg.name,
                                                  "offsets": [DATA_OFFSET + o for _, o in items],
                                                  "sizes": [sizes[i] for i, _ in items]}}, None)
                 else:
                     requests[server] = ({"op": "get", "tids": [tids[i] for i in items]}, None)
-            replies = self._round_trips(requests, budget)
+            replies = self._round_trips(requests, budget, deadline + self.POOL_GRACE_S)
             for server, (how, items) in step.items():
                 reply = replies.get(server)
                 if reply is None or not reply[0].get("ok"):
                     continue
-                if how == "shm":
+                if how == "pool":
+                    self._take_placed(reply, items, sink)
+                elif how == "shm":
                     self._take_segment(reply, items, seg, sizes, sink)
                 else:
                     self._take_payloads(reply, items, sink)
@@ -425,6 +486,17 @@ class StoreClient:
                 sink(i, seg.view(off, sizes[i]), next(it))
                 self.stats["shm_pages"] += 1
 
+    def _take_placed(self, reply: tuple[dict, list], idx: list[int], sink: Sink) -> None:
+        checked = _found_and_sums(reply[0], len(idx))
+        if checked is None:
+            return
+        found, sums = checked
+        it = iter(sums)
+        for i, present in zip(idx, found, strict=True):
+            if present:
+                sink.placed(i, next(it))
+                self.stats["pool_pages"] += 1
+
     def batch_get(self, tids: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(tids)
 
@@ -435,21 +507,24 @@ class StoreClient:
         self._get(tids, keep, lambda i: out[i] is not None, lambda i: out[i])
         return out
 
-    def batch_get_into(self, tids: list[str], dests: list[memoryview]) -> list[bool]:
+    def batch_get_into(self, tids: list[str], dests: list[memoryview],
+                       addrs: list[int] | None = None) -> list[bool]:
         """Read pages straight into ``dests`` (writable buffers of the pages' sizes; one copy
-        each, after the checksum); True where the page was found whole."""
+        each, after the checksum; ``addrs``: their addresses, which lets same-node servers write
+        into those inside ``use_pool``'s file); True where the page was found whole."""
         writer = _PageWriter(dests)
         self._get(tids, writer, writer.ok.__getitem__, lambda i: dests[i],
-                  nbytes=sum(writer.sizes), sizes=writer.sizes)
+                  nbytes=sum(writer.sizes), sizes=writer.sizes, addrs=addrs)
         return writer.ok
 
     def _get(self, tids: list[str], sink: Sink,
              have: Callable[[int], bool], data_of: Callable[[int], Buffer | None],
-             nbytes: int | None = None, sizes: list[int] | None = None) -> None:
+             nbytes: int | None = None, sizes: list[int] | None = None,
+             addrs: list[int] | None = None) -> None:
         if self.local is not None:
             near = [i for i, t in enumerate(tids) if t in self.replicated]
             if near:
-                self._fetch({self.local: near}, tids, sink, nbytes, sizes)
+                self._fetch({self.local: near}, tids, sink, nbytes, sizes, addrs)
                 for i in near:
                     if not have(i):  # the replica was evicted: ask the owner again
                         self.replicated.pop(tids[i], None)
@@ -457,7 +532,7 @@ class StoreClient:
                         self.stats["replica_hits"] += 1
         owners = [self.ring.owner(t) for t in tids]
         missing = [i for i in range(len(tids)) if not have(i)]
-        self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes, sizes)
+        self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes, sizes, addrs)
         if self.local is not None:
             self._replicate_hot(tids, owners, [data_of(i) if have(i) else None
                                                for i in range(len(tids))])

@@ -17,7 +17,10 @@ Two interfaces, as SGLang's controller chooses:
   ``get_page_buffer_meta`` names the memory of each page (K and V of a page for the
   ``page_first`` layout; one block per layer and K/V for ``layer_first``), which zmq sends
   without a copy and into which received pages are copied once, straight from the socket buffer.
-  Each block is one store tensor ``<page hash>@<model>@tp<r>of<n>#<block>``.
+  Each block is one store tensor ``<page hash>@<model>@tp<r>of<n>#<block>``. With the host pool
+  in shared memory (``"allocator": "shm"``, which ``--ptstore`` also sets: SGLang's
+  ``ShmHostTensorAllocator`` puts it in a memfd), store servers on this node write loaded pages
+  straight into their host-pool slots, and this process only verifies them there.
 * otherwise the page-copy interface (``batch_get`` / ``batch_set``): SGLang hands flat page
   tensors, which costs a copy on each side.
 """
@@ -37,6 +40,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from .client import StoreClient
+from .shm import address_of
 
 logger = logging.getLogger(__name__)
 TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup and load with timings
@@ -106,6 +110,18 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         if self.zero_copy:
             page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
             self.blocks = len(mem_pool_host.get_page_buffer_meta(page)[0])
+            self._share_pool(mem_pool_host)
+
+    def _share_pool(self, mem_pool_host) -> None:
+        """Let same-node servers write into the host pool when SGLang put it in one memfd
+        (``ShmHostTensorAllocator``: ``allocator.fds`` / ``allocator.mms``)."""
+        alloc = getattr(mem_pool_host, "allocator", None)
+        fds, mms = getattr(alloc, "fds", None), getattr(alloc, "mms", None)
+        if self.client.shm and fds and mms and len(fds) == len(mms) == 1:
+            self.client.use_pool(fds[0], address_of(mms[0]), len(mms[0]))
+            logger.info("PTStore: same-node servers write into the host pool (%d of %d "
+                        "servers map it)", sum(self.client._pool_ok.values()),
+                        len(self.client.servers))
 
     def _ids(self, keys: list[str]) -> list[str]:
         if not self.zero_copy:
@@ -117,12 +133,12 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         draft-model path) stores flat pages, not host-pool blocks."""
         return [k + self.suffix for k in keys]
 
-    def _page_buffers(self, host_indices: torch.Tensor) -> list[memoryview]:
+    def _page_buffers(self, host_indices: torch.Tensor) -> tuple[list[memoryview], list[int]]:
         """The host pool's memory of the pages at ``host_indices``, as writable byte views
-        (``blocks`` per page, in ``_ids`` order)."""
+        (``blocks`` per page, in ``_ids`` order), and their addresses."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         return [memoryview((ctypes.c_char * n).from_address(p)).cast("B")
-                for p, n in zip(ptrs, sizes, strict=True)]
+                for p, n in zip(ptrs, sizes, strict=True)], list(ptrs)
 
     def _per_page(self, ok: list[bool]) -> list[bool]:
         b = self.blocks
@@ -173,7 +189,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
         ok = self._per_page(self.client.batch_get_into(self._ids(keys),
-                                                       self._page_buffers(host_indices)))
+                                                       *self._page_buffers(host_indices)))
         self.stats["get_pages"] += len(keys)
         self.stats["get_hits"] += sum(ok)
         return ok
@@ -182,7 +198,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
         ids = self._ids(keys)
-        added = self.client.batch_set(list(zip(ids, self._page_buffers(host_indices),
+        added = self.client.batch_set(list(zip(ids, self._page_buffers(host_indices)[0],
                                                strict=True)))
         failed = set(self.client.last_failed)
         self.stats["set_pages"] += len(keys)

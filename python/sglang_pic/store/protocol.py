@@ -6,7 +6,10 @@
 A get may instead name a shared-memory segment of the reader on the server's node
 (``"shm": {"name", "offsets", "sizes"}``, see ``shm``): the server copies each page there and the
 reply carries checksums only. ``probe`` (``"shm": {"name", "nonce"}``) asks whether the server
-maps that segment at all.
+maps that segment at all. A segment may also be the reader's host KV pool itself
+(``"shm": {"pool": {"pid", "fd", "dev", "ino"}, ...}``); a get into a pool carries ``until`` (wall
+clock), after which the server writes nothing more: the reader stops waiting soon after and may
+hand those pool slots to other data.
 
 Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH3 checksum so a
 reader never accepts a torn or corrupted page (measured on the 2-core CPU machine: 27 GB/s, ~4x
@@ -93,9 +96,14 @@ def _is_count(x) -> bool:
 def _check_shm(header: dict, tids: list) -> None:
     shm = header.get("shm")
     if header["op"] not in ("get", "probe") or not isinstance(shm, dict) \
-            or not isinstance(shm.get("name"), str):
+            or not (isinstance(shm.get("name"), str) or isinstance(shm.get("pool"), dict)):
         raise ProtocolError("shm: only get and probe name a segment")
-    if header["op"] == "probe":
+    if "pool" in shm:
+        if header["op"] == "probe":
+            return
+        if not isinstance(shm.get("until"), (int, float)):
+            raise ProtocolError("a get into a pool needs 'until'")
+    elif header["op"] == "probe":
         nonce = shm.get("nonce")
         if not isinstance(nonce, str) or len(nonce) != 32:
             raise ProtocolError("probe needs a 16-byte hex nonce")

@@ -8,8 +8,11 @@ renders them in the Prometheus exposition format.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
@@ -25,9 +28,22 @@ def _checksum_of(data: bytes, known: int | None) -> int:
     return checksum(data) if known is None else known
 
 
+def _copy_pages(task: tuple[list[tuple[int, bytes, int]], float]) -> list[int]:
+    """Copy ``(position, data, address)`` jobs in order while the wall clock is before the
+    deadline; returns the positions copied."""
+    jobs, until = task
+    done = []
+    for i, data, addr in jobs:
+        if time.time() > until:
+            break
+        ctypes.memmove(addr, data, len(data))
+        done.append(i)
+    return done
+
+
 class StoreServer:
     def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, copy_threads: int = 4) -> None:
         limits = limits or Limits()
         self.engine = engine
         self.endpoint = endpoint
@@ -39,6 +55,10 @@ class StoreServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.segments = SegmentCache()  # readers' shared-memory segments on this node
+        # copies into readers' memory: a memmove drops the GIL, so pages copy in parallel
+        self.copiers = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix="ptstore-copy")
+        self.copy_threads = max(1, copy_threads)
+        self.pool_pages = 0
         self.requests = 0
         self.rejected = 0
         self._stop = threading.Event()
@@ -54,6 +74,7 @@ class StoreServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.sock.close(0)
+        self.copiers.shutdown(wait=True)
         self.segments.close()
 
     def serve_forever(self) -> None:
@@ -61,6 +82,7 @@ class StoreServer:
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():
             if not poller.poll(100):
+                self.segments.reap()  # pools of readers that are gone: free their memory
                 continue
             frames = self.sock.recv_multipart(copy=False)
             ident, body = frames[0], [f.buffer for f in frames[1:]]
@@ -90,9 +112,10 @@ class StoreServer:
                                     kind, header["sums"])
             return encode({"ok": True, "added_bytes": added})
         if op == "probe":
+            shm = header["shm"]
             try:
-                seen = self.segments.get(header["shm"]["name"])[:16]
-                same = seen == bytes.fromhex(header["shm"]["nonce"])
+                mm, _ = self.segments.mapping(shm.get("pool", shm.get("name")))
+                same = "pool" in shm or mm[:16] == bytes.fromhex(shm["nonce"])
             except (OSError, ValueError):
                 same = False
             return encode({"ok": True, "shm": same})
@@ -114,26 +137,33 @@ class StoreServer:
         return encode({"ok": True, "status": self.status()})
 
     def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
-        """Copy each found page of the expected size to its offset in the reader's segment; the
-        reply names which were found, with their checksums."""
+        """Copy each found page of the expected size to its offset in the reader's segment (or
+        host pool); the reply names which were found, with their checksums. Into a pool, nothing
+        is written after ``until``: the reader has stopped waiting and may reuse the slots."""
+        pool = "pool" in shm
         try:
-            mm = self.segments.get(shm["name"])
+            mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
         except (OSError, ValueError) as e:
             raise ProtocolError(f"shm segment unavailable: {e}") from None
         offsets, sizes = shm["offsets"], shm["sizes"]
-        if any(o < DATA_OFFSET or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):
+        low = 0 if pool else DATA_OFFSET  # a staging segment's nonce lives below DATA_OFFSET
+        if any(o < low or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):
             raise ProtocolError("shm offsets outside the segment")
-        found, sums = [], []
-        for got, off, n in zip(self.engine.get_tensors_checked(tids), offsets, sizes,
-                               strict=True):
-            if got is None or len(got[0]) != n:  # absent, or a page of another shape: a miss
-                found.append(False)
-                continue
-            data, s = got
-            mm[off:off + n] = data
-            found.append(True)
-            sums.append(_checksum_of(data, s))
-        return encode({"ok": True, "found": found, "sums": sums})
+        until = float(shm["until"]) if pool else float("inf")
+        got = self.engine.get_tensors_checked(tids)
+        jobs = [(i, g[0], base + off) for i, (g, off, n) in enumerate(zip(got, offsets, sizes,
+                                                                         strict=True))
+                if g is not None and len(g[0]) == n]  # absent or another shape: a miss
+        step = -(-len(jobs) // self.copy_threads) or 1
+        found = [False] * len(tids)
+        for part in self.copiers.map(_copy_pages, [(jobs[k:k + step], until)
+                                                   for k in range(0, len(jobs), step)]):
+            for i in part:
+                found[i] = True
+        if pool:
+            self.pool_pages += sum(found)
+        return encode({"ok": True, "found": found,
+                       "sums": [_checksum_of(*got[i]) for i in range(len(tids)) if found[i]]})
 
     def status(self) -> dict:
         eng = self.engine
@@ -142,6 +172,7 @@ class StoreServer:
                 "owned_tensors": len(eng.owned.entries),
                 "replica_tensors": len(eng.replica.entries),
                 "evictions": eng.owned.evictions + eng.replica.evictions,
+                "pool_pages": self.pool_pages,
                 "objects": len(eng.objects)}
 
     def metrics_text(self) -> str:

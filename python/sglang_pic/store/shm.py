@@ -11,6 +11,12 @@ verifies each page and copies it into SGLang's host pool.
   in its first bytes so a server can prove it maps the same memory (``probe``): a server in
   another container or on another host never passes, and is then used over the socket.
 * ``SegmentCache`` - the server's mappings of clients' segments, opened by name on demand.
+* ``pool_spec`` - better still, no staging at all: SGLang can allocate its host KV pool in a
+  memfd (``"allocator": "shm"`` in the storage extra config, which ``--ptstore`` sets). A server
+  on the node then opens the pool itself through ``/proc/<pid>/fd/<fd>`` (checked against the
+  file's device and inode, which name one file on one kernel) and writes each page straight into
+  its host-pool slot: one copy per page in all, done by the servers, none by the reader, whose
+  process (SGLang's scheduler) is the one short of GIL time.
 
 Only names ``ptstore-<...>`` under ``/dev/shm`` are ever opened; a segment is created with
 mode 0600, so only processes of the same user can map it. Memory is reserved up front
@@ -24,9 +30,11 @@ memory: leaked segments once left a test machine without room for SGLang's host 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
+import stat
 import uuid
 import weakref
 from collections import OrderedDict
@@ -112,33 +120,107 @@ def reap_stale() -> int:
     return removed
 
 
+POOL_KEYS = ("pid", "fd", "dev", "ino")
+POOL_TARGETS = ("/memfd:", "/dev/shm/")  # what a pool's /proc/<pid>/fd link may point to
+
+
+def pool_spec(fd: int) -> dict[str, int]:
+    """How a server on this node finds this process's shared-memory file ``fd`` (SGLang's host
+    pool allocated with ``"allocator": "shm"``): its ``/proc`` path and the file's identity."""
+    st = os.fstat(fd)
+    return {"pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino}
+
+
+def address_of(mm: mmap.mmap) -> int:
+    """The address ``mm`` is mapped at (valid while it stays open)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # releases the export, so the mapping can still be closed
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _open_pool(spec: dict) -> mmap.mmap:
+    """Map a reader's pool file named by ``pool_spec``: only a shared-memory file (memfd or
+    ``/dev/shm``), only the very file the reader named (device and inode match)."""
+    if not isinstance(spec, dict) or not all(_is_int(spec.get(k)) and spec[k] >= 0
+                                             for k in POOL_KEYS):
+        raise ValueError("bad pool spec")
+    path = f"/proc/{spec['pid']}/fd/{spec['fd']}"
+    if not os.readlink(path).startswith(POOL_TARGETS):
+        raise ValueError("the pool is not a shared-memory file")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (spec["dev"], spec["ino"]):
+            raise ValueError("not the reader's pool")
+        return mmap.mmap(fd, st.st_size)
+    finally:
+        os.close(fd)
+
+
+def _pool_alive(key: tuple[int, ...]) -> bool:
+    """Whether the process still holds the pool file (its memory is freed only once no server
+    maps it any more: a killed scheduler's pool must not stay pinned by a server's cache)."""
+    pid, fd, dev, ino = key
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
 class SegmentCache:
-    """A server's mappings of client segments (least recently used closed beyond ``max_open``)."""
+    """A server's mappings of readers' memory: staging segments by name, host pools by
+    ``pool_spec`` (least recently used closed beyond ``max_open``; pools of processes that
+    are gone closed by ``reap``)."""
 
     def __init__(self, max_open: int = 16) -> None:
         self.max_open = max_open
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.maps: OrderedDict[str | tuple[int, ...], tuple[mmap.mmap, int]] = OrderedDict()
 
-    def get(self, name: str) -> mmap.mmap:
-        """The mapping of segment ``name``; raises ValueError for a name that is not one of
-        ours, OSError when it cannot be opened."""
-        if not isinstance(name, str) or not NAME_RE.match(name):
+    def get(self, name: str | dict) -> mmap.mmap:
+        """The mapping of segment ``name`` (or of a pool, given its spec); raises ValueError for
+        a name or spec that is not acceptable, OSError when it cannot be opened."""
+        return self.mapping(name)[0]
+
+    def mapping(self, name: str | dict) -> tuple[mmap.mmap, int]:
+        """``(mapping, address)`` of a segment or pool (see ``get``)."""
+        if isinstance(name, dict):
+            key = tuple(name.get(k) for k in POOL_KEYS)
+        elif isinstance(name, str) and NAME_RE.match(name):
+            key = name
+        else:
             raise ValueError("bad segment name")
-        mm = self.maps.get(name)
-        if mm is not None:
-            self.maps.move_to_end(name)
-            return mm
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.maps[name] = mm
+        hit = self.maps.get(key)
+        if hit is not None:
+            self.maps.move_to_end(key)
+            return hit
+        if isinstance(name, dict):
+            mm = _open_pool(name)
+        else:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        hit = self.maps[key] = (mm, address_of(mm))
         while len(self.maps) > self.max_open:
-            _close_quietly(self.maps.popitem(last=False)[1])
-        return mm
+            _close_quietly(self.maps.popitem(last=False)[1][0])
+        return hit
+
+    def reap(self) -> int:
+        """Close the pools of processes that are gone; returns how many."""
+        dead = [k for k in self.maps if isinstance(k, tuple) and not _pool_alive(k)]
+        for k in dead:
+            _close_quietly(self.maps.pop(k)[0])
+        return len(dead)
 
     def close(self) -> None:
-        for mm in self.maps.values():
+        for mm, _ in self.maps.values():
             _close_quietly(mm)
         self.maps.clear()
