@@ -147,7 +147,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
 
 ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 16384, "mem_fraction_static": 0.70,
                  "page_size": 64, "disable_cuda_graph": True}  # one output token: no decode graphs
-PARAMS = {"seed": 0, "samples": 3, "question_tokens": 64, "hicache_gb": 32, "vocab": 120000,
+PARAMS = {"seed": 0, "samples": 3, "question_tokens": 64, "hicache_gb": 16, "vocab": 120000,
           "lengths": list(LENGTHS)}
 SMOKE_KWARGS = {"device": "cpu", "skip_tokenizer_init": True, "attention_backend": "torch_native",
                 "max_total_tokens": 4096, "disable_cuda_graph": True, "page_size": 16}

@@ -18,7 +18,7 @@ reader's shared-memory segment) return pages through that segment instead of the
 ``shm_bytes``; other servers are asked over the socket in the first round. Where the reader's
 destination buffers lie in a shared-memory file (``use_pool``: SGLang's host pool allocated with
 ``"allocator": "shm"``), same-node servers write the pages straight into them, all in one
-round, and the reader only verifies them where they are.
+round, and verify them there: the reader copies and hashes nothing.
 
 **Threads.** SGLang's cache controller calls one backend from three threads (storage hit
 queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
@@ -94,9 +94,9 @@ class _PageWriter:
         if memoryview(data).nbytes == self.sizes[i]:  # a page of another shape is a miss
             self.pending.append((i, data, s))
 
-    def placed(self, i: int, s: int) -> None:
-        """Page ``i`` was written into its destination by a server: verify it there."""
-        self.pending.append((i, self.dests[i], s))
+    def placed(self, i: int) -> None:
+        """Page ``i`` was written into its destination and verified there by a server."""
+        self.ok[i] = True
 
     def flush(self) -> None:
         if not self.pending:
@@ -112,11 +112,9 @@ class _PageWriter:
         self.pending.clear()
         if not good:
             return
-        moved = [(i, d) for i, d in good if d is not self.dests[i]]  # not already in place
-        if moved:
-            src = [torch.frombuffer(d, dtype=torch.uint8) for _, d in moved]
-            dst = [torch.frombuffer(self.dests[i], dtype=torch.uint8) for i, _ in moved]
-            torch._foreach_copy_(dst, src)
+        src = [torch.frombuffer(d, dtype=torch.uint8) for _, d in good]
+        dst = [torch.frombuffer(self.dests[i], dtype=torch.uint8) for i, _ in good]
+        torch._foreach_copy_(dst, src)
         for i, _ in good:
             self.ok[i] = True
 
@@ -487,14 +485,14 @@ class StoreClient:
                 self.stats["shm_pages"] += 1
 
     def _take_placed(self, reply: tuple[dict, list], idx: list[int], sink: Sink) -> None:
-        checked = _found_and_sums(reply[0], len(idx))
-        if checked is None:
+        """A pool get's reply: ``found`` pages were written and verified in place by the
+        server (``"verified"``), so nothing is hashed here."""
+        found = reply[0].get("found")
+        if not reply[0].get("verified") or not isinstance(found, list) or len(found) != len(idx):
             return
-        found, sums = checked
-        it = iter(sums)
         for i, present in zip(idx, found, strict=True):
-            if present:
-                sink.placed(i, next(it))
+            if present is True:
+                sink.placed(i)
                 self.stats["pool_pages"] += 1
 
     def batch_get(self, tids: list[str]) -> list[bytes | None]:

@@ -28,15 +28,21 @@ def _checksum_of(data: bytes, known: int | None) -> int:
     return checksum(data) if known is None else known
 
 
-def _copy_pages(task: tuple[list[tuple[int, bytes, int]], float]) -> list[int]:
-    """Copy ``(position, data, address)`` jobs in order while the wall clock is before the
-    deadline; returns the positions copied."""
-    jobs, until = task
+def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, bool]) -> list[int]:
+    """Copy ``(position, data, address, checksum)`` jobs in order while the wall clock is before
+    the deadline; with ``verify``, hash each page where it landed and keep it only if it matches
+    (the checksum of a page read back from SSD is computed from its bytes). Returns the positions
+    copied (and verified)."""
+    jobs, until, verify = task
     done = []
-    for i, data, addr in jobs:
+    for i, data, addr, known in jobs:
         if time.time() > until:
             break
-        ctypes.memmove(addr, data, len(data))
+        n = len(data)
+        ctypes.memmove(addr, data, n)
+        if verify and checksum((ctypes.c_char * n).from_address(addr)) != _checksum_of(data,
+                                                                                        known):
+            continue
         done.append(i)
     return done
 
@@ -139,7 +145,9 @@ class StoreServer:
     def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
         """Copy each found page of the expected size to its offset in the reader's segment (or
         host pool); the reply names which were found, with their checksums. Into a pool, nothing
-        is written after ``until``: the reader has stopped waiting and may reuse the slots."""
+        is written after ``until`` (the reader has stopped waiting and may reuse the slots), and
+        each page is verified where it landed, so the reply needs no checksums: the reader's
+        process is SGLang's scheduler, where every hashing thread waits for the GIL."""
         pool = "pool" in shm
         try:
             mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
@@ -151,17 +159,18 @@ class StoreServer:
             raise ProtocolError("shm offsets outside the segment")
         until = float(shm["until"]) if pool else float("inf")
         got = self.engine.get_tensors_checked(tids)
-        jobs = [(i, g[0], base + off) for i, (g, off, n) in enumerate(zip(got, offsets, sizes,
-                                                                         strict=True))
-                if g is not None and len(g[0]) == n]  # absent or another shape: a miss
+        jobs = [(i, g[0], base + off, g[1]) for i, (g, off, n) in enumerate(zip(
+            got, offsets, sizes, strict=True))
+            if g is not None and len(g[0]) == n]  # absent or another shape: a miss
         step = -(-len(jobs) // self.copy_threads) or 1
         found = [False] * len(tids)
-        for part in self.copiers.map(_copy_pages, [(jobs[k:k + step], until)
+        for part in self.copiers.map(_copy_pages, [(jobs[k:k + step], until, pool)
                                                    for k in range(0, len(jobs), step)]):
             for i in part:
                 found[i] = True
-        if pool:
+        if pool:  # verified where they landed, by the copy threads: the reader hashes nothing
             self.pool_pages += sum(found)
+            return encode({"ok": True, "found": found, "verified": True})
         return encode({"ok": True, "found": found,
                        "sums": [_checksum_of(*got[i]) for i in range(len(tids)) if found[i]]})
 
