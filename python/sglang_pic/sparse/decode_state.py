@@ -263,9 +263,15 @@ class SparseDecodeState:
         o.copy_(torch.where((slot_of_row >= 0)[:, None, None], sparse, o))
 
     def warm_up(self) -> None:
-        """Run the per-layer sparse path once (compiles its kernels; no slot is active)."""
+        """Run the per-layer sparse path and the encoder once, so their kernels compile at
+        start-up and not in the first long request's decode step (a multi-second stall of every
+        request batched with it). No slot is active; slot 0's rows written here are rewritten
+        by its first activation."""
         q = torch.zeros(1, self.q_heads, self.d, dtype=self.dtype, device=self.idx.device)
         self.attend(self.layer_ids[0], q, q.clone(), 1.0)
+        keys = torch.zeros(self.cfg.update, self.kv_heads, self.d, dtype=self.dtype,
+                           device=self.idx.device)
+        self.ops.encode(0, 0, keys, 0)
 
     # the KV pool, bound by the backend (get_key_buffer / get_value_buffer of SGLang's pool)
     key_buffer = None
