@@ -3,8 +3,10 @@
 For object sizes 64 KB - 64 MB (an object = a batch of 64 KB pages, as HiCache moves them), time
 through one PTStore server (its own process, as deployed; zmq over loopback TCP, checksums,
 engine copy): ``batch_set``, ``batch_get``, and ``batch_get_into`` preallocated pages (what the
-HiCache backend does) over the socket and over the same-node shared-memory path; as the floor, a
-plain zmq round trip of the same bytes with no store behind it. Reports GB/s (median) and p99
+HiCache backend does) over the socket, over the same-node shared-memory staging segment, and
+into a shared-memory "host pool" the server writes into (``get_into_pool``: SGLang's host pool
+with ``"allocator": "shm"``, what ``--ptstore`` sets); as the floor, a plain zmq round trip of the
+same bytes with no store behind it. Reports GB/s (median) and p99
 latency per size, writes ``benchmark/results/store_throughput.json``.
 
     python benchmark/store/bench_store.py [--repeats 20]
@@ -65,16 +67,31 @@ def raw_copy_times(size: int, repeats: int) -> list[float]:
 
 
 def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]]:
+    import mmap
+    import os
+
     from sglang_pic.store.client import StoreClient
+    from sglang_pic.store.shm import address_of
 
     plain = StoreClient([endpoint], "t", timeout_ms=60000, shm=False)
     shm = StoreClient([endpoint], "t", timeout_ms=60000, shm=True)
+    pool = StoreClient([endpoint], "t", timeout_ms=60000, shm=True)
     n = max(size // PAGE, 1)
-    times: dict[str, list[float]] = {"set": [], "get": [], "get_into": [], "get_into_shm": []}
+    times: dict[str, list[float]] = {"set": [], "get": [], "get_into": [], "get_into_shm": [],
+                                     "get_into_pool": []}
     dests = [memoryview(bytearray(PAGE)) for _ in range(n)]
+    fd = os.memfd_create("bench-pool")
+    os.ftruncate(fd, n * PAGE)
+    pool_mm = mmap.mmap(fd, n * PAGE)
+    base = address_of(pool_mm)
+    pool_dests = [memoryview(pool_mm)[i * PAGE:(i + 1) * PAGE] for i in range(n)]
+    pool_addrs = [base + i * PAGE for i in range(n)]
+    pool.use_pool(fd, base, n * PAGE)
     plain.batch_set([("warm", bytes(PAGE))])
     for client in (plain, shm):  # one-time setup off the clock: connections, probe, segment
         assert client.batch_get_into(["warm"], dests[:1]) == [True]
+    assert pool.batch_get_into(["warm"], pool_dests[:1], pool_addrs[:1]) == [True]
+    time.sleep(0.5)  # the server builds its page tables of the pool in the background
     for r in range(repeats):
         items = [(f"s{size}r{r}p{i}", bytes([r % 251]) * PAGE) for i in range(n)]
         tids = [t for t, _ in items]
@@ -90,9 +107,17 @@ def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]
             ok = client.batch_get_into(tids, dests)
             times[name].append(time.perf_counter() - t0)
             assert all(ok) and bytes(dests[-1]) == items[-1][1]
+        t0 = time.perf_counter()
+        ok = pool.batch_get_into(tids, pool_dests, pool_addrs)
+        times["get_into_pool"].append(time.perf_counter() - t0)
+        assert all(ok) and bytes(pool_dests[-1]) == items[-1][1]
     assert shm.stats["shm_pages"] == repeats * n + 1  # the shared-memory path was taken
-    plain.close()
-    shm.close()
+    assert pool.stats["pool_pages"] == repeats * n + 1  # the servers wrote into the pool
+    del pool_dests
+    for c in (plain, shm, pool):
+        c.close()
+    pool_mm.close()
+    os.close(fd)
     return times
 
 
@@ -109,9 +134,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "store_throughput.json"))
     args = ap.parse_args()
     rows = []
-    kinds = ("raw", "set", "get", "get_into", "get_into_shm")
-    print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>18}" for k in kinds)
-          + "".join(f"{k + ' p99':>18}" for k in kinds))
+    kinds = ("raw", "set", "get", "get_into", "get_into_shm", "get_into_pool")
+    print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>20}" for k in kinds)
+          + "".join(f"{k + ' p99':>20}" for k in kinds))
     procs, (endpoint,) = start_store_servers(1, "t", memory_gb=8)
     try:
         for size in SIZES:
@@ -119,8 +144,8 @@ def main() -> None:
                      **store_times(endpoint, size, args.repeats)}
             row = {"size_bytes": size, **{k: _summ(times[k], size) for k in kinds}}
             rows.append(row)
-            print(f"{size >> 10:>6}KB" + "".join(f"{row[k]['gb_per_s']:18.2f}" for k in kinds)
-                  + "".join(f"{row[k]['p99_ms']:16.2f}ms" for k in kinds), flush=True)
+            print(f"{size >> 10:>6}KB" + "".join(f"{row[k]['gb_per_s']:20.2f}" for k in kinds)
+                  + "".join(f"{row[k]['p99_ms']:18.2f}ms" for k in kinds), flush=True)
     finally:
         procs[0].terminate()
     out = Path(args.out)

@@ -21,6 +21,9 @@ token. Llama-3-8B shape, dummy weights, triton attention, bf16, page size 64, Hi
 and ``wait_complete`` prefetch. The reader reports TTFT and where the cached tokens came from.
 
     python3 benchmark/store/bench_store_ttft.py [--out DIR] [--samples 3]
+    python3 benchmark/store/bench_store_ttft.py --replot benchmark/results/store_ttft_h200_pool.json
+
+Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
 """
 
 from __future__ import annotations
@@ -158,16 +161,68 @@ VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstor
             "sglang-pic-ptstore", "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
 
 
+COLUMNS = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+           "PTStore/staging": "sglang-pic-ptstore-staging",
+           "PTStore/socket": "sglang-pic-ptstore-socket"}
+
+
+def plot(report: dict, out: Path) -> Path:
+    """TTFT per prefix length, one bar per variant that ran (median, with the samples' range)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from harness import save_figure
+
+    res, lengths = report["results"], report["params"]["lengths"]
+    shown = {c: v for c, v in COLUMNS.items() if f"ttft_{lengths[0]}_ms" in res.get(v, {})}
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.8 / max(len(shown), 1)
+    for j, (label, v) in enumerate(shown.items()):
+        xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(lengths))]
+        med = [res[v][f"ttft_{n}_ms"] for n in lengths]
+        lo = [m - min(res[v][f"ttft_{n}_ms_all"]) for m, n in zip(med, lengths, strict=True)]
+        hi = [max(res[v][f"ttft_{n}_ms_all"]) - m for m, n in zip(med, lengths, strict=True)]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label)
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+    ax.set_xlabel("prefix computed by the other instance (tokens)")
+    ax.set_ylabel("TTFT (ms)")
+    env = report.get("environment", {})
+    ax.set_title(f"TTFT of a stored prefix, Llama-3-8B shape, {env.get('gpu', 'CPU')}, "
+                 f"SGLang {env.get('sglang', '')}", fontsize=9)
+    ax.legend(fontsize=8)
+    return save_figure(fig, out)
+
+
+def print_table(report: dict) -> None:
+    res, lengths = report["results"], report["params"]["lengths"]
+    print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in COLUMNS)
+          + f"{'PTStore vs recompute':>22}{'vs file':>10}")
+    for n in lengths:
+        ms = {c: res.get(v, {}).get(f"ttft_{n}_ms") for c, v in COLUMNS.items()}
+        cells = "".join(f"{m:>14.1f}ms" if m else f"{'-':>16}" for m in ms.values())
+        rec, fil, pts = ms["recompute"], ms["file"], ms["PTStore"]
+        ratio = f"{rec / pts:>21.2f}x" if rec and pts else f"{'-':>22}"
+        vs_file = f"{fil / pts:>9.2f}x" if fil and pts else f"{'-':>10}"
+        print(f"{n:>8}{cells}{ratio}{vs_file}")
+
+
 def main() -> None:
     from harness import run_side_by_side, start_store_servers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replot", default=None, help="table and plot of a report JSON, no run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--samples", type=int, default=PARAMS["samples"])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--stores", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny prefixes")
     args = ap.parse_args()
+    if args.replot:
+        report = json.loads(Path(args.replot).read_text())
+        print_table(report)
+        plot(report, REPO / "docs" / "figures" / f"{Path(args.replot).stem}.png")
+        return
     kwargs, extra, name = ENGINE_KWARGS, {}, "store_ttft_h200"
     if args.smoke:
         sys.path.insert(0, str(REPO / "python"))
@@ -188,19 +243,8 @@ def main() -> None:
     finally:
         for p in stores:
             p.terminate()
-    res = report["results"]
-    cols = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
-            "PTStore/staging": "sglang-pic-ptstore-staging",
-            "PTStore/socket": "sglang-pic-ptstore-socket"}
-    print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in cols)
-          + f"{'PTStore vs recompute':>22}{'vs file':>10}")
-    for n in params["lengths"]:
-        ms = {c: res.get(v, {}).get(f"ttft_{n}_ms") for c, v in cols.items()}
-        cells = "".join(f"{m:>14.1f}ms" if m else f"{'-':>16}" for m in ms.values())
-        rec, fil, pts = ms["recompute"], ms["file"], ms["PTStore"]
-        ratio = f"{rec / pts:>21.2f}x" if rec and pts else f"{'-':>22}"
-        vs_file = f"{fil / pts:>9.2f}x" if fil and pts else f"{'-':>10}"
-        print(f"{n:>8}{cells}{ratio}{vs_file}")
+    print_table(report)
+    plot(report, REPO / "docs" / "figures" / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import uuid
 import weakref
 from collections import OrderedDict
@@ -163,6 +164,25 @@ def _open_pool(spec: dict) -> mmap.mmap:
         os.close(fd)
 
 
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (what SGLang's own shm allocator asks for)
+
+
+def _prefault(address: int, length: int) -> None:
+    """Build this process's page tables for a freshly mapped pool, in the background.
+
+    The reader's pages are resident, but a new mapping of them has no page-table entries: the
+    first copy into each 4 KiB page faults. Measured on the 2-core CPU machine, a 256 MiB load
+    into slots never written before ran at 4.1-4.7 GB/s against 12.9-14.2 GB/s into slots
+    written once. ``madvise`` (through ctypes, so without the GIL) takes that cost at mapping
+    time instead of in loads. Best effort: an older kernel just keeps the first-touch cost."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def run() -> None:
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
+
+    threading.Thread(target=run, name="ptstore-prefault", daemon=True).start()
+
+
 def _pool_alive(key: tuple[int, ...]) -> bool:
     """Whether the process still holds the pool file (its memory is freed only once no server
     maps it any more: a killed scheduler's pool must not stay pinned by a server's cache)."""
@@ -202,6 +222,7 @@ class SegmentCache:
             return hit
         if isinstance(name, dict):
             mm = _open_pool(name)
+            _prefault(address_of(mm), len(mm))
         else:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
             try:
