@@ -12,8 +12,9 @@ Every SGLang server flag passes through unchanged. What we add:
   `--span-schedule isps|barrier`, `--span-recompute-tokens K`, `--span-pad-token-id ID`,
   `--span-markers SSEP,PDEP` reach SGLang's processes as `SGLANG_PIC_SPAN_*` variables.
 - `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token T]`: PTStore as HiCache's L3
-  tier (zero-copy `interface_v1`); turns on `--enable-hierarchical-cache` with the `dynamic`
-  storage backend. Every HiCache flag the user sets wins.
+  tier (zero-copy `interface_v1`, host pool in shared memory so same-node store servers write
+  loaded pages into it); turns on `--enable-hierarchical-cache` with the `dynamic` storage
+  backend. Every HiCache flag the user sets wins.
 - `--sparse-decode pariskv`: ParisKV sparse decoding for requests longer than
   `--sparse-threshold` tokens (prefill and short requests stay dense); selects the sparse twin of
   the attention backend (`triton` -> `pariskv_triton`, `torch_native` -> `pariskv_torch_native`).
