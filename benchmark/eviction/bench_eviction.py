@@ -1,4 +1,5 @@
-"""Eviction policies on replayed traces: SGLang's seven, GDSF, S3-FIFO and SAE, in one run.
+"""Eviction policies on replayed traces: SGLang's seven, GDSF, S3-FIFO and SAE, in one run, with
+Belady's offline rule (the whole trace known in advance) as the upper bound.
 
     python benchmark/eviction/bench_eviction.py [--scale 100] [--quick] [--trace FILE --format mooncake|bailian]
 
@@ -25,6 +26,7 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "sae")
+REFERENCE = ("belady",)  # not a policy: the offline bound (simulator.ORACLE)
 WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegpt",
              "sharegpt_mix")
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
@@ -44,7 +46,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two workloads, two sizes")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
-    ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES))
+    ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + REFERENCE))
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_sim.json"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
@@ -83,8 +85,9 @@ def main() -> None:
                 res.update(workload=wname, fraction=frac, unique_tokens=uniq)
                 rows.append(res)
                 line.append(f"{pol} {res['token_hit_rate']:.3f}")
-            best_other = max(r["token_hit_rate"] for r in rows[-len(policies):]
-                             if not r["policy"].startswith("sae"))
+            best_other = max((r["token_hit_rate"] for r in rows[-len(policies):]
+                              if not r["policy"].startswith("sae")
+                              and r["policy"] not in REFERENCE), default=0.0)
             sae = next((r for r in rows[-len(policies):] if r["policy"] == "sae"), None)
             gain = f"  sae-best={100 * (sae['token_hit_rate'] - best_other):+.1f}pp" if sae else ""
             print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} cap {frac:>4.0%} "

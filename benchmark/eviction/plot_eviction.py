@@ -1,4 +1,5 @@
-"""Token hit rate vs cache size per workload, one line per policy (from eviction_sim.json)."""
+"""Token hit rate vs cache size per workload, one line per policy (from eviction_sim.json); the
+offline ``belady`` bound, when present, dashed."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def plot(path: Path) -> Path:
         for pol in report["policies"]:
             pts = sorted((r["fraction"], r["token_hit_rate"]) for r in rows
                          if r["workload"] == w and r["policy"] == pol)
-            style = {"lw": 2.5, "color": "black"} if pol == "sae" else {"lw": 1, "alpha": 0.8}
+            style = ({"lw": 2.5, "color": "black"} if pol == "sae" else
+                     {"lw": 1.5, "color": "grey", "ls": "--"} if pol == "belady" else
+                     {"lw": 1, "alpha": 0.8})
             ax.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", ms=3,
                     label=pol, **style)
         ax.set_title(w)

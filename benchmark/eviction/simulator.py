@@ -112,6 +112,56 @@ class ReplayResult:
 ABLATIONS = {"sae-pred": ("sae", {"use_predictor": True})}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes)."""
 
+ORACLE = "belady"
+"""Not a policy anyone can run: Belady's offline rule (evict the block whose next use is farthest
+in the future) with the whole trace known in advance, as an upper bound for the real ones."""
+
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+class BeladyOracle:
+    """``get_priority(node)`` = minus the index of the next request whose prompt reaches the
+    node's first token (never again: minus infinity), so ``RadixCache.evict`` takes the
+    farthest-needed leaf first. A path is identified by a polynomial hash of its tokens; the
+    hash of the path *through* a node is split-invariant, so it is cached per node."""
+
+    def __init__(self, trace: list[Request]) -> None:
+        from collections import defaultdict
+
+        uses: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for j, req in enumerate(trace):
+            h = 0
+            for depth, tok in enumerate(req.prompt, 1):
+                h = (h * _BASE + tok + 1) % _MOD
+                uses[(depth, h)].append(j)  # j ascending: lists stay sorted
+        self.uses = dict(uses)
+        self.now = 0  # index of the request being served
+        self._through: dict[int, tuple] = {}  # id(node) -> (depth, hash, node) of its path
+
+    def _path(self, node) -> tuple[int, int]:
+        """(depth, hash) of the token path from the root through the end of ``node``."""
+        got = self._through.get(id(node))
+        if got is not None and got[2] is node:
+            return got[0], got[1]
+        if node.parent is None:
+            return 0, 0
+        depth, h = self._path(node.parent)
+        for tok in node.key.token_ids:
+            h = (h * _BASE + tok + 1) % _MOD
+        depth += len(node.key.token_ids)
+        self._through[id(node)] = (depth, h, node)
+        return depth, h
+
+    def get_priority(self, node) -> float:
+        from bisect import bisect_right
+
+        depth, h = self._path(node.parent)
+        key = (depth + 1, (h * _BASE + node.key.token_ids[0] + 1) % _MOD)
+        later = self.uses.get(key, ())
+        i = bisect_right(later, self.now)
+        return -later[i] if i < len(later) else float("-inf")
+
 
 def make_cache(policy: str):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -148,7 +198,9 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) ->
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
 
-    cache, _ = make_cache(policy)
+    cache, _ = make_cache("lru" if policy == ORACLE else policy)
+    if policy == ORACLE:
+        cache.eviction_strategy = BeladyOracle(trace)
     clock = _Clock()
     strategy = cache.eviction_strategy
     if hasattr(strategy, "now_fn"):
@@ -160,6 +212,8 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) ->
     with _patched(rc, "time", _TimeProxy(clock)):
         for i, req in enumerate(trace):
             clock.now = req.t
+            if policy == ORACLE:
+                strategy.now = i
             ctx = RequestContext(session_id=req.session_id, app_type=req.app_type,
                                  segments=req.segments, decode_start=len(req.prompt),
                                  output_segments=req.output_segments,
