@@ -21,8 +21,11 @@ class HostPool:
 
     page_size = PAGE
 
-    def __init__(self, pages: int) -> None:
-        self.buf = torch.zeros(BLOCKS, pages, BLOCK_BYTES, dtype=torch.uint8)
+    def __init__(self, pages: int, allocator=None) -> None:
+        self.allocator = allocator  # SGLang's host pools keep theirs here
+        dims = (BLOCKS, pages, BLOCK_BYTES)
+        self.buf = (allocator.allocate(dims, torch.uint8, "cpu") if allocator is not None
+                    else torch.zeros(dims, dtype=torch.uint8))
 
     def get_page_buffer_meta(self, indices: torch.Tensor):
         ptrs = [self.buf[b, int(i) // PAGE].data_ptr()
@@ -40,12 +43,13 @@ def server():
     srv.stop()
 
 
-def _backend(server, zero_copy: bool, pool: HostPool | None = None) -> PTStoreHiCacheStorage:
+def _backend(server, zero_copy: bool, pool: HostPool | None = None,
+             **extra) -> PTStoreHiCacheStorage:
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                attn_cp_size=1, enable_storage_metrics=False, is_mla_model=False,
                                is_page_first_layout=True, model_name="m",
                                extra_config={"servers": [server.endpoint], "token": TOKEN,
-                                             "interface_v1": int(zero_copy)})
+                                             "interface_v1": int(zero_copy), **extra})
     backend = PTStoreHiCacheStorage(cfg)
     if pool is not None:
         backend.register_mem_pool_host(pool)
@@ -105,3 +109,37 @@ def test_failures_become_misses_and_the_page_copy_path_works_in_zero_copy_mode(s
     assert backend.batch_set_v1(["a"], torch.arange(PAGE)) == [False]
     assert backend.batch_exists(["a"]) == 0
     assert backend.batch_set(["d1"], [page]) is False
+
+
+def test_a_host_pool_from_sglangs_shm_allocator_is_written_by_the_server(server):
+    """With ``"allocator": "shm"`` SGLang allocates the host pool with its own
+    ``ShmHostTensorAllocator`` (a memfd): the backend hands it to the server, which writes the
+    loaded pages into their slots itself."""
+    from sglang.srt.mem_cache.pool_host.common import ShmHostTensorAllocator
+
+    src = HostPool(8)
+    src.buf.copy_(torch.randint(0, 256, src.buf.shape, dtype=torch.uint8))
+    dst = HostPool(8, ShmHostTensorAllocator())
+    writer, reader = _backend(server, True, src), _backend(server, True, dst)
+    assert reader.client._pool is not None and reader.client._pool_ok == {server.endpoint: True}
+    assert writer.batch_set_v1(["k0", "k1"], torch.arange(0, 2 * PAGE)) == [True, True]
+    into = torch.cat([torch.arange(5 * PAGE, 6 * PAGE), torch.arange(2 * PAGE, 3 * PAGE)])
+    assert reader.batch_get_v1(["k0", "k1"], into) == [True, True]
+    assert torch.equal(dst.page(5 * PAGE), src.page(0)) and torch.equal(dst.page(2 * PAGE),
+                                                                         src.page(PAGE))
+    assert server.pool_pages == 2 * BLOCKS and reader.client.stats["pool_pages"] == 2 * BLOCKS
+
+
+def test_the_gil_switch_interval_is_opt_in_and_bounded(server):
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        _backend(server, True)
+        assert sys.getswitchinterval() == before
+        _backend(server, True, gil_switch_ms=0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with pytest.raises(ValueError, match="gil_switch_ms"):
+            _backend(server, True, gil_switch_ms=50)
+    finally:
+        sys.setswitchinterval(before)

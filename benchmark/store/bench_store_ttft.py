@@ -11,6 +11,8 @@ seen the prefixes and shares no GPU or host memory with the writer):
   servers on this node, started by this script) as the ``dynamic`` backend; the servers are on
   the reader's node and SGLang's host pool is in shared memory (``"allocator": "shm"``, as
   ``--ptstore`` sets it), so the servers write the pages straight into the reader's host pool;
+* ``sglang-pic-ptstore-fastgil``: the PTStore reader with ``"gil_switch_ms": 0.5`` (the
+  scheduler process hands the GIL to its HiCache threads within 0.5 ms instead of 5 ms);
 * ``sglang-pic-ptstore-staging``: the PTStore reader with a private host pool: pages come
   through its shared-memory staging segment and are copied into the pool by the reader;
 * ``sglang-pic-ptstore-socket``: the PTStore reader with the shared-memory path off (every page
@@ -92,7 +94,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 "shm": not kind.endswith("-socket"),
                 # as --ptstore sets it; "-staging": the host pool in private memory, pages
                 # come through the reader's staging segment
-                **({} if kind.endswith("-staging") else {"allocator": "shm"})})
+                **({} if kind.endswith("-staging") else {"allocator": "shm"}),
+                **({"gil_switch_ms": 0.5} if kind.endswith("-fastgil") else {})})
     prefixes = _prefixes(params)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
@@ -158,10 +161,12 @@ SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49
                 "lengths": [320, 640],
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
 VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
-            "sglang-pic-ptstore", "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
+            "sglang-pic-ptstore", "sglang-pic-ptstore-fastgil", "sglang-pic-ptstore-staging",
+            "sglang-pic-ptstore-socket")
 
 
 COLUMNS = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+           "PTStore/fastgil": "sglang-pic-ptstore-fastgil",
            "PTStore/staging": "sglang-pic-ptstore-staging",
            "PTStore/socket": "sglang-pic-ptstore-socket"}
 
