@@ -553,6 +553,23 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
     writer.close()
 
 
+def test_a_server_writes_only_into_pools_of_its_own_user(monkeypatch):
+    import os
+
+    from sglang_pic.store.shm import SegmentCache, pool_spec
+
+    fd, mm = _memfd_pool(PAGE)
+    try:
+        spec = pool_spec(fd)
+        assert len(SegmentCache().get(spec)) == PAGE
+        monkeypatch.setattr(os, "getuid", lambda: os.stat(f"/proc/{os.getpid()}").st_uid + 1)
+        with pytest.raises(ValueError, match="another user"):
+            SegmentCache().get(spec)
+    finally:
+        mm.close()
+        os.close(fd)
+
+
 def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
     """A killed scheduler's host pool (tens of GB) is freed only once no server maps it."""
     import json

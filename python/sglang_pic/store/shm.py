@@ -151,6 +151,10 @@ def _open_pool(spec: dict) -> mmap.mmap:
     if not isinstance(spec, dict) or not all(_is_int(spec.get(k)) and spec[k] >= 0
                                              for k in POOL_KEYS):
         raise ValueError("bad pool spec")
+    if os.stat(f"/proc/{spec['pid']}").st_uid != os.getuid():
+        # a server running as another user (root, say) must not become a way to write into
+        # that user's processes: only pools of processes of the server's own user
+        raise ValueError("the pool's process belongs to another user")
     path = f"/proc/{spec['pid']}/fd/{spec['fd']}"
     if not os.readlink(path).startswith(POOL_TARGETS):
         raise ValueError("the pool is not a shared-memory file")
