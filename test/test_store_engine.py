@@ -354,20 +354,27 @@ def test_a_page_corrupted_in_the_segment_is_a_miss(cluster):
     writer.close()
 
 
-def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster):
+def _raw_asker(endpoint: str):
+    """A bare socket to a server and ``ask(header) -> reply header`` (authenticated)."""
     import json
 
-    from sglang_pic.store.shm import ClientSegment
-
-    srv = cluster[0]
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(srv.endpoint)
+    raw.connect(endpoint)
 
     def ask(header):
         raw.send_multipart([json.dumps({**header, "token": TOKEN}).encode()])
         assert raw.poll(2000)
         return json.loads(raw.recv_multipart()[0])
+
+    return raw, ask
+
+
+def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster):
+    from sglang_pic.store.shm import ClientSegment
+
+    srv = cluster[0]
+    raw, ask = _raw_asker(srv.endpoint)
 
     seg = ClientSegment(4 * PAGE)
     try:
@@ -502,7 +509,6 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
     """A pool must be a shared-memory file of the named process with the named identity;
     offsets stay inside it; a get past its ``until`` copies nothing (the reader has stopped
     waiting and may have reused the slots). The server keeps serving."""
-    import json
     import os
     import time
 
@@ -511,14 +517,7 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
     srv = cluster[0]
     writer = StoreClient([srv.endpoint], TOKEN, shm=False)
     writer.batch_set([("late", b"L" * PAGE)])
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(srv.endpoint)
-
-    def ask(header):
-        raw.send_multipart([json.dumps({**header, "token": TOKEN}).encode()])
-        assert raw.poll(2000)
-        return json.loads(raw.recv_multipart()[0])
+    raw, ask = _raw_asker(srv.endpoint)
 
     fd, mm = _memfd_pool(4 * PAGE)
     plain = os.open(tmp_path / "not-shm", os.O_RDWR | os.O_CREAT, 0o600)
