@@ -525,7 +525,7 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
     try:
         spec = pool_spec(fd)
         get = {"op": "get", "tids": ["late"]}
-        shm = {"pool": spec, "offsets": [0], "sizes": [PAGE], "until": time.time() + 5}
+        shm = {"pool": spec, "offsets": [0], "sizes": [PAGE], "until": time.monotonic() + 5}
 
         def err(**kw):
             return ask({**get, "shm": {**shm, **kw}})["error"]
@@ -539,7 +539,10 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
                                               "sizes": [PAGE]}})["error"]
         assert ask({"op": "probe", "shm": {"pool": pool_spec(plain)}})["shm"] is False
         assert ask({"op": "probe", "shm": {"pool": spec}})["shm"] is True
-        late = ask({**get, "shm": {**shm, "until": time.time() - 1}})
+        assert "finite 'until'" in err(until=True)
+        assert "finite 'until'" in ask({**get, "shm": {**shm, "until": float("nan")}})["error"]
+        assert "spec object" in err(pool="ptstore-y", name="ptstore-x")
+        late = ask({**get, "shm": {**shm, "until": time.monotonic() - 1}})
         assert late["ok"] and late["found"] == [False] and mm[:PAGE] == bytes(PAGE)
         on_time = ask({**get, "shm": shm})
         assert on_time["found"] == [True] and mm[:PAGE] == b"L" * PAGE
@@ -550,6 +553,31 @@ def test_bad_pool_requests_are_rejected_and_late_gets_write_nothing(cluster, tmp
         os.close(plain)
     assert writer.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
     writer.close()
+
+
+def test_a_server_without_a_token_writes_into_no_pool(tmp_path):
+    """Anyone who reaches an unauthenticated server could name another process's memfd: such a
+    server declines the pool path (readers fall back to staging) and refuses pool gets."""
+    import os
+    import time
+
+    from sglang_pic.store.shm import pool_spec
+
+    srv = StoreServer(StoreEngine(64 * PAGE), f"ipc://{tmp_path}/open.sock").start()
+    fd, mm = _memfd_pool(PAGE)
+    raw, ask = _raw_asker(srv.endpoint)
+    try:
+        reply = ask({"op": "probe", "shm": {"pool": pool_spec(fd)}})
+        assert reply["shm"] is False and "token" in reply["reason"]
+        got = ask({"op": "get", "tids": ["a"], "shm": {"pool": pool_spec(fd), "offsets": [0],
+                                                       "sizes": [PAGE],
+                                                       "until": time.monotonic() + 5}})
+        assert "needs a server token" in got["error"]
+    finally:
+        raw.close(0)
+        srv.stop()
+        mm.close()
+        os.close(fd)
 
 
 def test_a_server_writes_only_into_pools_of_its_own_user(monkeypatch):
@@ -589,8 +617,52 @@ def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
         spec = json.loads(child.stdout.readline())
         cache = SegmentCache()
         assert len(cache.get(spec)) == 1 << 20
-        assert cache.reap() == 0 and len(cache.maps) == 1  # alive: kept
+        assert cache.reap() == 0 and len(cache.pools) == 1  # alive: kept
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    assert cache.reap() == 1 and not cache.maps
+    assert cache.reap() == 1 and not cache.pools
+
+
+def test_a_load_whose_pool_writer_does_not_answer_waits_until_it_may_not_write(tmp_path):
+    """SGLang reuses the slots of a failed load: the reader must not report the load before
+    every server it asked to write into the pool is past its deadline (and the grace)."""
+    import json
+    import os
+    import threading
+    import time
+
+    from sglang_pic.store.shm import address_of
+
+    endpoint = f"ipc://{tmp_path}/silent.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    seen = []
+
+    def serve():  # answers the probe, never the get
+        for _ in range(2):
+            ident, body = router.recv_multipart()
+            header = json.loads(body)
+            seen.append(header)
+            if header["op"] == "probe":
+                router.send_multipart([ident, b'{"ok": true, "shm": true}'])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    fd, mm = _memfd_pool(2 * PAGE)
+    base = address_of(mm)
+    client = StoreClient([endpoint], TOKEN, timeout_ms=200)
+    client.POOL_GRACE_S = 0.4
+    client.use_pool(fd, base, len(mm))
+    t0 = time.monotonic()
+    ok = client.batch_get_into(["a"], [memoryview(mm)[:PAGE]], [base])
+    waited = time.monotonic() - t0
+    assert ok == [False]
+    until = seen[1]["shm"]["until"]
+    assert time.monotonic() >= until + 0.4 and waited >= 0.6
+    t.join(timeout=5)
+    client.close()
+    router.close(0)
+    mm.close()
+    os.close(fd)

@@ -148,9 +148,11 @@ def _checksums(pages: list[Buffer]) -> list[int]:
 class StoreClient:
     TRACKED_PAGES = 1 << 20
     """Bound on the pages whose remote reads (or local replicas) the client remembers."""
-    POOL_GRACE_S = 0.5
-    """How long past a pool get's ``until`` the reader still waits for the reply (a server
-    writes nothing after ``until``; the reply of a page copy begun just before comes after)."""
+    POOL_GRACE_S = 2.0
+    """How long past a pool get's ``until`` the reader still waits before the load's slots may be
+    reused: a server starts no page copy after ``until``, and one begun just before takes a
+    millisecond; a server stalled longer than this in the middle of one page (stopped, swapping)
+    is the residual risk. Only failed loads wait this long."""
 
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
                  local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5,
@@ -381,7 +383,8 @@ class StoreClient:
         (``addrs`` inside our pool) write straight into the destinations (``sink.placed``)."""
         pool = self._in_pool(groups, addrs, sizes)
         if pool:
-            groups = {s: [i for i in idx if i not in set(pool.get(s, ()))]
+            placed = {s: set(idx) for s, idx in pool.items()}
+            groups = {s: [i for i in idx if i not in placed.get(s, ())]
                       for s, idx in groups.items()}
         rest = any(groups.values())
         seg = self._acquire_segment() if sizes is not None and rest else None
@@ -417,16 +420,19 @@ class StoreClient:
         for server, idx in sockets.items():
             if idx:
                 (later if server in plan[0] else plan[0])[server] = ("socket", idx)
-        for server, idx in pool.items():
-            (later if server in plan[0] else plan[0])[server] = ("pool", idx)
         if later:
             plan.append(later)
+        for server, idx in pool.items():  # one request per server and step
+            step = next((st for st in plan if server not in st), None)
+            if step is None:
+                step = {}
+                plan.append(step)
+            step[server] = ("pool", idx)
         count = sum(len(i) for i in groups.values()) + sum(len(i) for i in pool.values())
         budget = nbytes if nbytes is not None else self.page_bytes * count
         for step in plan:
             requests: dict[str, tuple[dict, None]] = {}
-            deadline = self._deadline(budget)
-            until = time.time() + (deadline - time.monotonic())
+            deadline = until = self._deadline(budget)  # monotonic: the node's shared clock
             for server, (how, items) in step.items():
                 if how == "pool":
                     spec, base, _ = self._pool
@@ -442,10 +448,20 @@ class StoreClient:
                                                  "sizes": [sizes[i] for i, _ in items]}}, None)
                 else:
                     requests[server] = ({"op": "get", "tids": [tids[i] for i in items]}, None)
-            replies = self._round_trips(requests, budget, deadline + self.POOL_GRACE_S)
+            writers = [s for s, (how, _) in step.items() if how == "pool"]
+            replies: dict = {}
+            try:
+                replies = self._round_trips(requests, budget, deadline + self.POOL_GRACE_S)
+            finally:
+                if any(replies.get(s) is None for s in writers):
+                    # a server may still be writing into slots SGLang will reuse once this
+                    # load is reported: wait until no server may write any more
+                    time.sleep(max(0.0, until + self.POOL_GRACE_S - time.monotonic()))
             for server, (how, items) in step.items():
                 reply = replies.get(server)
                 if reply is None or not reply[0].get("ok"):
+                    if how == "pool" and reply is not None:
+                        self._pool_ok.pop(server, None)  # probe again before the next load
                     continue
                 if how == "pool":
                     self._take_placed(reply, items, sink)

@@ -133,11 +133,16 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         (``ShmHostTensorAllocator``: ``allocator.fds`` / ``allocator.mms``)."""
         alloc = getattr(mem_pool_host, "allocator", None)
         fds, mms = getattr(alloc, "fds", None), getattr(alloc, "mms", None)
-        if self.client.shm and fds and mms and len(fds) == len(mms) == 1:
+        if not (self.client.shm and fds and mms and len(fds) == len(mms) == 1):
+            return
+        try:
             self.client.use_pool(fds[0], address_of(mms[0]), len(mms[0]))
-            logger.info("PTStore: same-node servers write into the host pool (%d of %d "
-                        "servers map it)", sum(self.client._pool_ok.values()),
-                        len(self.client.servers))
+        except Exception:  # never fail SGLang's start-up for a faster path: staging still works
+            logger.exception("PTStore: the host pool cannot be shared; loads use staging")
+            self.client._pool = None
+            return
+        logger.info("PTStore: same-node servers write into the host pool (%d of %d servers map "
+                    "it)", sum(self.client._pool_ok.values()), len(self.client.servers))
 
     def _ids(self, keys: list[str]) -> list[str]:
         if not self.zero_copy:

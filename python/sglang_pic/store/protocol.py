@@ -20,6 +20,7 @@ anything is stored.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import xxhash
@@ -99,10 +100,14 @@ def _check_shm(header: dict, tids: list) -> None:
             or not (isinstance(shm.get("name"), str) or isinstance(shm.get("pool"), dict)):
         raise ProtocolError("shm: only get and probe name a segment")
     if "pool" in shm:
+        if not isinstance(shm["pool"], dict):
+            raise ProtocolError("shm: a pool is named by a spec object")
         if header["op"] == "probe":
             return
-        if not isinstance(shm.get("until"), (int, float)):
-            raise ProtocolError("a get into a pool needs 'until'")
+        until = shm.get("until")
+        if not isinstance(until, (int, float)) or isinstance(until, bool) \
+                or not math.isfinite(until):
+            raise ProtocolError("a get into a pool needs a finite 'until'")
     elif header["op"] == "probe":
         nonce = shm.get("nonce")
         if not isinstance(nonce, str) or len(nonce) != 32:

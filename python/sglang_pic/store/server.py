@@ -36,7 +36,7 @@ def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, boo
     jobs, until, verify = task
     done = []
     for i, data, addr, known in jobs:
-        if time.time() > until:
+        if time.monotonic() > until:  # the node's clock, shared with the reader
             break
         n = len(data)
         ctypes.memmove(addr, data, n)
@@ -86,9 +86,12 @@ class StoreServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        reaped = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - reaped > 1.0:  # however busy: a dead reader's pool is GBs
+                self.segments.reap()
+                reaped = time.monotonic()
             if not poller.poll(100):
-                self.segments.reap()  # pools of readers that are gone: free their memory
                 continue
             frames = self.sock.recv_multipart(copy=False)
             ident, body = frames[0], [f.buffer for f in frames[1:]]
@@ -119,6 +122,9 @@ class StoreServer:
             return encode({"ok": True, "added_bytes": added})
         if op == "probe":
             shm = header["shm"]
+            if "pool" in shm and self.token is None:
+                return encode({"ok": True, "shm": False,
+                               "reason": "writing into a reader's pool needs a server token"})
             try:
                 mm, _ = self.segments.mapping(shm.get("pool", shm.get("name")))
                 same = "pool" in shm or mm[:16] == bytes.fromhex(shm["nonce"])
@@ -149,6 +155,8 @@ class StoreServer:
         each page is verified where it landed, so the reply needs no checksums: the reader's
         process is SGLang's scheduler, where every hashing thread waits for the GIL."""
         pool = "pool" in shm
+        if pool and self.token is None:  # unauthenticated peers must not write into processes
+            raise ProtocolError("writing into a reader's pool needs a server token")
         try:
             mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
         except (OSError, ValueError) as e:

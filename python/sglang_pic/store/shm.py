@@ -145,23 +145,34 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _open_pool(spec: dict) -> mmap.mmap:
-    """Map a reader's pool file named by ``pool_spec``: only a shared-memory file (memfd or
-    ``/dev/shm``), only the very file the reader named (device and inode match)."""
+def pool_key(spec) -> tuple[int, int, int, int]:
+    """The validated ``(pid, fd, dev, ino)`` of a pool spec; ValueError otherwise."""
     if not isinstance(spec, dict) or not all(_is_int(spec.get(k)) and spec[k] >= 0
                                              for k in POOL_KEYS):
         raise ValueError("bad pool spec")
-    if os.stat(f"/proc/{spec['pid']}").st_uid != os.getuid():
-        # a server running as another user (root, say) must not become a way to write into
-        # that user's processes: only pools of processes of the server's own user
-        raise ValueError("the pool's process belongs to another user")
-    path = f"/proc/{spec['pid']}/fd/{spec['fd']}"
-    if not os.readlink(path).startswith(POOL_TARGETS):
-        raise ValueError("the pool is not a shared-memory file")
-    fd = os.open(path, os.O_RDWR)
+    return tuple(spec[k] for k in POOL_KEYS)
+
+
+def _open_pool(key: tuple[int, int, int, int]) -> mmap.mmap:
+    """Map a reader's pool file: only a shared-memory file (memfd or ``/dev/shm``) of a process
+    of this server's user, only the very file the reader named (device and inode match). The
+    process directory is opened once and the fd looked up relative to it, so a pid reused in
+    between cannot swap the process checked for the one opened."""
+    pid, fd_no, dev, ino = key
+    proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if os.fstat(proc).st_uid != os.getuid():
+            # a server running as another user (root, say) must not become a way to write into
+            # that user's processes: only pools of processes of the server's own user
+            raise ValueError("the pool's process belongs to another user")
+        if not os.readlink(f"fd/{fd_no}", dir_fd=proc).startswith(POOL_TARGETS):
+            raise ValueError("the pool is not a shared-memory file")
+        fd = os.open(f"fd/{fd_no}", os.O_RDWR, dir_fd=proc)
+    finally:
+        os.close(proc)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (spec["dev"], spec["ino"]):
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
             raise ValueError("not the reader's pool")
         return mmap.mmap(fd, st.st_size)
     finally:
@@ -171,20 +182,23 @@ def _open_pool(spec: dict) -> mmap.mmap:
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (what SGLang's own shm allocator asks for)
 
 
-def _prefault(address: int, length: int) -> None:
+def _prefault(address: int, length: int) -> threading.Thread:
     """Build this process's page tables for a freshly mapped pool, in the background.
 
     The reader's pages are resident, but a new mapping of them has no page-table entries: the
     first copy into each 4 KiB page faults. Measured on the 2-core CPU machine, a 256 MiB load
     into slots never written before ran at 4.1-4.7 GB/s against 12.9-14.2 GB/s into slots
     written once. ``madvise`` (through ctypes, so without the GIL) takes that cost at mapping
-    time instead of in loads. Best effort: an older kernel just keeps the first-touch cost."""
+    time instead of in loads. Best effort: an older kernel just keeps the first-touch cost.
+    The mapping must stay open until the thread ends (``_Pool.close`` joins it)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def run() -> None:
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
 
-    threading.Thread(target=run, name="ptstore-prefault", daemon=True).start()
+    t = threading.Thread(target=run, name="ptstore-prefault", daemon=True)
+    t.start()
+    return t
 
 
 def _pool_alive(key: tuple[int, ...]) -> bool:
@@ -198,14 +212,28 @@ def _pool_alive(key: tuple[int, ...]) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+class _Pool:
+    """A reader's pool as mapped by a server, with the thread building its page tables."""
+
+    def __init__(self, key: tuple[int, int, int, int]) -> None:
+        self.mm = _open_pool(key)
+        self.address = address_of(self.mm)
+        self.prefault = _prefault(self.address, len(self.mm))
+
+    def close(self) -> None:
+        self.prefault.join()  # madvise must not run over a range that is unmapped (or reused)
+        _close_quietly(self.mm)
+
+
 class SegmentCache:
-    """A server's mappings of readers' memory: staging segments by name, host pools by
-    ``pool_spec`` (least recently used closed beyond ``max_open``; pools of processes that
-    are gone closed by ``reap``)."""
+    """A server's mappings of readers' memory: staging segments by name (least recently used
+    closed beyond ``max_open``), host pools by ``pool_spec`` (kept until their process is gone:
+    ``reap``; remapping a pool costs its page tables again)."""
 
     def __init__(self, max_open: int = 16) -> None:
         self.max_open = max_open
-        self.maps: OrderedDict[str | tuple[int, ...], tuple[mmap.mmap, int]] = OrderedDict()
+        self.maps: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()
+        self.pools: dict[tuple[int, int, int, int], _Pool] = {}
 
     def get(self, name: str | dict) -> mmap.mmap:
         """The mapping of segment ``name`` (or of a pool, given its spec); raises ValueError for
@@ -215,37 +243,38 @@ class SegmentCache:
     def mapping(self, name: str | dict) -> tuple[mmap.mmap, int]:
         """``(mapping, address)`` of a segment or pool (see ``get``)."""
         if isinstance(name, dict):
-            key = tuple(name.get(k) for k in POOL_KEYS)
-        elif isinstance(name, str) and NAME_RE.match(name):
-            key = name
-        else:
+            key = pool_key(name)
+            pool = self.pools.get(key)
+            if pool is None:
+                pool = self.pools[key] = _Pool(key)
+            return pool.mm, pool.address
+        if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError("bad segment name")
-        hit = self.maps.get(key)
+        hit = self.maps.get(name)
         if hit is not None:
-            self.maps.move_to_end(key)
+            self.maps.move_to_end(name)
             return hit
-        if isinstance(name, dict):
-            mm = _open_pool(name)
-            _prefault(address_of(mm), len(mm))
-        else:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-        hit = self.maps[key] = (mm, address_of(mm))
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        hit = self.maps[name] = (mm, address_of(mm))
         while len(self.maps) > self.max_open:
             _close_quietly(self.maps.popitem(last=False)[1][0])
         return hit
 
     def reap(self) -> int:
         """Close the pools of processes that are gone; returns how many."""
-        dead = [k for k in self.maps if isinstance(k, tuple) and not _pool_alive(k)]
+        dead = [k for k in self.pools if not _pool_alive(k)]
         for k in dead:
-            _close_quietly(self.maps.pop(k)[0])
+            self.pools.pop(k).close()
         return len(dead)
 
     def close(self) -> None:
         for mm, _ in self.maps.values():
             _close_quietly(mm)
         self.maps.clear()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
