@@ -588,10 +588,10 @@ def test_a_server_writes_only_into_pools_of_its_own_user(monkeypatch):
     fd, mm = _memfd_pool(PAGE)
     try:
         spec = pool_spec(fd)
-        assert len(SegmentCache().get(spec)) == PAGE
+        assert len(SegmentCache().mapping(spec)[0]) == PAGE
         monkeypatch.setattr(os, "getuid", lambda: os.stat(f"/proc/{os.getpid()}").st_uid + 1)
         with pytest.raises(ValueError, match="another user"):
-            SegmentCache().get(spec)
+            SegmentCache().mapping(spec)
     finally:
         mm.close()
         os.close(fd)
@@ -616,7 +616,7 @@ def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
     try:
         spec = json.loads(child.stdout.readline())
         cache = SegmentCache()
-        assert len(cache.get(spec)) == 1 << 20
+        assert len(cache.mapping(spec)[0]) == 1 << 20
         assert cache.reap() == 0 and len(cache.pools) == 1  # alive: kept
     finally:
         os.kill(child.pid, signal.SIGKILL)

@@ -357,9 +357,10 @@ class StoreClient:
         """Destinations in ``[address, address + size)`` are the shared-memory file ``fd`` of
         this process (SGLang's host pool with ``"allocator": "shm"``): servers on this node
         write pages there directly. Probes every server now, off the first load's path."""
-        self._pool = (pool_spec(fd), address, size)
+        spec = pool_spec(fd)
         self._pool_ok.clear()
-        self._probe(self.servers, {"pool": self._pool[0]}, self._pool_ok)
+        self._probe(self.servers, {"pool": spec}, self._pool_ok)
+        self._pool = (spec, address, size)  # only once the probe went through
 
     def _in_pool(self, groups: dict[str, list[int]], addrs: list[int] | None,
                  sizes: list[int] | None) -> dict[str, list[int]]:
@@ -451,7 +452,8 @@ class StoreClient:
             writers = [s for s, (how, _) in step.items() if how == "pool"]
             replies: dict = {}
             try:
-                replies = self._round_trips(requests, budget, deadline + self.POOL_GRACE_S)
+                replies = self._round_trips(
+                    requests, budget, deadline + (self.POOL_GRACE_S if writers else 0.0))
             finally:
                 if any(replies.get(s) is None for s in writers):
                     # a server may still be writing into slots SGLang will reuse once this

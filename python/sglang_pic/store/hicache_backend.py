@@ -20,7 +20,8 @@ Two interfaces, as SGLang's controller chooses:
   Each block is one store tensor ``<page hash>@<model>@tp<r>of<n>#<block>``. With the host pool
   in shared memory (``"allocator": "shm"``, which ``--ptstore`` also sets: SGLang's
   ``ShmHostTensorAllocator`` puts it in a memfd), store servers on this node write loaded pages
-  straight into their host-pool slots, and this process only verifies them there.
+  straight into their host-pool slots and verify them there: this process copies and hashes
+  nothing.
 * otherwise the page-copy interface (``batch_get`` / ``batch_set``): SGLang hands flat page
   tensors, which costs a copy on each side.
 """
@@ -139,7 +140,6 @@ class PTStoreHiCacheStorage(HiCacheStorage):
             self.client.use_pool(fds[0], address_of(mms[0]), len(mms[0]))
         except Exception:  # never fail SGLang's start-up for a faster path: staging still works
             logger.exception("PTStore: the host pool cannot be shared; loads use staging")
-            self.client._pool = None
             return
         logger.info("PTStore: same-node servers write into the host pool (%d of %d servers map "
                     "it)", sum(self.client._pool_ok.values()), len(self.client.servers))

@@ -29,8 +29,8 @@ def _checksum_of(data: bytes, known: int | None) -> int:
 
 
 def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, bool]) -> list[int]:
-    """Copy ``(position, data, address, checksum)`` jobs in order while the wall clock is before
-    the deadline; with ``verify``, hash each page where it landed and keep it only if it matches
+    """Copy ``(position, data, address, checksum)`` jobs in order while the node's monotonic clock
+    is before the deadline; with ``verify``, hash each page where it landed and keep it only if it matches
     (the checksum of a page read back from SSD is computed from its bytes). Returns the positions
     copied (and verified)."""
     jobs, until, verify = task
@@ -62,8 +62,8 @@ class StoreServer:
         self.sock.bind(endpoint)
         self.segments = SegmentCache()  # readers' shared-memory segments on this node
         # copies into readers' memory: a memmove drops the GIL, so pages copy in parallel
-        self.copiers = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix="ptstore-copy")
         self.copy_threads = max(1, copy_threads)
+        self.copiers = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ptstore-copy")
         self.pool_pages = 0
         self.requests = 0
         self.rejected = 0

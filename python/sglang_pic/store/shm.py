@@ -235,13 +235,10 @@ class SegmentCache:
         self.maps: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()
         self.pools: dict[tuple[int, int, int, int], _Pool] = {}
 
-    def get(self, name: str | dict) -> mmap.mmap:
-        """The mapping of segment ``name`` (or of a pool, given its spec); raises ValueError for
-        a name or spec that is not acceptable, OSError when it cannot be opened."""
-        return self.mapping(name)[0]
-
     def mapping(self, name: str | dict) -> tuple[mmap.mmap, int]:
-        """``(mapping, address)`` of a segment or pool (see ``get``)."""
+        """``(mapping, address)`` of segment ``name`` (or of a pool, given its spec); raises
+        ValueError for a name or spec that is not acceptable, OSError when it cannot be
+        opened."""
         if isinstance(name, dict):
             key = pool_key(name)
             pool = self.pools.get(key)
