@@ -126,18 +126,29 @@ class BeladyOracle:
     farthest-needed leaf first. A path is identified by a polynomial hash of its tokens; the
     hash of the path *through* a node is split-invariant, so it is cached per node."""
 
+    _last: tuple[list[Request], dict] | None = None  # the last trace indexed: every cache size
+    # of a workload replays the same trace
+
     def __init__(self, trace: list[Request]) -> None:
+        self.uses = self._index(trace)
+        self.now = 0  # index of the request being served
+        self._through: dict[int, tuple] = {}  # id(node) -> (depth, hash, node) of its path
+
+    @classmethod
+    def _index(cls, trace: list[Request]) -> dict[tuple[int, int], list[int]]:
+        """(depth, path hash) of every prompt prefix -> the requests that have it, ascending."""
         from collections import defaultdict
 
+        if cls._last is not None and cls._last[0] is trace:
+            return cls._last[1]
         uses: dict[tuple[int, int], list[int]] = defaultdict(list)
         for j, req in enumerate(trace):
             h = 0
             for depth, tok in enumerate(req.prompt, 1):
                 h = (h * _BASE + tok + 1) % _MOD
                 uses[(depth, h)].append(j)  # j ascending: lists stay sorted
-        self.uses = dict(uses)
-        self.now = 0  # index of the request being served
-        self._through: dict[int, tuple] = {}  # id(node) -> (depth, hash, node) of its path
+        cls._last = (trace, dict(uses))
+        return cls._last[1]
 
     def _path(self, node) -> tuple[int, int]:
         """(depth, hash) of the token path from the root through the end of ``node``."""
