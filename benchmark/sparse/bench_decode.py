@@ -78,28 +78,30 @@ def _dense(batch: int, ctx: int, q, ks, vs):
 
 
 def _sweep(layer, q) -> list[dict]:
-    """Selection time of other vote-kernel tilings and histogram sizes on the same keys."""
+    """Selection time of other vote-kernel tilings and histogram sizes, on the same keys."""
+    import itertools
+
     import torch
     import triton
     from sglang_pic_kernel.pariskv import Selector
 
     out = []
-    for block_n in (128, 256, 512):
-        for nbins in (128, 256):
-            sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
-                           layer.selector.C, layer.selector.k, block_n=block_n, nbins=nbins)
+    for block_n, nbins in itertools.product((128, 256, 512), (128, 256)):
+        sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
+                       layer.selector.C, layer.selector.k, block_n=block_n, nbins=nbins,
+                       device=layer.device)
 
-            def step(sel=sel):
-                return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
-                           layer.n_ret)
+        def step(sel=sel):
+            return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
+                       layer.n_ret)
 
-            step()
-            us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
-            same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
-            out.append({"block_n": block_n, "nbins": nbins, "select_us": us,
-                        "same_selection": same.float().mean().item()})
-            print(f"  sweep block_n={block_n:>4} nbins={nbins:>5}: select {us:7.1f} us "
-                  f"(same picks {out[-1]['same_selection']:.3f})", flush=True)
+        step()
+        us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
+        same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
+        out.append({"block_n": block_n, "nbins": nbins, "select_us": us,
+                    "same_selection": same.float().mean().item()})
+        print(f"  sweep block_n={block_n:>4} nbins={nbins:>5}: select {us:7.1f} us "
+              f"(same picks {out[-1]['same_selection']:.3f})", flush=True)
     return out
 
 
