@@ -27,7 +27,10 @@ def store_cluster():
 
 
 def _instance_args(servers) -> list[str]:
+    # a 10 s store time-out (default 2 s): the three servers share this test process's GIL and the
+    # suite's two cores with two CPU engines, and a pool load past its deadline is (rightly) a miss
     return ["--ptstore", ",".join(s.endpoint for s in servers), "--ptstore-token", TOKEN,
+            "--hicache-storage-backend-extra-config", '{"timeout_ms": 10000}',
             "--hicache-size", "1", "--hicache-storage-prefetch-policy", "wait_complete",
             "--max-total-tokens", "2048", "--page-size", "16"]
 

@@ -265,7 +265,8 @@ class StoreClient:
 
     @property
     def last_failed(self) -> list[str]:
-        """Ids the last ``batch_set`` of this thread could not store."""
+        """Ids the last ``batch_set`` of this thread could not store, or the last
+        ``batch_exists`` could not ask about (their owner did not answer)."""
         return getattr(self._local, "last_failed", [])
 
     def _by_owner(self, tids: list[str], owners: list[str] | None = None,
@@ -584,12 +585,16 @@ class StoreClient:
         replies = self._round_trips(
             {server: ({"op": "exists", "tids": [tids[i] for i in idx]}, None)
              for server, idx in groups.items()}, 0)
+        failed = []
         for server, idx in groups.items():
             reply = replies.get(server)
             found = reply[0].get("found") if reply is not None and reply[0].get("ok") else None
             if isinstance(found, list) and len(found) == len(idx):
                 for i, f in zip(idx, found, strict=True):
                     out[i] = bool(f)
+            else:
+                failed += [tids[i] for i in idx]
+        self._local.last_failed = failed
         return out
 
     def status(self, server: str) -> dict | None:

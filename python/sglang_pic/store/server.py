@@ -76,6 +76,9 @@ class StoreServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving and release the socket and segments (a second call does nothing)."""
+        if self.sock.closed:
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
