@@ -14,7 +14,9 @@ Every SGLang server flag passes through unchanged. What we add:
 - `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token T]`: PTStore as HiCache's L3
   tier (zero-copy `interface_v1`, host pool in shared memory so same-node store servers write
   loaded pages into it); turns on `--enable-hierarchical-cache` with the `dynamic` storage
-  backend. Every HiCache flag the user sets wins.
+  backend. Every HiCache flag the user sets wins. With `--enable-span-cache` (which HiCache does
+  not combine with) span units' pages go to PTStore instead, under span-aware page keys
+  (`SGLANG_PIC_SPAN_STORE`, `sglang_pic/spans/store_tier.py`).
 - `--sparse-decode pariskv`: ParisKV sparse decoding for requests longer than
   `--sparse-threshold` tokens (prefill and short requests stay dense); selects the sparse twin of
   the attention backend (`triton` -> `pariskv_triton`, `torch_native` -> `pariskv_torch_native`).
@@ -68,7 +70,11 @@ def build_argv(argv: list[str]) -> list[str]:
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
     ptstore = _pop_option(argv, PTSTORE_FLAG)
     token = _pop_option(argv, PTSTORE_TOKEN_FLAG)
-    if ptstore is not None:
+    spans = _value_of(argv, "--radix-cache-backend") == "pic_span"
+    if ptstore is not None and spans:
+        os.environ[SPAN_STORE_ENV] = json.dumps(
+            {"servers": _endpoints(ptstore), **({"token": token} if token else {})})
+    elif ptstore is not None:
         argv += ptstore_args(argv, ptstore, token, on_cpu)
     if on_cpu:
         cpu_support.enable_cpu_engine()
@@ -94,15 +100,21 @@ SPAN_OPTIONS = {
 
 PTSTORE_FLAG = "--ptstore"
 PTSTORE_TOKEN_FLAG = "--ptstore-token"
+SPAN_STORE_ENV = "SGLANG_PIC_SPAN_STORE"  # sglang_pic.spans.store_tier.ENV (no import: startup)
+
+
+def _endpoints(servers: str) -> list[str]:
+    endpoints = [s.strip() for s in servers.split(",") if s.strip()]
+    if not endpoints:
+        raise SystemExit(f"error: {PTSTORE_FLAG} needs store endpoints, e.g. tcp://node1:7400")
+    return endpoints
 
 
 def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool) -> list[str]:
     """The HiCache flags that make PTStore (``servers``: comma-separated endpoints) the L3 tier;
     flags the user already gave are kept, and a user's extra-config JSON is merged over ours.
     Removes the user's extra-config option from ``argv`` (it comes back merged)."""
-    endpoints = [s.strip() for s in servers.split(",") if s.strip()]
-    if not endpoints:
-        raise SystemExit(f"error: {PTSTORE_FLAG} needs store endpoints, e.g. tcp://node1:7400")
+    endpoints = _endpoints(servers)
     backend = _value_of(argv, "--hicache-storage-backend")
     if backend not in (None, "dynamic"):
         raise SystemExit(f"error: {PTSTORE_FLAG} is a HiCache storage backend; drop "

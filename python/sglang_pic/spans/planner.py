@@ -226,6 +226,8 @@ class SpanPlanner:
             unit = self.units.get(key)
             if unit is None:
                 node = self._cached_node(ids, seg.namespace, seg.key_start, seg.key_end)
+                if node is None and self._load_from_store(ids, seg):
+                    node = self._cached_node(ids, seg.namespace, seg.key_start, seg.key_end)
                 if node is not None:
                     self._pin(pins, node, seg.key_end - seg.key_start)
                     continue
@@ -245,6 +247,14 @@ class SpanPlanner:
 
     def _barrier_blocks(self, req: Req) -> bool:
         return self.cfg.schedule == "barrier" and bool(self.units) and not is_unit(req)
+
+    def _load_from_store(self, ids: Any, seg: Segment) -> bool:
+        """Whether the segment's missing pages came in from PTStore (``store_tier.py``)."""
+        store = self.cache.store
+        if store is None or not store.load(ids, seg.namespace, seg.key_start, seg.key_end):
+            return False
+        logger.info("span store: loaded a %d-token segment", seg.key_end - seg.key_start)
+        return True
 
     def _cached_node(self, ids: Any, namespace: str | None, start: int, end: int) -> Any:
         """The node ending key ``ids[start:end]`` in ``namespace`` if all of it is cached."""
@@ -320,6 +330,8 @@ class SpanPlanner:
             node = self._cached_node(ids, namespace, start, len(ids))
             if node is None:
                 failed = "span prefill finished but its pages are not in the cache"
+            elif self.cache.store is not None:
+                self.cache.store.save(ids, namespace, start, len(ids))
         for rid in unit.waiters:
             held = self.held.get(rid)
             if held is None:

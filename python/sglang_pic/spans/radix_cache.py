@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from .planner import SpanPlanner
+    from .store_tier import SpanStoreTier
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class SpanRadixCache(RadixCache):
     """RadixCache whose requests may be made of independently cached segments."""
 
     planner: SpanPlanner | None = None
+    store: SpanStoreTier | None = None
+    """Span pages in PTStore (``store_tier.py``), when ``--ptstore`` is given with spans."""
 
     # ---- matching -------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -232,6 +235,7 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
 
     from . import config as span_config
     from .planner import SpanPlanner
+    from .store_tier import create_span_store
 
     args = ctx.server_args
     problems = []
@@ -258,5 +262,7 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
         raise ValueError(f"--radix-cache-backend {span_config.BACKEND}: " + "; ".join(problems))
     cache = SpanRadixCache(ctx.params)
     cache.planner = SpanPlanner(cache, span_config.load())
+    cache.store = create_span_store(cache, args.model_path, args.tp_size,
+                                    getattr(args, "pp_size", 1))
     logger.info("span cache: segmented radix matching, schedule=%s", cache.planner.cfg.schedule)
     return cache
