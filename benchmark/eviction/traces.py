@@ -96,8 +96,9 @@ def agent(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.3,
     for s in range(n_sessions):
         t += rng.exponential(1.0 / rate)
         sid = f"agent-{t0:.0f}-{s}"
-        history = list(tools[rng.integers(n_tools)]) + ids.take(_lognormal(rng, 150, 0.5))
-        segments: list[tuple[int, str]] = [(0, "system"), (len(history) - 1, "user")]
+        tool_defs = tools[rng.integers(n_tools)]
+        history = list(tool_defs) + ids.take(_lognormal(rng, 150, 0.5))
+        segments: list[tuple[int, str]] = [(0, "system"), (len(tool_defs), "user")]
         now = t
         for _ in range(max(1, rng.geometric(1.0 / steps_mean))):
             cot = ids.take(_lognormal(rng, cot_median, 0.7))
