@@ -14,11 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark" / "eviction"))
 
 from sglang_pic.eviction.estimators import (  # noqa: E402
+    ClassRate,
     ContinuationModel,
-    Ema,
     LogNormalGaps,
     PositionDecay,
-    ReuseRate,
+    SessionIndex,
     softmax_weights,
 )
 
@@ -76,12 +76,12 @@ def test_continuation_model_learns_which_sessions_come_back():
 
 def test_sae_session_predictor_labels_from_traffic():
     """A session's next request labels its previous one 1; silence past the gap distribution's
-    99th percentile labels it 0; the prediction scales the chat queue's survival."""
+    99th percentile labels it 0; the prediction is the ``q`` of the session's index."""
     from sglang_pic.eviction.context import RequestContext
     from sglang_pic.eviction.sae import BlockInfo, SAEStrategy
 
     sae = SAEStrategy()
-    sae.use_predictor = True  # SGLANG_PIC_SAE_PREDICTOR=1
+    assert sae.use_predictor  # on by default (SGLANG_PIC_SAE_PREDICTOR=0 turns it off)
     t = 0.0
     for i in range(300):  # one-shot chat sessions, a new one every 30 s
         t += 30.0
@@ -90,8 +90,12 @@ def test_sae_session_predictor_labels_from_traffic():
     assert sae.continuation.updates > 250  # all but the last ~40 ended (no return in ~1000 s)
     p = sae.session_p["s299"]
     assert p < 0.2
+    assert sae.continuation_odds("chat", "s299") == p
     info = BlockInfo("user", "s299", "chat", 0, 200)
-    assert sae.p_queue("chat", info, t) == pytest.approx(p * sae.gaps["chat"].survival(0.0))
+    assert sae.index("chat", info, 1.0, t) == pytest.approx(
+        sae.session_index.value(sae.gaps["chat"], p, 0.0))
+    sae.use_predictor = False  # then the application's return rate: none came back
+    assert sae.continuation_odds("chat", "s299") == pytest.approx(7 / 310)
 
 
 def test_sae_ends_sessions_per_application_type():
@@ -124,23 +128,58 @@ def test_sae_sessions_waiting_for_a_label_are_bounded(monkeypatch):
     assert len(sae.session_last) <= 50
 
 
-def test_ema_moves_toward_samples_at_its_rate():
-    e = Ema(0.0, rate=0.1)
-    e.update(1.0)
-    assert e.value == pytest.approx(0.1)
-    for _ in range(200):
-        e.update(1.0)
-    assert e.value == pytest.approx(1.0, abs=1e-6)
+def test_class_rate_is_hits_per_resident_token_second():
+    """Prior until data; then hit tokens over the token-seconds the kind was resident (a block
+    evicted early is charged only for the time it was held)."""
+    r = ClassRate(prior=0.01, k=100.0)
+    assert r.value(0.0) == pytest.approx(0.01)
+    r.add(1000, 0.0)  # 1000 tokens resident from t=0
+    r.hit(500, 10.0)  # 500 hit tokens after 10 s: 10_000 token-seconds so far
+    r.remove(1000, 10.0)
+    assert r.value(50.0) == pytest.approx((500 + 1.0) / (10_000 + 100))  # nothing resident since
+    r.add(10, 50.0, block=False)
+    assert r.resident == 10 and r._n == 1  # a re-typed part is not a new block
 
 
-def test_reuse_rate_prior_then_data():
-    r = ReuseRate(prior=0.5, k=10.0)
-    assert r.value == pytest.approx(0.5)
-    for i in range(1000):
-        r.add_block()
-        if i % 4 == 0:
-            r.add_hit()
-    assert r.value == pytest.approx(0.25, abs=0.02)
+def test_class_rate_forgets_old_evidence():
+    r = ClassRate(prior=0.0, k=1.0, period=10)
+    r.add(100, 0.0)
+    r.hit(1000, 1.0)
+    before = r.hits
+    for _ in range(9):
+        r.add(0, 1.0)
+    assert r.hits == pytest.approx(before / 2)
+
+
+def _index_brute_force(mu, sigma, q, e):
+    """max over horizons of q (S(e) - S(e+h)) / int_e^{e+h} (q S + 1 - q), on a fine grid."""
+    from scipy.stats import lognorm
+
+    dist = lognorm(s=sigma, scale=math.exp(mu))
+    u = e + np.geomspace(1e-3, 1e4, 20000)
+    occupancy = q * dist.sf(u) + 1 - q
+    cum = np.cumsum(np.diff(np.concatenate(([e], u))) * occupancy)
+    return float(np.max(q * (dist.sf(e) - dist.sf(u)) / cum))
+
+
+def test_session_index_matches_its_definition():
+    gaps = LogNormalGaps(math.log(45.0), 1.0, min_samples=10**9)  # the prior only
+    index = SessionIndex()
+    for q in (0.5, 0.75, 1.0):
+        for e in (0.5, 20.0, 45.0, 300.0):
+            got = index.value(gaps, q, e)
+            assert got == pytest.approx(_index_brute_force(math.log(45.0), 1.0, q, e), rel=0.07)
+
+
+def test_session_index_orders_sessions_as_a_cache_should():
+    """Per second of occupancy, a fast agent loop is worth more than a slow chat; a session more
+    likely to come back more than one less likely; a long-silent session least."""
+    index = SessionIndex()
+    chat = LogNormalGaps(math.log(45.0), 1.0, min_samples=10**9)
+    agent = LogNormalGaps(math.log(3.0), 0.8, min_samples=10**9)
+    assert index.value(agent, 0.85, 1.0) > 5 * index.value(chat, 0.85, 1.0)
+    assert index.value(chat, 0.9, 10.0) > index.value(chat, 0.5, 10.0)
+    assert index.value(chat, 0.75, 10.0) > index.value(chat, 0.75, 600.0) > 0
 
 
 def test_position_decay_fits_gamma():
@@ -254,6 +293,22 @@ def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
     for policy in ("lru", "fifo", "gdsf", "sae"):
         assert replay(mix, policy, capacity=4000).hit_tokens <= bound["token_hit_rate"] * sum(
             len(r.prompt) for r in mix), policy
+
+
+def test_agent_traces_type_only_the_shared_tool_definitions_as_system():
+    """The generator's segmentation is what ``sae`` learns from: in agent traces the tokens
+    typed ``system`` are the three shared tool-definition prefixes, the task after them is
+    ``user`` (it once was typed ``system`` up to its last token)."""
+    from traces import generate
+
+    trace = generate("agent", scale=40, seed=0)
+    system_parts = {tuple(r.prompt[:r.segments[1][0]]) for r in trace}
+    assert [t for _, t in trace[0].segments[:2]] == ["system", "user"]
+    assert len(system_parts) <= 3
+    firsts = {}
+    for r in trace:
+        firsts.setdefault(r.session_id, r)
+    assert all(len(r.prompt) - r.segments[1][0] > 20 for r in firsts.values())  # the task
 
 
 def test_mooncake_and_bailian_loaders(tmp_path):

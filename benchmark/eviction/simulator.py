@@ -109,7 +109,8 @@ class ReplayResult:
         }
 
 
-ABLATIONS = {"sae-pred": ("sae", {"use_predictor": True})}
+ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
+             "sae-nopred": ("sae", {"use_predictor": False})}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes)."""
 
 ORACLE = "belady"

@@ -7,56 +7,66 @@ says before it has data) or smoothing rates, documented with each class and in
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Ema:
-    """Exponential moving average with a prior; ``rate`` is the weight of a new sample."""
-
-    value: float
-    rate: float = 0.05
-    samples: int = 0
-
-    def update(self, x: float) -> float:
-        self.value += self.rate * (x - self.value)
-        self.samples += 1
-        return self.value
+import numpy as np
 
 
 @dataclass
-class ReuseRate:
-    """Reuses per cached block of one kind: ``(hits + k*prior) / (blocks + k)``, decayed.
+class ClassRate:
+    """Hit tokens per resident token-second of one kind of block (token type x application).
 
-    Counting hits per inserted block (not "hit = 1, eviction = 0" samples) keeps the estimate
-    free of the policy's own feedback: a kind that is evicted often does not look less useful
-    for that reason. A miss-after-eviction counts as the hit it would have been. Both counts
-    decay by ``decay`` every ``period`` blocks so the rate follows workload shifts.
+    This is the reuse rate a block of that kind can expect - a token type's weight ``w_tau`` in
+    the unit every SAE index uses (reuses per second), learned from what the cache saw: hits
+    on resident blocks, and misses-after-eviction (an evicted block asked for again counts as
+    the hit it would have been, with its tokens). Counting against resident token-seconds
+    rather than per eviction keeps the estimate free of the policy's own feedback: a kind that
+    is evicted early is charged only for the time it was held. Before data, ``prior`` (reuses
+    per second) weighs as ``k`` token-seconds; both counts halve every ``period`` inserted
+    blocks so the rate follows workload shifts.
     """
 
     prior: float
-    k: float = 20.0
-    decay: float = 0.5
+    k: float = 20_000.0
     period: int = 2000
+    resident: int = 0
     hits: float = 0.0
-    blocks: float = 0.0
+    token_seconds: float = 0.0
+    _t: float | None = None
     _n: int = 0
 
-    def add_block(self) -> None:
-        self.blocks += 1
+    def _advance(self, now: float) -> None:
+        if self._t is not None and now > self._t:
+            self.token_seconds += self.resident * (now - self._t)
+        if self._t is None or now > self._t:
+            self._t = now
+
+    def add(self, tokens: int, now: float, block: bool = True) -> None:
+        """``tokens`` more resident (``block``: a newly inserted block, not a re-typed part)."""
+        self._advance(now)
+        self.resident += tokens
+        if not block:
+            return
         self._n += 1
         if self._n >= self.period:
             self._n = 0
-            self.hits *= self.decay
-            self.blocks *= self.decay
+            self.hits *= 0.5
+            self.token_seconds *= 0.5
 
-    def add_hit(self) -> None:
-        self.hits += 1
+    def remove(self, tokens: int, now: float) -> None:
+        self._advance(now)
+        self.resident = max(self.resident - tokens, 0)
 
-    @property
-    def value(self) -> float:
-        return (self.hits + self.k * self.prior) / (self.blocks + self.k)
+    def hit(self, tokens: int, now: float) -> None:
+        self._advance(now)
+        self.hits += tokens
+
+    def value(self, now: float | None = None) -> float:
+        if now is not None:
+            self._advance(now)
+        return (self.hits + self.k * self.prior) / (self.token_seconds + self.k)
 
 
 @dataclass
@@ -121,6 +131,8 @@ class ContinuationModel:
 
     prior: float = 0.7
     lr: float = 0.05
+    lr_decay: float = 100.0  # step size lr / sqrt(1 + updates / lr_decay), at least lr_floor
+    lr_floor: float = 0.005
     l2: float = 1e-4
     weights: list[float] = field(default_factory=list)
     updates: int = 0
@@ -146,7 +158,11 @@ class ContinuationModel:
 
     def update(self, x: list[float], label: float) -> None:
         err = self.predict(x) - label
-        self.weights = [w - self.lr * (err * v + self.l2 * w)
+        # a step size that decays as labels accumulate (to a floor that keeps it adapting):
+        # with a constant one the weights drift between a session's requests, and sessions
+        # that are alike would be ranked apart by that noise (-1.2 pp on chat at 40 % cache)
+        lr = max(self.lr / math.sqrt(1.0 + self.updates / self.lr_decay), self.lr_floor)
+        self.weights = [w - lr * (err * v + self.l2 * w)
                         for w, v in zip(self.weights, x, strict=True)]
         self.updates += 1
 
@@ -225,3 +241,64 @@ def softmax_weights(scores: dict[str, float], temperature: float) -> dict[str, f
     n = len(scores)
     # scaled so that equal scores give alpha = 1 for every queue
     return {k: n * e / z for k, e in exps.items()}
+
+
+class SessionIndex:
+    """Reuse index of a session's cached blocks after ``e`` seconds of silence.
+
+    A session's context is reused when its next request arrives: with probability ``q`` there is
+    one, after a log-normal gap (survival ``S``). Holding the context from ``e`` to ``e + h``
+    earns ``q (S(e) - S(e + h))`` expected reuses and costs ``int_e^{e+h} (q S(u) + 1 - q) du``
+    expected seconds of occupancy (a session that has ended still occupies the cache). The
+    index is the best ratio over all horizons ``h`` (a Gittins-style index):
+
+        index(e) = max_h  q (S(e) - S(e+h)) / int_e^{e+h} (q S(u) + 1 - q) du     [reuses / s]
+
+    Maximising over ``h`` matters because a log-normal's hazard first rises: a block that was
+    used a second ago is worth keeping for the return that is likely a minute later, which a
+    ratio at any single horizon would miss or overstate. Being in reuses per second, it
+    compares directly with the other queues' indices (a shared block's ``1 / reuse interval``,
+    a kind's ``ClassRate``) - no per-queue weights are needed to make them comparable.
+
+    Tabulated on a log grid of ``e`` (1/100 to 1000 medians) per (fit, ``q`` rounded to 0.05)
+    and interpolated in ``log e``; a table is rebuilt only when its fit has moved.
+    """
+
+    GRID = np.exp(np.linspace(math.log(1e-2), math.log(1e3), 241))
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, float], tuple[tuple[float, float], list[float],
+                                                     list[float]]] = {}
+
+    def value(self, gaps: LogNormalGaps, q: float, elapsed_s: float) -> float:
+        q = min(max(round(q * 20) / 20, 0.05), 1.0)
+        log_e, index = self._table(gaps, q)
+        x = math.log(max(elapsed_s, 1e-9))
+        i = bisect.bisect_left(log_e, x)  # plain lists: a numpy call per lookup costs ~10x
+        if i == 0 or i == len(index):
+            return index[min(i, len(index) - 1)]
+        f = (x - log_e[i - 1]) / (log_e[i] - log_e[i - 1])  # linear in log(e)
+        return index[i - 1] + f * (index[i] - index[i - 1])
+
+    def _table(self, gaps: LogNormalGaps, q: float) -> tuple[list[float], list[float]]:
+        fit = (round(gaps.mu, 2), round(gaps.sigma, 2))
+        key = (id(gaps), q)
+        got = self._tables.get(key)
+        if got is not None and got[0] == fit:
+            return got[1], got[2]
+        from scipy.special import ndtr  # standard normal CDF
+
+        mu, sigma = fit[0], max(fit[1], 1e-2)
+        e = self.GRID * math.exp(mu)
+        survival = ndtr(-(np.log(e) - mu) / sigma)
+        occupancy = q * survival + (1 - q)
+        cum = np.concatenate(([0.0], np.cumsum(0.5 * (occupancy[1:] + occupancy[:-1])
+                                                * np.diff(e))))
+        gain = q * (survival[:, None] - survival[None, :])  # [from e_i, until e_j]
+        cost = cum[None, :] - cum[:, None]
+        ratio = np.where(np.triu(np.ones_like(cost, dtype=bool), 1), gain / np.maximum(cost, 1e-12),
+                         0.0)
+        index = ratio.max(axis=1)
+        index[-1] = index[-2]
+        self._tables[key] = (fit, np.log(e).tolist(), index.tolist())
+        return self._tables[key][1], self._tables[key][2]

@@ -1,30 +1,39 @@
 """SAECache: semantic adaptive eviction for SGLang's radix cache (seed 002).
 
-Every cached block (radix-tree node) is routed to one of four queues by rules on what it holds:
+Every cached block (radix-tree node) is routed to one of four queues by rules on what it holds,
+and gets an *index*: the reuses per second it can be expected to earn while it stays cached.
+The radix cache evicts the leaf with the lowest index first. Every queue's index is in that one
+unit, so blocks of different queues compare directly:
 
-| queue            | what                                                     | p_q(b)                      |
-|------------------|----------------------------------------------------------|-----------------------------|
-| ``evict_first``  | chain-of-thought, single-turn suffixes and outputs       | 1                           |
-| ``structural``   | system prompts / shared templates (hit by 2+ sessions)   | ``1 - (o_b / o_max)^gamma`` |
-| ``chat``         | multi-turn chat session context                          | log-normal survival         |
-| ``agent``        | agent session context (tool calls, growing context)      | log-normal survival         |
+| queue            | what                                                     | index (reuses / s)                        |
+|------------------|----------------------------------------------------------|-------------------------------------------|
+| ``evict_first``  | chain-of-thought, single-turn suffixes and outputs       | ``w_tau / (1 + w_tau * dt)``              |
+| ``structural``   | system prompts / shared templates (hit by 2+ sessions)   | ``(1 - (o/o_max)^gamma) / max(I_b, dt)``  |
+| ``chat``         | multi-turn chat session context                          | session index (log-normal gaps, ``q``)    |
+| ``agent``        | agent session context (tool calls, growing context)      | session index (log-normal gaps, ``q``)    |
 
-and scored ``P(b) = alpha_q * w_tau(b) * p_q(b) / dt_b`` (``dt_b``: seconds since the block was
-last used); the radix cache evicts the leaf with the lowest score first. All four ingredients
-adapt online from cache events the hooks report (``on_insert``, ``on_hit``, ``on_evict``):
+``dt``: seconds since the block was last used; ``I_b``: the EMA of the time between its uses.
+All ingredients adapt online from cache events the hooks report (``on_request``, ``on_insert``,
+``on_hit``, ``on_evict``):
 
-- ``w_tau``: per (token type, application type), reuses per cached block
-  (``estimators.ReuseRate``), where an evicted block asked for again (a miss-after-eviction,
+- ``w_tau``: per (token type, application type), hit tokens per resident token-second
+  (``estimators.ClassRate``), where an evicted block asked for again (a miss-after-eviction,
   seen through a ghost set) counts as the hit it would have been; decode tokens of a chat are
   resent next turn, those of a single-turn request never, so the same type learns different
   weights per application;
-- survival: per session type, a log-normal fitted by online MLE to observed inter-request gaps
-  (``estimators.LogNormalGaps``), evaluated at the time since the session's last request;
-  optionally (``SGLANG_PIC_SAE_PREDICTOR=1``) times the session predictor's chance that the
-  session sends another request at all (``estimators.ContinuationModel``, learned online from
-  which sessions came back; off by default, see docs/eviction.md);
-- ``gamma``: fitted to how the hit rate falls with relative offset (``estimators.PositionDecay``);
-- ``alpha_q``: softmax over queues of hit tokens per resident token, with a temperature.
+- session index (``estimators.SessionIndex``): from the session type's log-normal gap
+  distribution, fitted by online MLE to observed inter-request gaps
+  (``estimators.LogNormalGaps``), and ``q``, the chance that the session sends another request
+  at all - the session predictor's output for the session's last request
+  (``estimators.ContinuationModel``, learned online from which sessions came back), or with the
+  predictor off (``SGLANG_PIC_SAE_PREDICTOR=0``) the application's observed return rate;
+- ``gamma``: fitted to how the hit rate falls with relative offset (``estimators.PositionDecay``).
+
+The seed's ``P(b) = alpha_q * w_tau * p_q(b) / dt_b`` had per-queue weights ``alpha_q`` (a
+softmax of hit tokens per resident token) to make queues comparable; with every index in
+reuses per second they are not needed, and measured on the replay they cost up to 2 pp
+(``docs/eviction.md``); ``SGLANG_PIC_SAE_QUEUE_WEIGHTS=1`` puts them back (the ``sae-alpha``
+ablation of the replay).
 """
 
 from __future__ import annotations
@@ -41,20 +50,21 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import (
+    ClassRate,
     ContinuationModel,
-    Ema,
     LogNormalGaps,
     PositionDecay,
-    ReuseRate,
+    SessionIndex,
     softmax_weights,
 )
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
 # Leaves scored per evict pass (hooks._sampled_evict); 0 scores all of them, as SGLang does.
 SAMPLE_SIZE = int(os.environ.get("SGLANG_PIC_SAE_SAMPLE", "1024"))
-# Priors for w_tau before any evidence (probability that a block of this type is reused).
-TYPE_PRIORS = {"system": 0.9, "tool": 0.5, "user": 0.5, "assistant": 0.5, "cot": 0.1,
-               "decode": 0.2}
+# Priors for w_tau before any evidence: the probability that a block of this type is reused
+# within a minute, as reuses per second.
+TYPE_PRIORS = {t: p / 60.0 for t, p in {"system": 0.9, "tool": 0.5, "user": 0.5,
+                                        "assistant": 0.5, "cot": 0.1, "decode": 0.2}.items()}
 # Priors for the session-gap log-normals: chat users think for ~a minute, agents call back fast.
 GAP_PRIORS = {"chat": (math.log(60.0), 1.2), "agent": (math.log(5.0), 1.2),
               "single": (math.log(600.0), 1.5)}
@@ -86,36 +96,42 @@ class SAEStrategy(EvictionStrategy):
 
     name = "sae"
 
-    def __init__(self, temperature: float = 2.0, ghost_capacity: int = 65536,
-                 sample_size: int = SAMPLE_SIZE) -> None:
-        self.w = {(t, a): ReuseRate(TYPE_PRIORS[t]) for t in TOKEN_TYPES for a in APP_TYPES}
+    def __init__(self, ghost_capacity: int = 65536, sample_size: int = SAMPLE_SIZE,
+                 temperature: float = 2.0) -> None:
+        self.w = {(t, a): ClassRate(TYPE_PRIORS[t]) for t in TOKEN_TYPES for a in APP_TYPES}
         self.gaps = {a: LogNormalGaps(*GAP_PRIORS[a]) for a in APP_TYPES}
         self.position = PositionDecay()
-        self.temperature = temperature
-        self.hit_tokens = {q: Ema(1.0, rate=0.02) for q in QUEUES}
+        self.session_index = SessionIndex()
         self.resident = dict.fromkeys(QUEUES, 0)
+        # the seed's per-queue weights alpha_q (off by default, see the module docstring):
+        # softmax over queues of log(1 + hit tokens / resident tokens), with a temperature
+        self.queue_weights = os.environ.get("SGLANG_PIC_SAE_QUEUE_WEIGHTS", "0") == "1"
+        self.temperature = temperature
+        self.queue_hits = dict.fromkeys(QUEUES, 0.0)
         self.alpha = dict.fromkeys(QUEUES, 1.0)
         self.session_last: OrderedDict[str, float] = OrderedDict()
+        # per application type: requests with a session, and how many of them were a return
+        self.requests = dict.fromkeys(APP_TYPES, 0)
+        self.returns = dict.fromkeys(APP_TYPES, 0)
         self.continuation = ContinuationModel()
         # per application type (each has its own silence cutoff): session -> (features of its
         # last request, its time), oldest first
         self.pending: dict[str, OrderedDict[str, tuple[list[float], float]]] = {
             a: OrderedDict() for a in APP_TYPES}
         self.session_p: dict[str, float] = {}  # P(another request) after the last one
-        # Scale chat/agent survival by the predictor? Off by default: measured on the replay it
-        # costs up to 2.6 pp on mixed traffic (docs/eviction.md); it keeps learning either way.
-        self.use_predictor = os.environ.get("SGLANG_PIC_SAE_PREDICTOR", "0") == "1"
+        # q of the session index from the predictor (per session) or, off, per application
+        self.use_predictor = os.environ.get("SGLANG_PIC_SAE_PREDICTOR", "1") != "0"
         # a JSON file the counters are written to after every evict pass (inspection, tests)
         self.stats_path = os.environ.get("SGLANG_PIC_SAE_STATS")
-        self.ghost: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
+        self.ghost: OrderedDict[tuple, tuple[tuple[str, str], int]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
         self.events = defaultdict(int)
         self.sample_size = sample_size  # evict passes look at this many leaves (0 = all)
         self.rng = random.Random(0)
         # get_priority runs for every evictable leaf on every evict call (SGLang rebuilds its
-        # heap each time), so the per-class factor alpha * w * p is computed once per class
-        # and clock reading, not once per leaf.
+        # heap each time), so the index of a session or class is computed once per clock
+        # reading, not once per leaf.
         self._memo_now: float | None = None
         self._pass_now: float | None = None
         self._memo: dict[tuple, float] = {}
@@ -130,16 +146,23 @@ class SAEStrategy(EvictionStrategy):
             return "evict_first"
         return "agent" if info.app_type == "agent" else "chat"
 
-    def p_queue(self, queue: str, info: BlockInfo, now: float) -> float:
+    def continuation_odds(self, app: str, session_id: str) -> float:
+        """``q``: the chance that the session sends another request."""
+        if self.use_predictor and session_id in self.session_p:
+            return self.session_p[session_id]
+        return (self.returns[app] + 10 * 0.7) / (self.requests[app] + 10)  # prior 0.7
+
+    def index(self, queue: str, info: BlockInfo, dt: float, now: float) -> float:
+        """Expected reuses per second of a block of ``queue`` unused for ``dt`` seconds."""
+        if queue in ("chat", "agent") and info.session_id:
+            silence = now - self.session_last.get(info.session_id, now)
+            q = self.continuation_odds(info.app_type, info.session_id)
+            return self.session_index.value(self.gaps[info.app_type], q, silence)
         if queue == "structural":
-            return self.position.value(info.offset / max(info.prompt_len, 1))
-        if queue in ("chat", "agent"):
-            if not info.session_id:
-                return 1.0
-            last = self.session_last.get(info.session_id, now)
-            p = self.session_p.get(info.session_id, 1.0) if self.use_predictor else 1.0
-            return max(p * self.gaps[info.app_type].survival(now - last), 1e-4)
-        return 1.0
+            scale = dt if info.interval is None else max(info.interval, dt)
+            return self.position.value(info.offset / max(info.prompt_len, 1)) / scale
+        w = self.w[info.token_type, info.app_type].value()
+        return w / (1.0 + w * dt)  # the kind's rate, older blocks of it first
 
     def begin_evict(self) -> None:
         """Called by the hooks when SGLang starts an evict pass: one clock reading per pass."""
@@ -154,8 +177,7 @@ class SAEStrategy(EvictionStrategy):
         """Write the event counters and per-queue resident tokens as JSON (atomically)."""
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"events": dict(self.events), "resident": dict(self.resident),
-                       "alpha": dict(self.alpha)}, f)
+            json.dump({"events": dict(self.events), "resident": dict(self.resident)}, f)
         os.replace(tmp, path)
 
     def get_priority(self, node) -> float:
@@ -168,26 +190,17 @@ class SAEStrategy(EvictionStrategy):
             dt = 1e-3
         if info is None:  # created outside any request context (e.g. HiCache load): plain LRU
             return 1.0 / dt
-        interval = info.interval
-        if interval is not None and dt < 4 * interval:
-            # a block used every few seconds is not colder for having been skipped once:
-            # recency and frequency both enter through the time scale of its reuse
-            dt = min(dt, max(interval, 1e-3))
         if now != self._memo_now:
             self._memo_now, self._memo = now, {}
         queue = info.queue
-        if queue in ("chat", "agent"):
-            key = (queue, info.token_type, info.app_type, info.session_id)
-        elif queue == "structural":
-            key = (queue, info.token_type, info.app_type, info.offset, info.prompt_len)
+        if queue in ("chat", "agent") and info.session_id:
+            key = (info.app_type, info.session_id)  # every block of a session shares its index
+            value = self._memo.get(key)
+            if value is None:
+                value = self._memo[key] = self.index(queue, info, dt, now)
         else:
-            key = (queue, info.token_type, info.app_type)
-        factor = self._memo.get(key)
-        if factor is None:
-            factor = (self.alpha[queue] * self.w[info.token_type, info.app_type].value
-                      * self.p_queue(queue, info, now))
-            self._memo[key] = factor
-        return factor / dt
+            value = self.index(queue, info, dt, now)
+        return value * self.alpha[queue] if self.queue_weights else value
 
     # ---- learning from events -------------------------------------------------------------
     def on_request(self, ctx: RequestContext, now: float) -> None:
@@ -207,8 +220,10 @@ class SAEStrategy(EvictionStrategy):
             # the oldest waits for a label we can no longer afford to track: dropped unlabelled
             self.pending[app].popitem(last=False)
         self.session_p[sid] = self.continuation.predict(x)
+        self.requests[app] += 1
         last = self.session_last.pop(sid, None)
         if last is not None:
+            self.returns[app] += 1
             self.gaps[app].observe(now - last)
         self.session_last[sid] = now
         if len(self.session_last) > TRACKED_SESSIONS:
@@ -228,25 +243,42 @@ class SAEStrategy(EvictionStrategy):
                 queue.popitem(last=False)
                 self.continuation.update(x, 0.0)
 
+    def _now(self, ctx: RequestContext | None = None) -> float:
+        if ctx is not None and ctx.now is not None:
+            return ctx.now
+        return self._pass_now if self._pass_now is not None else self.now_fn()
+
+    def _seen_by(self, node, info: BlockInfo, session_id: str | None) -> None:
+        """Another session used the block: it may have become shared (structural)."""
+        if not session_id or session_id == info.last_session:
+            return
+        info.sessions_seen += 1
+        info.last_session = session_id
+        queue = self.route(info)
+        if queue != info.queue:
+            self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
+            self.resident[queue] += len(node.key)
+            info.queue = queue
+
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
             info = getattr(node, "sae", None)
-            if info is not None and ctx.session_id and ctx.session_id != info.last_session:
-                info.sessions_seen += 1
-                info.last_session = ctx.session_id
-                info.queue = self.route(info)
+            if info is not None:
+                self._seen_by(node, info, ctx.session_id)
             return
         self.events["inserts"] += 1
+        now = self._now(ctx)
         ttype = ctx.token_type_at(offset)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
                          max(ctx.prompt_len, offset + len(node.key)), 1, ctx.session_id, ctx)
         info.queue = self.route(info)
         node.sae = info
-        self.w[ttype, info.app_type].add_block()
+        self.w[ttype, info.app_type].add(len(node.key), now)
         self.resident[info.queue] += len(node.key)
         ghost_key = block_key(node)
         if ghost_key in self.ghost:  # asked for again after we evicted it: a mistake
-            self.w[self.ghost.pop(ghost_key)].add_hit()
+            kind, tokens = self.ghost.pop(ghost_key)
+            self.w[kind].hit(tokens, now)
             self.events["miss_after_eviction"] += 1
 
     def on_split(self, head, tail) -> None:
@@ -257,7 +289,7 @@ class SAEStrategy(EvictionStrategy):
         head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
                              info.last_hit, info.interval, info.queue)
-        old_queue = info.queue
+        old_queue, old_kind = info.queue, (info.token_type, info.app_type)
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
             info.token_type = info.ctx.token_type_at(info.offset)
@@ -265,22 +297,25 @@ class SAEStrategy(EvictionStrategy):
         self.resident[old_queue] -= len(tail.key) + len(head.key)
         self.resident[head.sae.queue] += len(head.key)
         self.resident[info.queue] += len(tail.key)
+        kind = (info.token_type, info.app_type)
+        if kind != old_kind:
+            now = self._now()
+            self.w[old_kind].remove(len(tail.key), now)
+            self.w[kind].add(len(tail.key), now, block=False)
 
     def on_hit(self, node, tokens: int, ctx: RequestContext | None) -> None:
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None:
             return
-        if ctx is not None and ctx.session_id and ctx.session_id != info.last_session:
-            info.sessions_seen += 1
-            info.last_session = ctx.session_id
-            info.queue = self.route(info)
-        now = self.now_fn() if ctx is None or ctx.now is None else ctx.now
+        if ctx is not None:
+            self._seen_by(node, info, ctx.session_id)
+        now = self._now(ctx)
         if info.last_hit is not None:
             gap = max(now - info.last_hit, 1e-3)
             info.interval = gap if info.interval is None else 0.7 * info.interval + 0.3 * gap
         info.last_hit = now
-        self.w[info.token_type, info.app_type].add_hit()
-        self.hit_tokens[info.queue].value += tokens
+        self.w[info.token_type, info.app_type].hit(tokens, now)
+        self.queue_hits[info.queue] += tokens
         self.position.observe(info.offset / max(info.prompt_len, 1), True)
         self.events["hits"] += 1
 
@@ -288,20 +323,20 @@ class SAEStrategy(EvictionStrategy):
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None:
             return
-        queue = info.queue
-        self.resident[queue] = max(self.resident[queue] - len(node.key), 0)
+        self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
+        kind = (info.token_type, info.app_type)
+        self.w[kind].remove(len(node.key), self._now())
         self.position.observe(info.offset / max(info.prompt_len, 1), False)
-        self.ghost[block_key(node)] = (info.token_type, info.app_type)
+        self.ghost[block_key(node)] = (kind, len(node.key))
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
         self.events["evictions"] += 1
-        if self.events["evictions"] % 64 == 0:
+        if self.queue_weights and self.events["evictions"] % 64 == 0:
             self._refresh_alpha()
 
     def _refresh_alpha(self) -> None:
         scores = {}
         for q in QUEUES:
-            hits = self.hit_tokens[q]
-            scores[q] = math.log1p(hits.value / max(self.resident[q], 1))
-            hits.value *= 0.9  # forget slowly, so alpha follows workload shifts
+            scores[q] = math.log1p(self.queue_hits[q] / max(self.resident[q], 1))
+            self.queue_hits[q] *= 0.9  # forget slowly, so alpha follows workload shifts
         self.alpha = softmax_weights(scores, self.temperature)
