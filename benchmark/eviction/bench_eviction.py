@@ -1,7 +1,7 @@
 """Eviction policies on replayed traces: SGLang's seven, GDSF, S3-FIFO and SAE, in one run, with
 Belady's offline rule (the whole trace known in advance) as the upper bound.
 
-    python benchmark/eviction/bench_eviction.py [--scale 100] [--quick] [--trace FILE --format mooncake|bailian]
+    python benchmark/eviction/bench_eviction.py [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
 
 For every workload (chat, agent, single-turn, mix, single-heavy, shift, and chat with
 ShareGPT-like turn counts alone and mixed) and cache size (a
@@ -26,6 +26,7 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "sae")
+ABLATIONS = ("sae-nopred", "sae-alpha")  # sae without the session predictor / with alpha_q
 REFERENCE = ("belady",)  # not a policy: the offline bound (simulator.ORACLE)
 WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegpt",
              "sharegpt_mix")
@@ -40,17 +41,43 @@ def unique_tokens(trace) -> int:
     return len(seen)
 
 
+def mean_rates(rows: list[dict]) -> dict[tuple[str, float, str], float]:
+    """(workload, fraction, policy) -> token hit rate averaged over the seeds."""
+    acc: dict[tuple[str, float, str], list[float]] = {}
+    for r in rows:
+        acc.setdefault((r["workload"], r["fraction"], r["policy"]), []).append(
+            r["token_hit_rate"])
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def print_summary(rows: list[dict], policies: list[str]) -> None:
+    """sae against the best other policy per cell, averaged over seeds."""
+    if "sae" not in policies:
+        return
+    rates = mean_rates(rows)
+    baselines = [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
+    print(f"\n{'workload':<13}{'cache':>6}  {'best baseline':<20}{'sae':>7}{'gain':>8}")
+    for w, f in dict.fromkeys((r["workload"], r["fraction"]) for r in rows):
+        best = max(baselines, key=lambda p: rates[w, f, p])
+        gain = 100 * (rates[w, f, "sae"] - rates[w, f, best])
+        print(f"{w:<13}{f:>6.0%}  {best:<8}{rates[w, f, best]:>12.3f}{rates[w, f, 'sae']:>7.3f}"
+              f"{gain:>+7.1f}pp")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=int, default=100, help="sessions per workload (size knob)")
     ap.add_argument("--quick", action="store_true", help="two workloads, two sizes")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
-    ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + REFERENCE))
+    ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE))
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_sim.json"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
                     ",".join(WORKLOADS))
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="generate each workload with this many seeds; tables and plot average "
+                         "over them (ties in eviction order alone move a cell by ~1 pp)")
     args = ap.parse_args()
 
     import sglang
@@ -66,23 +93,24 @@ def main() -> None:
     policies = args.policies.split(",")
     if args.trace:
         loader = load_mooncake if args.format == "mooncake" else load_bailian
-        workloads = {Path(args.trace).stem: loader(args.trace)}
+        workloads = {(Path(args.trace).stem, 0): loader(args.trace)}
     else:
         names = ("mix", "single_heavy") if args.quick else WORKLOADS
         if args.workloads:
             names = tuple(args.workloads.split(","))
-        workloads = {w: generate(w, scale=args.scale, seed=0) for w in names}
+        workloads = {(w, seed): generate(w, scale=args.scale, seed=seed) for w in names
+                     for seed in range(args.seeds)}
     fractions = (0.1, 0.2) if args.quick else FRACTIONS
     rows = []
     t_start = time.perf_counter()
-    for wname, trace in workloads.items():
+    for (wname, seed), trace in workloads.items():
         uniq = unique_tokens(trace)
         for frac in fractions:
             cap = max(int(uniq * frac), 1024)
             line = []
             for pol in policies:
                 res = replay(trace, pol, cap).summary()
-                res.update(workload=wname, fraction=frac, unique_tokens=uniq)
+                res.update(workload=wname, seed=seed, fraction=frac, unique_tokens=uniq)
                 rows.append(res)
                 line.append(f"{pol} {res['token_hit_rate']:.3f}")
             best_other = max((r["token_hit_rate"] for r in rows[-len(policies):]
@@ -90,12 +118,13 @@ def main() -> None:
                               and r["policy"] not in REFERENCE), default=0.0)
             sae = next((r for r in rows[-len(policies):] if r["policy"] == "sae"), None)
             gain = f"  sae-best={100 * (sae['token_hit_rate'] - best_other):+.1f}pp" if sae else ""
-            print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} cap {frac:>4.0%} "
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} s{seed} cap {frac:>4.0%} "
                   f"({cap} tok, {len(trace)} req): " + "  ".join(line) + gain, flush=True)
     report = {"benchmark": "eviction_sim", "environment": {
         "host": platform.node(), "python": platform.python_version(),
         "sglang": sglang.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")},
-        "scale": args.scale, "policies": policies, "rows": rows}
+        "scale": args.scale, "seeds": args.seeds, "policies": policies, "rows": rows}
+    print_summary(rows, policies)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -23,10 +23,14 @@ def plot(path: Path) -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
     for ax, w in zip(axes.flat, workloads, strict=False):
         for pol in report["policies"]:
-            pts = sorted((r["fraction"], r["token_hit_rate"]) for r in rows
-                         if r["workload"] == w and r["policy"] == pol)
+            acc: dict[float, list[float]] = {}  # averaged over the seeds
+            for r in rows:
+                if r["workload"] == w and r["policy"] == pol:
+                    acc.setdefault(r["fraction"], []).append(r["token_hit_rate"])
+            pts = sorted((f, sum(v) / len(v)) for f, v in acc.items())
             style = ({"lw": 2.5, "color": "black"} if pol == "sae" else
                      {"lw": 1.5, "color": "grey", "ls": "--"} if pol == "belady" else
+                     {"lw": 1, "color": "black", "ls": ":"} if pol.startswith("sae-") else
                      {"lw": 1, "alpha": 0.8})
             ax.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", ms=3,
                     label=pol, **style)
@@ -36,8 +40,10 @@ def plot(path: Path) -> Path:
     for ax in list(axes.flat)[len(workloads):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7, ncol=2)
+    seeds = report.get("seeds", 1)
     fig.suptitle("Prefix-cache token hit rate, SGLang RadixCache replay "
-                 f"(sglang {report['environment']['sglang']})", fontsize=10)
+                 f"(sglang {report['environment']['sglang']}"
+                 f"{f', mean of {seeds} seeds' if seeds > 1 else ''})", fontsize=10)
     fig.tight_layout()
     out = REPO / "docs" / "figures" / "eviction_hit_rate.png"
     out.parent.mkdir(parents=True, exist_ok=True)
