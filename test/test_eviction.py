@@ -394,6 +394,45 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
         stop_server(srv)
 
 
+def test_hits_are_those_of_the_match_that_admitted_the_request():
+    """The scheduler matches a waiting request every round. Blocks another request inserted
+    while it waited are its hits (they were counted as misses when the first match counted);
+    they are reported once, when the request is cached, however often it was matched."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    sae = cache.eviction_strategy
+    shared, own = list(range(100, 164)), list(range(500, 532))
+    waiting = SimpleNamespace(rid="b", origin_input_ids=shared + own, session_id="s-b")
+
+    def match(ids):
+        return cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), None),
+                                                    req=waiting))
+
+    def insert(rid, ids):
+        with using(RequestContext("s-" + rid, "chat", [(0, "user")], prompt_len=len(ids),
+                                  rid=rid)):
+            cache.insert(InsertParams(key=RadixKey(array("q", ids), None), value=None))
+
+    assert len(match(shared + own).device_indices) == 0  # first round: nothing cached yet
+    insert("a", shared)  # another request caches the shared part meanwhile
+    assert len(match(shared + own).device_indices) == 64  # the round that admits "b"
+    assert sae.events["hits"] == 0  # nothing reported before "b" is cached
+    insert("b", shared + own)
+    assert sae.events["hits"] == 1
+    node = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert node.sae.last_hit is not None
+    match(shared + own)  # matched again later (e.g. retracted): not a second reuse
+    insert("b", shared + own)
+    assert sae.events["hits"] == 1
+
+
 def test_sampled_evict_frees_enough_and_keeps_leaf_set_consistent():
     """With a sample smaller than the tree, SGLang's evict runs over samples; afterwards the
     cache's evictable-leaf set must be exactly the unlocked leaves of the tree."""

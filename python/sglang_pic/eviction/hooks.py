@@ -5,7 +5,8 @@ also learn from what happens to blocks. Three AROUND hooks (HookRegistry) report
 the cache's strategy when it has the matching method, and do nothing for SGLang's own policies:
 
 - ``RadixCache.match_prefix``: ``on_hit(node, tokens, ctx)`` for every matched node, once per
-  request (the scheduler may match the same request several times while it waits);
+  request: the scheduler matches a waiting request on every round, so the latest match is kept
+  and reported when the request is first cached (``insert``), i.e. the match that admitted it;
 - ``RadixCache.insert``: ``on_request(ctx, now)`` once per request, then
   ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path;
 - ``RadixCache._delete_leaf``: ``on_evict(node)``;
@@ -87,15 +88,35 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     ctx = ctxmod.current()
     if ctx is not None and not ctx.count_hits:
         return result  # SGLang re-matching blocks a request just inserted: not a reuse
-    # count a request's hits once, however often the scheduler matches it (checked before
-    # building its context: waiting requests are matched on every scheduling round)
-    if req is not None and not _first_time(self, "_pic_hit_counted", req.rid):
+    matched = [(node, len(node.key)) for node in _path_up(self, result.last_device_node)]
+    if req is None:  # a caller outside the scheduler (the trace replay): a hit now
+        for node, tokens in matched:
+            strategy.on_hit(node, tokens, ctx)
         return result
-    if ctx is None and req is not None:
-        ctx = request_context(req)
-    for node in _path_up(self, result.last_device_node):
-        strategy.on_hit(node, len(node.key), ctx)
+    # The scheduler matches a waiting request on every scheduling round; what it reuses is the
+    # match of the round that admits it, which may include blocks another request inserted
+    # while it waited. Keep the latest match; ``around_insert`` reports it when the request is
+    # first cached (after its prefill), once per request.
+    if req.rid in self.__dict__.get("_pic_hit_counted", ()):
+        return result
+    pending = self.__dict__.setdefault("_pic_pending_hits", {})
+    pending.pop(req.rid, None)
+    pending[req.rid] = matched
+    if len(pending) > _MAX_SEEN:  # requests that never got cached (aborted): dropped
+        pending.pop(next(iter(pending)))
     return result
+
+
+def _report_pending_hits(cache, strategy, ctx) -> None:
+    """The admitted match of request ``ctx.rid`` (``around_match_prefix``), as hits."""
+    matched = cache.__dict__.get("_pic_pending_hits", {}).pop(ctx.rid, None)
+    if matched is None or not _first_time(cache, "_pic_hit_counted", ctx.rid):
+        return
+    for node, tokens in matched:
+        parent = node.parent
+        if parent is not None and parent.children.get(
+                node.key.child_key(cache.page_size)) is node:  # not evicted since
+            strategy.on_hit(node, tokens, ctx)
 
 
 def _end_of_path(cache, key):
@@ -122,8 +143,11 @@ def around_insert(original, self, params, *args, **kwargs):
     ctx = ctxmod.current()
     if strategy is None or ctx is None:
         return original(self, params, *args, **kwargs)
-    if hasattr(strategy, "on_request") and _first_report(self, ctx):
-        strategy.on_request(ctx, _now(strategy, ctx))
+    if _first_report(self, ctx):
+        if hasattr(strategy, "on_request"):
+            strategy.on_request(ctx, _now(strategy, ctx))
+        if ctx.rid is not None and hasattr(strategy, "on_hit"):
+            _report_pending_hits(self, strategy, ctx)
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_insert"):
         last = result.last_device_node
