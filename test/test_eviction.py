@@ -381,7 +381,7 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
     try:
         system = "You are a concise assistant who answers in one short sentence. " * 2
         body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        for i in range(12):  # 12 x ~100 tokens (~70 unique each) through a 512-token pool
+        for i in range(8):  # 8 x ~100 tokens (~70 unique each) through a 512-token pool
             prompt = f"{system}Question {i}: " + f"describe detail {i} of the item. " * 8
             got = srv.post("/generate", json={"text": prompt, "session_id": f"s{i % 2}", **body})
             ref = server.post("/generate", json={"text": prompt, **body})
