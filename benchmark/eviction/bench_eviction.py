@@ -41,24 +41,21 @@ def unique_tokens(trace) -> int:
     return len(seen)
 
 
-def mean_rates(rows: list[dict]) -> dict[tuple[str, float, str], float]:
-    """(workload, fraction, policy) -> token hit rate averaged over the seeds."""
-    acc: dict[tuple[str, float, str], list[float]] = {}
-    for r in rows:
-        acc.setdefault((r["workload"], r["fraction"], r["policy"]), []).append(
-            r["token_hit_rate"])
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+def baselines(policies: list[str]) -> list[str]:
+    """The policies ``sae`` is compared with: all but ``sae``, its ablations and the bound."""
+    return [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
 
 
 def print_summary(rows: list[dict], policies: list[str]) -> None:
     """sae against the best other policy per cell, averaged over seeds."""
     if "sae" not in policies:
         return
+    from plot_eviction import mean_rates
+
     rates = mean_rates(rows)
-    baselines = [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
     print(f"\n{'workload':<13}{'cache':>6}  {'best baseline':<20}{'sae':>7}{'gain':>8}")
     for w, f in dict.fromkeys((r["workload"], r["fraction"]) for r in rows):
-        best = max(baselines, key=lambda p: rates[w, f, p])
+        best = max(baselines(policies), key=lambda p: rates[w, f, p])
         gain = 100 * (rates[w, f, "sae"] - rates[w, f, best])
         print(f"{w:<13}{f:>6.0%}  {best:<8}{rates[w, f, best]:>12.3f}{rates[w, f, 'sae']:>7.3f}"
               f"{gain:>+7.1f}pp")
@@ -113,9 +110,9 @@ def main() -> None:
                 res.update(workload=wname, seed=seed, fraction=frac, unique_tokens=uniq)
                 rows.append(res)
                 line.append(f"{pol} {res['token_hit_rate']:.3f}")
+            others = baselines(policies)
             best_other = max((r["token_hit_rate"] for r in rows[-len(policies):]
-                              if not r["policy"].startswith("sae")
-                              and r["policy"] not in REFERENCE), default=0.0)
+                              if r["policy"] in others), default=0.0)
             sae = next((r for r in rows[-len(policies):] if r["policy"] == "sae"), None)
             gain = f"  sae-best={100 * (sae['token_hit_rate'] - best_other):+.1f}pp" if sae else ""
             print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} s{seed} cap {frac:>4.0%} "

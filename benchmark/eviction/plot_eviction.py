@@ -9,6 +9,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def mean_rates(rows: list[dict]) -> dict[tuple[str, float, str], float]:
+    """(workload, fraction, policy) -> token hit rate averaged over the seeds."""
+    acc: dict[tuple[str, float, str], list[float]] = {}
+    for r in rows:
+        acc.setdefault((r["workload"], r["fraction"], r["policy"]), []).append(
+            r["token_hit_rate"])
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
 def plot(path: Path) -> Path:
     import matplotlib
 
@@ -17,17 +26,15 @@ def plot(path: Path) -> Path:
 
     report = json.loads(Path(path).read_text())
     rows = report["rows"]
+    rates = mean_rates(rows)
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
     for ax, w in zip(axes.flat, workloads, strict=False):
         for pol in report["policies"]:
-            acc: dict[float, list[float]] = {}  # averaged over the seeds
-            for r in rows:
-                if r["workload"] == w and r["policy"] == pol:
-                    acc.setdefault(r["fraction"], []).append(r["token_hit_rate"])
-            pts = sorted((f, sum(v) / len(v)) for f, v in acc.items())
+            pts = sorted((f, rate) for (wl, f, p), rate in rates.items()
+                         if wl == w and p == pol)
             style = ({"lw": 2.5, "color": "black"} if pol == "sae" else
                      {"lw": 1.5, "color": "grey", "ls": "--"} if pol == "belady" else
                      {"lw": 1, "color": "black", "ls": ":"} if pol.startswith("sae-") else

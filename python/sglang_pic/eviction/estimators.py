@@ -38,9 +38,9 @@ class ClassRate:
     _n: int = 0
 
     def _advance(self, now: float) -> None:
-        if self._t is not None and now > self._t:
-            self.token_seconds += self.resident * (now - self._t)
         if self._t is None or now > self._t:
+            if self._t is not None:
+                self.token_seconds += self.resident * (now - self._t)
             self._t = now
 
     def add(self, tokens: int, now: float, block: bool = True) -> None:

@@ -88,10 +88,9 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     ctx = ctxmod.current()
     if ctx is not None and not ctx.count_hits:
         return result  # SGLang re-matching blocks a request just inserted: not a reuse
-    matched = [(node, len(node.key)) for node in _path_up(self, result.last_device_node)]
     if req is None:  # a caller outside the scheduler (the trace replay): a hit now
-        for node, tokens in matched:
-            strategy.on_hit(node, tokens, ctx)
+        for node in _path_up(self, result.last_device_node):
+            strategy.on_hit(node, len(node.key), ctx)
         return result
     # The scheduler matches a waiting request on every scheduling round; what it reuses is the
     # match of the round that admits it, which may include blocks another request inserted
@@ -101,7 +100,8 @@ def around_match_prefix(original, self, params, *args, **kwargs):
         return result
     pending = self.__dict__.setdefault("_pic_pending_hits", {})
     pending.pop(req.rid, None)
-    pending[req.rid] = matched
+    pending[req.rid] = [(node, len(node.key))
+                        for node in _path_up(self, result.last_device_node)]
     if len(pending) > _MAX_SEEN:  # requests that never got cached (aborted): dropped
         pending.pop(next(iter(pending)))
     return result

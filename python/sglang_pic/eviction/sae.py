@@ -150,7 +150,8 @@ class SAEStrategy(EvictionStrategy):
         """``q``: the chance that the session sends another request."""
         if self.use_predictor and session_id in self.session_p:
             return self.session_p[session_id]
-        return (self.returns[app] + 10 * 0.7) / (self.requests[app] + 10)  # prior 0.7
+        prior = self.continuation.prior  # weighing as 10 requests
+        return (self.returns[app] + 10 * prior) / (self.requests[app] + 10)
 
     def index(self, queue: str, info: BlockInfo, dt: float, now: float) -> float:
         """Expected reuses per second of a block of ``queue`` unused for ``dt`` seconds."""
