@@ -106,7 +106,8 @@ def _sweep(layer, q) -> list[dict]:
 
 
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
-         profile: bool = False, sweep: bool = False) -> list[dict]:
+         profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16)
+         ) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
@@ -141,51 +142,66 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
             layer.prefill(b, ks[b], vs[b])
         torch.cuda.synchronize()
         gpu_bytes = torch.cuda.memory_allocated() - base_mem
-        out = torch.empty_like(q)
-        layer.attend(q, out)
-        bench = triton.testing.do_bench_cudagraph
-        sparse_us = 1000 * bench(partial(layer.attend, q, out), rep=100)
-        select_us = 1000 * bench(partial(layer.select, q), rep=100)
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+        exact_picks = None
+        for stride in strides:
+            # the same encoded keys, pruned exactly (1) or with a sampled threshold (> 1)
+            from sglang_pic_kernel.pariskv import Selector
 
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    layer.attend(q, out)
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
-        sweep_rows = _sweep(layer, q) if sweep else None
-        # recall@k of the host-region selection vs the exact top-k (max over the group)
-        sel = layer.select(q)
-        recall = []
-        for b in range(batch):
-            host_k = ks[b][SINK:ctx - LOCAL].float()
-            for h in range(KV_HEADS):
-                g = Q_HEADS // KV_HEADS
-                scores = (host_k[:, h] @ q[b, h * g:(h + 1) * g].float().T).max(1).values
-                exact = set(scores.topk(TOPK).indices.tolist())
-                recall.append(len(exact & set(sel[b, h].tolist())) / TOPK)
-        row = {"batch": batch, "context": ctx, "candidates": c, "topk": TOPK, "sink": SINK,
-               "local": LOCAL, "dense_us": dense_us, "sparse_us": sparse_us,
-               "select_us": select_us, "recall_at_k": sum(recall) / len(recall),
-               "recall_min": min(recall), "gpu_bytes_sparse": gpu_bytes,
-               "host_bytes_sparse": 2 * layer.k_host.numel() * 2,
-               "gpu_bytes_dense": 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2,
-               "setup_s": time.perf_counter() - t0,
-               "vote_block_n": layer.selector.block_n, "nbins": layer.selector.nbins}
-        if sweep_rows:
-            row["sweep"] = sweep_rows
-        if ref is not None:
-            err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
-            row["rel_err_mean"] = err.mean().item()
-            row["speedup"] = dense_us / sparse_us
-        rows.append(row)
-        print(f"b={batch} ctx={ctx:>8} C={c:>6}: dense {dense_us or float('nan'):9.1f} us  "
-              f"pariskv {sparse_us:7.1f} us (select {select_us:6.1f})  "
-              f"x{(dense_us or math.nan) / sparse_us:6.2f}  recall@{TOPK} {row['recall_at_k']:.3f}"
-              f" (min {row['recall_min']:.2f})  rel.err {row.get('rel_err_mean', math.nan):.4f}",
-              flush=True)
+            old = layer.selector
+            layer.selector = Selector(batch, Q_HEADS, KV_HEADS, HEAD_DIM, layer.capacity, old.C,
+                                      old.k, device=layer.device, sample_stride=stride)
+            del old
+            out = torch.empty_like(q)
+            layer.attend(q, out)
+            bench = triton.testing.do_bench_cudagraph
+            sparse_us = 1000 * bench(partial(layer.attend, q, out), rep=100)
+            select_us = 1000 * bench(partial(layer.select, q), rep=100)
+            if profile:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        layer.attend(q, out)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+            sweep_rows = _sweep(layer, q) if sweep else None
+            # recall@k of the host-region selection vs the exact top-k (max over the group)
+            sel = layer.select(q)
+            recall = []
+            for b in range(batch):
+                host_k = ks[b][SINK:ctx - LOCAL].float()
+                for h in range(KV_HEADS):
+                    g = Q_HEADS // KV_HEADS
+                    scores = (host_k[:, h] @ q[b, h * g:(h + 1) * g].float().T).max(1).values
+                    exact = set(scores.topk(TOPK).indices.tolist())
+                    recall.append(len(exact & set(sel[b, h].tolist())) / TOPK)
+            row = {"batch": batch, "context": ctx, "candidates": c, "topk": TOPK, "sink": SINK,
+                   "local": LOCAL, "dense_us": dense_us, "sparse_us": sparse_us,
+                   "select_us": select_us, "recall_at_k": sum(recall) / len(recall),
+                   "recall_min": min(recall), "gpu_bytes_sparse": gpu_bytes,
+                   "host_bytes_sparse": 2 * layer.k_host.numel() * 2,
+                   "gpu_bytes_dense": 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2,
+                   "setup_s": time.perf_counter() - t0,
+                   "vote_block_n": layer.selector.block_n, "nbins": layer.selector.nbins,
+                   "sample_stride": stride}
+            picks = torch.sort(sel, -1).values
+            if exact_picks is None:
+                exact_picks = picks
+            row["same_picks_as_first"] = (picks == exact_picks).float().mean().item()
+            if sweep_rows:
+                row["sweep"] = sweep_rows
+            if ref is not None:
+                err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+                row["rel_err_mean"] = err.mean().item()
+                row["speedup"] = dense_us / sparse_us
+            rows.append(row)
+            print(f"b={batch} ctx={ctx:>8} C={c:>6} s={stride:>2}: "
+                  f"dense {dense_us or float('nan'):9.1f} us  "
+                  f"pariskv {sparse_us:7.1f} us (select {select_us:6.1f})  "
+                  f"x{(dense_us or math.nan) / sparse_us:6.2f}  recall@{TOPK} {row['recall_at_k']:.3f}"
+                  f" (min {row['recall_min']:.2f})  rel.err {row.get('rel_err_mean', math.nan):.4f}",
+                  flush=True)
         del layer
         torch.cuda.empty_cache()
     return rows
@@ -200,6 +216,10 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--max-host-gib", type=float, default=40.0,
                     help="skip cases needing more pinned host memory than this")
+    ap.add_argument("--strides", type=int, nargs="+", default=[1, 16],
+                    help="pruning modes per case: 1 = exact histogram, s > 1 = threshold from "
+                         "every s-th key (Selector's sample_stride); the first is the reference "
+                         "of same_picks_as_first")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
@@ -215,7 +235,7 @@ def main() -> None:
     if args.case:  # one case in this process (spawned below): rows as JSON on the last line
         batch, ctx = args.case
         rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
-                    sweep=args.sweep)
+                    sweep=args.sweep, strides=tuple(args.strides))
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:
@@ -226,7 +246,7 @@ def main() -> None:
                 continue
             # each case in a fresh process: a CUDA error or OOM cannot poison the next one
             cmd = [sys.executable, __file__, "--case", str(batch), str(ctx), "--candidates",
-                   *map(str, args.candidates)]
+                   *map(str, args.candidates), "--strides", *map(str, args.strides)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = proc.stdout.splitlines()
             for line in lines:

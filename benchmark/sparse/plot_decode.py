@@ -6,6 +6,7 @@ decode attention time per layer (dense SGLang vs ParisKV) and recall@100 against
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -32,15 +33,22 @@ def main() -> None:
         dense = [next(r["dense_us"] for r in mine if r["context"] == c) for c in ctxs]
         ax_t.plot(ctxs, [d / 1000 for d in dense], styles[batch], color="#888888", marker="o",
                   label=f"dense SGLang triton, batch {batch}")
-        for cand, color in ((2048, "#1f77b4"), (16384, "#ff7f0e")):
+        strides = sorted({r.get("sample_stride", 1) for r in mine})
+        for (cand, color), stride in itertools.product(((2048, "#1f77b4"), (16384, "#ff7f0e")),
+                                                       strides):
             pts = [(r["context"], r["sparse_us"], r["recall_at_k"]) for r in mine
-                   if r["candidates"] == cand]
+                   if r["candidates"] == cand and r.get("sample_stride", 1) == stride]
             if not pts:
                 continue
-            ax_t.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], styles[batch], marker="o",
-                      color=color, label=f"ParisKV C={cand}, batch {batch}")
-            ax_r.plot([p[0] for p in pts], [p[2] for p in pts], styles[batch], marker="o",
-                      color=color, label=f"C={cand}, batch {batch}")
+            how = "" if len(strides) == 1 else (
+                ", exact pruning" if stride == 1 else f", threshold from 1/{stride}")
+            marker = "o" if stride == 1 else "s"
+            alpha = 0.45 if stride == 1 and len(strides) > 1 else 1.0
+            ax_t.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], styles[batch],
+                      marker=marker, color=color, alpha=alpha,
+                      label=f"ParisKV C={cand}, batch {batch}{how}")
+            ax_r.plot([p[0] for p in pts], [p[2] for p in pts], styles[batch], marker=marker,
+                      color=color, alpha=alpha, label=f"C={cand}, batch {batch}{how}")
     for ax in (ax_t, ax_r):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")

@@ -140,6 +140,95 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         assert len(above) < c <= len(above) + len(at)
 
 
+def _exact_and_sampled(similarity: bool, n: int, c: int, n_ret: list[int], stride: int = 4):
+    """Both pruning modes on the same keys and query (2 sequences): the exact selector's bins
+    are every key's bin, which the sampled selector computes the same way."""
+    torch.manual_seed(5)
+    hq, hk, d = 4, 2, 64
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    q = torch.randn(2, hq, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w = _encoded(keys)
+    args = (rt, levels, cent[None].expand(2, -1, -1, -1), codes[None].expand(2, -1, -1, -1),
+            w[None].expand(2, -1, -1, -1), torch.tensor(n_ret, dtype=torch.int32, device=DEVICE))
+    kw = dict(k=8, similarity=similarity, device=DEVICE, block_n=128, span=128)
+    exact = Selector(2, hq, hk, d, n, c=c, sample_stride=1, **kw)
+    sampled = Selector(2, hq, hk, d, n, c=c, sample_stride=stride, **kw)
+    return exact, sampled, q, args
+
+
+@pytest.mark.parametrize("similarity", [True, False])
+def test_sampled_threshold_keeps_every_key_above_it_then_keys_at_it(similarity):
+    """Pruning with the threshold from a 1/4 sample, compacted inside the vote pass: the
+    candidates are distinct, every key above the threshold bin is one of them, the rest of the
+    budget comes from the threshold bin in key order, and nothing below it is kept. A sequence
+    holding at most ``C`` keys keeps them all."""
+    n, c = 700, 60
+    exact, sampled, q, args = _exact_and_sampled(similarity, n, c, [n, 50])
+    exact(q, *args)
+    sampled(q, *args)
+    assert sampled.programs > 1  # several vote programs, each with its own region
+    for h in range(2):
+        bins = exact.bins[0, h].long().cpu()
+        t = int(sampled.thresh[0, h])
+        cand = sampled.cand[0, h].cpu()
+        got = cand[cand >= 0].tolist()
+        assert len(got) == len(set(got))
+        above = (bins > t).nonzero().flatten().tolist()
+        at = (bins == t).nonzero().flatten().tolist()
+        assert len(above) <= c  # this sample set the threshold high enough
+        assert got[:len(above)] == above  # in key order: program by program, then in each
+        assert got[len(above):] == at[:c - len(above)]
+        # a short sequence: every key, in order
+        assert sampled.cand[1, h, :50].tolist() == list(range(50))
+        assert (sampled.cand[1, h, 50:] == -1).all()
+
+
+def test_sampled_threshold_overflow_drops_keys_evenly_over_the_context():
+    """If the sampled threshold is too low (here forced), the keys above it overflow the budget
+    and each vote program keeps ``floor(count * C / total)`` of its own, so the dropped keys are
+    spread over the whole context rather than cut off at its end."""
+    n, c = 700, 60
+    exact, sampled, q, args = _exact_and_sampled(True, n, c, [n, n])
+    sampled.target = 10 * c // 4  # the threshold a sample asking for 10 x the budget sets
+    exact(q, *args)
+    sampled(q, *args)
+    bins = exact.bins[0, 0].long().cpu()
+    t = int(sampled.thresh[0, 0])
+    above = (bins > t).nonzero().flatten()
+    assert len(above) > c
+    got = sampled.cand[0, 0].cpu()
+    got = got[got >= 0]
+    assert len(set(got.tolist())) == len(got)
+    program = above // sampled.span
+    counts = torch.bincount(program, minlength=sampled.programs)
+    share = counts * c // len(above)
+    want = torch.cat([above[program == p][:share[p]] for p in range(sampled.programs)])
+    assert got[:len(want)].tolist() == want.tolist()
+    assert (bins[got[len(want):]] == t).all()  # the shares' rounding left room for keys at it
+
+
+def test_sampled_and_exact_pruning_select_alike_on_planted_keys():
+    """The end of selection (rerank + top-k) with either pruning mode finds the same planted
+    query-aligned keys."""
+    torch.manual_seed(6)
+    hq, hk, d, n, c, k = 4, 2, 64, 2000, 200, 16
+    keys = torch.randn(n, hk, d, device=DEVICE)
+    q = torch.randn(1, hq, d, device=DEVICE)
+    planted = torch.randperm(n)[:k]
+    for h in range(hk):
+        keys[planted, h] = 3 * q[0, 2 * h] / q[0, 2 * h].norm() * d**0.5 + 0.1 * keys[planted, h]
+    keys, q = keys.to(torch.float16), q.to(torch.float16)
+    rt, levels, cent, codes, w = _encoded(keys)
+    picks = []
+    for stride in (1, 8):
+        sel = Selector(1, hq, hk, d, n, c=c, k=k, device=DEVICE, block_n=128, sample_stride=stride)
+        got = sel(q, rt, levels, cent[None], codes[None], w[None],
+                  torch.tensor([n], dtype=torch.int32, device=DEVICE))
+        picks.append([set(got[0, h].tolist()) for h in range(hk)])
+    for h in range(hk):
+        assert picks[0][h] == picks[1][h] == set(planted.tolist())
+
+
 @triton.jit
 def _popcount_kernel(X, Y, N: tl.constexpr):
     i = tl.arange(0, N)

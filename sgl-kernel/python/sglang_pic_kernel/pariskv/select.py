@@ -43,6 +43,7 @@ import triton.language as tl
 NBINS = 1024  # tiered votes: up to G * B * max(tiers) must fit
 SIMILARITY_BINS = 256
 PLANES = 8  # bits per coordinate of the quantised group query
+SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by keys above it
 
 
 @triton.jit
@@ -140,18 +141,98 @@ def _popc(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
-                 stride_cb, stride_ch, stride_cn, N, SPAN,
-                 B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
-    """Votes of the keys ``[pid * SPAN, (pid + 1) * SPAN)`` of one KV head. The histogram is
-    accumulated in registers over the whole span and added to the global one once, so the
-    atomics per key stay far below one (``NB`` per ``SPAN`` keys).
+def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half, scale,
+              B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
+              BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
+    """``[BLOCK_N]`` histogram bins of the votes of keys ``rows`` of one KV head (``r``).
 
     Similarity votes take a key's ``D / 32`` sign words one at a time, each as a ``[BLOCK_N]``
     vector ANDed with the planes' scalar words, so every value has the layout of the rows (a
     ``[BLOCK_N, P, D / 32]`` broadcast with two reductions measured 1.4-1.9x slower on the H200:
     `sparse_decode_h200_sweep_by_word.json`)."""
+    if SIMILARITY:
+        row_ptr = base + rows.to(tl.int64) * stride_cn
+        ones = tl.zeros([BLOCK_N], dtype=tl.int32)
+        dot = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for w in tl.static_range(B // 8):
+            word = tl.load(row_ptr + w, mask=mask, other=0)
+            ones += _popc(word, ASM)
+            for j in tl.static_range(P):  # bit plane j
+                plane = tl.load(Planes + (r * P + j) * (B // 8) + w)
+                dot += _popc(word & plane, ASM) << j
+        score = lo * ones.to(tl.float32) + step * dot.to(tl.float32) - half
+        bins = (score * scale).to(tl.int32)
+    else:
+        offs_b = tl.arange(0, B)
+        row_base = base + rows[:, None].to(tl.int64) * stride_cn
+        words = tl.load(row_base + (offs_b // 8)[None, :], mask=mask[:, None], other=0)
+        cent = (words >> (4 * (offs_b % 8))[None, :]) & 15
+        score = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for g in tl.static_range(G):
+            t = tl.load(Table + (r * G + g) * B * 16 + offs_b[None, :] * 16 + cent)
+            score += tl.sum(t, axis=1)
+        bins = score.to(tl.int32)
+    bins = tl.minimum(tl.maximum(bins, 0), NB - 1)
+    return tl.where(mask, bins, 0)
+
+
+@triton.jit
+def _vote_params(Params, r, SIMILARITY: tl.constexpr):
+    if SIMILARITY:
+        return (tl.load(Params + r * 4), tl.load(Params + r * 4 + 1),
+                tl.load(Params + r * 4 + 2), tl.load(Params + r * 4 + 3))
+    else:
+        return 0.0, 0.0, 0.0, 0.0
+
+
+@triton.jit
+def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
+                 stride_cb, stride_ch, stride_cn, N, SPAN,
+                 B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr,
+                 STRIDE: tl.constexpr, STORE_BINS: tl.constexpr):
+    """Histogram of the votes of keys ``STRIDE * [pid * SPAN, (pid + 1) * SPAN)`` of one KV
+    head (every key with ``STRIDE = 1``, else the strided sample that sets a sampled threshold),
+    and with ``STORE_BINS`` each key's bin. The histogram is accumulated in registers over the
+    whole span and added to the global one once (``NB`` atomics per ``SPAN`` keys)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    kv_heads = tl.num_programs(1)
+    r = b * kv_heads + h
+    n_rows = tl.cdiv(tl.load(NRet + b), STRIDE)
+    start = pid * SPAN
+    if start < n_rows:
+        end = tl.minimum(start + SPAN, n_rows)
+        local = tl.zeros([NB], dtype=tl.int32)
+        pad = 0
+        base = Cent + b * stride_cb + h * stride_ch
+        lo, step, half, scale = _vote_params(Params, r, SIMILARITY)
+        for n0 in tl.range(start, end, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            mask = rows < end
+            bins = _key_bins(base, rows * STRIDE, mask, stride_cn, Table, Planes, r, lo, step,
+                             half, scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
+            if STORE_BINS:
+                tl.store(Bins + r * N + rows, bins.to(tl.int16), mask=mask)
+            local += tl.histogram(bins, NB)
+            pad += tl.sum((~mask).to(tl.int32), axis=0)
+        offs = tl.arange(0, NB)
+        local -= tl.where(offs == 0, pad, 0)  # padding rows were counted in bin 0
+        tl.atomic_add(Hist + r * NB + offs, local, mask=local > 0)
+
+
+@triton.jit
+def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Thresh, Kept, CountA, CountE,
+                        stride_cb, stride_ch, stride_cn, N, SPAN,
+                        B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
+    """Votes of the keys ``[pid * SPAN, (pid + 1) * SPAN)`` of one KV head, compared with the
+    head's (sampled) threshold bin as they are computed: ids of keys above it are written from
+    the start of the program's own region of ``Kept`` (``[pid * SPAN, min((pid+1) * SPAN, N))``),
+    ids of keys at it from the region's end, with counters kept in registers - no atomics and no
+    bins written. A block's two positions come from one prefix sum (above in the low 16 bits,
+    at the threshold in the high ones)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -159,49 +240,30 @@ def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
     r = b * kv_heads + h
     n_ret = tl.load(NRet + b)
     start = pid * SPAN
+    cnt_a = 0
+    cnt_e = 0
     if start < n_ret:
         end = tl.minimum(start + SPAN, n_ret)
-        offs_b = tl.arange(0, B)
-        local = tl.zeros([NB], dtype=tl.int32)
-        pad = 0
+        top = Kept + r * N + start  # above: top[0], top[1], ...
+        bottom = Kept + r * N + tl.minimum(start + SPAN, N) - 1  # at: bottom[0], bottom[-1], ...
         base = Cent + b * stride_cb + h * stride_ch
-        if SIMILARITY:
-            lo = tl.load(Params + r * 4)
-            step = tl.load(Params + r * 4 + 1)
-            half = tl.load(Params + r * 4 + 2)
-            scale = tl.load(Params + r * 4 + 3)
+        lo, step, half, scale = _vote_params(Params, r, SIMILARITY)
+        t = tl.load(Thresh + r)
         for n0 in tl.range(start, end, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             mask = rows < end
-            if SIMILARITY:
-                row_ptr = base + rows.to(tl.int64) * stride_cn
-                ones = tl.zeros([BLOCK_N], dtype=tl.int32)
-                dot = tl.zeros([BLOCK_N], dtype=tl.int32)
-                for w in tl.static_range(B // 8):
-                    word = tl.load(row_ptr + w, mask=mask, other=0)
-                    ones += _popc(word, ASM)
-                    for j in tl.static_range(P):  # bit plane j
-                        plane = tl.load(Planes + (r * P + j) * (B // 8) + w)
-                        dot += _popc(word & plane, ASM) << j
-                score = lo * ones.to(tl.float32) + step * dot.to(tl.float32) - half
-                bins = (score * scale).to(tl.int32)
-            else:
-                row_base = base + rows[:, None].to(tl.int64) * stride_cn
-                words = tl.load(row_base + (offs_b // 8)[None, :], mask=mask[:, None], other=0)
-                cent = (words >> (4 * (offs_b % 8))[None, :]) & 15
-                score = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for g in tl.static_range(G):
-                    t = tl.load(Table + (r * G + g) * B * 16 + offs_b[None, :] * 16 + cent)
-                    score += tl.sum(t, axis=1)
-                bins = score.to(tl.int32)
-            bins = tl.minimum(tl.maximum(bins, 0), NB - 1)
-            bins = tl.where(mask, bins, 0)
-            tl.store(Bins + r * N + rows, bins.to(tl.int16), mask=mask)
-            local += tl.histogram(bins, NB)
-            pad += tl.sum((~mask).to(tl.int32), axis=0)
-        offs = tl.arange(0, NB)
-        local -= tl.where(offs == 0, pad, 0)  # padding rows were counted in bin 0
-        tl.atomic_add(Hist + r * NB + offs, local, mask=local > 0)
+            bins = _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half,
+                             scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
+            above = (bins > t) & mask
+            equal = (bins == t) & mask
+            packed = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+            tl.store(top + cnt_a + (packed & 0xFFFF) - 1, rows, mask=above)
+            tl.store(bottom - cnt_e - (packed >> 16) + 1, rows, mask=equal)
+            last = tl.max(packed, axis=0)  # the prefix sums only grow: the block's totals
+            cnt_a += last & 0xFFFF
+            cnt_e += last >> 16
+    tl.store(CountA + r * tl.num_programs(0) + pid, cnt_a)
+    tl.store(CountE + r * tl.num_programs(0) + pid, cnt_e)
 
 
 @triton.jit
@@ -222,6 +284,60 @@ def _threshold_kernel(Hist, NRet, Thresh, Quota, Need, Counters, C,
     tl.store(Need + r, need)
     tl.store(Counters + 2 * r, 0)
     tl.store(Counters + 2 * r + 1, 0)
+
+
+@triton.jit
+def _sampled_threshold_kernel(Hist, NRet, Thresh, Need, C, TARGET, NB: tl.constexpr):
+    """Threshold bin from the strided sample's histogram: the highest bin with at least
+    ``TARGET`` sampled keys at or above it (``TARGET ~ SAMPLE_FILL * C / stride``, so the keys
+    above it are expected to fill less than the budget and keys at it fill the rest); -1 (every
+    key) when the region holds at most ``C`` keys."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kv_heads = tl.num_programs(1)
+    r = b * kv_heads + h
+    n_ret = tl.load(NRet + b)
+    i = tl.arange(0, NB)
+    cum = tl.cumsum(tl.load(Hist + r * NB + NB - 1 - i), axis=0)
+    first = tl.min(tl.where(cum >= TARGET, i, NB - 1), axis=0)
+    tl.store(Thresh + r, tl.where(n_ret <= C, -1, NB - 1 - first))
+    tl.store(Need + r, tl.minimum(n_ret, C))
+
+
+@triton.jit
+def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
+                  NPROG: tl.constexpr, BLOCK: tl.constexpr):
+    """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
+    keys above the threshold in program order, then keys at it up to the budget ``C``. If the
+    keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
+    ``floor(count * C / total)``, so what is dropped is spread over the whole context."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    kv_heads = tl.num_programs(1)
+    nprog = tl.num_programs(0)
+    r = b * kv_heads + h
+    i = tl.arange(0, NPROG)
+    ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
+    ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
+    total_a = tl.sum(ca, axis=0)
+    qa = tl.where(total_a > C, (ca.to(tl.int64) * C // tl.maximum(total_a, 1)).to(tl.int32), ca)
+    kept_a = tl.sum(qa, axis=0)
+    pre_a = tl.sum(tl.where(i < p, qa, 0), axis=0)
+    my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
+    pre_e = tl.sum(tl.where(i < p, ce, 0), axis=0)
+    my_e = tl.minimum(tl.sum(tl.where(i == p, ce, 0), axis=0),
+                      tl.maximum(C - kept_a - pre_e, 0))
+    top = Kept + r * N + p * SPAN
+    bottom = Kept + r * N + tl.minimum(p * SPAN + SPAN, N) - 1
+    for j0 in tl.range(0, my_a, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ids = tl.load(top + j, mask=j < my_a)
+        tl.store(Cand + r * C + pre_a + j, ids, mask=j < my_a)
+    for j0 in tl.range(0, my_e, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ids = tl.load(bottom - j, mask=j < my_e)
+        tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
 
 
 @triton.jit
@@ -300,12 +416,20 @@ class Selector:
     ``similarity=True`` votes every key its centroids' similarity to the query (measured better
     recall on real heads); otherwise the paper's tiered integer votes (``tiers``: weight of the
     query's 1st, 2nd, ... centroid; up to 16). ``nbins``: histogram bins of the pruning pass
-    (default 256 for similarity votes, 1024 for tiered votes, which need one bin per vote)."""
+    (default 256 for similarity votes, 1024 for tiered votes, which need one bin per vote).
+
+    ``sample_stride``: 1 prunes exactly (histogram of every key's vote, then a compaction pass
+    over the stored bins); ``s > 1`` sets the threshold bin from a histogram of every ``s``-th
+    key and compacts inside the vote pass itself (``_vote_select_kernel``), which saves the
+    full pass's histogram, the bins' round trip through memory and the compaction launch, at
+    the price of a candidate set that holds about ``SAMPLE_FILL * C`` keys above the threshold
+    plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1."""
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, n: int, c: int, k: int,
                  tiers: tuple[int, ...] = (4, 3, 3, 2, 2, 2, 1, 1), similarity: bool = True,
                  device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64,
-                 span: int | None = None, nbins: int | None = None):
+                 span: int | None = None, nbins: int | None = None,
+                 sample_stride: int | None = None):
         if q_heads % kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if len(tiers) > 16:
@@ -323,6 +447,12 @@ class Selector:
         # keys per vote program: about 64 programs per KV head and sequence, whatever N is
         self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 64)))
         self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
+        self.stride = sample_stride or (16 if n >= 65536 else 1)
+        if self.stride < 1:
+            raise ValueError(f"sample_stride must be >= 1, got {sample_stride}")
+        self.span_sample = max(block_n, triton.next_power_of_2(triton.cdiv(n, 64 * self.stride)))
+        self.programs = triton.cdiv(n, self.span)
+        self.target = max(1, int(SAMPLE_FILL * c / self.stride))
         dev = torch.device(device)
         # inline PTX popcount on NVIDIA GPUs; the interpreter and other targets use bit tricks
         self.asm = (dev.type == "cuda" and torch.version.hip is None
@@ -337,7 +467,12 @@ class Selector:
         self.qnorm = torch.empty(batch, q_heads, **f32)
         self.planes = torch.empty(batch, kv_heads, PLANES, d // 32, **i32)
         self.params = torch.empty(batch, kv_heads, 4, **f32)
-        self.bins = torch.empty(batch, kv_heads, n, dtype=torch.int16, device=dev)
+        if self.stride == 1:
+            self.bins = torch.empty(batch, kv_heads, n, dtype=torch.int16, device=dev)
+        else:  # each vote program's kept ids, in its own span of keys; kept per program
+            self.kept = torch.empty(batch, kv_heads, n, **i32)
+            self.count_above = torch.empty(batch, kv_heads, self.programs, **i32)
+            self.count_at = torch.empty(batch, kv_heads, self.programs, **i32)
         self.hist = torch.zeros(batch, kv_heads, self.nbins, **i32)
         self.thresh = torch.empty(batch, kv_heads, **i32)
         self.quota = torch.empty(batch, kv_heads, **i32)
@@ -361,17 +496,37 @@ class Selector:
             _plane_kernel[(bsz, self.kv_heads)](self.qt, self.planes, self.params, G=G, D=d,
                                                 B=B, NB=NB, P=PLANES)
         self.hist.zero_()
-        _vote_kernel[(triton.cdiv(N, self.span), self.kv_heads, bsz)](
-            centroid, self.table, self.planes, self.params, n_ret, self.bins, self.hist,
-            centroid.stride(0), centroid.stride(1), centroid.stride(2), N, self.span,
-            B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
-            SIMILARITY=self.similarity, ASM=self.asm)
-        grid_n = (triton.cdiv(N, self.compact_block), self.kv_heads, bsz)
-        _threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh, self.quota,
-                                                self.need, self.counters, C, NB=NB)
-        self.cand.fill_(-1)
-        _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
-                                self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
+        cent_strides = (centroid.stride(0), centroid.stride(1), centroid.stride(2))
+        if self.stride == 1:
+            _vote_kernel[(triton.cdiv(N, self.span), self.kv_heads, bsz)](
+                centroid, self.table, self.planes, self.params, n_ret, self.bins, self.hist,
+                *cent_strides, N, self.span, B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
+                SIMILARITY=self.similarity, ASM=self.asm, STRIDE=1, STORE_BINS=True)
+            grid_n = (triton.cdiv(N, self.compact_block), self.kv_heads, bsz)
+            _threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh, self.quota,
+                                                    self.need, self.counters, C, NB=NB)
+            self.cand.fill_(-1)
+            _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
+                                    self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
+        else:
+            rows = triton.cdiv(N, self.stride)
+            _vote_kernel[(triton.cdiv(rows, self.span_sample), self.kv_heads, bsz)](
+                centroid, self.table, self.planes, self.params, n_ret, self.hist, self.hist,
+                *cent_strides, N, self.span_sample, B=B, G=G, NB=NB, P=PLANES,
+                BLOCK_N=self.block_n, SIMILARITY=self.similarity, ASM=self.asm,
+                STRIDE=self.stride, STORE_BINS=False)
+            _sampled_threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh,
+                                                            self.need, C, self.target, NB=NB)
+            grid_n = (self.programs, self.kv_heads, bsz)
+            _vote_select_kernel[grid_n](
+                centroid, self.table, self.planes, self.params, n_ret, self.thresh, self.kept,
+                self.count_above, self.count_at, *cent_strides, N, self.span,
+                B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
+                SIMILARITY=self.similarity, ASM=self.asm)
+            self.cand.fill_(-1)
+            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, N, C,
+                                  self.span, NPROG=triton.next_power_of_2(self.programs),
+                                  BLOCK=256)
         _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
             self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
             codes.stride(0), codes.stride(1), codes.stride(2),
