@@ -275,6 +275,27 @@ def test_replay_under_pressure_stays_within_capacity(policy):
     assert res["evict_calls"] > 0
 
 
+
+def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkeypatch):
+    """``SGLANG_PIC_SAE_STATS`` times the policy's callbacks and evict passes (how the server's
+    overhead is measured) and must not change what it evicts."""
+    import json
+
+    from simulator import replay
+    from traces import generate
+
+    trace = generate("mix", scale=12, seed=3)
+    plain = replay(trace, "sae", capacity=4000).summary()
+    stats = tmp_path / "sae.json"
+    monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
+    timed = replay(trace, "sae", capacity=4000).summary()
+    assert timed["token_hit_rate"] == plain["token_hit_rate"]
+    dumped = json.loads(stats.read_text())
+    assert dumped["evict"]["passes"] == timed["evict_calls"]
+    assert 0 < dumped["evict"]["max_seconds"] <= dumped["evict"]["seconds"]
+    assert all(dumped["seconds"][name] > 0 for name in ("get_priority", "on_insert", "on_hit",
+                                                          "on_request", "on_evict"))
+
 def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
     """The offline bound evicts the block needed farthest in the future: with room for two of
     three 100-token documents, the one asked for again stays, whatever was used last."""
@@ -387,9 +408,14 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
             ref = server.post("/generate", json={"text": prompt, **body})
             assert got.status_code == 200, got.text
             assert got.json()["text"] == ref.json()["text"], i
-        events = json.loads(stats.read_text())["events"]
+        dumped = json.loads(stats.read_text())
+        events = dumped["events"]
         assert events.get("inserts", 0) > 10 and events.get("evictions", 0) > 0, events
         assert events.get("hits", 0) > 0, events  # the shared system prompt
+        # with the stats file on, where the policy's time went and the scheduler's steps
+        assert dumped["evict"]["passes"] > 0 and dumped["evict"]["seconds"] > 0, dumped
+        assert dumped["seconds"]["get_priority"] > 0 and dumped["seconds"]["on_insert"] > 0
+        assert dumped["scheduler"]["steps"] > 0, dumped
     finally:
         stop_server(srv)
 
@@ -502,4 +528,44 @@ def test_chat_template_segmentation_and_client_hints(model_dir):
     plain = SimpleNamespace(origin_input_ids=list(range(100, 200)), tokenizer=None, rid="r2",
                             session_id=None, sampling_params=SimpleNamespace(custom_params=None))
     ctx = request_context(plain)
-    assert ctx.segments == [(0, "user")] and ctx.app_type is None and ctx.session_id
+    assert ctx.segments == [(0, "user")] and ctx.app_type is None
+    # no session is guessed: the request is its own requester (a guess from the prompt's
+    # opening merged every conversation with the same system prompt into one session)
+    assert ctx.session_id is None and ctx.requester == "r2"
+
+
+def test_blocks_shared_by_requests_outside_sessions_become_structural():
+    """Without a session or a ``system`` type (no hints, no chat template), a block another
+    request reuses is shared: it leaves the per-request queue for the structural one, as a
+    block two sessions use does. Chunks of one request (same ``rid``) do not count as two."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    slot = 0
+
+    def serve(rid, ids, app=None):
+        nonlocal slot
+        key = RadixKey(array("q", ids), None)
+        with using(RequestContext(app_type=app, segments=[(0, "user")], prompt_len=len(ids),
+                                  rid=rid)):
+            hit = len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+            value = torch.arange(slot, slot + len(ids))
+            slot += len(ids)
+            cache.insert(InsertParams(key=key, value=value))
+        return hit
+
+    shared = list(range(100, 164))
+    serve("a", shared + list(range(500, 532)), app="single")
+    node = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert node.sae.queue == "evict_first"
+    serve("a", shared + list(range(500, 532)) + list(range(600, 616)), app="single")  # a chunk
+    assert node.sae.queue == "evict_first"
+    assert serve("b", shared + list(range(700, 732)), app="single") == len(shared)
+    template = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert len(template.key) == len(shared) and template.sae.queue == "structural"

@@ -8,7 +8,8 @@ trace's unique tokens so the prefix cache has to evict. Each request generates a
 history would. Reported per variant: token hit rate (cached / prompt tokens), TTFT p50/p99,
 makespan.
 
-    python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8]
+    python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8] [--seed 0]
+        [--no-cuda-graph]
     python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
 """
 
@@ -45,6 +46,12 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     limit = params["max_prompt_tokens"]
     vocab = params["vocab"]
     trace = [r for r in trace if len(r.prompt) <= limit]
+    stats_file = None
+    if kwargs.get("radix_eviction_policy") == "sae":  # where the policy's time goes
+        import tempfile
+
+        stats_file = Path(tempfile.mkdtemp()) / "sae_stats.json"
+        os.environ["SGLANG_PIC_SAE_STATS"] = str(stats_file)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
     start_s = time.perf_counter() - t0
@@ -85,7 +92,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         engine.shutdown()
     ttft = [o[0] for o in outs]
     cached, prompt = sum(o[1] for o in outs), sum(o[2] for o in outs)
-    return {
+    profile = _policy_profile(stats_file) if stats_file else {}
+    return {**profile,
         "engine_start_s": start_s,
         "requests": len(outs),
         "prompt_tokens": prompt,
@@ -97,6 +105,30 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         "makespan_s": makespan,
         "policy": kwargs.get("radix_eviction_policy", "lru"),
     }
+
+
+def _policy_profile(path: Path) -> dict:
+    """The scheduler's own account (``SGLANG_PIC_SAE_STATS``, dumped after every evict pass) of
+    the policy's time against its busy time: whole evict passes (SGLang's heap and frees plus
+    our scoring) and the callbacks outside them (requests, inserts, splits, hits)."""
+    import json
+
+    if not path.exists():
+        return {"policy_profile": "no evict pass"}
+    s = json.loads(path.read_text())
+    outside = sum(v for k, v in s["seconds"].items() if k not in ("get_priority", "on_evict"))
+    busy = max(s["scheduler"]["busy_seconds"], 1e-9)
+    passes = max(s["evict"]["passes"], 1)
+    return {"evict_passes": s["evict"]["passes"],
+            "evict_pass_ms_mean": 1000 * s["evict"]["seconds"] / passes,
+            "evict_pass_ms_max": 1000 * s["evict"]["max_seconds"],
+            "policy_scoring_s": s["seconds"].get("get_priority", 0.0),
+            "policy_callbacks_s": outside,
+            "scheduler_steps": s["scheduler"]["steps"],
+            "scheduler_busy_s": busy,
+            "scheduler_step_ms_mean": 1000 * busy / max(s["scheduler"]["steps"], 1),
+            "policy_share_of_busy_pct": 100 * (s["evict"]["seconds"] + outside) / busy,
+            "policy_events": s["events"]}
 
 
 ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 32768, "max_total_tokens": 32768,
@@ -113,11 +145,18 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=PARAMS["scale"])
     ap.add_argument("--kv-tokens", type=int, default=ENGINE_KWARGS["max_total_tokens"])
     ap.add_argument("--speedup", type=float, default=PARAMS["speedup"])
+    ap.add_argument("--seed", type=int, default=PARAMS["seed"], help="trace generator seed")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="both variants without decode CUDA graphs (starts ~1 min sooner)")
     args = ap.parse_args()
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": args.kv_tokens}
-    params = {**PARAMS, "scale": args.scale, "speedup": args.speedup}
-    name = "eviction_e2e_h200"
+    if args.no_cuda_graph:
+        kwargs["disable_cuda_graph"] = True
+    params = {**PARAMS, "scale": args.scale, "speedup": args.speedup, "seed": args.seed}
+    name = "eviction_e2e_h200" if args.seed == PARAMS["seed"] else f"eviction_e2e_h200_seed{args.seed}"
+    if args.scale != PARAMS["scale"]:
+        name += f"_scale{args.scale}"
     if args.smoke:
         sys.path.insert(0, str(HERE.parent.parent / "python"))
         from sglang_pic.cpu_support import enable_cpu_engine

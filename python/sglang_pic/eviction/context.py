@@ -8,6 +8,7 @@ annotate the tree nodes a request creates with token type, session, application 
 from __future__ import annotations
 
 import contextvars
+import itertools
 from dataclasses import dataclass, field
 
 TOKEN_TYPES = ("system", "user", "assistant", "cot", "tool", "decode")
@@ -34,6 +35,13 @@ class RequestContext:
     rid: str | None = None  # SGLang request id (server path): report the request once
     count_hits: bool = True  # False while SGLang re-matches a request's own blocks
     announced: bool = False
+    serial: int = field(default_factory=itertools.count().__next__)
+
+    @property
+    def requester(self) -> str:
+        """Who is using a block: the session, else the request (its SGLang id, else this
+        context): a block used by two requesters is shared."""
+        return self.session_id or self.rid or f"#{self.serial}"
 
     def token_type_at(self, offset: int) -> str:
         if self.decode_start is not None and offset >= self.decode_start:

@@ -83,8 +83,8 @@ class BlockInfo:
     app_type: str
     offset: int  # tokens from the root to the node's first token
     prompt_len: int  # o_max: length of the prompt that created it
-    sessions_seen: int = 1
-    last_session: str | None = None
+    sessions_seen: int = 1  # distinct requesters (sessions, or requests outside any) in a row
+    last_session: str | None = None  # the last requester
     ctx: RequestContext | None = None  # the creating request, to re-derive types on a split
     last_hit: float | None = None
     interval: float | None = None  # EMA of the time between this block's uses
@@ -135,6 +135,32 @@ class SAEStrategy(EvictionStrategy):
         self._memo_now: float | None = None
         self._pass_now: float | None = None
         self._memo: dict[tuple, float] = {}
+        if self.stats_path:
+            self._time_callbacks()
+
+    # ---- where the time goes (with SGLANG_PIC_SAE_STATS only) ----------------------------
+    TIMED = ("get_priority", "on_request", "on_insert", "on_split", "on_hit", "on_evict")
+
+    def _time_callbacks(self) -> None:
+        """Wrap this instance's callbacks in timers (instance attributes shadow the methods, so
+        a strategy without a stats file runs untimed) and time whole evict passes."""
+        self.seconds = defaultdict(float)  # callback -> seconds spent in it
+        self.evict_passes = 0
+        self.evict_seconds = 0.0
+        self.evict_max_seconds = 0.0
+        self._pass_t0 = 0.0
+        clock = time.perf_counter
+        for name in self.TIMED:
+            method = getattr(self, name)
+
+            def timed(*args, _method=method, _name=name):
+                t0 = clock()
+                try:
+                    return _method(*args)
+                finally:
+                    self.seconds[_name] += clock() - t0
+
+            setattr(self, name, timed)
 
     # ---- scoring -------------------------------------------------------------------------
     def route(self, info: BlockInfo) -> str:
@@ -168,17 +194,32 @@ class SAEStrategy(EvictionStrategy):
     def begin_evict(self) -> None:
         """Called by the hooks when SGLang starts an evict pass: one clock reading per pass."""
         self._pass_now = self.now_fn()
+        if self.stats_path:
+            self._pass_t0 = time.perf_counter()
 
     def end_evict(self) -> None:
         self._pass_now = None
         if self.stats_path:
+            took = time.perf_counter() - self._pass_t0
+            self.evict_passes += 1
+            self.evict_seconds += took
+            self.evict_max_seconds = max(self.evict_max_seconds, took)
             self.dump_stats(self.stats_path)
 
     def dump_stats(self, path: str) -> None:
-        """Write the event counters and per-queue resident tokens as JSON (atomically)."""
+        """Write the event counters, per-queue resident tokens and (with timers on) where the
+        policy's time went, next to the scheduler's steps, as JSON (atomically)."""
+        from .hooks import SCHEDULER_STEPS
+
+        stats = {"events": dict(self.events), "resident": dict(self.resident)}
+        if hasattr(self, "seconds"):
+            stats["seconds"] = dict(self.seconds)
+            stats["evict"] = {"passes": self.evict_passes, "seconds": self.evict_seconds,
+                              "max_seconds": self.evict_max_seconds}
+            stats["scheduler"] = dict(SCHEDULER_STEPS)
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"events": dict(self.events), "resident": dict(self.resident)}, f)
+            json.dump(stats, f)
         os.replace(tmp, path)
 
     def get_priority(self, node) -> float:
@@ -249,12 +290,13 @@ class SAEStrategy(EvictionStrategy):
             return ctx.now
         return self._pass_now if self._pass_now is not None else self.now_fn()
 
-    def _seen_by(self, node, info: BlockInfo, session_id: str | None) -> None:
-        """Another session used the block: it may have become shared (structural)."""
-        if not session_id or session_id == info.last_session:
+    def _seen_by(self, node, info: BlockInfo, requester: str) -> None:
+        """Another session, or another request outside any session, used the block: it may have
+        become shared (structural)."""
+        if requester == info.last_session:
             return
         info.sessions_seen += 1
-        info.last_session = session_id
+        info.last_session = requester
         queue = self.route(info)
         if queue != info.queue:
             self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
@@ -265,13 +307,13 @@ class SAEStrategy(EvictionStrategy):
         if not is_new:
             info = getattr(node, "sae", None)
             if info is not None:
-                self._seen_by(node, info, ctx.session_id)
+                self._seen_by(node, info, ctx.requester)
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
         ttype = ctx.token_type_at(offset)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
-                         max(ctx.prompt_len, offset + len(node.key)), 1, ctx.session_id, ctx)
+                         max(ctx.prompt_len, offset + len(node.key)), 1, ctx.requester, ctx)
         info.queue = self.route(info)
         node.sae = info
         self.w[ttype, info.app_type].add(len(node.key), now)
@@ -309,7 +351,7 @@ class SAEStrategy(EvictionStrategy):
         if info is None:
             return
         if ctx is not None:
-            self._seen_by(node, info, ctx.session_id)
+            self._seen_by(node, info, ctx.requester)
         now = self._now(ctx)
         if info.last_hit is not None:
             gap = max(now - info.last_hit, 1e-3)
