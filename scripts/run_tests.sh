@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check python sgl-kernel benchmark test || exit 1
-"$VENV/bin/python" -m pytest test "$@"
+"$VENV/bin/python" -m pytest test --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; treating as failure" >&2

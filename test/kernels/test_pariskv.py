@@ -207,6 +207,12 @@ def test_sampled_threshold_overflow_drops_keys_evenly_over_the_context():
     assert (bins[got[len(want):]] == t).all()  # the shares' rounding left room for keys at it
 
 
+@pytest.mark.parametrize("stride", [0, -4])
+def test_sample_stride_below_one_is_refused(stride):
+    with pytest.raises(ValueError, match="sample_stride must be >= 1"):
+        Selector(1, 4, 2, 64, 600, c=40, k=8, device=DEVICE, sample_stride=stride)
+
+
 def test_sampled_and_exact_pruning_select_alike_on_planted_keys():
     """The end of selection (rerank + top-k) with either pruning mode finds the same planted
     query-aligned keys."""

@@ -125,6 +125,15 @@ def _plane_kernel(Qt, Planes, Params, G: tl.constexpr, D: tl.constexpr, B: tl.co
 
 
 @triton.jit
+def _program_head():
+    """``(block, KV head, sequence, row)`` of a program in a ``[blocks, kv_heads, batch]`` grid;
+    ``row = sequence * kv_heads + head`` indexes the per-head buffers."""
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    return tl.program_id(0), h, b, b * tl.num_programs(1) + h
+
+
+@triton.jit
 def _popc(x, ASM: tl.constexpr):
     """Set bits of each int32 (``popc.b32`` on NVIDIA; SWAR where inline PTX is unavailable)."""
     if ASM:
@@ -195,11 +204,7 @@ def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
     head (every key with ``STRIDE = 1``, else the strided sample that sets a sampled threshold),
     and with ``STORE_BINS`` each key's bin. The histogram is accumulated in registers over the
     whole span and added to the global one once (``NB`` atomics per ``SPAN`` keys)."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
+    pid, h, b, r = _program_head()
     n_rows = tl.cdiv(tl.load(NRet + b), STRIDE)
     start = pid * SPAN
     if start < n_rows:
@@ -233,11 +238,7 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Thresh, Kept, CountA,
     ids of keys at it from the region's end, with counters kept in registers - no atomics and no
     bins written. A block's two positions come from one prefix sum (above in the low 16 bits,
     at the threshold in the high ones)."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
+    pid, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
     start = pid * SPAN
     cnt_a = 0
@@ -311,12 +312,8 @@ def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
     keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
     ``floor(count * C / total)``, so what is dropped is spread over the whole context."""
-    p = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    kv_heads = tl.num_programs(1)
+    p, h, b, r = _program_head()
     nprog = tl.num_programs(0)
-    r = b * kv_heads + h
     i = tl.arange(0, NPROG)
     ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
     ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
@@ -348,11 +345,7 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
     atomic per kept key instead. Faster at C = 2048 (batch 8, 1M keys: 1.79 -> 1.48 ms a step),
     slower at C = 16384 (2.12 -> 2.36 ms: C atomics on one counter per head serialise); not
     adopted, `sparse_decode_h200_atomic_compaction.json`.)"""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
+    pid, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
     if pid * BLOCK_N < n_ret:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -379,11 +372,7 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
 def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
                    stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
                    B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
+    pid, h, b, r = _program_head()
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
     idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
@@ -447,7 +436,7 @@ class Selector:
         # keys per vote program: about 64 programs per KV head and sequence, whatever N is
         self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 64)))
         self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
-        self.stride = sample_stride or (16 if n >= 65536 else 1)
+        self.stride = (16 if n >= 65536 else 1) if sample_stride is None else sample_stride
         if self.stride < 1:
             raise ValueError(f"sample_stride must be >= 1, got {sample_stride}")
         self.span_sample = max(block_n, triton.next_power_of_2(triton.cdiv(n, 64 * self.stride)))
