@@ -296,6 +296,21 @@ def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkey
     assert all(dumped["seconds"][name] > 0 for name in ("get_priority", "on_insert", "on_hit",
                                                           "on_request", "on_evict"))
 
+
+def test_unwritable_sae_stats_path_is_a_warning_not_a_crash(monkeypatch, caplog):
+    """The stats file is written inside SGLang's evict pass: a bad path must not raise there
+    (it would take the scheduler down), it turns the stats off with one warning."""
+    from simulator import replay
+    from traces import generate
+
+    monkeypatch.setenv("SGLANG_PIC_SAE_STATS", "/nonexistent-dir/sae.json")
+    trace = generate("mix", scale=12, seed=3)
+    with caplog.at_level("WARNING"):
+        res = replay(trace, "sae", capacity=4000).summary()
+    assert res["evict_calls"] > 1
+    warned = [r for r in caplog.records if "SGLANG_PIC_SAE_STATS" in r.getMessage()]
+    assert len(warned) == 1
+
 def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
     """The offline bound evicts the block needed farthest in the future: with room for two of
     three 100-token documents, the one asked for again stays, whatever was used last."""

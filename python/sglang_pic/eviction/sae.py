@@ -39,6 +39,7 @@ ablation of the replay).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -57,6 +58,8 @@ from .estimators import (
     SessionIndex,
     softmax_weights,
 )
+
+logger = logging.getLogger(__name__)
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
 # Leaves scored per evict pass (hooks._sampled_evict); 0 scores all of them, as SGLang does.
@@ -218,9 +221,13 @@ class SAEStrategy(EvictionStrategy):
                               "max_seconds": self.evict_max_seconds}
             stats["scheduler"] = dict(SCHEDULER_STEPS)
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(stats, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(stats, f)
+            os.replace(tmp, path)
+        except OSError as e:  # a bad path must not take the scheduler down mid-eviction
+            logger.warning("SGLANG_PIC_SAE_STATS: cannot write %s (%s); stats off", path, e)
+            self.stats_path = None
 
     def get_priority(self, node) -> float:
         info: BlockInfo | None = getattr(node, "sae", None)
