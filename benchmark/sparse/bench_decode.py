@@ -111,6 +111,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
+    from sglang_pic_kernel.pariskv import Selector
 
     gen = torch.Generator(device="cuda").manual_seed(ctx + batch)
     q_dir = torch.nn.functional.normalize(torch.randn(KV_HEADS, HEAD_DIM, device="cuda",
@@ -145,8 +146,6 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
         exact_picks = None
         for stride in strides:
             # the same encoded keys, pruned exactly (1) or with a sampled threshold (> 1)
-            from sglang_pic_kernel.pariskv import Selector
-
             old = layer.selector
             layer.selector = Selector(batch, Q_HEADS, KV_HEADS, HEAD_DIM, layer.capacity, old.C,
                                       old.k, device=layer.device, sample_stride=stride)

@@ -268,16 +268,22 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Thresh, Kept, CountA,
 
 
 @triton.jit
+def _threshold_bin(Hist, NRet, NB: tl.constexpr):
+    """For a program of a ``[batch, kv_heads]`` grid: its sequence's ``n_ret``, its head's row,
+    and a function of the head's histogram read from the top bin down: ``rev[i]`` keys in bin
+    ``NB-1-i`` and ``cum[i]`` keys in bins ``>= NB-1-i``."""
+    b = tl.program_id(0).to(tl.int64)
+    r = b * tl.num_programs(1) + tl.program_id(1)
+    i = tl.arange(0, NB)
+    rev = tl.load(Hist + r * NB + NB - 1 - i)
+    return tl.load(NRet + b), r, i, rev, tl.cumsum(rev, axis=0)
+
+
+@triton.jit
 def _threshold_kernel(Hist, NRet, Thresh, Quota, Need, Counters, C,
                       NB: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
-    need = tl.minimum(tl.load(NRet + b), C)
-    i = tl.arange(0, NB)
-    rev = tl.load(Hist + r * NB + NB - 1 - i)  # rev[i]: keys in bin NB-1-i
-    cum = tl.cumsum(rev, axis=0)  # keys in bins >= NB-1-i
+    n_ret, r, i, rev, cum = _threshold_bin(Hist, NRet, NB)
+    need = tl.minimum(n_ret, C)
     first = tl.min(tl.where(cum >= need, i, NB - 1), axis=0)
     above = tl.sum(tl.where(i < first, rev, 0), axis=0)
     tl.store(Thresh + r, NB - 1 - first)
@@ -293,13 +299,7 @@ def _sampled_threshold_kernel(Hist, NRet, Thresh, Need, C, TARGET, NB: tl.conste
     ``TARGET`` sampled keys at or above it (``TARGET ~ SAMPLE_FILL * C / stride``, so the keys
     above it are expected to fill less than the budget and keys at it fill the rest); -1 (every
     key) when the region holds at most ``C`` keys."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    kv_heads = tl.num_programs(1)
-    r = b * kv_heads + h
-    n_ret = tl.load(NRet + b)
-    i = tl.arange(0, NB)
-    cum = tl.cumsum(tl.load(Hist + r * NB + NB - 1 - i), axis=0)
+    n_ret, r, i, _, cum = _threshold_bin(Hist, NRet, NB)
     first = tl.min(tl.where(cum >= TARGET, i, NB - 1), axis=0)
     tl.store(Thresh + r, tl.where(n_ret <= C, -1, NB - 1 - first))
     tl.store(Need + r, tl.minimum(n_ret, C))
@@ -440,7 +440,7 @@ class Selector:
         if self.stride < 1:
             raise ValueError(f"sample_stride must be >= 1, got {sample_stride}")
         self.span_sample = max(block_n, triton.next_power_of_2(triton.cdiv(n, 64 * self.stride)))
-        self.programs = triton.cdiv(n, self.span)
+        self.programs = triton.cdiv(n, self.span)  # vote programs per KV head and sequence
         self.target = max(1, int(SAMPLE_FILL * c / self.stride))
         dev = torch.device(device)
         # inline PTX popcount on NVIDIA GPUs; the interpreter and other targets use bit tricks
@@ -487,7 +487,7 @@ class Selector:
         self.hist.zero_()
         cent_strides = (centroid.stride(0), centroid.stride(1), centroid.stride(2))
         if self.stride == 1:
-            _vote_kernel[(triton.cdiv(N, self.span), self.kv_heads, bsz)](
+            _vote_kernel[(self.programs, self.kv_heads, bsz)](
                 centroid, self.table, self.planes, self.params, n_ret, self.bins, self.hist,
                 *cent_strides, N, self.span, B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm, STRIDE=1, STORE_BINS=True)
