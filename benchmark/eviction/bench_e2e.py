@@ -138,7 +138,7 @@ PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 
 
 
 def main() -> None:
-    from harness import run_side_by_side
+    from harness import VARIANTS, run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -149,12 +149,16 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="both variants without decode CUDA graphs (starts ~1 min sooner)")
+    ap.add_argument("--pic-first", action="store_true",
+                    help="run sglang-pic before vanilla (to check the order does not decide)")
     args = ap.parse_args()
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": args.kv_tokens}
     if args.no_cuda_graph:
         kwargs["disable_cuda_graph"] = True
     params = {**PARAMS, "scale": args.scale, "speedup": args.speedup, "seed": args.seed}
     name = "eviction_e2e_h200" if args.seed == PARAMS["seed"] else f"eviction_e2e_h200_seed{args.seed}"
+    if args.pic_first:
+        name += "_pic_first"
     if args.scale != PARAMS["scale"]:
         name += f"_scale{args.scale}"
     if args.smoke:
@@ -173,7 +177,8 @@ def main() -> None:
     run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
                      higher_is_better={"token_hit_rate", "cached_tokens"}, out_dir=args.out,
                      variant_kwargs={"sglang-pic": {"radix_eviction_policy": "sae"}},
-                     timeout_s=1800)
+                     timeout_s=1800,
+                     variants=("sglang-pic", "vanilla") if args.pic_first else VARIANTS)
 
 
 if __name__ == "__main__":
