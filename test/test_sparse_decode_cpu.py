@@ -68,8 +68,41 @@ def test_sparse_decode_answers_like_dense(sparse_server, server):
     assert values["sglang_pic:sparse_encoded_tokens_total"] > 2 * 1300
 
 
+@pytest.fixture(scope="module")
+def offload_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("sparse_offload") / "server.log"
+    srv = start_server([*SPARSE_FLAGS, "--sparse-offload"], log)
+    yield srv
+    stop_server(srv)
+
+
+def test_offloaded_sparse_decode_answers_like_dense(offload_server, server):
+    """``--sparse-offload``: the retrieval region's KV in host memory, its pool slots freed,
+    SGLang's own frees of the request's row (at its end) kept off the padding slot."""
+    key = random.Random(7).randint(10000, 99999)
+    prompts = [needle(90, 30, key), "Write one sentence about the sea."]
+    with ThreadPoolExecutor(2) as pool:  # a long and a short request decode in one batch
+        offloaded = list(pool.map(lambda t: _generate(offload_server, t), prompts))
+    dense = [_generate(server, t) for t in prompts]
+    assert [o["text"] for o in offloaded] == [d["text"] for d in dense]
+    assert str(key) in offloaded[0]["text"]
+    # the pool is whole again: a second long request fills it as deep as the first
+    again = _generate(offload_server, prompts[0])
+    assert again["text"] == offloaded[0]["text"]
+    log = offload_server.log.read_text()
+    assert "offloaded to" in log and log.count("decodes sparsely") == 2
+    assert "memory leak" not in log and "double free" not in log and "use-after-free" not in log
+    metrics = requests.get(f"{offload_server.url}/metrics", timeout=30).text
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("sglang_pic:sparse_")}
+    assert values["sglang_pic:sparse_offloaded_tokens_total"] > 2 * 1300
+    assert values["sglang_pic:sparse_offloaded_tokens_total"] \
+        == values["sglang_pic:sparse_encoded_tokens_total"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--sparse-decode", "magic"], "supports 'pariskv'"),
+    (["--sparse-offload"], "need --sparse-decode pariskv"),
     (["--sparse-topk", "8"], "need --sparse-decode pariskv"),
     (["--sparse-decode", "pariskv", "--sparse-threshold", "100"], "threshold"),
     (["--sparse-decode", "pariskv", "--sparse-topk", "x"], "not an integer"),
@@ -89,10 +122,19 @@ def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
     assert os.environ["SGLANG_PIC_SPARSE_TOPK"] == "32"
 
 
+def test_sparse_offload_turns_prefix_caching_off(model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_PIC_SPARSE_OFFLOAD", "0")  # restored (unset) after the test
+    argv = build_argv(["--model-path", str(model_dir), "--sparse-decode", "pariskv",
+                       "--sparse-offload"])
+    assert "--disable-radix-cache" in argv and "--sparse-offload" not in argv
+    assert os.environ["SGLANG_PIC_SPARSE_OFFLOAD"] == "1"
+
+
 def test_serve_help_lists_every_flag_of_ours():
     from sglang_pic import sparse
 
     text = our_flags_help()
-    for flag in [*sparse.OPTIONS, *SPAN_OPTIONS, sparse.FLAG, "--ptstore", "--ptstore-token",
+    for flag in [*sparse.OPTIONS, *SPAN_OPTIONS, sparse.FLAG, sparse.OFFLOAD_FLAG, "--ptstore",
+                 "--ptstore-token",
                  "--enable-position-free-kv", "--enable-span-cache"]:
         assert f"  {flag} " in text, flag

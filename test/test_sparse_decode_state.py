@@ -16,6 +16,7 @@ import torch
 from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
 from sglang_pic.sparse.decode_state import SparseDecodeState
 from sglang_pic.sparse.index_ops import KernelIndexOps, TorchIndexOps, indexed_attention
+from sglang_pic.sparse.offload import HostKVRegion, PoolSlotRelease
 
 HQ, HKV, D, LAYERS = 4, 2, 64, 2
 POOL, MAX_CTX = 4096, 1024
@@ -105,6 +106,69 @@ def test_retrieval_finds_planted_keys_and_attention_tracks_dense(ops_cls, device
         assert set(want.tolist()) <= set(picked[h].tolist())
     rel = (o[0] - pool.dense(0, q, 0, n)).norm() / pool.dense(0, q, 0, n).norm()
     assert rel < 0.2
+
+
+class FakeAllocator:
+    """SGLang's token allocator as ``offload.PoolSlotRelease`` sees it: ``free`` only."""
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.freed += free_index.tolist()
+
+
+def offloaded(state: SparseDecodeState, pool: FakePool) -> FakeAllocator:
+    alloc = FakeAllocator()
+    host = HostKVRegion(LAYERS, state.cfg.max_requests, HKV, state.capacity, D,
+                        pool.k[0].dtype, pin=False)
+    state.enable_offload(host, PoolSlotRelease(alloc, pool.req_to_token), pool.k[0].dtype)
+    return alloc
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_offloaded_regions_attend_as_in_the_pool_and_give_their_slots_back(ops_cls, device):
+    """``--sparse-offload``: the same attention as with the region in the pool (and, with every
+    key selectable, as dense attention), while the region's pool slots are freed exactly once,
+    its ``req_to_token`` entries point at the padding slot and SGLang's frees skip that slot."""
+    pools = [FakePool(3, device=device) for _ in range(2)]  # same seed: the same KV and slots
+    original = pools[0].req_to_token.clone()
+    kw = dict(topk=512, candidates=512, max_context=MAX_CTX)
+    in_pool, host = make_state(pools[0], ops_cls, **kw), make_state(pools[1], ops_cls, **kw)
+    alloc = offloaded(host, pools[1])
+    host.warm_up()
+    tol = dict(atol=2e-3, rtol=1e-2) if device == "cuda" else dict(atol=2e-5, rtol=1e-4)
+    lens = [300, 40, 420]
+    for t in range(20):  # the windows (32) pass 32 + 16 at t = 17: 16 more tokens move out
+        now = [n + t if n > 200 else n for n in lens]
+        for state in (in_pool, host):
+            assert step(state, [0, 1, 2], now).tolist() == [1, now[1], 1]
+        if t not in (0, 19):  # attend before and after the slide (slow under the interpreter)
+            continue
+        q = torch.randn(3, HQ, D, device=device)
+        for layer in range(LAYERS):
+            outs = []
+            for state in (in_pool, host):
+                o = torch.full((3, HQ, D), 7.0, device=device)
+                state.attend(layer, q, o, 1 / math.sqrt(D))
+                outs.append(o)
+            torch.testing.assert_close(outs[1], outs[0], **tol)
+            assert torch.equal(outs[1][1], torch.full((HQ, D), 7.0, device=device))
+            for row in (0, 2):
+                torch.testing.assert_close(outs[1][row],
+                                           pools[0].dense(layer, q[row], row, now[row]), **tol)
+    n_ret = [host.slots[0].n_ret, host.slots[1].n_ret]
+    assert n_ret == [300 - 36 + 16, 420 - 36 + 16]
+    want = sorted(original[0, 4 : 4 + n_ret[0]].tolist() + original[2, 4 : 4 + n_ret[1]].tolist())
+    assert sorted(alloc.freed) == want  # each region slot freed once, nothing else
+    assert host.stats["offloaded_tokens"] == len(want)
+    r2t = pools[1].req_to_token
+    assert (r2t[0, 4 : 4 + n_ret[0]] == 0).all() and (r2t[2, 4 : 4 + n_ret[1]] == 0).all()
+    assert torch.equal(r2t[1], original[1]) and torch.equal(r2t[0, :4], original[0, :4])
+    # SGLang frees a finished request's whole row: the padding slot is kept out of the free list
+    alloc.freed.clear()
+    alloc.free(r2t[0, : 300 + 19])  # the wrapped free, as ChunkCache.cache_finished_req calls it
+    assert 0 not in alloc.freed and len(alloc.freed) == 300 + 19 - n_ret[0]
 
 
 def test_window_slides_in_update_steps_and_idx_lists_sink_selected_window():
@@ -293,3 +357,22 @@ def test_unsupported_settings_are_refused_with_the_reason(change, message, monke
         token_to_kv_pool=SimpleNamespace(start_layer=0, layer_num=2))
     with pytest.raises(SparseDecodeUnsupported, match=message):
         backends.check_server_settings(runner, "pariskv_triton")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(disable_radix_cache=False), "add --disable-radix-cache"),
+    (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+    (dict(page_size=16), "--page-size 16"),
+])
+def test_offload_refuses_settings_that_would_read_freed_slots(change, message):
+    from types import SimpleNamespace
+
+    from sglang_pic.sparse import backends
+
+    args = dict(disable_radix_cache=True, enable_mixed_chunk=False, page_size=1)
+    runner = SimpleNamespace(server_args=SimpleNamespace(**args),
+                             token_to_kv_pool_allocator=FakeAllocator())
+    backends.check_offload_settings(runner)  # the supported settings pass
+    runner.server_args = SimpleNamespace(**{**args, **change})
+    with pytest.raises(SparseDecodeUnsupported, match=message):
+        backends.check_offload_settings(runner)

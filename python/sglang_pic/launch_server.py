@@ -211,8 +211,11 @@ def _sparse_decode_env(argv: list[str]) -> bool:
 
     method = _pop_option(argv, sparse.FLAG)
     values = {field: _pop_option(argv, flag) for flag, field in sparse.OPTIONS.items()}
+    if _pop_flag(argv, sparse.OFFLOAD_FLAG):
+        values["offload"] = "1"
     if method is None:
         given = [flag for flag, field in sparse.OPTIONS.items() if values[field] is not None]
+        given += [sparse.OFFLOAD_FLAG] if values.get("offload") else []
         if given:
             raise SystemExit(f"error: {', '.join(given)} need {sparse.FLAG} pariskv")
         return False
@@ -224,6 +227,10 @@ def _sparse_decode_env(argv: list[str]) -> bool:
     except SparseDecodeUnsupported as e:
         raise SystemExit(f"error: {e}") from None
     os.environ.update(env)
+    if values.get("offload") and "--disable-radix-cache" not in argv:
+        # the tree would index pool slots offloading frees (backends.check_offload_settings)
+        print(f"{sparse.OFFLOAD_FLAG}: prefix caching off (--disable-radix-cache)", flush=True)
+        argv.append("--disable-radix-cache")
     return True
 
 
@@ -250,6 +257,8 @@ def _our_flags() -> list[tuple[str, str]]:
         ("--sparse-update N", f"window tokens moved to the retrieval region at once ({d.update})"),
         ("--sparse-max-requests N", f"requests decoding sparsely at once ({d.max_requests})"),
         ("--sparse-max-context N", "longest sparse context (default: the model's)"),
+        ("--sparse-offload", "retrieval-region KV in host memory, its GPU pool slots freed "
+                             "(turns prefix caching off)"),
     ]
 
 

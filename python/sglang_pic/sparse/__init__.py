@@ -6,6 +6,8 @@
   (``sglang_pic_kernel.pariskv``) are tested against it;
 - ``kv_layout``: the standalone per-layer layout with the retrieval region's KV in pinned host
   memory (what the kernel benchmark times);
+- ``offload``: the same layout inside SGLang (``--sparse-offload``): retrieval-region KV in
+  pinned host memory, its GPU pool slots freed (the one place that touches SGLang's allocator);
 - in SGLang: ``backends`` (attention backends ``pariskv_triton`` / ``pariskv_torch_native``,
   picked by ``sglang-pic serve --sparse-decode pariskv``), ``decode_state`` (which requests
   decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
@@ -22,6 +24,7 @@ from __future__ import annotations
 BACKEND_FOR = {"triton": "pariskv_triton", "torch_native": "pariskv_torch_native"}
 CPU_BACKENDS = ("pariskv_torch_native",)  # answer support_triton like torch_native
 FLAG = "--sparse-decode"
+OFFLOAD_FLAG = "--sparse-offload"  # no value: sets SparseDecodeConfig.offload
 OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
     "--sparse-threshold": "threshold",
     "--sparse-topk": "topk",

@@ -28,6 +28,7 @@ from .config import SparseDecodeConfig, SparseDecodeUnsupported
 from .decode_state import SparseDecodeState
 from .index_ops import KernelIndexOps, TorchIndexOps
 from .metrics import metrics_for
+from .offload import HostKVRegion, PoolSlotRelease
 
 logger = logging.getLogger(__name__)
 FLAG = "--sparse-decode pariskv"
@@ -94,6 +95,23 @@ def check_server_settings(model_runner, backend_name: str) -> None:
         _refuse("a value head dim different from the key head dim")
 
 
+def check_offload_settings(model_runner) -> None:
+    """What ``--sparse-offload`` needs: nothing but the request itself may hold or read the pool
+    slots it frees (``offload.py``)."""
+    args = model_runner.server_args
+    if not getattr(args, "disable_radix_cache", False):
+        _refuse("--sparse-offload with a radix cache (the tree indexes the prompt's pool slots, "
+                "which offloading frees; add --disable-radix-cache)")
+    if getattr(args, "enable_mixed_chunk", False):
+        _refuse("--sparse-offload with --enable-mixed-chunk (a decode token run in a prefill "
+                "batch attends densely, over slots offloading has freed)")
+    if (getattr(args, "page_size", 1) or 1) != 1:
+        _refuse(f"--sparse-offload with --page-size {args.page_size} (slots are freed one token "
+                "at a time)")
+    if getattr(model_runner, "token_to_kv_pool_allocator", None) is None:
+        _refuse("--sparse-offload before SGLang created its token allocator")
+
+
 def attention_layers(model_runner) -> list:
     from sglang.srt.layers.radix_attention import RadixAttention
 
@@ -136,10 +154,37 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
     state.key_buffer = pool.get_key_buffer
     state.value_buffer = pool.get_value_buffer
     state.metrics = metrics_for(model_runner)
+    if cfg.offload:
+        _offload(state, model_runner, len(layer_ids), hkv, d, capacity,
+                 pool.get_key_buffer(layer_ids[0]).dtype)
     logger.info("sparse decode (ParisKV): threshold %d, top-k %d, sink %d, local %d, "
                 "%d slots of %d tokens", cfg.threshold, cfg.topk, cfg.sink, cfg.local,
                 cfg.max_requests, max_context)
     return state
+
+
+def _offload(state: SparseDecodeState, model_runner, layers: int, kv_heads: int, head_dim: int,
+             capacity: int, kv_dtype: torch.dtype) -> None:
+    import psutil
+
+    check_offload_settings(model_runner)
+    cfg = state.cfg
+    need = HostKVRegion.bytes_needed(layers, cfg.max_requests, kv_heads, capacity, head_dim,
+                                     kv_dtype)
+    available = psutil.virtual_memory().available
+    if need > 0.9 * available:
+        _refuse(f"--sparse-offload with {cfg.max_requests} sparse requests of up to "
+                f"{capacity + cfg.sink + cfg.local} tokens: their host KV needs "
+                f"{need / 2**30:.1f} GiB and {available / 2**30:.1f} GiB of host memory are "
+                "available (lower --sparse-max-requests or --sparse-max-context)")
+    pin = torch.device(model_runner.device).type == "cuda"
+    host = HostKVRegion(layers, cfg.max_requests, kv_heads, capacity, head_dim, kv_dtype, pin)
+    release = PoolSlotRelease(model_runner.token_to_kv_pool_allocator,
+                              model_runner.req_to_token_pool.req_to_token)
+    state.enable_offload(host, release, kv_dtype)
+    logger.info("sparse decode: retrieval regions offloaded to %s host memory (%.1f GiB for %d "
+                "slots of %d tokens); their GPU pool slots are freed", "pinned" if pin else "",
+                need / 2**30, cfg.max_requests, capacity)
 
 
 class _SparseDecodeMixin:

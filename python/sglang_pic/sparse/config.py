@@ -38,6 +38,9 @@ class SparseDecodeConfig:
     allocated at start-up, for ``max_context`` tokens)."""
     max_context: int = 0
     """Longest context a sparse request may reach; 0: the model's context length."""
+    offload: int = 0
+    """1: a sparse request's retrieval-region KV moves to pinned host memory and its GPU pool
+    slots are freed (``--sparse-offload``, ``offload.py``); needs ``--disable-radix-cache``."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SparseDecodeConfig:
@@ -61,6 +64,8 @@ class SparseDecodeConfig:
             if getattr(self, name) < 1:
                 raise SparseDecodeUnsupported(f"sparse {name} must be >= 1, got "
                                               f"{getattr(self, name)}")
+        if self.offload not in (0, 1):
+            raise SparseDecodeUnsupported(f"sparse offload must be 0 or 1, got {self.offload}")
         if self.sink < 0 or self.max_context < 0:
             raise SparseDecodeUnsupported("sparse sink and max_context must be >= 0")
         if self.candidates < self.topk:

@@ -14,6 +14,11 @@ what a long request *attends*, not where its KV lives. Per sparse request ("slot
 so each step attends ``sink + topk + window`` pool slots, listed per slot and KV head in
 ``idx [R, kv_heads, attended]`` (int32 pool slots, -1 = none).
 
+With ``--sparse-offload`` (``enable_offload``) the retrieval region leaves the pool: tokens
+entering it are copied to pinned host memory (``offload.HostKVRegion``) and their pool slots
+freed (``offload.PoolSlotRelease``); each step gathers sink + window from the pool into
+``k_win/v_win [R, W, kv_heads, D]`` and the kernel reads the selected rows from host memory.
+
 Per step, outside any CUDA graph (``prepare_decode``, from the backend's metadata init):
 activate requests whose context exceeds ``threshold`` (their region is encoded from the pool,
 every layer, and their sink listed in ``idx``), slide windows, rebuild the window part of
@@ -74,9 +79,23 @@ class SparseDecodeState:
         self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
         self.active = False
         self.rows: list[int] = []  # batch rows decoding sparsely this step
-        self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0}
+        self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0,
+                      "offloaded_tokens": 0}
         self.metrics = None  # metrics.SparseMetrics with --enable-metrics (set by the backend)
         self._warned_full = False
+        self.host = None  # offload.HostKVRegion with --sparse-offload (enable_offload)
+        self.pool_release = None  # offload.PoolSlotRelease, likewise
+
+    def enable_offload(self, host, pool_release, kv_dtype: torch.dtype) -> None:
+        """Keep retrieval regions in ``host`` and give their pool slots back (see module doc)."""
+        r, w = self.cfg.max_requests, self.cfg.sink + self.cfg.local + self.cfg.update
+        dev = self.idx.device
+        self.host, self.pool_release = host, pool_release
+        # sink + window of each slot: pool slots (padding slot 0 past win_len) and their K/V
+        self.win_idx = torch.zeros(r, w, dtype=torch.int64, device=dev)
+        self.win_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.k_win = torch.zeros(r, w, self.kv_heads, self.d, dtype=kv_dtype, device=dev)
+        self.v_win = torch.zeros_like(self.k_win)
 
     # ---- per step, eager ------------------------------------------------------------------
     def note_extend(self, pool_indices: list[int], rids: list[str] | None,
@@ -198,11 +217,17 @@ class SparseDecodeState:
         return self.req_to_token[pool_index, start:end].long()
 
     def _encode(self, k: int, pool_index: int, start: int, count: int, offset: int) -> None:
-        """Encode positions ``[start, start + count)`` at retrieval rows ``offset..`` (all layers)."""
+        """Encode positions ``[start, start + count)`` at retrieval rows ``offset..`` (all
+        layers); with offload, also move their K/V to host memory and free their pool slots."""
         locs = self._positions_to_slots(pool_index, start, start + count)
         for layer, layer_id in enumerate(self.layer_ids):
             keys = self.key_buffer(layer_id)[locs]
             self.ops.encode(layer, k, keys, offset)
+            if self.host is not None:
+                self.host.store(layer, k, keys, self.value_buffer(layer_id)[locs], offset)
+        if self.pool_release is not None:
+            self.pool_release.release(pool_index, start, start + count)
+            self._count("offloaded_tokens", count)
         self._count("encoded_tokens", count)
 
     def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
@@ -237,6 +262,12 @@ class SparseDecodeState:
         w0 = cfg.sink + cfg.topk
         self.idx[k, :, w0:] = -1
         self.idx[k, :, w0 : w0 + window.numel()] = window.int()
+        if self.host is not None:
+            n = cfg.sink + window.numel()
+            self.win_idx[k, : cfg.sink] = self.idx[k, 0, : cfg.sink]
+            self.win_idx[k, cfg.sink : n] = window
+            self.win_idx[k, n:] = 0
+            self.win_len[k] = n
 
     def _release(self, k: int) -> None:
         self.slots[k] = None
@@ -244,13 +275,26 @@ class SparseDecodeState:
         self.idx[k] = -1
         self.pool_of_slot[k] = 0
         self.row_of_slot[k] = 0
+        if self.host is not None:
+            self.win_len[k] = 0
 
     # ---- per layer, graph-safe -----------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, o: torch.Tensor, scale: float) -> None:
         """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention."""
-        cfg, layer = self.cfg, self.layer_index[layer_id]
+        layer = self.layer_index[layer_id]
         qs = q.index_select(0, self.row_of_slot.clamp(max=q.shape[0] - 1))
         rows = self.ops.select(layer, qs, self.n_ret)  # [R, kvh, k]
+        if self.host is not None:
+            self._attend_offloaded(layer, layer_id, qs, rows, scale)
+        else:
+            self._attend_in_pool(layer_id, qs, rows, scale)
+        slot_of_row = self.slot_of_row[: o.shape[0]]
+        sparse = self.out.index_select(0, slot_of_row.clamp_min(0)).to(o.dtype)
+        o.copy_(torch.where((slot_of_row >= 0)[:, None, None], sparse, o))
+
+    def _attend_in_pool(self, layer_id: int, qs: torch.Tensor, rows: torch.Tensor,
+                        scale: float) -> None:
+        cfg = self.cfg
         k = rows.shape[-1]
         pos = (rows.long() + cfg.sink).clamp(max=self.req_to_token.shape[1] - 1)
         locs = self.req_to_token[self.pool_of_slot[:, None, None], pos]
@@ -258,9 +302,16 @@ class SparseDecodeState:
         k_buf = self.key_buffer(layer_id)
         v_buf = self.value_buffer(layer_id)
         self.ops.attend(qs, k_buf, v_buf, self.idx, self.out, scale)
-        slot_of_row = self.slot_of_row[: o.shape[0]]
-        sparse = self.out.index_select(0, slot_of_row.clamp_min(0)).to(o.dtype)
-        o.copy_(torch.where((slot_of_row >= 0)[:, None, None], sparse, o))
+
+    def _attend_offloaded(self, layer: int, layer_id: int, qs: torch.Tensor, rows: torch.Tensor,
+                          scale: float) -> None:
+        flat = self.win_idx.view(-1)
+        for buf, win in ((self.key_buffer(layer_id), self.k_win),
+                         (self.value_buffer(layer_id), self.v_win)):
+            torch.index_select(buf, 0, flat, out=win.view(-1, *win.shape[2:]))
+        self.ops.attend_split(qs, self.k_win.permute(0, 2, 1, 3), self.v_win.permute(0, 2, 1, 3),
+                              self.win_len, self.host.keys(layer), self.host.values(layer), rows,
+                              self.out, scale)
 
     def warm_up(self) -> None:
         """Run the per-layer sparse path and the encoder once, so their kernels compile at

@@ -7,6 +7,10 @@ where, per request and step) is the same code on every device:
     select(layer, q [R, q_heads, D], n_ret [R]) -> [R, kv_heads, k] int32 rows (-1: none)
     attend(q [R, q_heads, D], k_buf, v_buf [S, kv_heads, D], idx [R, kv_heads, K] int32 pool
            slots (-1: none), out [R, q_heads, D], scale)   softmax attention over those slots
+    attend_split(q, k_win, v_win [R, kv_heads, W, D], win_len [R], k_host, v_host
+           [R, kv_heads, N, D], rows [R, kv_heads, k] (-1: none), out, scale)
+                                    the same over each slot's first win_len window rows and its
+                                    selected host rows (``--sparse-offload``)
 
 ``R`` is the number of sparse slots (``max_requests``), ``k`` the retrieved keys per KV head.
 Selection is per KV head: a group's query heads vote together and rerank by the best estimate
@@ -46,6 +50,8 @@ class KernelIndexOps:
         self.attention = SparseAttention(slots, q_heads, kv_heads, d, 0, attended,
                                          device=self.device)
         self.no_window = torch.zeros(slots, dtype=torch.int32, device=self.device)
+        self.split_attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk,
+                                               topk, device=self.device)
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int) -> int:
@@ -68,6 +74,9 @@ class KernelIndexOps:
         slots, kv_heads = idx.shape[:2]
         kv = [b.permute(1, 0, 2).unsqueeze(0).expand(slots, -1, -1, -1) for b in (k_buf, v_buf)]
         return self.attention(q, kv[0], kv[1], self.no_window, kv[0], kv[1], idx, out, scale)
+
+    def attend_split(self, q, k_win, v_win, win_len, k_host, v_host, rows, out, scale: float):
+        return self.split_attention(q, k_win, v_win, win_len, k_host, v_host, rows, out, scale)
 
 
 class TorchIndexOps:
@@ -110,6 +119,10 @@ class TorchIndexOps:
         out.copy_(indexed_attention(q, k_buf, v_buf, idx, scale))
         return out
 
+    def attend_split(self, q, k_win, v_win, win_len, k_host, v_host, rows, out, scale: float):
+        out.copy_(split_attention(q, k_win, v_win, win_len, k_host, v_host, rows, scale))
+        return out
+
 
 def indexed_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       idx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -121,6 +134,30 @@ def indexed_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     heads = torch.arange(kv_heads, device=idx.device)[None, :, None]
     rows = idx.clamp_min(0).long()
     keys, values = k_buf[rows, heads].float(), v_buf[rows, heads].float()  # [R, kvh, K, D]
+    qg = q.float().view(slots, kv_heads, hq // kv_heads, d)
+    s = torch.einsum("rhgd,rhkd->rhgk", qg, keys) * scale
+    s = s.masked_fill(~valid[:, :, None, :], -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("rhgk,rhkd->rhgd", p, values).reshape(slots, hq, d)
+
+
+def split_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                    win_len: torch.Tensor, k_host: torch.Tensor, v_host: torch.Tensor,
+                    rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[R, q_heads, D]`` over each slot's first ``win_len[r]`` rows
+    of ``k_win/v_win`` ``[R, kv_heads, W, D]`` and its ``rows`` ``[R, kv_heads, k]`` (-1: none)
+    of ``k_host/v_host`` ``[R, kv_heads, N, D]``; fp32 result (what ``SparseAttention`` does)."""
+    slots, hq, d = q.shape
+    kv_heads, w = k_win.shape[1], k_win.shape[2]
+    at = torch.arange(w, device=win_len.device)
+    valid = torch.cat([(at[None, :] < win_len[:, None].long())[:, None, :].expand(-1, kv_heads, -1),
+                       rows >= 0], dim=2)  # [R, kvh, W + k]
+    take = rows.clamp_min(0).long()[..., None].expand(-1, -1, -1, d)
+    keys = torch.cat([k_win, k_host.gather(2, take)], dim=2).float()
+    values = torch.cat([v_win, v_host.gather(2, take)], dim=2).float()
+    # rows never written (past a region's length, padding) may hold anything, NaN included
+    keys = keys.masked_fill(~valid[..., None], 0.0)
+    values = values.masked_fill(~valid[..., None], 0.0)
     qg = q.float().view(slots, kv_heads, hq // kv_heads, d)
     s = torch.einsum("rhgd,rhkd->rhgk", qg, keys) * scale
     s = s.masked_fill(~valid[:, :, None, :], -math.inf)

@@ -16,6 +16,9 @@ COUNTERS = {  # SparseDecodeState.stats key -> (metric name, help)
                        "Tokens encoded into retrieval regions (all layers count once)."),
     "refused_full": ("sglang_pic:sparse_refused_full",
                      "Long requests decoded densely because every sparse slot was busy."),
+    "offloaded_tokens": ("sglang_pic:sparse_offloaded_tokens",
+                         "Tokens whose KV moved to host memory, their GPU pool slots freed "
+                         "(--sparse-offload)."),
 }
 
 
