@@ -121,7 +121,7 @@ class FakeAllocator:
 def offloaded(state: SparseDecodeState, pool: FakePool) -> FakeAllocator:
     alloc = FakeAllocator()
     host = HostKVRegion(LAYERS, state.cfg.max_requests, HKV, state.capacity, D,
-                        pool.k[0].dtype, pin=False)
+                        pool.k[0].dtype, pin=pool.device == "cuda")  # the GPU reads it mapped
     state.enable_offload(host, PoolSlotRelease(alloc, pool.req_to_token), pool.k[0].dtype)
     return alloc
 
@@ -376,3 +376,27 @@ def test_offload_refuses_settings_that_would_read_freed_slots(change, message):
     runner.server_args = SimpleNamespace(**{**args, **change})
     with pytest.raises(SparseDecodeUnsupported, match=message):
         backends.check_offload_settings(runner)
+
+
+def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again():
+    """SGLang stops admitting once a waiting request did not fit, until a request finishes;
+    slots offloading frees mid-request clear that mark (once per release)."""
+    from types import SimpleNamespace
+
+    from sglang_pic.sparse import offload
+
+    pool = FakePool(1)
+    release = PoolSlotRelease(FakeAllocator(), pool.req_to_token)
+    seen = []
+
+    def original(scheduler, running_batch):
+        seen.append(running_batch.batch_is_full)
+
+    batch = SimpleNamespace(batch_is_full=True)
+    offload._freed_since_admission = False
+    offload.around_get_new_batch_prefill(original, None, batch)
+    release.release(0, 4, 20)
+    offload.around_get_new_batch_prefill(original, None, running_batch=batch)
+    batch.batch_is_full = True
+    offload.around_get_new_batch_prefill(original, None, batch)
+    assert seen == [True, False, True]

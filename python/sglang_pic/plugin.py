@@ -13,7 +13,7 @@ and only here, so one file shows everything sglang-pic changes in SGLang:
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS), the output streamer and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
-| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part) |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` and the token allocator's `free` wrapped (`sparse/offload.py`) |
 | PTStore (`store`)              | HiCache `dynamic` storage backend: `store.hicache_backend.PTStoreHiCacheStorage`, named in `--hicache-storage-backend-extra-config` (nothing to register) |
 """
 

@@ -15,7 +15,8 @@
 What this changes in SGLang, all registered by ``register()``: the two attention backends
 (``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``) and two
 AROUND hooks on SGLang's decode CUDA-graph runner (``graphs``: a second graph set with the sparse
-part). ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
+part); with ``--sparse-offload``, one AROUND hook on ``Scheduler.get_new_batch_prefill`` and the
+allocator's ``free`` wrapped (``offload``). ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
 (``CPU_BACKENDS``, in the plugin's one hook on it).
 """
 
@@ -38,12 +39,19 @@ OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
 
 
 def register() -> None:
+    import os
+
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends, graphs
+    from . import backends, graphs, offload
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
     graphs.register()
+    if os.environ.get("SGLANG_PIC_SPARSE_OFFLOAD") == "1":
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(offload.SCHEDULER_HOOK, offload.around_get_new_batch_prefill,
+                              HookType.AROUND)

@@ -18,7 +18,13 @@ What that changes in SGLang, all in ``PoolSlotRelease``:
 - nothing else may read those positions: dense attention over a sparse request never does (it is
   given a length of 1), and the settings that would (a radix tree indexing the prompt's slots,
   mixed chunked prefill running a decode token densely, pages of more than one token) are
-  refused in ``backends.check_offload_settings``.
+  refused in ``backends.check_offload_settings``;
+- SGLang's scheduler stops trying to admit waiting requests once one did not fit
+  (``running_batch.batch_is_full``) until a running request finishes; memory freed mid-request
+  would go unused, so ``around_get_new_batch_prefill`` (AROUND hook on
+  ``Scheduler.get_new_batch_prefill``, registered with ``--sparse-offload`` only) clears that
+  mark after a release, as SGLang itself does for sliding-window models whose pool frees
+  mid-request.
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0  # SGLang's allocators never hand out slot 0 (padded tokens write there)
+SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+_freed_since_admission = False  # slots released since the scheduler last tried to admit
+
+
+def around_get_new_batch_prefill(original, self, *args, **kwargs):
+    """``Scheduler.get_new_batch_prefill(running_batch)``, with SGLang's "no room" mark cleared
+    when pool slots were released since the last admission attempt (see module docstring)."""
+    global _freed_since_admission
+    if _freed_since_admission:
+        _freed_since_admission = False
+        running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0]
+        running_batch.batch_is_full = False
+    return original(self, *args, **kwargs)
 
 
 class HostKVRegion:
@@ -97,3 +116,5 @@ class PoolSlotRelease:
         row.fill_(PADDING_SLOT)
         self.released += end - start
         self._free(slots)
+        global _freed_since_admission
+        _freed_since_admission = True

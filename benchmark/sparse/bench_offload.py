@@ -1,0 +1,169 @@
+"""Long contexts beyond the GPU KV pool: ``--sparse-offload`` vs vanilla SGLang, same run.
+
+``B`` requests of ``N`` random tokens arrive together and each generates ``M`` tokens; the KV
+pool holds ``--pool-tokens`` tokens, enough for one of them (prompt + generation) but not two.
+Vanilla SGLang (triton attention) must then run them one after another: a request keeps its
+whole context in the pool until it finishes. With ParisKV and ``--sparse-offload`` a request's
+retrieval region moves to pinned host memory at its first decode step and its pool slots are
+freed, so the next request prefills while the first decodes, and all of them decode together
+from a pool that holds ~``sink + local + update`` tokens of each.
+
+Both variants run with ``--disable-radix-cache`` (offload needs it; vanilla gets the same),
+Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on. Reported per variant: makespan,
+output tokens/s, TTFT and finish time per request, and the most requests decoding at once
+(from each request's first and last token).
+
+    python3 benchmark/sparse/bench_offload.py [--requests 4] [--tokens 65536] [--new 512]
+                                              [--pool-tokens 73728] [--out DIR]
+
+Prints a table; writes ``sparse_offload.json`` (machine, versions, config, ratios) and a plot
+of each request's prefill-wait / decode span into ``--out`` (default ``benchmark/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from harness import LLAMA3_8B_DUMMY, RESULTS, run_side_by_side, save_figure  # noqa: E402
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    """Runs in the variant's process: one Engine, the requests all sent at once."""
+    import numpy as np
+    import sglang as sgl
+
+    os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+    for k, v in params["sparse_env"].items():
+        os.environ[k] = str(v)
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**engine_kwargs)
+    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    rng = np.random.default_rng(params["seed"])
+    prompts = [[int(t) for t in rng.integers(1000, params["vocab"], size=params["tokens"])]
+               for _ in range(params["requests"])]
+    sp = {"max_new_tokens": params["new"], "ignore_eos": True, "temperature": 0}
+
+    async def one(prompt: list[int], start: float) -> dict:
+        first = None
+        last: dict = {}
+        gen = await engine.async_generate(input_ids=prompt, sampling_params=sp, stream=True)
+        async for chunk in gen:
+            if first is None:
+                first = time.perf_counter() - start
+            last = chunk
+        return {"ttft_s": first, "finish_s": time.perf_counter() - start,
+                "output_ids": last.get("output_ids", [])}
+
+    async def run_all():
+        start = time.perf_counter()
+        return await asyncio.gather(*(one(p, start) for p in prompts))
+
+    try:
+        # warm-up (kernel compilation, the first sparse activation) outside the timed run
+        warm = [int(t) for t in rng.integers(1000, params["vocab"], size=params["warm_tokens"])]
+        engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+        t = time.perf_counter()
+        reqs = engine.loop.run_until_complete(run_all())
+        out["makespan_s"] = time.perf_counter() - t
+    finally:
+        engine.shutdown()
+    spans = [(r["ttft_s"], r["finish_s"]) for r in reqs]
+    out["max_decoding_at_once"] = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    out["output_tokens_per_s"] = params["requests"] * params["new"] / out["makespan_s"]
+    out["ttft_s"] = [round(a, 3) for a, _ in spans]
+    out["finish_s"] = [round(b, 3) for _, b in spans]
+    out["ttft_mean_s"] = sum(a for a, _ in spans) / len(spans)
+    out["output_ids"] = [r["output_ids"] for r in reqs]
+    return out
+
+
+def plot(report: dict, out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    labels = {"vanilla": "vanilla SGLang", "sglang-pic": "sglang-pic --sparse-offload"}
+    ticks = []
+    for i, variant in enumerate(("vanilla", "sglang-pic")):
+        r = res.get(variant, {})
+        for j, (a, b) in enumerate(zip(r.get("ttft_s", []), r.get("finish_s", []), strict=False)):
+            y = i * (len(r["ttft_s"]) + 1) + j
+            ax.barh(y, a, color="#cccccc")
+            ax.barh(y, b - a, left=a, color="C0" if variant == "vanilla" else "C1")
+            ticks.append((y, f"{labels[variant]} #{j}"))
+    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks], fontsize=7)
+    ax.set_xlabel("seconds since all requests arrived (grey: waiting + prefill, colour: decode)")
+    p = report["params"]
+    ax.set_title(f"{p['requests']} x {p['tokens']} tokens, {p['new']} new each, KV pool "
+                 f"{p['pool_tokens']} tokens (Llama-3-8B shape, H200)", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, out_dir / "sparse_offload.png")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--pool-tokens", type=int, default=73728)
+    ap.add_argument("--variants", default="vanilla,sglang-pic")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU engine, SmolLM2, 2 x 1500 tokens (checks the script, not speed)")
+    args = ap.parse_args()
+    name, backend = "sparse_offload", "pariskv_triton"
+    context = args.tokens + args.new + 64
+    engine_kwargs = {**LLAMA3_8B_DUMMY, "context_length": context,
+                     "max_total_tokens": args.pool_tokens, "disable_radix_cache": True,
+                     "mem_fraction_static": 0.6, "cuda_graph_max_bs_decode": 8,
+                     "max_running_requests": 8, "chunked_prefill_size": 16384}
+    sparse_env = {"SGLANG_PIC_SPARSE_MAX_REQUESTS": args.requests,
+                  "SGLANG_PIC_SPARSE_MAX_CONTEXT": context, "SGLANG_PIC_SPARSE_OFFLOAD": 1}
+    params = {"requests": args.requests, "tokens": args.tokens, "new": args.new,
+              "pool_tokens": args.pool_tokens, "seed": 0, "vocab": 128000,
+              "warm_tokens": 40000, "sparse_env": sparse_env}
+    if args.smoke:
+        sys.path.insert(0, str(HERE.parent.parent / "python"))
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        name, backend = "sparse_offload_cpu_smoke", "pariskv_torch_native"
+        engine_kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
+                         "skip_tokenizer_init": True, "attention_backend": "torch_native",
+                         "max_total_tokens": 1800, "disable_radix_cache": True,
+                         "disable_cuda_graph": True, "context_length": 2048,
+                         "log_level": "info"}
+        params.update(requests=2, tokens=1500, new=20, pool_tokens=1800, vocab=49000,
+                      warm_tokens=800, sparse_env={**sparse_env, "SGLANG_PIC_SPARSE_MAX_CONTEXT":
+                                                   2048, "SGLANG_PIC_SPARSE_THRESHOLD": 700,
+                                                   "SGLANG_PIC_SPARSE_LOCAL": 128,
+                                                   "SGLANG_PIC_SPARSE_UPDATE": 16})
+    report = run_side_by_side(
+        name, "sparse.bench_offload", "workload", engine_kwargs, params,
+        higher_is_better={"output_tokens_per_s", "max_decoding_at_once"},
+        variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
+        variant_kwargs={"sglang-pic": {"attention_backend": backend}})
+    res = report["results"]
+    ids = [res.get(v, {}).get("output_ids") for v in ("vanilla", "sglang-pic")]
+    if all(ids):
+        same = [sum(a == b for a, b in zip(x, y, strict=False)) / max(len(x), 1)
+                for x, y in zip(*ids, strict=False)]
+        print(f"[bench] output ids equal to vanilla, per request: {same}")
+    path = plot(report, Path(args.out) if args.out else RESULTS)
+    if path:
+        print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
