@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY
+from harness import LLAMA3_8B_DUMMY, stream_generate
 
 SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
@@ -53,15 +53,8 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 async def _stream_one(engine, ids: list[int], sp: dict) -> tuple[float, float, int]:
-    t0 = time.perf_counter()
-    first = None
-    last: dict = {}
-    gen = await engine.async_generate(input_ids=ids, sampling_params=sp, stream=True)
-    async for chunk in gen:
-        if first is None:
-            first = time.perf_counter() - t0
-        last = chunk
-    return first or 0.0, time.perf_counter() - t0, int(last.get("meta_info", {}).get("cached_tokens", 0))
+    first, total, last = await stream_generate(engine, ids, sp)
+    return first, total, int(last.get("meta_info", {}).get("cached_tokens", 0))
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:

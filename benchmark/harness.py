@@ -194,6 +194,21 @@ def run_side_by_side(
     return report
 
 
+async def stream_generate(engine, ids: list[int], sp: dict,
+                          start: float | None = None) -> tuple[float, float, dict]:
+    """Stream one request through ``Engine.async_generate``; returns (time to the first chunk,
+    time to the last, the last chunk), both from ``start`` (default: when the request is sent)."""
+    t0 = time.perf_counter() if start is None else start
+    first = None
+    last: dict = {}
+    gen = await engine.async_generate(input_ids=ids, sampling_params=sp, stream=True)
+    async for chunk in gen:
+        if first is None:
+            first = time.perf_counter() - t0
+        last = chunk
+    return first or 0.0, time.perf_counter() - t0, last
+
+
 def free_port() -> int:
     import socket
 

@@ -43,18 +43,25 @@ from harness import (  # noqa: E402
 SHORT, LONG = 17, 145
 
 
-def workload(engine_kwargs: dict, params: dict) -> dict:
-    """Runs in the variant's process: one Engine, every case."""
-    import numpy as np
+def start_engine(engine_kwargs: dict, sparse_env: dict):
+    """An Engine with the sparse knobs in its environment (vanilla's ignores them); returns it
+    and ``{"engine_start_s": ...}``."""
     import sglang as sgl
-    import torch
 
     os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
-    for k, v in params["sparse_env"].items():
+    for k, v in sparse_env.items():
         os.environ[k] = str(v)
     t0 = time.perf_counter()
     engine = sgl.Engine(**engine_kwargs)
-    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    return engine, {"engine_start_s": time.perf_counter() - t0}
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    """Runs in the variant's process: one Engine, every case."""
+    import numpy as np
+    import torch
+
+    engine, out = start_engine(engine_kwargs, params["sparse_env"])
     free, total = torch.cuda.mem_get_info()
     out["gpu_used_gib_after_start"] = (total - free) / 2**30
     rng = np.random.default_rng(params["seed"])

@@ -24,42 +24,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from harness import LLAMA3_8B_DUMMY, RESULTS, run_side_by_side, save_figure  # noqa: E402
+import harness  # noqa: E402
+from sparse.bench_e2e_decode import start_engine  # noqa: E402
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
     """Runs in the variant's process: one Engine, the requests all sent at once."""
     import numpy as np
-    import sglang as sgl
 
-    os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
-    for k, v in params["sparse_env"].items():
-        os.environ[k] = str(v)
-    t0 = time.perf_counter()
-    engine = sgl.Engine(**engine_kwargs)
-    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    engine, out = start_engine(engine_kwargs, params["sparse_env"])
     rng = np.random.default_rng(params["seed"])
     prompts = [[int(t) for t in rng.integers(1000, params["vocab"], size=params["tokens"])]
                for _ in range(params["requests"])]
     sp = {"max_new_tokens": params["new"], "ignore_eos": True, "temperature": 0}
 
     async def one(prompt: list[int], start: float) -> dict:
-        first = None
-        last: dict = {}
-        gen = await engine.async_generate(input_ids=prompt, sampling_params=sp, stream=True)
-        async for chunk in gen:
-            if first is None:
-                first = time.perf_counter() - start
-            last = chunk
-        return {"ttft_s": first, "finish_s": time.perf_counter() - start,
-                "output_ids": last.get("output_ids", [])}
+        first, finish, last = await harness.stream_generate(engine, prompt, sp, start)
+        return {"ttft_s": first, "finish_s": finish, "output_ids": last.get("output_ids", [])}
 
     async def run_all():
         start = time.perf_counter()
@@ -107,7 +94,7 @@ def plot(report: dict, out_dir: Path) -> Path | None:
     ax.set_title(f"{p['requests']} x {p['tokens']} tokens, {p['new']} new each, KV pool "
                  f"{p['pool_tokens']} tokens (Llama-3-8B shape, H200)", fontsize=9)
     fig.tight_layout()
-    return save_figure(fig, out_dir / "sparse_offload.png")
+    return harness.save_figure(fig, out_dir / "sparse_offload.png")
 
 
 def main() -> None:
@@ -123,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     name, backend = "sparse_offload", "pariskv_triton"
     context = args.tokens + args.new + 64
-    engine_kwargs = {**LLAMA3_8B_DUMMY, "context_length": context,
+    engine_kwargs = {**harness.LLAMA3_8B_DUMMY, "context_length": context,
                      "max_total_tokens": args.pool_tokens, "disable_radix_cache": True,
                      "mem_fraction_static": 0.6, "cuda_graph_max_bs_decode": 8,
                      "max_running_requests": 8, "chunked_prefill_size": 16384}
@@ -149,7 +136,7 @@ def main() -> None:
                                                    2048, "SGLANG_PIC_SPARSE_THRESHOLD": 700,
                                                    "SGLANG_PIC_SPARSE_LOCAL": 128,
                                                    "SGLANG_PIC_SPARSE_UPDATE": 16})
-    report = run_side_by_side(
+    report = harness.run_side_by_side(
         name, "sparse.bench_offload", "workload", engine_kwargs, params,
         higher_is_better={"output_tokens_per_s", "max_decoding_at_once"},
         variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
@@ -160,7 +147,7 @@ def main() -> None:
         same = [sum(a == b for a, b in zip(x, y, strict=False)) / max(len(x), 1)
                 for x, y in zip(*ids, strict=False)]
         print(f"[bench] output ids equal to vanilla, per request: {same}")
-    path = plot(report, Path(args.out) if args.out else RESULTS)
+    path = plot(report, Path(args.out) if args.out else harness.RESULTS)
     if path:
         print(f"[bench] wrote {path}")
 
