@@ -225,7 +225,7 @@ class SparseDecodeState:
             self.ops.encode(layer, k, keys, offset)
             if self.host is not None:
                 self.host.store(layer, k, keys, self.value_buffer(layer_id)[locs], offset)
-        if self.pool_release is not None:
+        if self.host is not None:  # enable_offload sets both
             self.pool_release.release(pool_index, start, start + count)
             self._count("offloaded_tokens", count)
         self._count("encoded_tokens", count)
@@ -238,7 +238,10 @@ class SparseDecodeState:
         self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
         # the sink's pool slots never change while the request holds the slot
-        self.idx[k, :, : cfg.sink] = self._positions_to_slots(pool_index, 0, cfg.sink).int()
+        sink = self._positions_to_slots(pool_index, 0, cfg.sink)
+        self.idx[k, :, : cfg.sink] = sink.int()
+        if self.host is not None:
+            self.win_idx[k, : cfg.sink] = sink
         self._count("activated", 1)
         logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
                     "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
@@ -262,9 +265,8 @@ class SparseDecodeState:
         w0 = cfg.sink + cfg.topk
         self.idx[k, :, w0:] = -1
         self.idx[k, :, w0 : w0 + window.numel()] = window.int()
-        if self.host is not None:
+        if self.host is not None:  # its sink part is written at activation
             n = cfg.sink + window.numel()
-            self.win_idx[k, : cfg.sink] = self.idx[k, 0, : cfg.sink]
             self.win_idx[k, cfg.sink : n] = window
             self.win_idx[k, n:] = 0
             self.win_len[k] = n

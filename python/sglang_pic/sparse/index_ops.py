@@ -128,17 +128,11 @@ def indexed_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       idx: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of ``q`` ``[R, q_heads, D]`` over the pool slots ``idx``
     ``[R, kv_heads, K]`` (-1: none) of ``k_buf/v_buf`` ``[S, kv_heads, D]``; fp32 result."""
-    slots, hq, d = q.shape
     kv_heads = idx.shape[1]
     valid = idx >= 0
     heads = torch.arange(kv_heads, device=idx.device)[None, :, None]
     rows = idx.clamp_min(0).long()
-    keys, values = k_buf[rows, heads].float(), v_buf[rows, heads].float()  # [R, kvh, K, D]
-    qg = q.float().view(slots, kv_heads, hq // kv_heads, d)
-    s = torch.einsum("rhgd,rhkd->rhgk", qg, keys) * scale
-    s = s.masked_fill(~valid[:, :, None, :], -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("rhgk,rhkd->rhgd", p, values).reshape(slots, hq, d)
+    return _masked_attention(q, k_buf[rows, heads], v_buf[rows, heads], valid, scale)
 
 
 def split_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
@@ -147,17 +141,26 @@ def split_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
     """Softmax attention of ``q`` ``[R, q_heads, D]`` over each slot's first ``win_len[r]`` rows
     of ``k_win/v_win`` ``[R, kv_heads, W, D]`` and its ``rows`` ``[R, kv_heads, k]`` (-1: none)
     of ``k_host/v_host`` ``[R, kv_heads, N, D]``; fp32 result (what ``SparseAttention`` does)."""
-    slots, hq, d = q.shape
+    d = q.shape[-1]
     kv_heads, w = k_win.shape[1], k_win.shape[2]
     at = torch.arange(w, device=win_len.device)
     valid = torch.cat([(at[None, :] < win_len[:, None].long())[:, None, :].expand(-1, kv_heads, -1),
                        rows >= 0], dim=2)  # [R, kvh, W + k]
     take = rows.clamp_min(0).long()[..., None].expand(-1, -1, -1, d)
-    keys = torch.cat([k_win, k_host.gather(2, take)], dim=2).float()
-    values = torch.cat([v_win, v_host.gather(2, take)], dim=2).float()
-    # rows never written (past a region's length, padding) may hold anything, NaN included
-    keys = keys.masked_fill(~valid[..., None], 0.0)
-    values = values.masked_fill(~valid[..., None], 0.0)
+    keys = torch.cat([k_win, k_host.gather(2, take)], dim=2)
+    values = torch.cat([v_win, v_host.gather(2, take)], dim=2)
+    return _masked_attention(q, keys, values, valid, scale)
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[R, q_heads, D]`` over ``keys/values`` ``[R, kv_heads, K, D]``
+    where ``valid`` ``[R, kv_heads, K]``; fp32 result. Invalid rows may hold anything (rows of a
+    host region never written: NaN included), so they are zeroed, not only masked."""
+    slots, hq, d = q.shape
+    kv_heads = keys.shape[1]
+    keys = keys.float().masked_fill(~valid[..., None], 0.0)
+    values = values.float().masked_fill(~valid[..., None], 0.0)
     qg = q.float().view(slots, kv_heads, hq // kv_heads, d)
     s = torch.einsum("rhgd,rhkd->rhgk", qg, keys) * scale
     s = s.masked_fill(~valid[:, :, None, :], -math.inf)

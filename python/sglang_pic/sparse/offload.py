@@ -29,11 +29,7 @@ What that changes in SGLang, all in ``PoolSlotRelease``:
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0  # SGLang's allocators never hand out slot 0 (padded tokens write there)
 SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
@@ -76,8 +72,7 @@ class HostKVRegion:
     @staticmethod
     def bytes_needed(layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
                      dtype: torch.dtype) -> int:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * layers * slots * kv_heads * capacity * head_dim * itemsize
+        return 2 * layers * slots * kv_heads * capacity * head_dim * dtype.itemsize
 
     def store(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, offset: int) -> None:
         """Rows ``offset .. offset + n`` of ``slot`` <- ``k``/``v`` ``[n, kv_heads, D]`` (GPU or
