@@ -65,6 +65,7 @@ def test_cpu_defaults_fill_only_missing_flags(model_dir):
     assert extra[extra.index("--attention-backend") + 1] == "torch_native"
     budget = int(extra[extra.index("--max-total-tokens") + 1])
     assert 1024 <= budget <= 65536
+    assert "--sleep-on-idle" in extra
     user = ["--attention-backend", "triton", "--max-total-tokens=4096", "--device", "cpu"]
     extra = cpu_support.cpu_server_defaults(user, str(model_dir))
     assert "--attention-backend" not in extra
