@@ -331,6 +331,24 @@ def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
             len(r.prompt) for r in mix), policy
 
 
+def test_ends_oracle_keeps_the_session_that_goes_on():
+    """``sae-ends`` is ``sae`` told whether each session sends another request: of two chat
+    contexts that fit one at a time, it keeps the one whose session returns, where ``sae`` (no
+    foreknowledge; a chat's chance of returning still rises seconds into its silence) keeps the
+    older one, the wrong one."""
+    from simulator import _session_continues, replay
+    from traces import Request
+
+    a, b, c = (list(range(k, k + 100)) for k in (1000, 2000, 3000))
+    seg = [(0, "user")]
+    trace = [Request(0.0, "B", "chat", b, [2], seg), Request(1.0, "A", "chat", a, [1], seg),
+             Request(2.0, None, "single", c, [3], seg),
+             Request(3.0, "A", "chat", a + [1, 7], [4], seg)]
+    assert _session_continues(trace) == [0.0, 1.0, 0.0, 0.0]
+    assert replay(trace, "sae", capacity=210).hit_tokens == 0
+    assert replay(trace, "sae-ends", capacity=210).hit_tokens == 101
+
+
 def test_agent_traces_type_only_the_shared_tool_definitions_as_system():
     """The generator's segmentation is what ``sae`` learns from: in agent traces the tokens
     typed ``system`` are the three shared tool-definition prefixes, the task after them is

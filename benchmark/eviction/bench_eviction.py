@@ -27,7 +27,10 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "sae")
 ABLATIONS = ("sae-nopred", "sae-alpha")  # sae without the session predictor / with alpha_q
-REFERENCE = ("belady",)  # not a policy: the offline bound (simulator.ORACLE)
+# not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
+# (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
+# (simulator.PARAMS_ORACLE; generated workloads other than sharegpt* only)
+REFERENCE = ("belady", "sae-ends", "sae-params")
 WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegpt",
              "sharegpt_mix")
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
@@ -42,7 +45,7 @@ def unique_tokens(trace) -> int:
 
 
 def baselines(policies: list[str]) -> list[str]:
-    """The policies ``sae`` is compared with: all but ``sae``, its ablations and the bound."""
+    """The policies ``sae`` is compared with: all but ``sae``, its ablations and the bounds."""
     return [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
 
 
@@ -80,7 +83,7 @@ def main() -> None:
     import sglang
     from sglang_pic import eviction
     from simulator import replay
-    from traces import generate, load_bailian, load_mooncake
+    from traces import generate, load_bailian, load_mooncake, session_params
 
     eviction.register()  # our policies in SGLang's table, as the plugin does in a server
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -102,18 +105,23 @@ def main() -> None:
     t_start = time.perf_counter()
     for (wname, seed), trace in workloads.items():
         uniq = unique_tokens(trace)
+        try:
+            params = None if args.trace else session_params(wname)
+        except ValueError:
+            params = None
+        todo = [p for p in policies if p != "sae-params" or params is not None]
         for frac in fractions:
             cap = max(int(uniq * frac), 1024)
             line = []
-            for pol in policies:
-                res = replay(trace, pol, cap).summary()
+            for pol in todo:
+                res = replay(trace, pol, cap, session_params=params).summary()
                 res.update(workload=wname, seed=seed, fraction=frac, unique_tokens=uniq)
                 rows.append(res)
                 line.append(f"{pol} {res['token_hit_rate']:.3f}")
             others = baselines(policies)
-            best_other = max((r["token_hit_rate"] for r in rows[-len(policies):]
+            best_other = max((r["token_hit_rate"] for r in rows[-len(todo):]
                               if r["policy"] in others), default=0.0)
-            sae = next((r for r in rows[-len(policies):] if r["policy"] == "sae"), None)
+            sae = next((r for r in rows[-len(todo):] if r["policy"] == "sae"), None)
             gain = f"  sae-best={100 * (sae['token_hit_rate'] - best_other):+.1f}pp" if sae else ""
             print(f"[{time.perf_counter() - t_start:5.0f}s] {wname:<12} s{seed} cap {frac:>4.0%} "
                   f"({cap} tok, {len(trace)} req): " + "  ".join(line) + gain, flush=True)

@@ -15,6 +15,7 @@ missed tokens, fitted to vanilla SGLang's H200 prefill times), and policy time p
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -117,6 +118,17 @@ ORACLE = "belady"
 """Not a policy anyone can run: Belady's offline rule (evict the block whose next use is farthest
 in the future) with the whole trace known in advance, as an upper bound for the real ones."""
 
+ENDS_ORACLE = "sae-ends"
+"""Not a policy anyone can run either: ``sae`` told at every request whether its session will
+send another one (its ``q`` is 1 or 0 instead of the session predictor's guess), but not when.
+Between it and ``belady`` lies what knowing *when* sessions come back is worth; between ``sae``
+and it, what knowing *whether* they do."""
+
+PARAMS_ORACLE = "sae-params"
+"""``sae`` handed the generator's true session parameters (gap log-normals and continuation
+odds per application, ``traces.session_params``) instead of learning them online: what learning
+costs."""
+
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 
@@ -199,8 +211,10 @@ def _count_nodes(cache) -> int:
     return n
 
 
-def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) -> ReplayResult:
-    """Replay `trace` through a RadixCache of `capacity` tokens evicting with `policy`."""
+def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
+           session_params: dict[str, tuple[float, float, float]] | None = None) -> ReplayResult:
+    """Replay `trace` through a RadixCache of `capacity` tokens evicting with `policy`;
+    ``session_params`` (``traces.session_params``) is what ``sae-params`` is handed."""
     from sglang.srt.mem_cache import radix_cache as rc
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
@@ -210,9 +224,15 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) ->
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
 
-    cache, _ = make_cache("lru" if policy == ORACLE else policy)
+    cache, _ = make_cache({ORACLE: "lru", ENDS_ORACLE: "sae", PARAMS_ORACLE: "sae"}.get(
+        policy, policy))
     if policy == ORACLE:
         cache.eviction_strategy = BeladyOracle(trace)
+    continues = _session_continues(trace) if policy == ENDS_ORACLE else None
+    if policy == PARAMS_ORACLE:
+        if session_params is None:
+            raise ValueError(f"{PARAMS_ORACLE} needs the generator's session_params")
+        _hand_params(cache.eviction_strategy, session_params)
     clock = _Clock()
     strategy = cache.eviction_strategy
     if hasattr(strategy, "now_fn"):
@@ -254,6 +274,9 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) ->
                     result.insert_s += time.perf_counter() - t0
                     result.insert_calls += 1
                 cache.dec_lock_ref(match.last_device_node)
+                if continues is not None and req.session_id is not None:
+                    # after the request's own on_request, which set the predictor's guess
+                    strategy.session_p[req.session_id] = continues[i]
                 result.max_used_tokens = max(result.max_used_tokens,
                                              cache.evictable_size() + cache.protected_size())
             result.requests += 1
@@ -270,6 +293,31 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2) ->
                 result.nodes_max = max(result.nodes_max, _count_nodes(cache))
     result.hits_by_phase = [tuple(p) for p in phase_stats]
     return result
+
+
+def _hand_params(strategy, params: dict[str, tuple[float, float, float]]) -> None:
+    """Freeze ``sae``'s gap fits and continuation odds at the given values."""
+    import math
+
+    from sglang_pic.eviction.estimators import LogNormalGaps
+
+    for app, (median, sigma, _) in params.items():
+        # a fit that never has enough samples to leave its prior
+        strategy.gaps[app] = LogNormalGaps(math.log(median), sigma, min_samples=sys.maxsize)
+    odds = {app: q for app, (_, _, q) in params.items()}
+    strategy.use_predictor = False
+    strategy.continuation_odds = lambda app, _sid: odds.get(app, 0.5)
+
+
+def _session_continues(trace: list[Request]) -> list[float]:
+    """Per request: 1.0 when a later request of its session follows, else 0.0."""
+    out, seen = [0.0] * len(trace), set()
+    for i in range(len(trace) - 1, -1, -1):
+        sid = trace[i].session_id
+        if sid is not None:
+            out[i] = float(sid in seen)
+            seen.add(sid)
+    return out
 
 
 @contextlib.contextmanager

@@ -87,6 +87,9 @@ def chat(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.5,
     return out
 
 
+AGENT_GAP_SIGMA = 0.8
+
+
 def agent(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.3,
           n_tools: int = 3, tools_len: int = 1500, steps_mean: float = 8.0,
           tool_out_median: float = 400, cot_median: float = 300, call_median: float = 60,
@@ -109,8 +112,23 @@ def agent(n_sessions: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 0.3,
             history = history + call
             segments.append((len(history), "tool"))
             history = history + ids.take(_lognormal(rng, tool_out_median, 1.0))
-            now += rng.lognormal(np.log(gap_median), 0.8)
+            now += rng.lognormal(np.log(gap_median), AGENT_GAP_SIGMA)
     return out
+
+
+def session_params(kind: str) -> dict[str, tuple[float, float, float]]:
+    """What the generators draw sessions from, per application type, for workloads whose
+    sessions all come from ``chat`` / ``agent`` with their default arguments (not the
+    ``sharegpt*`` ones): (median gap s, sigma of log gap, P(another request) after any request).
+    The replay's ``sae-params`` hands these to ``sae`` to measure what learning them costs."""
+    import inspect
+
+    if kind.startswith("sharegpt"):
+        raise ValueError("sharegpt sessions' continuation depends on their turn count")
+    c = {k: v.default for k, v in inspect.signature(chat).parameters.items()}
+    a = {k: v.default for k, v in inspect.signature(agent).parameters.items()}
+    return {"chat": (c["gap_median"], c["gap_sigma"], 1.0 - 1.0 / c["turns_mean"]),
+            "agent": (a["gap_median"], AGENT_GAP_SIGMA, 1.0 - 1.0 / a["steps_mean"])}
 
 
 def single(n_requests: int, rng, ids: _Ids, t0: float = 0.0, rate: float = 2.0,
