@@ -9,7 +9,10 @@ history would. Reported per variant: token hit rate (cached / prompt tokens), TT
 makespan.
 
     python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8] [--seed 0]
-        [--no-cuda-graph]
+        [--no-cuda-graph] [--baselines lru,fifo]
+
+``--baselines``: vanilla SGLang with each of these of its policies, in the same run (``vanilla``
+is the first, ``lru`` by default; the others run as ``vanilla-<policy>``).
     python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
 """
 
@@ -138,7 +141,7 @@ PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 
 
 
 def main() -> None:
-    from harness import VARIANTS, run_side_by_side
+    from harness import run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -149,6 +152,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="both variants without decode CUDA graphs (starts ~1 min sooner)")
+    ap.add_argument("--baselines", default="lru",
+                    help="comma-separated SGLang policies run as vanilla variants")
     ap.add_argument("--pic-first", action="store_true",
                     help="run sglang-pic before vanilla (to check the order does not decide)")
     args = ap.parse_args()
@@ -173,12 +178,25 @@ def main() -> None:
         params = {**params, "scale": 4, "speedup": 200.0, "output_tokens": 2, "vocab": 49000,
                   "max_prompt_tokens": 2500}
         name = "eviction_e2e_cpu_smoke"
+    baselines = args.baselines.split(",")
+    vanilla = {"vanilla" if i == 0 else f"vanilla-{p}": p for i, p in enumerate(baselines)}
+    if baselines != ["lru"]:
+        name += "_vs_" + "_".join(baselines)
+    variant_kwargs = {v: {"radix_eviction_policy": p} for v, p in vanilla.items()}
+    variant_kwargs["sglang-pic"] = {"radix_eviction_policy": "sae"}
+    variants = (*vanilla, "sglang-pic")
+    if args.pic_first:
+        variants = ("sglang-pic", *vanilla)
     os.environ.setdefault("SGLANG_PIC_SAE_SAMPLE", "1024")
-    run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
-                     higher_is_better={"token_hit_rate", "cached_tokens"}, out_dir=args.out,
-                     variant_kwargs={"sglang-pic": {"radix_eviction_policy": "sae"}},
-                     timeout_s=1800,
-                     variants=("sglang-pic", "vanilla") if args.pic_first else VARIANTS)
+    report = run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
+                              higher_is_better={"token_hit_rate", "cached_tokens"},
+                              out_dir=args.out, variant_kwargs=variant_kwargs, timeout_s=1800,
+                              variants=variants)
+    print(f"\n{'variant':<16}{'policy':<8}{'hit rate':>10}{'TTFT p50 ms':>13}{'p99 ms':>10}")
+    for v, r in report["results"].items():
+        if "token_hit_rate" in r:
+            print(f"{v:<16}{r['policy']:<8}{r['token_hit_rate']:>10.3f}{r['ttft_p50_ms']:>13.0f}"
+                  f"{r['ttft_p99_ms']:>10.0f}")
 
 
 if __name__ == "__main__":
