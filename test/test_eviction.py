@@ -91,7 +91,7 @@ def test_sae_session_predictor_labels_from_traffic():
     p = sae.session_p["s299"]
     assert p < 0.2
     assert sae.continuation_odds("chat", "s299") == p
-    info = BlockInfo("user", "s299", "chat", 0, 200)
+    info = BlockInfo("user", "s299", "chat", 0, 200, turn=1)  # its request's block
     assert sae.index("chat", info, 1.0, t) == pytest.approx(
         sae.session_index.value(sae.gaps["chat"], p, 0.0))
     sae.use_predictor = False  # then the application's return rate: none came back
@@ -602,3 +602,54 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     assert serve("b", shared + list(range(700, 732)), app="single") == len(shared)
     template = cache.root_node.children[next(iter(cache.root_node.children))]
     assert len(template.key) == len(shared) and template.sae.queue == "structural"
+
+
+def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
+    """Without token types an agent's reasoning is typed ``decode`` like the call the next step
+    resends. Once the session's next request diverges from it, the reasoning is a branch the
+    session left: it loses the session's index (and goes first), while the history the new
+    request resent keeps it."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    strategy = cache.eviction_strategy
+    slot, now = 0, 0.0
+    strategy.now_fn = lambda: now  # the session clock; SGLang's access times stay its own
+
+    def serve(prompt, output):
+        nonlocal slot
+        full = prompt + output
+        ctx = RequestContext(session_id="s", app_type="agent", segments=[(0, "user")],
+                             decode_start=len(prompt), prompt_len=len(prompt), now=now)
+        with using(ctx):
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+            cache.insert(InsertParams(key=RadixKey(array("q", full), None),
+                                      value=torch.arange(slot, slot + len(full))))
+            slot += len(full)
+
+    def node_at(ids):
+        node, rest = cache.root_node, list(ids)
+        while rest:
+            node = node.children[rest[0]]
+            rest = rest[len(node.key):]
+        return node
+
+    task, cot, call, tool_out = (list(range(k, k + 40)) for k in (100, 200, 300, 400))
+    serve(task, cot + call)
+    assert not strategy.abandoned(node_at(task + cot + call).sae)  # it may still be resent
+    now = 2.0
+    serve(task + call + tool_out, list(range(500, 520)))  # the next step drops the reasoning
+    reasoning, history = node_at(task + cot), node_at(task)  # SGLang split the first block
+    assert reasoning.sae.token_type == "decode" and reasoning.sae.queue == "agent"
+    assert strategy.abandoned(reasoning.sae) and not strategy.abandoned(history.sae)
+    assert not strategy.abandoned(node_at(task + call + tool_out).sae)
+    now = 3.0
+    # scored as its kind's rate (w / (1 + w dt) <= w), below the session's index
+    assert strategy.get_priority(reasoning) <= strategy.w["decode", "agent"].value()
+    assert strategy.get_priority(reasoning) < strategy.get_priority(history)

@@ -75,6 +75,10 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
                     ",".join(WORKLOADS))
+    ap.add_argument("--no-token-types", action="store_true",
+                    help="replay without token types (every prompt token 'user', every output "
+                         "token 'decode'): what the server knows of clients that send session "
+                         "hints with raw token ids instead of chat-template prompts")
     ap.add_argument("--seeds", type=int, default=1,
                     help="generate each workload with this many seeds; tables and plot average "
                          "over them (ties in eviction order alone move a cell by ~1 pp)")
@@ -100,6 +104,11 @@ def main() -> None:
             names = tuple(args.workloads.split(","))
         workloads = {(w, seed): generate(w, scale=args.scale, seed=seed) for w in names
                      for seed in range(args.seeds)}
+    if args.no_token_types:
+        import dataclasses
+
+        workloads = {k: [dataclasses.replace(r, segments=[(0, "user")], output_segments=[])
+                         for r in trace] for k, trace in workloads.items()}
     fractions = (0.1, 0.2) if args.quick else FRACTIONS
     rows = []
     t_start = time.perf_counter()
@@ -128,7 +137,8 @@ def main() -> None:
     report = {"benchmark": "eviction_sim", "environment": {
         "host": platform.node(), "python": platform.python_version(),
         "sglang": sglang.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")},
-        "scale": args.scale, "seeds": args.seeds, "policies": policies, "rows": rows}
+        "scale": args.scale, "seeds": args.seeds, "token_types": not args.no_token_types,
+        "policies": policies, "rows": rows}
     print_summary(rows, policies)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

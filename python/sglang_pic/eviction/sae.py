@@ -92,6 +92,7 @@ class BlockInfo:
     last_hit: float | None = None
     interval: float | None = None  # EMA of the time between this block's uses
     queue: str = "chat"  # kept equal to SAEStrategy.route(self)
+    turn: int = 0  # the latest request of its session whose path went through the block
 
 
 class SAEStrategy(EvictionStrategy):
@@ -113,6 +114,7 @@ class SAEStrategy(EvictionStrategy):
         self.queue_hits = dict.fromkeys(QUEUES, 0.0)
         self.alpha = dict.fromkeys(QUEUES, 1.0)
         self.session_last: OrderedDict[str, float] = OrderedDict()
+        self.session_turn: dict[str, int] = {}  # requests seen per session
         # per application type: requests with a session, and how many of them were a return
         self.requests = dict.fromkeys(APP_TYPES, 0)
         self.returns = dict.fromkeys(APP_TYPES, 0)
@@ -184,7 +186,7 @@ class SAEStrategy(EvictionStrategy):
 
     def index(self, queue: str, info: BlockInfo, dt: float, now: float) -> float:
         """Expected reuses per second of a block of ``queue`` unused for ``dt`` seconds."""
-        if queue in ("chat", "agent") and info.session_id:
+        if queue in ("chat", "agent") and info.session_id and not self.abandoned(info):
             silence = now - self.session_last.get(info.session_id, now)
             q = self.continuation_odds(info.app_type, info.session_id)
             return self.session_index.value(self.gaps[info.app_type], q, silence)
@@ -193,6 +195,17 @@ class SAEStrategy(EvictionStrategy):
             return self.position.value(info.offset / max(info.prompt_len, 1)) / scale
         w = self.w[info.token_type, info.app_type].value()
         return w / (1.0 + w * dt)  # the kind's rate, older blocks of it first
+
+    def abandoned(self, info: BlockInfo) -> bool:
+        """The session's latest request did not go through the block: a branch it left.
+
+        A conversation resends its own history, so the blocks of its next prompt are those on
+        the path of its latest request; a block of the session off that path is one the session
+        moved past - a chain-of-thought the next turn dropped, an answer it regenerated - and
+        is scored like an ``evict_first`` block of its kind, not with the session's index. This
+        needs no token types: without a chat template an agent's reasoning is typed ``decode``,
+        like the tool call the next step resends."""
+        return info.turn < self.session_turn.get(info.session_id, 0)
 
     def begin_evict(self) -> None:
         """Called by the hooks when SGLang starts an evict pass: one clock reading per pass."""
@@ -242,7 +255,7 @@ class SAEStrategy(EvictionStrategy):
         if now != self._memo_now:
             self._memo_now, self._memo = now, {}
         queue = info.queue
-        if queue in ("chat", "agent") and info.session_id:
+        if queue in ("chat", "agent") and info.session_id and not self.abandoned(info):
             key = (info.app_type, info.session_id)  # every block of a session shares its index
             value = self._memo.get(key)
             if value is None:
@@ -270,6 +283,7 @@ class SAEStrategy(EvictionStrategy):
             self.pending[app].popitem(last=False)
         self.session_p[sid] = self.continuation.predict(x)
         self.requests[app] += 1
+        self.session_turn[sid] = self.session_turn.get(sid, 0) + 1
         last = self.session_last.pop(sid, None)
         if last is not None:
             self.returns[app] += 1
@@ -278,6 +292,7 @@ class SAEStrategy(EvictionStrategy):
         if len(self.session_last) > TRACKED_SESSIONS:
             old, _ = self.session_last.popitem(last=False)
             self.session_p.pop(old, None)
+            self.session_turn.pop(old, None)
 
     def _end_sessions(self, now: float) -> None:
         """Sessions silent for longer than almost any gap of their kind have ended: label 0."""
@@ -315,12 +330,15 @@ class SAEStrategy(EvictionStrategy):
             info = getattr(node, "sae", None)
             if info is not None:
                 self._seen_by(node, info, ctx.requester)
+                if ctx.session_id is not None and ctx.session_id == info.session_id:
+                    info.turn = self.session_turn.get(ctx.session_id, 0)
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
         ttype = ctx.token_type_at(offset)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
-                         max(ctx.prompt_len, offset + len(node.key)), 1, ctx.requester, ctx)
+                         max(ctx.prompt_len, offset + len(node.key)), 1, ctx.requester, ctx,
+                         turn=self.session_turn.get(ctx.session_id, 0) if ctx.session_id else 0)
         info.queue = self.route(info)
         node.sae = info
         self.w[ttype, info.app_type].add(len(node.key), now)
@@ -338,7 +356,7 @@ class SAEStrategy(EvictionStrategy):
             return
         head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
-                             info.last_hit, info.interval, info.queue)
+                             info.last_hit, info.interval, info.queue, info.turn)
         old_queue, old_kind = info.queue, (info.token_type, info.app_type)
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
