@@ -653,3 +653,41 @@ def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
     # scored as its kind's rate (w / (1 + w dt) <= w), below the session's index
     assert strategy.get_priority(reasoning) <= strategy.w["decode", "agent"].value()
     assert strategy.get_priority(reasoning) < strategy.get_priority(history)
+
+
+def test_reuse_rates_count_unshared_blocks_only():
+    """``w`` scores unshared blocks, so it counts them only: without token types a single-turn
+    template and its unique queries are both ``user``; the template's first reuse (by a second
+    request) counts - it is how an unshared block shows it gets reused - but once shared its
+    tokens and later hits leave ``w(user, single)``, and the queries are not kept for them."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    strategy = cache.eviction_strategy
+    w = strategy.w["user", "single"]
+    slot = 0
+
+    def serve(ids):
+        nonlocal slot
+        key = RadixKey(array("q", ids), None)
+        with using(RequestContext(app_type="single", segments=[(0, "user")],
+                                  prompt_len=len(ids), now=0.0)):
+            cache.match_prefix(MatchPrefixParams(key=key))
+            cache.insert(InsertParams(key=key, value=torch.arange(slot, slot + len(ids))))
+            slot += len(ids)
+
+    template = list(range(100, 164))
+    serve(template + list(range(500, 532)))
+    assert w.resident == 96 and w.hits == 0
+    serve(template + list(range(600, 632)))  # the template is shared now
+    assert w.hits == 64  # its first reuse counted
+    assert w.resident == 32 + 32  # the two queries; the template left the count
+    for k in range(3):
+        serve(template + list(range(700 + 40 * k, 732 + 40 * k)))
+    assert w.hits == 64 and w.resident == 5 * 32  # later template hits are not the queries'

@@ -44,6 +44,18 @@ def unique_tokens(trace) -> int:
     return len(seen)
 
 
+def without_hints(req, hints: str):
+    """``req`` as the server sees it with fewer hints: no token types (every prompt token
+    ``user``, every output token ``decode``) and, with ``hints="none"``, no session or
+    application either (``sae`` then tells requesters apart per request)."""
+    import dataclasses
+
+    req = dataclasses.replace(req, segments=[(0, "user")], output_segments=[])
+    if hints == "none":
+        req = dataclasses.replace(req, session_id=None, app_type=None)
+    return req
+
+
 def baselines(policies: list[str]) -> list[str]:
     """The policies ``sae`` is compared with: all but ``sae``, its ablations and the bounds."""
     return [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
@@ -75,10 +87,10 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
                     ",".join(WORKLOADS))
-    ap.add_argument("--no-token-types", action="store_true",
-                    help="replay without token types (every prompt token 'user', every output "
-                         "token 'decode'): what the server knows of clients that send session "
-                         "hints with raw token ids instead of chat-template prompts")
+    ap.add_argument("--hints", choices=("all", "sessions", "none"), default="all",
+                    help="what sae is told: all (sessions, application and token types), "
+                         "sessions (no token types: clients sending session hints with raw "
+                         "token ids), none (a server getting raw token ids and no hints)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="generate each workload with this many seeds; tables and plot average "
                          "over them (ties in eviction order alone move a cell by ~1 pp)")
@@ -104,11 +116,9 @@ def main() -> None:
             names = tuple(args.workloads.split(","))
         workloads = {(w, seed): generate(w, scale=args.scale, seed=seed) for w in names
                      for seed in range(args.seeds)}
-    if args.no_token_types:
-        import dataclasses
-
-        workloads = {k: [dataclasses.replace(r, segments=[(0, "user")], output_segments=[])
-                         for r in trace] for k, trace in workloads.items()}
+    if args.hints != "all":
+        workloads = {k: [without_hints(r, args.hints) for r in trace]
+                     for k, trace in workloads.items()}
     fractions = (0.1, 0.2) if args.quick else FRACTIONS
     rows = []
     t_start = time.perf_counter()
@@ -137,7 +147,7 @@ def main() -> None:
     report = {"benchmark": "eviction_sim", "environment": {
         "host": platform.node(), "python": platform.python_version(),
         "sglang": sglang.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")},
-        "scale": args.scale, "seeds": args.seeds, "token_types": not args.no_token_types,
+        "scale": args.scale, "seeds": args.seeds, "hints": args.hints,
         "policies": policies, "rows": rows}
     print_summary(rows, policies)
     out = Path(args.out)

@@ -77,6 +77,20 @@ END_QUANTILE = 0.99
 TRACKED_SESSIONS = 1 << 17
 
 
+def _in_w(info: BlockInfo) -> bool:
+    """Whether the block counts in its kind's reuse rate ``w``: ``w`` scores unshared blocks,
+    so shared ones (``structural``) stay out of it - but the reuse that makes a block shared
+    counts (``on_hit``): without hints that is how a conversation's newest turn shows that the
+    next turn reuses it. Without token types a single-turn template and its unique queries are
+    both ``user``; counting every later hit of the template made the queries look reusable."""
+    return info.queue != "structural"
+
+
+def _w_kind(info: BlockInfo) -> tuple[str, str] | None:
+    """The ``w`` count the block is in (None: none)."""
+    return (info.token_type, info.app_type) if _in_w(info) else None
+
+
 @dataclass(slots=True)
 class BlockInfo:
     """What SAE stores on a radix-tree node (``node.sae``)."""
@@ -128,7 +142,7 @@ class SAEStrategy(EvictionStrategy):
         self.use_predictor = os.environ.get("SGLANG_PIC_SAE_PREDICTOR", "1") != "0"
         # a JSON file the counters are written to after every evict pass (inspection, tests)
         self.stats_path = os.environ.get("SGLANG_PIC_SAE_STATS")
-        self.ghost: OrderedDict[tuple, tuple[tuple[str, str], int]] = OrderedDict()
+        self.ghost: OrderedDict[tuple, tuple[tuple[str, str] | None, int]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
         self.events = defaultdict(int)
@@ -323,7 +337,19 @@ class SAEStrategy(EvictionStrategy):
         if queue != info.queue:
             self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
             self.resident[queue] += len(node.key)
+            before = _w_kind(info)
             info.queue = queue
+            self._recount(len(node.key), before, info)
+
+    def _recount(self, tokens: int, before: tuple[str, str] | None, after: BlockInfo) -> None:
+        """Move ``tokens`` of a block from the ``w`` count of kind ``before`` (None: it was in
+        none) to the one ``after`` puts it in: a block that became shared, a split tail
+        re-typed."""
+        now = self._now()
+        if before is not None:
+            self.w[before].remove(tokens, now)
+        if _in_w(after):
+            self.w[after.token_type, after.app_type].add(tokens, now, block=False)
 
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
@@ -341,12 +367,14 @@ class SAEStrategy(EvictionStrategy):
                          turn=self.session_turn.get(ctx.session_id, 0) if ctx.session_id else 0)
         info.queue = self.route(info)
         node.sae = info
-        self.w[ttype, info.app_type].add(len(node.key), now)
+        if _in_w(info):
+            self.w[ttype, info.app_type].add(len(node.key), now)
         self.resident[info.queue] += len(node.key)
         ghost_key = block_key(node)
         if ghost_key in self.ghost:  # asked for again after we evicted it: a mistake
             kind, tokens = self.ghost.pop(ghost_key)
-            self.w[kind].hit(tokens, now)
+            if kind is not None:
+                self.w[kind].hit(tokens, now)
             self.events["miss_after_eviction"] += 1
 
     def on_split(self, head, tail) -> None:
@@ -357,7 +385,7 @@ class SAEStrategy(EvictionStrategy):
         head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
                              info.last_hit, info.interval, info.queue, info.turn)
-        old_queue, old_kind = info.queue, (info.token_type, info.app_type)
+        old_queue = info.queue
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
             info.token_type = info.ctx.token_type_at(info.offset)
@@ -365,16 +393,13 @@ class SAEStrategy(EvictionStrategy):
         self.resident[old_queue] -= len(tail.key) + len(head.key)
         self.resident[head.sae.queue] += len(head.key)
         self.resident[info.queue] += len(tail.key)
-        kind = (info.token_type, info.app_type)
-        if kind != old_kind:
-            now = self._now()
-            self.w[old_kind].remove(len(tail.key), now)
-            self.w[kind].add(len(tail.key), now, block=False)
+        self._recount(len(tail.key), _w_kind(head.sae), info)  # head.sae: the info before
 
     def on_hit(self, node, tokens: int, ctx: RequestContext | None) -> None:
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None:
             return
+        kind = _w_kind(info)  # the reuse that makes a block shared is one of an unshared block
         if ctx is not None:
             self._seen_by(node, info, ctx.requester)
         now = self._now(ctx)
@@ -382,7 +407,8 @@ class SAEStrategy(EvictionStrategy):
             gap = max(now - info.last_hit, 1e-3)
             info.interval = gap if info.interval is None else 0.7 * info.interval + 0.3 * gap
         info.last_hit = now
-        self.w[info.token_type, info.app_type].hit(tokens, now)
+        if kind is not None:
+            self.w[kind].hit(tokens, now)
         self.queue_hits[info.queue] += tokens
         self.position.observe(info.offset / max(info.prompt_len, 1), True)
         self.events["hits"] += 1
@@ -392,9 +418,11 @@ class SAEStrategy(EvictionStrategy):
         if info is None:
             return
         self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
-        kind = (info.token_type, info.app_type)
-        self.w[kind].remove(len(node.key), self._now())
+        kind = _w_kind(info)
+        if kind is not None:
+            self.w[kind].remove(len(node.key), self._now())
         self.position.observe(info.offset / max(info.prompt_len, 1), False)
+        # asked for again later, a block counted in w is a hit its kind missed
         self.ghost[block_key(node)] = (kind, len(node.key))
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
