@@ -63,7 +63,7 @@ def baselines(policies: list[str]) -> list[str]:
 
 def print_summary(rows: list[dict], policies: list[str]) -> None:
     """sae against the best other policy per cell, averaged over seeds."""
-    if "sae" not in policies:
+    if "sae" not in policies or not baselines(policies):
         return
     from plot_eviction import mean_rates
 

@@ -13,11 +13,13 @@ unit, so blocks of different queues compare directly:
 | ``agent``        | agent session context (tool calls, growing context)      | session index (log-normal gaps, ``q``)    |
 
 ``dt``: seconds since the block was last used; ``I_b``: the EMA of the time between its uses.
+A session's block that its latest request did not go through (a branch the session left) is
+scored like an ``evict_first`` block of its kind (``SAEStrategy.abandoned``).
 All ingredients adapt online from cache events the hooks report (``on_request``, ``on_insert``,
 ``on_hit``, ``on_evict``):
 
-- ``w_tau``: per (token type, application type), hit tokens per resident token-second
-  (``estimators.ClassRate``), where an evicted block asked for again (a miss-after-eviction,
+- ``w_tau``: per (token type, application type), hit tokens per resident token-second of the
+  unshared blocks of that kind (``estimators.ClassRate``; see ``_in_w``), where an evicted block asked for again (a miss-after-eviction,
   seen through a ghost set) counts as the hit it would have been; decode tokens of a chat are
   resent next turn, those of a single-turn request never, so the same type learns different
   weights per application;
