@@ -19,10 +19,10 @@ All ingredients adapt online from cache events the hooks report (``on_request``,
 ``on_hit``, ``on_evict``):
 
 - ``w_tau``: per (token type, application type), hit tokens per resident token-second of the
-  unshared blocks of that kind (``estimators.ClassRate``; see ``_in_w``), where an evicted block asked for again (a miss-after-eviction,
-  seen through a ghost set) counts as the hit it would have been; decode tokens of a chat are
-  resent next turn, those of a single-turn request never, so the same type learns different
-  weights per application;
+  unshared blocks of that kind (``estimators.ClassRate``; see ``_in_w``), where an evicted
+  block asked for again (a miss-after-eviction, seen through a ghost set) counts as the hit it
+  would have been; decode tokens of a chat are resent next turn, those of a single-turn
+  request never, so the same type learns different weights per application;
 - session index (``estimators.SessionIndex``): from the session type's log-normal gap
   distribution, fitted by online MLE to observed inter-request gaps
   (``estimators.LogNormalGaps``), and ``q``, the chance that the session sends another request
