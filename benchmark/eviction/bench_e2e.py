@@ -179,6 +179,10 @@ def main() -> None:
                   "max_prompt_tokens": 2500}
         name = "eviction_e2e_cpu_smoke"
     baselines = args.baselines.split(",")
+    shipped = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")  # SGLang 0.5.17's
+    unknown = [p for p in baselines if p not in shipped]
+    if unknown:
+        ap.error(f"--baselines {','.join(unknown)}: not one of SGLang's policies {shipped}")
     vanilla = {"vanilla" if i == 0 else f"vanilla-{p}": p for i, p in enumerate(baselines)}
     if baselines != ["lru"]:
         name += "_vs_" + "_".join(baselines)

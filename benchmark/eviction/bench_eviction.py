@@ -83,7 +83,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
     ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE))
-    ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_sim.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default benchmark/results/eviction_sim[_hints_X].json)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
                     ",".join(WORKLOADS))
@@ -107,6 +108,11 @@ def main() -> None:
     HookRegistry.apply_hooks()
 
     policies = args.policies.split(",")
+    if args.hints == "none":  # no sessions: the session references would be sae itself
+        policies = [p for p in policies if p not in ("sae-ends", "sae-params")]
+    if args.out is None:
+        suffix = "" if args.hints == "all" else f"_hints_{args.hints}"
+        args.out = str(REPO / "benchmark" / "results" / f"eviction_sim{suffix}.json")
     if args.trace:
         loader = load_mooncake if args.format == "mooncake" else load_bailian
         workloads = {(Path(args.trace).stem, 0): loader(args.trace)}
@@ -154,7 +160,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
-    if not args.no_plot:
+    if not args.no_plot and args.hints == "all":  # the figure in docs is the full-hints one
         from plot_eviction import plot
 
         print(plot(out))

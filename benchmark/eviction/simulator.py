@@ -228,7 +228,10 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
         policy, policy))
     if policy == ORACLE:
         cache.eviction_strategy = BeladyOracle(trace)
-    continues = _session_continues(trace) if policy == ENDS_ORACLE else None
+    continues = None
+    if policy == ENDS_ORACLE:
+        continues = _session_continues(trace)
+        cache.eviction_strategy.use_predictor = True  # q is read from session_p, set below
     if policy == PARAMS_ORACLE:
         if session_params is None:
             raise ValueError(f"{PARAMS_ORACLE} needs the generator's session_params")

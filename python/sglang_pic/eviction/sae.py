@@ -80,8 +80,8 @@ TRACKED_SESSIONS = 1 << 17
 
 
 def _in_w(info: BlockInfo) -> bool:
-    """Whether the block counts in its kind's reuse rate ``w``: ``w`` scores unshared blocks,
-    so shared ones (``structural``) stay out of it - but the reuse that makes a block shared
+    """Whether the block counts in its kind's reuse rate ``w``: ``w`` scores the blocks outside
+    the ``structural`` queue, so those in it stay out - but the reuse that makes a block shared
     counts (``on_hit``): without hints that is how a conversation's newest turn shows that the
     next turn reuses it. Without token types a single-turn template and its unique queries are
     both ``user``; counting every later hit of the template made the queries look reusable."""
@@ -108,7 +108,7 @@ class BlockInfo:
     last_hit: float | None = None
     interval: float | None = None  # EMA of the time between this block's uses
     queue: str = "chat"  # kept equal to SAEStrategy.route(self)
-    turn: int = 0  # the latest request of its session whose path went through the block
+    turn: int = 0  # its session's request count when one of them last went through the block
 
 
 class SAEStrategy(EvictionStrategy):
@@ -220,7 +220,9 @@ class SAEStrategy(EvictionStrategy):
         moved past - a chain-of-thought the next turn dropped, an answer it regenerated - and
         is scored like an ``evict_first`` block of its kind, not with the session's index. This
         needs no token types: without a chat template an agent's reasoning is typed ``decode``,
-        like the tool call the next step resends."""
+        like the tool call the next step resends. The session's count moves when its next
+        request is first cached (``on_request``), so the eviction pass that makes room for that
+        request still sees the branch as the session's."""
         return info.turn < self.session_turn.get(info.session_id, 0)
 
     def begin_evict(self) -> None:
@@ -347,6 +349,8 @@ class SAEStrategy(EvictionStrategy):
         """Move ``tokens`` of a block from the ``w`` count of kind ``before`` (None: it was in
         none) to the one ``after`` puts it in: a block that became shared, a split tail
         re-typed."""
+        if before is not None and _w_kind(after) == before:
+            return  # the same count (most splits)
         now = self._now()
         if before is not None:
             self.w[before].remove(tokens, now)
