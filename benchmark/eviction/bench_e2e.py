@@ -10,10 +10,10 @@ makespan.
 
     python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8] [--seed 0]
         [--no-cuda-graph] [--baselines lru,fifo]
+    python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
 
 ``--baselines``: vanilla SGLang with each of these of its policies, in the same run (``vanilla``
 is the first, ``lru`` by default; the others run as ``vanilla-<policy>``).
-    python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 
 
 
 def main() -> None:
+    from bench_eviction import SGLANG_POLICIES
     from harness import run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -179,10 +180,10 @@ def main() -> None:
                   "max_prompt_tokens": 2500}
         name = "eviction_e2e_cpu_smoke"
     baselines = args.baselines.split(",")
-    shipped = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")  # SGLang 0.5.17's
-    unknown = [p for p in baselines if p not in shipped]
+    unknown = [p for p in baselines if p not in SGLANG_POLICIES]
     if unknown:
-        ap.error(f"--baselines {','.join(unknown)}: not one of SGLang's policies {shipped}")
+        ap.error(f"--baselines {','.join(unknown)}: not one of SGLang's policies "
+                 f"{SGLANG_POLICIES}")
     vanilla = {"vanilla" if i == 0 else f"vanilla-{p}": p for i, p in enumerate(baselines)}
     if baselines != ["lru"]:
         name += "_vs_" + "_".join(baselines)

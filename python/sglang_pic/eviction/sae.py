@@ -202,7 +202,7 @@ class SAEStrategy(EvictionStrategy):
 
     def index(self, queue: str, info: BlockInfo, dt: float, now: float) -> float:
         """Expected reuses per second of a block of ``queue`` unused for ``dt`` seconds."""
-        if queue in ("chat", "agent") and info.session_id and not self.abandoned(info):
+        if self.session_scored(queue, info):
             silence = now - self.session_last.get(info.session_id, now)
             q = self.continuation_odds(info.app_type, info.session_id)
             return self.session_index.value(self.gaps[info.app_type], q, silence)
@@ -211,6 +211,10 @@ class SAEStrategy(EvictionStrategy):
             return self.position.value(info.offset / max(info.prompt_len, 1)) / scale
         w = self.w[info.token_type, info.app_type].value()
         return w / (1.0 + w * dt)  # the kind's rate, older blocks of it first
+
+    def session_scored(self, queue: str, info: BlockInfo) -> bool:
+        """Whether the block gets its session's index (shared by all the session's blocks)."""
+        return queue in ("chat", "agent") and bool(info.session_id) and not self.abandoned(info)
 
     def abandoned(self, info: BlockInfo) -> bool:
         """The session's latest request did not go through the block: a branch it left.
@@ -273,7 +277,7 @@ class SAEStrategy(EvictionStrategy):
         if now != self._memo_now:
             self._memo_now, self._memo = now, {}
         queue = info.queue
-        if queue in ("chat", "agent") and info.session_id and not self.abandoned(info):
+        if self.session_scored(queue, info):
             key = (info.app_type, info.session_id)  # every block of a session shares its index
             value = self._memo.get(key)
             if value is None:
@@ -349,13 +353,14 @@ class SAEStrategy(EvictionStrategy):
         """Move ``tokens`` of a block from the ``w`` count of kind ``before`` (None: it was in
         none) to the one ``after`` puts it in: a block that became shared, a split tail
         re-typed."""
-        if before is not None and _w_kind(after) == before:
-            return  # the same count (most splits)
+        kind = _w_kind(after)
+        if kind == before:
+            return  # the same count (most splits), or none before and after
         now = self._now()
         if before is not None:
             self.w[before].remove(tokens, now)
-        if _in_w(after):
-            self.w[after.token_type, after.app_type].add(tokens, now, block=False)
+        if kind is not None:
+            self.w[kind].add(tokens, now, block=False)
 
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
@@ -370,7 +375,7 @@ class SAEStrategy(EvictionStrategy):
         ttype = ctx.token_type_at(offset)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
                          max(ctx.prompt_len, offset + len(node.key)), 1, ctx.requester, ctx,
-                         turn=self.session_turn.get(ctx.session_id, 0) if ctx.session_id else 0)
+                         turn=self.session_turn.get(ctx.session_id, 0))
         info.queue = self.route(info)
         node.sae = info
         if _in_w(info):
