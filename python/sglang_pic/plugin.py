@@ -3,18 +3,36 @@
 SGLang calls `register()` through the `sglang.srt.plugins` entry point in every process it starts
 (the launcher, each scheduler, the detokenizer), before server arguments are parsed and before any
 model code runs (`sglang.srt.plugins.load_plugins`). Each capability adds its registration here,
-and only here, so one file shows everything sglang-pic changes in SGLang:
+and only here, so one file shows everything sglang-pic changes in SGLang.
+
+HookRegistry hooks (each feature's `register()` adds them; `register()` below applies them and
+**refuses to start** when one did not patch its target, naming the SGLang symbol and our feature:
+SGLang's own `apply_hooks` only logs such a failure, and a missed hook would silently serve
+wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 
 | capability                     | SGLang seam                                                    |
 |--------------------------------|----------------------------------------------------------------|
-| CPU support (`cpu_support`)    | HookRegistry on the HiCache host pool, paged allocator (CPU only) |
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS), the output streamer and the HTTP app (`spans` field); table in `spans/__init__.py` |
-| SAE eviction (`eviction`)      | `_EVICTION_POLICY_FACTORIES` + `add_radix_eviction_policy_choices` (`sae`, `gdsf`, `s3fifo`); AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
-| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` and the token allocator's `free` wrapped (`sparse/offload.py`) |
-| PTStore (`store`)              | HiCache `dynamic` storage backend: `store.hicache_backend.PTStoreHiCacheStorage`, named in `--hicache-storage-backend-extra-config` (nothing to register) |
+| SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` |
+| CPU support (`cpu_support`, CPU only) | REPLACE hooks on the HiCache host pool's pinning, AFTER hook on `HostKVCache.__init__` |
+
+Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists them and
+`register()` checks those that exist at start):
+
+| seam | where | why not a hook |
+|---|---|---|
+| `mem_cache.utils._EVICTION_POLICY_FACTORIES` += `sae`, `gdsf`, `s3fifo` | `eviction/__init__.py` | SGLang's policy table (with `add_radix_eviction_policy_choices`) |
+| `RadixCache.evictable_leaves` swapped for a sample during one `evict` | `eviction/hooks.py` | per-instance state, inside our AROUND hook on `evict` |
+| the token allocator's `free` wrapped per instance (`--sparse-offload`) | `sparse/offload.py` | instance attribute, wrapped when the offload state is built |
+| `sglang.span` set on import | `lang.py` | the frontend DSL's namespace, not a function to wrap |
+| CPU only: `torch.cpu.Stream.synchronize/query`, the paged allocator, `transfer_kv_direct` where a module lacks it | `cpu_support.py` | torch's and SGLang's names that do not exist on CPU (HookRegistry can only wrap existing names) |
+| CPU only: the Triton interpreter's scalar indexing | `sglang_pic_kernel._interpreter` | Triton, not SGLang |
+| CPU only: `sglang_pic_cpu.pth` import finder | `cpu_support.py` | stand-ins for `torchvision` / `sgl_kernel` must exist before SGLang's first import |
+| PTStore | HiCache `dynamic` storage backend, named in `--hicache-storage-backend-extra-config` | SGLang's own extension point (nothing to patch) |
 """
 
 from __future__ import annotations
@@ -24,12 +42,20 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from sglang_pic import __version__
 
 logger = logging.getLogger("sglang_pic")
 
 _registered = False
+
+
+class SeamError(SystemExit):
+    """An SGLang seam a feature needs did not apply: the process must not serve.
+
+    A `SystemExit`, not an `Exception`: SGLang's `load_plugins` logs and swallows exceptions
+    from a plugin, and the server would start without the feature's patch."""
 
 
 def register() -> None:
@@ -43,33 +69,99 @@ def register() -> None:
 
     from sglang_pic import eviction, position_free, request_validation, spans, sparse
 
-    features: list[str] = [
-        "request-validation", "position-free-kv", "spans", "eviction", "sparse-decode"
+    def validation() -> None:
+        HookRegistry.register(request_validation.HOOK_TARGET,
+                              request_validation.check_generate_request, HookType.BEFORE)
+
+    def cpu_twins() -> None:
+        _CPU_TWINS.update(position_free.CPU_BACKENDS, sparse.CPU_BACKENDS)
+        HookRegistry.register("sglang.srt.utils.common.support_triton", _support_triton,
+                              HookType.AROUND)
+
+    def dsl() -> None:
+        import sglang_pic.lang  # noqa: F401  (sgl.span for frontend programs in this process)
+
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("request-validation", validation),
+        ("position-free-kv", position_free.register),
+        ("cpu-twins", cpu_twins),
+        ("spans", spans.register),
+        ("frontend-dsl", dsl),
+        ("eviction", eviction.register),
+        ("sparse-decode", sparse.register),
     ]
-    HookRegistry.register(
-        request_validation.HOOK_TARGET,
-        request_validation.check_generate_request,
-        HookType.BEFORE,
-    )
-    position_free.register()
-    _CPU_TWINS.update(position_free.CPU_BACKENDS, sparse.CPU_BACKENDS)
-    HookRegistry.register(
-        "sglang.srt.utils.common.support_triton", _support_triton, HookType.AROUND
-    )
-    spans.register()
-    import sglang_pic.lang  # noqa: F401  (sgl.span for frontend programs run in this process)
-    eviction.register()
-    sparse.register()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from sglang_pic import cpu_support
 
-        cpu_support.enable_cpu_engine()  # children spawned after this inherit the settings
-        cpu_support.register_cpu_hooks()
-        features.append("cpu-support")
+        def cpu() -> None:
+            cpu_support.enable_cpu_engine()  # children spawned after this inherit the settings
+            cpu_support.register_cpu_hooks()
 
-    _announce(
-        f"sglang-pic {__version__} plugin active (features: {', '.join(features)})"
-    )
+        steps.append(("cpu-support", cpu))
+
+    needed: dict[str, list[str]] = {}  # hook target -> our features hooking it
+    for feature, step in steps:
+        before = {t: len(h) for t, h in HookRegistry._hooks.items()}
+        step()
+        for t, h in HookRegistry._hooks.items():
+            if len(h) > before.get(t, 0):
+                needed.setdefault(t, []).append(feature)
+    apply_and_verify(needed)
+    check_seams()
+    _announce(f"sglang-pic {__version__} plugin active "
+              f"(features: {', '.join(f for f, _ in steps)}; {len(needed)} hooks verified)")
+
+
+def apply_and_verify(needed: dict[str, list[str]]) -> None:
+    """Apply the registered hooks now and stop the process if any of ``needed`` (``{SGLang
+    target: our features}``) was not patched. SGLang applies hooks again after all plugins ran;
+    targets already patched are skipped there, so nothing is wrapped twice."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+    missing = sorted(t for t in needed if t not in HookRegistry._patched)
+    if missing:
+        lines = "\n".join(f"  - {t} (needed by {', '.join(needed[t])})" for t in missing)
+        raise SeamError(
+            f"sglang-pic: refusing to start: {len(missing)} SGLang symbol(s) could not be patched "
+            f"(sglang-pic {__version__} needs sglang==0.5.17; see the traceback above):\n{lines}")
+
+
+SEAMS: dict[str, tuple[str, Callable[[], bool]]] = {}
+"""Seams outside the HookRegistry checked at start: ``name -> (feature, check)``."""
+
+
+def _seam(name: str, feature: str):
+    def add(check: Callable[[], bool]) -> Callable[[], bool]:
+        SEAMS[name] = (feature, check)
+        return check
+    return add
+
+
+@_seam("sglang.srt.mem_cache.utils._EVICTION_POLICY_FACTORIES", "eviction")
+def _policies_registered() -> bool:
+    from sglang.srt.mem_cache import utils as cache_utils
+
+    from sglang_pic.eviction import POLICIES
+
+    return all(p in cache_utils._EVICTION_POLICY_FACTORIES for p in POLICIES)
+
+
+@_seam("sglang.span", "frontend-dsl")
+def _span_exposed() -> bool:
+    import sglang
+
+    from sglang_pic.lang import span
+
+    return getattr(sglang, "span", None) is span
+
+
+def check_seams() -> None:
+    """Stop the process if a seam outside the HookRegistry did not take."""
+    bad = [f"  - {name} (needed by {feature})" for name, (feature, ok) in SEAMS.items()
+           if not ok()]
+    if bad:
+        raise SeamError("sglang-pic: refusing to start: seam(s) not in place:\n" + "\n".join(bad))
 
 
 # our CPU twins of ``torch_native`` (position-free, sparse), filled by register()

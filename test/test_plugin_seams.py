@@ -1,0 +1,60 @@
+"""The plugin refuses to start when an SGLang seam a feature needs did not apply."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_every_hook_of_the_plugin_applies():
+    """All our hooks patch their targets in the pinned SGLang: the count printed is the number of
+    targets verified, and it matches the registry's own record."""
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
+            "print(sorted(t for t in H._hooks if t not in H._patched))")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "hooks verified" in out.stderr
+
+
+def test_missing_hook_target_stops_the_process_naming_symbol_and_feature():
+    """A hook whose target moved in SGLang (simulated by deleting it) ends the process with a
+    message naming the symbol and our feature; SGLang alone would only log it and serve."""
+    code = ("import sglang.srt.managers.tokenizer_manager as tm; "
+            "del tm.TokenizerManager.generate_request; "
+            "from sglang.srt.plugins import load_plugins; load_plugins(); print('SERVED')")
+    out = _run(code)
+    assert out.returncode != 0
+    assert "SERVED" not in out.stdout
+    assert "refusing to start" in out.stderr
+    assert "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request" in out.stderr
+    assert "needed by request-validation, spans" in out.stderr
+
+
+def test_apply_and_verify_names_a_missing_target():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_pic.plugin import SeamError, apply_and_verify
+
+    target = "sglang.srt.utils.common.no_such_function_in_sglang"
+    HookRegistry.register(target, lambda *a, **k: None, HookType.BEFORE)
+    try:
+        with pytest.raises(SeamError, match=r"no_such_function_in_sglang \(needed by demo\)"):
+            apply_and_verify({target: ["demo"]})
+    finally:
+        HookRegistry._hooks.pop(target, None)
+
+
+def test_seam_outside_the_registry_is_checked(monkeypatch):
+    from sglang_pic import plugin
+
+    monkeypatch.setitem(plugin.SEAMS, "demo.seam", ("demo", lambda: False))
+    with pytest.raises(plugin.SeamError, match=r"demo.seam \(needed by demo\)"):
+        plugin.check_seams()
