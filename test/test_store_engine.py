@@ -71,6 +71,7 @@ def test_missing_tensors_are_misses_not_errors():
 # ---- server + client over zmq (loopback) --------------------------------------------------
 import pytest  # noqa: E402
 import zmq  # noqa: E402
+from sglang_pic.store.auth import secure_client  # noqa: E402
 from sglang_pic.store.client import StoreClient  # noqa: E402
 from sglang_pic.store.protocol import Limits  # noqa: E402
 from sglang_pic.store.server import StoreServer  # noqa: E402
@@ -108,6 +109,7 @@ def test_bad_requests_are_rejected_and_the_server_keeps_serving(cluster):
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure_client(raw, TOKEN)  # authenticated: the requests themselves are bad
     raw.connect(srv.endpoint)
     import json
 
@@ -117,20 +119,17 @@ def test_bad_requests_are_rejected_and_the_server_keeps_serving(cluster):
         return json.loads(raw.recv_multipart()[0])
 
     assert "malformed" in ask([b"{not json"])["error"]
-    assert ask([json.dumps({"op": "get", "tids": ["a"]}).encode()])["error"] == "unauthenticated"
     big = b"x" * (5 * PAGE)
-    reply = ask([json.dumps({"op": "put", "tids": ["big"], "sums": [0], "token": TOKEN}).encode(),
-                 big])
+    reply = ask([json.dumps({"op": "put", "tids": ["big"], "sums": [0]}).encode(), big])
     assert reply["error"] == "tensor too large"
-    reply = ask([json.dumps({"op": "put", "tids": ["t"], "sums": [123], "token": TOKEN}).encode(),
-                 b"abc"])
+    reply = ask([json.dumps({"op": "put", "tids": ["t"], "sums": [123]}).encode(), b"abc"])
     assert reply["error"] == "checksum mismatch"
-    assert ask([json.dumps({"op": "drop_all", "token": TOKEN}).encode()])["ok"] is False
+    assert ask([json.dumps({"op": "drop_all"}).encode()])["ok"] is False
     raw.close(0)
     client = StoreClient([srv.endpoint], TOKEN)
     assert client.batch_set(_pages("ok", 2)) == 2 * PAGE  # still serving
-    assert client.status(srv.endpoint)["rejected"] == 5
-    assert "ptstore_rejected 5" in srv.metrics_text()
+    assert client.status(srv.endpoint)["rejected"] == 4
+    assert "ptstore_rejected 4" in srv.metrics_text()
 
 
 def test_dead_server_gives_misses_not_errors(cluster):
@@ -147,15 +146,17 @@ def test_dead_server_gives_misses_not_errors(cluster):
 
 
 def test_wrong_token_client_gets_nothing(cluster):
-    client = StoreClient([s.endpoint for s in cluster], "wrong")
+    client = StoreClient([s.endpoint for s in cluster], "wrong", timeout_ms=300)
     assert client.batch_set(_pages("w", 3)) == 0
     assert client.batch_get(["w0"]) == [None]
-    assert sum(s.rejected for s in cluster) >= 2  # the put and the get were refused
+    assert sum(s.requests for s in cluster) == 0  # refused at the handshake: no request at all
+    client.close()
 
 
 def test_store_cli_serves_reports_status_and_recovers(tmp_path):
     """`sglang-pic store` runs a server; `store-status` reads it; SIGTERM flushes to SSD and a
     restart recovers the objects."""
+    import os
     import signal
     import subprocess
     import sys
@@ -163,23 +164,25 @@ def test_store_cli_serves_reports_status_and_recovers(tmp_path):
     from conftest import free_port
 
     ep = f"tcp://127.0.0.1:{free_port()}"
+    token = "cli-test-token-0123456789"
+    env = dict(os.environ, SGLANG_PIC_STORE_TOKEN=token)
     cmd = [sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep, "--memory-gb", "0.01",
-           "--ssd-dir", str(tmp_path), "--token", "t"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+           "--ssd-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert "PTStore server on" in proc.stdout.readline()
-    client = StoreClient([ep], "t")
+    client = StoreClient([ep], token)
     pages = _pages("c", 4)
     assert client.batch_set(pages) == 4 * PAGE
     client._call(ep, {"op": "put_object", "key": "doc", "tids": [t for t, _ in pages]})
-    st = subprocess.run([sys.executable, "-m", "sglang_pic", "store-status", ep, "--token", "t"],
-                        capture_output=True, text=True, timeout=60)
+    st = subprocess.run([sys.executable, "-m", "sglang_pic", "store-status", ep],
+                        capture_output=True, text=True, timeout=60, env=env)
     assert st.returncode == 0 and '"owned_tensors": 4' in st.stdout
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     client.close()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert "1 objects recovered" in proc.stdout.readline()
-    client = StoreClient([ep], "t")
+    client = StoreClient([ep], token)
     reply = client._call(ep, {"op": "get_object", "key": "doc"})
     assert reply[0]["tids"] == [t for t, _ in pages]
     assert client.batch_get(reply[0]["tids"]) == [d for _, d in pages]  # from the SSD tier
@@ -286,7 +289,7 @@ def test_a_reply_that_does_not_add_up_is_a_miss_and_the_next_request_works(tmp_p
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    client = StoreClient([endpoint], TOKEN, timeout_ms=2000)
+    client = StoreClient([endpoint], None, timeout_ms=2000)  # the peer speaks without CURVE
     assert client.batch_get(["a"]) == [None]
     assert client.batch_exists(["a"]) == [False]
     assert client.batch_get(["a"]) == [None]
@@ -354,16 +357,18 @@ def test_a_page_corrupted_in_the_segment_is_a_miss(cluster):
     writer.close()
 
 
-def _raw_asker(endpoint: str):
-    """A bare socket to a server and ``ask(header) -> reply header`` (authenticated)."""
+def _raw_asker(endpoint: str, token: str | None = TOKEN):
+    """A bare socket to a server and ``ask(header) -> reply header`` (authenticated with
+    ``token``)."""
     import json
 
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure_client(raw, token)
     raw.connect(endpoint)
 
     def ask(header):
-        raw.send_multipart([json.dumps({**header, "token": TOKEN}).encode()])
+        raw.send_multipart([json.dumps(header).encode()])
         assert raw.poll(2000)
         return json.loads(raw.recv_multipart()[0])
 
@@ -565,7 +570,7 @@ def test_a_server_without_a_token_writes_into_no_pool(tmp_path):
 
     srv = StoreServer(StoreEngine(64 * PAGE), f"ipc://{tmp_path}/open.sock").start()
     fd, mm = _memfd_pool(PAGE)
-    raw, ask = _raw_asker(srv.endpoint)
+    raw, ask = _raw_asker(srv.endpoint, None)
     try:
         reply = ask({"op": "probe", "shm": {"pool": pool_spec(fd)}})
         assert reply["shm"] is False and "token" in reply["reason"]
@@ -652,7 +657,7 @@ def test_a_load_whose_pool_writer_does_not_answer_waits_until_it_may_not_write(t
     t.start()
     fd, mm = _memfd_pool(2 * PAGE)
     base = address_of(mm)
-    client = StoreClient([endpoint], TOKEN, timeout_ms=200)
+    client = StoreClient([endpoint], None, timeout_ms=200)  # the peer speaks without CURVE
     client.POOL_GRACE_S = 0.4
     client.use_pool(fd, base, len(mm))
     t0 = time.monotonic()

@@ -20,6 +20,11 @@ destination buffers lie in a shared-memory file (``use_pool``: SGLang's host poo
 ``"allocator": "shm"``), same-node servers write the pages straight into them, all in one
 round, and verify them there: the reader copies and hashes nothing.
 
+**Authentication.** With a token, every socket is a CurveZMQ client with the key pair derived
+from it (``auth``), of the server whose public key is ``server_key`` (by default the one derived
+from the same token): the connection is authenticated and encrypted, and requests carry no
+credentials. A server that does not accept the token never answers, so its pages are misses.
+
 **Threads.** SGLang's cache controller calls one backend from three threads (storage hit
 queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
 wrong thread would be a wrong answer, so every thread has its own socket per server.
@@ -48,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
+from .auth import secure_client
 from .protocol import checksum, encode
 from .shm import DATA_OFFSET, ClientSegment, pool_spec
 
@@ -156,14 +162,15 @@ class StoreClient:
 
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
                  local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5,
-                 shm: bool = True, shm_bytes: int = 256 << 20):
+                 shm: bool = True, shm_bytes: int = 256 << 20,
+                 server_key: str | None = None):
         if not servers:
             raise ValueError("PTStore client needs at least one server endpoint")
         if replicate_after < 1:
             raise ValueError("replicate_after must be >= 1")
         self.servers = list(servers)
         self.ring = HashRing(self.servers)
-        self.token = token
+        self._credentials = (token, server_key)
         self.timeout_ms = timeout_ms
         self.min_gbps = min_gbps
         self.page_bytes = 0  # the largest page seen: sizes the allowance of a get
@@ -198,6 +205,7 @@ class StoreClient:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+            secure_client(s, *self._credentials)
             s.connect(server)
             self.socks[server] = s
             with self._socks_lock:
@@ -206,8 +214,7 @@ class StoreClient:
 
     def _send(self, server: str, header: dict, payloads: list[Buffer] | None = None) -> None:
         self.rpcs += 1
-        self._sock(server).send_multipart(encode({**header, "token": self.token}, payloads),
-                                          copy=False)
+        self._sock(server).send_multipart(encode(header, payloads), copy=False)
 
     def _drop(self, server: str) -> None:
         """Close this thread's socket to ``server``: a reply still in flight can then never be

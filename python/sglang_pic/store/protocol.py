@@ -1,6 +1,6 @@
 """PTStore wire format: one zmq multipart message per request and per reply.
 
-    frame 0: JSON header  {"op": ..., "token": ..., "tids": [...], "sums": [...], ...}
+    frame 0: JSON header  {"op": ..., "tids": [...], "sums": [...], ...}
     frame 1..n: tensor payloads (bytes), in the order of ``tids`` (puts and get replies)
 
 A get may instead name a shared-memory segment of the reader on the server's node
@@ -15,6 +15,11 @@ Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH
 reader never accepts a torn or corrupted page (measured on the 2-core CPU machine: 27 GB/s, ~4x
 zlib's CRC32; an 8K-token Llama-3-8B prefix is 1 GiB of pages). Limits are checked before
 anything is stored.
+
+Requests carry no credentials: the connection is authenticated (CurveZMQ, ``auth``). Tensor ids
+and object keys are opaque strings of at most ``Limits.max_id_chars`` characters without NUL; they
+never name a file (the SSD tier names its files by a digest), so any other string is a valid id.
+A request naming an invalid id is refused as a whole.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ class Limits:
     max_tensor_bytes: int = 64 << 20
     max_message_bytes: int = 1 << 30
     max_tensors: int = 65536
+    max_id_chars: int = 1024  # SGLang's page keys are 64 hex characters plus a short suffix
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a request may hold (zmq's ``MAXMSGSIZE`` is per frame)."""
+        return max(self.max_header_bytes, self.max_tensor_bytes)
 
 
 class ProtocolError(ValueError):
@@ -48,7 +59,11 @@ def encode(header: dict, payloads: list[bytes] | None = None) -> list[bytes]:
     return [json.dumps(header).encode(), *(payloads or [])]
 
 
-def decode_request(frames: list, limits: Limits, token: str | None) -> tuple[dict, list]:
+def _bad_id(x, limits: Limits) -> bool:
+    return not isinstance(x, str) or len(x) > limits.max_id_chars or "\0" in x
+
+
+def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
     """Validate a request; returns (header, payload frames) or raises ProtocolError."""
     if not frames:
         raise ProtocolError("empty message")
@@ -61,13 +76,17 @@ def decode_request(frames: list, limits: Limits, token: str | None) -> tuple[dic
         raise ProtocolError(f"malformed header: {e}") from None
     if not isinstance(header, dict) or header.get("op") not in OPS:
         raise ProtocolError(f"unknown op {header.get('op') if isinstance(header, dict) else None!r}")
-    if token is not None and header.get("token") != token:
-        raise ProtocolError("unauthenticated")
     tids = header.get("tids", [])
-    if not isinstance(tids, list) or not all(isinstance(t, str) for t in tids):
-        raise ProtocolError("tids must be a list of strings")
-    if len(tids) > limits.max_tensors:
-        raise ProtocolError("too many tensors in one message")
+    if not isinstance(tids, list) or len(tids) > limits.max_tensors:
+        raise ProtocolError("tids must be a list of at most "
+                            f"{limits.max_tensors} ids")
+    n = limits.max_id_chars
+    if not all(type(t) is str and len(t) <= n and "\0" not in t for t in tids):
+        raise ProtocolError(f"an id must be a string of at most {limits.max_id_chars} "
+                            "characters without NUL")
+    if header["op"] in ("put_object", "get_object") and _bad_id(header.get("key"), limits):
+        raise ProtocolError(f"an object key must be a string of at most {limits.max_id_chars} "
+                            "characters without NUL")
     payloads = frames[1:]
     if header["op"] == "put":
         sums = header.get("sums")

@@ -1,9 +1,17 @@
 """A PTStore server: a zmq ROUTER socket in front of a :class:`StoreEngine`.
 
 One request = one multipart message (``protocol``); a batched get or put for many pages is one
-round trip. Bad input (malformed, unauthenticated, oversized, wrong checksum) is answered with an
+round trip. Bad input (malformed, oversized, wrong checksum, invalid ids) is answered with an
 error and counted; the server keeps serving. ``status`` returns counters; ``metrics_text()``
 renders them in the Prometheus exposition format.
+
+Authentication is the connection's (``auth``): with tokens the socket is a CurveZMQ server whose
+ZAP handler admits only clients of those tokens, before any of their messages is accepted, and
+names each connection's tenant. Every id and object key a request names is prefixed with its
+tenant's name (``tenant \0 id``) before it reaches the engine, so a tenant can neither read nor
+overwrite another's pages, whatever ids it sends. Within a tenant every writer is trusted: any
+client of a token may overwrite what another client of the same token stored. Without tokens
+(``--insecure``) there is one anonymous tenant and no writes into readers' host pools.
 """
 
 from __future__ import annotations
@@ -12,10 +20,12 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
+from .auth import ServerAuth, same_secret, tenant_of
 from .engine import OWNED, REPLICA, StoreEngine
 from .protocol import Limits, ProtocolError, checksum, decode_request, encode
 from .shm import DATA_OFFSET, SegmentCache
@@ -48,18 +58,33 @@ def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, boo
 
 
 class StoreServer:
-    def __init__(self, engine: StoreEngine, endpoint: str, token: str | None = None,
+    """``tokens``: the accepted tokens, ``{token: tenant name}`` (a single token is a tenant
+    named by its digest); None serves without authentication (``--insecure``)."""
+
+    def __init__(self, engine: StoreEngine, endpoint: str,
+                 tokens: str | Mapping[str, str] | None = None,
                  limits: Limits | None = None, copy_threads: int = 4) -> None:
         limits = limits or Limits()
         self.engine = engine
         self.endpoint = endpoint
-        self.token = token
         self.limits = limits
-        self.ctx = zmq.Context.instance()
+        if isinstance(tokens, str):
+            tokens = {tokens: tenant_of(tokens)}
+        # a context of its own: the ZAP handler that authenticates this socket is per context
+        self.ctx = zmq.Context()
+        self.auth = ServerAuth(self.ctx, tokens)
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes)
+        # per frame: the largest a request holds (a page, or the header)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
+        try:
+            self.auth.apply(self.sock)
+            self.sock.bind(endpoint)
+        except BaseException:
+            self.sock.close(0)
+            self.auth.stop()
+            self.ctx.term()
+            raise
         self.segments = SegmentCache()  # readers' shared-memory segments on this node
         # copies into readers' memory: a memmove drops the GIL, so pages copy in parallel
         self.copy_threads = max(1, copy_threads)
@@ -83,8 +108,16 @@ class StoreServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.sock.close(0)
+        self.auth.stop()
+        self.ctx.term()
         self.copiers.shutdown(wait=True)
         self.segments.close()
+
+    @property
+    def server_key(self) -> str | None:
+        """The server's public CURVE key (z85), which clients of tokens other than the first
+        need; None without authentication."""
+        return self.auth.public.decode() if self.auth.secure else None
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -97,14 +130,17 @@ class StoreServer:
             if not poller.poll(100):
                 continue
             frames = self.sock.recv_multipart(copy=False)
+            # the tenant ZAP named for this connection (its token's)
+            tenant = frames[0].get("User-Id") if self.auth.secure else ""
             ident, body = frames[0], [f.buffer for f in frames[1:]]
-            self.sock.send_multipart([ident, *self.handle(body)], copy=False)
+            self.sock.send_multipart([ident, *self.handle(body, tenant)], copy=False)
 
-    def handle(self, body: list) -> list[bytes]:
+    def handle(self, body: list, tenant: str = "") -> list[bytes]:
+        """The reply to one request of ``tenant``."""
         self.requests += 1
         try:
-            header, payloads = decode_request(body, self.limits, self.token)
-            return self._dispatch(header, payloads)
+            header, payloads = decode_request(body, self.limits)
+            return self._dispatch(header, payloads, tenant + "\0")
         except ProtocolError as e:
             self.rejected += 1
             return encode({"ok": False, "error": str(e)})
@@ -113,8 +149,9 @@ class StoreServer:
             self.rejected += 1
             return encode({"ok": False, "error": f"internal error: {type(e).__name__}"})
 
-    def _dispatch(self, header: dict, payloads: list) -> list[bytes]:
-        op, tids = header["op"], header.get("tids", [])
+    def _dispatch(self, header: dict, payloads: list, ns: str) -> list[bytes]:
+        op = header["op"]
+        tids = [ns + t for t in header.get("tids", [])]  # the tenant's namespace
         eng = self.engine
         if op == "put":
             kind = REPLICA if header.get("kind") == REPLICA else OWNED
@@ -125,12 +162,12 @@ class StoreServer:
             return encode({"ok": True, "added_bytes": added})
         if op == "probe":
             shm = header["shm"]
-            if "pool" in shm and self.token is None:
+            if "pool" in shm and not self.auth.secure:
                 return encode({"ok": True, "shm": False,
                                "reason": "writing into a reader's pool needs a server token"})
             try:
                 mm, _ = self.segments.mapping(shm.get("pool", shm.get("name")))
-                same = "pool" in shm or mm[:16] == bytes.fromhex(shm["nonce"])
+                same = "pool" in shm or same_secret(mm[:16], bytes.fromhex(shm["nonce"]))
             except (OSError, ValueError):
                 same = False
             return encode({"ok": True, "shm": same})
@@ -144,11 +181,11 @@ class StoreServer:
                           [d for d, _ in present])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
-        if op == "put_object":
-            eng.put_object(str(header.get("key")), tids)
+        if op == "put_object":  # an object lists the tenant's own ids, as the tenant named them
+            eng.put_object(ns + header["key"], header.get("tids", []))
             return encode({"ok": True})
         if op == "get_object":
-            return encode({"ok": True, "tids": eng.get_object(str(header.get("key")))})
+            return encode({"ok": True, "tids": eng.get_object(ns + header["key"])})
         return encode({"ok": True, "status": self.status()})
 
     def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
@@ -158,7 +195,7 @@ class StoreServer:
         each page is verified where it landed, so the reply needs no checksums: the reader's
         process is SGLang's scheduler, where every hashing thread waits for the GIL."""
         pool = "pool" in shm
-        if pool and self.token is None:  # unauthenticated peers must not write into processes
+        if pool and not self.auth.secure:  # unauthenticated peers must not write into processes
             raise ProtocolError("writing into a reader's pool needs a server token")
         try:
             mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
@@ -191,6 +228,7 @@ class StoreServer:
                 "owned_bytes": eng.owned.used, "replica_bytes": eng.replica.used,
                 "owned_tensors": len(eng.owned.entries),
                 "replica_tensors": len(eng.replica.entries),
+                "ssd_bytes": eng.ssd_used, "ssd_tensors": len(eng.ssd) if eng.ssd else 0,
                 "evictions": eng.owned.evictions + eng.replica.evictions,
                 "pool_pages": self.pool_pages,
                 "objects": len(eng.objects)}
