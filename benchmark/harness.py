@@ -217,25 +217,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_store_servers(n: int, token: str, memory_gb: float, env: dict | None = None,
+def start_store_servers(n: int, token: str | None, memory_gb: float, env: dict | None = None,
                         log_dir: Path | None = None,
                         timeout_s: float = 60) -> tuple[list[subprocess.Popen], list[str]]:
     """``n`` PTStore servers (``sglang-pic store``) on loopback ports, each its own process,
     returned once every one answers ``status``; their output goes to ``log_dir/store<i>.log``
-    when given."""
+    when given. ``token`` reaches them in ``$SGLANG_PIC_STORE_TOKEN`` (None: ``--insecure``)."""
     sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.store.client import StoreClient
 
     if env is None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    env = {k: v for k, v in env.items() if k != "SGLANG_PIC_STORE_TOKEN"}
+    auth = ["--insecure"]
+    if token is not None:
+        env["SGLANG_PIC_STORE_TOKEN"], auth = token, []
     procs, endpoints = [], []
     for i in range(n):
         ep = f"tcp://127.0.0.1:{free_port()}"
         out = open(log_dir / f"store{i}.log", "w") if log_dir else None
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep, "--memory-gb",
-             str(memory_gb), "--token", token], env=env, stdout=out,
+             str(memory_gb), *auth], env=env, stdout=out,
             stderr=subprocess.STDOUT if out else None, start_new_session=log_dir is not None))
         endpoints.append(ep)
     client = StoreClient(endpoints, token, timeout_ms=500)

@@ -56,13 +56,13 @@ def test_ptstore_flag_expands_to_the_hicache_storage_flags(model_dir, monkeypatc
     import pytest
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    argv = build_argv(["--ptstore", "tcp://a:1, tcp://b:2", "--ptstore-token", "T",
+    argv = build_argv(["--ptstore", "tcp://a:1, tcp://b:2",
                        "--hicache-size", "2", "--hicache-mem-layout", "layer_first"])
-    assert "--ptstore" not in argv and "--ptstore-token" not in argv
+    assert "--ptstore" not in argv
     assert "--enable-hierarchical-cache" in argv
     assert argv[argv.index("--hicache-storage-backend") + 1] == "dynamic"
     config = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
-    assert config["servers"] == ["tcp://a:1", "tcp://b:2"] and config["token"] == "T"
+    assert config["servers"] == ["tcp://a:1", "tcp://b:2"] and "token" not in config
     assert config["interface_v1"] == 1
     assert config["module_path"] == "sglang_pic.store.hicache_backend"
     assert argv.count("--hicache-mem-layout") == 1  # the user's choice wins

@@ -39,7 +39,7 @@ from test_spans_cpu import (
 
 __all__ = ["hf"]  # the HF reference fixture, shared with test_spans_cpu
 
-TOKEN = "span-store-token"
+TOKEN = "span-store-test-token"
 MIDDLE = "The documents above and below come from the town archive of Brill."
 
 
@@ -71,9 +71,12 @@ def stores():
 @pytest.fixture(scope="module")
 def two_span_servers(stores, tmp_path_factory):
     logs = tmp_path_factory.mktemp("span-store")
+    token_file = logs / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     args = ["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", str(PAGE),
             "--chunked-prefill-size", "128", "--ptstore", ",".join(s.endpoint for s in stores),
-            "--ptstore-token", TOKEN]
+            "--ptstore-token-file", str(token_file)]
     a = start_server(args, logs / "a.log")
     b = start_server(args, logs / "b.log")
     yield a, b
@@ -82,7 +85,9 @@ def two_span_servers(stores, tmp_path_factory):
 
 
 def _span_pages(stores) -> int:
-    return sum(sum(t.startswith(KEY_PREFIX) for t in list(s.engine.owned.entries)) for s in stores)
+    # the servers keep ids as "<tenant>\0<id>"
+    return sum(sum(t.split("\0", 1)[1].startswith(KEY_PREFIX) for t in list(s.engine.owned.entries))
+               for s in stores)
 
 
 def test_spans_computed_by_one_instance_are_loaded_by_the_other(stores, two_span_servers, hf):

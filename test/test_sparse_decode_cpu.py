@@ -143,6 +143,6 @@ def test_serve_help_lists_every_flag_of_ours():
 
     text = our_flags_help()
     for flag in [*sparse.OPTIONS, *SPAN_OPTIONS, sparse.FLAG, sparse.OFFLOAD_FLAG, "--ptstore",
-                 "--ptstore-token",
+                 "--ptstore-token-file",
                  "--enable-position-free-kv", "--enable-span-cache"]:
         assert f"  {flag} " in text, flag

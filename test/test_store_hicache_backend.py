@@ -11,7 +11,7 @@ from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.hicache_backend import PTStoreHiCacheStorage
 from sglang_pic.store.server import StoreServer
 
-TOKEN = "t"
+TOKEN = "hicache-backend-test-token"
 PAGE, BLOCKS, BLOCK_BYTES = 4, 3, 96
 
 
@@ -36,6 +36,12 @@ class HostPool:
         return self.buf[:, index // PAGE]
 
 
+@pytest.fixture(autouse=True)
+def token_in_env(monkeypatch):
+    """Where ``sglang-pic serve --ptstore-token-file`` puts the token for SGLang's schedulers."""
+    monkeypatch.setenv("SGLANG_PIC_PTSTORE_TOKEN", TOKEN)
+
+
 @pytest.fixture
 def server():
     srv = StoreServer(StoreEngine(1 << 24), f"tcp://127.0.0.1:{free_port()}", TOKEN).start()
@@ -48,7 +54,7 @@ def _backend(server, zero_copy: bool, pool: HostPool | None = None,
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                attn_cp_size=1, enable_storage_metrics=False, is_mla_model=False,
                                is_page_first_layout=True, model_name="m",
-                               extra_config={"servers": [server.endpoint], "token": TOKEN,
+                               extra_config={"servers": [server.endpoint],
                                              "interface_v1": int(zero_copy), **extra})
     backend = PTStoreHiCacheStorage(cfg)
     if pool is not None:

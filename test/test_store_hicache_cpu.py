@@ -14,7 +14,7 @@ from conftest import free_port, start_server, stop_server
 from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.server import StoreServer
 
-TOKEN = "test-token"
+TOKEN = "hicache-cpu-test-token"
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,10 @@ def store_cluster():
         s.stop()
 
 
-def _instance_args(servers) -> list[str]:
+def _instance_args(servers, token_file) -> list[str]:
     # a 10 s store time-out (default 2 s): the three servers share this test process's GIL and the
     # suite's two cores with two CPU engines, and a pool load past its deadline is (rightly) a miss
-    return ["--ptstore", ",".join(s.endpoint for s in servers), "--ptstore-token", TOKEN,
+    return ["--ptstore", ",".join(s.endpoint for s in servers), "--ptstore-token-file", token_file,
             "--hicache-storage-backend-extra-config", '{"timeout_ms": 10000}',
             "--hicache-size", "1", "--hicache-storage-prefetch-policy", "wait_complete",
             "--max-total-tokens", "2048", "--page-size", "16"]
@@ -38,8 +38,11 @@ def _instance_args(servers) -> list[str]:
 @pytest.fixture(scope="module")
 def two_instances(store_cluster, tmp_path_factory):
     logs = tmp_path_factory.mktemp("ptstore")
-    a = start_server(_instance_args(store_cluster), logs / "a.log")
-    b = start_server(_instance_args(store_cluster), logs / "b.log")
+    token_file = logs / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    a = start_server(_instance_args(store_cluster, str(token_file)), logs / "a.log")
+    b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
     yield a, b
     stop_server(a)
     stop_server(b)

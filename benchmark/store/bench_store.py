@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "python"), str(REPO / "benchmark")]
 from harness import free_port, start_store_servers  # noqa: E402
 
+TOKEN = "bench-store-token-loopback"  # a throwaway token of loopback servers
 PAGE = 64 << 10
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
@@ -73,9 +74,9 @@ def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]
     from sglang_pic.store.client import StoreClient
     from sglang_pic.store.shm import address_of
 
-    plain = StoreClient([endpoint], "t", timeout_ms=60000, shm=False)
-    shm = StoreClient([endpoint], "t", timeout_ms=60000, shm=True)
-    pool = StoreClient([endpoint], "t", timeout_ms=60000, shm=True)
+    plain = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=False)
+    shm = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=True)
+    pool = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=True)
     n = max(size // PAGE, 1)
     times: dict[str, list[float]] = {"set": [], "get": [], "get_into": [], "get_into_shm": [],
                                      "get_into_pool": []}
@@ -137,7 +138,7 @@ def main() -> None:
     kinds = ("raw", "set", "get", "get_into", "get_into_shm", "get_into_pool")
     print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>20}" for k in kinds)
           + "".join(f"{k + ' p99':>20}" for k in kinds))
-    procs, (endpoint,) = start_store_servers(1, "t", memory_gb=8)
+    procs, (endpoint,) = start_store_servers(1, TOKEN, memory_gb=8)
     try:
         for size in SIZES:
             times = {"raw": raw_copy_times(size, args.repeats),

@@ -54,7 +54,7 @@ from harness import (  # noqa: E402
 )
 
 VARIANTS = ("recompute", "prefix", "ptstore")
-TOKEN = "scaling"
+TOKEN = "bench-store-scaling-token"  # a throwaway token of loopback servers
 GPU_ARGS = ["--model-path", str(REPO / "benchmark/models/llama3-8b"), "--load-format", "dummy",
             "--skip-tokenizer-init", "--attention-backend", "triton", "--dtype", "bfloat16",
             "--context-length", "16384", "--mem-fraction-static", "0.75", "--page-size", "64",
@@ -89,6 +89,7 @@ class Cluster:
             env["OMP_NUM_THREADS"] = "1"
         if variant == "ptstore":
             stores, self.stores = start_store_servers(n, TOKEN, 2 if cpu else 48, env, log_dir)
+            env = dict(env, SGLANG_PIC_PTSTORE_TOKEN=TOKEN)  # what the instances' --ptstore uses
             self.procs += stores
             self.logs += [log_dir / f"store{i}.log" for i in range(n)]
         for i in range(n):
@@ -100,7 +101,7 @@ class Cluster:
                 args.append("--disable-radix-cache")
             if variant == "ptstore":
                 args += [*(CPU_HICACHE_ARGS if cpu else HICACHE_ARGS),
-                         "--ptstore", ",".join(self.stores), "--ptstore-token", TOKEN,
+                         "--ptstore", ",".join(self.stores),
                          "--hicache-storage-backend-extra-config",
                          json.dumps({"local": self.stores[i]})]
             cmd = ([sys.executable, "-m", "sglang_pic", "serve"] if pic

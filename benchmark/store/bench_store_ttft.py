@@ -87,10 +87,11 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             kwargs["hicache_storage_backend"] = "file"
         else:
             kwargs["hicache_storage_backend"] = "dynamic"
+            os.environ["SGLANG_PIC_PTSTORE_TOKEN"] = params["token"]  # the schedulers inherit it
             kwargs["hicache_storage_backend_extra_config"] = json.dumps({
                 "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
                 "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
-                "token": params["token"], "interface_v1": 1,
+                "interface_v1": 1,
                 "shm": not kind.endswith("-socket"),
                 # as --ptstore sets it; "-staging": the host pool in private memory, pages
                 # come through the reader's staging segment
@@ -237,7 +238,7 @@ def main() -> None:
         enable_cpu_engine()
         kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}
         extra, name = SMOKE_PARAMS, "store_ttft_cpu_smoke"
-    token = "bench-token"
+    token = "bench-store-ttft-token"  # a throwaway token of loopback servers
     stores, endpoints = start_store_servers(args.stores, token, memory_gb=16)
     try:
         with tempfile.TemporaryDirectory() as file_dir:

@@ -11,10 +11,12 @@ Every SGLang server flag passes through unchanged. What we add:
   `--enable-position-free-kv` and selects `--radix-cache-backend pic_span`. Its knobs
   `--span-schedule isps|barrier`, `--span-recompute-tokens K`, `--span-pad-token-id ID`,
   `--span-markers SSEP,PDEP` reach SGLang's processes as `SGLANG_PIC_SPAN_*` variables.
-- `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token T]`: PTStore as HiCache's L3
-  tier (zero-copy `interface_v1`, host pool in shared memory so same-node store servers write
+- `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token-file PATH]`: PTStore as HiCache's
+  L3 tier (zero-copy `interface_v1`, host pool in shared memory so same-node store servers write
   loaded pages into it); turns on `--enable-hierarchical-cache` with the `dynamic` storage
-  backend. Every HiCache flag the user sets wins. With `--enable-span-cache` (which HiCache does
+  backend. Every HiCache flag the user sets wins. The token (that file's, or
+  `$SGLANG_PIC_PTSTORE_TOKEN`) reaches SGLang's processes in that variable only: never in argv
+  (`ps`) nor in the extra config (`/get_server_info` returns it); `--ptstore-token T` is refused. With `--enable-span-cache` (which HiCache does
   not combine with) span units' pages go to PTStore instead, under span-aware page keys
   (`SGLANG_PIC_SPAN_STORE`, `sglang_pic/spans/store_tier.py`).
 - `--sparse-decode pariskv`: ParisKV sparse decoding for requests longer than
@@ -69,13 +71,20 @@ def build_argv(argv: list[str]) -> list[str]:
                          "(--enable-position-free-kv / --enable-span-cache) yet")
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
     ptstore = _pop_option(argv, PTSTORE_FLAG)
-    token = _pop_option(argv, PTSTORE_TOKEN_FLAG)
+    if _pop_option(argv, PTSTORE_TOKEN_FLAG) is not None:
+        raise SystemExit(f"error: {PTSTORE_TOKEN_FLAG} would put the token on the command line, "
+                         f"which every user of the machine sees (ps): use "
+                         f"{PTSTORE_TOKEN_FILE_FLAG} PATH or {PTSTORE_TOKEN_ENV}")
+    token_file = _pop_option(argv, PTSTORE_TOKEN_FILE_FLAG)
+    server_key = _pop_option(argv, PTSTORE_SERVER_KEY_FLAG)
+    if ptstore is not None:
+        _export_ptstore_token(token_file)
     spans = _value_of(argv, "--radix-cache-backend") == "pic_span"
     if ptstore is not None and spans:
         os.environ[SPAN_STORE_ENV] = json.dumps(
-            {"servers": _endpoints(ptstore), **({"token": token} if token else {})})
+            {"servers": _endpoints(ptstore), **({"server_key": server_key} if server_key else {})})
     elif ptstore is not None:
-        argv += ptstore_args(argv, ptstore, token, on_cpu)
+        argv += ptstore_args(argv, ptstore, server_key, on_cpu)
     if on_cpu:
         cpu_support.enable_cpu_engine()
         argv += cpu_support.cpu_server_defaults(argv, model_path)
@@ -99,7 +108,10 @@ SPAN_OPTIONS = {
 
 
 PTSTORE_FLAG = "--ptstore"
-PTSTORE_TOKEN_FLAG = "--ptstore-token"
+PTSTORE_TOKEN_FLAG = "--ptstore-token"  # refused: argv is visible to every user
+PTSTORE_TOKEN_FILE_FLAG = "--ptstore-token-file"
+PTSTORE_SERVER_KEY_FLAG = "--ptstore-server-key"
+PTSTORE_TOKEN_ENV = "SGLANG_PIC_PTSTORE_TOKEN"  # sglang_pic.store.auth.SERVE_TOKEN_ENV
 SPAN_STORE_ENV = "SGLANG_PIC_SPAN_STORE"  # sglang_pic.spans.store_tier.ENV (no import: startup)
 
 
@@ -110,10 +122,30 @@ def _endpoints(servers: str) -> list[str]:
     return endpoints
 
 
-def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool) -> list[str]:
+def _export_ptstore_token(token_file: str | None) -> None:
+    """Put the store token (of ``token_file``, else already in the environment) in
+    ``$SGLANG_PIC_PTSTORE_TOKEN``, where SGLang's scheduler processes find it; checked now so a
+    bad token fails here rather than in every scheduler."""
+    from sglang_pic.store.auth import client_token
+
+    try:
+        token = client_token(token_file, PTSTORE_TOKEN_ENV)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: PTStore token: {e}") from None
+    if token is None:
+        print(f"note: no PTStore token ({PTSTORE_TOKEN_FILE_FLAG} / {PTSTORE_TOKEN_ENV}): only "
+              "store servers started with --insecure will answer", file=sys.stderr)
+        return
+    os.environ[PTSTORE_TOKEN_ENV] = token
+
+
+def ptstore_args(argv: list[str], servers: str, server_key: str | None,
+                 on_cpu: bool) -> list[str]:
     """The HiCache flags that make PTStore (``servers``: comma-separated endpoints) the L3 tier;
-    flags the user already gave are kept, and a user's extra-config JSON is merged over ours.
-    Removes the user's extra-config option from ``argv`` (it comes back merged)."""
+    flags the user already gave are kept, and a user's extra-config JSON is merged over ours
+    (one with a token is refused: SGLang shows the extra config to anyone who asks
+    ``/get_server_info``). Removes the user's extra-config option from ``argv`` (it comes back
+    merged)."""
     endpoints = _endpoints(servers)
     backend = _value_of(argv, "--hicache-storage-backend")
     if backend not in (None, "dynamic"):
@@ -123,8 +155,8 @@ def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool)
               "class_name": "PTStoreHiCacheStorage", "servers": endpoints, "interface_v1": 1,
               # the host pool in a memfd: same-node store servers write loaded pages into it
               "allocator": "shm"}
-    if token:
-        config["token"] = token
+    if server_key:  # public: the servers' key, when not derived from the token
+        config["server_key"] = server_key
     user_config = _pop_option(argv, "--hicache-storage-backend-extra-config")
     if user_config is not None:  # the user's keys (e.g. timeout_ms, local) win over ours
         try:
@@ -133,6 +165,10 @@ def ptstore_args(argv: list[str], servers: str, token: str | None, on_cpu: bool)
             raise SystemExit(f"error: --hicache-storage-backend-extra-config is not JSON: {e}") from None
         if not isinstance(given, dict):
             raise SystemExit("error: --hicache-storage-backend-extra-config must be a JSON object")
+        if "token" in given:
+            raise SystemExit("error: no token in --hicache-storage-backend-extra-config "
+                             "(/get_server_info shows it): use "
+                             f"{PTSTORE_TOKEN_FILE_FLAG} PATH or {PTSTORE_TOKEN_ENV}")
         config |= given
     extra = [] if "--enable-hierarchical-cache" in argv else ["--enable-hierarchical-cache"]
     wanted = {"--hicache-storage-backend": "dynamic",
@@ -247,7 +283,8 @@ def _our_flags() -> list[tuple[str, str]]:
         ("--span-pad-token-id ID", "token that pads spans to whole pages"),
         ("--span-markers SSEP,PDEP", "the marker strings in text prompts"),
         (f"{PTSTORE_FLAG} tcp://HOST:PORT,...", "PTStore as HiCache's L3 tier"),
-        (f"{PTSTORE_TOKEN_FLAG} T", "auth token of the PTStore servers"),
+        (f"{PTSTORE_TOKEN_FILE_FLAG} PATH", f"file with the PTStore token (or ${PTSTORE_TOKEN_ENV})"),
+        (f"{PTSTORE_SERVER_KEY_FLAG} KEY", "the store servers' public key, if not the token's"),
         ("--sparse-decode pariskv", "ParisKV sparse decoding of long requests"),
         ("--sparse-threshold N", f"context from which a request decodes sparsely ({d.threshold})"),
         ("--sparse-topk K", f"keys retrieved per KV head and step ({d.topk})"),

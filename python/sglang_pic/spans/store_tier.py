@@ -19,7 +19,8 @@ into freshly allocated pool slots and inserted into the radix tree, so no prefil
 are checked on every page (``StoreClient``); any failure is a miss and the unit is prefilled.
 
 Turned on by ``sglang-pic serve --enable-span-cache --ptstore ENDPOINTS`` (``SGLANG_PIC_SPAN_STORE``
-in the environment: ``{"servers": [...], "token": ...}``).
+in the environment: ``{"servers": [...], "server_key": ...}``; the token is
+``$SGLANG_PIC_PTSTORE_TOKEN``, never in that JSON).
 """
 
 from __future__ import annotations
@@ -314,9 +315,11 @@ def create_span_store(cache: RadixCache, model: str, tp_size: int = 1,
     if tp_size > 1 or pp_size > 1:
         raise ValueError("span pages in PTStore (--ptstore with --enable-span-cache) need "
                          f"--tp-size 1 and --pp-size 1, got {tp_size} and {pp_size}")
+    from sglang_pic.store.auth import SERVE_TOKEN_ENV, client_token
     from sglang_pic.store.client import StoreClient
 
-    client = StoreClient(list(cfg["servers"]), token=cfg.get("token"),
+    client = StoreClient(list(cfg["servers"]), token=client_token(None, SERVE_TOKEN_ENV),
+                         server_key=cfg.get("server_key"),
                          timeout_ms=int(cfg.get("timeout_ms", 2000)), shm=False)
     tier = SpanStoreTier(cache, client, model)
     logger.info("span store: span pages go to PTStore %s (%d B per page)", cfg["servers"],

@@ -3,7 +3,12 @@
     sglang-pic serve --enable-hierarchical-cache --hicache-storage-backend dynamic \\
       --hicache-storage-backend-extra-config '{"backend_name": "ptstore",
         "module_path": "sglang_pic.store.hicache_backend", "class_name": "PTStoreHiCacheStorage",
-        "servers": ["tcp://node1:7400", "tcp://node2:7400"], "token": "..."}'
+        "servers": ["tcp://node1:7400", "tcp://node2:7400"]}'
+
+The token is not in the extra config (SGLang returns that from ``/get_server_info`` and logs it):
+it comes from ``$SGLANG_PIC_PTSTORE_TOKEN``, which ``sglang-pic serve`` sets from
+``--ptstore-token-file`` and SGLang's scheduler processes inherit. ``"server_key"`` (public)
+names the servers' key when it is not derived from this token (a server with several tenants).
 
 SGLang's cache controller hands us pages of the host KV pool keyed by its chained page hashes
 (``get_hash_str``: equal key = equal prefix up to that page), which is exactly PTStore's tensor
@@ -40,6 +45,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from .auth import SERVE_TOKEN_ENV, client_token
 from .client import StoreClient
 from .shm import address_of
 
@@ -91,7 +97,12 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         servers = extra.get("servers")
         if not servers or not isinstance(servers, list):
             raise ValueError("PTStore backend: extra_config needs 'servers': [endpoints]")
-        self.client = StoreClient(servers, extra.get("token"),
+        if "token" in extra:
+            raise ValueError("PTStore backend: a token in extra_config is shown by "
+                             f"/get_server_info; set {SERVE_TOKEN_ENV} (sglang-pic serve "
+                             "--ptstore-token-file) instead")
+        self.client = StoreClient(servers, client_token(None, SERVE_TOKEN_ENV),
+                                  server_key=extra.get("server_key"),
                                   timeout_ms=int(extra.get("timeout_ms", 2000)),
                                   local=extra.get("local"),
                                   replicate_after=int(extra.get("replicate_after", 2)),
