@@ -1,0 +1,614 @@
+"""PTStore against an attacker (issue 21): every test names the defect it guards against.
+
+1 ids never become paths; 2 secure defaults; 3 no token in argv, extra config or logs; 4 no
+message is accepted before authentication; 5 corrupt SSD pages are misses; 6 tenants are
+isolated; 7 one bad item never fails another; 8 the SSD tier and the object journal are bounded;
+9 secrets compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import free_port
+from sglang_pic.store.auth import (
+    SERVE_TOKEN_ENV,
+    STORE_TOKEN_ENV,
+    client_keys,
+    parse_tokens,
+    read_token_file,
+    secure_client,
+    server_keys,
+)
+from sglang_pic.store.client import StoreClient
+from sglang_pic.store.engine import StoreEngine
+from sglang_pic.store.protocol import Limits, ProtocolError, decode_request
+from sglang_pic.store.server import StoreServer
+
+PAGE = 1024
+TOKEN = "security-test-token-alice-0123"
+OTHER = "security-test-token-bob-456789"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pages(prefix: str, n: int, size: int = PAGE) -> list[tuple[str, bytes]]:
+    return [(f"{prefix}{i}", bytes([i % 251]) * size) for i in range(n)]
+
+
+# ---- a record of every file the process opens, renames or deletes ------------------------
+_TOUCHED: list[str] | None = None
+_MAIN = threading.get_ident()
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _TOUCHED is None or threading.get_ident() != _MAIN:
+        return
+    if event in ("open", "os.remove", "os.mkdir", "os.rmdir"):
+        paths = args[:1]
+    elif event == "os.rename":
+        paths = args[:2]
+    else:
+        return
+    for p in paths:
+        if isinstance(p, (str, bytes, os.PathLike)):
+            _TOUCHED.append(os.path.abspath(os.fsdecode(p)))
+
+
+sys.addaudithook(_audit)
+
+
+@contextmanager
+def files_touched():
+    """The absolute paths this thread opens / renames / deletes / creates inside the block."""
+    global _TOUCHED
+    _TOUCHED = touched = []
+    try:
+        yield touched
+    finally:
+        _TOUCHED = None
+
+
+def _inside(path: str, root: Path) -> bool:
+    """``path`` is ``root`` or below it."""
+    real, top = os.path.realpath(path), str(root.resolve())
+    return real == top or real.startswith(top + os.sep)
+
+
+# ---- 1: ids are never paths --------------------------------------------------------------
+ATTACK_IDS = ["/etc/passwd", "../../../../../../etc/passwd", "/" + "../" * 12 + "ptstore-no-such-dir/x",
+              "a/./b", "a/b", "a//b", "./a/b", "..", ".", "", "tensors", "x" * 1024,
+              "\udc80-lone-surrogate", "con", "a\\b"]
+
+
+def test_no_id_reads_a_file_outside_the_ssd_dir(tmp_path):
+    """``get("/etc/passwd")`` used to return /etc/passwd (``ssd / "tensors" / tid``)."""
+    eng = StoreEngine(4 * PAGE, replica_fraction=0.0, ssd_dir=tmp_path / "ssd")
+    with files_touched() as touched:
+        got = eng.get_tensors(["/etc/passwd", "../../../../../../../../etc/passwd",
+                               "/proc/self/environ"])
+    assert got == [None, None, None]
+    assert not any(_inside(p, Path("/etc")) or p.startswith("/proc") for p in touched)
+
+
+def test_ids_that_look_like_paths_are_distinct_pages_kept_inside_the_ssd_dir(tmp_path):
+    """Every form of path id is a valid, distinct id; spilled, it lands in a file named by a
+    digest inside the SSD dir, and nothing outside the dir is opened, renamed or deleted
+    (``"/" + "../" * 12 + path`` used to be written wherever it pointed)."""
+    root = tmp_path / "ssd"
+    escaped = tmp_path / "escaped"
+    ids = [*ATTACK_IDS, "/" + "../" * 12 + str(escaped).lstrip("/")]
+    pages = [(t, hashlib.blake2b(t.encode("utf-8", "surrogatepass")).digest() * (PAGE // 64))
+             for t in ids]
+    with files_touched() as touched:
+        eng = StoreEngine(2 * PAGE, replica_fraction=0.0, ssd_dir=root)
+        assert eng.put_tensors(pages) == len(pages) * PAGE
+        eng.flush_to_ssd()
+        restarted = StoreEngine(2 * PAGE, replica_fraction=0.0, ssd_dir=root)
+        got = restarted.get_tensors(ids)  # all from SSD now
+    assert got == [d for _, d in pages]  # "a/./b", "a/b", "a//b" stay three pages
+    assert restarted.stats["ssd_hits"] == len(ids)
+    assert touched and all(_inside(p, root) for p in touched), \
+        [p for p in touched if not _inside(p, root)]
+    assert not escaped.exists()
+    names = {p.name for p in (root / "pages").iterdir()}
+    assert len(names) == len(ids) and all(len(n) == 32 for n in names)
+
+
+def test_ids_are_bounded_and_nul_free_at_the_protocol_layer():
+    def frames(tids, op="get", **extra):
+        return [json.dumps({"op": op, "tids": tids, **extra}).encode()]
+
+    limits = Limits()
+    assert decode_request(frames(["x" * 1024, "/etc/passwd"]), limits)[0]["tids"][0] == "x" * 1024
+    for bad in (["a\0b"], ["x" * 1025], [7], [None], [["nested"]]):
+        with pytest.raises(ProtocolError, match="id"):
+            decode_request(frames(bad), limits)
+    with pytest.raises(ProtocolError, match="key"):
+        decode_request(frames([], "get_object", key="a\0"), limits)
+    with pytest.raises(ProtocolError, match="key"):
+        decode_request(frames([], "put_object", key=None), limits)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = StoreServer(StoreEngine(8 * PAGE, replica_fraction=0.0, ssd_dir=tmp_path / "ssd"),
+                      f"ipc://{tmp_path}/s.sock", TOKEN).start()
+    yield srv
+    srv.stop()
+
+
+def test_over_the_wire_path_ids_read_nothing_and_a_nul_id_is_refused(server):
+    client = StoreClient([server.endpoint], TOKEN)
+    try:
+        assert client.batch_get(["/etc/passwd", "../../../etc/passwd"]) == [None, None]
+        assert client.batch_exists(["/etc/passwd"]) == [False]
+        assert client.batch_set([("a\0b", b"n" * PAGE)]) == 0  # refused, as a request
+        assert client.last_failed == ["a\0b"]
+        assert client.batch_set(_pages("ok", 2)) == 2 * PAGE  # the server keeps serving
+        assert server.rejected == 1
+    finally:
+        client.close()
+
+
+# ---- 2: secure defaults --------------------------------------------------------------------
+def _store_cli(args: list[str], env_token: str | None = None, timeout: float = 20):
+    env = {k: v for k, v in os.environ.items() if k not in (STORE_TOKEN_ENV, SERVE_TOKEN_ENV)}
+    if env_token is not None:
+        env[STORE_TOKEN_ENV] = env_token
+    return subprocess.run([sys.executable, "-m", "sglang_pic", "store", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_a_store_without_a_token_refuses_to_start(tmp_path):
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    out = _store_cli(["--endpoint", ep, "--memory-gb", "0.01"])
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no token" in lines[0] and "--insecure" in lines[0]
+    token_on_argv = _store_cli(["--endpoint", ep, "--token", TOKEN])
+    assert token_on_argv.returncode == 2 and "ps" in token_on_argv.stderr
+    both = _store_cli(["--endpoint", ep, "--insecure"], env_token=TOKEN)
+    assert both.returncode == 2
+    short = _store_cli(["--endpoint", ep], env_token="short")
+    assert short.returncode == 2 and "16 characters" in short.stderr
+
+
+def test_the_default_endpoint_is_loopback(monkeypatch):
+    from sglang_pic.store import cli, server
+
+    bound = []
+
+    class Bound(Exception):
+        pass
+
+    def fake_server(engine, endpoint, *args, **kwargs):
+        bound.append(endpoint)
+        raise Bound
+
+    monkeypatch.setattr(server, "StoreServer", fake_server)
+    monkeypatch.setenv(STORE_TOKEN_ENV, TOKEN)
+    with pytest.raises(Bound):
+        cli.serve(["--memory-gb", "0.01"])
+    assert bound == ["tcp://127.0.0.1:7400"]
+
+
+def test_token_files_name_tenants_and_must_be_private(tmp_path):
+    text = f"# tenants\nalice {TOKEN}\n\n{OTHER}  # unnamed\nalice {TOKEN}-rotated\n"
+    tokens = parse_tokens(text)
+    assert tokens[TOKEN] == tokens[f"{TOKEN}-rotated"] == "alice"
+    assert tokens[OTHER].startswith("t-") and OTHER not in tokens[OTHER]
+    for bad in ("a b c", "bad/name " + TOKEN, "short", ""):
+        with pytest.raises(ValueError):
+            parse_tokens(bad)
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_token_file(path)
+    path.chmod(0o600)
+    assert read_token_file(path) == tokens
+
+
+# ---- 3: the token never leaks -----------------------------------------------------------
+def _token_file(tmp_path: Path, token: str = TOKEN) -> Path:
+    path = tmp_path / "ptstore.token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_serve_keeps_the_token_out_of_argv_and_the_extra_config(tmp_path, model_dir,
+                                                                monkeypatch):
+    """The extra config is what ``/get_server_info`` returns and SGLang logs; argv is in ``ps``.
+    The token reaches SGLang's schedulers through the environment only."""
+    from sglang_pic.launch_server import SPAN_STORE_ENV, build_argv
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    for var in (SERVE_TOKEN_ENV, SPAN_STORE_ENV):  # build_argv sets them: undone after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    path = _token_file(tmp_path)
+    argv = build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1",
+                       "--ptstore-token-file", str(path)])
+    assert not any(TOKEN in a for a in argv)
+    config = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
+    assert "token" not in config and config["servers"] == ["tcp://a:1"]
+    assert os.environ[SERVE_TOKEN_ENV] == TOKEN  # inherited by SGLang's scheduler processes
+
+    monkeypatch.delenv(SERVE_TOKEN_ENV)
+    build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1", "--enable-span-cache",
+                "--ptstore-token-file", str(path)])
+    assert TOKEN not in os.environ[SPAN_STORE_ENV] and os.environ[SERVE_TOKEN_ENV] == TOKEN
+
+    with pytest.raises(SystemExit, match="ps"):
+        build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1",
+                    "--ptstore-token", TOKEN])
+    with pytest.raises(SystemExit, match="get_server_info"):
+        build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1",
+                    "--hicache-storage-backend-extra-config", json.dumps({"token": TOKEN})])
+
+
+def test_the_hicache_backend_authenticates_with_the_token_from_the_environment(server,
+                                                                             monkeypatch):
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang_pic.store.hicache_backend import PTStoreHiCacheStorage
+
+    monkeypatch.setenv(SERVE_TOKEN_ENV, TOKEN)
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, enable_storage_metrics=False, is_mla_model=False,
+                               is_page_first_layout=True, model_name="m",
+                               extra_config={"servers": [server.endpoint], "timeout_ms": 2000})
+    backend = PTStoreHiCacheStorage(cfg)
+    page = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert backend.batch_set(["k"], [page])
+    assert torch.equal(backend.batch_get(["k"], [torch.empty_like(page)])[0], page)
+    backend.close()
+    with pytest.raises(ValueError, match="get_server_info"):
+        PTStoreHiCacheStorage(HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            enable_storage_metrics=False, is_mla_model=False, is_page_first_layout=True,
+            model_name="m", extra_config={"servers": [server.endpoint], "token": TOKEN}))
+
+
+# ---- 4: nothing is accepted before authentication ------------------------------------------
+def _vm_hwm_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.fixture
+def store_process(tmp_path):
+    """``sglang-pic store`` in its own process (its memory is measured), token from the env."""
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, **{STORE_TOKEN_ENV: TOKEN})
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep,
+                             "--memory-gb", "0.25"], env=env, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        assert "PTStore server on" in proc.stdout.readline()
+        yield proc, ep
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_an_unauthenticated_64_mb_message_is_never_accepted(store_process):
+    """The token used to be checked only once zmq had buffered the whole message (up to
+    1 GiB): now a peer without credentials, or with a wrong token, never gets past the
+    handshake, and the server's memory does not grow by what it sends."""
+    proc, ep = store_process
+    ctx = zmq.Context.instance()
+    blob = b"\xab" * (64 << 20)
+    before = _vm_hwm_kb(proc.pid)
+    peers = []
+    for token in (None, "wrong-token-wrong-token-wrong"):
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        secure_client(peer, token, server_keys(TOKEN)[0] if token else None)
+        peer.connect(ep)
+        peer.send_multipart([json.dumps({"op": "status"}).encode(), blob], copy=False)
+        peers.append(peer)
+    for peer in peers:
+        assert not peer.poll(3000), "an unauthenticated peer got an answer"
+        peer.close(0)
+    grown_mb = (_vm_hwm_kb(proc.pid) - before) / 1024
+    assert grown_mb < 32, f"the server's peak memory grew by {grown_mb:.0f} MB"
+    client = StoreClient([ep], TOKEN)
+    status = client.status(ep)
+    client.close()
+    assert status is not None and status["requests"] == 1  # this status request only
+
+
+def test_a_silent_connection_is_dropped_after_the_handshake_interval(server):
+    """Half-open connections used to be held forever (libzmq's default handshake interval is
+    30 s); heartbeats drop dead peers after the handshake."""
+    assert server.sock.getsockopt(zmq.HEARTBEAT_IVL) > 0
+    assert server.sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) > 0
+    path = server.endpoint.removeprefix("ipc://")
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(path)
+        raw.settimeout(15)
+        t0 = time.monotonic()
+        while raw.recv(4096):  # the server's greeting, then nothing until it hangs up
+            pass
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_wrong_token_gets_misses_and_the_right_one_works(server):
+    right = StoreClient([server.endpoint], TOKEN)
+    assert right.batch_set(_pages("p", 3)) == 3 * PAGE
+    wrong = StoreClient([server.endpoint], OTHER, timeout_ms=300, server_key=server.server_key)
+    try:
+        assert wrong.batch_get(["p0", "p1"]) == [None, None]
+        assert wrong.batch_set(_pages("w", 1)) == 0 and wrong.last_failed == ["w0"]
+        assert wrong.status(server.endpoint) is None
+        assert right.batch_get(["p0"]) == [_pages("p", 1)[0][1]]
+    finally:
+        wrong.close()
+        right.close()
+
+
+# ---- 5: corrupt SSD pages are misses -------------------------------------------------------
+def _page_files(root: Path) -> list[Path]:
+    """The files the SSD tier keeps pages in (whatever it names them)."""
+    return [p for p in root.rglob("*") if p.is_file() and p.name != "objects.jsonl"]
+
+
+def _file_of(root: Path, page: bytes) -> Path:
+    """The page file holding ``page`` (found by its content)."""
+    (path,) = [p for p in _page_files(root) if p.read_bytes().endswith(page)]
+    return path
+
+
+def _spilled(root: Path, n: int = 4) -> tuple[StoreEngine, list[tuple[str, bytes]]]:
+    eng = StoreEngine(PAGE, replica_fraction=0.0, ssd_dir=root)
+    pages = _pages("s", n)
+    eng.put_tensors(pages)
+    eng.flush_to_ssd()
+    assert len(_page_files(root)) == n
+    return eng, pages
+
+
+def test_a_flipped_byte_on_ssd_is_a_miss_and_the_file_is_removed(tmp_path):
+    """Pages read back from SSD used to be hashed when served, so a corrupted file was served
+    with the checksum of its corrupted bytes."""
+    eng, pages = _spilled(tmp_path / "ssd")
+    path = _file_of(tmp_path / "ssd", pages[1][1])
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0x01
+    path.write_bytes(bytes(raw))
+    got = eng.get_tensors([t for t, _ in pages])
+    assert got[1] is None and got[0] == pages[0][1] and got[2] == pages[2][1]
+    assert eng.stats["ssd_corrupt"] == 1 and not path.exists() and not eng.has("s1")
+
+
+def test_a_truncated_or_swapped_ssd_file_is_a_miss(tmp_path):
+    root = tmp_path / "ssd"
+    eng, pages = _spilled(root)
+    s0, s2, s3 = (_file_of(root, pages[i][1]) for i in (0, 2, 3))
+    s0.write_bytes(s0.read_bytes()[:-1])  # a torn write
+    s2.write_bytes(s3.read_bytes())  # another id's page under s2's name
+    assert eng.get_tensors(["s0", "s2", "s3"]) == [None, None, pages[3][1]]
+    assert eng.stats["ssd_corrupt"] == 2
+    restarted = StoreEngine(PAGE, replica_fraction=0.0, ssd_dir=root)
+    assert restarted.get_tensors(["s0", "s1", "s2", "s3"]) == [None, pages[1][1], None,
+                                                                pages[3][1]]
+
+
+def test_a_corrupt_ssd_page_is_a_miss_over_the_wire(server, tmp_path):
+    client = StoreClient([server.endpoint], TOKEN)
+    pages = _pages("w", 12)  # 8 pages of memory: 4 spill
+    client.batch_set(pages)
+    files = _page_files(tmp_path / "ssd")
+    assert len(files) == 4
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    got = client.batch_get([t for t, _ in pages])
+    assert sum(g is None for g in got) == 4
+    assert all(g == d for g, (_, d) in zip(got, pages, strict=True) if g is not None)
+    client.close()
+
+
+# ---- 6: tenants --------------------------------------------------------------------------
+@pytest.fixture
+def two_tenants(tmp_path):
+    srv = StoreServer(StoreEngine(64 * PAGE, ssd_dir=tmp_path / "ssd"),
+                      f"ipc://{tmp_path}/t.sock", {TOKEN: "alice", OTHER: "bob"}).start()
+    alice = StoreClient([srv.endpoint], TOKEN)
+    bob = StoreClient([srv.endpoint], OTHER, server_key=srv.server_key)
+    yield srv, alice, bob
+    alice.close()
+    bob.close()
+    srv.stop()
+
+
+def test_a_tenant_can_neither_read_nor_overwrite_another_tenants_pages(two_tenants):
+    srv, alice, bob = two_tenants
+    assert alice.batch_set([("x", b"A" * PAGE)]) == PAGE
+    assert bob.batch_exists(["x"]) == [False]
+    assert bob.batch_get(["x"]) == [None]
+    assert bob.batch_set([("x", b"B" * PAGE)]) == PAGE  # its own page, not a duplicate of A's
+    assert alice.batch_get(["x"]) == [b"A" * PAGE]
+    assert bob.batch_get(["x"]) == [b"B" * PAGE]
+    alice._call(srv.endpoint, {"op": "put_object", "key": "doc", "tids": ["x"]})
+    assert bob._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] is None
+    assert alice._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] == ["x"]
+
+
+def test_tenants_stay_apart_on_ssd_and_across_a_restart(two_tenants, tmp_path):
+    srv, alice, bob = two_tenants
+    alice.batch_set([("same", b"a" * PAGE)])
+    bob.batch_set([("same", b"b" * PAGE)])
+    srv.engine.flush_to_ssd()
+    restarted = StoreEngine(2 * PAGE, ssd_dir=tmp_path / "ssd")
+    assert len(restarted.ssd) == 2
+    srv2 = StoreServer(restarted, f"ipc://{tmp_path}/t2.sock",
+                       {TOKEN: "alice", OTHER: "bob"}).start()
+    a2 = StoreClient([srv2.endpoint], TOKEN)
+    b2 = StoreClient([srv2.endpoint], OTHER, server_key=srv2.server_key)
+    try:
+        assert a2.batch_get(["same"]) == [b"a" * PAGE]
+        assert b2.batch_get(["same"]) == [b"b" * PAGE]
+    finally:
+        a2.close()
+        b2.close()
+        srv2.stop()
+
+
+def test_keys_are_derived_per_role_and_token():
+    assert server_keys(TOKEN) != client_keys(TOKEN)
+    assert client_keys(TOKEN) != client_keys(OTHER)
+    assert all(len(k) == 40 for pair in (server_keys(TOKEN), client_keys(TOKEN)) for k in pair)
+
+
+# ---- 7: one bad item never fails another -----------------------------------------------------
+def test_odd_ids_never_fail_other_clients_requests(server):
+    """Ids with "/" or > 255 characters used to make the spill of an innocent client's put
+    fail ("internal error"), and a NUL id every batched get that named it."""
+    odd = StoreClient([server.endpoint], TOKEN)
+    innocent = StoreClient([server.endpoint], TOKEN)
+    try:
+        odd_pages = [("x/y", b"1" * PAGE), ("z" * 300, b"2" * PAGE), ("../../p", b"3" * PAGE)]
+        assert odd.batch_set(odd_pages) == 3 * PAGE
+        odd.batch_set([("nul\0id", b"4" * PAGE)])  # refused on its own
+        pages = _pages("i", 40)  # 8 pages of memory: the odd pages spill first
+        for k in range(0, 40, 8):
+            assert innocent.batch_set(pages[k:k + 8]) == 8 * PAGE
+            assert innocent.last_failed == []
+        assert innocent.batch_get([t for t, _ in pages]) == [d for _, d in pages]
+        assert odd.batch_get([t for t, _ in odd_pages]) == [d for _, d in odd_pages]
+        assert server.rejected == 1
+    finally:
+        odd.close()
+        innocent.close()
+
+
+def test_a_failing_page_write_does_not_stop_the_flush(tmp_path, monkeypatch):
+    """On SIGTERM the flush used to stop at the first page it could not write (0 of 41
+    saved)."""
+    eng = StoreEngine(64 * PAGE, replica_fraction=0.0, ssd_dir=tmp_path / "ssd")
+    pages = _pages("f", 41)
+    eng.put_tensors(pages)
+    real = os.replace
+    failed = []
+
+    def flaky(src, dst, *args, **kwargs):
+        if not failed:
+            failed.append(dst)
+            raise OSError(28, "No space left on device")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    eng.flush_to_ssd()
+    monkeypatch.setattr(os, "replace", real)
+    assert failed and len(list((tmp_path / "ssd" / "pages").iterdir())) == 40
+    restarted = StoreEngine(PAGE, replica_fraction=0.0, ssd_dir=tmp_path / "ssd")
+    assert sum(d is not None for d in restarted.get_tensors([t for t, _ in pages])) == 40
+    assert eng.stats["ssd_errors"] == 1
+    assert not list((tmp_path / "ssd").rglob(".*.tmp"))  # the failed write left nothing
+
+
+# ---- 8: the SSD tier and the object journal are bounded --------------------------------------
+def test_the_ssd_tier_evicts_by_gdsf_and_keeps_later_spills(tmp_path):
+    """A full SSD tier used to drop every later spill; now it evicts the lowest GDSF priority
+    (L + frequency): the newest pages and the often-read ones stay."""
+    probe = StoreEngine(PAGE, replica_fraction=0.0, ssd_dir=tmp_path / "probe")
+    probe.put_tensors(_pages("p", 2))
+    (spilled,) = _page_files(tmp_path / "probe")
+    per_page = spilled.stat().st_size  # one spilled page, with whatever the tier adds to it
+    root = tmp_path / "ssd"
+    eng = StoreEngine(2 * PAGE, replica_fraction=0.0, ssd_dir=root, ssd_bytes=100 * per_page)
+    eng.put_tensors([("hot", b"h" * PAGE)])
+    for _ in range(50):
+        eng.get_tensors(["hot"])  # read often while in memory: it keeps that value on SSD
+    eng.flush_to_ssd()
+    for k in range(0, 500, 10):
+        eng.put_tensors(_pages(f"b{k}-", 10))
+    # every page that left memory is on SSD: 501 pages, 2 still in memory; "hot" was written
+    # by the flush (it aged out of memory later, already on SSD), the 498 others as evicted
+    assert eng.owned.evictions == 499 and eng.stats["spills"] == 1 + 498
+    files = _page_files(root)
+    assert 95 <= len(files) <= 100 and sum(p.stat().st_size for p in files) <= 100 * per_page
+    assert "hot" not in eng.owned and eng.has("hot")  # 51 reads: worth more than later spills
+    kept = [k for k in range(0, 500, 10) for i in range(10) if eng.has(f"b{k}-{i}")]
+    assert min(kept) >= 380  # the latest ~100 spilled pages
+    assert eng.get_tensors(["hot"]) == [b"h" * PAGE]
+
+
+def test_the_ssd_budget_is_finite_by_default_and_fits_the_filesystem(tmp_path):
+    import shutil
+
+    eng = StoreEngine(PAGE, ssd_dir=tmp_path / "ssd")
+    usage = shutil.disk_usage(tmp_path)
+    assert 0 < eng.ssd.budget <= min(64 << 30, usage.free)
+    assert StoreEngine(PAGE, ssd_dir=tmp_path / "all", ssd_bytes=0).ssd.budget <= usage.free
+
+
+def test_the_object_journal_is_compacted_and_recovers_the_live_objects(tmp_path):
+    eng = StoreEngine(PAGE, ssd_dir=tmp_path)
+    for i in range(1000):
+        eng.put_object(f"doc{i % 5}", [f"t{i}"])
+    lines = (tmp_path / "objects.jsonl").read_text().splitlines()
+    assert len(lines) <= max(64, 2 * 5) + 1
+    restarted = StoreEngine(PAGE, ssd_dir=tmp_path)
+    assert restarted.objects == {f"doc{k}": [f"t{995 + k}"] for k in range(5)}
+    capped = StoreEngine(PAGE, ssd_dir=tmp_path / "capped", max_objects=3)
+    for i in range(10):
+        capped.put_object(f"o{i}", [])
+    assert list(capped.objects) == ["o7", "o8", "o9"]
+
+
+# ---- 9: secrets are compared in constant time ----------------------------------------------
+def test_the_shm_nonce_is_compared_in_constant_time(server, monkeypatch):
+    import hmac
+
+    from sglang_pic.store.shm import ClientSegment
+
+    calls = []
+    real = hmac.compare_digest
+
+    def counting(a, b):
+        calls.append(len(b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    seg = ClientSegment(4 * PAGE)
+    client = StoreClient([server.endpoint], TOKEN)
+    try:
+        assert client._same_node([server.endpoint], seg) == {server.endpoint}
+        assert calls == [16]
+    finally:
+        client.close()
+        seg.close()
+
+
+# ---- the same-node pool path stays closed without authentication --------------------------
+def test_an_insecure_server_writes_into_no_pool(tmp_path):
+    srv = StoreServer(StoreEngine(4 * PAGE), f"ipc://{tmp_path}/open.sock", None).start()
+    client = StoreClient([srv.endpoint], None)
+    try:
+        fd = os.memfd_create("ptstore-test-pool")
+        os.ftruncate(fd, PAGE)
+        client.use_pool(fd, 0, PAGE)
+        assert client._pool_ok == {srv.endpoint: False}
+        os.close(fd)
+    finally:
+        client.close()
+        srv.stop()
