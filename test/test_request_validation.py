@@ -1,9 +1,22 @@
-"""`/generate` sampling-params validation (unit level; the HTTP level is in test_server_cpu)."""
+"""Request validation at unit level: sampling params, token ids, logprob parameters, constrained
+decoding, reserved request ids, OpenAI bodies (the HTTP level is in test_server_cpu and
+test/security/test_http_security.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
-from sglang_pic.request_validation import validate_sampling_params
+from sglang_pic.request_validation import (
+    MAX_TOP_LOGPROBS,
+    check_openai_body,
+    constrained_decoding_available,
+    constrained_field,
+    validate_logprob_params,
+    validate_rid,
+    validate_sampling_params,
+    validate_token_ids,
+)
 
 
 @pytest.mark.parametrize("params", [
@@ -29,3 +42,104 @@ def test_valid_params_pass(params):
 def test_invalid_params_raise_value_error(params, needle):
     with pytest.raises(ValueError, match=needle):
         validate_sampling_params(params)
+
+
+# ---- ids, logprobs, constrained decoding, OpenAI bodies (issue 21, items 10-11) -------------------
+
+VOCAB = 1000
+
+
+@pytest.mark.parametrize("ids", [None, [], [0, 1, 999], [[1, 2], [998, 0]]])
+def test_ids_in_vocabulary_pass(ids):
+    validate_token_ids("input_ids", ids, VOCAB)
+
+
+@pytest.mark.parametrize("ids,bad", [
+    ([1, 2, 1000], "1000"),
+    ([1, -3, 2], "-3"),
+    ([[1, 2], [3, 999999]], "999999"),
+    ([1, "2"], "'2'"),
+])
+def test_ids_outside_vocabulary_raise(ids, bad):
+    with pytest.raises(ValueError, match=f"input_ids.*{bad}"):
+        validate_token_ids("input_ids", ids, VOCAB)
+
+
+def test_span_markers_pass_only_where_accepted():
+    validate_token_ids("input_ids", [5, -1, 6, -2, 7, 1001], VOCAB, frozenset({-1, -2, 1001}))
+    with pytest.raises(ValueError, match="-3"):
+        validate_token_ids("input_ids", [5, -1, 6, -3], VOCAB, frozenset({-1, -2}))
+    with pytest.raises(ValueError, match="-1"):
+        validate_token_ids("input_ids", [5, -1, 6], VOCAB)
+
+
+def _req(**fields):
+    return SimpleNamespace(**{"top_logprobs_num": None, "token_ids_logprob": None, **fields})
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"top_logprobs_num": 0}, {"top_logprobs_num": 20}, {"top_logprobs_num": [5, 1000]},
+    {"token_ids_logprob": [0, 5, 999]}, {"token_ids_logprob": [[1], [2, 3]]},
+])
+def test_logprob_params_pass(fields):
+    validate_logprob_params(_req(**fields), VOCAB)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"top_logprobs_num": 100000}, "top_logprobs_num"),
+    ({"top_logprobs_num": 1001}, r"\[0, 1000\]"),
+    ({"top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"top_logprobs_num": [1, 5000]}, "5000"),
+    ({"token_ids_logprob": [1, 999999]}, "token_ids_logprob.*999999"),
+    ({"token_ids_logprob": [[1], [-4]]}, "-4"),
+    ({"token_ids_logprob": [1] * 1001}, "more than the vocabulary"),
+])
+def test_logprob_params_raise(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        validate_logprob_params(_req(**fields), VOCAB)
+
+
+def test_top_logprobs_cap_applies_to_large_vocabularies():
+    validate_logprob_params(_req(top_logprobs_num=MAX_TOP_LOGPROBS), 10**6)
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        validate_logprob_params(_req(top_logprobs_num=MAX_TOP_LOGPROBS + 1), 10**6)
+
+
+def test_constrained_field_and_availability():
+    assert constrained_field({"max_new_tokens": 3}) is None
+    assert constrained_field({"regex": "[0-9]+"}) == "regex"
+    assert constrained_field([{}, {"json_schema": "{}"}]) == "json_schema"
+    assert constrained_decoding_available(SimpleNamespace(device="cuda", grammar_backend="xgrammar"))
+    # CPU without cpu_grammar's hooks registered in this (test) process: refused
+    assert not constrained_decoding_available(SimpleNamespace(device="cpu", grammar_backend="xgrammar"))
+
+
+def test_reserved_request_ids():
+    validate_rid("my-request")
+    validate_rid(["a", "b"])
+    with pytest.raises(ValueError, match="reserved"):
+        validate_rid("pic-span-0123")
+    with pytest.raises(ValueError, match="reserved"):
+        validate_rid(["a", "pic-span-x"])
+    with pytest.raises(ValueError, match="reserved"):
+        validate_rid("pic")  # aborting it would abort every span sub-request (prefix match)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+    b'{"model": "m", "messages": "not a list"}',  # pydantic reports it: SGLang's own 400
+    b'{not json',  # SGLang's own 400
+])
+def test_openai_bodies_sglang_validates_pass(body):
+    check_openai_body("/v1/chat/completions", body)
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'"hello"', "must be a JSON object, got a string"),
+    (b"[1, 2]", "got an array"),
+    (b"null", "got null"),
+    (b'{"model": "m", "messages": [], "response_format": "x"}', "malformed"),
+])
+def test_openai_bodies_that_crash_sglang_raise(body, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_openai_body("/v1/chat/completions", body)

@@ -1,13 +1,28 @@
-"""Reject malformed `/generate` sampling parameters with HTTP 400 instead of a 500.
+"""Refuse malformed or hostile requests with HTTP 400 before they reach SGLang's scheduler.
 
-SGLang 0.5.17's `/generate` passes `sampling_params` through as a plain dict: an unknown key
-(`{"foo": 1}`) fails in `SamplingParams(**kwargs)` with a TypeError, and a value of the wrong type
-(`{"max_new_tokens": "abc"}`) fails later in arithmetic; both surface as "500 Internal Server
-Error". The OpenAI endpoints validate through pydantic and are unaffected.
+SGLang 0.5.17 trusts much of a request. Some mistakes surface as "500 Internal Server Error", and
+some kill the scheduler process, which takes every other client's request and the server with it:
 
-We check each key against `SamplingParams`' own msgspec field types before the request is
-tokenized (a BEFORE hook on `TokenizerManager.generate_request`) and raise `ValueError`, which
-SGLang's HTTP layer already turns into a 400 with the message.
+* ``sampling_params`` of `/generate` is a plain dict: an unknown key fails in
+  ``SamplingParams(**kwargs)`` (TypeError), a value of the wrong type later in arithmetic (500s);
+* ``input_ids`` outside ``[0, vocab)`` (``[1, 2, 999999]``, a negative id) index the embedding
+  table out of range in the scheduler (crash);
+* ``top_logprobs_num`` beyond the vocabulary makes ``topk`` fail in the scheduler (crash); a large
+  one within it makes every output token carry that many logprobs, hence the cap
+  ``MAX_TOP_LOGPROBS``;
+* constrained decoding (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``; the OpenAI
+  ``response_format``/tools become these) needs accelerator memory in SGLang's xgrammar backend
+  (crash on the CPU engine, unless ``cpu_grammar``'s hooks are registered);
+* a client ``rid`` that starts like our internal span sub-requests' (``pic-span-``) would have its
+  output hidden as one of theirs; one that is a prefix of theirs could abort them all.
+
+``check_generate_request`` runs as a BEFORE hook on ``TokenizerManager.generate_request``, the one
+function every generation entry point goes through (``/generate``, the OpenAI and Anthropic
+endpoints, ``Engine.generate``), after the span resolver (so ``input_ids`` carry no span markers
+by then; on a span server they are accepted anyway, in case the order changes). It raises
+``ValueError``, which SGLang's HTTP layer answers with a 400 and the message.
+``check_openai_body`` is called by the HTTP middleware (``spans/http.py``) for the OpenAI bodies
+whose SGLang validators crash on malformed input instead of reporting it.
 """
 
 from __future__ import annotations
@@ -58,9 +73,162 @@ def validate_sampling_params(params: Any) -> None:
             raise ValueError(f"sampling parameter {key!r}: {e} (got {value!r})") from None
 
 
+MAX_TOP_LOGPROBS = 1024
+"""Most alternatives per token ``top_logprobs_num`` may ask for (and never more than the
+vocabulary); ``token_ids_logprob`` is the way to ask for more, named, tokens."""
+
+CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+"""Sampling parameters that make SGLang constrain decoding with a grammar."""
+
+
+def _per_item(value: Any) -> list[Any]:
+    """A field of a possibly batched request as a list of per-request values."""
+    return value if isinstance(value, list) else [value]
+
+
+def _id_lists(ids: Any) -> list[Any]:
+    """``input_ids``/``token_ids_logprob`` (flat or batched) as a list of id lists."""
+    if not isinstance(ids, list) or not ids:
+        return []
+    return ids if isinstance(ids[0], list) else [ids]
+
+
+def validate_token_ids(
+    name: str, ids: Any, vocab_size: int, markers: frozenset[int] = frozenset()
+) -> None:
+    """Raise ValueError unless every id of ``ids`` (flat or batched) is an int in
+    ``[0, vocab_size)`` or one of ``markers``."""
+    for seq in _id_lists(ids):
+        if not seq:
+            continue
+        if not all(isinstance(t, int) for t in seq):
+            bad = next(t for t in seq if not isinstance(t, int))
+            raise ValueError(f"{name} must be integer token ids, got {bad!r}")
+        if min(seq) >= 0 and max(seq) < vocab_size:
+            continue
+        bad = next((t for t in seq if not 0 <= t < vocab_size and t not in markers), None)
+        if bad is not None:
+            extra = f" (or a span marker {sorted(markers)})" if markers else ""
+            raise ValueError(
+                f"{name} contains token id {bad}, outside the vocabulary [0, {vocab_size}){extra}"
+            )
+
+
+def validate_logprob_params(obj: Any, vocab_size: int) -> None:
+    """``top_logprobs_num`` within ``[0, min(vocab_size, MAX_TOP_LOGPROBS)]``; ``token_ids_logprob``
+    in the vocabulary and no longer than it."""
+    cap = min(vocab_size, MAX_TOP_LOGPROBS)
+    for n in _per_item(getattr(obj, "top_logprobs_num", None)):
+        if n is None:
+            continue
+        if not isinstance(n, int) or not 0 <= n <= cap:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {cap}], got {n!r}")
+    wanted = getattr(obj, "token_ids_logprob", None)
+    validate_token_ids("token_ids_logprob", wanted, vocab_size)
+    for seq in _id_lists(wanted):
+        if len(seq) > vocab_size:
+            raise ValueError(
+                f"token_ids_logprob lists {len(seq)} ids, more than the vocabulary ({vocab_size})"
+            )
+
+
+def constrained_field(params: Any) -> str | None:
+    """The first constrained-decoding parameter set in a sampling-params dict (or list)."""
+    for item in _per_item(params):
+        if isinstance(item, dict):
+            for key in CONSTRAINED_FIELDS:
+                if item.get(key) is not None:
+                    return key
+    return None
+
+
+def constrained_decoding_available(server_args: Any) -> bool:
+    """Whether this server can run constrained decoding without crashing: any accelerator, or the
+    CPU engine with xgrammar and ``cpu_grammar``'s hooks registered in this process."""
+    if getattr(server_args, "device", None) != "cpu":
+        return True
+    from sglang_pic.cpu_grammar import cpu_grammar_registered
+
+    return getattr(server_args, "grammar_backend", None) == "xgrammar" and cpu_grammar_registered()
+
+
+def validate_rid(rid: Any) -> None:
+    """Client request ids may not start like span sub-requests' (their output would be hidden),
+    nor be a prefix of that (SGLang aborts by rid prefix: aborting ``"pic"`` would abort every
+    span sub-request, failing other clients' span requests)."""
+    from sglang_pic.spans.request import UNIT_RID_PREFIX
+
+    for item in _per_item(rid):
+        if isinstance(item, str) and (
+            item.startswith(UNIT_RID_PREFIX) or UNIT_RID_PREFIX.startswith(item)
+        ):
+            raise ValueError(
+                f"request ids starting with {UNIT_RID_PREFIX!r} or a prefix of it are reserved"
+            )
+
+
 def check_generate_request(self, obj, *args, **kwargs) -> None:
     """BEFORE hook for `TokenizerManager.generate_request(self, obj, request=None)`."""
-    validate_sampling_params(getattr(obj, "sampling_params", None))
+    from sglang_pic.spans.request import accepted_marker_ids
+
+    params = getattr(obj, "sampling_params", None)
+    validate_sampling_params(params)
+    validate_rid(getattr(obj, "rid", None))
+    vocab_size = int(self.model_config.vocab_size)
+    validate_token_ids(
+        "input_ids", getattr(obj, "input_ids", None), vocab_size, accepted_marker_ids(self)
+    )
+    validate_logprob_params(obj, vocab_size)
+    key = constrained_field(params)
+    if key is not None and not constrained_decoding_available(self.server_args):
+        raise ValueError(
+            f"constrained decoding ({key}) is not available on this server's CPU engine"
+        )
+
+
+def check_openai_body(path: str, body: bytes) -> None:
+    """Raise ValueError when SGLang's pydantic model for ``path`` would crash on ``body`` (JSON).
+
+    ``ChatCompletionRequest``'s before-validators call ``.get`` on the body and on
+    ``response_format`` without checking their type, so ``"hello"`` or ``"response_format": "x"``
+    raised AttributeError: a 500. The body is validated here on its own parse (the validators
+    modify what they are given); what pydantic reports properly is left to SGLang's own 400.
+    """
+    import orjson
+    from pydantic import ValidationError
+
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return  # SGLang answers invalid JSON with a 400 itself
+    if not isinstance(data, dict):
+        raise ValueError(f"the request body must be a JSON object, got {_json_type(data)}")
+    model = _openai_model(path)
+    if model is None:
+        return
+    try:
+        model.model_validate(data)
+    except ValidationError:
+        return
+    except Exception as e:  # a validator that assumed a shape the body does not have
+        raise ValueError(
+            f"malformed {path} request: a field has the wrong type ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _json_type(value: Any) -> str:
+    names = {str: "a string", list: "an array", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _openai_model(path: str) -> Any:
+    from sglang.srt.entrypoints.openai import protocol
+
+    name = {
+        "/v1/chat/completions": "ChatCompletionRequest",
+        "/v1/completions": "CompletionRequest",
+    }.get(path)
+    return getattr(protocol, name) if name else None
 
 
 HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"

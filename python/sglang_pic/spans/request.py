@@ -28,6 +28,8 @@ PDEP_ID = -2
 """Dependent-segment marker inside ``input_ids``."""
 LAYOUT_KEY = "pic_spans"
 """``custom_params`` key carrying the padded layout to the scheduler."""
+UNIT_RID_PREFIX = "pic-span-"
+"""Request ids of internal span sub-requests (``planner.py``); never a client's."""
 
 
 def add_marker_tokens(tokenizer: Any, cfg: span_config.SpanConfig) -> tuple[int, int]:
@@ -61,11 +63,11 @@ def layout_prompt(
     """(padded ids, encoded layout) for a prompt with markers, or None when it has none."""
     ssep, pdep = marker_ids
     norm = [SSEP_ID if t == ssep else PDEP_ID if t == pdep else t for t in ids]
+    if any(t < 0 and t != SSEP_ID and t != PDEP_ID for t in norm):
+        raise SpanError("input_ids contain negative ids other than the span markers -1 and -2")
     pieces = split_pieces(norm, SSEP_ID, PDEP_ID)
     if pieces is None:
         return None
-    if any(t < 0 for _, toks in pieces for t in toks):
-        raise SpanError("input_ids contain negative ids other than the span markers -1 and -2")
     padded, layout = pad_pieces(pieces, page_size, pad_id)
     return padded, encode_pieces(layout)
 
@@ -161,9 +163,11 @@ class SpanRequestResolver:
                 return None  # vanilla behaviour: marker strings are ordinary text
             ids = self._tokenize(item)
         elif isinstance(item, list):
-            has_sentinel = any(isinstance(t, int) and t < 0 for t in item)
+            # other negative ids are not markers: the span-enabled path refuses them in
+            # layout_prompt, request_validation refuses them everywhere
+            has_sentinel = SSEP_ID in item or PDEP_ID in item
             has_marker = self.enabled and any(t in self.marker_ids for t in item)
-            if not (has_sentinel or has_marker):
+            if not (has_sentinel or has_marker or (self.enabled and _has_negative(item))):
                 return None
             ids = item
         else:
@@ -176,6 +180,19 @@ class SpanRequestResolver:
         return layout_prompt(
             ids, marker_ids=self.marker_ids, page_size=self.page_size, pad_id=self.pad_id
         )
+
+
+def _has_negative(ids: list[Any]) -> bool:
+    return any(isinstance(t, int) and t < 0 for t in ids)
+
+
+def accepted_marker_ids(tokenizer_manager: Any) -> frozenset[int]:
+    """Ids that stand for span markers in ``input_ids`` on this server, outside the model's
+    vocabulary: -1/-2 and the marker tokens added to the tokenizer; none without the span cache."""
+    resolver = getattr(tokenizer_manager, "_pic_span_resolver", None)
+    if resolver is None or not resolver.enabled:
+        return frozenset()
+    return frozenset((SSEP_ID, PDEP_ID, *resolver.marker_ids))
 
 
 def install_resolver(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
