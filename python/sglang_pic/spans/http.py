@@ -9,13 +9,23 @@ an extra field would be dropped silently. The middleware rewrites the body befor
   with a trailing dependent marker after a final independent span, so the chat template's closing
   tokens (and everything after) read the spans.
 
-Bad ``spans`` get HTTP 400 with the reason, in SGLang's error format.
+Every body of these endpoints is parsed as JSON, with the parser SGLang itself uses (orjson), so
+the middleware sees the keys SGLang will see: a key written ``"\\u0073pans"`` is ``spans`` to
+both. A body SGLang cannot parse either (invalid JSON, nesting deeper than orjson's limit) goes on
+unchanged and SGLang answers it with a 400. The OpenAI bodies are also checked with
+``request_validation.check_openai_body`` (SGLang's chat validators crash on some shapes).
+
+Bad ``spans`` and malformed bodies get HTTP 400 with the reason, in the endpoint's error format.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import orjson
+
+from sglang_pic.request_validation import check_openai_body
 
 from . import config
 from .request import spans_to_prompt, with_spans
@@ -58,7 +68,8 @@ def rewrite_body(path: str, body: Any) -> Any:
 
 
 class SpansMiddleware:
-    """Pure ASGI middleware (no response buffering; only span-carrying request bodies are read)."""
+    """Pure ASGI middleware (the request bodies of the prompt endpoints are read whole, as SGLang
+    reads them; responses are not buffered)."""
 
     def __init__(self, app: Any, enabled: bool = True):
         self.app = app
@@ -73,33 +84,17 @@ class SpansMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        chunks = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        raw = b"".join(chunks)
-        if b'"spans"' in raw:
-            try:
-                body = json.loads(raw)
-                rewritten = rewrite_body(path, body)
-                if rewritten is not body and not self.enabled:
-                    raise SpanError(
-                        "the 'spans' field needs the span cache: start the server with "
-                        "`sglang-pic serve --enable-span-cache` (or --radix-cache-backend pic_span)"
-                    )
-                raw = json.dumps(rewritten).encode()
-            except SpanError as e:
-                await _send_400(send, str(e), openai=path != "/generate")
-                return
-            except ValueError:
-                pass  # not JSON: let SGLang answer as it would
-            scope = dict(scope)
-            scope["headers"] = [
-                (k, str(len(raw)).encode() if k == b"content-length" else v)
-                for k, v in scope.get("headers", [])
-            ]
+        raw = await _read_body(receive)
+        try:
+            raw = self._rewrite(path, raw)
+        except ValueError as e:  # SpanError, and malformed bodies
+            await _send_400(send, str(e), openai=path != "/generate")
+            return
+        scope = dict(scope)
+        scope["headers"] = [
+            (k, str(len(raw)).encode() if k == b"content-length" else v)
+            for k, v in scope.get("headers", [])
+        ]
         sent = False
 
         async def replay() -> dict:
@@ -110,6 +105,37 @@ class SpansMiddleware:
             return {"type": "http.request", "body": raw, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    def _rewrite(self, path: str, raw: bytes) -> bytes:
+        """The body to pass on: ``raw`` itself, or re-encoded with its ``spans`` resolved."""
+        if path != "/generate":
+            check_openai_body(path, raw)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw  # SGLang answers with its own 400
+        rewritten = rewrite_body(path, body)
+        if rewritten is body:
+            return raw
+        if not self.enabled:
+            raise SpanError(
+                "the 'spans' field needs the span cache: start the server with "
+                "`sglang-pic serve --enable-span-cache` (or --radix-cache-backend pic_span)"
+            )
+        try:
+            return orjson.dumps(rewritten)
+        except TypeError as e:  # orjson.JSONEncodeError: nested deeper than orjson writes
+            raise ValueError(f"the request body cannot be re-encoded: {e}") from None
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    more = True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 async def _send_400(send: Any, message: str, openai: bool) -> None:
