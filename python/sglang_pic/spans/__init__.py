@@ -14,8 +14,10 @@ position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, 
 | HTTP server       | BEFORE ``http_server.launch_server``: middleware turning the ``spans`` field into a prompt | ``http`` |
 | scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
 | scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
-| scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held | ``planner`` |
+| scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held, cancel unneeded sub-requests | ``planner`` |
 | scheduler         | AROUND ``SchedulerOutputStreamer.stream_output``: internal span prefills are not streamed | here |
+| scheduler         | AROUND ``SchedulerOutputStreamer.get_cached_tokens_details``: the split of ``cached_tokens`` | ``planner`` |
+| scheduler         | AFTER ``Scheduler.init_load_inquirer``: held requests in ``/v1/loads`` | ``load`` |
 
 ``sglang-pic serve --enable-span-cache`` selects all of it; semantics and API: ``docs/spans.md``.
 """
@@ -25,13 +27,14 @@ from __future__ import annotations
 from typing import Any
 
 from .config import BACKEND
-from .planner import is_unit
+from .planner import cached_tokens_details, is_unit
 from .request import PDEP_ID, SSEP_ID, spans_to_prompt
 from .segments import SpanError
 
 __all__ = ["BACKEND", "PDEP_ID", "SSEP_ID", "SpanError", "register", "spans_to_prompt"]
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 
@@ -62,12 +65,9 @@ def register() -> None:
         (f"{_SCHEDULER}.handle_generate_request", _on_generate_request, HookType.AROUND),
         (f"{_SCHEDULER}._add_request_to_queue", _on_add_to_queue, HookType.AROUND),
         (f"{_SCHEDULER}.abort_request", _on_abort, HookType.AFTER),
-        (
-            "sglang.srt.managers.scheduler_components.output_streamer."
-            "SchedulerOutputStreamer.stream_output",
-            _hide_span_prefills,
-            HookType.AROUND,
-        ),
+        (f"{_STREAMER}.stream_output", _hide_span_prefills, HookType.AROUND),
+        (f"{_STREAMER}.get_cached_tokens_details", _cached_details, HookType.AROUND),
+        (f"{_SCHEDULER}.init_load_inquirer", _on_load_inquirer, HookType.AFTER),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
@@ -106,3 +106,19 @@ def _hide_span_prefills(original: Any, streamer: Any, reqs: Any, *args: Any, **k
         if not reqs:
             return None
     return original(streamer, reqs, *args, **kwargs)
+
+
+def _cached_details(original: Any, streamer: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    planner = _planner(streamer)
+    if planner is None or getattr(req, "pic_segments", None) is None:
+        return original(streamer, req, *args, **kwargs)
+    return cached_tokens_details(req, with_storage=planner.cache.store is not None)
+
+
+def _on_load_inquirer(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    planner = _planner(scheduler)
+    if planner is not None:
+        from .load import install_span_load
+
+        install_span_load(scheduler, planner.waiting_load)
+    return result

@@ -20,6 +20,10 @@ as soon as its own units are done, and units enter the waiting queue like any re
 prefills batch together with other prefills and alternate with running decodes; ``barrier`` holds
 every final prompt until no unit is pending at all (prefill all spans, then all questions).
 
+Cancellation: a unit runs only for the held requests waiting on it. When the last of them is
+aborted (SGLang aborts a request whose client disconnected), the unit is aborted too, and so on down
+the units that unit waited for, so a disconnected client leaves no span prefill running.
+
 Pins are released when the request finishes, or is aborted before it ran. Pinned pages cannot be
 evicted, so the planner bounds them: while pinned plus in-flight span tokens exceed
 ``MAX_PINNED_FRACTION`` of the KV pool and some request is already held, new requests wait in a
@@ -44,7 +48,8 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from .config import SpanConfig
-from .request import LAYOUT_KEY
+from .load import SpanLoad
+from .request import LAYOUT_KEY, UNIT_RID_PREFIX
 from .segments import Segment, SpanError, build_segments, decode_pieces
 
 if TYPE_CHECKING:
@@ -54,7 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-UNIT_RID_PREFIX = "pic-span-"
 MAX_PINNED_FRACTION = 0.5
 """Share of the KV pool that pinned spans plus pending span prefills may take before new requests
 wait in the backlog."""
@@ -146,7 +150,8 @@ class SpanPlanner:
             del self._expected[rid]
         for rid in [r for r in self.held if matches(r)]:
             held = self.held.pop(rid)
-            scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=rid), held.req)
+            if not is_unit(held.req):  # a unit has no client to answer
+                scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=rid), held.req)
             self._unpin(rid)
         for req, recv in [b for b in self.backlog if matches(b[0].rid)]:
             self.backlog.remove((req, recv))
@@ -157,6 +162,41 @@ class SpanPlanner:
         if recv_req.abort_all:
             for unit in list(self.units.values()):
                 self._finish_unit(unit, failed="aborted")
+        else:
+            self._cancel_unneeded_units(scheduler)
+
+    def _cancel_unneeded_units(self, scheduler: Any) -> None:
+        """Abort every unit that no held request waits for any more.
+
+        Each abort goes through ``Scheduler.abort_request`` (SGLang drops the unit from its waiting
+        queue, its chunked prefill or its batch) and so back through ``on_abort``, which cancels the
+        units a held dependent unit was itself waiting for.
+        """
+        from sglang.srt.managers.io_struct import AbortReq
+
+        unneeded = [
+            u for u in self.units.values() if not any(w in self.held for w in u.waiters)
+        ]
+        if unneeded:
+            logger.info("cancelling %d span prefill(s) no request waits for", len(unneeded))
+        for unit in unneeded:
+            if self.units.get(unit.key) is not unit:
+                continue  # cancelled by an earlier abort of this loop
+            del self.units[unit.key]
+            self.unit_by_rid.pop(unit.rid, None)
+            scheduler.abort_request(AbortReq(rid=unit.rid))
+
+    def waiting_load(self) -> SpanLoad:
+        """The requests this planner holds outside SGLang's queues (``spans/load.py``)."""
+        requests = tokens = uncached = 0
+        for held in self.held.values():
+            n = len(held.req.origin_input_ids)
+            requests, tokens = requests + 1, tokens + n
+            uncached += max(0, n - held.req.pic_segments[-1].start)
+        for req, _ in self.backlog:
+            n = len(req.origin_input_ids)
+            requests, tokens, uncached = requests + 1, tokens + n, uncached + n
+        return SpanLoad(requests, tokens, uncached)
 
     # ---- planning -------------------------------------------------------------------------
     def _intercept(self, req: Req) -> bool:
@@ -221,6 +261,7 @@ class SpanPlanner:
         pending: set[str] = set()
         unit_tokens = 0
         pins: list[tuple[Any, int]] = []
+        req.pic_store_tokens = 0
         for i, seg in enumerate(segments[:-1]):
             key = _unit_key(ids, seg)
             unit = self.units.get(key)
@@ -228,6 +269,8 @@ class SpanPlanner:
                 node = self._cached_node(ids, seg.namespace, seg.key_start, seg.key_end)
                 if node is None and self._load_from_store(ids, seg):
                     node = self._cached_node(ids, seg.namespace, seg.key_start, seg.key_end)
+                    if node is not None:
+                        req.pic_store_tokens += seg.key_end - seg.key_start
                 if node is not None:
                     self._pin(pins, node, seg.key_end - seg.key_start)
                     continue
@@ -418,3 +461,23 @@ def _is_abort(req: Req) -> bool:
 
 def _abort_message(req: Req) -> str:
     return getattr(_reason(req), "message", None) or "aborted"
+
+
+def cached_tokens_details(req: Req, with_storage: bool) -> dict[str, int] | None:
+    """``meta_info.cached_tokens_details`` of a span request, consistent with ``cached_tokens``.
+
+    SGLang derives ``device`` from the prefix matched at admission, which for a span request
+    includes the pages its own span sub-requests computed a moment before; ``cached_tokens`` does
+    not (see ``_try_release``). Here the details split ``cached_tokens`` itself: ``storage`` is
+    what the planner loaded from PTStore for this request, ``device`` the rest; nothing is in
+    HiCache's host tier (the span cache does not run with HiCache). None when nothing was cached,
+    as SGLang answers.
+    """
+    cached = max(0, int(getattr(req, "cached_tokens", 0)))
+    if cached == 0:
+        return None
+    storage = min(cached, int(getattr(req, "pic_store_tokens", 0)))
+    details = {"device": cached - storage, "host": 0}
+    if with_storage or storage:
+        details["storage"] = storage
+    return details
