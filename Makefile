@@ -4,7 +4,7 @@
 ARGS ?=
 VENV ?= .venv
 
-.PHONY: serve test env
+.PHONY: serve test test-gpu env
 
 env:
 	@bash scripts/setup_env.sh
@@ -14,3 +14,8 @@ serve: env
 
 test:
 	@bash scripts/run_tests.sh $(ARGS)
+
+# On the device (after the devkit's three steps, see docs/benchmarks.md): the GPU-marked tests
+# and the kernel tests at model sizes; the log goes to benchmark/results/ with machine and versions.
+test-gpu:
+	@bash scripts/run_gpu_tests.sh

@@ -4,7 +4,11 @@ Each *variant* runs the same workload in its own process, so the two never share
 CUDA context or imported plugin:
 
 - ``vanilla``: SGLang as installed (on the H200: the devkit), with our source tree *not* on
-  ``sys.path``; SGLang finds no ``sglang.srt.plugins`` entry point from us.
+  ``sys.path``; SGLang finds no ``sglang.srt.plugins`` entry point from us. It runs on
+  **FlashInfer**, the fastest attention backend SGLang 0.5.17 has on the device (SGLang's Hopper
+  default, FA3, is not in the devkit: docs/benchmarks.md says why). Every headline ratio is
+  against this variant.
+- ``vanilla-triton``: the same, on SGLang's triton backend: a second column, never a headline.
 - ``sglang-pic``: the same SGLang, plus ``python/`` and ``sgl-kernel/python/`` on ``sys.path`` and
   a minimal ``sglang_pic-*.dist-info`` that declares our entry point, so SGLang loads our plugin in
   every process exactly as a ``pip install`` would (the device has no network and no build tools).
@@ -32,13 +36,16 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmark" / "results"
 MODELS = REPO / "benchmark" / "models"
 VARIANTS = ("vanilla", "sglang-pic")
-# Llama-3.1-8B shape with dummy weights, token ids only, SGLang's triton backend: the common base
-# of the H200 benchmarks (each adds its context length, memory fraction and graph sizes).
+# The attention backend of each vanilla variant (``vanilla`` is the baseline of every headline).
+VANILLA_BACKENDS = {"vanilla": "flashinfer", "vanilla-triton": "triton"}
+# Llama-3.1-8B shape with dummy weights, token ids only, vanilla SGLang's FlashInfer backend: the
+# common base of the H200 benchmarks (each adds its context length, memory fraction and graph
+# sizes; a sglang-pic variant names its own backend where its feature needs one).
 LLAMA3_8B_DUMMY = {
     "model_path": "benchmark/models/llama3-8b",
     "load_format": "dummy",
     "skip_tokenizer_init": True,
-    "attention_backend": "triton",
+    "attention_backend": "flashinfer",
     "dtype": "bfloat16",
     "disable_prefill_cuda_graph": True,
 }
@@ -113,7 +120,8 @@ def _child(spec_path: str) -> None:
 def ratio_table(results: dict[str, dict], higher_is_better: set[str]) -> list[dict]:
     """Rows of (metric, vanilla, pic, ratio pic/vanilla) for every numeric metric both reported."""
     rows = []
-    van, pic = results.get("vanilla", {}), results.get("sglang-pic", {})
+    van = results.get("vanilla", {})
+    pic = next((r for v, r in results.items() if v.startswith("sglang-pic")), {})
     for key, v in van.items():
         p = pic.get(key)
         if isinstance(v, (int, float)) and isinstance(p, (int, float)) and not isinstance(v, bool):
@@ -160,6 +168,8 @@ def run_side_by_side(
             out = Path(tmp) / f"{variant}.json"
             spec = Path(tmp) / f"{variant}.spec.json"
             kwargs = {**engine_kwargs, **(variant_kwargs or {}).get(variant, {})}
+            if variant in VANILLA_BACKENDS and "device" not in kwargs:  # GPU runs only
+                kwargs["attention_backend"] = VANILLA_BACKENDS[variant]
             spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
                                         "engine_kwargs": kwargs, "params": params}))
             print(f"[bench] {name}: running {variant} ...", flush=True)
@@ -173,6 +183,8 @@ def run_side_by_side(
                 results[variant] = {"error": f"exit code {proc.returncode}"}
             else:
                 results[variant] = json.loads(out.read_text())
+                # the workload may pick the backend its feature needs: it reports it then
+                results[variant].setdefault("attention_backend", kwargs.get("attention_backend"))
             print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
             if len(results) < len(variants):  # a partial report survives a later variant's crash
                 _write_report(name, out_dir, {"benchmark": name, "partial": True,
@@ -189,9 +201,19 @@ def run_side_by_side(
         "ratios": rows,
     }
     print_table(rows)
+    failed = sorted(v for v, r in results.items() if "error" in r)
+    if failed:  # nothing that looks like a result: the caller exits non-zero
+        report["failed_variants"] = failed
+        path = _write_report(f"{name}.failed", out_dir, report)
+        raise BenchmarkFailed(f"variant(s) {', '.join(failed)} failed; report in {path}")
     path = _write_report(name, out_dir, report)
     print(f"[bench] wrote {path}")
     return report
+
+
+class BenchmarkFailed(SystemExit):
+    """A variant of a side-by-side run failed: the run writes ``<name>.failed.json`` (for the
+    post-mortem) instead of a result and the benchmark exits non-zero."""
 
 
 async def stream_generate(engine, ids: list[int], sp: dict,
@@ -277,6 +299,13 @@ def save_figure(fig, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
     return out
+
+
+def smoke_dir() -> str:
+    """Where ``--smoke`` / ``--quick`` runs write (never the tracked ``benchmark/results``)."""
+    folder = Path(tempfile.gettempdir()) / "sglang-pic-bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)
 
 
 def _write_report(name: str, out_dir: str | None, report: dict) -> Path:

@@ -81,6 +81,11 @@ CPU_DECODE = [  # (q_heads, kv_heads, head_dim, lens, page_size, rope, mode)
     (4, 1, 32, [33, 3], 4, "qwen2", ROPE_IN_KERNEL),
     (2, 2, 32, [64], 16, "llama2", ROPE_FROM_CACHE),
 ]
+def _gpu(cases: list) -> list:
+    """Model-sized cases: run on the device (``make test-gpu``), skipped on CPU machines."""
+    return [pytest.param(c, marks=pytest.mark.gpu) for c in cases]
+
+
 GPU_DECODE = [
     (32, 8, 128, [1000, 4096, 17, 8000], 1, "llama3", ROPE_STEP),
     (32, 8, 128, [1000, 4096, 17, 30000], 1, "llama3", ROPE_FROM_CACHE),
@@ -90,7 +95,7 @@ GPU_DECODE = [
 ]
 
 
-@pytest.mark.parametrize("case", GPU_DECODE if DEVICE == "cuda" else CPU_DECODE)
+@pytest.mark.parametrize("case", CPU_DECODE + _gpu(GPU_DECODE))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE == "cuda"
                          else [torch.float32])
 def test_decode_matches_reference(case, dtype):
@@ -128,7 +133,7 @@ GPU_EXTEND = [
 
 
 @pytest.mark.parametrize("new_keys", [NEW_KEYS_PRE_ROTATED, NEW_KEYS_IN_KERNEL])
-@pytest.mark.parametrize("case", GPU_EXTEND if DEVICE == "cuda" else CPU_EXTEND)
+@pytest.mark.parametrize("case", CPU_EXTEND + _gpu(GPU_EXTEND))
 @pytest.mark.parametrize("dtype", [torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
 def test_extend_matches_reference(case, dtype, new_keys):
     hq, hk, d, pre_lens, ext_lens, page, rope_kind, mode = case

@@ -1,0 +1,239 @@
+"""Every number the README and docs quote, read from the raw result JSONs in one place.
+
+Each *claim* names a raw file in ``benchmark/results/``, a metric, the baseline and our variant;
+this script reads them, takes the median of each side's samples (``<metric>_all`` where the run
+kept every sample, else the one value), and writes ``benchmark/results/headlines.json`` - one row
+per claim - and prints the same table. The ratio is oriented so that > 1 means ours is better.
+
+Row fields: ``claim, raw_file, metric, baseline_variant, baseline_backend, ours_variant, baseline,
+ours, ratio, spread`` (min-max of each side's samples), ``target, samples`` (per side, the
+smaller), ``same_run`` (both sides from one run), ``meets_target``, ``path`` (what the number
+measured, e.g. the store's TCP vs same-node path) and ``note``. A claim whose raw file is missing
+is listed with ``ours = null`` and the reason, never dropped silently.
+
+Rules the rows are checked against (``problems`` lists every row that breaks one): the baseline
+is vanilla SGLang on FlashInfer (a ``triton`` baseline is a legacy row to re-measure), ``samples``
+>= 3 per side, and ``same_run`` true.
+
+    python benchmark/headlines.py            # writes benchmark/results/headlines.json
+    python benchmark/headlines.py --check    # exit 1 if the file on disk is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "headlines.json"
+FLASHINFER = "flashinfer"
+MIN_SAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One quoted number: ``ours`` against ``baseline`` in ``raw_file``.
+
+    ``higher_is_better`` orients the ratio (ours / baseline when higher is better, else
+    baseline / ours). ``extract`` overrides the side-by-side reader for files of another
+    layout (the eviction replay)."""
+
+    claim: str
+    raw_file: str
+    metric: str
+    baseline_variant: str = "vanilla"
+    ours_variant: str = "sglang-pic"
+    higher_is_better: bool = False
+    target: float | None = None
+    path: str | None = None
+    note: str | None = None
+    extract: Callable[[dict], tuple[list[float], list[float], str | None]] | None = field(
+        default=None, compare=False)
+
+
+def _samples(result: dict, metric: str) -> list[float]:
+    for key in (f"{metric}_all", f"{metric}_samples"):
+        if isinstance(result.get(key), list) and result[key]:
+            return [float(x) for x in result[key]]
+    value = result.get(metric)
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def _backend(report: dict, variant: str) -> str | None:
+    res = report.get("results", {}).get(variant, {})
+    if res.get("attention_backend"):
+        return res["attention_backend"]
+    kwargs = {**report.get("engine_kwargs", {}),
+              **report.get("variant_kwargs", {}).get(variant, {})}
+    return kwargs.get("attention_backend")
+
+
+def _replay(workload: str, fraction: float, baselines: tuple[str, ...] = (
+        "lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "gdsf", "s3fifo")):
+    """Eviction replay (``bench_eviction.py``): the best baseline's and ``sae``'s token hit rate
+    per seed at one cache size; the best baseline is chosen by its mean over seeds."""
+
+    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
+        rows = [r for r in report["rows"]
+                if r["workload"] == workload and abs(r["fraction"] - fraction) < 1e-9]
+        by_policy: dict[str, dict[int, float]] = {}
+        for r in rows:
+            by_policy.setdefault(r["policy"], {})[r["seed"]] = r["token_hit_rate"]
+        present = [p for p in baselines if p in by_policy]
+        best = max(present, key=lambda p: statistics.mean(by_policy[p].values()))
+        seeds = sorted(by_policy["sae"])
+        return ([by_policy[best][s] for s in seeds], [by_policy["sae"][s] for s in seeds],
+                f"best baseline: {best}")
+
+    return extract
+
+
+SPANS = "spans_rag_h200.json"
+NONSPAN = "nonspan_overhead_h200.json"
+# decode cases where the KV fits the benchmark's 700K-token budget (b x (context + 40) tokens)
+NONSPAN_CASES = {
+    "ttft_1k": "prefill_1024_ms", "ttft_8k": "prefill_8192_ms", "ttft_32k": "prefill_32768_ms",
+    **{f"tpot_b{b}_{c // 1024}k": f"tpot_b{b}_ctx{c}_ms"
+       for b in (1, 32, 256) for c in (1024, 8192, 32768) if b * (c + 40) <= 700_000},
+}
+LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
+
+CLAIMS: list[Claim] = [
+    Claim("spans.rag_throughput", SPANS, "rag_requests_per_s", higher_is_better=True,
+          target=2.5, note="vanilla lists each request's documents in sorted order"),
+    Claim("spans.rag_ttft_p50", SPANS, "rag_ttft_p50_ms"),
+    Claim("spans.cached_span_ttft", SPANS, "ttft_cached_prefix_ms", target=10.0,
+          note="8K document cached after system prompt A, served after another system prompt"),
+    Claim("spans.new_prefix_ttft", SPANS, "ttft_new_prefix_ms",
+          note="8K document cached, after a system prompt never seen (prefilled as a span)"),
+    Claim("spans.cold_ttft", SPANS, "ttft_cold_ms", target=0.98,
+          note="nothing cached: the span server's cost on a cold prompt"),
+    *[Claim(f"spans.nonspan.{case}", NONSPAN, metric, ours_variant="sglang-pic-spans",
+            target=0.98, note="requests without spans on a --enable-span-cache server")
+      for case, metric in NONSPAN_CASES.items()],
+    Claim("store.shm_ttft_8k", "store_ttft_h200_prefault.json", "ttft_8192_ms",
+          ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
+          "host pool through shared memory", note=LEGACY),
+    Claim("store.socket_ttft_8k", "store_ttft_h200_shm.json", "ttft_8192_ms",
+          ours_variant="sglang-pic-ptstore-socket", target=1.5,
+          path="socket (zmq over loopback TCP)", note=LEGACY),
+    Claim("eviction.e2e_hit_rate.seed0", "eviction_e2e_h200_vs_lru_fifo.json", "token_hit_rate",
+          baseline_variant="vanilla-fifo", higher_is_better=True,
+          note=LEGACY + "; one open-loop run per variant (vanilla lru 0.720, the better "
+          "vanilla policy is fifo)"),
+    Claim("eviction.e2e_hit_rate.seed1", "eviction_e2e_h200_seed1_vs_lru_fifo.json",
+          "token_hit_rate", higher_is_better=True,
+          note=LEGACY + "; one open-loop run per variant (the better vanilla policy is lru)"),
+    Claim("eviction.e2e_ttft_p50.seed0", "eviction_e2e_h200_vs_lru_fifo.json", "ttft_p50_ms",
+          baseline_variant="vanilla-fifo", note=LEGACY),
+    Claim("eviction.e2e_ttft_p50.seed1", "eviction_e2e_h200_seed1_vs_lru_fifo.json",
+          "ttft_p50_ms", note=LEGACY),
+    *[Claim(f"eviction.replay.generated_mixed_{int(f * 100)}pct", "eviction_sim.json",
+            "token_hit_rate", baseline_variant="best baseline", ours_variant="sae",
+            higher_is_better=True, path="replay through SGLang's RadixCache (CPU)",
+            extract=_replay("mix", f)) for f in (0.05, 0.1, 0.2, 0.4)],
+    Claim("sparse.tpot_128k", "sparse_e2e_decode_sampled_h200.json", "tpot_ms_1x131072",
+          target=1.3, note=LEGACY),
+    Claim("sparse.overmemory_throughput", "sparse_offload_h200.json", "output_tokens_per_s",
+          higher_is_better=True, target=4.0,
+          note=LEGACY + "; 4 x 64K requests from a 72K-token pool, not 16 x 128K"),
+]
+
+
+def _row(c: Claim) -> dict:
+    row = {"claim": c.claim, "raw_file": c.raw_file, "metric": c.metric,
+           "baseline_variant": c.baseline_variant, "baseline_backend": None,
+           "ours_variant": c.ours_variant, "baseline": None, "ours": None, "ratio": None,
+           "spread": None, "target": c.target, "samples": 0, "same_run": False,
+           "meets_target": None, "path": c.path, "note": c.note}
+    raw = RESULTS / c.raw_file
+    if not raw.exists():
+        row["note"] = f"not measured yet: {c.raw_file} is missing"
+        return row
+    report = json.loads(raw.read_text())
+    if c.extract is not None:
+        base, ours, extra = c.extract(report)
+        row["baseline_backend"] = "n/a"
+        row["note"] = "; ".join(x for x in (c.note, extra) if x) or None
+    else:
+        results = report.get("results", {})
+        missing = [v for v in (c.baseline_variant, c.ours_variant)
+                   if v not in results or "error" in results[v]]
+        if missing:
+            row["note"] = f"variant(s) {', '.join(missing)} absent or failed in {c.raw_file}"
+            return row
+        base = _samples(results[c.baseline_variant], c.metric)
+        ours = _samples(results[c.ours_variant], c.metric)
+        row["baseline_backend"] = _backend(report, c.baseline_variant)
+    if not base or not ours:
+        row["note"] = f"{c.metric} missing in {c.raw_file}"
+        return row
+    b, o = statistics.median(base), statistics.median(ours)
+    ratio = (o / b if c.higher_is_better else b / o) if b and o else None
+    row.update(baseline=b, ours=o, ratio=ratio, samples=min(len(base), len(ours)),
+               spread={"baseline": [min(base), max(base)], "ours": [min(ours), max(ours)]},
+               same_run=not report.get("merged_from_earlier_call"))
+    if c.target is not None and ratio is not None:
+        row["meets_target"] = ratio >= c.target
+    return row
+
+
+def problems(row: dict) -> list[str]:
+    """The rules of docs/benchmarks.md a row breaks (empty: a headline-grade number)."""
+    out = []
+    if row["ours"] is None:
+        return ["not measured"]
+    if row["baseline_backend"] not in (FLASHINFER, "fa3", "n/a"):
+        out.append(f"baseline on {row['baseline_backend']}")
+    if row["samples"] < MIN_SAMPLES:
+        out.append(f"{row['samples']} sample(s) per side")
+    if not row["same_run"]:
+        out.append("not one run")
+    return out
+
+
+def build() -> dict:
+    rows = [_row(c) for c in CLAIMS]
+    for r in rows:
+        r["problems"] = problems(r)
+    return {"generated_by": "benchmark/headlines.py", "rows": rows}
+
+
+def print_table(doc: dict) -> None:
+    def num(x: float | None, fmt: str = ".4g") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    met = {True: "yes", False: "NO", None: "-"}
+    print(f"{'claim':<38}{'backend':>11}{'baseline':>11}{'ours':>11}{'ratio':>8}{'target':>8}"
+          f"{'met':>5}{'n':>3}  rule problems")
+    for r in doc["rows"]:
+        print(f"{r['claim']:<38}{r['baseline_backend'] or '-':>11}{num(r['baseline']):>11}"
+              f"{num(r['ours']):>11}{num(r['ratio'], '.3f'):>8}{num(r['target'], '.2f'):>8}"
+              f"{met[r['meets_target']]:>5}{r['samples']:>3}  {'; '.join(r['problems']) or '-'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="do not write; exit 1 if headlines.json differs from the raw files")
+    args = ap.parse_args()
+    doc = build()
+    print_table(doc)
+    text = json.dumps(doc, indent=1) + "\n"
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python benchmark/headlines.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
