@@ -27,7 +27,7 @@ import requests
 from conftest import Server, start_server, stop_server
 from sglang.srt.managers.load_snapshot import LoadSnapshot
 from sglang_pic.spans.load import SpanLoad, with_span_load
-from sglang_pic.spans.planner import SpanPlanner, cached_tokens_details
+from sglang_pic.spans.planner import Held, SpanPlanner, Unit, cached_tokens_details
 from sglang_pic.spans.segments import Segment
 
 PROBE = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -223,6 +223,39 @@ def test_disconnect_cancels_span_prefills(span_server):
         time.sleep(0.2)
     assert _cancel_lines(span_server) > cancelled_before, "no span prefill was cancelled"
     assert_survived(span_server)
+
+
+def test_abort_cancels_the_units_no_request_waits_for():
+    """R waits on U1, U2 and the dependent unit D, which itself waits on U1; S waits on U2.
+    Aborting R cancels D and, through D's abort, U1; U2 still has S and keeps running."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    planner = SpanPlanner(SimpleNamespace(), SimpleNamespace(schedule="isps"))
+    aborted: list[str] = []
+
+    class Scheduler:  # abort_request with our AFTER hook, as the plugin installs it
+        ipc_channels = SimpleNamespace(send_to_tokenizer=SimpleNamespace(
+            send_output=lambda out, req: aborted.append(f"answered {out.rid}")))
+
+        def abort_request(self, recv):
+            aborted.append(recv.rid)
+            planner.on_abort(self, recv)
+
+    units = {name: Unit(name, f"pic-span-{name}", None, 10) for name in ("u1", "u2", "d")}
+    units["u1"].waiters = ["R", "pic-span-d"]
+    units["u2"].waiters = ["R", "S"]
+    units["d"].waiters = ["R"]
+    planner.units = dict(units)
+    planner.unit_by_rid = {u.rid: u for u in units.values()}
+
+    def held(rid, pending):
+        return Held(SimpleNamespace(rid=rid, req_pool_idx=None), set(pending))
+
+    planner.held = {"R": held("R", ["u1", "u2", "d"]), "S": held("S", ["u2"]),
+                    "pic-span-d": held("pic-span-d", ["u1"])}
+    planner.on_abort(Scheduler(), AbortReq(rid="R"))
+    assert aborted == ["answered R", "pic-span-d", "pic-span-u1"]
+    assert list(planner.units) == ["u2"] and list(planner.held) == ["S"]
 
 
 def _held(rid: str, length: int, final_start: int) -> SimpleNamespace:

@@ -177,14 +177,19 @@ class SpanPlanner:
         unneeded = [
             u for u in self.units.values() if not any(w in self.held for w in u.waiters)
         ]
-        if unneeded:
-            logger.info("cancelling %d span prefill(s) no request waits for", len(unneeded))
+        if not unneeded:
+            return
+        logger.info("cancelling %d span prefill(s) no request waits for", len(unneeded))
         for unit in unneeded:
             if self.units.get(unit.key) is not unit:
                 continue  # cancelled by an earlier abort of this loop
             del self.units[unit.key]
             self.unit_by_rid.pop(unit.rid, None)
             scheduler.abort_request(AbortReq(rid=unit.rid))
+        # fewer units: a barrier may have lifted, and the backlog may fit the pin budget now
+        for rid in list(self.held):
+            self._try_release(rid)
+        self._drain_backlog()
 
     def waiting_load(self) -> SpanLoad:
         """The requests this planner holds outside SGLang's queues (``spans/load.py``)."""
