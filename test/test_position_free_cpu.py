@@ -62,7 +62,7 @@ def test_batch_outputs_equal_vanilla(servers):
         ids_a, lp_a = _tokens_and_logprobs(a)
         ids_b, lp_b = _tokens_and_logprobs(b)
         assert ids_a == ids_b
-        torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp_a, lp_b, atol=0, rtol=0)  # bit-identical
 
 
 def test_prefix_hit_and_chunked_prefill_equal_vanilla(servers):

@@ -212,9 +212,12 @@ def test_slots_follow_requests():
     assert state.slots[0].pool_index == 2
     step(state, [1], [401])
     assert state.slots[0].pool_index == 1
-    # a length that is not the next step of the known request: not that request, released
+    # a length that is not the next step of the known request: not that request, released, and
+    # (over the threshold) taken again as a new request of unknown id
+    encoded = state.stats["encoded_tokens"]
     step(state, [1], [300])
-    assert state.slots[0] is None or state.slots[0].seq_len == 300
+    assert state.slots[0] is not None and state.slots[0].seq_len == 300
+    assert state.slots[0].rid is None and state.stats["encoded_tokens"] > encoded
     # an extend batch seen without rids or lengths (a graph runner's view): released, to be safe
     state.note_extend([1], None, None, None)
     assert all(slot is None for slot in state.slots)
@@ -272,24 +275,34 @@ def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_
     runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
     keys: list[tuple] = []
 
-    def make_key(self, size, stream_idx=None, variant_label=None):
-        return (size, stream_idx, variant_label)
+    import inspect
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+        ShapeKey,
+    )
+
+    # SGLang's own method (unwrapped, should a hook have been applied in this process)
+    make_key = inspect.unwrap(DecodeCudaGraphRunner._make_graph_key)
+
+    def key(size, stream_idx=None, variant_label=None):
+        return ShapeKey(size=size, stream_idx=stream_idx, variant_label=variant_label)
 
     def capture(self):  # SGLang's capture makes one key per batch size
         keys.append(graphs.around_make_graph_key(make_key, self, 4))
 
     graphs.around_capture_one_stream(capture, runner)
-    assert keys == [(4, None, None), (4, None, "pariskv")] and not backend.capture_sparse
+    assert keys == [key(4), key(4, None, "pariskv")] and not backend.capture_sparse
     assert not backend.capturing and not backend.sparse.active
-    assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, None)
+    assert graphs.around_make_graph_key(make_key, runner, 2) == key(2)
     backend.sparse.active = True  # this step's batch has sparse rows
-    assert graphs.around_make_graph_key(make_key, runner, 2) == (2, None, "pariskv")
-    assert graphs.around_make_graph_key(make_key, runner, 2, None, "lora") == (
+    assert graphs.around_make_graph_key(make_key, runner, 2) == key(2, None, "pariskv")
+    assert graphs.around_make_graph_key(make_key, runner, 2, None, "lora") == key(
         2, None, "lora+pariskv")
     other = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=object()))
     keys.clear()
     graphs.around_capture_one_stream(capture, other)  # not our backend: captured once
-    assert keys == [(4, None, None)]
+    assert keys == [key(4)]
 
 
 def test_a_batch_with_no_long_request_reads_nothing_from_the_gpu():
