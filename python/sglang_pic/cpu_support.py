@@ -317,6 +317,9 @@ def register_cpu_hooks() -> None:
         _host_pool_without_pinning,
         HookType.AFTER,
     )
+    from sglang_pic.cpu_grammar import register_cpu_grammar_hooks
+
+    register_cpu_grammar_hooks()  # constrained decoding (xgrammar) on CPU
     _patch_cpu_stream()
     patch_paged_allocator()
     # HookRegistry can only wrap names that exist; these modules never define the name on CPU.
