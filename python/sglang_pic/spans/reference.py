@@ -82,14 +82,15 @@ def block_attention_greedy(
 
     toks = _layout(list(ids), pieces, recompute_tokens)
     neg = torch.finfo(model.dtype).min
+    dev = model.device
     allowed = _mask(toks)
-    bias = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill_(~allowed, neg)
+    bias = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill_(~allowed, neg).to(dev)
     visible = [not t.ghost for t in toks]
     out: list[int] = []
     with torch.no_grad():
         res = model(
-            input_ids=torch.tensor([[t.token for t in toks]]),
-            position_ids=torch.tensor([[t.position for t in toks]]),
+            input_ids=torch.tensor([[t.token for t in toks]], device=dev),
+            position_ids=torch.tensor([[t.position for t in toks]], device=dev),
             attention_mask=bias[None, None],
             use_cache=True,
         )
@@ -102,9 +103,9 @@ def block_attention_greedy(
             row = torch.zeros(1, 1, 1, len(visible), dtype=model.dtype)
             row[0, 0, 0, ~torch.tensor(visible)] = neg
             res = model(
-                input_ids=torch.tensor([[nxt]]),
-                position_ids=torch.tensor([[position]]),
-                attention_mask=row,
+                input_ids=torch.tensor([[nxt]], device=dev),
+                position_ids=torch.tensor([[position]], device=dev),
+                attention_mask=row.to(dev),
                 past_key_values=res.past_key_values,
                 use_cache=True,
             )
