@@ -26,15 +26,16 @@ evicted block, which is what the policy learns from).
 In the server the request context comes from SGLang's ``Req`` (``request_context``); the trace
 simulator sets it itself (``context.using``).
 
-Only with ``SGLANG_PIC_SAE_STATS=<file>`` (measurement): AROUND hooks on ``Scheduler.run_batch``
-and ``Scheduler.on_idle`` count the scheduler's batches and busy time, which ``sae`` writes to the
-file next to the time its own callbacks and evict passes took.
+Only with ``--sae-stats FILE`` (``$SGLANG_PIC_SAE_STATS``; measurement): AROUND hooks on
+``Scheduler.run_batch`` and ``Scheduler.on_idle`` count the scheduler's batches and busy time,
+which ``sae`` writes to the file next to the time its own callbacks and evict passes took.
 """
 
 from __future__ import annotations
 
-import os
 import time
+
+from sglang_pic.server_flags import setting
 
 from . import context as ctxmod
 from . import segmentation
@@ -292,7 +293,7 @@ def around_on_idle(original, self, *args, **kwargs):
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if os.environ.get("SGLANG_PIC_SAE_STATS"):
+    if setting("--sae-stats"):
         HookRegistry.register(f"{SCHEDULER}.run_batch", around_run_batch, HookType.AROUND)
         HookRegistry.register(f"{SCHEDULER}.on_idle", around_on_idle, HookType.AROUND)
 

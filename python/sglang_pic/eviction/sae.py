@@ -28,13 +28,13 @@ All ingredients adapt online from cache events the hooks report (``on_request``,
   (``estimators.LogNormalGaps``), and ``q``, the chance that the session sends another request
   at all - the session predictor's output for the session's last request
   (``estimators.ContinuationModel``, learned online from which sessions came back), or with the
-  predictor off (``SGLANG_PIC_SAE_PREDICTOR=0``) the application's observed return rate;
+  predictor off (``--sae-predictor off``) the application's observed return rate;
 - ``gamma``: fitted to how the hit rate falls with relative offset (``estimators.PositionDecay``).
 
 The seed's ``P(b) = alpha_q * w_tau * p_q(b) / dt_b`` had per-queue weights ``alpha_q`` (a
 softmax of hit tokens per resident token) to make queues comparable; with every index in
 reuses per second they are not needed, and measured on the replay they cost up to 2 pp
-(``docs/eviction.md``); ``SGLANG_PIC_SAE_QUEUE_WEIGHTS=1`` puts them back (the ``sae-alpha``
+(``docs/eviction.md``); ``--sae-queue-weights on`` puts them back (the ``sae-alpha``
 ablation of the replay).
 """
 
@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
+from sglang_pic.server_flags import setting
+
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import (
     ClassRate,
@@ -64,8 +66,6 @@ from .estimators import (
 logger = logging.getLogger(__name__)
 
 QUEUES = ("evict_first", "structural", "chat", "agent")
-# Leaves scored per evict pass (hooks._sampled_evict); 0 scores all of them, as SGLang does.
-SAMPLE_SIZE = int(os.environ.get("SGLANG_PIC_SAE_SAMPLE", "1024"))
 # Priors for w_tau before any evidence: the probability that a block of this type is reused
 # within a minute, as reuses per second.
 TYPE_PRIORS = {t: p / 60.0 for t, p in {"system": 0.9, "tool": 0.5, "user": 0.5,
@@ -116,8 +116,9 @@ class SAEStrategy(EvictionStrategy):
 
     name = "sae"
 
-    def __init__(self, ghost_capacity: int = 65536, sample_size: int = SAMPLE_SIZE,
+    def __init__(self, ghost_capacity: int = 65536, sample_size: int | None = None,
                  temperature: float = 2.0) -> None:
+        # the knobs (--sae-*) are read when the policy is built, in the scheduler process
         self.w = {(t, a): ClassRate(TYPE_PRIORS[t]) for t in TOKEN_TYPES for a in APP_TYPES}
         self.gaps = {a: LogNormalGaps(*GAP_PRIORS[a]) for a in APP_TYPES}
         self.position = PositionDecay()
@@ -125,7 +126,7 @@ class SAEStrategy(EvictionStrategy):
         self.resident = dict.fromkeys(QUEUES, 0)
         # the seed's per-queue weights alpha_q (off by default, see the module docstring):
         # softmax over queues of log(1 + hit tokens / resident tokens), with a temperature
-        self.queue_weights = os.environ.get("SGLANG_PIC_SAE_QUEUE_WEIGHTS", "0") == "1"
+        self.queue_weights = setting("--sae-queue-weights")
         self.temperature = temperature
         self.queue_hits = dict.fromkeys(QUEUES, 0.0)
         self.alpha = dict.fromkeys(QUEUES, 1.0)
@@ -141,14 +142,15 @@ class SAEStrategy(EvictionStrategy):
             a: OrderedDict() for a in APP_TYPES}
         self.session_p: dict[str, float] = {}  # P(another request) after the last one
         # q of the session index from the predictor (per session) or, off, per application
-        self.use_predictor = os.environ.get("SGLANG_PIC_SAE_PREDICTOR", "1") != "0"
+        self.use_predictor = setting("--sae-predictor")
         # a JSON file the counters are written to after every evict pass (inspection, tests)
-        self.stats_path = os.environ.get("SGLANG_PIC_SAE_STATS")
+        self.stats_path = setting("--sae-stats")
         self.ghost: OrderedDict[tuple, tuple[tuple[str, str] | None, int]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
         self.events = defaultdict(int)
-        self.sample_size = sample_size  # evict passes look at this many leaves (0 = all)
+        # leaves scored per evict pass (hooks._sampled_evict); 0 scores all, as SGLang does
+        self.sample_size = setting("--sae-sample") if sample_size is None else sample_size
         self.rng = random.Random(0)
         # get_priority runs for every evictable leaf on every evict call (SGLang rebuilds its
         # heap each time), so the index of a session or class is computed once per clock
@@ -159,7 +161,7 @@ class SAEStrategy(EvictionStrategy):
         if self.stats_path:
             self._time_callbacks()
 
-    # ---- where the time goes (with SGLANG_PIC_SAE_STATS only) ----------------------------
+    # ---- where the time goes (with --sae-stats only) -------------------------------------
     TIMED = ("get_priority", "on_request", "on_insert", "on_split", "on_hit", "on_evict")
 
     def _time_callbacks(self) -> None:

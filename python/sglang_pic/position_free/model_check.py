@@ -7,9 +7,9 @@ the server refuses to start instead of serving silently wrong attention.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from sglang_pic.server_flags import setting
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -17,8 +17,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-ROPE_MODE_ENV = "SGLANG_PIC_ROPE_MODE"  # "step" (default) | "cache" | "compute"
-NEW_KEYS_ENV = "SGLANG_PIC_NEW_KEYS"  # "pre_rotated" | "in_kernel"
 
 
 class PositionFreeUnsupported(ValueError):
@@ -100,10 +98,11 @@ def rotary_table(model_runner):
     from sglang_pic_kernel.rotating_attention import RotaryTable
 
     rotary = model_rotary(model_runner)
-    mode = os.environ.get(ROPE_MODE_ENV, "step")
+    mode = setting("--position-free-rope-mode")
     inv_freq = rotary._compute_inv_freq(rotary.base)
     return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, mode).to(model_runner.device)
 
 
 def new_keys_mode() -> str:
-    return os.environ.get(NEW_KEYS_ENV, "pre_rotated")
+    """``--position-free-new-keys``, handed over by the launcher."""
+    return setting("--position-free-new-keys")

@@ -1,19 +1,19 @@
 """Span-cache settings, read from the environment so every SGLang process sees the same values.
 
-`sglang-pic serve` turns its flags (`--enable-span-cache`, `--span-schedule`, `--span-pad-token-id`,
-`--span-markers`, `--span-recompute-tokens`) into these variables before SGLang starts its
-tokenizer and scheduler processes, which inherit them.
+The launcher checks the flags (`--span-schedule`, `--span-pad-token-id`, `--span-markers`,
+`--span-recompute-tokens`) and hands them over as `SGLANG_PIC_SPAN_*` variables before SGLang
+starts its tokenizer and scheduler processes, which inherit them (`sglang_pic.server_flags`, which
+also parses them back here). Standard library only: client programs import this (`sglang_pic.lang`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from sglang_pic.server_flags import setting
 
 BACKEND = "pic_span"
 """Name of our radix-cache backend (`--radix-cache-backend pic_span`)."""
-
-SCHEDULES = ("isps", "barrier")
 
 
 @dataclass(frozen=True)
@@ -36,20 +36,13 @@ class SpanConfig:
 
 
 def load() -> SpanConfig:
-    markers = os.environ.get("SGLANG_PIC_SPAN_MARKERS", "")
-    ssep, pdep = (markers.split(",", 1) + [""])[:2] if markers else ("", "")
-    pad = os.environ.get("SGLANG_PIC_SPAN_PAD_TOKEN_ID", "")
-    schedule = os.environ.get("SGLANG_PIC_SPAN_SCHEDULE", "isps")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"SGLANG_PIC_SPAN_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
-    recompute = int(os.environ.get("SGLANG_PIC_SPAN_RECOMPUTE_TOKENS", "0") or 0)
-    if recompute < 0:
-        raise ValueError(f"--span-recompute-tokens must be >= 0, got {recompute}")
-    defaults = SpanConfig()
+    """The settings of this process (a bad variable raises ``ValueError`` naming it and its
+    flag; the launcher has refused such values already)."""
+    ssep, pdep = setting("--span-markers")
     return SpanConfig(
-        ssep_marker=ssep or defaults.ssep_marker,
-        pdep_marker=pdep or defaults.pdep_marker,
-        pad_token_id=int(pad) if pad else None,
-        schedule=schedule,
-        recompute_tokens=recompute,
+        ssep_marker=ssep,
+        pdep_marker=pdep,
+        pad_token_id=setting("--span-pad-token-id"),
+        schedule=setting("--span-schedule"),
+        recompute_tokens=setting("--span-recompute-tokens"),
     )

@@ -1,9 +1,10 @@
-"""Knobs of sparse decoding in SGLang, read from ``SGLANG_PIC_SPARSE_*`` variables.
+"""Knobs of sparse decoding in SGLang, handed over in ``SGLANG_PIC_SPARSE_*`` variables.
 
-``sglang-pic serve --sparse-decode pariskv --sparse-topk 100 ...`` sets them in the launcher;
-SGLang's scheduler processes inherit the environment, and the attention backend reads them when
-it is created. A plain ``python -m sglang.launch_server --attention-backend pariskv_triton``
-uses the defaults (or whatever the variables say).
+``sglang-pic serve --sparse-decode pariskv --sparse-topk 100 ...`` checks the flags and sets the
+variables in the launcher (``sglang_pic.server_flags``); SGLang's scheduler processes inherit the
+environment, and the attention backend reads them when it is created. SGLang's own launcher takes
+the same flags through our plugin; the Python ``Engine`` has no flags of ours and reads whatever
+the variables say. Standard library only: the launcher imports this before SGLang.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import os
 from dataclasses import dataclass, fields
 
 ENV_PREFIX = "SGLANG_PIC_SPARSE_"
+MINIMUM = {"threshold": 0, "topk": 1, "candidates": 1, "sink": 0, "local": 1, "update": 1,
+           "max_requests": 1, "max_context": 0, "offload": 0}
+"""The smallest value of each integer knob; the cross-knob ranges are in ``validate``."""
 
 
 class SparseDecodeUnsupported(ValueError):
@@ -60,22 +64,26 @@ class SparseDecodeConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("topk", "candidates", "local", "update", "max_requests"):
-            if getattr(self, name) < 1:
-                raise SparseDecodeUnsupported(f"sparse {name} must be >= 1, got "
-                                              f"{getattr(self, name)}")
+        """Refuse values no request could decode with, naming the flags that set them."""
+        for name, lowest in MINIMUM.items():
+            if getattr(self, name) < lowest:
+                raise SparseDecodeUnsupported(
+                    f"{self.flag(name)} must be >= {lowest}, got {getattr(self, name)}")
         if self.offload not in (0, 1):
             raise SparseDecodeUnsupported(f"sparse offload must be 0 or 1, got {self.offload}")
-        if self.sink < 0 or self.max_context < 0:
-            raise SparseDecodeUnsupported("sparse sink and max_context must be >= 0")
         if self.candidates < self.topk:
             raise SparseDecodeUnsupported(
-                f"sparse candidates ({self.candidates}) must be >= topk ({self.topk})")
+                f"{self.flag('candidates')} ({self.candidates}) must be >= "
+                f"{self.flag('topk')} ({self.topk})")
         if self.threshold < self.sink + self.local + self.update:
             raise SparseDecodeUnsupported(
-                f"sparse threshold ({self.threshold}) must be >= sink + local + update "
+                f"{self.flag('threshold')} ({self.threshold}) must be >= sink + local + update "
                 f"({self.sink + self.local + self.update}): shorter contexts fit the dense "
                 "window anyway")
+        if self.max_context and self.max_context <= self.threshold:
+            raise SparseDecodeUnsupported(
+                f"{self.flag('max_context')} ({self.max_context}) must be over "
+                f"{self.flag('threshold')} ({self.threshold}): nothing would decode sparsely")
 
     @property
     def attended(self) -> int:
@@ -86,3 +94,9 @@ class SparseDecodeConfig:
     def env_name(field: str) -> str:
         """The variable that sets ``field`` (``topk`` -> ``SGLANG_PIC_SPARSE_TOPK``)."""
         return ENV_PREFIX + field.upper()
+
+    @staticmethod
+    def flag(field: str) -> str:
+        """The ``sglang-pic serve`` flag that sets ``field`` (``max_context`` ->
+        ``--sparse-max-context``)."""
+        return "--sparse-" + field.replace("_", "-")

@@ -1,0 +1,386 @@
+"""The server flags sglang-pic adds to SGLang's, in one table: each flag's default, range, and
+the environment variable that hands its value to SGLang's processes.
+
+Why variables at all: SGLang starts its tokenizer, scheduler and detokenizer processes itself and
+gives them only its own ``ServerArgs``; a child inherits the launcher's ``os.environ``, so that is
+how our values reach the code that uses them (the span planner, the attention backends, the
+eviction policy). The variables are that hand-off, not a second way to configure: the launcher
+(``sglang-pic serve``, or SGLang's own launcher with our plugin) sets them from the flags. A
+variable already in the environment, with no flag given, is kept (SGLang's Python ``Engine`` has no
+flags of ours, so it is configured that way) and checked like the flag.
+
+Each reader asks ``setting(flag)``, which parses the variable with the flag's own parser, so a value
+means the same wherever it is read. Standard library only: ``--help`` and every check of a value
+run before SGLang or torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_pic.sparse.config import MINIMUM as SPARSE_MINIMUM
+from sglang_pic.sparse.config import SparseDecodeConfig
+
+
+class BadValue(argparse.ArgumentTypeError):
+    """A flag's value is outside its range; the message says what is allowed."""
+
+
+class UsageError(SystemExit):
+    """Flags the launcher refuses: one line, naming the user's flags, before anything is loaded.
+
+    A ``SystemExit`` so that, uncaught, the process stops without a traceback; the launchers catch
+    it to print ``<prog>: error: <message>`` and exit with status 2 (argparse's usage status)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# ---- value parsers: str -> value, BadValue with the allowed range otherwise -------------------
+
+
+def integer(minimum: int = 0) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise BadValue(f"{raw!r} is not an integer") from None
+        if value < minimum:
+            raise BadValue(f"{value} is out of range (>= {minimum})")
+        return value
+    return parse
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise BadValue(f"supports {', '.join(map(repr, choices))} (got {raw!r})")
+        return raw
+    return parse
+
+
+_ON, _OFF = ("on", "1", "true", "yes"), ("off", "0", "false", "no")
+
+
+def on_off(raw: str) -> bool:
+    """``on``/``off`` on the command line; the variables also take 1/0 (what they were)."""
+    if raw.lower() in _ON:
+        return True
+    if raw.lower() in _OFF:
+        return False
+    raise BadValue(f"{raw!r} is not on or off")
+
+
+def marker_pair(raw: str) -> tuple[str, str]:
+    """``SSEP,PDEP``: split at the first comma."""
+    ssep, sep, pdep = raw.partition(",")
+    if not sep or not ssep or not pdep or ssep == pdep:
+        raise BadValue(f"{raw!r} is not two different non-empty markers SSEP,PDEP")
+    return ssep, pdep
+
+
+def decode_config(raw: str) -> tuple[int, int, int]:
+    """``BLOCK_N,WARPS,STAGES`` of the position-free decode kernel's stage 1 (Triton needs powers
+    of two for the tile and the warps)."""
+    try:
+        block_n, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise BadValue(f"{raw!r} is not three integers BLOCK_N,WARPS,STAGES") from None
+    if block_n not in (16, 32, 64, 128, 256) or warps not in (1, 2, 4, 8, 16) \
+            or not 1 <= stages <= 8:
+        raise BadValue(f"{raw!r}: BLOCK_N is 16..256 and WARPS 1..16 (powers of two), "
+                       "STAGES 1..8")
+    return block_n, warps, stages
+
+
+def in_writable_directory(path: str) -> None:
+    """A file the scheduler will (re)write: its directory must exist and be writable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise BadValue(f"{path!r}: no writable directory {directory}")
+
+
+def text(raw: str) -> str:
+    if not raw.strip():
+        raise BadValue("an empty value")
+    return raw
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    """The command-line flag, e.g. ``--span-schedule``."""
+    feature: str
+    """Key of ``FEATURES``: the help group, and what must be on for the flag to mean anything."""
+    help: str
+    parse: Callable[[str], Any] | None = None
+    """None: a switch without a value."""
+    default: Any = None
+    default_text: str | None = None
+    """How ``--help`` states a default that is not a value (e.g. "the model's")."""
+    range: str = ""
+    """The allowed values, as ``--help`` shows them."""
+    metavar: str | None = None
+    env: str | None = None
+    """The variable that hands the value to SGLang's processes (None: the launcher turns the flag
+    into SGLang flags instead)."""
+    hidden: bool = False
+    launch_check: Callable[[Any], None] | None = None
+    """Checked by the launcher only (readers in SGLang's processes take the value as it is and
+    cope, e.g. a stats file that cannot be written turns the stats off)."""
+
+    def from_argv(self, raw: str) -> Any:
+        """``parse`` plus ``launch_check``: what the command line accepts."""
+        value = self.parse(raw)
+        if self.launch_check is not None:
+            self.launch_check(value)
+        return value
+
+    def encode(self, value: Any) -> str:
+        """The variable's text for ``value`` (what ``parse`` reads back)."""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return self.show(value)
+
+    @staticmethod
+    def show(value: Any) -> str:
+        """``value`` as the command line writes it."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, tuple):
+            return ",".join(str(v) for v in value)
+        return "none" if value is None else str(value)
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Feature:
+    title: str
+    switch: str
+    """What turns the feature on (named in the refusal of its knobs given alone)."""
+
+
+FEATURES: dict[str, Feature] = {
+    "position_free": Feature("position-free KV", "--enable-position-free-kv "
+                             "(or --enable-span-cache)"),
+    "spans": Feature("span caching", "--enable-span-cache"),
+    "ptstore": Feature("PTStore (HiCache L3 tier, span pages)", "--ptstore"),
+    "sparse": Feature("sparse decoding (ParisKV)", "--sparse-decode pariskv"),
+    "sae": Feature("SAE eviction", "--radix-eviction-policy sae"),
+}
+
+_SPARSE_HELP = {
+    "threshold": "context (tokens) from which a request decodes sparsely",
+    "topk": "keys retrieved per KV head and step",
+    "candidates": "keys kept by collision voting for the rerank",
+    "sink": "always-attended first tokens",
+    "local": "always-attended most recent tokens",
+    "update": "window tokens moved to the retrieval region at once",
+    "max_requests": "requests decoding sparsely at once (their metadata is allocated at start)",
+    "max_context": "longest sparse context; 0: the model's",
+}
+_SPARSE_RANGE = {"threshold": ">= sink + local + update", "candidates": ">= topk",
+                 "max_context": "0, or over the threshold"}
+
+
+def _sparse_flags() -> list[Flag]:
+    d = SparseDecodeConfig()
+    out = []
+    for field, what in _SPARSE_HELP.items():
+        lo = SPARSE_MINIMUM[field]
+        out.append(Flag(SparseDecodeConfig.flag(field), "sparse", what, parse=integer(lo),
+                        default=getattr(d, field), range=_SPARSE_RANGE.get(field, f">= {lo}"),
+                        metavar="N", env=SparseDecodeConfig.env_name(field)))
+    return out
+
+
+FLAGS: dict[str, Flag] = {f.name: f for f in [
+    Flag("--enable-position-free-kv", "position_free",
+         "keys stored un-rotated, rotated in our attention kernels (selects the pic_ twin of "
+         "--attention-backend: triton -> pic_triton, torch_native -> pic_torch_native)"),
+    Flag("--position-free-rope-mode", "position_free",
+         "where the GPU decode kernel gets cos/sin: one table row per 64-key tile stepped by "
+         "angle addition, a table row per key, or cosf/sinf",
+         parse=one_of("step", "cache", "compute"), default="step",
+         metavar="{step,cache,compute}", env="SGLANG_PIC_ROPE_MODE"),
+    Flag("--position-free-new-keys", "position_free",
+         "extend: rotate the new tokens' keys once before attention, or in every query tile",
+         parse=one_of("pre_rotated", "in_kernel"), default="pre_rotated",
+         metavar="{pre_rotated,in_kernel}", env="SGLANG_PIC_NEW_KEYS"),
+    Flag("--position-free-decode-config", "position_free",
+         "stage-1 launch configuration of the GPU decode kernel",
+         parse=decode_config, default=(64, 2, 3),
+         range="BLOCK_N 16..256, WARPS 1..16, powers of two; STAGES 1..8",
+         metavar="BLOCK_N,WARPS,STAGES", env="SGLANG_PIC_DECODE_CONFIG"),
+    Flag("--enable-span-cache", "spans",
+         "span caching (SSEP/PDEP markers, `spans` request field); implies "
+         "--enable-position-free-kv and --radix-cache-backend pic_span"),
+    Flag("--span-schedule", "spans",
+         "isps: span prefills interleave with other work; barrier: final prompts wait until no "
+         "span prefill is pending",
+         parse=one_of("isps", "barrier"), default="isps", metavar="{isps,barrier}",
+         env="SGLANG_PIC_SPAN_SCHEDULE"),
+    Flag("--span-recompute-tokens", "spans",
+         "recompute the first K tokens of each span in context (link recompute)",
+         parse=integer(0), default=0, range=">= 0", metavar="K",
+         env="SGLANG_PIC_SPAN_RECOMPUTE_TOKENS"),
+    Flag("--span-pad-token-id", "spans", "token that pads spans to whole pages",
+         parse=integer(0), default_text="the tokenizer's pad, else eos", range=">= 0",
+         metavar="ID", env="SGLANG_PIC_SPAN_PAD_TOKEN_ID"),
+    Flag("--span-markers", "spans", "the marker strings in text prompts",
+         parse=marker_pair, default=("<|ssep|>", "<|pdep|>"),
+         range="two different non-empty strings", metavar="SSEP,PDEP",
+         env="SGLANG_PIC_SPAN_MARKERS"),
+    Flag("--ptstore", "ptstore",
+         "store servers: PTStore as HiCache's L3 tier (with --enable-span-cache: the span pages' "
+         "store)", parse=text, metavar="tcp://HOST:PORT,..."),
+    Flag("--ptstore-token-file", "ptstore",
+         "file with the PTStore token (else $SGLANG_PIC_PTSTORE_TOKEN); never on the command line",
+         parse=text, metavar="PATH"),
+    Flag("--ptstore-server-key", "ptstore",
+         "the store servers' public key, when not derived from the token",
+         parse=text, metavar="KEY"),
+    Flag("--ptstore-trace", "ptstore",
+         "one stderr line per PTStore lookup and load (wall clock, pages, hits, ms)",
+         default=False, env="SGLANG_PIC_STORE_TRACE"),
+    # refused with its reason (argv is visible to every user), not reported as unknown
+    Flag("--ptstore-token", "ptstore", "", parse=text, hidden=True),
+    Flag("--sparse-decode", "sparse", "sparse decoding of requests over --sparse-threshold tokens",
+         parse=one_of("pariskv"), metavar="pariskv"),
+    *_sparse_flags(),
+    Flag("--sparse-offload", "sparse",
+         "retrieval-region KV in host memory, its GPU pool slots freed (turns prefix caching "
+         "off)", default=False, env="SGLANG_PIC_SPARSE_OFFLOAD"),
+    Flag("--sae-sample", "sae", "leaves scored per evict pass; 0: all of them",
+         parse=integer(0), default=1024, range=">= 0", metavar="N", env="SGLANG_PIC_SAE_SAMPLE"),
+    Flag("--sae-predictor", "sae",
+         "the session predictor (off: each application's observed return rate)",
+         parse=on_off, default=True, metavar="{on,off}", env="SGLANG_PIC_SAE_PREDICTOR"),
+    Flag("--sae-queue-weights", "sae", "the per-queue weights alpha_q (the seed's sae-alpha)",
+         parse=on_off, default=False, metavar="{on,off}", env="SGLANG_PIC_SAE_QUEUE_WEIGHTS"),
+    Flag("--sae-stats", "sae",
+         "write the policy's counters and timings to this JSON file after every evict pass",
+         parse=text, range="a file in a writable directory", metavar="PATH",
+         env="SGLANG_PIC_SAE_STATS", launch_check=in_writable_directory),
+]}
+
+
+def _from_variable(flag: Flag, raw: str) -> Any:
+    return on_off(raw) if flag.parse is None else flag.parse(raw)
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of flag ``name`` in this process: its variable parsed as the flag is, or the
+    default. Raises ``ValueError`` naming the variable and the flag for a bad value."""
+    flag = FLAGS[name]
+    raw = (os.environ if environ is None else environ).get(flag.env or "")
+    if raw is None or raw == "":
+        return flag.default
+    try:
+        return _from_variable(flag, raw)
+    except BadValue as e:
+        raise ValueError(f"${flag.env} (the hand-off of {flag.name}): {e}") from None
+
+
+# ---- the parser --------------------------------------------------------------------------------
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error in one line (no usage block) and stops with status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message.removeprefix("argument "))
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Our flags, one argument group per feature, on ``parser`` (in table order)."""
+    groups: dict[str, Any] = {}
+    for flag in FLAGS.values():
+        if flag.feature not in groups:
+            title = f"sglang-pic: {FEATURES[flag.feature].title}"
+            groups[flag.feature] = parser.add_argument_group(title)
+        group = groups[flag.feature]
+        if flag.hidden:
+            group.add_argument(flag.name, dest=flag.dest, help=argparse.SUPPRESS)
+            continue
+        line = flag.help
+        if flag.parse is not None:
+            shown = flag.default_text or flag.show(flag.default)
+            line += f" (default {shown}; {flag.range})" if flag.range else f" (default {shown})"
+        if flag.env:
+            line += f" [${flag.env}]"
+        line = line.replace("%", "%%")  # argparse formats help with %
+        if flag.parse is None:
+            group.add_argument(flag.name, dest=flag.dest, action="store_true", default=None,
+                               help=line)
+        else:
+            group.add_argument(flag.name, dest=flag.dest, type=flag.from_argv,
+                               metavar=flag.metavar, default=None, help=line)
+
+
+def parser(prog: str = "sglang-pic serve") -> OneLineParser:
+    p = OneLineParser(prog=prog, add_help=False, allow_abbrev=False,
+                      formatter_class=_HelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def parse(argv: list[str], prog: str = "sglang-pic serve") -> tuple[dict[str, Any], list[str]]:
+    """Split ``argv`` into our flags (``{flag name: value}``, only those given; a switch is True)
+    and the rest (SGLang's flags, in order). Raises ``UsageError`` for a bad value."""
+    namespace, rest = parser(prog).parse_known_args(argv)
+    given = {f.name: getattr(namespace, f.dest) for f in FLAGS.values()
+             if getattr(namespace, f.dest) is not None}
+    return given, rest
+
+
+def help_text(prog: str = "sglang-pic serve") -> str:
+    """Our flags as ``--help`` shows them (argparse's layout, our groups only)."""
+    p = parser(prog)
+    formatter = p._get_formatter()
+    for group in p._action_groups[2:]:  # [0], [1]: argparse's empty default groups
+        formatter.start_section(group.title)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+    return formatter.format_help()
+
+
+# ---- the hand-off ------------------------------------------------------------------------------
+
+
+def handed_over(given: Mapping[str, Any],
+                environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to set for the flags in ``given`` (only those with a variable). Variables
+    already in ``environ`` for flags not given are checked; a bad one raises ``UsageError``."""
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for flag in FLAGS.values():
+        if not flag.env:
+            continue
+        if flag.name in given:
+            out[flag.env] = flag.encode(given[flag.name])
+        elif env.get(flag.env):
+            try:
+                value = _from_variable(flag, env[flag.env])
+                if flag.launch_check is not None:
+                    flag.launch_check(value)
+            except BadValue as e:
+                raise UsageError(f"${flag.env} in the environment (the hand-off of {flag.name}; "
+                                 f"pass the flag instead): {e}") from None
+    return out
