@@ -1,11 +1,13 @@
-"""The `sglang-pic` command: versions, argv building, plugin entry point."""
+"""The `sglang-pic` command: versions, argv building, plugin entry point, help and typos."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
 from sglang_pic.launch_server import build_argv
 
 
@@ -53,8 +55,6 @@ def test_plain_sglang_launcher_loads_plugin():
 def test_ptstore_flag_expands_to_the_hicache_storage_flags(model_dir, monkeypatch):
     import json
 
-    import pytest
-
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     argv = build_argv(["--ptstore", "tcp://a:1, tcp://b:2",
                        "--hicache-size", "2", "--hicache-mem-layout", "layer_first"])
@@ -79,3 +79,49 @@ def test_ptstore_flag_expands_to_the_hicache_storage_flags(model_dir, monkeypatc
         build_argv(["--ptstore", " , "])
     with pytest.raises(SystemExit, match="drop --hicache-storage-backend file"):
         build_argv(["--ptstore", "tcp://a:1", "--hicache-storage-backend", "file"])
+
+
+def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "sglang_pic", *args], capture_output=True,
+                         text=True, timeout=300)
+    return out, time.monotonic() - t0
+
+
+def test_top_level_help_describes_each_command_in_one_line():
+    from sglang_pic.cli import COMMANDS
+
+    out, _ = _cli("--help")
+    assert out.returncode == 0 and out.stderr == ""
+    for name in COMMANDS:
+        assert re.search(rf"^  {name} +\S.*$", out.stdout, re.M), name
+    out, _ = _cli("serv")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "sglang-pic: error: unknown command serv (did you mean serve?)"
+
+
+@pytest.mark.parametrize("typo,meant", [("--spn-schedule", "--span-schedule"),
+                                        ("--max-total-tokns", "--max-total-tokens"),
+                                        ("--sparse-top-k", "--sparse-topk")])
+def test_a_mistyped_flag_is_one_line_naming_the_nearest(typo, meant):
+    """Issue 26 item 9: a typo took 16 s and printed 432 lines of usage. SGLang's flag names are
+    cached (built once, quietly, if missing) so the launcher answers without importing SGLang."""
+    from sglang_pic import sglang_flags
+
+    assert sglang_flags.names()  # the cache, built here if this is the first launch
+    out, seconds = _cli("serve", "--port", "30001", typo, "4", "--enable-span-cache")
+    print(f"typo answered in {seconds:.2f} s")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        f"sglang-pic serve: error: unrecognized argument {typo} (did you mean {meant}?)"]
+    assert seconds < 6, seconds
+
+
+def test_build_argv_turns_the_cache_report_on(model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    argv = build_argv(["--model-path", str(model_dir)])
+    assert argv.count("--enable-cache-report") == 1
+    argv = build_argv(["--model-path", str(model_dir), "--enable-cache-report"])
+    assert argv.count("--enable-cache-report") == 1

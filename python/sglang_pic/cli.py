@@ -1,17 +1,21 @@
 """`sglang-pic`: the command line of our distribution.
 
-    sglang-pic serve [SGLang server flags...]   the SGLang HTTP server (OpenAI API included) with
-                                                our plugin; no --model-path serves SmolLM2-135M
-    sglang-pic setup-cpu                        install the CPU start-up hook in this environment
-    sglang-pic store [--endpoint ...]           run a PTStore server (HiCache L3 tier)
-    sglang-pic store-status ENDPOINT...         counters of running PTStore servers
-    sglang-pic --version                        our, SGLang's and torch's versions
+Each command is dispatched before anything heavy is imported, so `sglang-pic --help` and
+`sglang-pic serve --help` answer at once; COMMANDS is the one list of them (name, one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+
+COMMANDS = {
+    "serve": "SGLang's HTTP server (OpenAI API too) with our plugin; see serve --help",
+    "store": "run a PTStore server (HiCache's L3 tier, span pages)",
+    "store-status": "print the counters of running PTStore servers (ENDPOINT...)",
+    "setup-cpu": "install the CPU start-up hook (import stand-ins) in this environment",
+}
 
 
 def versions() -> dict[str, str]:
@@ -38,6 +42,19 @@ def _setup_cpu() -> int:
     return 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-pic",
+        description="SGLang distribution for span-heavy serving.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {name:<14}{what}" for name, what in COMMANDS.items()),
+    )
+    parser.add_argument("--version", action="store_true",
+                        help="print our, SGLang's, torch's and triton's versions")
+    parser.add_argument("command", nargs="?", metavar="COMMAND", help="one of the commands below")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
@@ -51,20 +68,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return (store_cli.serve if argv[0] == "store" else store_cli.status)(argv[1:])
 
-    parser = argparse.ArgumentParser(
-        prog="sglang-pic",
-        description="SGLang distribution for span-heavy serving. "
-        "`sglang-pic serve --help` lists the server flags (all of SGLang's pass through).",
-    )
-    parser.add_argument("--version", action="store_true", help="print versions and exit")
-    parser.add_argument("command", nargs="?",
-                        choices=["serve", "setup-cpu", "store", "store-status"])
-    args = parser.parse_args(argv)
-    if args.version:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.version and not extra and args.command is None:
         print(" ".join(f"{k} {v}" for k, v in versions().items()))
         return 0
+    wrong = extra[0] if extra else args.command
+    if wrong is not None:
+        what, names = (("argument", ["--version", "--help"]) if wrong.startswith("-")
+                       else ("command", list(COMMANDS)))
+        guess = difflib.get_close_matches(wrong, names, n=1)
+        hint = f" (did you mean {guess[0]}?)" if guess else f" (one of: {', '.join(names)})"
+        print(f"sglang-pic: error: unknown {what} {wrong}{hint}", file=sys.stderr)
+        return 2
     parser.print_help()
-    return 2
+    return 0 if any(a in ("-h", "--help") for a in argv) else 2
 
 
 if __name__ == "__main__":

@@ -1,37 +1,64 @@
 """`sglang-pic serve` / `python -m sglang_pic.launch_server`: SGLang's server with our plugin.
 
-Every SGLang server flag passes through unchanged. What we add:
-- no `--model-path`: serve the embedded default model (SmolLM2-135M-Instruct, converted once);
-- no GPU: pick working CPU settings (CPU engine, torch_native attention, a KV budget that fits),
-  each only when the user did not choose it;
-- `--enable-position-free-kv`: keys stored un-rotated, rotated in our attention kernels; selects
-  the position-free twin of the chosen attention backend (`triton` -> `pic_triton`,
-  `torch_native` -> `pic_torch_native`; default `pic_triton` on GPU).
-- `--enable-span-cache`: span caching (SSEP/PDEP markers, `spans` field); implies
-  `--enable-position-free-kv` and selects `--radix-cache-backend pic_span`. Its knobs
-  `--span-schedule isps|barrier`, `--span-recompute-tokens K`, `--span-pad-token-id ID`,
-  `--span-markers SSEP,PDEP` reach SGLang's processes as `SGLANG_PIC_SPAN_*` variables.
-- `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token-file PATH]`: PTStore as HiCache's
-  L3 tier (zero-copy `interface_v1`, host pool in shared memory so same-node store servers write
-  loaded pages into it); turns on `--enable-hierarchical-cache` with the `dynamic` storage
-  backend. Every HiCache flag the user sets wins. The token (that file's, or
-  `$SGLANG_PIC_PTSTORE_TOKEN`) reaches SGLang's processes in that variable only: never in argv
-  (`ps`) nor in the extra config (`/get_server_info` returns it); `--ptstore-token T` is refused. With `--enable-span-cache` (which HiCache does
-  not combine with) span units' pages go to PTStore instead, under span-aware page keys
-  (`SGLANG_PIC_SPAN_STORE`, `sglang_pic/spans/store_tier.py`).
-- `--sparse-decode pariskv`: ParisKV sparse decoding for requests longer than
-  `--sparse-threshold` tokens (prefill and short requests stay dense); selects the sparse twin of
-  the attention backend (`triton` -> `pariskv_triton`, `torch_native` -> `pariskv_torch_native`).
-  Its knobs `--sparse-topk`, `--sparse-candidates`, `--sparse-sink`, `--sparse-local`,
-  `--sparse-update`, `--sparse-max-requests`, `--sparse-max-context` reach SGLang's processes as
-  `SGLANG_PIC_SPARSE_*` variables.
+Every SGLang server flag passes through unchanged; our flags are listed, with defaults and
+ranges, in `sglang_pic/server_flags.py` (`sglang-pic serve --help`, docs/configuration.md). In
+order, so that a mistake costs a second and one line, not a model load:
+
+1. `--help` prints our flags and where SGLang's are listed, without importing SGLang or torch.
+2. Our flags are parsed and checked (`server_flags`; a bad value: one line naming the flag, exit
+   status 2); SGLang's flags are checked against SGLang's flag names (`sglang_flags`: a typo gets
+   the nearest name); combinations we cannot serve are refused (`serve_conflicts`).
+3. The SGLang argv is built. Launcher defaults, each only when the user did not choose it:
+   - no `--model-path`: serve the embedded default model (SmolLM2-135M-Instruct, converted once);
+   - no GPU: working CPU settings (CPU engine, torch_native attention, a KV budget that fits);
+   - `--enable-cache-report`: OpenAI responses count cached prompt tokens
+     (`usage.prompt_tokens_details.cached_tokens`).
+   Our feature flags (`translate`, which SGLang's own launchers also run through our plugin,
+   `sglang_launcher.py`):
+   - `--enable-position-free-kv`: selects the position-free twin of the attention backend
+     (`triton` -> `pic_triton`, `torch_native` -> `pic_torch_native`; default `pic_triton`).
+   - `--enable-span-cache`: implies `--enable-position-free-kv`, selects
+     `--radix-cache-backend pic_span`.
+   - `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token-file PATH]`: PTStore as
+     HiCache's L3 tier (zero-copy `interface_v1`, host pool in shared memory so same-node store
+     servers write loaded pages into it); turns on `--enable-hierarchical-cache` with the
+     `dynamic` storage backend. Every HiCache flag the user sets wins. The token (that file's, or
+     `$SGLANG_PIC_PTSTORE_TOKEN`) reaches SGLang's processes in that variable only: never in argv
+     (`ps`) nor in the extra config (`/get_server_info` returns it); `--ptstore-token T` is
+     refused. With `--enable-span-cache` (which HiCache does not combine with) span units' pages
+     go to PTStore instead, under span-aware page keys (`SGLANG_PIC_SPAN_STORE`,
+     `sglang_pic/spans/store_tier.py`).
+   - `--sparse-decode pariskv`: selects the sparse twin of the attention backend (`triton` ->
+     `pariskv_triton`, `torch_native` -> `pariskv_torch_native`); `--sparse-offload` turns prefix
+     caching off.
+   - every knob (`--span-*`, `--sparse-*`, `--sae-*`, `--position-free-*`, `--ptstore-trace`)
+     reaches SGLang's processes as the `SGLANG_PIC_*` variable `server_flags` names: they inherit
+     the launcher's environment, which is the only way our values reach them.
+4. SGLang's server runs in a child process (`server_process`) that the launcher waits for. On
+   SIGTERM SGLang drains the requests in flight and then SIGKILLs its own process; run in the
+   launcher's process that read as `Killed` to `make`. The launcher passes SIGTERM and SIGINT on
+   and reports the stop it was asked for as exit status 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+from collections.abc import Mapping
+from typing import Any
+
+from sglang_pic import serve_conflicts, server_flags, sglang_flags
+from sglang_pic.server_flags import FLAGS, UsageError
+
+PROG = "sglang-pic serve"
+POSITION_FREE_FLAG = serve_conflicts.POSITION_FREE_FLAG
+SPAN_FLAG = serve_conflicts.SPAN_FLAG
+SPAN_OPTIONS = {name: flag.env for name, flag in FLAGS.items()
+                if name.startswith("--span-")}  # flag -> the variable that hands it over
+CACHE_REPORT_FLAG = "--enable-cache-report"
 
 
 def _value_of(argv: list[str], flag: str) -> str | None:
@@ -43,68 +70,86 @@ def _value_of(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def _wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def check(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """Our flags parsed and checked, SGLang's flag names checked, combinations we cannot serve
+    refused; nothing set, nothing heavy imported. Returns (our flags given, the rest, the
+    variables to hand over); raises ``UsageError``."""
+    given, rest = server_flags.parse(argv, PROG)
+    sglang_flags.refuse_unknown(rest)
+    env = server_flags.handed_over(given)
+    serve_conflicts.refuse(given, rest)
+    return given, rest, env
+
+
 def build_argv(argv: list[str]) -> list[str]:
-    """The SGLang argv we run: the user's flags plus our defaults for what they left out."""
+    """The SGLang argv we run: the user's flags plus our defaults for what they left out; our
+    flags checked, turned into SGLang flags and handed-over variables (set in ``os.environ``).
+    Raises ``UsageError`` (or a ``SystemExit`` with a message) for what cannot be served."""
     from sglang_pic import cpu_support
 
     argv = list(argv)
-    if any(a in ("-h", "--help") for a in argv):
+    if _wants_help(argv):
         return argv
-    model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")
+    given, rest, env = check(argv)
+    model_path = _value_of(rest, "--model-path") or _value_of(rest, "--model")
     if model_path is None:
         from sglang_pic.default_model import ensure_default_model
 
         model_path = str(ensure_default_model())
-        argv = ["--model-path", model_path, *argv]
-    position_free = _pop_flag(argv, POSITION_FREE_FLAG)
-    if _pop_flag(argv, SPAN_FLAG):
-        position_free = True
-        if _value_of(argv, "--radix-cache-backend") is None:
-            argv += ["--radix-cache-backend", "pic_span"]
-    for flag, env in SPAN_OPTIONS.items():
-        value = _pop_option(argv, flag)
-        if value is not None:
-            os.environ[env] = value
-    sparse_decode = _sparse_decode_env(argv)
-    if sparse_decode and position_free:
-        raise SystemExit("error: --sparse-decode does not combine with position-free KV "
-                         "(--enable-position-free-kv / --enable-span-cache) yet")
+        rest = ["--model-path", model_path, *rest]
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
-    ptstore = _pop_option(argv, PTSTORE_FLAG)
-    if _pop_option(argv, PTSTORE_TOKEN_FLAG) is not None:
-        raise SystemExit(f"error: {PTSTORE_TOKEN_FLAG} would put the token on the command line, "
-                         f"which every user of the machine sees (ps): use "
-                         f"{PTSTORE_TOKEN_FILE_FLAG} PATH or {PTSTORE_TOKEN_ENV}")
-    token_file = _pop_option(argv, PTSTORE_TOKEN_FILE_FLAG)
-    server_key = _pop_option(argv, PTSTORE_SERVER_KEY_FLAG)
+    if on_cpu:
+        cpu_support.enable_cpu_engine()
+        rest += cpu_support.cpu_server_defaults(rest, model_path)
+    if CACHE_REPORT_FLAG not in rest:
+        rest.append(CACHE_REPORT_FLAG)
+    return apply_flags(given, env, rest, on_cpu)
+
+
+def translate(argv: list[str], on_cpu: bool, prog: str = PROG) -> list[str]:
+    """Our flags in ``argv`` checked and turned into SGLang flags and variables, without the
+    launcher's defaults: what SGLang's own launchers run through our plugin."""
+    given, rest = server_flags.parse(argv, prog)
+    env = server_flags.handed_over(given)
+    serve_conflicts.refuse(given, rest)
+    return apply_flags(given, env, rest, on_cpu)
+
+
+def apply_flags(given: Mapping[str, Any], env: dict[str, str], argv: list[str],
+                on_cpu: bool) -> list[str]:
+    """SGLang's argv for our flags ``given`` (checked) over ``argv`` (SGLang's flags); sets the
+    variables ``env`` and those of PTStore in ``os.environ``, which SGLang's processes inherit."""
+    argv = list(argv)
+    position_free = POSITION_FREE_FLAG in given or SPAN_FLAG in given
+    if SPAN_FLAG in given and _value_of(argv, "--radix-cache-backend") is None:
+        argv += ["--radix-cache-backend", serve_conflicts.SPAN_BACKEND]
+    if "--sparse-offload" in given and "--disable-radix-cache" not in argv:
+        # the tree would index pool slots offloading frees (backends.check_offload_settings)
+        print("--sparse-offload: prefix caching off (--disable-radix-cache)", flush=True)
+        argv.append("--disable-radix-cache")
+    ptstore = given.get(PTSTORE_FLAG)
+    token_file = given.get(PTSTORE_TOKEN_FILE_FLAG)
+    server_key = given.get(PTSTORE_SERVER_KEY_FLAG)
     if ptstore is not None:
         _export_ptstore_token(token_file)
-    spans = _value_of(argv, "--radix-cache-backend") == "pic_span"
+    spans = _value_of(argv, "--radix-cache-backend") == serve_conflicts.SPAN_BACKEND
     if ptstore is not None and spans:
         os.environ[SPAN_STORE_ENV] = json.dumps(
             {"servers": _endpoints(ptstore), **({"server_key": server_key} if server_key else {})})
     elif ptstore is not None:
         argv += ptstore_args(argv, ptstore, server_key, on_cpu)
-    if on_cpu:
-        cpu_support.enable_cpu_engine()
-        argv += cpu_support.cpu_server_defaults(argv, model_path)
+    os.environ.update(env)
     if position_free:
         argv = _with_position_free_backend(argv)
-    if sparse_decode:
+    if "--sparse-decode" in given:
         from sglang_pic.sparse import BACKEND_FOR
 
         argv = _with_backend_twin(argv, BACKEND_FOR, "--sparse-decode pariskv")
     return argv
-
-
-POSITION_FREE_FLAG = "--enable-position-free-kv"
-SPAN_FLAG = "--enable-span-cache"
-SPAN_OPTIONS = {
-    "--span-schedule": "SGLANG_PIC_SPAN_SCHEDULE",
-    "--span-recompute-tokens": "SGLANG_PIC_SPAN_RECOMPUTE_TOKENS",
-    "--span-pad-token-id": "SGLANG_PIC_SPAN_PAD_TOKEN_ID",
-    "--span-markers": "SGLANG_PIC_SPAN_MARKERS",
-}
 
 
 PTSTORE_FLAG = "--ptstore"
@@ -197,13 +242,6 @@ def _pop_option(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _pop_flag(argv: list[str], flag: str) -> bool:
-    present = flag in argv
-    while flag in argv:
-        argv.remove(flag)
-    return present
-
-
 def _with_position_free_backend(argv: list[str]) -> list[str]:
     """Replace (or add) `--attention-backend` with its position-free twin."""
     from sglang_pic.position_free import BACKEND_FOR
@@ -239,95 +277,92 @@ def _with_backend_twin(argv: list[str], twins: dict[str, str], flag: str) -> lis
     return out
 
 
-def _sparse_decode_env(argv: list[str]) -> bool:
-    """Pop `--sparse-decode pariskv` and its knobs; the knobs reach SGLang's processes as
-    `SGLANG_PIC_SPARSE_*` variables (checked here, so a bad value fails before start-up)."""
-    from sglang_pic import sparse
-    from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
+HELP_HEAD = f"""usage: {PROG} [sglang-pic flags] [SGLang server flags]
 
-    method = _pop_option(argv, sparse.FLAG)
-    values = {field: _pop_option(argv, flag) for flag, field in sparse.OPTIONS.items()}
-    if _pop_flag(argv, sparse.OFFLOAD_FLAG):
-        values["offload"] = "1"
-    if method is None:
-        given = [flag for flag, field in sparse.OPTIONS.items() if values[field] is not None]
-        given += [sparse.OFFLOAD_FLAG] if values.get("offload") else []
-        if given:
-            raise SystemExit(f"error: {', '.join(given)} need {sparse.FLAG} pariskv")
-        return False
-    if method != "pariskv":
-        raise SystemExit(f"error: {sparse.FLAG} supports 'pariskv' (got {method!r})")
-    env = {SparseDecodeConfig.env_name(k): v for k, v in values.items() if v is not None}
-    try:
-        SparseDecodeConfig.from_env({**os.environ, **env})
-    except SparseDecodeUnsupported as e:
-        raise SystemExit(f"error: {e}") from None
-    os.environ.update(env)
-    if values.get("offload") and "--disable-radix-cache" not in argv:
-        # the tree would index pool slots offloading frees (backends.check_offload_settings)
-        print(f"{sparse.OFFLOAD_FLAG}: prefix caching off (--disable-radix-cache)", flush=True)
-        argv.append("--disable-radix-cache")
-    return True
+SGLang's HTTP server (OpenAI API included) with the sglang-pic plugin. Without --model-path it
+serves the embedded SmolLM2-135M-Instruct; without a GPU it picks CPU settings (--device cpu,
+--attention-backend torch_native, a KV budget that fits); it turns on --enable-cache-report. Each
+choice is skipped when you pass the flag yourself.
+"""
 
+HELP_TAIL = f"""
+SGLang's server flags: every flag of `python -m sglang.launch_server` is accepted here
+(e.g. --model-path, --port, --host, --tp-size, --attention-backend, --max-total-tokens).
+  {PROG} --help-all   these flags, then each of SGLang's (imports SGLang: ~10 s)
 
-def _our_flags() -> list[tuple[str, str]]:
-    from sglang_pic.sparse.config import SparseDecodeConfig
-
-    d = SparseDecodeConfig()
-    return [
-        ("(no --model-path)", "serve the embedded SmolLM2-135M-Instruct"),
-        (POSITION_FREE_FLAG, "keys stored un-rotated, rotated in our attention kernels"),
-        (SPAN_FLAG, "span caching (SSEP/PDEP markers, `spans` field); implies the flag above"),
-        ("--span-schedule isps|barrier", "span prefill scheduling (default isps)"),
-        ("--span-recompute-tokens K", "recompute the first K tokens of each span in context"),
-        ("--span-pad-token-id ID", "token that pads spans to whole pages"),
-        ("--span-markers SSEP,PDEP", "the marker strings in text prompts"),
-        (f"{PTSTORE_FLAG} tcp://HOST:PORT,...", "PTStore as HiCache's L3 tier"),
-        (f"{PTSTORE_TOKEN_FILE_FLAG} PATH", f"file with the PTStore token (or ${PTSTORE_TOKEN_ENV})"),
-        (f"{PTSTORE_SERVER_KEY_FLAG} KEY", "the store servers' public key, if not the token's"),
-        ("--sparse-decode pariskv", "ParisKV sparse decoding of long requests"),
-        ("--sparse-threshold N", f"context from which a request decodes sparsely ({d.threshold})"),
-        ("--sparse-topk K", f"keys retrieved per KV head and step ({d.topk})"),
-        ("--sparse-candidates C", f"keys kept by voting for the rerank ({d.candidates})"),
-        ("--sparse-sink N", f"always-attended first tokens ({d.sink})"),
-        ("--sparse-local N", f"always-attended most recent tokens ({d.local})"),
-        ("--sparse-update N", f"window tokens moved to the retrieval region at once ({d.update})"),
-        ("--sparse-max-requests N", f"requests decoding sparsely at once ({d.max_requests})"),
-        ("--sparse-max-context N", "longest sparse context (default: the model's)"),
-        ("--sparse-offload", "retrieval-region KV in host memory, its GPU pool slots freed "
-                             "(turns prefix caching off)"),
-    ]
+[$SGLANG_PIC_*]: the variable that hands a flag's value to SGLang's processes. The launcher sets
+it; set the flag. A variable already in the environment (SGLang's Python Engine is configured that
+way) is used when its flag is not given, and checked like it.
+Docs: docs/configuration.md (every flag), docs/position-free-kv.md, docs/spans.md, docs/store.md,
+docs/sparse-decode.md, docs/eviction.md (--radix-eviction-policy sae).
+"""
 
 
 def our_flags_help() -> str:
-    """What `sglang-pic serve --help` prints before SGLang's own flags."""
-    flags = _our_flags()
-    width = max(len(flag) for flag, _ in flags) + 2
-    lines = ["sglang-pic serve: every SGLang server flag below, plus:"]
-    lines += [f"  {flag:<{width}}{what}" for flag, what in flags]
-    lines.append("Docs: docs/position-free-kv.md, docs/spans.md, docs/store.md, "
-                 "docs/sparse-decode.md, docs/eviction.md (--radix-eviction-policy sae).")
-    return "\n".join(lines) + "\n"
+    """What `sglang-pic serve --help` prints: our flags; SGLang's are one flag away."""
+    return HELP_HEAD + "\n" + server_flags.help_text(PROG) + HELP_TAIL
 
 
 def serve(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(our_flags_help())
-    # On CPU, build_argv -> enable_cpu_engine installs the import stand-ins before SGLang is imported.
-    sglang_argv = build_argv(argv)
-
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    load_plugins()
-    server_args = prepare_server_args(sglang_argv)
+    """``sglang-pic serve``: help, or the flags checked here (one line, status 2, in well under a
+    second) and the server run in a child process (``supervise``)."""
+    if _wants_help(argv):
+        print(our_flags_help(), end="")
+        return 0
+    if "--help-all" in argv:
+        print(HELP_HEAD, flush=True)
+        return supervise(["--help"])
     try:
-        run_server(server_args)
+        check(argv)
+    except UsageError as e:
+        return usage_error(e.message)
+    return supervise(argv)
+
+
+def usage_error(message: str) -> int:
+    print(f"{PROG}: error: {message.removeprefix('error: ')}", file=sys.stderr, flush=True)
+    return 2
+
+
+STOP_SIGNALS = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
+                signal.SIGHUP: signal.SIGTERM}
+"""Signal received -> signal passed on to the server process."""
+
+
+def supervise(argv: list[str]) -> int:
+    """Run the server process (``server_process``: ``build_argv``, then SGLang) on our argv and
+    wait for it.
+
+    It runs in its own process group, so a signal to ours (Ctrl-C, ``kill`` of a process group,
+    ``make`` stopping) reaches it once, from here: SIGTERM (and SIGHUP) makes SGLang drain the
+    requests in flight and stop, SIGINT stops it as Ctrl-C does. A signal sent to the whole group
+    would also reach SGLang's scheduler, whose death SGLang reports as a crash. After a stop was
+    asked for, the child's end is a clean exit (0), whether SGLang exited or, its drain done,
+    SIGKILLed itself; otherwise its exit status is ours (128 + N for a signal N). If this process
+    dies first, the kernel sends the child SIGTERM (``server_process``)."""
+    cmd = [sys.executable, "-m", "sglang_pic.server_process", *argv]
+    env = dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid()))
+    stop: list[int] = []
+
+    def pass_on(signum: int, _frame: Any) -> None:
+        stop.append(signum)
+        try:
+            child.send_signal(STOP_SIGNALS[signal.Signals(signum)])
+        except ProcessLookupError:
+            pass
+
+    own_group = ({"process_group": 0} if sys.version_info >= (3, 11)
+                 else {"preexec_fn": os.setpgrp})  # this process has no threads
+    child = subprocess.Popen(cmd, env=env, **own_group)
+    previous = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
+    try:
+        code = child.wait()
     finally:
-        kill_process_tree(os.getpid(), include_parent=False)
-    return 0
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop:
+        return 0
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""Flag combinations sglang-pic cannot serve, refused from the command line alone.
+
+Each feature refuses what it cannot serve when SGLang builds it in the scheduler process
+(``position_free.model_check``, ``sparse.backends``, ``spans.radix_cache``): after the model's
+weights are loaded, a minute into a start on a small machine, in a traceback that names what the
+launcher passed on (``--radix-cache-backend pic_span``, not the user's ``--enable-span-cache``).
+What those checks decide from server flags alone is decided here first, in one line naming the
+user's flags. What needs the model (architecture, MLA, sliding window, head sizes, an fp8
+checkpoint under ``--kv-cache-dtype auto``) stays with the feature's own check.
+
+Standard library only: this runs before SGLang or torch is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sglang_pic.server_flags import FEATURES, FLAGS, UsageError, setting
+from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
+
+POSITION_FREE_FLAG = "--enable-position-free-kv"
+SPAN_FLAG = "--enable-span-cache"
+SPAN_BACKEND = "pic_span"  # sglang_pic.spans.config.BACKEND
+TWINS = {  # SGLang attention backend -> (position-free twin, sparse twin)
+    "triton": ("pic_triton", "pariskv_triton"),
+    "torch_native": ("pic_torch_native", "pariskv_torch_native"),
+}
+# KV cache dtypes both kernels take (keys are rotated/scored in 16 bits or more)
+FULL_PRECISION_KV = ("auto", "bf16", "bfloat16")
+# SGLang flags that have a second spelling
+ALIASES = {
+    "--model-path": ("--model",),
+    "--tp-size": ("--tensor-parallel-size",),
+    "--pp-size": ("--pipeline-parallel-size",),
+    "--dcp-size": ("--decode-context-parallel-size",),
+}
+
+
+def value_of(argv: list[str], flag: str) -> str | None:
+    """The (last) value of ``flag VALUE`` / ``flag=VALUE`` in ``argv``, under any spelling."""
+    found = None
+    for name in (flag, *ALIASES.get(flag, ())):
+        for i, a in enumerate(argv):
+            if a == name and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith(name + "="):
+                found = a.split("=", 1)[1]
+    return found
+
+
+def _int(argv: list[str], flag: str, default: int) -> int:
+    raw = value_of(argv, flag)
+    try:
+        return default if raw is None else int(raw)
+    except ValueError:
+        return default  # SGLang's parser names the bad value
+
+
+def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
+    """Raise ``UsageError`` for the first combination of our flags (``given``: parsed, only
+    those on the command line) and SGLang's (``argv``) that cannot be served."""
+    if "--ptstore-token" in given:
+        raise UsageError("--ptstore-token would put the token on the command line, which every "
+                         "user of the machine sees (ps): use --ptstore-token-file PATH or "
+                         "$SGLANG_PIC_PTSTORE_TOKEN")
+    on = _features_on(given, argv)
+    _knobs_need_their_feature(given, on)
+    if on["position_free"]:
+        _position_free(given, argv)
+    if on["spans"]:
+        _spans(given, argv)
+    if on["sparse"]:
+        _sparse(given, argv)
+
+
+def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
+    spans = SPAN_FLAG in given or value_of(argv, "--radix-cache-backend") == SPAN_BACKEND
+    chosen = value_of(argv, "--attention-backend") or ""
+    return {
+        "spans": spans,
+        "position_free": spans or POSITION_FREE_FLAG in given or chosen.startswith("pic_"),
+        "ptstore": "--ptstore" in given,
+        "sparse": "--sparse-decode" in given,
+        "sae": value_of(argv, "--radix-eviction-policy") == "sae",
+    }
+
+
+def _knobs_need_their_feature(given: Mapping[str, Any], on: dict[str, bool]) -> None:
+    for feature, is_on in on.items():
+        knobs = [name for name in given if FLAGS[name].feature == feature]
+        if knobs and not is_on:
+            what = FEATURES[feature]
+            raise UsageError(f"{', '.join(knobs)}: {what.title} flags need {what.switch}")
+
+
+def _not_with(ours: str, argv: list[str], switches: Mapping[str, str] = {},
+              values: Mapping[str, Callable[[str], str | None]] = {}) -> None:
+    """Refuse the first of SGLang's ``switches`` (``{flag: reason}``) present in ``argv``, or of
+    its ``values`` (``{flag: check}``) whose check of the given value returns a reason."""
+    for flag, reason in switches.items():
+        if flag in argv:
+            raise UsageError(f"{ours} does not combine with {flag} ({reason})")
+    for flag, check in values.items():
+        value = value_of(argv, flag)
+        reason = None if value is None else check(value)
+        if reason is not None:
+            raise UsageError(f"{ours} does not combine with {flag} {value} ({reason})")
+
+
+def _shared_refusals(twin: Callable[[str], bool],
+                     phases: str) -> dict[str, Callable[[str], str | None]]:
+    """The SGLang values position-free KV and sparse decoding both refuse: their kernels replace
+    SGLang's attention in both phases, over 16-bit keys, on one decode rank."""
+    def other_backend(value: str) -> str | None:
+        return None if twin(value) else phases
+
+    return {
+        "--prefill-attention-backend": other_backend,
+        "--decode-attention-backend": other_backend,
+        "--speculative-algorithm": lambda _v: "speculative decoding is not supported",
+        "--dcp-size": lambda v: None if v.strip() == "1" else "decode context parallelism",
+        "--kv-cache-dtype": lambda v: None if v in FULL_PRECISION_KV else
+        "the kernels read 16-bit keys: use auto or bf16",
+    }
+
+
+def _attention_backend(ours: str, argv: list[str], slot: int) -> None:
+    chosen = value_of(argv, "--attention-backend")
+    twins = {name: pair[slot] for name, pair in TWINS.items()}
+    if chosen is not None and chosen not in twins and chosen not in twins.values():
+        raise UsageError(f"{ours} needs --attention-backend {' or '.join(twins)} "
+                         f"(got {chosen!r})")
+
+
+def _position_free(given: Mapping[str, Any], argv: list[str]) -> None:
+    ours = SPAN_FLAG if SPAN_FLAG in given else POSITION_FREE_FLAG
+    if "--sparse-decode" in given:
+        raise UsageError(f"--sparse-decode does not combine with {ours} (position-free KV) yet")
+    if SPAN_FLAG in given or POSITION_FREE_FLAG in given:
+        _attention_backend(ours, argv, 0)
+    _not_with(ours, argv, switches={
+        "--enable-deterministic-inference": "not supported by the position-free kernels",
+        "--enable-multimodal": "multimodal models use M-RoPE",
+    }, values=_shared_refusals(lambda v: v.startswith("pic_"),
+                               "both phases must run the position-free kernels"))
+
+
+def _spans(given: Mapping[str, Any], argv: list[str]) -> None:
+    ours = SPAN_FLAG if SPAN_FLAG in given else f"--radix-cache-backend {SPAN_BACKEND}"
+    backend = value_of(argv, "--radix-cache-backend")
+    if SPAN_FLAG in given and backend not in (None, SPAN_BACKEND):
+        raise UsageError(f"{SPAN_FLAG} is --radix-cache-backend {SPAN_BACKEND}: drop "
+                         f"--radix-cache-backend {backend}")
+    _not_with(ours, argv, switches={
+        "--disable-radix-cache": "spans are found and shared in the radix tree",
+        "--enable-hierarchical-cache": "HiCache does not take span pages yet; --ptstore stores "
+                                       "them instead",
+    })
+    if "--ptstore" in given:
+        tp, pp = _int(argv, "--tp-size", 1), _int(argv, "--pp-size", 1)
+        if tp > 1 or pp > 1:
+            raise UsageError(f"--ptstore with {SPAN_FLAG} needs --tp-size 1 and --pp-size 1 "
+                             f"(got {tp} and {pp}): each rank would decide alone whether a span "
+                             "loads")
+        if "--ptstore-trace" in given:
+            raise UsageError(f"--ptstore-trace traces HiCache's PTStore tier, which {SPAN_FLAG} "
+                             "does not use")
+
+
+def _sparse(given: Mapping[str, Any], argv: list[str]) -> None:
+    ours = "--sparse-decode pariskv"
+    _attention_backend(ours, argv, 1)
+    values = _shared_refusals(lambda v: v.startswith("pariskv_"),
+                              "both phases must use the sparse twin backend")
+    values["--disaggregation-mode"] = lambda v: None if v == "null" else (
+        "a decode instance runs no prefill, so a sparse slot never learns its request changed")
+    _not_with(ours, argv, switches=dict.fromkeys(
+        ("--enable-dp-attention", "--enable-two-batch-overlap", "--enable-pdmux"),
+        "not supported with sparse decoding"), values=values)
+
+    cfg = sparse_config(given)
+    context = value_of(argv, "--context-length")
+    if context is not None and context.isdigit() and int(context) <= cfg.threshold:
+        raise UsageError(f"{ours} with --context-length {context} <= --sparse-threshold "
+                         f"{cfg.threshold}: nothing would ever decode sparsely")
+    if "--sparse-offload" in given:
+        _not_with("--sparse-offload", argv, switches={
+            "--enable-mixed-chunk": "a decode token run in a prefill batch attends densely, "
+                                    "over slots offloading has freed",
+        }, values={
+            "--page-size": lambda v: None if v.strip() == "1" else
+            "slots are freed one token at a time",
+        })
+
+
+def sparse_config(given: Mapping[str, Any]) -> SparseDecodeConfig:
+    """The sparse settings the schedulers will read (flags over inherited variables over
+    defaults), checked across knobs."""
+    values = {}
+    for field in SparseDecodeConfig.__dataclass_fields__:
+        name = SparseDecodeConfig.flag(field)
+        if name in FLAGS:
+            values[field] = given[name] if name in given else setting(name)
+    values["offload"] = int(bool(values["offload"]))
+    cfg = SparseDecodeConfig(**values)
+    try:
+        cfg.validate()
+    except SparseDecodeUnsupported as e:
+        raise UsageError(str(e)) from None
+    return cfg

@@ -1,0 +1,130 @@
+"""SGLang's server flag names without importing SGLang, so a mistyped flag is answered at once.
+
+SGLang's parser is built by ``sglang.srt.server_args``, which imports torch and most of SGLang
+(4-8 s on 2 cores; 16 s with the rest of a start before argparse said ``unrecognized
+arguments`` under 432 lines of usage). So the option strings are kept in a file in our cache
+directory, named after SGLang's and our versions, and launches read the file (a few ms). The first
+launch after an install writes it (``python -m sglang_pic.sglang_flags``, quiet, ~5-10 s, once);
+the server process rewrites it from the parser it builds anyway.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from sglang_pic.server_flags import FLAGS, UsageError
+
+
+def cache_path() -> Path:
+    from sglang_pic import __version__
+    from sglang_pic.default_model import cache_dir
+
+    try:
+        sglang = version("sglang")
+    except PackageNotFoundError:
+        sglang = "none"
+    return cache_dir().parent / f"sglang-{sglang}-sglang-pic-{__version__}-server-flags.json"
+
+
+def cached() -> list[str] | None:
+    """SGLang's option strings as the last server process saw them, or None."""
+    try:
+        names = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return names if isinstance(names, list) and names else None
+
+
+def names() -> list[str] | None:
+    """SGLang's option strings: the cached ones, else built once now by a quiet child process
+    (SGLang's import warnings stay out of the launcher's output). None if that failed."""
+    got = cached()
+    if got is None:
+        try:
+            subprocess.run([sys.executable, "-m", "sglang_pic.sglang_flags"],
+                           capture_output=True, timeout=600, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        got = cached()
+    return got
+
+
+def save(names: Iterable[str]) -> None:
+    """Write the option strings (atomically; a read-only cache directory only costs speed)."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(sorted(set(names))))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def option_strings(parser) -> list[str]:
+    """Every option string of an argparse parser."""
+    return [s for action in parser._actions for s in action.option_strings]
+
+
+def unknown(argv: list[str], known: Iterable[str]) -> list[str]:
+    """The ``--flags`` of ``argv`` that name no known flag, as argparse decides (an exact name or
+    the prefix of exactly one: SGLang's parser takes abbreviations)."""
+    known = set(known)
+    out = []
+    for token in argv:
+        if not token.startswith("--") or token == "--":
+            continue
+        name = token.split("=", 1)[0]
+        if name in known:
+            continue
+        if sum(1 for k in known if k.startswith(name)) == 1:
+            continue
+        out.append(name)
+    return out
+
+
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def refuse_unknown(argv: list[str], known: Iterable[str] | None = None) -> None:
+    """Raise ``UsageError`` naming the first unknown flag of ``argv`` (SGLang's flags, ours
+    taken out) and the nearest of ours and SGLang's. ``known``: SGLang's option strings, by
+    default ``names()``; without them nothing is checked here (the server process checks)."""
+    known = names() if known is None else list(known)
+    if not known:
+        return
+    bad = unknown(argv, known)
+    if not bad:
+        return
+    everything = {*known, *(name for name, flag in FLAGS.items() if not flag.hidden)}
+    guess = nearest(bad[0], everything)
+    hint = f" (did you mean {guess}?)" if guess else ""
+    more = f"; also {', '.join(bad[1:])}" if len(bad) > 1 else ""
+    raise UsageError(f"unrecognized argument {bad[0]}{hint}{more}")
+
+
+def _build() -> None:
+    """Build SGLang's parser as the server process does, and cache its option strings."""
+    from sglang_pic import cpu_support
+
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
+        cpu_support.enable_cpu_engine()  # before SGLang's first import
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_pic.server_process import sglang_parser
+
+    load_plugins()
+    save(option_strings(sglang_parser()))
+
+
+if __name__ == "__main__":
+    _build()

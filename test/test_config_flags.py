@@ -1,0 +1,258 @@
+"""Our server flags (issue 23 item 2, issue 26 items 4, 8, 10): one table, validated before anything
+loads, refused combinations in one line, the hand-off to SGLang's processes, SGLang's own launcher,
+the cache report, and a clean stop on SIGTERM.
+
+One server for the module (``cfg_server``): the cache-report test uses it, and the SIGTERM test,
+last, stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, start_server, stop_server
+from sglang_pic import serve_conflicts, server_flags
+from sglang_pic.server_flags import FLAGS, UsageError
+
+SERVE = [sys.executable, "-m", "sglang_pic", "serve"]
+
+
+def _serve(args: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    out = subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=120,
+                         env=None if env is None else {**os.environ, **env})
+    return out, time.monotonic() - t0
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+
+def test_every_flag_round_trips_through_its_variable():
+    """What the launcher writes into a variable, the readers in SGLang's processes parse back to
+    the same value; a default written out reads back as the default."""
+    for name, flag in FLAGS.items():
+        if flag.env is None:
+            continue
+        value = flag.default if flag.parse is not None else True
+        if value is None:
+            value = flag.parse("7") if name == "--span-pad-token-id" else flag.parse("/tmp/x")
+        env = server_flags.handed_over({name: value}, environ={})
+        assert server_flags.setting(name, env) == value, name
+        assert server_flags.setting(name, {}) == (flag.default if flag.parse else False), name
+
+
+def test_readers_refuse_a_bad_variable_naming_it_and_the_flag():
+    with pytest.raises(ValueError, match=r"\$SGLANG_PIC_SAE_SAMPLE .*--sae-sample"):
+        server_flags.setting("--sae-sample", {"SGLANG_PIC_SAE_SAMPLE": "many"})
+    from sglang_pic.spans import config
+
+    os.environ["SGLANG_PIC_SPAN_SCHEDULE"] = "bogus"
+    try:
+        with pytest.raises(ValueError, match="--span-schedule"):
+            config.load()
+    finally:
+        del os.environ["SGLANG_PIC_SPAN_SCHEDULE"]
+
+
+def test_docs_list_every_flag_and_variable():
+    text = (REPO / "docs" / "configuration.md").read_text()
+    for name, flag in FLAGS.items():
+        if flag.hidden:
+            continue
+        assert f"`{name}" in text, name
+        if flag.env:
+            assert f"`{flag.env}`" in text, flag.env
+
+
+# ---- --help ---------------------------------------------------------------------------------------
+
+
+def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
+    out, seconds = _serve(["--help"])
+    print(f"sglang-pic serve --help: {seconds:.2f} s")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert seconds < 6, seconds  # ~0.1 s idle; a margin for a busy 2-core machine
+    text = out.stdout
+    assert text.startswith("usage: sglang-pic serve [sglang-pic flags] [SGLang server flags]")
+    assert "required" not in text
+    for name, flag in FLAGS.items():
+        if flag.hidden:
+            assert name + " " not in text
+            continue
+        assert f"  {name}" in text, name
+        if flag.env:
+            assert f"[${flag.env}]" in text, flag.env
+    flat = " ".join(text.split())
+    assert "keys retrieved per KV head and step (default 100; >= 1)" in flat  # default, range
+    assert "sglang-pic serve --help-all" in text and "docs/configuration.md" in text
+
+
+# ---- values and combinations refused in one line, before anything loads ---------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    # issue 26 item 8: these took 25-78 s and ended in a traceback
+    (["--enable-span-cache", "--span-schedule", "bogus"], "--span-schedule: supports 'isps'"),
+    (["--enable-span-cache", "--span-recompute-tokens", "abc"],
+     "--span-recompute-tokens: 'abc' is not an integer"),
+    (["--enable-span-cache", "--disable-radix-cache"],
+     "--enable-span-cache does not combine with --disable-radix-cache"),
+    # values
+    (["--enable-span-cache", "--span-markers", "<a>"], "--span-markers: '<a>' is not two"),
+    (["--sparse-decode", "pariskv", "--sparse-sink=-1"], "--sparse-sink: -1 is out of range"),
+    (["--sparse-decode", "pariskv", "--sparse-max-context", "4096"],
+     "--sparse-max-context (4096) must be over --sparse-threshold"),
+    (["--radix-eviction-policy", "sae", "--sae-predictor", "maybe"], "--sae-predictor: 'maybe'"),
+    (["--radix-eviction-policy", "sae", "--sae-stats", "/no/such/dir/s.json"],
+     "--sae-stats: '/no/such/dir/s.json': no writable directory"),
+    (["--enable-position-free-kv", "--position-free-decode-config", "64,3,3"],
+     "--position-free-decode-config"),
+    # knobs without their feature
+    (["--span-schedule", "barrier"], "--span-schedule: span caching flags need --enable-span-cache"),
+    (["--sae-sample", "0"], "need --radix-eviction-policy sae"),
+    (["--position-free-rope-mode", "cache"], "need --enable-position-free-kv"),
+    (["--ptstore-trace"], "need --ptstore"),
+    # combinations the features refused only after the weights loaded
+    (["--enable-span-cache", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    (["--enable-span-cache", "--radix-cache-backend", "radix"], "drop --radix-cache-backend radix"),
+    (["--enable-span-cache", "--ptstore", "tcp://a:1", "--tp-size", "2"], "--tp-size 1"),
+    (["--enable-span-cache", "--attention-backend", "flashinfer"],
+     "--enable-span-cache needs --attention-backend triton or torch_native"),
+    (["--enable-position-free-kv", "--decode-attention-backend", "triton"],
+     "does not combine with --decode-attention-backend triton"),
+    (["--enable-position-free-kv", "--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+    (["--enable-position-free-kv", "--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    (["--enable-position-free-kv", "--dcp-size", "2"], "--dcp-size 2"),
+    (["--enable-position-free-kv", "--enable-deterministic-inference"], "deterministic"),
+    (["--sparse-decode", "pariskv", "--enable-dp-attention"], "--enable-dp-attention"),
+    (["--sparse-decode", "pariskv", "--disaggregation-mode", "decode"], "--disaggregation-mode"),
+    (["--sparse-decode", "pariskv", "--context-length", "8192"], "--context-length 8192"),
+    (["--sparse-decode", "pariskv", "--sparse-offload", "--enable-mixed-chunk"],
+     "--sparse-offload does not combine with --enable-mixed-chunk"),
+    (["--sparse-decode", "pariskv", "--sparse-offload", "--page-size", "16"], "--page-size 16"),
+    (["--ptstore", "tcp://a:1", "--ptstore-token", "x" * 40], "(ps)"),
+])
+def test_refused_in_one_line_before_anything_loads(args, message):
+    out, seconds = _serve(args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert seconds < 10, seconds
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sglang-pic serve: error: "), out.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_a_bad_variable_in_the_environment_is_refused_naming_its_flag():
+    out, _ = _serve(["--enable-span-cache"], env={"SGLANG_PIC_SPAN_SCHEDULE": "bogus"})
+    assert out.returncode == 2
+    assert "$SGLANG_PIC_SPAN_SCHEDULE in the environment (the hand-off of --span-schedule" \
+        in out.stderr
+
+
+def test_what_can_be_served_passes_the_checks():
+    for args in (["--enable-span-cache", "--span-schedule", "barrier", "--page-size", "16"],
+                 ["--enable-position-free-kv", "--attention-backend", "torch_native",
+                  "--position-free-rope-mode", "cache"],
+                 ["--sparse-decode", "pariskv", "--sparse-offload", "--sparse-topk", "32",
+                  "--context-length", "65536"],
+                 ["--radix-eviction-policy", "sae", "--sae-sample", "0", "--sae-predictor", "off"],
+                 ["--radix-cache-backend", "pic_span", "--attention-backend", "pic_triton",
+                  "--span-markers", "[S],[D]"]):
+        given, rest = server_flags.parse(args)
+        serve_conflicts.refuse(given, rest)
+    with pytest.raises(UsageError):
+        serve_conflicts.refuse(*server_flags.parse(["--span-markers", "[S],[D]"]))
+
+
+def test_flags_reach_sglangs_processes_as_variables(model_dir, monkeypatch):
+    from sglang_pic.launch_server import build_argv
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    for flag in FLAGS.values():
+        if flag.env:  # build_argv sets them: undone after the test
+            monkeypatch.setenv(flag.env, "")
+            monkeypatch.delenv(flag.env)
+    argv = build_argv(["--model-path", str(model_dir), "--radix-eviction-policy", "sae",
+                       "--sae-sample", "0", "--sae-queue-weights", "on"])
+    assert "--sae-sample" not in argv and "--sae-queue-weights" not in argv
+    assert os.environ["SGLANG_PIC_SAE_SAMPLE"] == "0"
+    assert os.environ["SGLANG_PIC_SAE_QUEUE_WEIGHTS"] == "1"
+    assert "SGLANG_PIC_SAE_PREDICTOR" not in os.environ  # not given: the reader's default
+    from sglang_pic.eviction.sae import SAEStrategy
+
+    sae = SAEStrategy()
+    assert sae.sample_size == 0 and sae.queue_weights and sae.use_predictor
+
+
+# ---- the server: cache report, then SIGTERM ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cfg_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cfg") / "server.log"
+    srv = start_server(["--max-total-tokens", "4096"], log)
+    yield srv
+    stop_server(srv)
+
+
+def test_openai_usage_reports_cached_prompt_tokens(cfg_server):
+    """``--enable-cache-report`` is on by default: the second identical chat request reports its
+    prompt as cached (issue 26 item 4)."""
+    body = {"model": "default", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    first = cfg_server.post("/v1/chat/completions", json=body)
+    second = cfg_server.post("/v1/chat/completions", json=body)
+    assert first.status_code == second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
+    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+    completion = cfg_server.post("/v1/completions", json={
+        "model": "default", "prompt": "The capital of France is", "max_tokens": 2})
+    completion = cfg_server.post("/v1/completions", json={
+        "model": "default", "prompt": "The capital of France is", "max_tokens": 2})
+    assert completion.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_sigterm_drains_and_exits_cleanly(cfg_server):
+    """SIGTERM to the launcher's process group (what ``make``, a terminal or a service manager
+    sends): the request in flight completes, the launcher exits 0 (was: SGLang SIGKILLed itself,
+    ``make: *** Killed``), the log has no traceback, and no server process is left (issue 26
+    item 10)."""
+    import psutil
+
+    launcher = psutil.Process(cfg_server.proc.pid)
+    family = [launcher, *launcher.children(recursive=True)]
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["r"] = cfg_server.post("/generate", json={
+            "text": "Count from one to fifty:", "sampling_params": {
+                "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.killpg(cfg_server.proc.pid, signal.SIGTERM)
+    code = cfg_server.proc.wait(timeout=30)
+    seconds = time.monotonic() - t0
+    asking.join(timeout=30)
+    print(f"stopped {seconds:.1f} s after SIGTERM, exit status {code}")
+    assert code == 0
+    assert answer["r"].status_code == 200 and answer["r"].json()["meta_info"][
+        "completion_tokens"] == 24
+    log = Path(cfg_server.log).read_text(errors="replace")
+    assert "SIGTERM received" in log
+    assert "Traceback" not in log and "Killed" not in log
+    assert not re.search(r"crashed with exit code", log)
+    time.sleep(1.0)
+    left = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left
