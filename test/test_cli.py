@@ -119,6 +119,19 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest(typo, meant):
     assert seconds < 6, seconds
 
 
+def test_help_all_lists_our_flags_first_then_sglangs():
+    """Every flag is discoverable: `--help-all` prints SGLang's parser with our groups first and
+    --model-path optional (the launcher serves the default model without it)."""
+    out, seconds = _cli("serve", "--help-all")
+    print(f"sglang-pic serve --help-all: {seconds:.1f} s")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "usage: sglang-pic serve [sglang-pic flags] [SGLang server flags]" in text
+    assert text.index("sglang-pic: span caching:") < text.index("\n  --tokenizer-path ")
+    assert "--model-path MODEL_PATH, --model MODEL_PATH" in text
+    assert "(required)" not in text and "sglang serve" not in text.replace("sglang-pic serve", "")
+
+
 def test_build_argv_turns_the_cache_report_on(model_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     argv = build_argv(["--model-path", str(model_dir)])

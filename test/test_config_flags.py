@@ -192,6 +192,42 @@ def test_flags_reach_sglangs_processes_as_variables(model_dir, monkeypatch):
     assert sae.sample_size == 0 and sae.queue_weights and sae.use_predictor
 
 
+# ---- SGLang's own launcher takes our flags (plugin hooks) ------------------------------------------
+
+PLAIN = r"""
+import contextlib, io, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+help_text = io.StringIO()
+with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+    prepare_server_args(["--help"])
+text = help_text.getvalue()
+print("ORDER", text.index("sglang-pic: span caching:") < text.index("\n  --tokenizer-path "))
+args = prepare_server_args(["--model-path", sys.argv[1], "--device", "cpu",
+                            "--attention-backend", "torch_native", "--enable-span-cache",
+                            "--span-schedule", "barrier"])
+print("ARGS", args.attention_backend, args.radix_cache_backend,
+      os.environ["SGLANG_PIC_SPAN_SCHEDULE"])
+try:
+    prepare_server_args(["--model-path", sys.argv[1], "--enable-span-cache",
+                         "--span-recompute-tokens", "abc"])
+except SystemExit as e:
+    print("EXIT", e.code)
+"""
+
+
+def test_sglangs_own_launcher_takes_our_flags(model_dir):
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", PLAIN, str(model_dir)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ORDER True" in out.stdout  # our groups before SGLang's flags in --help
+    assert "ARGS pic_torch_native pic_span barrier" in out.stdout
+    assert "EXIT 2" in out.stdout
+    assert "sglang-pic: error: --span-recompute-tokens: 'abc' is not an integer" in out.stderr
+
+
 # ---- the server: cache report, then SIGTERM ----------------------------------------------------------
 
 

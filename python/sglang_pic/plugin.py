@@ -13,6 +13,7 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | capability                     | SGLang seam                                                    |
 |--------------------------------|----------------------------------------------------------------|
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
+| our server flags (`sglang_launcher`) | AROUND hooks on `ServerArgs.add_cli_args` (our flag groups, first in `--help`) and `prepare_server_args` (our flags checked and translated), so SGLang's own launchers take them too |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
@@ -67,7 +68,14 @@ def register() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_pic import eviction, position_free, request_validation, spans, sparse
+    from sglang_pic import (
+        eviction,
+        position_free,
+        request_validation,
+        sglang_launcher,
+        spans,
+        sparse,
+    )
 
     def validation() -> None:
         HookRegistry.register(request_validation.HOOK_TARGET,
@@ -83,6 +91,7 @@ def register() -> None:
 
     steps: list[tuple[str, Callable[[], None]]] = [
         ("request-validation", validation),
+        ("server-flags", sglang_launcher.register),
         ("position-free-kv", position_free.register),
         ("cpu-twins", cpu_twins),
         ("spans", spans.register),

@@ -1,0 +1,62 @@
+"""Our server flags in SGLang's own launchers (``python -m sglang.launch_server``, ``sglang serve``).
+
+SGLang's plugin mechanism has no call for adding server flags, but its launchers load the plugins
+before they parse the command line, and the HookRegistry can wrap what parses it:
+
+- AROUND ``ServerArgs.add_cli_args``: our flag groups (``server_flags``) are added to SGLang's
+  parser, listed before SGLang's own flags in ``--help``;
+- AROUND ``prepare_server_args``: our flags are taken out of argv, checked, and turned into SGLang
+  flags and handed-over variables (``launch_server.translate``) before SGLang parses the rest. A
+  refused value or combination stops the launcher with one line and status 2.
+
+``sglang-pic serve`` does the same before it starts SGLang, and adds its defaults (the embedded
+model, CPU settings, ``--enable-cache-report``); SGLang's launchers get only the translation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from sglang_pic import server_flags
+
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+PREPARE_SERVER_ARGS = "sglang.srt.server_args.prepare_server_args"
+
+
+def around_add_cli_args(original, parser):
+    """Add our groups, then SGLang's flags; our groups go first in ``--help`` (argparse lists the
+    groups in ``_action_groups`` order, and SGLang's flags are in its default group)."""
+    first_new = len(parser._action_groups)
+    server_flags.add_arguments(parser)
+    ours = parser._action_groups[first_new:]
+    result = original(parser)
+    groups = parser._action_groups
+    for group in ours:
+        groups.remove(group)
+    groups[1:1] = ours  # after argparse's positionals, before its (and SGLang's) options
+    return result
+
+
+def around_prepare_server_args(original, argv):
+    if any(a in ("-h", "--help") for a in argv):
+        return original(argv)
+    from sglang_pic.launch_server import translate
+
+    prog = "sglang-pic"
+    try:
+        argv = translate(list(argv), on_cpu=os.environ.get("SGLANG_USE_CPU_ENGINE") == "1",
+                         prog=prog)
+    except SystemExit as e:  # UsageError, and the PTStore checks' SystemExit("error: ...")
+        if not isinstance(e.code, str):
+            raise
+        print(f"{prog}: error: {e.code.removeprefix('error: ')}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return original(argv)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADD_CLI_ARGS, around_add_cli_args, HookType.AROUND)
+    HookRegistry.register(PREPARE_SERVER_ARGS, around_prepare_server_args, HookType.AROUND)
