@@ -472,6 +472,39 @@ def test_tenants_stay_apart_on_ssd_and_across_a_restart(two_tenants, tmp_path):
         srv2.stop()
 
 
+def test_a_tenant_cannot_have_a_server_write_into_another_tenants_host_pool(two_tenants):
+    """A pool is named by pid, fd and inode, which another tenant can guess: a request must also
+    carry the secret of the reader's ticket memfd."""
+    import mmap
+
+    from sglang_pic.store.shm import address_of, pool_spec
+
+    srv, alice, bob = two_tenants
+    fd = os.memfd_create("ptstore-test-pool")
+    os.ftruncate(fd, 2 * PAGE)
+    mm = mmap.mmap(fd, 2 * PAGE)
+    try:
+        alice.use_pool(fd, address_of(mm), len(mm))
+        assert alice._pool_ok == {srv.endpoint: True}
+        bob.batch_set([("evil", b"E" * PAGE)])
+        spec = pool_spec(fd)  # what bob may guess: all but the proof
+        get = {"op": "get", "tids": ["evil"], "shm": {"offsets": [0], "sizes": [PAGE],
+                                                      "until": time.monotonic() + 5}}
+        for forged in ({**spec, "proof": "0" * 32}, {k: v for k, v in spec.items()
+                                                     if k != "proof"}):
+            reply = bob._call(srv.endpoint, {**get, "shm": {**get["shm"], "pool": forged}})[0]
+            assert not reply["ok"] and "pool" in reply["error"]
+        assert mm[:PAGE] == bytes(PAGE)  # nothing written
+        alice.batch_set([("mine", b"M" * PAGE)])
+        assert alice.batch_get_into(["mine"], [memoryview(mm)[:PAGE]],
+                                    [address_of(mm)]) == [True]
+        assert mm[:PAGE] == b"M" * PAGE and alice.stats["pool_pages"] == 1
+    finally:
+        alice.close()
+        mm.close()
+        os.close(fd)
+
+
 def test_keys_are_derived_per_role_and_token():
     assert server_keys(TOKEN) != client_keys(TOKEN)
     assert client_keys(TOKEN) != client_keys(OTHER)

@@ -16,7 +16,10 @@ verifies each page and copies it into SGLang's host pool.
   on the node then opens the pool itself through ``/proc/<pid>/fd/<fd>`` (checked against the
   file's device and inode, which name one file on one kernel) and writes each page straight into
   its host-pool slot: one copy per page in all, done by the servers, none by the reader, whose
-  process (SGLang's scheduler) is the one short of GIL time.
+  process (SGLang's scheduler) is the one short of GIL time. A pool spec also names a *ticket*:
+  a small memfd of the reader holding a random secret, which every request must present
+  (``proof``): the pid, fd and inode of a pool can be guessed, the secret cannot, so a client of
+  another tenant cannot have a server write its pages into this reader's pool.
 
 Only names ``ptstore-<...>`` under ``/dev/shm`` are ever opened; a segment is created with
 mode 0600, so only processes of the same user can map it. Memory is reserved up front
@@ -31,6 +34,7 @@ memory: leaked segments once left a test machine without room for SGLang's host 
 from __future__ import annotations
 
 import ctypes
+import hmac
 import mmap
 import os
 import re
@@ -123,13 +127,34 @@ def reap_stale() -> int:
 
 POOL_KEYS = ("pid", "fd", "dev", "ino")
 POOL_TARGETS = ("/memfd:", "/dev/shm/")  # what a pool's /proc/<pid>/fd link may point to
+TICKET_NAME = "ptstore-ticket"
+TICKET_LINK = f"/memfd:{TICKET_NAME} (deleted)"  # how /proc/<pid>/fd shows a ticket
+_TICKETS: dict[tuple[int, int], tuple[int, str]] = {}  # (dev, ino) -> (ticket fd, secret hex)
+_TICKETS_LOCK = threading.Lock()
 
 
-def pool_spec(fd: int) -> dict[str, int]:
+def _ticket(dev: int, ino: int) -> tuple[int, str]:
+    """This process's ticket for the pool file ``(dev, ino)``: a memfd holding 16 random bytes,
+    kept open for the life of the process (one per pool)."""
+    with _TICKETS_LOCK:
+        ticket = _TICKETS.get((dev, ino))
+        if ticket is None:
+            secret = os.urandom(16)
+            fd = os.memfd_create(TICKET_NAME)
+            os.write(fd, secret)
+            ticket = _TICKETS[(dev, ino)] = (fd, secret.hex())
+        return ticket
+
+
+def pool_spec(fd: int) -> dict[str, int | str]:
     """How a server on this node finds this process's shared-memory file ``fd`` (SGLang's host
-    pool allocated with ``"allocator": "shm"``): its ``/proc`` path and the file's identity."""
+    pool allocated with ``"allocator": "shm"``): its ``/proc`` path, the file's identity, and
+    the ticket that proves a request comes from this process (``proof``: the ticket's secret;
+    the spec is sent only over authenticated, encrypted connections)."""
     st = os.fstat(fd)
-    return {"pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino}
+    ticket, proof = _ticket(st.st_dev, st.st_ino)
+    return {"pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino, "ticket": ticket,
+            "proof": proof}
 
 
 def address_of(mm: mmap.mmap) -> int:
@@ -146,18 +171,38 @@ def _is_int(x) -> bool:
 
 
 def pool_key(spec) -> tuple[int, int, int, int]:
-    """The validated ``(pid, fd, dev, ino)`` of a pool spec; ValueError otherwise."""
+    """The validated ``(pid, fd, dev, ino)`` of a pool spec (which must also name a ticket and
+    a proof); ValueError otherwise."""
     if not isinstance(spec, dict) or not all(_is_int(spec.get(k)) and spec[k] >= 0
-                                             for k in POOL_KEYS):
+                                             for k in (*POOL_KEYS, "ticket")):
         raise ValueError("bad pool spec")
+    proof = spec.get("proof")
+    if not isinstance(proof, str) or not re.fullmatch(r"[0-9a-f]{32}", proof):
+        raise ValueError("bad pool spec: no proof")
     return tuple(spec[k] for k in POOL_KEYS)
 
 
-def _open_pool(key: tuple[int, int, int, int]) -> mmap.mmap:
-    """Map a reader's pool file: only a shared-memory file (memfd or ``/dev/shm``) of a process
-    of this server's user, only the very file the reader named (device and inode match). The
-    process directory is opened once and the fd looked up relative to it, so a pid reused in
-    between cannot swap the process checked for the one opened."""
+def _read_ticket(proc: int, fd_no: int) -> bytes:
+    """The secret of the reader's ticket ``fd_no`` (``proc``: its open /proc directory); only a
+    ticket memfd is read, so no other file's predictable first bytes can stand in for it."""
+    if os.readlink(f"fd/{fd_no}", dir_fd=proc) != TICKET_LINK:
+        raise ValueError("not the reader's ticket")
+    fd = os.open(f"fd/{fd_no}", os.O_RDONLY, dir_fd=proc)
+    try:
+        secret = os.pread(fd, 17, 0)
+    finally:
+        os.close(fd)
+    if len(secret) != 16:
+        raise ValueError("not the reader's ticket")
+    return secret
+
+
+def _open_pool(key: tuple[int, int, int, int], ticket: int) -> tuple[mmap.mmap, bytes]:
+    """Map a reader's pool file, and read its ticket: only a shared-memory file (memfd or
+    ``/dev/shm``) of a process of this server's user, only the very file the reader named
+    (device and inode match). The process directory is opened once and both fds looked up
+    relative to it, so a pid reused in between cannot swap the process checked for the one
+    opened."""
     pid, fd_no, dev, ino = key
     proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -168,15 +213,16 @@ def _open_pool(key: tuple[int, int, int, int]) -> mmap.mmap:
         if not os.readlink(f"fd/{fd_no}", dir_fd=proc).startswith(POOL_TARGETS):
             raise ValueError("the pool is not a shared-memory file")
         fd = os.open(f"fd/{fd_no}", os.O_RDWR, dir_fd=proc)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
+                raise ValueError("not the reader's pool")
+            secret = _read_ticket(proc, ticket)
+            return mmap.mmap(fd, st.st_size), secret
+        finally:
+            os.close(fd)
     finally:
         os.close(proc)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
-            raise ValueError("not the reader's pool")
-        return mmap.mmap(fd, st.st_size)
-    finally:
-        os.close(fd)
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (what SGLang's own shm allocator asks for)
@@ -215,8 +261,8 @@ def _pool_alive(key: tuple[int, ...]) -> bool:
 class _Pool:
     """A reader's pool as mapped by a server, with the thread building its page tables."""
 
-    def __init__(self, key: tuple[int, int, int, int]) -> None:
-        self.mm = _open_pool(key)
+    def __init__(self, key: tuple[int, int, int, int], ticket: int) -> None:
+        self.mm, self.secret = _open_pool(key, ticket)
         self.address = address_of(self.mm)
         self.prefault = _prefault(self.address, len(self.mm))
 
@@ -243,7 +289,9 @@ class SegmentCache:
             key = pool_key(name)
             pool = self.pools.get(key)
             if pool is None:
-                pool = self.pools[key] = _Pool(key)
+                pool = self.pools[key] = _Pool(key, name["ticket"])
+            if not hmac.compare_digest(pool.secret, bytes.fromhex(name["proof"])):
+                raise ValueError("not the reader's pool (wrong proof)")
             return pool.mm, pool.address
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError("bad segment name")
