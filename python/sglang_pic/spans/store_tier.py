@@ -197,7 +197,7 @@ class SpanStoreTier:
             self._forget(failed)  # not stored: a later save may try again
             if failed:
                 self._warn(f"span store: {len(failed)} pages were not stored (server down, "
-                           "full, or a wrong --ptstore-token)")
+                           "full, or a wrong PTStore token)")
 
     def _warn(self, message: str) -> None:
         """Log ``message`` at most once per ``RETRY_AFTER_S``."""

@@ -1,4 +1,7 @@
-"""PTStore: a distributed prefix tensor store as SGLang's HiCache L3 tier (seed 004). Work in
-progress: ``engine`` (one server's owned/replica caches, GDSF, SSD tier, flat object metadata)
-exists; the zmq server/client, consistent hashing and the HiCache ``dynamic`` backend are next.
+"""PTStore: a distributed prefix tensor store, SGLang's HiCache L3 tier (seed 004).
+
+``engine`` (owned/replica caches with GDSF, ``gdsf``; the SSD tier, ``ssd``; object metadata),
+``protocol`` (the wire format), ``auth`` (CurveZMQ keys from tokens, tenants), ``server`` and
+``client`` (consistent hashing, batched RPCs), ``shm`` (the same-node data path),
+``hicache_backend`` (HiCache's ``dynamic`` backend) and ``cli`` (``sglang-pic store``).
 """

@@ -65,7 +65,9 @@ class SSDTier:
 
     def __init__(self, root: str | os.PathLike, budget: int, stats: dict[str, int]) -> None:
         self.dir = Path(root) / "pages"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # pages are prompts' KV, not encrypted at rest: folders this tier creates are private
+        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, exist_ok=True)
         self.stats = stats
         for k in ("spills", "ssd_hits", "ssd_corrupt", "ssd_errors", "ssd_evictions"):
             stats.setdefault(k, 0)
