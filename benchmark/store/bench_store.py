@@ -9,7 +9,11 @@ with ``"allocator": "shm"``, what ``--ptstore`` sets); as the floor, a plain zmq
 same bytes with no store behind it. Reports GB/s (median) and p99
 latency per size, writes ``benchmark/results/store_throughput.json``.
 
-    python benchmark/store/bench_store.py [--repeats 20]
+The server authenticates with a token, so every message is CurveZMQ-encrypted; ``--insecure``
+runs it without (no encryption: what CURVE costs; the server then writes into no pool, so
+``get_into_pool`` goes through the staging segment).
+
+    python benchmark/store/bench_store.py [--repeats 20] [--insecure]
 """
 
 from __future__ import annotations
@@ -67,16 +71,17 @@ def raw_copy_times(size: int, repeats: int) -> list[float]:
     return times
 
 
-def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]]:
+def store_times(endpoint: str, size: int, repeats: int,
+                token: str | None = TOKEN) -> dict[str, list[float]]:
     import mmap
     import os
 
     from sglang_pic.store.client import StoreClient
     from sglang_pic.store.shm import address_of
 
-    plain = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=False)
-    shm = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=True)
-    pool = StoreClient([endpoint], TOKEN, timeout_ms=60000, shm=True)
+    plain = StoreClient([endpoint], token, timeout_ms=60000, shm=False)
+    shm = StoreClient([endpoint], token, timeout_ms=60000, shm=True)
+    pool = StoreClient([endpoint], token, timeout_ms=60000, shm=True)
     n = max(size // PAGE, 1)
     times: dict[str, list[float]] = {"set": [], "get": [], "get_into": [], "get_into_shm": [],
                                      "get_into_pool": []}
@@ -113,7 +118,8 @@ def store_times(endpoint: str, size: int, repeats: int) -> dict[str, list[float]
         times["get_into_pool"].append(time.perf_counter() - t0)
         assert all(ok) and bytes(pool_dests[-1]) == items[-1][1]
     assert shm.stats["shm_pages"] == repeats * n + 1  # the shared-memory path was taken
-    assert pool.stats["pool_pages"] == repeats * n + 1  # the servers wrote into the pool
+    # the servers wrote into the pool (an insecure server does not: staging instead)
+    assert pool.stats["pool_pages"] == (repeats * n + 1 if token else 0)
     del pool_dests
     for c in (plain, shm, pool):
         c.close()
@@ -133,16 +139,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "store_throughput.json"))
+    ap.add_argument("--insecure", action="store_true",
+                    help="no token: no CurveZMQ encryption (and no writes into the pool)")
     args = ap.parse_args()
+    token = None if args.insecure else TOKEN
     rows = []
     kinds = ("raw", "set", "get", "get_into", "get_into_shm", "get_into_pool")
     print(f"{'size':>8}" + "".join(f"{k + ' GB/s':>20}" for k in kinds)
           + "".join(f"{k + ' p99':>20}" for k in kinds))
-    procs, (endpoint,) = start_store_servers(1, TOKEN, memory_gb=8)
+    procs, (endpoint,) = start_store_servers(1, token, memory_gb=8)
     try:
         for size in SIZES:
             times = {"raw": raw_copy_times(size, args.repeats),
-                     **store_times(endpoint, size, args.repeats)}
+                     **store_times(endpoint, size, args.repeats, token)}
             row = {"size_bytes": size, **{k: _summ(times[k], size) for k in kinds}}
             rows.append(row)
             print(f"{size >> 10:>6}KB" + "".join(f"{row[k]['gb_per_s']:20.2f}" for k in kinds)
@@ -151,6 +160,7 @@ def main() -> None:
         procs[0].terminate()
     out = Path(args.out)
     out.write_text(json.dumps({"benchmark": "store_throughput", "page_bytes": PAGE,
+                               "curve": token is not None,
                                "environment": {"host": platform.node(),
                                                "python": platform.python_version(),
                                                "cpus": __import__("os").cpu_count()},
