@@ -87,9 +87,14 @@ def ensure_default_model() -> Path:
     _write_sampling_defaults(tmp)
     (tmp / _DONE_MARKER).write_text(f"converted from {src}\n")
     _log("  3/3 finishing")
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    if target.exists() and not (target / _DONE_MARKER).is_file():
+        shutil.rmtree(target)  # an interrupted conversion's leftovers
+    try:
+        tmp.rename(target)
+    except OSError:  # another process (a parallel test worker) finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / _DONE_MARKER).is_file():
+            raise
     _log(f"default model ready in {time.perf_counter() - t0:.0f} s: {target}")
     return target
 
