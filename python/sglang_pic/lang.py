@@ -9,11 +9,16 @@
         for d in docs:
             s += sgl.span(d)                 # cached once, reused at any offset
         s += "Question: " + question + "\\nAnswer:"
-        s += sgl.gen("answer", max_tokens=32)
+        s += sgl.gen("answer", max_tokens=16, temperature=0, stop="\\n")
 
 A span is text between an SSEP marker and a PDEP marker: the span is computed as if it stood alone
 and whatever follows it in the program reads everything (see ``docs/spans.md``). The markers are
-plain strings, so programs run against any ``sglang-pic serve --enable-span-cache`` endpoint.
+plain strings, so programs run against any ``sglang-pic serve --enable-span-cache`` endpoint; a
+server without the span cache refuses them (HTTP 400, in the program's ``state.error()``).
+
+Client programs import this module, so it imports only what ``span`` needs: the marker settings
+(``spans.config``) and ``SpanError`` (``spans.segments``), both standard library alone, never
+SGLang's server code (seconds of import time and platform warnings on every client start).
 """
 
 from __future__ import annotations

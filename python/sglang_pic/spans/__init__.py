@@ -20,6 +20,11 @@ position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, 
 | scheduler         | AFTER ``Scheduler.init_load_inquirer``: held requests in ``/v1/loads`` | ``load`` |
 
 ``sglang-pic serve --enable-span-cache`` selects all of it; semantics and API: ``docs/spans.md``.
+
+Importing this package loads only ``config``, ``segments`` and ``request`` (standard library
+alone): the frontend DSL (``sglang_pic.lang``) imports them in client programs, where the planner
+and the radix cache (SGLang's server code: seconds of import time and its platform warnings) are
+not needed. ``register()`` and the scheduler hooks import those when they run.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from __future__ import annotations
 from typing import Any
 
 from .config import BACKEND
-from .planner import cached_tokens_details, is_unit
 from .request import PDEP_ID, SSEP_ID, spans_to_prompt
 from .segments import SpanError
 
@@ -101,6 +105,8 @@ def _on_abort(result: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: 
 
 
 def _hide_span_prefills(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    from .planner import is_unit
+
     if any(is_unit(r) for r in reqs):
         reqs = [r for r in reqs if not is_unit(r)]
         if not reqs:
@@ -112,6 +118,8 @@ def _cached_details(original: Any, streamer: Any, req: Any, *args: Any, **kwargs
     planner = _planner(streamer)
     if planner is None or getattr(req, "pic_segments", None) is None:
         return original(streamer, req, *args, **kwargs)
+    from .planner import cached_tokens_details
+
     return cached_tokens_details(req, with_storage=planner.cache.store is not None)
 
 
