@@ -14,15 +14,20 @@ some kill the scheduler process, which takes every other client's request and th
   ``response_format``/tools become these) needs accelerator memory in SGLang's xgrammar backend
   (crash on the CPU engine, unless ``cpu_grammar``'s hooks are registered);
 * a client ``rid`` that starts like our internal span sub-requests' (``pic-span-``) would have its
-  output hidden as one of theirs; one that is a prefix of theirs could abort them all.
+  output hidden as one of theirs; one that is a prefix of theirs could abort them all;
+* span markers (``<|ssep|>`` / ``<|pdep|>``, or ``--span-markers``) in a prompt sent to a server
+  without the span cache would be read as ordinary text, silently giving the model another prompt
+  than the client meant: refused, naming ``--enable-span-cache``.
 
 ``check_generate_request`` runs as a BEFORE hook on ``TokenizerManager.generate_request``, the one
 function every generation entry point goes through (``/generate``, the OpenAI and Anthropic
 endpoints, ``Engine.generate``), after the span resolver (so ``input_ids`` carry no span markers
 by then; on a span server they are accepted anyway, in case the order changes). It raises
 ``ValueError``, which SGLang's HTTP layer answers with a 400 and the message.
-``check_openai_body`` is called by the HTTP middleware (``spans/http.py``) for the OpenAI bodies
-whose SGLang validators crash on malformed input instead of reporting it.
+``check_openai_body`` is called by the HTTP middleware (``spans/http.py``, installed on every
+server) for the OpenAI bodies whose SGLang validators crash on malformed input instead of reporting
+it, and for span markers in chat messages: SGLang applies the chat template and tokenizes before
+``generate_request``, so the hook sees only token ids there, no marker strings.
 """
 
 from __future__ import annotations
@@ -167,13 +172,39 @@ def validate_rid(rid: Any) -> None:
             )
 
 
+def _marker_strings() -> tuple[str, str]:
+    """The span marker strings this server's processes were given (``--span-markers``)."""
+    from sglang_pic.spans import config as span_config
+
+    return span_config.load().markers
+
+
+def refuse_span_markers(field: str, value: Any) -> None:
+    """Raise ValueError when ``value`` (a prompt string or a list of them) contains a span marker.
+
+    Called only where the span cache is off: there the marker would reach the model as ordinary
+    text (a 200 with an answer to another prompt than the client meant).
+    """
+    markers = _marker_strings()
+    for i, item in enumerate(_per_item(value)):
+        if isinstance(item, str) and any(m in item for m in markers):
+            where = f"{field}[{i}]" if isinstance(value, list) else field
+            raise ValueError(
+                f"{where} contains a span marker ({' / '.join(markers)}), but this server runs "
+                "without the span cache: start it with `sglang-pic serve --enable-span-cache` "
+                "(or --radix-cache-backend pic_span), or remove the markers"
+            )
+
+
 def check_generate_request(self, obj, *args, **kwargs) -> None:
     """BEFORE hook for `TokenizerManager.generate_request(self, obj, request=None)`."""
-    from sglang_pic.spans.request import accepted_marker_ids
+    from sglang_pic.spans.request import accepted_marker_ids, span_cache_enabled
 
     params = getattr(obj, "sampling_params", None)
     validate_sampling_params(params)
     validate_rid(getattr(obj, "rid", None))
+    if not span_cache_enabled(self.server_args):
+        refuse_span_markers("text", getattr(obj, "text", None))
     vocab_size = int(self.model_config.vocab_size)
     validate_token_ids(
         "input_ids", getattr(obj, "input_ids", None), vocab_size, accepted_marker_ids(self)
@@ -186,8 +217,10 @@ def check_generate_request(self, obj, *args, **kwargs) -> None:
         )
 
 
-def check_openai_body(path: str, body: bytes) -> None:
-    """Raise ValueError when SGLang's pydantic model for ``path`` would crash on ``body`` (JSON).
+def check_openai_body(path: str, body: bytes, span_cache_enabled: bool | None = None) -> None:
+    """Raise ValueError when SGLang's pydantic model for ``path`` would crash on ``body`` (JSON),
+    or when the body carries span markers and the span cache is off (``span_cache_enabled``;
+    None: this process's server, see ``_server_span_cache_enabled``).
 
     ``ChatCompletionRequest``'s before-validators call ``.get`` on the body and on
     ``response_format`` without checking their type, so ``"hello"`` or ``"response_format": "x"``
@@ -214,6 +247,37 @@ def check_openai_body(path: str, body: bytes) -> None:
         raise ValueError(
             f"malformed {path} request: a field has the wrong type ({type(e).__name__}: {e})"
         ) from None
+    if span_cache_enabled is None:
+        span_cache_enabled = _server_span_cache_enabled()
+    if not span_cache_enabled:
+        refuse_openai_span_markers(data)
+
+
+def refuse_openai_span_markers(data: dict) -> None:
+    """Span markers in an OpenAI ``prompt`` or in any chat message's text are refused."""
+    refuse_span_markers("prompt", data.get("prompt"))
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
+            texts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            refuse_span_markers(f"messages[{i}].content", texts)
+        else:
+            refuse_span_markers(f"messages[{i}].content", content)
+
+
+def _server_span_cache_enabled() -> bool:
+    """Whether this process's server runs the span cache, from the ServerArgs that SGLang's
+    TokenizerManager publishes in the HTTP server's process; True (check nothing here, the
+    tokenizer-side hook still checks text prompts) when none is published."""
+    from sglang.srt.server_args import get_global_server_args
+
+    from sglang_pic.spans.request import span_cache_enabled
+
+    try:
+        return span_cache_enabled(get_global_server_args())
+    except ValueError:  # "Global server args is not set yet!"
+        return True
 
 
 def _json_type(value: Any) -> str:
