@@ -1,14 +1,16 @@
 """Eviction policies on replayed traces: SGLang's seven, GDSF, S3-FIFO and SAE, in one run, with
 Belady's offline rule (the whole trace known in advance) as the upper bound.
 
-    python benchmark/eviction/bench_eviction.py [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
+    .venv/bin/python benchmark/eviction/bench_eviction.py [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
 
 For every workload (chat, agent, single-turn, mix, single-heavy, shift, and chat with
 ShareGPT-like turn counts alone and mixed) and cache size (a
 fraction of the trace's unique tokens), each policy replays the same trace through SGLang's real
 ``RadixCache`` (``simulator.py``). Prints a table of token hit rates (and the gain of ``sae``
 over the best other policy), writes ``benchmark/results/eviction_sim.json`` and
-``docs/figures/eviction_hit_rate.png``.
+``docs/figures/eviction_hit_rate.png``; ``--quick`` (a smoke run) writes its JSON to
+``$TMPDIR/sglang-pic-bench/`` (``harness.smoke_dir()``) and draws no figure, leaving the tracked
+files alone.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def print_summary(rows: list[dict], policies: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=int, default=100, help="sessions per workload (size knob)")
-    ap.add_argument("--quick", action="store_true", help="two workloads, two sizes")
+    ap.add_argument("--quick", action="store_true",
+                    help="two workloads, two sizes; writes to $TMPDIR/sglang-pic-bench, no plot")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
     ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE))
@@ -98,6 +101,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import sglang
+    from harness import smoke_dir
     from sglang_pic import eviction
     from simulator import replay
     from traces import generate, load_bailian, load_mooncake, session_params
@@ -112,7 +116,9 @@ def main() -> None:
         policies = [p for p in policies if p not in ("sae-ends", "sae-params")]
     if args.out is None:
         suffix = "" if args.hints == "all" else f"_hints_{args.hints}"
-        args.out = str(REPO / "benchmark" / "results" / f"eviction_sim{suffix}.json")
+        # --quick is a smoke run: it must not replace the tracked full results
+        folder = Path(smoke_dir()) if args.quick else REPO / "benchmark" / "results"
+        args.out = str(folder / f"eviction_sim{suffix}.json")
     if args.trace:
         loader = load_mooncake if args.format == "mooncake" else load_bailian
         workloads = {(Path(args.trace).stem, 0): loader(args.trace)}
@@ -160,7 +166,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
-    if not args.no_plot and args.hints == "all":  # the figure in docs is the full-hints one
+    # the figure in docs is the full run's with all hints (plot() writes docs/figures)
+    if not args.no_plot and not args.quick and args.hints == "all":
         from plot_eviction import plot
 
         print(plot(out))
