@@ -142,7 +142,7 @@ PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 
 
 def main() -> None:
     from bench_eviction import SGLANG_POLICIES
-    from harness import run_side_by_side
+    from harness import run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -179,6 +179,7 @@ def main() -> None:
         params = {**params, "scale": 4, "speedup": 200.0, "output_tokens": 2, "vocab": 49000,
                   "max_prompt_tokens": 2500}
         name = "eviction_e2e_cpu_smoke"
+        args.out = args.out or smoke_dir()
     baselines = args.baselines.split(",")
     unknown = [p for p in baselines if p not in SGLANG_POLICIES]
     if unknown:

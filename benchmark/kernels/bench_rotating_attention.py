@@ -246,13 +246,16 @@ def extend_case(prefix: int, new: int, batch: int = 1) -> dict:
 
 def main() -> None:
     import torch
+    from harness import smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
+    ap.add_argument("--out", default=None,
+                    help="results folder (default benchmark/results; with --quick a temp folder)")
     ap.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
     ap.add_argument("--tune-decode", action="store_true")
     ap.add_argument("--best-config-out", default=None)
     args = ap.parse_args()
+    args.out = args.out or (smoke_dir() if args.quick else str(REPO / "benchmark" / "results"))
     torch.manual_seed(0)
     if args.tune_decode:
         out = Path(args.out)

@@ -207,6 +207,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
 
 
 def main() -> None:
+    from harness import smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+",
@@ -225,8 +226,10 @@ def main() -> None:
                     help="also time other vote tilings / histogram sizes (with --case)")
     ap.add_argument("--case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
                     help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
+    ap.add_argument("--out", default=None,
+                    help="results folder (default benchmark/results; with --quick a temp folder)")
     args = ap.parse_args()
+    args.out = args.out or (smoke_dir() if args.quick else str(REPO / "benchmark" / "results"))
     if args.quick:
         args.contexts, args.batches, args.candidates = [32768], [1], [2048]
 

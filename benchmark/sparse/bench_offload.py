@@ -126,6 +126,7 @@ def main() -> None:
 
         enable_cpu_engine()
         name, backend = "sparse_offload_cpu_smoke", "pariskv_torch_native"
+        args.out = args.out or harness.smoke_dir()
         engine_kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
                          "skip_tokenizer_init": True, "attention_backend": "torch_native",
                          "max_total_tokens": 1800, "disable_radix_cache": True,

@@ -48,6 +48,7 @@ from harness import (  # noqa: E402
     free_port,
     plugin_site,
     save_figure,
+    smoke_dir,
     start_store_servers,
     store_totals,
     variant_env,
@@ -292,7 +293,8 @@ def main() -> None:
     if unknown := set(variants) - set(VARIANTS):
         ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     machine = "cpu_smoke" if args.cpu else "h200"
-    out = Path(args.out) if args.out else REPO / "benchmark/results" / f"store_scaling_{machine}.json"
+    default_dir = Path(smoke_dir()) if args.cpu else REPO / "benchmark/results"
+    out = Path(args.out) if args.out else default_dir / f"store_scaling_{machine}.json"
     params = {k: getattr(args, k) for k in ("documents", "requests", "lengths", "concurrency",
                                              "question", "cpu")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,7 +321,8 @@ def main() -> None:
             print(f"{r['n']:>3} {r['variant']:>10} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f}"
                   f" {r['hit_rate']:>6.2f} {r['storage_share']:>6.2f}")
     print(f"wrote {out}")
-    plot(report, REPO / "docs/figures" / f"store_scaling_{machine}.png")
+    figures = out.parent if args.cpu else REPO / "docs/figures"
+    plot(report, figures / f"store_scaling_{machine}.png")
 
 
 if __name__ == "__main__":

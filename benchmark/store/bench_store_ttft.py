@@ -187,8 +187,11 @@ def plot(report: dict, out: Path) -> Path:
     for j, (label, v) in enumerate(shown.items()):
         xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(lengths))]
         med = [res[v][f"ttft_{n}_ms"] for n in lengths]
-        lo = [m - min(res[v][f"ttft_{n}_ms_all"]) for m, n in zip(med, lengths, strict=True)]
-        hi = [max(res[v][f"ttft_{n}_ms_all"]) - m for m, n in zip(med, lengths, strict=True)]
+        # the samples are rounded to 0.01 ms, the median is not: clamp the rounding away
+        lo = [max(0.0, m - min(res[v][f"ttft_{n}_ms_all"])) for m, n in zip(med, lengths,
+                                                                               strict=True)]
+        hi = [max(0.0, max(res[v][f"ttft_{n}_ms_all"]) - m) for m, n in zip(med, lengths,
+                                                                               strict=True)]
         ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
     ax.set_xlabel("prefix computed by the other instance (tokens)")
@@ -214,7 +217,7 @@ def print_table(report: dict) -> None:
 
 
 def main() -> None:
-    from harness import run_side_by_side, start_store_servers
+    from harness import run_side_by_side, smoke_dir, start_store_servers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replot", default=None, help="table and plot of a report JSON, no run")
@@ -238,6 +241,7 @@ def main() -> None:
         enable_cpu_engine()
         kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}
         extra, name = SMOKE_PARAMS, "store_ttft_cpu_smoke"
+        args.out = args.out or smoke_dir()
     token = "bench-store-ttft-token"  # a throwaway token of loopback servers
     stores, endpoints = start_store_servers(args.stores, token, memory_gb=16)
     try:
@@ -250,7 +254,8 @@ def main() -> None:
         for p in stores:
             p.terminate()
     print_table(report)
-    plot(report, REPO / "docs" / "figures" / f"{name}.png")
+    figures = Path(args.out) if args.smoke else REPO / "docs" / "figures"
+    plot(report, figures / f"{name}.png")
 
 
 if __name__ == "__main__":
