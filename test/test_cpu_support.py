@@ -66,6 +66,8 @@ def test_cpu_defaults_fill_only_missing_flags(model_dir):
     budget = int(extra[extra.index("--max-total-tokens") + 1])
     assert 1024 <= budget <= 65536
     assert "--sleep-on-idle" in extra
+    assert extra[extra.index("--dtype") + 1] == "float32"  # the embedded checkpoint's dtype
+    assert "--dtype" not in cpu_support.cpu_server_defaults(["--dtype", "bfloat16"], str(model_dir))
     assert "--sleep-on-idle" not in cpu_support.cpu_server_defaults(
         ["--sleep-on-idle"], str(model_dir))
     user = ["--attention-backend", "triton", "--max-total-tokens=4096", "--device", "cpu"]

@@ -78,7 +78,11 @@ def two_span_servers(stores, tmp_path_factory):
             "--chunked-prefill-size", "128", "--ptstore", ",".join(s.endpoint for s in stores),
             "--ptstore-token-file", str(token_file)]
     a = start_server(args, logs / "a.log")
-    b = start_server(args, logs / "b.log")
+    try:
+        b = start_server(args, logs / "b.log")
+    except BaseException:
+        stop_server(a)  # a failed second start must not leave the first server running
+        raise
     yield a, b
     stop_server(a)
     stop_server(b)

@@ -31,7 +31,7 @@ def _instance_args(servers, token_file) -> list[str]:
     # suite's two cores with two CPU engines, and a pool load past its deadline is (rightly) a miss
     return ["--ptstore", ",".join(s.endpoint for s in servers), "--ptstore-token-file", token_file,
             "--hicache-storage-backend-extra-config", '{"timeout_ms": 10000}',
-            "--hicache-size", "1", "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-ratio", "4", "--hicache-storage-prefetch-policy", "wait_complete",
             "--max-total-tokens", "2048", "--page-size", "16"]
 
 
@@ -42,7 +42,11 @@ def two_instances(store_cluster, tmp_path_factory):
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     a = start_server(_instance_args(store_cluster, str(token_file)), logs / "a.log")
-    b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
+    try:
+        b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
+    except BaseException:
+        stop_server(a)  # a failed second start must not leave the first server running
+        raise
     yield a, b
     stop_server(a)
     stop_server(b)

@@ -182,6 +182,18 @@ def kv_budget_tokens(model_path: str, fraction: float = 0.10, cap: int = 65536) 
     return max(1024, min(cap, budget))
 
 
+def _config_dtype(model_path: str | None) -> str | None:
+    """The checkpoint's dtype as its config.json names it (None when there is none)."""
+    import json
+
+    path = os.path.join(model_path, "config.json") if model_path else None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("dtype") or config.get("torch_dtype")
+
+
 def cpu_server_defaults(argv: list[str], model_path: str | None) -> list[str]:
     """SGLang flags a CPU server needs, for each one the user did not give."""
     extra: list[str] = []
@@ -195,6 +207,12 @@ def cpu_server_defaults(argv: list[str], model_path: str | None) -> list[str]:
         extra += ["--max-total-tokens", str(budget)]
     if not _flag_given(argv, "--disable-cuda-graph"):
         extra += ["--disable-cuda-graph"]
+    if not _flag_given(argv, "--dtype") and _config_dtype(model_path) == "float32":
+        # SGLang casts a float32 checkpoint to float16 ("auto"), a GPU habit: CPUs without fp16
+        # arithmetic emulate it, with results that depend on the processor (measured: greedy
+        # tokens equal HF's bfloat16 ones on one machine, float32 ones on another). A float32
+        # checkpoint is served in float32 on CPU, as HF transformers runs it.
+        extra += ["--dtype", "float32"]
     if not _flag_given(argv, "--sleep-on-idle"):
         # SGLang's scheduler loop spins while idle (measured: 87 % of a core with no requests);
         # on a CPU machine that core is one the model needs. SGLang's own IdleSleeper then waits
