@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check python sgl-kernel benchmark test || exit 1
-"$VENV/bin/python" -m pytest test --durations=15 "$@"
+# Two workers, each taking whole test files (a module's shared server stays in one worker); each
+# CPU server runs torch on one thread, so two workers keep both cores busy.
+workers="${PYTEST_WORKERS:-2}"
+"$VENV/bin/python" -m pytest test --durations=15 -n "$workers" --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; treating as failure" >&2
