@@ -46,6 +46,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def wait_for_host_memory(gb: float, wait_s: float = 120.0) -> None:
+    """Skip (with the numbers) unless SGLang's HiCache can allocate a ``gb`` host tier here.
+
+    SGLang refuses a host tier unless the host keeps 10 GiB available beside it
+    (``HICACHE_HOST_MEMORY_RESERVE_BYTES``); with both test workers' servers up, a 24 GiB machine
+    can dip below that for a while, so wait for the other worker's servers to go first."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+    need = HICACHE_HOST_MEMORY_RESERVE_BYTES + int(gb * (1 << 30))
+    deadline = time.time() + wait_s
+    while (avail := psutil.virtual_memory().available) < need:
+        if time.time() > deadline:
+            pytest.skip(f"HiCache needs {need / (1 << 30):.1f} GiB available (SGLang's 10 GiB "
+                        f"reserve + the tier); this host has {avail / (1 << 30):.1f} GiB")
+        time.sleep(2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

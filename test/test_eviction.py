@@ -217,7 +217,7 @@ def test_policies_are_in_sglangs_table():
     from sglang.srt.mem_cache.utils import get_eviction_strategy
     from sglang.srt.server_args import RADIX_EVICTION_POLICY_CHOICES
 
-    for name in ("sae", "gdsf", "s3fifo"):
+    for name in ("sae", "gdsf", "s3fifo", "tlru"):
         assert get_eviction_strategy(name).name == name
         assert name in RADIX_EVICTION_POLICY_CHOICES
 
@@ -426,10 +426,11 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
     those of the plain server."""
     import json
 
-    from conftest import HICACHE_CPU_FLAGS, start_server, stop_server
+    from conftest import HICACHE_CPU_FLAGS, start_server, stop_server, wait_for_host_memory
 
     stats = tmp_path / "sae.json"
     monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
+    wait_for_host_memory(0.5)
     srv = start_server([*HICACHE_CPU_FLAGS, "--radix-eviction-policy", "sae",
                         "--max-total-tokens", "512", "--page-size", "16"], tmp_path / "log")
     try:
@@ -691,3 +692,156 @@ def test_reuse_rates_count_unshared_blocks_only():
     for k in range(3):
         serve(template + list(range(700 + 40 * k, 732 + 40 * k)))
     assert w.hits == 64 and w.resident == 5 * 32  # later template hits are not the queries'
+
+
+def _mooncake_lines(n: int, seed: int = 0) -> list[str]:
+    """A small conversation-like block trace: sessions that resend their history and add
+    blocks, over two shared system-prompt blocks; partial last blocks."""
+    rng = np.random.default_rng(seed)
+    sessions: list[list[int]] = []
+    next_id, lines = 10, []
+    for i in range(n):
+        if not sessions or rng.random() < 0.3:
+            sessions.append([int(rng.integers(2))])
+        s = sessions[int(rng.integers(len(sessions)))]
+        k = int(rng.integers(1, 4))
+        s += list(range(next_id, next_id + k))
+        next_id += k
+        lines.append(json.dumps({"timestamp": 1000 * i, "hash_ids": list(s),
+                                 "input_length": 512 * (len(s) - 1) + int(rng.integers(1, 513)),
+                                 "output_length": int(rng.integers(1, 300))}))
+    return lines
+
+
+def test_mooncake_loader_reports_malformed_lines_and_replays_the_rest(tmp_path, capsys):
+    from simulator import replay
+    from traces import load_mooncake
+
+    good = _mooncake_lines(4)
+    bad = ["{not json", json.dumps({"timestamp": 5, "hash_ids": [1]}),
+           json.dumps({"timestamp": 6, "input_length": 9000, "output_length": 1,
+                       "hash_ids": [1, 2]}),
+           json.dumps({"timestamp": 7, "input_length": 10, "output_length": 1,
+                       "hash_ids": ["a"]})]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join([good[0], bad[0], good[1], bad[1], "", bad[2], good[2], bad[3],
+                               good[3]]) + "\n")
+    reqs = load_mooncake(path)
+    err = capsys.readouterr().err
+    assert len(reqs) == 4
+    for lineno, why in ((2, "not JSON"), (4, "missing input_length, output_length"),
+                        (6, "input_length 9000 > 2 blocks"), (8, "hash_ids")):
+        assert f"trace.jsonl:{lineno}: skipped malformed trace line: {why}" in err
+    assert "skipped 4 malformed line(s), replaying 4 requests" in err
+    assert replay(reqs, "lru", 1_000_000).requests == 4
+
+
+@pytest.mark.parametrize("script", ["bench_eviction.py", "replay_trace.py"])
+def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmark" / "eviction" / script),
+                           "--policies", "lru,sea"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "unknown policy 'sea'" in lines[0]
+    assert "known: lru,lfu,fifo,mru,filo,priority,slru,gdsf,s3fifo,tlru,sae" in lines[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "sae", "tlru:1024:512"])
+def test_compact_mooncake_prompts_make_the_same_evictions_as_lists(tmp_path, monkeypatch,
+                                                                    policy):
+    """The fast path (prompts as numpy-built ``array('q')``, unique tokens counted per block)
+    against the loader's original Python lists: same tokens, so the same hits and the same
+    evictions, in the same order (the freed KV slots identify the evicted nodes)."""
+    import simulator
+    from traces import load_mooncake, unique_tokens
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(_mooncake_lines(80, seed=1)) + "\n")
+    lists, compact = load_mooncake(path, compact=False), load_mooncake(path)
+    assert [list(r.prompt) for r in compact] == [r.prompt for r in lists]
+    seen: set[int] = set()
+    for r in lists:
+        seen.update(r.prompt)
+        seen.update(r.output)
+    assert unique_tokens(compact) == len(seen)
+    runs = []
+    for trace in (lists, compact):
+        freed: list[list[int]] = []
+        monkeypatch.setattr(simulator.CountingAllocator, "free_segment",
+                            lambda self, value, start_pos=0, out=freed: out.append(
+                                value.tolist()))
+        res = simulator.replay(trace, policy, capacity=len(seen) // 6)
+        runs.append((res.hit_tokens, res.ttft_ms, freed))
+    assert runs[0][2], "the capacity must force evictions"
+    assert runs[0] == runs[1]
+
+
+def _tlru_cache(threshold: float, q_hat: float):
+    from simulator import make_cache
+
+    cache, _ = make_cache("tlru")
+    cache.eviction_strategy.threshold = threshold
+    cache.eviction_strategy.next_prompt_estimate = q_hat
+    return cache
+
+
+def _insert(cache, tokens: list[int], t: float) -> None:
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache import radix_cache as rc
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import _Clock, _patched, _TimeProxy
+
+    clock = _Clock()
+    clock.now = t
+    ctx = RequestContext(session_id=None, app_type=None, segments=[(0, "user")],
+                         decode_start=len(tokens), prompt_len=len(tokens), now=t)
+    with _patched(rc, "time", _TimeProxy(clock)), using(ctx):
+        cache.insert(InsertParams(key=RadixKey(array("q", tokens)),
+                                  value=torch.tensor(tokens, dtype=torch.int64)))
+
+
+def _evict_one(cache) -> list[int]:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    before = set(cache.all_values_flatten().tolist())
+    cache.evict(EvictParams(num_tokens=1))
+    return sorted(before - set(cache.all_values_flatten().tolist()))
+
+
+@pytest.mark.parametrize("threshold,q_hat,evict_recent", [
+    (0, 0, False), (4, 0, True), (4, 2, True), (4, 4, False), (4, 6, False), (2, -2, True)])
+def test_tlru_drains_safe_tails_first_then_lru(threshold, q_hat, evict_recent):
+    """SGLang's own test case for its ``TLRUStrategy`` (an old 8-token conversation in one node,
+    a recent 2-token one), same settings, same expected victims: a conversation is TEL-safe
+    when all of it fits the budget ``threshold - q_hat`` of uncached tokens."""
+    cache = _tlru_cache(threshold, q_hat)
+    _insert(cache, list(range(100, 108)), 1.0)
+    _insert(cache, [1, 2], 2.0)
+    assert _evict_one(cache) == ([1, 2] if evict_recent else list(range(100, 108)))
+
+
+def test_tlru_stops_trimming_at_the_budget_and_keeps_the_high_water_mark_across_splits():
+    """The tail past ``history - (threshold - q_hat)`` goes first; what is left is protected
+    because the history length does not shrink when the tail goes; a split's head inherits it."""
+    cache = _tlru_cache(threshold=4, q_hat=0)
+    _insert(cache, list(range(10, 14)), 1.0)          # a conversation's first turn ...
+    _insert(cache, list(range(10, 18)), 2.0)          # ... and its second: history 8
+    _insert(cache, [50, 51, 52, 53, 54, 55], 3.0)     # a newer one, all of it beyond 4 tokens
+    assert _evict_one(cache) == list(range(14, 18))   # the old tail, though older than [50..]
+    assert _evict_one(cache) == list(range(10, 14))   # then LRU: the rest is protected ...
+    cache = _tlru_cache(threshold=4, q_hat=0)
+    _insert(cache, list(range(10, 18)), 1.0)
+    _insert(cache, [10, 11, 12, 99], 2.0)             # splits [10..18) at 3
+    head = cache.root_node.children[10]
+    assert len(head.key) == 3 and head.tlru_history_len == 8
+    # the split-off tail [13..18) starts at 3 < 8 - 4: protected; the new leaf [99] (history 4,
+    # budget 0) is safe, so it goes first although it is the newer one
+    assert _evict_one(cache) == [99]
+    assert _evict_one(cache) == list(range(13, 18))

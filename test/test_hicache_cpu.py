@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import HICACHE_CPU_FLAGS, start_server, stop_server
+from conftest import HICACHE_CPU_FLAGS, start_server, stop_server, wait_for_host_memory
 
 
 @pytest.fixture(scope="module")
 def hicache_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("hicache") / "server.log"
+    wait_for_host_memory(0.5)
     srv = start_server([*HICACHE_CPU_FLAGS, "--max-total-tokens", "512", "--page-size", "16"],
                        log)
     yield srv

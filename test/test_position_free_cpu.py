@@ -62,7 +62,8 @@ def test_batch_outputs_equal_vanilla(servers):
         ids_a, lp_a = _tokens_and_logprobs(a)
         ids_b, lp_b = _tokens_and_logprobs(b)
         assert ids_a == ids_b
-        torch.testing.assert_close(lp_a, lp_b, atol=0, rtol=0)  # bit-identical
+        # keys rotated when read round their last bit differently (docs/position-free-kv.md)
+        torch.testing.assert_close(lp_a, lp_b, atol=1e-6, rtol=0)
 
 
 def test_prefix_hit_and_chunked_prefill_equal_vanilla(servers):

@@ -114,11 +114,25 @@ def test_spans_computed_by_one_instance_are_loaded_by_the_other(stores, two_span
     ids = span_ids(tok, PREFIXES[1], docs[::-1])
     before = loads(b)["total_prefill_uncached_tokens"]
     second = generate(b, input_ids=ids)
-    computed = loads(b)["total_prefill_uncached_tokens"] - before
+    computed = uncached_since(b, before)
     assert second["meta_info"]["cached_tokens"] >= doc_tokens
     assert computed < second["meta_info"]["prompt_tokens"] - doc_tokens + PAGE
     assert second["output_ids"] == reference(hf, ids)
     assert "span store: loaded" in b.log.read_text(errors="replace")
+
+
+def uncached_since(server, before: int, settle_s: float = 0.5, limit_s: float = 10.0) -> int:
+    """Prefill tokens the server computed since ``before``, read once the counter has stopped
+    moving: span sub-requests report their prefill a moment after the request that waited for
+    them (on a loaded 2-core machine, after the test read it)."""
+    value, since, deadline = loads(server)["total_prefill_uncached_tokens"], time.time(), \
+        time.time() + limit_s
+    while time.time() < deadline and time.time() - since < settle_s:
+        time.sleep(0.1)
+        now = loads(server)["total_prefill_uncached_tokens"]
+        if now != value:
+            value, since = now, time.time()
+    return value - before
 
 
 def test_dependent_pieces_are_loaded_only_after_the_same_context(stores, two_span_servers, hf):
@@ -152,7 +166,7 @@ def test_dependent_pieces_are_loaded_only_after_the_same_context(stores, two_spa
     ids = prompt(DOCS[1], "\nQuestion: how high is Mount Quellen?\nAnswer:")
     before = loads(b)["total_prefill_uncached_tokens"]
     out = generate(b, input_ids=ids)
-    computed = loads(b)["total_prefill_uncached_tokens"] - before
+    computed = uncached_since(b, before)
     assert out["meta_info"]["cached_tokens"] >= units
     assert computed < out["meta_info"]["prompt_tokens"] - units + PAGE
     assert out["output_ids"] == generate(a, input_ids=ids)["output_ids"]
@@ -162,7 +176,7 @@ def test_dependent_pieces_are_loaded_only_after_the_same_context(stores, two_spa
     middle = len(tok(" " + MIDDLE, add_special_tokens=False)["input_ids"])
     before = loads(b)["total_prefill_uncached_tokens"]
     out = generate(b, input_ids=ids)
-    computed = loads(b)["total_prefill_uncached_tokens"] - before
+    computed = uncached_since(b, before)
     assert computed >= middle + len(tok(QUESTION, add_special_tokens=False)["input_ids"])
     assert out["output_ids"] == generate(a, input_ids=ids)["output_ids"]
 

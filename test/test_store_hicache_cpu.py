@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import free_port, start_server, stop_server
+from conftest import free_port, start_server, stop_server, wait_for_host_memory
 from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.server import StoreServer
 
@@ -41,6 +41,7 @@ def two_instances(store_cluster, tmp_path_factory):
     token_file = logs / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
+    wait_for_host_memory(1.0)  # two instances' host tiers
     a = start_server(_instance_args(store_cluster, str(token_file)), logs / "a.log")
     try:
         b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
