@@ -63,7 +63,7 @@ def test_batch_outputs_equal_vanilla(servers):
         ids_b, lp_b = _tokens_and_logprobs(b)
         assert ids_a == ids_b
         # keys rotated when read round their last bit differently (docs/position-free-kv.md)
-        torch.testing.assert_close(lp_a, lp_b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=0)
 
 
 def test_prefix_hit_and_chunked_prefill_equal_vanilla(servers):
