@@ -1,4 +1,4 @@
-"""SAECache: semantic adaptive eviction for SGLang's radix cache (seed 002).
+"""SAECache: semantic adaptive eviction for SGLang's radix cache (SAECache, arXiv:2605.18825).
 
 Every cached block (radix-tree node) is routed to one of four queues by rules on what it holds,
 and gets an *index*: the reuses per second it can be expected to earn while it stays cached.

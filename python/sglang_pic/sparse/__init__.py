@@ -1,4 +1,4 @@
-"""Sparse long-context decoding (ParisKV, seed 003).
+"""Sparse long-context decoding (ParisKV, arXiv:2602.07721).
 
 - ``retrieval``: the torch reference of ParisKV's top-k key retrieval (SRHT rotation, analytic
   sign-pattern centroids, collision voting, 4-bit RSQ-IP rerank) and of sparse attention over

@@ -1,4 +1,4 @@
-"""ParisKV top-k key retrieval and sparse attention: the torch reference (seed 003).
+"""ParisKV top-k key retrieval and sparse attention: the torch reference (ParisKV, arXiv:2602.07721).
 
 Pipeline for one decode step, per attention head (shapes: ``h`` heads, ``n`` keys, ``d`` head dim,
 ``B = d / m`` subspaces of ``m`` coordinates):

@@ -1,4 +1,4 @@
-"""PTStore: a distributed prefix tensor store, SGLang's HiCache L3 tier (seed 004).
+"""PTStore: a distributed prefix tensor store, SGLang's HiCache L3 tier (the PTStore design).
 
 ``engine`` (owned/replica caches with GDSF, ``gdsf``; the SSD tier, ``ssd``; object metadata),
 ``protocol`` (the wire format), ``auth`` (CurveZMQ keys from tokens, tenants), ``server`` and

@@ -1,5 +1,5 @@
 """The storage engine of one PTStore server: owned + replica tensor caches, GDSF eviction, an SSD
-tier for owned tensors, and flat per-object metadata (seed 004).
+tier for owned tensors, and flat per-object metadata (the PTStore design).
 
 Units. A *tensor* is one KV page (bytes) named by its page hash - the chained hash SGLang's
 HiCache uses as a storage key (``h_i = H(h_{i-1}, page_i)``), so equal ids mean equal prefixes and
