@@ -10,6 +10,9 @@ is a priority function; these two also learn from evictions through ``on_evict``
   re-accessed, a main FIFO for re-accessed ones or ones readmitted from the ghost queue of
   recently evicted keys; small is drained first. Expressed as ``(segment, frequency, insertion
   order)`` priorities over leaves.
+- ``tlru`` (Tail-Optimized LRU, Zhang et al., NeurIPS'25, arXiv:2510.15152), ported from SGLang's
+  ``TLRUStrategy`` (merged after 0.5.17): LRU that first drains the tail of each conversation
+  that its next prefill does not need to stay under a TTFT budget.
 """
 
 from __future__ import annotations
@@ -74,3 +77,71 @@ class S3FIFOStrategy(EvictionStrategy):
             self.ghost[block_key(node)] = None
             if len(self.ghost) > self.ghost_capacity:
                 self.ghost.popitem(last=False)
+
+
+TLRU_THRESHOLD = 0
+"""T-LRU's ``threshold`` (the paper's xi, in tokens) for ``--radix-eviction-policy tlru``;
+SGLang's default: 0 (with ``TLRU_NEXT_PROMPT_ESTIMATE`` 0 every block is protected and T-LRU is
+LRU). The replay's ``tlru`` sets its own (``simulator.ABLATIONS``)."""
+TLRU_NEXT_PROMPT_ESTIMATE = 0
+"""T-LRU's ``next_prompt_estimate`` (the paper's Q_hat, tokens); SGLang's default: 0."""
+
+
+class TLRUStrategy(EvictionStrategy):
+    """Tail-Optimized LRU (Zhang, Li, Moallemi, Peng, "Tail-Optimized Caching for LLM
+    Inference", NeurIPS'25, arXiv:2510.15152), the rule of SGLang's ``TLRUStrategy``
+    (``python/sglang/srt/mem_cache/evict_policy.py``, sgl-project/sglang PR #34012, merged
+    2026-08, "Add Agentic-Aware Tail-Optimized LRU eviction to the unified radix cache"; the
+    file as stored in the public code index, commit hash not resolvable from here; SGLang
+    0.5.17 does not have it).
+
+    Why: a conversation whose history is ``L`` tokens and whose next prompt adds about
+    ``Q_hat`` only needs ``L + Q_hat - threshold`` of them cached for its next prefill to stay
+    under a TTFT budget of ``threshold`` uncached tokens; the tail past that cannot improve its
+    tail latency, so it is "TEL-safe" and evicted first, in LRU order (the paper's phase 1);
+    once none is left, everything goes in plain LRU order (phase 2). SGLang's rule, verbatim in
+    substance::
+
+        budget = max(history_len + next_prompt_estimate - threshold, 0)
+        tel_safe = cached_prefix_len - len(node.key) >= budget
+        priority = (-1 if tel_safe else 0, node.last_access_time)
+
+    ``cached_prefix_len`` is the node's depth (tokens from the root through its end; here
+    ``block_offset(node) + len(node.key)``, which our hooks keep across splits) and
+    ``history_len`` the high-water depth of the branch below the node, which only grows: a
+    trimmed conversation is still measured against its full history, so T-LRU stops after
+    ``threshold - Q_hat`` tokens instead of walking it down to nothing. SGLang sets both in its
+    tree's insert and split; here our hooks' ``on_insert`` / ``on_split`` do (the head of a split
+    takes its tail's high-water mark: the branch below it is the same). Thresholds are in tokens
+    (the paper states them in blocks)."""
+
+    name = "tlru"
+
+    def __init__(self, threshold: float | None = None,
+                 next_prompt_estimate: float | None = None) -> None:
+        self.threshold = TLRU_THRESHOLD if threshold is None else threshold
+        self.next_prompt_estimate = (TLRU_NEXT_PROMPT_ESTIMATE if next_prompt_estimate is None
+                                     else next_prompt_estimate)
+
+    def get_priority(self, node) -> tuple[int, float]:
+        budget = max(getattr(node, "tlru_history_len", 0) + self.next_prompt_estimate
+                     - self.threshold, 0)
+        cached_without_this_node = block_offset(node)  # depth of its end minus its own tokens
+        tel_safe = cached_without_this_node >= budget
+        return (-1 if tel_safe else 0, node.last_access_time)
+
+    def on_insert(self, node, ctx, offset: int, is_new: bool) -> None:
+        """Raise the high-water depth of ``node`` and its ancestors to ``node``'s depth (the
+        inserted path is reported top-down, so the deepest node's call raises the whole path)."""
+        depth = offset + len(node.key)
+        while node is not None and node.parent is not None and getattr(
+                node, "tlru_history_len", 0) < depth:
+            node.tlru_history_len = depth
+            node = node.parent
+
+    def on_split(self, head, tail) -> None:
+        head.tlru_history_len = max(getattr(head, "tlru_history_len", 0),
+                                    getattr(tail, "tlru_history_len", 0))
+
+    def on_evict(self, node) -> None:
+        """Nothing to learn; present so the hooks report inserts and splits to this policy."""
