@@ -749,12 +749,34 @@ def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
     assert "known: lru,lfu,fifo,mru,filo,priority,slru,gdsf,s3fifo,tlru,sae" in lines[0]
 
 
+def _record_evictions(monkeypatch) -> list[list[tuple[int, int, int]]]:
+    """Every node ``RadixCache.evict`` removes, as (depth of its first token, its first token,
+    its length) - what identifies it across two replays - appended to the last list of the
+    returned list (append a new list per replay)."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    original = RadixCache._record_remove_event
+
+    def record(self, node, *args, **kwargs):
+        depth, p = 0, node.parent
+        while p is not None:
+            depth += len(p.key)
+            p = p.parent
+        runs[-1].append((depth, node.key.token_ids[0], len(node.key)))
+        return original(self, node, *args, **kwargs)
+
+    monkeypatch.setattr(RadixCache, "_record_remove_event", record)
+    return runs
+
+
 @pytest.mark.parametrize("policy", ["lru", "sae", "tlru:1024:512"])
-def test_compact_mooncake_prompts_make_the_same_evictions_as_lists(tmp_path, monkeypatch,
-                                                                    policy):
-    """The fast path (prompts as numpy-built ``array('q')``, unique tokens counted per block)
-    against the loader's original Python lists: same tokens, so the same hits and the same
-    evictions, in the same order (the freed KV slots identify the evicted nodes)."""
+def test_fast_replay_makes_the_same_evictions_as_the_original(tmp_path, monkeypatch, policy):
+    """The fast path (prompts as numpy-built ``array('q')``, unique tokens counted per block,
+    shared KV slot values: ``simulator.replay(fast=True)``) against the original (the loader's
+    Python lists, ``match + arange`` slot values per request): the same hits and the same
+    evictions in the same order. Ties in priority break in the same (creation) order in both
+    (``simulator._node_hash``), and a replay repeats itself exactly."""
     import simulator
     from traces import load_mooncake, unique_tokens
 
@@ -767,16 +789,13 @@ def test_compact_mooncake_prompts_make_the_same_evictions_as_lists(tmp_path, mon
         seen.update(r.prompt)
         seen.update(r.output)
     assert unique_tokens(compact) == len(seen)
-    runs = []
-    for trace in (lists, compact):
-        freed: list[list[int]] = []
-        monkeypatch.setattr(simulator.CountingAllocator, "free_segment",
-                            lambda self, value, start_pos=0, out=freed: out.append(
-                                value.tolist()))
-        res = simulator.replay(trace, policy, capacity=len(seen) // 6)
-        runs.append((res.hit_tokens, res.ttft_ms, freed))
-    assert runs[0][2], "the capacity must force evictions"
-    assert runs[0] == runs[1]
+    evictions, runs = _record_evictions(monkeypatch), []
+    for trace, fast in ((lists, False), (compact, True), (compact, True)):
+        evictions.append([])
+        res = simulator.replay(trace, policy, capacity=len(seen) // 6, fast=fast)
+        runs.append((res.hit_tokens, res.ttft_ms, evictions[-1]))
+    assert len(runs[0][2]) > 20, "the capacity must force evictions"
+    assert runs[0] == runs[1] == runs[2]
 
 
 def _tlru_cache(threshold: float, q_hat: float):

@@ -27,7 +27,7 @@ REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
-OUR_POLICIES = ("gdsf", "s3fifo", "sae")
+OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
 ABLATIONS = ("sae-nopred", "sae-alpha")  # sae without the session predictor / with alpha_q
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
@@ -38,12 +38,23 @@ WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegp
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
 
 
-def unique_tokens(trace) -> int:
-    seen: set[int] = set()
-    for r in trace:
-        seen.update(r.prompt)
-        seen.update(r.output)
-    return len(seen)
+def known_policies() -> tuple[str, ...]:
+    """What ``--policies`` accepts: SGLang's seven, ours, the ablations and the references."""
+    return SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE
+
+
+def check_policies(spec: str) -> list[str]:
+    """The comma-separated ``--policies`` as a list; an unknown name is refused in one line on
+    stderr, exit 2, before anything heavy is imported (a typo used to surface as a KeyError
+    from SGLang's policy table after the traces were generated)."""
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    unknown = [p for p in names if p not in known_policies()]
+    if unknown or not names:
+        what = f"unknown policy {', '.join(map(repr, unknown))}" if unknown else "no policy"
+        print(f"{Path(sys.argv[0]).name}: {what} in --policies; known: "
+              f"{','.join(known_policies())}", file=sys.stderr)
+        sys.exit(2)
+    return names
 
 
 def without_hints(req, hints: str):
@@ -85,7 +96,8 @@ def main() -> None:
                     help="two workloads, two sizes; writes to $TMPDIR/sglang-pic-bench, no plot")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
-    ap.add_argument("--policies", default=",".join(SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE))
+    ap.add_argument("--policies", default=",".join(known_policies()),
+                    help="comma-separated subset of the default")
     ap.add_argument("--out", default=None,
                     help="results JSON (default benchmark/results/eviction_sim[_hints_X].json)")
     ap.add_argument("--no-plot", action="store_true")
@@ -100,18 +112,19 @@ def main() -> None:
                          "over them (ties in eviction order alone move a cell by ~1 pp)")
     args = ap.parse_args()
 
+    policies = check_policies(args.policies)
+
     import sglang
     from harness import smoke_dir
     from sglang_pic import eviction
     from simulator import replay
-    from traces import generate, load_bailian, load_mooncake, session_params
+    from traces import generate, load_bailian, load_mooncake, session_params, unique_tokens
 
     eviction.register()  # our policies in SGLang's table, as the plugin does in a server
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     HookRegistry.apply_hooks()
 
-    policies = args.policies.split(",")
     if args.hints == "none":  # no sessions: the session references would be sae itself
         policies = [p for p in policies if p not in ("sae-ends", "sae-params")]
     if args.out is None:

@@ -20,6 +20,9 @@ Loaders: Mooncake (FAST'25) JSONL with ``hash_ids`` (512-token blocks) and Qwen-
 from __future__ import annotations
 
 import json
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +34,11 @@ class Request:
     t: float
     session_id: str | None
     app_type: str
-    prompt: list[int]
-    output: list[int]
+    prompt: Sequence[int]  # a list, or an array('q') for block traces (load_mooncake)
+    output: Sequence[int]
     segments: list[tuple[int, str]] = field(default_factory=list)
     output_segments: list[tuple[int, str]] = field(default_factory=list)
+    blocks: tuple[int, ...] | None = None  # the trace's block hash ids, where it has them
 
 
 class _Ids:
@@ -180,22 +184,112 @@ def _block_tokens(hash_id: int, n: int = 512) -> list[int]:
     return [int(hash_id) * 512 + j + 1_000_000 for j in range(n)]
 
 
-def load_mooncake(path: str | Path) -> list[Request]:
-    """Mooncake FAST'25 traces: JSONL with ``timestamp`` (ms), ``input_length``,
-    ``output_length``, ``hash_ids`` (one id per 512-token block of the prompt)."""
-    reqs = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
+MOONCAKE_BLOCK = 512
+"""Tokens per ``hash_ids`` entry in the Mooncake traces."""
+
+
+def _block_prompt(hash_ids: list[int], length: int) -> array:
+    """The prompt of a Mooncake record as token ids: block ``h`` is tokens
+    ``h * 512 + 1_000_000 + [0, 512)`` (what ``_block_tokens`` gives, built in numpy and kept as
+    an ``array('q')``: the whole conversation trace is 145M prompt tokens, 1.2 GB this way
+    against ~5 GB as Python lists of ints)."""
+    ids = np.asarray(hash_ids, dtype=np.int64)
+    toks = (ids[:, None] * MOONCAKE_BLOCK + 1_000_000
+            + np.arange(MOONCAKE_BLOCK, dtype=np.int64)[None, :]).ravel()[:length]
+    return array("q", toks.tobytes())
+
+
+def _mooncake_record(line: str) -> tuple[float, list[int], int, int]:
+    """(time s, hash ids, input length, output length) of one JSONL line; ValueError (with the
+    reason) if the line is not a well-formed record."""
+    try:
         rec = json.loads(line)
-        prompt: list[int] = []
-        for h in rec["hash_ids"]:
-            prompt += _block_tokens(h)
-        prompt = prompt[: int(rec["input_length"])]
-        out = list(range(-1, -int(rec["output_length"]) - 1, -1))  # unique, never resent
-        reqs.append(Request(float(rec["timestamp"]) / 1000.0, None, "single", prompt, out,
-                            [(0, "user")]))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise ValueError("not a JSON object")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids")
+               if k not in rec]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                            and h >= 0 for h in ids):
+        raise ValueError("hash_ids is not a list of non-negative integers")
+    try:
+        t = float(rec["timestamp"]) / 1000.0
+        n_in, n_out = int(rec["input_length"]), int(rec["output_length"])
+    except (TypeError, ValueError):
+        raise ValueError("timestamp / input_length / output_length not numbers") from None
+    if not np.isfinite(t) or n_in < 0 or n_out < 0:
+        raise ValueError("negative length or non-finite timestamp")
+    if n_in > len(ids) * MOONCAKE_BLOCK:
+        raise ValueError(f"input_length {n_in} > {len(ids)} blocks x {MOONCAKE_BLOCK}")
+    return t, ids, n_in, n_out
+
+
+def load_mooncake(path: str | Path, compact: bool = True) -> list[Request]:
+    """Mooncake FAST'25 traces: JSONL with ``timestamp`` (ms), ``input_length``,
+    ``output_length``, ``hash_ids`` (one id per 512-token block of the prompt, prefix-chained).
+
+    A malformed line (not JSON, a missing field, bad values) is reported on stderr with its
+    line number and skipped, and the count of skipped lines is printed at the end: one bad line
+    in a 12K-request trace should cost that request, not the replay. Each request keeps its
+    ``blocks``; ``compact`` stores prompts as ``array('q')`` (same tokens as lists, a quarter
+    of the memory, built in numpy); ``compact=False`` builds Python lists as the loader did
+    before (the reference the fast path is tested against). Outputs are unique per request
+    (negative ids): they are cached after their prompt but never resent."""
+    reqs, skipped = [], 0
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                t, ids, n_in, n_out = _mooncake_record(line)
+            except ValueError as e:
+                skipped += 1
+                print(f"{path}:{lineno}: skipped malformed trace line: {e}", file=sys.stderr)
+                continue
+            if compact:
+                prompt: list[int] | array = _block_prompt(ids, n_in)
+            else:
+                prompt = []
+                for h in ids:
+                    prompt += _block_tokens(h)
+                prompt = prompt[:n_in]
+            base = -(len(reqs) << 20) - 1
+            out = array("q", range(base, base - n_out, -1)) if compact else list(
+                range(base, base - n_out, -1))
+            reqs.append(Request(t, None, "single", prompt, out, [(0, "user")],
+                                blocks=tuple(ids)))
+    if skipped:
+        print(f"{path}: skipped {skipped} malformed line(s), replaying {len(reqs)} requests",
+              file=sys.stderr)
     return sorted(reqs, key=lambda r: r.t)
+
+
+def unique_tokens(trace: list[Request]) -> int:
+    """Distinct token ids in the trace's prompts and outputs: the size of a cache that never
+    evicts. For block traces (every request has ``blocks``) counted per block - block ``h``
+    contributes the most of its tokens any prompt uses - instead of a set of 145M ints."""
+    if trace and all(r.blocks is not None for r in trace):
+        used: dict[int, int] = {}
+        outputs = 0
+        for r in trace:
+            n = len(r.prompt)
+            for i, h in enumerate(r.blocks):
+                k = min(MOONCAKE_BLOCK, n - i * MOONCAKE_BLOCK)
+                if k <= 0:
+                    break
+                if used.get(h, 0) < k:
+                    used[h] = k
+            outputs += len(r.output)  # unique per request
+        return sum(used.values()) + outputs
+    seen: set[int] = set()
+    for r in trace:
+        seen.update(r.prompt)
+        seen.update(r.output)
+    return len(seen)
 
 
 def load_bailian(path: str | Path) -> list[Request]:
