@@ -99,8 +99,14 @@ def register() -> None:
         ("eviction", eviction.register),
         ("sparse-decode", sparse.register),
     ]
+    from sglang_pic import cpu_support
+
+    if "SGLANG_USE_CPU_ENGINE" not in os.environ and not cpu_support.has_cuda():
+        # no accelerator: SGLang's own launchers (`python -m sglang.launch_server`) would stop
+        # with "No accelerator ... or platform plugin"; select SGLang's CPU engine here, in the
+        # launching process, and its processes inherit it (`sglang_launcher` adds the CPU flags)
+        cpu_support.enable_cpu_engine()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-        from sglang_pic import cpu_support
 
         def cpu() -> None:
             cpu_support.enable_cpu_engine()  # children spawned after this inherit the settings

@@ -10,7 +10,9 @@ before they parse the command line, and the HookRegistry can wrap what parses it
   refused value or combination stops the launcher with one line and status 2.
 
 ``sglang-pic serve`` does the same before it starts SGLang, and adds its defaults (the embedded
-model, CPU settings, ``--enable-cache-report``); SGLang's launchers get only the translation.
+model, ``--enable-cache-report``). On a machine without an accelerator both get the CPU engine's
+flags (``cpu_support.cpu_server_defaults``, each one only where the user gave none): the plugin
+selects SGLang's CPU engine there, so ``python -m sglang.launch_server --model-path M`` serves.
 """
 
 from __future__ import annotations
@@ -44,14 +46,20 @@ def around_prepare_server_args(original, argv):
     from sglang_pic.launch_server import translate
 
     prog = "sglang-pic"
+    on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
     try:
-        argv = translate(list(argv), on_cpu=os.environ.get("SGLANG_USE_CPU_ENGINE") == "1",
-                         prog=prog)
+        argv = translate(list(argv), on_cpu=on_cpu, prog=prog)
     except SystemExit as e:  # UsageError, and the PTStore checks' SystemExit("error: ...")
         if not isinstance(e.code, str):
             raise
         print(f"{prog}: error: {e.code.removeprefix('error: ')}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if on_cpu:  # the CPU engine's flags, each one the user did not give (as sglang-pic serve)
+        from sglang_pic import cpu_support
+        from sglang_pic.launch_server import _value_of
+
+        model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")
+        argv += cpu_support.cpu_server_defaults(argv, model_path)
     return original(argv)
 
 
