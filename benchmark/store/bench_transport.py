@@ -98,6 +98,21 @@ DISTS = {
 # shared helpers
 
 
+
+def _mooncake_engine(buf):
+    """A Mooncake TransferEngine on loopback TCP (P2P handshake, no metadata server) with
+    ``buf`` registered: the same set-up on both sides of the transfer."""
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize returned {rc}")
+    rc = te.register_memory(buf.ctypes.data, buf.nbytes)
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.register_memory returned {rc}")
+    return te
+
 def _buffer(nbytes: int, fill: bool):
     """A numpy buffer, every page touched (so page faults are not timed)."""
     import numpy as np
@@ -236,15 +251,7 @@ def serve(variant: str, pages: int, page: int, tls_key: str | None, tls_cert: st
         keep += [zctx, sock]
 
     elif kind == "mooncake":
-        from mooncake.engine import TransferEngine
-
-        te = TransferEngine()
-        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.initialize returned {rc}")
-        rc = te.register_memory(buf.ctypes.data, buf.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.register_memory returned {rc}")
+        te = _mooncake_engine(buf)
         info["session"] = f"127.0.0.1:{te.get_rpc_port()}"
         info["addr"] = buf.ctypes.data
         keep.append(te)
@@ -369,15 +376,7 @@ def client(variant: str, pages: int, page: int, samples: int, info: dict) -> Non
         cleanup += [lambda: [s.close(0) for s in socks], zctx.term]
 
     elif kind == "mooncake":
-        from mooncake.engine import TransferEngine
-
-        te = TransferEngine()
-        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.initialize returned {rc}")
-        rc = te.register_memory(buf.ctypes.data, buf.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.register_memory returned {rc}")
+        te = _mooncake_engine(buf)
         local = [buf.ctypes.data + i * page for i in range(pages)]
         remote = [info["addr"] + i * page for i in range(pages)]
         lengths = [page] * pages
