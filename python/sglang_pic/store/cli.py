@@ -13,8 +13,12 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from .auth import STORE_TOKEN_ENV
+
+T = TypeVar("T")
 
 _NO_ARGV_TOKEN = (f"tokens are not taken on the command line (visible in ps): use --token-file "
                   f"PATH or {STORE_TOKEN_ENV}")
@@ -23,6 +27,18 @@ _NO_ARGV_TOKEN = (f"tokens are not taken on the command line (visible in ps): us
 def _fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def _secret(prog: str, args: argparse.Namespace, read: Callable[[str | None, str], T]
+            ) -> tuple[T | None, int]:
+    """The token(s) from ``--token-file`` or the environment, through ``read``; a token on argv
+    (visible in ``ps``) or an unreadable file is refused: ``(None, exit status)``."""
+    if args.token is not None:
+        return None, _fail(prog, _NO_ARGV_TOKEN)
+    try:
+        return read(args.token_file, STORE_TOKEN_ENV), 0
+    except (OSError, ValueError) as e:
+        return None, _fail(prog, str(e))
 
 
 def serve(argv: list[str]) -> int:
@@ -56,12 +72,9 @@ def serve(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.copy_threads < 1:
         ap.error("--copy-threads must be >= 1")
-    if args.token is not None:
-        return _fail(prog, _NO_ARGV_TOKEN)
-    try:
-        tokens = server_tokens(args.token_file, STORE_TOKEN_ENV)
-    except (OSError, ValueError) as e:
-        return _fail(prog, str(e))
+    tokens, failed = _secret(prog, args, server_tokens)
+    if failed:
+        return failed
     if tokens is None and not args.insecure:
         return _fail(prog, f"no token: give --token-file PATH or {STORE_TOKEN_ENV}, or "
                            "--insecure to serve anyone who reaches the endpoint")
@@ -101,12 +114,9 @@ def status(argv: list[str]) -> int:
     ap.add_argument("--server-key", default=None,
                     help="the servers' public key, when it is not derived from this token")
     args = ap.parse_args(argv)
-    if args.token is not None:
-        return _fail(prog, _NO_ARGV_TOKEN)
-    try:
-        token = client_token(args.token_file, STORE_TOKEN_ENV)
-    except (OSError, ValueError) as e:
-        return _fail(prog, str(e))
+    token, failed = _secret(prog, args, client_token)
+    if failed:
+        return failed
     client = StoreClient(args.endpoints, token, timeout_ms=2000, server_key=args.server_key)
     code = 0
     for ep in args.endpoints:
