@@ -864,3 +864,26 @@ def test_tlru_stops_trimming_at_the_budget_and_keeps_the_high_water_mark_across_
     # budget 0) is safe, so it goes first although it is the newer one
     assert _evict_one(cache) == [99]
     assert _evict_one(cache) == list(range(13, 18))
+
+
+def test_block_belady_is_the_token_belady_on_block_traces(tmp_path, monkeypatch):
+    """The offline bound indexed per block (``BlockBeladyOracle``, what makes it affordable on
+    the 145M-token Mooncake trace) makes the same evictions as the per-token one, and no policy
+    beats it."""
+    import simulator
+    from traces import load_mooncake, unique_tokens
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(_mooncake_lines(80, seed=2)) + "\n")
+    trace = load_mooncake(path)
+    cap = unique_tokens(trace) // 6
+    evictions = _record_evictions(monkeypatch)
+    block = simulator.replay(trace, "belady", cap)
+    monkeypatch.setattr(simulator, "BlockBeladyOracle",
+                        lambda trace: simulator.BeladyOracle(trace))
+    evictions.append([])
+    token = simulator.replay(trace, "belady", cap)
+    assert len(evictions[0]) > 20 and evictions[0] == evictions[1]
+    assert block.hit_tokens == token.hit_tokens
+    for policy in ("lru", "tlru", "sae"):
+        assert simulator.replay(trace, policy, cap).hit_tokens <= block.hit_tokens, policy
