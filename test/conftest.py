@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def wait_for_host_memory(gb: float, wait_s: float = 120.0) -> None:
+def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:
     """Skip (with the numbers) unless SGLang's HiCache can allocate a ``gb`` host tier here.
 
     SGLang refuses a host tier unless the host keeps 10 GiB available beside it

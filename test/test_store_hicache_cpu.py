@@ -41,9 +41,10 @@ def two_instances(store_cluster, tmp_path_factory):
     token_file = logs / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
-    wait_for_host_memory(1.0)  # two instances' host tiers
+    wait_for_host_memory(0.5)  # SGLang checks each instance's host tier against its reserve
     a = start_server(_instance_args(store_cluster, str(token_file)), logs / "a.log")
     try:
+        wait_for_host_memory(0.5)  # again, with the first instance up
         b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
     except BaseException:
         stop_server(a)  # a failed second start must not leave the first server running
