@@ -101,18 +101,13 @@ def register() -> None:
     ]
     from sglang_pic import cpu_support
 
-    if "SGLANG_USE_CPU_ENGINE" not in os.environ and not cpu_support.has_cuda():
-        # no accelerator: SGLang's own launchers (`python -m sglang.launch_server`) would stop
-        # with "No accelerator ... or platform plugin"; select SGLang's CPU engine here, in the
-        # launching process, and its processes inherit it (`sglang_launcher` adds the CPU flags)
+    # SGLang's CPU engine when asked for, or when there is no accelerator: SGLang's own launchers
+    # (`python -m sglang.launch_server`) would stop with "No accelerator ... or platform plugin"
+    # (`sglang_launcher` adds the CPU flags). Processes spawned after this inherit the settings.
+    engine = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    if engine == "1" or (engine is None and not cpu_support.has_cuda()):
         cpu_support.enable_cpu_engine()
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-
-        def cpu() -> None:
-            cpu_support.enable_cpu_engine()  # children spawned after this inherit the settings
-            cpu_support.register_cpu_hooks()
-
-        steps.append(("cpu-support", cpu))
+        steps.append(("cpu-support", cpu_support.register_cpu_hooks))
 
     needed: dict[str, list[str]] = {}  # hook target -> our features hooking it
     for feature, step in steps:
