@@ -1,7 +1,7 @@
 """Every number the README and docs quote, read from the raw result JSONs in one place.
 
 Each *claim* names a raw file in ``benchmark/results/``, a metric, the baseline and our variant;
-this script reads them, takes the median of each side's samples (``<metric>_all`` where the run
+this script reads them, takes the median (a claim may name another centre, e.g. the mean of 0/1 shares) of each side's samples (``<metric>_all`` where the run
 kept every sample, else the one value), and writes ``benchmark/results/headlines.json`` - one row
 per claim - and prints the same table. The ratio is oriented so that > 1 means ours is better.
 
@@ -53,6 +53,7 @@ class Claim:
     path: str | None = None
     note: str | None = None
     same_run: bool | None = None  # overrides what the raw file says (a claim joining two files)
+    center: Callable[[list[float]], float] = statistics.median  # of each side's samples
     extract: Callable[[dict], tuple[list[float], list[float], str | None]] | None = field(
         default=None, compare=False)
 
@@ -154,7 +155,7 @@ CLAIMS: list[Claim] = [
     Claim("quality.real_weights.nonspan_identical", "real_weights_h200.json", "identical_tokens",
           baseline_variant="vanilla-triton vs vanilla", ours_variant="sglang-pic-spans vs vanilla",
           higher_is_better=True, path="SmolLM2-135M-Instruct, bf16, 24 prompts x 64 greedy tokens",
-          same_run=False, extract=_agreement),
+          same_run=False, center=statistics.mean, extract=_agreement),
     Claim("store.shm_ttft_8k", "store_ttft_h200_prefault.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
           "host pool through shared memory", note=LEGACY),
@@ -222,8 +223,7 @@ def _row(c: Claim) -> dict:
     if not base or not ours:
         row["note"] = f"{c.metric} missing in {c.raw_file}"
         return row
-    center = statistics.mean if c.extract is _agreement else statistics.median
-    b, o = center(base), center(ours)
+    b, o = c.center(base), c.center(ours)
     ratio = (o / b if c.higher_is_better else b / o) if b and o else None
     row.update(baseline=b, ours=o, ratio=ratio, samples=min(len(base), len(ours)),
                spread={"baseline": [min(base), max(base)], "ours": [min(ours), max(ours)]},
