@@ -1,8 +1,9 @@
 """Every number the README and docs quote, read from the raw result JSONs in one place.
 
 Each *claim* names a raw file in ``benchmark/results/``, a metric, the baseline and our variant;
-this script reads them, takes the median (a claim may name another centre, e.g. the mean of 0/1 shares) of each side's samples (``<metric>_all`` where the run
-kept every sample, else the one value), and writes ``benchmark/results/headlines.json`` - one row
+this script reads them, takes the median of each side's samples (a claim may name another
+centre, e.g. the mean of 0/1 shares; ``<metric>_all`` where the run kept every sample, else the
+one value), and writes ``benchmark/results/headlines.json`` - one row
 per claim - and prints the same table. The ratio is oriented so that > 1 means ours is better.
 
 Row fields: ``claim, raw_file, metric, baseline_variant, baseline_backend, ours_variant, baseline,
