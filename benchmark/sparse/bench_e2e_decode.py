@@ -144,7 +144,7 @@ def _merge_earlier(report: dict, prev: Path) -> dict:
             "engine_kwargs"):
         return report
     for variant, result in old.get("results", {}).items():
-        if variant not in report["results"] or "error" in report["results"][variant]:
+        if variant not in report["results"]:  # a failed variant stops the run (harness)
             report["results"][variant] = result
             report.setdefault("merged_from_earlier_call", []).append(
                 {"variant": variant, "environment": old.get("environment")})
