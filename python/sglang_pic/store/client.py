@@ -20,6 +20,14 @@ destination buffers lie in a shared-memory file (``use_pool``: SGLang's host poo
 ``"allocator": "shm"``), same-node servers write the pages straight into them, all in one
 round, and verify them there: the reader copies and hashes nothing.
 
+**Network data plane.** Pages from servers that are not on the reader's node (or every page,
+with ``data_plane="tcp"``) travel over ``data_streams`` parallel TCP connections per server
+(``datapath``): the get over CURVE returns checksums, lengths and one-time tickets, and
+``batch_get_into`` receives each page straight into its destination, then hashes it there. A
+server without a data listener (an ``ipc://`` endpoint, ``--no-data-plane``) answers over the
+socket as before. ``data_tls`` asks for TLS streams only (a server without a certificate then
+answers over the CURVE socket).
+
 **Authentication.** With a token, every socket is a CurveZMQ client with the key pair derived
 from it (``auth``), of the server whose public key is ``server_key`` (by default the one derived
 from the same token): the connection is authenticated and encrypted, and requests carry no
@@ -53,8 +61,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
+from . import datapath
 from .auth import secure_client
-from .protocol import checksum, encode
+from .protocol import Limits, checksum, encode
 from .shm import DATA_OFFSET, ClientSegment, pool_spec
 
 Buffer = bytes | memoryview
@@ -125,6 +134,12 @@ class _PageWriter:
             self.ok[i] = True
 
 
+def _byte_view(buf) -> memoryview:
+    """A flat, writable byte view of ``buf``."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def _found_and_sums(header: dict, n: int) -> tuple[list, list] | None:
     """A get reply's ``found`` flags for ``n`` ids and one checksum per found page, or None when
     they do not add up (the reply is then a miss for all ``n``)."""
@@ -163,9 +178,16 @@ class StoreClient:
     def __init__(self, servers: list[str], token: str | None = None, timeout_ms: int = 2000,
                  local: str | None = None, replicate_after: int = 2, min_gbps: float = 0.5,
                  shm: bool = True, shm_bytes: int = 256 << 20,
-                 server_key: str | None = None):
+                 server_key: str | None = None, data_plane: str = "auto",
+                 data_streams: int = 4, data_tls: bool = False,
+                 limits: Limits | None = None):
         if not servers:
             raise ValueError("PTStore client needs at least one server endpoint")
+        if data_plane not in datapath.MODES:
+            raise ValueError(f"data_plane must be one of {', '.join(datapath.MODES)}, "
+                             f"got {data_plane!r}")
+        if not 1 <= data_streams <= 64:
+            raise ValueError("data_streams must be within 1..64")
         if replicate_after < 1:
             raise ValueError("replicate_after must be >= 1")
         self.servers = list(servers)
@@ -179,7 +201,13 @@ class StoreClient:
         self.ctx = zmq.Context.instance()
         self._local = threading.local()  # .socks: this thread's {server: socket}
         self._all_socks: list[zmq.Socket] = []
-        self.shm, self.shm_bytes = shm, shm_bytes
+        # "tcp" and "zmq" move no page through shared memory
+        self.shm, self.shm_bytes = shm and data_plane in ("auto", "shm"), shm_bytes
+        self.data_plane, self.data_streams, self.data_tls = data_plane, data_streams, data_tls
+        self.limits = limits or Limits()
+        # server -> host of its data listener (None: the socket only)
+        self._tcp_host = {s: datapath.endpoint_host(s) if data_plane in ("auto", "tcp")
+                          else None for s in self.servers}
         self._shm_ok: dict[str, bool] = {}  # server -> maps our segments (probed once)
         self._pool: tuple[dict, int, int] | None = None  # (pool_spec, address, size)
         self._pool_ok: dict[str, bool] = {}  # server -> maps our pool (probed once)
@@ -189,7 +217,8 @@ class StoreClient:
         self.rpcs = 0
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
-        self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0}
+        self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0,
+                      "tcp_pages": 0, "tcp_misses": 0}
 
     @property
     def socks(self) -> dict[str, zmq.Socket]:
@@ -456,7 +485,13 @@ class StoreClient:
                                                  "offsets": [DATA_OFFSET + o for _, o in items],
                                                  "sizes": [sizes[i] for i, _ in items]}}, None)
                 else:
-                    requests[server] = ({"op": "get", "tids": [tids[i] for i in items]}, None)
+                    header = {"op": "get", "tids": [tids[i] for i in items]}
+                    if self._tcp_host.get(server) is not None:
+                        header["tcp"] = {"streams": self.data_streams,
+                                         **({"sizes": [sizes[i] for i in items]}
+                                            if sizes is not None else {}),
+                                         **({"tls": True} if self.data_tls else {})}
+                    requests[server] = (header, None)
             writers = [s for s, (how, _) in step.items() if how == "pool"]
             replies: dict = {}
             try:
@@ -467,6 +502,7 @@ class StoreClient:
                     # a server may still be writing into slots SGLang will reuse once this
                     # load is reported: wait until no server may write any more
                     time.sleep(max(0.0, until + self.POOL_GRACE_S - time.monotonic()))
+            transfers = []
             for server, (how, items) in step.items():
                 reply = replies.get(server)
                 if reply is None or not reply[0].get("ok"):
@@ -477,11 +513,63 @@ class StoreClient:
                     self._take_placed(reply, items, sink)
                 elif how == "shm":
                     self._take_segment(reply, items, seg, sizes, sink)
+                elif "tcp" in reply[0]:
+                    transfer = self._tcp_transfer(server, reply[0], items, sink, sizes)
+                    if transfer is not None:
+                        transfers.append(transfer)
                 else:
                     self._take_payloads(reply, items, sink)
+            if transfers:
+                self._run_transfers(transfers, sink)
             flush = getattr(sink, "flush", None)
             if flush is not None:  # before the next round reuses the segment
                 flush()
+
+    def _tcp_transfer(self, server: str, header: dict, idx: list[int], sink: Sink,
+                      sizes: list[int] | None) -> tuple[datapath.Transfer, list[int]] | None:
+        """The data-plane transfer a get reply offers, with the positions of its pages; None
+        (every page a miss) when the reply does not add up: lengths that are not the sizes
+        asked for, a page or a total over the limits, tickets that do not fit the pages."""
+        checked = _found_and_sums(header, len(idx))
+        lengths = header.get("lengths")
+        if checked is None or not isinstance(lengths, list) or len(lengths) != len(checked[1]):
+            return None
+        found, sums = checked
+        if not all(isinstance(n, int) and not isinstance(n, bool)
+                   and 0 < n <= self.limits.max_tensor_bytes for n in lengths) \
+                or sum(lengths) > self.limits.max_message_bytes \
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in sums):
+            return None
+        where = [i for i, present in zip(idx, found, strict=True) if present]
+        if sizes is not None and any(sizes[i] != n for i, n in zip(where, lengths, strict=True)):
+            return None
+        if datapath.check_offer(header["tcp"], lengths, self.data_streams) is not None:
+            return None
+        dests = getattr(sink, "dests", None)
+        if dests is not None:  # straight into the destinations (batch_get_into)
+            views = [_byte_view(dests[i]) for i in where]
+        else:
+            views = [memoryview(bytearray(n)) for n in lengths]
+        return datapath.Transfer(self._tcp_host[server], header["tcp"], views, sums), where
+
+    def _run_transfers(self, transfers: list[tuple[datapath.Transfer, list[int]]],
+                       sink: Sink) -> None:
+        """Receive every offered page (all servers' streams at once) and hand the ones that
+        arrived whole and verified to ``sink``."""
+        nbytes = sum(len(v) for t, _ in transfers for v in t.views)
+        results = datapath.fetch([t for t, _ in transfers], self._deadline(nbytes))
+        placed = getattr(sink, "placed", None)
+        for (t, where), ok in zip(transfers, results, strict=True):
+            for i, view, s, good in zip(where, t.views, t.sums, ok, strict=True):
+                if not good:
+                    self.stats["tcp_misses"] += 1
+                    continue
+                self.stats["tcp_pages"] += 1
+                self.page_bytes = max(self.page_bytes, len(view))
+                if placed is not None and getattr(sink, "dests", None) is not None:
+                    placed(i)  # received and verified in its destination
+                else:
+                    sink(i, view, s)
 
     def _take_payloads(self, reply: tuple[dict, list], idx: list[int],
                        sink: Sink) -> None:

@@ -29,6 +29,15 @@ Two interfaces, as SGLang's controller chooses:
   nothing.
 * otherwise the page-copy interface (``batch_get`` / ``batch_set``): SGLang hands flat page
   tensors, which costs a copy on each side.
+
+Where loaded pages travel (``"data_plane"``, ``client.StoreClient``): ``"auto"`` (default) - store
+servers on this node write them into the host pool (or a staging segment), the others send them
+over ``"data_streams"`` (default 4) parallel TCP connections per server, received straight into
+the host-pool slots and verified there (``datapath``); ``"tcp"`` - every server over TCP, no
+shared memory; ``"shm"`` - shared memory on this node, the zmq socket otherwise; ``"zmq"`` - the
+socket only. ``"data_tls": true`` takes TLS streams only (servers without a certificate answer
+over the CURVE socket). SGLang asks ``batch_exists`` before it prefetches anything: a prefix the
+store lacks costs one small ``exists`` round trip per owner, and no page moves.
 """
 
 from __future__ import annotations
@@ -107,7 +116,10 @@ class PTStoreHiCacheStorage(HiCacheStorage):
                                   local=extra.get("local"),
                                   replicate_after=int(extra.get("replicate_after", 2)),
                                   shm=bool(extra.get("shm", True)),
-                                  shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)))
+                                  shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)),
+                                  data_plane=str(extra.get("data_plane", "auto")),
+                                  data_streams=int(extra.get("data_streams", 4)),
+                                  data_tls=bool(extra.get("data_tls", False)))
         self.client.prepare_shm()  # a no-op with "shm": false
         switch_ms = extra.get("gil_switch_ms")
         if switch_ms is not None:

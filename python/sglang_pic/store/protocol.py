@@ -11,6 +11,12 @@ maps that segment at all. A segment may also be the reader's host KV pool itself
 clock), after which the server writes nothing more: the reader stops waiting soon after and may
 hand those pool slots to other data.
 
+A get may also ask for the network data plane (``"tcp": {"streams": K, "sizes": [...], "tls":
+bool}``, see ``datapath``): the reply then carries no payload frames but the pages' ``lengths``
+and ``sums`` and K one-time tickets, and the pages travel over K TCP connections. ``sizes``
+(optional) are the sizes the reader expects: a page of another size is a miss and is not sent.
+``tls`` asks for TLS streams; a server without a certificate answers it over the socket instead.
+
 Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH3 checksum so a
 reader never accepts a torn or corrupted page (measured on the 2-core CPU machine: 27 GB/s, ~4x
 zlib's CRC32; an 8K-token Llama-3-8B prefix is 1 GiB of pages). Limits are checked before
@@ -106,11 +112,31 @@ def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
         raise ProtocolError(f"{header['op']} takes no payload")
     if "shm" in header or header["op"] == "probe":
         _check_shm(header, tids)
+    if "tcp" in header:
+        _check_tcp(header, tids)
     return header, payloads
 
 
 def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+MAX_STREAMS = 64
+
+
+def _check_tcp(header: dict, tids: list) -> None:
+    tcp = header["tcp"]
+    if header["op"] != "get" or "shm" in header or not isinstance(tcp, dict):
+        raise ProtocolError("tcp: only a get without shm asks for the data plane")
+    streams = tcp.get("streams")
+    if not _is_count(streams) or not 1 <= streams <= MAX_STREAMS:
+        raise ProtocolError(f"tcp: streams must be 1..{MAX_STREAMS}")
+    sizes = tcp.get("sizes")
+    if sizes is not None and not (isinstance(sizes, list) and len(sizes) == len(tids)
+                                  and all(map(_is_count, sizes))):
+        raise ProtocolError("tcp: sizes must be one size per tensor id")
+    if not isinstance(tcp.get("tls", False), bool):
+        raise ProtocolError("tcp: tls must be a boolean")
 
 
 def _check_shm(header: dict, tids: list) -> None:

@@ -12,6 +12,10 @@ tenant's name (``tenant \0 id``) before it reaches the engine, so a tenant can n
 overwrite another's pages, whatever ids it sends. Within a tenant every writer is trusted: any
 client of a token may overwrite what another client of the same token stored. Without tokens
 (``--insecure``) there is one anonymous tenant and no writes into readers' host pools.
+
+A server on a ``tcp://`` endpoint also runs a data listener (``datapath``) on the same host, on
+its own port: a get that asks for it is answered with checksums and one-time tickets, and its
+pages go over parallel TCP connections instead of inside the CURVE reply.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from .auth import ServerAuth, same_secret, tenant_of
+from .datapath import DataPlaneConfig, DataServer, endpoint_host
 from .engine import OWNED, REPLICA, StoreEngine
 from .protocol import Limits, ProtocolError, checksum, decode_request, encode
 from .shm import DATA_OFFSET, SegmentCache
 
 logger = logging.getLogger(__name__)
+DEFAULT_DATA_PLANE = DataPlaneConfig()  # plain TCP, on the control endpoint's host, any port
 
 
 def _checksum_of(data: bytes, known: int | None) -> int:
@@ -59,11 +65,14 @@ def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, boo
 
 class StoreServer:
     """``tokens``: the accepted tokens, ``{token: tenant name}`` (a single token is a tenant
-    named by its digest); None serves without authentication (``--insecure``)."""
+    named by its digest); None serves without authentication (``--insecure``). ``data_plane``:
+    the TCP data listener's settings (its host by default that of ``endpoint``), or None for
+    none; only a ``tcp://`` endpoint gets one."""
 
     def __init__(self, engine: StoreEngine, endpoint: str,
                  tokens: str | Mapping[str, str] | None = None,
-                 limits: Limits | None = None, copy_threads: int = 4) -> None:
+                 limits: Limits | None = None, copy_threads: int = 4,
+                 data_plane: DataPlaneConfig | None = DEFAULT_DATA_PLANE) -> None:
         limits = limits or Limits()
         self.engine = engine
         self.endpoint = endpoint
@@ -85,6 +94,16 @@ class StoreServer:
             self.auth.stop()
             self.ctx.term()
             raise
+        self.data: DataServer | None = None
+        host = endpoint_host(endpoint)
+        if data_plane is not None and host is not None:
+            try:
+                self.data = DataServer(data_plane, data_plane.host or host)
+            except BaseException:
+                self.sock.close(0)
+                self.auth.stop()
+                self.ctx.term()
+                raise
         self.segments = SegmentCache()  # readers' shared-memory segments on this node
         # copies into readers' memory: a memmove drops the GIL, so pages copy in parallel
         self.copy_threads = max(1, copy_threads)
@@ -112,6 +131,8 @@ class StoreServer:
         self.ctx.term()
         self.copiers.shutdown(wait=True)
         self.segments.close()
+        if self.data is not None:
+            self.data.close()
 
     @property
     def server_key(self) -> str | None:
@@ -140,7 +161,7 @@ class StoreServer:
         self.requests += 1
         try:
             header, payloads = decode_request(body, self.limits)
-            return self._dispatch(header, payloads, tenant + "\0")
+            return self._dispatch(header, payloads, tenant + "\0", tenant)
         except ProtocolError as e:
             self.rejected += 1
             return encode({"ok": False, "error": str(e)})
@@ -149,7 +170,7 @@ class StoreServer:
             self.rejected += 1
             return encode({"ok": False, "error": f"internal error: {type(e).__name__}"})
 
-    def _dispatch(self, header: dict, payloads: list, ns: str) -> list[bytes]:
+    def _dispatch(self, header: dict, payloads: list, ns: str, tenant: str = "") -> list[bytes]:
         op = header["op"]
         tids = [ns + t for t in header.get("tids", [])]  # the tenant's namespace
         eng = self.engine
@@ -173,6 +194,10 @@ class StoreServer:
             return encode({"ok": True, "shm": same})
         if op == "get" and "shm" in header:
             return self._get_into_segment(tids, header["shm"])
+        tcp = header.get("tcp")
+        if op == "get" and tcp is not None and self.data is not None \
+                and (self.data.tls is not None or not tcp.get("tls", False)):
+            return self._get_over_tcp(tids, tcp, tenant)
         if op == "get":
             got = eng.get_tensors_checked(tids)
             present = [g for g in got if g is not None]
@@ -187,6 +212,22 @@ class StoreServer:
         if op == "get_object":
             return encode({"ok": True, "tids": eng.get_object(ns + header["key"])})
         return encode({"ok": True, "status": self.status()})
+
+    def _get_over_tcp(self, tids: list[str], tcp: dict, tenant: str) -> list[bytes]:
+        """Checksums, lengths and tickets for the found pages (of the size the reader expects,
+        when it names them); the pages go over the data listener. A server holding too much for
+        outstanding transfers answers misses."""
+        got = self.engine.get_tensors_checked(tids)
+        sizes = tcp.get("sizes")
+        found = [g is not None and (sizes is None or len(g[0]) == sizes[i])
+                 for i, g in enumerate(got)]
+        pages = [got[i] for i in range(len(tids)) if found[i]]
+        offer = self.data.offer(tenant, [d for d, _ in pages], tcp["streams"])
+        if offer is None:
+            return encode({"ok": True, "found": [False] * len(tids), "sums": [], "lengths": [],
+                           "busy": True})
+        return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
+                       "lengths": [len(d) for d, _ in pages], "tcp": offer})
 
     def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
         """Copy each found page of the expected size to its offset in the reader's segment (or
@@ -231,7 +272,9 @@ class StoreServer:
                 "ssd_bytes": eng.ssd_used, "ssd_tensors": len(eng.ssd) if eng.ssd else 0,
                 "evictions": eng.owned.evictions + eng.replica.evictions,
                 "pool_pages": self.pool_pages,
-                "objects": len(eng.objects)}
+                "objects": len(eng.objects),
+                **({f"data_{k}": v for k, v in self.data.stats.items()}
+                   if self.data is not None else {})}
 
     def metrics_text(self) -> str:
         """The counters in Prometheus text format (``ptstore_<name>``)."""

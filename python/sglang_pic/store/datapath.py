@@ -1,0 +1,502 @@
+"""PTStore's network data plane: pages of a get over K parallel TCP connections.
+
+The control plane stays zmq + CurveZMQ (``auth``, ``protocol``): a get that asks for the data
+plane (``"tcp": {"streams": K}``) is answered over CURVE with the pages' lengths and XXH3
+checksums and K one-time **tickets**; the reader then opens K TCP connections to the server's
+data listener, sends one ticket on each, and receives that stream's pages straight into their
+destinations (``recvmsg_into`` with ``MSG_WAITALL``: one system call, and one wait for the GIL,
+for up to ``IOV_PAGES`` pages). There is no framing on the wire: a stream is the concatenation of
+its pages, in the order ``split`` assigns them, so both sides know every byte's place from the
+reply header alone. The server sends each page from the bytes it stores (``sendall`` of the
+stored object, no copy in Python).
+
+**Tickets.** 32 random bytes: an 8-byte slot that names the offer and a 24-byte secret compared
+with ``hmac.compare_digest``. A ticket exists only in the memory of the server process that
+issued it, opens exactly the pages of the request that issued it (pages of that request's
+tenant, recorded with the offer), is redeemed at most once (its slot is removed on the first
+attempt, right or wrong), and expires ``ticket_ttl_s`` after issue. A connection that does not
+present a valid ticket within ``io_timeout_s`` is closed without a byte sent.
+
+**Integrity and confidentiality.** Plain TCP by default: the checksums travel over the
+authenticated, encrypted CURVE channel and every page is hashed where it landed, so a page
+corrupted on the way (or a stream cut short) is a miss, never wrong KV. That is integrity against
+corruption, not against an attacker on the path: XXH3 is not a MAC (a page with a given XXH3 can
+be computed), and the pages are readable by anyone who can see the traffic. For networks that
+are not private, configure a certificate and key (``tls_cert`` / ``tls_key``): streams are then
+TLS 1.3 (Python ``ssl``), the reply carries the certificate's SHA-256, which the reader pins (no
+CA involved), and the ticket travels inside TLS.
+
+**Faults.** Every wait is bounded: connecting, the TLS handshake and every receive stop at the
+load's deadline; a server waits at most ``io_timeout_s`` for a ticket or for the reader to take
+more bytes. A stream that ends early, stalls past the deadline or delivers a page whose checksum
+does not match yields misses for the pages it did not deliver whole; pages already received and
+verified stay hits. The reader writes into its destinations only itself, inside ``fetch``, so
+once ``fetch`` returns nothing writes there any more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from .protocol import checksum
+
+logger = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+SLOT_BYTES = 8
+IOV_PAGES = 512  # buffers per recvmsg_into call (Linux allows 1024)
+MODES = ("auto", "tcp", "shm", "zmq")
+"""A reader's data plane: ``auto`` - same-node servers through shared memory, the others over
+TCP; ``tcp`` - every page over TCP (no shared memory); ``shm`` - same-node servers through shared
+memory, the others over the zmq socket; ``zmq`` - every page over the zmq socket."""
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """A server's data listener. ``host`` None: the host of the server's control endpoint
+    (``tcp://127.0.0.1:7400`` binds loopback, ``tcp://0.0.0.0:7400`` every interface)."""
+
+    host: str | None = None
+    port: int = 0  # 0: any free port (readers learn it from the reply)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    ticket_ttl_s: float = 10.0
+    io_timeout_s: float = 10.0
+    max_streams: int = 16
+    max_offers: int = 4096  # outstanding tickets
+    max_connections: int = 64
+    max_pending_bytes: int = 16 << 30  # page bytes held for outstanding tickets and streams
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` zmq endpoint (``*`` is every interface), else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    try:
+        host = urlsplit(endpoint).hostname
+    except ValueError:
+        return None
+    if host in (None, ""):
+        return None
+    return "0.0.0.0" if host == "*" else host
+
+
+def split(lengths: Sequence[int], streams: int) -> list[tuple[int, int]]:
+    """The pages each stream carries, as ``(first, count)`` ranges in page order, balanced by
+    bytes: both sides compute it from the reply header, so nothing on the wire names a page.
+    At most ``streams`` ranges, none empty."""
+    n = len(lengths)
+    streams = max(1, min(streams, n))
+    total = sum(lengths)
+    out, first, sent = [], 0, 0
+    for k in range(streams):
+        if first >= n:
+            break
+        if k == streams - 1:
+            out.append((first, n - first))
+            break
+        goal = total * (k + 1) / streams
+        last = first + 1  # at least one page per range
+        sent += lengths[first]
+        while last < n - (streams - k - 1) and sent + lengths[last] / 2 <= goal:
+            sent += lengths[last]
+            last += 1
+        out.append((first, last - first))
+        first = last
+    return out
+
+
+# ---- server -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Offer:
+    secret: bytes
+    tenant: str
+    pages: list  # the stream's pages (bytes), in wire order
+    nbytes: int
+    expires: float  # monotonic
+
+
+class DataServer:
+    """A store server's data listener: ``offer`` issues tickets for pages (called by the
+    control loop), one thread per data connection sends them."""
+
+    def __init__(self, config: DataPlaneConfig, host: str) -> None:
+        self.config = config
+        self.instance = os.urandom(8)  # this process's listener: tickets of no other exist here
+        self.tls: ssl.SSLContext | None = None
+        self.cert_sha256: str | None = None
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("the data plane's TLS needs both a certificate and a key")
+        if config.tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+            with open(config.tls_cert) as f:
+                der = ssl.PEM_cert_to_DER_cert(f.read())
+            self.tls, self.cert_sha256 = ctx, hashlib.sha256(der).hexdigest()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, config.port), family=family, backlog=128)
+        self.port = self.sock.getsockname()[1]
+        self._offers: dict[bytes, _Offer] = {}
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._connections = 0
+        self.stats = {
+            "offers": 0,
+            "streams": 0,
+            "stream_bytes": 0,
+            "refused": 0,
+            "expired": 0,
+            "dropped": 0,
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="ptstore-data", daemon=True)
+        self._thread.start()
+
+    # -- control side --
+    def offer(self, tenant: str, pages: list, streams: int) -> dict | None:
+        """Tickets for ``pages`` (bytes, in the reply's order) split over at most ``streams``
+        connections: ``{"port", "tickets": [hex], "cert": hex | None}``; None when the server
+        holds too much for outstanding transfers already (the reader then misses)."""
+        lengths = [len(p) for p in pages]
+        ranges = split(lengths, min(streams, self.config.max_streams)) if pages else []
+        nbytes = sum(lengths)
+        now = time.monotonic()
+        tickets = []
+        with self._lock:
+            self._expire(now)
+            if (
+                len(self._offers) + len(ranges) > self.config.max_offers
+                or self._pending_bytes + nbytes > self.config.max_pending_bytes
+            ):
+                self.stats["refused"] += 1
+                return None
+            for first, count in ranges:
+                slot = os.urandom(SLOT_BYTES)
+                while slot in self._offers:
+                    slot = os.urandom(SLOT_BYTES)
+                secret = os.urandom(TICKET_BYTES - SLOT_BYTES)
+                part = pages[first : first + count]
+                size = sum(lengths[first : first + count])
+                self._offers[slot] = _Offer(
+                    secret, tenant, part, size, now + self.config.ticket_ttl_s
+                )
+                tickets.append((slot + secret).hex())
+            self._pending_bytes += nbytes
+            self.stats["offers"] += 1
+        return {"port": self.port, "tickets": tickets, "cert": self.cert_sha256}
+
+    def _expire(self, now: float) -> None:
+        """Drop offers past their time (under the lock)."""
+        dead = [s for s, o in self._offers.items() if o.expires < now]
+        for s in dead:
+            self._pending_bytes -= self._offers.pop(s).nbytes
+        self.stats["expired"] += len(dead)
+
+    def _redeem(self, ticket: bytes) -> _Offer | None:
+        """The offer of ``ticket``, removed: a ticket opens one connection at most, and a
+        wrong secret burns its slot too. None for an unknown, wrong or expired ticket."""
+        if len(ticket) != TICKET_BYTES:
+            return None
+        with self._lock:
+            offer = self._offers.pop(ticket[:SLOT_BYTES], None)
+            if offer is None:
+                return None
+            if (
+                not hmac.compare_digest(offer.secret, ticket[SLOT_BYTES:])
+                or offer.expires < time.monotonic()
+            ):
+                self._pending_bytes -= offer.nbytes
+                return None
+        return offer
+
+    # -- data side --
+    def _accept_loop(self) -> None:
+        last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last_sweep > 1.0:
+                with self._lock:
+                    self._expire(now)
+                last_sweep = now
+            try:
+                ready, _, _ = select.select([self.sock], [], [], 0.2)
+            except (OSError, ValueError):
+                return  # closed
+            if not ready:
+                continue
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with self._lock:
+                full = self._connections >= self.config.max_connections
+                if not full:
+                    self._connections += 1
+            if full:
+                self.stats["dropped"] += 1
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="ptstore-data-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        offer = None
+        sent = 0
+        try:
+            conn.settimeout(self.config.io_timeout_s)  # a ticket, and every send, within this
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            ticket = bytearray(TICKET_BYTES)
+            if not recv_exact(conn, memoryview(ticket)):
+                self.stats["refused"] += 1
+                return
+            offer = self._redeem(bytes(ticket))
+            if offer is None:
+                self.stats["refused"] += 1
+                return  # closed without a byte sent
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for page in offer.pages:
+                conn.sendall(page)
+                sent += len(page)
+            self.stats["streams"] += 1
+        except (OSError, ssl.SSLError):
+            self.stats["dropped"] += 1  # the reader went away or stopped reading
+        finally:
+            self.stats["stream_bytes"] += sent
+            with self._lock:
+                self._connections -= 1
+                if offer is not None:
+                    self._pending_bytes -= offer.nbytes
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        with self._lock:
+            self._offers.clear()
+            self._pending_bytes = 0
+
+
+def recv_exact(sock, mv: memoryview) -> bool:
+    """Fill ``mv`` from ``sock`` (its own timeout bounds each wait); False if the peer closed."""
+    got = 0
+    while got < len(mv):
+        n = sock.recv_into(mv[got:])
+        if not n:
+            return False
+        got += n
+    return True
+
+
+# ---- reader -------------------------------------------------------------------------------
+
+
+def check_offer(offer, lengths: Sequence[int], streams: int) -> str | None:
+    """Why a server's ``"tcp"`` reply cannot be used (None: it can): a port, and one ticket of
+    64 hex digits per stream of ``split(lengths, ...)``, at most ``streams``."""
+    if not isinstance(offer, dict):
+        return "not an offer"
+    port, tickets, cert = offer.get("port"), offer.get("tickets"), offer.get("cert")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return "bad port"
+    if not isinstance(tickets, list) or not all(
+        isinstance(t, str) and len(t) == 2 * TICKET_BYTES for t in tickets
+    ):
+        return "bad tickets"
+    try:
+        for t in tickets:
+            bytes.fromhex(t)
+    except ValueError:
+        return "bad tickets"
+    want = len(split(lengths, min(streams, len(tickets)))) if lengths else 0
+    if len(tickets) != want or len(tickets) > streams:
+        return "tickets do not match the pages"
+    if cert is not None and not (isinstance(cert, str) and len(cert) == 64):
+        return "bad certificate digest"
+    return None
+
+
+def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
+    sec = max(0.001, seconds)
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(sec), int((sec % 1) * 1e6))
+    )
+
+
+def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float) -> int:
+    """Receive ``views`` in order with ``MSG_WAITALL`` (the socket blocking, ``SO_RCVTIMEO``
+    bounding each wait by the deadline); returns how many arrived whole."""
+    sock.settimeout(None)
+    page, offset = 0, 0
+    while page < len(views):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        _set_rcvtimeo(sock, left)
+        bufs = [views[page][offset:], *views[page + 1 : page + IOV_PAGES]]
+        try:
+            n = sock.recvmsg_into(bufs, 0, socket.MSG_WAITALL)[0]
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            continue  # the wait ran out (or a signal): the deadline decides
+        if n == 0:
+            break  # the server closed (or died) before sending every page
+        while n > 0:
+            room = len(views[page]) - offset
+            if n >= room:
+                n -= room
+                page, offset = page + 1, 0
+            else:
+                offset += n
+                n = 0
+    return page
+
+
+def _receive_tls(sock: ssl.SSLSocket, views: list[memoryview], deadline: float) -> int:
+    page = 0
+    for v in views:
+        got = 0
+        while got < len(v):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return page
+            sock.settimeout(left)
+            n = sock.recv_into(v[got:])
+            if not n:
+                return page
+            got += n
+        page += 1
+    return page
+
+
+def _stream(
+    host: str,
+    port: int,
+    ticket: bytes,
+    cert: str | None,
+    views: list[memoryview],
+    sums: Sequence[int],
+    deadline: float,
+) -> list[bool]:
+    """One data connection: present the ticket, receive the stream's pages, verify each."""
+    ok = [False] * len(views)
+    sock = None
+    try:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return ok
+        sock = socket.create_connection((host, port), timeout=left)
+        if cert is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE  # pinned by digest below, not by a CA
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock = ctx.wrap_socket(sock)
+            der = sock.getpeercert(binary_form=True) or b""
+            if not hmac.compare_digest(hashlib.sha256(der).hexdigest(), cert):
+                logger.warning(
+                    "PTStore data plane: %s:%d presented another certificate", host, port
+                )
+                return ok
+            sock.sendall(ticket)
+            whole = _receive_tls(sock, views, deadline)
+        else:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(ticket)
+            whole = _receive_plain(sock, views, deadline)
+    except (OSError, ssl.SSLError):
+        return ok  # refused, reset, timed out: every page of this stream is a miss
+    finally:
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+    for i in range(whole):
+        ok[i] = checksum(views[i]) == sums[i]
+    return ok
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_POOL_WORKERS = 64
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ptstore-tcp")
+        return _POOL
+
+
+@dataclass
+class Transfer:
+    """The pages one server offered: where to connect, the offer, and where each page goes."""
+
+    host: str
+    offer: dict
+    views: list[memoryview]  # destinations, one per page, of the page's length
+    sums: list[int]
+
+
+def fetch(transfers: list[Transfer], deadline: float) -> list[list[bool]]:
+    """Run every transfer's streams at once (one connection per ticket); per transfer, which
+    pages arrived whole and match their checksum. Returns by ``deadline`` plus the time a
+    blocked system call takes to notice it (every wait is bounded by it)."""
+    jobs = []
+    for t in transfers:
+        lengths = [len(v) for v in t.views]
+        tickets = [bytes.fromhex(x) for x in t.offer["tickets"]]
+        for (first, count), ticket in zip(split(lengths, len(tickets)), tickets, strict=True):
+            jobs.append((t, first, count, ticket))
+    out = [[False] * len(t.views) for t in transfers]
+    index = {id(t): k for k, t in enumerate(transfers)}
+    if not jobs:
+        return out
+    pool = _pool()
+    futures = [
+        (
+            t,
+            first,
+            pool.submit(
+                _stream,
+                t.host,
+                t.offer["port"],
+                ticket,
+                t.offer.get("cert"),
+                t.views[first : first + count],
+                t.sums[first : first + count],
+                deadline,
+            ),
+        )
+        for t, first, count, ticket in jobs
+    ]
+    for t, first, fut in futures:
+        ok = fut.result()
+        out[index[id(t)]][first : first + len(ok)] = ok
+    return out

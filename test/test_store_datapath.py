@@ -1,0 +1,468 @@
+"""PTStore's TCP data plane (``sglang_pic.store.datapath``): pages over K parallel connections
+opened with one-time tickets, received straight into their destinations and verified there.
+
+Every fault (a peer that dies mid-transfer, a stalled transfer, a page corrupted after the
+transport, sizes over the limits, wrong / reused / expired tickets) must end in misses for the
+affected pages, never in wrong bytes or a hang. Servers bind port 0; timeouts are generous for
+a busy 2-core machine, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from conftest import free_port
+from sglang_pic.store import datapath
+from sglang_pic.store.client import StoreClient
+from sglang_pic.store.datapath import DataPlaneConfig, DataServer, Transfer, split
+from sglang_pic.store.engine import StoreEngine
+from sglang_pic.store.protocol import Limits, checksum
+from sglang_pic.store.server import DEFAULT_DATA_PLANE, StoreServer
+
+TOKEN = "datapath-test-token-0123456789"
+PAGE = 64 << 10
+
+
+def _pages(prefix: str, n: int, size: int = PAGE) -> list[tuple[str, bytes]]:
+    return [(f"{prefix}{i}", os.urandom(size)) for i in range(n)]
+
+
+def _server(data_plane: DataPlaneConfig | None = DEFAULT_DATA_PLANE, **kw) -> StoreServer:
+    return StoreServer(
+        StoreEngine(256 << 20), f"tcp://127.0.0.1:{free_port()}", TOKEN, data_plane=data_plane, **kw
+    ).start()
+
+
+@pytest.fixture
+def servers():
+    srvs = [_server() for _ in range(2)]
+    yield srvs
+    for s in srvs:
+        s.stop()
+
+
+def _get_into(
+    client: StoreClient, tids: list[str], size: int = PAGE
+) -> tuple[list[bool], list[bytes]]:
+    buf = bytearray(size * len(tids))
+    mv = memoryview(buf)
+    ok = client.batch_get_into(tids, [mv[i * size : (i + 1) * size] for i in range(len(tids))])
+    return ok, [bytes(mv[i * size : (i + 1) * size]) for i in range(len(tids))]
+
+
+def test_many_pages_travel_over_k_streams_into_the_buffer_verified(servers):
+    client = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp", data_streams=4)
+    pages = _pages("p", 120)
+    assert client.batch_set(pages) == 120 * PAGE
+    before = client.rpcs
+    ok, got = _get_into(client, [t for t, _ in pages])
+    assert all(ok) and got == [d for _, d in pages]
+    assert client.rpcs - before == 2  # one control message per owner, pages over the streams
+    assert client.stats["tcp_pages"] == 120 and client.stats["tcp_misses"] == 0
+    # each owner served its share over 4 connections, and sent exactly the pages' bytes
+    assert [s.data.stats["streams"] for s in servers] == [4, 4]
+    assert sum(s.data.stats["stream_bytes"] for s in servers) == 120 * PAGE
+    # the copying interface too, and a miss in the middle stays a miss
+    tids = [pages[0][0], "absent", pages[7][0]]
+    assert client.batch_get(tids) == [pages[0][1], None, pages[7][1]]
+    # nothing stays held once the streams are done
+    deadline = time.monotonic() + 10
+    while any(s.data._pending_bytes or s.data._connections for s in servers):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.close()
+
+
+def test_split_covers_every_page_once_balanced_by_bytes():
+    for lengths, k in [([5] * 10, 4), ([100, 1, 1, 1, 1], 2), ([7], 4), ([3, 9, 1, 8, 2], 3)]:
+        ranges = split(lengths, k)
+        assert len(ranges) == min(k, len(lengths)) and all(c > 0 for _, c in ranges)
+        assert [i for f, c in ranges for i in range(f, f + c)] == list(range(len(lengths)))
+    assert split([5] * 8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+
+
+def test_auto_reads_a_server_without_a_data_plane_over_the_socket():
+    srv = _server(data_plane=None)
+    try:
+        client = StoreClient([srv.endpoint], TOKEN, data_plane="auto", shm=False)
+        pages = _pages("s", 6)
+        client.batch_set(pages)
+        ok, got = _get_into(client, [t for t, _ in pages])
+        assert all(ok) and got == [d for _, d in pages]
+        assert client.stats["tcp_pages"] == 0
+        # a reader that insists on TLS is answered over the CURVE socket by a plain-TCP server
+        tls_only = StoreClient([srv.endpoint], TOKEN, data_plane="tcp", data_tls=True)
+        assert tls_only.batch_get([pages[0][0]]) == [pages[0][1]]
+        assert tls_only.stats["tcp_pages"] == 0
+    finally:
+        srv.stop()
+
+
+def _ticket_of(offer: dict, k: int = 0) -> bytes:
+    return bytes.fromhex(offer["tickets"][k])
+
+
+def _read_all(port: int, ticket: bytes, timeout: float = 10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(ticket)
+        out = bytearray()
+        while chunk := s.recv(1 << 16):
+            out += chunk
+        return bytes(out)
+
+
+@pytest.fixture
+def data_server():
+    srv = DataServer(DataPlaneConfig(ticket_ttl_s=0.5, io_timeout_s=2.0), "127.0.0.1")
+    yield srv
+    srv.close()
+
+
+def test_a_ticket_opens_one_connection_only(data_server):
+    pages = [os.urandom(1000), os.urandom(3000)]
+    offer = data_server.offer("alice", pages, 1)
+    ticket = _ticket_of(offer)
+    assert _read_all(offer["port"], ticket) == b"".join(pages)
+    assert _read_all(offer["port"], ticket) == b""  # reused: closed without a byte
+
+
+def test_wrong_and_expired_tickets_are_refused_without_a_byte(data_server):
+    pages = [os.urandom(2000)]
+    port = data_server.port
+    # a ticket that names a live offer with the wrong secret burns the offer
+    offer = data_server.offer("alice", pages, 1)
+    good = _ticket_of(offer)
+    wrong = good[: datapath.SLOT_BYTES] + bytes(len(good) - datapath.SLOT_BYTES)
+    assert _read_all(port, wrong) == b""
+    assert _read_all(port, good) == b""
+    # unknown, short and expired tickets
+    assert _read_all(port, os.urandom(datapath.TICKET_BYTES)) == b""
+    assert _read_all(port, b"short") == b""
+    late = _ticket_of(data_server.offer("alice", pages, 1))
+    time.sleep(0.8)  # ttl 0.5 s
+    assert _read_all(port, late) == b""
+    assert data_server.stats["refused"] >= 4 and data_server.stats["streams"] == 0
+    assert data_server._pending_bytes == 0  # nothing held for refused or expired tickets
+
+
+def _fake_peer(script: str) -> tuple[subprocess.Popen, int]:
+    """A data server in its own process running ``script`` on the accepted connection ``conn``
+    (after reading the 32-byte ticket); returns the process and its port."""
+    code = textwrap.dedent("""
+        import os, signal, socket, sys, time
+        PAGES = [bytes([i]) * int(sys.argv[1]) for i in range(int(sys.argv[2]))]
+        lsock = socket.create_server(("127.0.0.1", 0))
+        print(lsock.getsockname()[1], flush=True)
+        conn, _ = lsock.accept()
+        conn.settimeout(30)
+        ticket = b""
+        while len(ticket) < 32:
+            ticket += conn.recv(32 - len(ticket))
+    """) + textwrap.dedent(script)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(PAGE), "8"], stdout=subprocess.PIPE, text=True
+    )
+    port = int(proc.stdout.readline())
+    return proc, port
+
+
+def _fake_transfer(port: int, pages: int = 8, corrupt: int | None = None) -> Transfer:
+    data = [bytes([i]) * PAGE for i in range(pages)]
+    sums = [checksum(d) for d in data]
+    if corrupt is not None:
+        sums[corrupt] ^= 1
+    offer = {"port": port, "tickets": [os.urandom(32).hex()], "cert": None}
+    return Transfer("127.0.0.1", offer, [memoryview(bytearray(PAGE)) for _ in data], sums)
+
+
+def test_a_peer_killed_mid_transfer_gives_misses_for_what_it_did_not_send():
+    # three pages and half of the fourth, then the process kills itself
+    proc, port = _fake_peer("""
+        for p in PAGES[:3]:
+            conn.sendall(p)
+        conn.sendall(PAGES[3][:len(PAGES[3]) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    try:
+        t = _fake_transfer(port)
+        t0 = time.monotonic()
+        ok = datapath.fetch([t], time.monotonic() + 30)[0]
+        assert time.monotonic() - t0 < 20  # ended by the peer's death, not the deadline
+        assert ok == [True] * 3 + [False] * 5
+        assert all(bytes(v) == bytes([i]) * PAGE for i, v in enumerate(t.views[:3]))
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_stalled_transfer_times_out_into_misses():
+    proc, port = _fake_peer("""
+        conn.sendall(PAGES[0])
+        conn.sendall(PAGES[1][:100])
+        time.sleep(60)
+    """)
+    try:
+        t = _fake_transfer(port)
+        t0 = time.monotonic()
+        ok = datapath.fetch([t], time.monotonic() + 1.5)[0]
+        took = time.monotonic() - t0
+        assert 1.0 < took < 10, took
+        assert ok == [True] + [False] * 7
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_page_corrupted_on_the_wire_is_a_miss():
+    # the peer flips one byte of page 2; the checksums came over CURVE, intact
+    proc, port = _fake_peer("""
+        for i, p in enumerate(PAGES):
+            conn.sendall(p if i != 2 else b"\\xff" + p[1:])
+        conn.close()
+    """)
+    try:
+        ok = datapath.fetch([_fake_transfer(port)], time.monotonic() + 30)[0]
+        assert ok == [True, True, False] + [True] * 5
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_page_corrupted_after_the_transport_is_a_miss_end_to_end(servers, monkeypatch):
+    client = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp")
+    pages = _pages("c", 20)
+    client.batch_set(pages)
+    receive = datapath._receive_plain
+    hit = []
+
+    def corrupting(sock, views, deadline):  # the stream arrives, then a byte of it flips
+        whole = receive(sock, views, deadline)
+        if whole and not hit:
+            hit.append(bytes(views[0]))
+            views[0][0] ^= 0xFF
+        return whole
+
+    monkeypatch.setattr(datapath, "_receive_plain", corrupting)
+    ok, got = _get_into(client, [t for t, _ in pages])
+    assert ok.count(False) == 1 and client.stats["tcp_misses"] == 1
+    bad = ok.index(False)
+    assert hit[0] == pages[bad][1]
+    assert all(g == d for g, (_, d), good in zip(got, pages, ok, strict=True) if good)
+    client.close()
+
+
+def test_a_server_killed_mid_load_gives_misses_and_the_reader_goes_on(tmp_path):
+    """A store server process dies while the reader is loading from it: the pages it owned are
+    misses, the other server's arrive, within the load's deadline."""
+    env = dict(os.environ, SGLANG_PIC_STORE_TOKEN=TOKEN)
+    procs, endpoints = [], []
+    for _ in range(2):
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "sglang_pic", "store", "--endpoint", ep, "--memory-gb", "1"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        endpoints.append(ep)
+    try:
+        client = StoreClient(endpoints, TOKEN, timeout_ms=3000, data_plane="tcp")
+        deadline = time.monotonic() + 60
+        while any(client.status(ep) is None for ep in endpoints):
+            assert time.monotonic() < deadline, "store servers did not start"
+        pages = _pages("k", 64, 1 << 20)
+        assert client.batch_set(pages) == 64 << 20
+        victim = procs[0]
+        receive = datapath._receive_plain
+
+        def slow_then_kill(sock, views, deadline):  # the owner dies while streams are open
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait(timeout=10)
+            return receive(sock, views, deadline)
+
+        datapath._receive_plain = slow_then_kill
+        try:
+            t0 = time.monotonic()
+            ok, got = _get_into(client, [t for t, _ in pages], 1 << 20)
+            assert time.monotonic() - t0 < 30
+        finally:
+            datapath._receive_plain = receive
+        owned = [client.ring.owner(t) == endpoints[0] for t, _ in pages]
+        assert any(owned) and not all(owned)
+        # whatever arrived is exact; the dead owner's pages are (mostly) misses - a stream it
+        # had sent before dying may still be read from the socket buffer, and is verified
+        assert all(g == d for g, (_, d), good in zip(got, pages, ok, strict=True) if good)
+        assert all(good for good, mine in zip(ok, owned, strict=True) if not mine)
+        assert not all(ok)
+        client.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_oversize_lengths_are_refused_before_any_byte_is_read(servers):
+    client = StoreClient([servers[0].endpoint], TOKEN, data_plane="tcp")
+    pages = _pages("o", 4)
+    client.batch_set(pages)
+    small = StoreClient(
+        [servers[0].endpoint], TOKEN, data_plane="tcp", limits=Limits(max_tensor_bytes=PAGE // 2)
+    )
+    assert small.batch_get([t for t, _ in pages]) == [None] * 4
+    total = StoreClient(
+        [servers[0].endpoint], TOKEN, data_plane="tcp", limits=Limits(max_message_bytes=3 * PAGE)
+    )
+    assert total.batch_get([t for t, _ in pages]) == [None] * 4
+    assert servers[0].data.stats["streams"] == 0  # no connection was opened for them
+    # sizes the reader did not ask for are not sent at all
+    ok, _ = _get_into(client, [t for t, _ in pages], PAGE * 2)
+    assert ok == [False] * 4
+    # a reply whose lengths disagree with the sizes asked for is refused as a whole
+    assert (
+        datapath.check_offer({"port": 1, "tickets": ["00" * 32] * 5, "cert": None}, [PAGE] * 4, 4)
+        is not None
+    )
+    for c in (client, small, total):
+        c.close()
+
+
+def test_a_server_over_its_pending_bytes_answers_misses():
+    srv = _server(data_plane=DataPlaneConfig(max_pending_bytes=PAGE * 3))
+    try:
+        client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
+        pages = _pages("b", 4)
+        client.batch_set(pages)
+        assert client.batch_get([t for t, _ in pages]) == [None] * 4
+        assert client.batch_get([t for t, _ in pages[:2]]) == [d for _, d in pages[:2]]
+        client.close()
+    finally:
+        srv.stop()
+
+
+def _self_signed(tmp_path) -> tuple[str, str] | None:
+    if shutil.which("openssl") is None:
+        return None
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            "/CN=ptstore-test",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return str(cert), str(key)
+
+
+def test_tls_streams_with_a_pinned_certificate(tmp_path):
+    material = _self_signed(tmp_path)
+    if material is None:
+        pytest.skip("no openssl CLI to make a certificate")
+    cert, key = material
+    srv = _server(data_plane=DataPlaneConfig(tls_cert=cert, tls_key=key))
+    try:
+        client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp", data_tls=True)
+        pages = _pages("t", 10)
+        client.batch_set(pages)
+        ok, got = _get_into(client, [t for t, _ in pages])
+        assert all(ok) and got == [d for _, d in pages]
+        assert client.stats["tcp_pages"] == 10 and srv.data.stats["streams"] == 4
+        # a certificate other than the pinned one: every page a miss
+        offer = srv.data.offer("", [d for _, d in pages[:2]], 1)
+        offer["cert"] = "0" * 64
+        views = [memoryview(bytearray(PAGE)) for _ in range(2)]
+        t = Transfer("127.0.0.1", offer, views, [checksum(d) for _, d in pages[:2]])
+        assert datapath.fetch([t], time.monotonic() + 10)[0] == [False, False]
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_the_hicache_backend_takes_the_data_plane_from_its_config(servers, monkeypatch):
+    pytest.importorskip("sglang")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang_pic.store.hicache_backend import PTStoreHiCacheStorage
+
+    monkeypatch.setenv("SGLANG_PIC_PTSTORE_TOKEN", TOKEN)
+
+    def backend(**extra):
+        cfg = HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            enable_storage_metrics=False,
+            is_mla_model=False,
+            is_page_first_layout=True,
+            model_name="m",
+            extra_config={"servers": [s.endpoint for s in servers], **extra},
+        )
+        return PTStoreHiCacheStorage(cfg)
+
+    b = backend(data_plane="tcp", data_streams=2)
+    assert (b.client.data_plane, b.client.data_streams, b.client.shm) == ("tcp", 2, False)
+    b.close()
+    with pytest.raises(ValueError, match="data_plane"):
+        backend(data_plane="rdma")
+
+
+def test_fetch_returns_by_its_deadline_with_many_silent_peers():
+    """Streams that never get a byte (a listener that accepts and says nothing) all end at the
+    deadline, in parallel: a load never hangs on its data plane."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        lsock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(lsock.accept()[0])
+            except OSError:
+                continue
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    try:
+        port = lsock.getsockname()[1]
+        transfers = [_fake_transfer(port) for _ in range(6)]
+        for t in transfers:
+            t.offer["tickets"] = [os.urandom(32).hex() for _ in range(4)]
+        t0 = time.monotonic()
+        out = datapath.fetch(transfers, time.monotonic() + 1.5)
+        assert time.monotonic() - t0 < 10
+        assert all(not any(ok) for ok in out)
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        for c in held:
+            c.close()
+        lsock.close()
