@@ -34,6 +34,14 @@ class RequestContext:
     now: float | None = None  # virtual clock for the simulator; None = time.monotonic()
     rid: str | None = None  # SGLang request id (server path): report the request once
     count_hits: bool = True  # False while SGLang re-matches a request's own blocks
+    # A prefill run on behalf of other requests (the span planner's unit requests): the blocks
+    # it caches have no requester of their own; the first request that uses them is theirs
+    # (not a reuse).
+    on_behalf: bool = False
+    # Where in the request the key being inserted starts: 0 for a request's own prefix; a span
+    # cache inserts each segment under its own namespace, from depth 0 of that tree
+    # (``segment_at``). Token types are looked up at ``key_start + offset``.
+    key_start: int = 0
     announced: bool = False
     serial: int = field(default_factory=itertools.count().__next__)
 
@@ -62,6 +70,11 @@ class RequestContext:
 _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
     "sglang_pic_eviction_request", default=None
 )
+# True inside a hooked ``match_prefix`` (``hooks.around_match_prefix``): the matches a cache
+# makes inside its own (a span cache's, one per segment) are not reported on their own
+matching: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sglang_pic_eviction_matching", default=False
+)
 
 
 def block_offset(node) -> int:
@@ -78,6 +91,23 @@ def block_key(node) -> tuple:
 
 def current() -> RequestContext | None:
     return _current.get()
+
+
+class segment_at:
+    """``with segment_at(start): cache.insert(...)`` - the key inserted starts at ``start`` of the
+    current request (a span-cache segment); nothing without a current request."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __enter__(self) -> None:
+        self.ctx = _current.get()
+        if self.ctx is not None:
+            self._before, self.ctx.key_start = self.ctx.key_start, self.start
+
+    def __exit__(self, *exc) -> None:
+        if self.ctx is not None:
+            self.ctx.key_start = self._before
 
 
 class using:

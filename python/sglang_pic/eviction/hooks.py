@@ -41,6 +41,7 @@ from . import context as ctxmod
 from . import segmentation
 
 RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+SPAN = "sglang_pic.spans.radix_cache.SpanRadixCache"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
 _MAX_SEEN = 4096
@@ -70,15 +71,23 @@ def request_context(req) -> ctxmod.RequestContext:
     if cached is None:
         session, app = segmentation.client_hints(req)
         session = session or getattr(req, "session_id", None)
-        cached = (session, app, segmentation.segments_for(req))
+        cached = (session, app, segmentation.segments_for(req), _is_span_unit(req))
         try:
             req._pic_eviction_ctx = cached
         except AttributeError:  # a Req stand-in with __slots__
             pass
-    session, app, segments = cached
+    session, app, segments, on_behalf = cached
     return ctxmod.RequestContext(session_id=session, app_type=app, segments=list(segments),
                                  decode_start=len(prompt), prompt_len=len(prompt),
-                                 rid=getattr(req, "rid", None))
+                                 rid=getattr(req, "rid", None), on_behalf=on_behalf)
+
+
+def _is_span_unit(req) -> bool:
+    """A span prefill the span planner runs for the requests waiting on the span
+    (``spans.planner.is_unit``): it caches blocks on their behalf."""
+    from sglang_pic.spans.request import UNIT_RID_PREFIX
+
+    return str(getattr(req, "rid", "")).startswith(UNIT_RID_PREFIX)
 
 
 def _path_up(cache, node):
@@ -92,8 +101,34 @@ def _now(strategy, ctx) -> float:
     return ctx.now if ctx is not None and ctx.now is not None else strategy.now_fn()
 
 
+def _matched_nodes(cache, result) -> list:
+    """Every node a match went through, deepest first per path: of each segment's path for a
+    span cache's match (a ``SpanPath`` handle), and down to the deepest node matched on
+    HiCache's host tier (``last_host_node``: loaded back, not recomputed - a reuse too)."""
+    ends = []
+    for handle in (result.last_device_node, getattr(result, "last_host_node", None)):
+        if handle is not None:
+            ends.extend(getattr(handle, "nodes", None) or [handle])
+    seen, nodes = set(), []
+    for end in ends:
+        for node in _path_up(cache, end):
+            if id(node) in seen:
+                break  # the rest of this path is already in
+            seen.add(id(node))
+            nodes.append(node)
+    return nodes
+
+
 def around_match_prefix(original, self, params, *args, **kwargs):
-    result = original(self, params, *args, **kwargs)
+    """Reports the outermost hooked match only: a span cache's ``match_prefix`` runs
+    ``RadixCache.match_prefix`` once per segment, and its request's reuse is the whole match."""
+    if ctxmod.matching.get():
+        return original(self, params, *args, **kwargs)
+    token = ctxmod.matching.set(True)
+    try:
+        result = original(self, params, *args, **kwargs)
+    finally:
+        ctxmod.matching.reset(token)
     strategy = _learner(self)
     if strategy is None or not hasattr(strategy, "on_hit"):
         return result
@@ -101,8 +136,12 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     ctx = ctxmod.current()
     if ctx is not None and not ctx.count_hits:
         return result  # SGLang re-matching blocks a request just inserted: not a reuse
-    if req is None:  # a caller outside the scheduler (the trace replay): a hit now
-        for node in _path_up(self, result.last_device_node):
+    if req is None:
+        if ctx is None:
+            # no request's match: a probe whether something is cached (the span planner's,
+            # before it runs a span prefill); the request itself reports its match
+            return result
+        for node in _matched_nodes(self, result):  # the trace replay: a hit now
             strategy.on_hit(node, len(node.key), ctx)
         return result
     # The scheduler matches a waiting request on every scheduling round; what it reuses is the
@@ -113,8 +152,7 @@ def around_match_prefix(original, self, params, *args, **kwargs):
         return result
     pending = self.__dict__.setdefault("_pic_pending_hits", {})
     pending.pop(req.rid, None)
-    pending[req.rid] = [(node, len(node.key))
-                        for node in _path_up(self, result.last_device_node)]
+    pending[req.rid] = [(node, len(node.key)) for node in _matched_nodes(self, result)]
     if len(pending) > _MAX_SEEN:  # requests that never got cached (aborted): dropped
         pending.pop(next(iter(pending)))
     return result
@@ -159,7 +197,9 @@ def around_insert(original, self, params, *args, **kwargs):
     if _first_report(self, ctx):
         if hasattr(strategy, "on_request"):
             strategy.on_request(ctx, _now(strategy, ctx))
-        if ctx.rid is not None and hasattr(strategy, "on_hit"):
+        if ctx.rid is not None and hasattr(strategy, "on_hit") and not ctx.on_behalf:
+            # (a span prefill's match is not a reuse: the requests it runs for match the
+            # blocks themselves)
             _report_pending_hits(self, strategy, ctx)
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_insert"):
@@ -204,18 +244,71 @@ def around_delete_leaf(original, self, node, *args, **kwargs):
     return original(self, node, *args, **kwargs)
 
 
+def around_evict_backuped(original, self, node, *args, **kwargs):
+    """HiCache drops a block's device copy and keeps it on the host tier: a policy with
+    ``on_demote`` counts the block as still cached (its eviction is the host tier's,
+    ``around_evict_host``); for the others it is an eviction, as before."""
+    strategy = _learner(self)
+    if strategy is not None:
+        (getattr(strategy, "on_demote", None) or strategy.on_evict)(node)
+    return original(self, node, *args, **kwargs)
+
+
+class _evict_pass:
+    """``begin_evict`` / ``end_evict`` around the outermost of nested passes (HiCache's device
+    evict can write a block back, which can evict from the host tier)."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy if hasattr(strategy, "begin_evict") else None
+
+    def __enter__(self) -> None:
+        s = self.strategy
+        if s is not None:
+            s._pic_pass_depth = getattr(s, "_pic_pass_depth", 0) + 1
+            if s._pic_pass_depth == 1:
+                s.begin_evict()
+
+    def __exit__(self, *exc) -> None:
+        s = self.strategy
+        if s is not None:
+            s._pic_pass_depth -= 1
+            if s._pic_pass_depth == 0:
+                s.end_evict()
+
+
 def around_evict(original, self, params, *args, **kwargs):
     strategy = _learner(self)
     if strategy is None or not hasattr(strategy, "begin_evict"):
         return original(self, params, *args, **kwargs)
-    strategy.begin_evict()
-    try:
+    with _evict_pass(strategy):
         k = getattr(strategy, "sample_size", 0)
         if not k or len(self.evictable_leaves) <= k:
             return original(self, params, *args, **kwargs)
         return _sampled_evict(original, self, params, k, strategy.rng)
+
+
+def around_evict_host(original, self, num_tokens, *args, **kwargs):
+    """HiCache's host-tier eviction. SGLang orders it by the same ``get_priority`` as the
+    device tier; this makes it one pass for the policy (one clock reading) and reports each
+    block it removes from the tree as ``on_evict`` (the block has left both tiers)."""
+    strategy = _learner(self)
+    if strategy is None:
+        return original(self, num_tokens, *args, **kwargs)
+    leaves = list(self.evictable_host_leaves)
+    try:
+        with _evict_pass(strategy):
+            return original(self, num_tokens, *args, **kwargs)
     finally:
-        strategy.end_evict()
+        # a removed node is gone from its parent's children; its parent, removed after it
+        # in the same pass (a host leaf once its last child went), likewise
+        page, seen = self.page_size, set()
+        for node in leaves:
+            while (node is not self.root_node and node.parent is not None
+                   and id(node) not in seen
+                   and node.parent.children.get(node.key.child_key(page)) is not node):
+                seen.add(id(node))
+                strategy.on_evict(node)
+                node = node.parent
 
 
 def _sampled_evict(original, cache, params, k: int, rng):
@@ -309,4 +402,9 @@ def register() -> None:
     HookRegistry.register(f"{HIRADIX}.insert", around_insert, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}._split_node", around_split_node, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_delete_leaf, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}.evict_host", around_evict_host, HookType.AROUND)
+    # the span cache matches per segment and caches segmented requests itself
+    HookRegistry.register(f"{SPAN}.match_prefix", around_match_prefix, HookType.AROUND)
+    HookRegistry.register(f"{SPAN}.cache_finished_req", around_cache_req, HookType.AROUND)
+    HookRegistry.register(f"{SPAN}.cache_unfinished_req", around_cache_req, HookType.AROUND)

@@ -109,6 +109,7 @@ class BlockInfo:
     interval: float | None = None  # EMA of the time between this block's uses
     queue: str = "chat"  # kept equal to SAEStrategy.route(self)
     turn: int = 0  # its session's request count when one of them last went through the block
+    key_start: int = 0  # where its key started in the creating request (a span segment's start)
 
 
 class SAEStrategy(EvictionStrategy):
@@ -367,17 +368,21 @@ class SAEStrategy(EvictionStrategy):
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
             info = getattr(node, "sae", None)
-            if info is not None:
+            if info is not None and not ctx.on_behalf:  # a span prefill uses it for others
                 self._seen_by(node, info, ctx.requester)
                 if ctx.session_id is not None and ctx.session_id == info.session_id:
                     info.turn = self.session_turn.get(ctx.session_id, 0)
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
-        ttype = ctx.token_type_at(offset)
+        # ``offset`` is the block's depth in its tree (a span segment's tree starts at the
+        # segment); its token type is that of where it sits in the request
+        ttype = ctx.token_type_at(ctx.key_start + offset)
+        # a span prefill caches blocks for the requests waiting on it: no requester yet
+        seen, requester = (0, None) if ctx.on_behalf else (1, ctx.requester)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
-                         max(ctx.prompt_len, offset + len(node.key)), 1, ctx.requester, ctx,
-                         turn=self.session_turn.get(ctx.session_id, 0))
+                         max(ctx.prompt_len, offset + len(node.key)), seen, requester, ctx,
+                         turn=self.session_turn.get(ctx.session_id, 0), key_start=ctx.key_start)
         info.queue = self.route(info)
         node.sae = info
         if _in_w(info):
@@ -397,11 +402,11 @@ class SAEStrategy(EvictionStrategy):
             return
         head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
-                             info.last_hit, info.interval, info.queue, info.turn)
+                             info.last_hit, info.interval, info.queue, info.turn, info.key_start)
         old_queue = info.queue
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
-            info.token_type = info.ctx.token_type_at(info.offset)
+            info.token_type = info.ctx.token_type_at(info.key_start + info.offset)
         info.queue = self.route(info)
         self.resident[old_queue] -= len(tail.key) + len(head.key)
         self.resident[head.sae.queue] += len(head.key)
@@ -411,6 +416,11 @@ class SAEStrategy(EvictionStrategy):
     def on_hit(self, node, tokens: int, ctx: RequestContext | None) -> None:
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None:
+            return
+        if info.sessions_seen == 0 and ctx is not None:
+            # cached by a span prefill for the requests waiting on it: the first of them is
+            # the request it was made for, not a reuse
+            self._seen_by(node, info, ctx.requester)
             return
         kind = _w_kind(info)  # the reuse that makes a block shared is one of an unshared block
         if ctx is not None:
@@ -442,6 +452,12 @@ class SAEStrategy(EvictionStrategy):
         self.events["evictions"] += 1
         if self.queue_weights and self.events["evictions"] % 64 == 0:
             self._refresh_alpha()
+
+    def on_demote(self, node) -> None:
+        """HiCache dropped the block's device copy and kept it on the host tier: it is still
+        cached - a later match of it is a hit (``hooks._matched_nodes``), and it is evicted
+        when the host tier evicts it (``hooks.around_evict_host``)."""
+        self.events["demotions"] += 1
 
     def _refresh_alpha(self) -> None:
         scores = {}
