@@ -37,6 +37,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sglang_pic.eviction.context import segment_at
+
 from .segments import Segment
 
 if TYPE_CHECKING:
@@ -174,9 +176,10 @@ class SpanRadixCache(RadixCache):
             klen = len(key)
             if is_insert and klen:
                 values = kv_indices[seg.start : seg.start + klen].to(dtype=torch.int64, copy=True)
-                prefix_len = self.insert(
-                    InsertParams(key=key, value=values, priority=priority, chunked=chunked)
-                ).prefix_len
+                with segment_at(seg.start):  # eviction policies type the tokens where they sit
+                    prefix_len = self.insert(
+                        InsertParams(key=key, value=values, priority=priority, chunked=chunked)
+                    ).prefix_len
             else:
                 prefix_len = klen
             lo, hi = max(seg.start, protected), seg.start + prefix_len
