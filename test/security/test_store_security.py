@@ -645,3 +645,83 @@ def test_an_insecure_server_writes_into_no_pool(tmp_path):
     finally:
         client.close()
         srv.stop()
+
+
+# ---- 10: the TCP data plane (issue 25) ---------------------------------------------------
+def _tcp_server(tokens, **config) -> StoreServer:
+    from sglang_pic.store.datapath import DataPlaneConfig
+
+    return StoreServer(StoreEngine(64 * PAGE), f"tcp://127.0.0.1:{free_port()}", tokens,
+                       data_plane=DataPlaneConfig(**config)).start()
+
+
+def test_the_data_listener_binds_the_control_endpoints_host_only(tmp_path):
+    """Loopback by default (as the control endpoint); a server on an ipc:// endpoint opens no
+    TCP port at all."""
+    srv = _tcp_server(TOKEN)
+    ipc = StoreServer(StoreEngine(4 * PAGE), f"ipc://{tmp_path}/d.sock", TOKEN).start()
+    try:
+        assert srv.data.sock.getsockname()[0] == "127.0.0.1"
+        assert ipc.data is None
+    finally:
+        srv.stop()
+        ipc.stop()
+
+
+def test_data_plane_tickets_need_the_token_and_the_tenant(tmp_path):
+    """Tickets are handed out over CURVE only: a client of an unknown token gets no ticket, and
+    a tenant's get names its own pages only, so its tickets open none of another tenant's."""
+    srv = _tcp_server({TOKEN: "alice", OTHER: "bob"})
+    alice = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
+    bob = StoreClient([srv.endpoint], OTHER, data_plane="tcp", server_key=srv.server_key)
+    stranger = StoreClient([srv.endpoint], "security-test-token-mallory-0", timeout_ms=300,
+                           data_plane="tcp", server_key=srv.server_key)
+    try:
+        assert alice.batch_set([("x", b"A" * PAGE)]) == PAGE
+        assert alice.batch_get(["x"]) == [b"A" * PAGE]
+        offers = srv.data.stats["offers"]
+        assert stranger.batch_get(["x"]) == [None]
+        assert bob.batch_get(["x"]) == [None]
+        assert srv.data.stats["offers"] == offers + 1  # bob's: an offer of no page
+        assert srv.data.stats["stream_bytes"] == PAGE  # alice's page, once
+    finally:
+        for c in (alice, bob, stranger):
+            c.close()
+        srv.stop()
+
+
+def test_a_data_connection_without_a_ticket_is_dropped_without_a_byte():
+    srv = _tcp_server(TOKEN, io_timeout_s=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.data.port), timeout=15) as raw:
+            t0 = time.monotonic()
+            assert raw.recv(4096) == b""  # nothing sent, then closed
+            assert time.monotonic() - t0 < 10
+        with socket.create_connection(("127.0.0.1", srv.data.port), timeout=15) as raw:
+            raw.sendall(os.urandom(32))  # a guessed ticket
+            assert raw.recv(4096) == b""
+        assert srv.data.stats["refused"] == 2 and srv.data.stats["streams"] == 0
+    finally:
+        srv.stop()
+
+
+def test_data_plane_tickets_are_compared_in_constant_time(monkeypatch):
+    from sglang_pic.store import datapath
+
+    calls = []
+    real = datapath.hmac.compare_digest
+
+    def counting(a, b):
+        calls.append(len(b))
+        return real(a, b)
+
+    monkeypatch.setattr(datapath.hmac, "compare_digest", counting)
+    srv = _tcp_server(TOKEN)
+    client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp", data_streams=1)
+    try:
+        client.batch_set([("p", b"p" * PAGE)])
+        assert client.batch_get(["p"]) == [b"p" * PAGE]
+        assert calls == [datapath.TICKET_BYTES - datapath.SLOT_BYTES]  # the secret part
+    finally:
+        client.close()
+        srv.stop()

@@ -43,6 +43,7 @@ def _secret(prog: str, args: argparse.Namespace, read: Callable[[str | None, str
 
 def serve(argv: list[str]) -> int:
     from .auth import server_tokens
+    from .datapath import DataPlaneConfig
     from .engine import StoreEngine
     from .protocol import Limits
     from .server import StoreServer
@@ -69,9 +70,22 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--max-tensor-mb", type=float, default=64.0)
     ap.add_argument("--copy-threads", type=int, default=4,
                     help="threads copying pages into same-node readers' memory")
+    ap.add_argument("--data-port", type=int, default=0,
+                    help="port of the TCP data plane, on the endpoint's host (default: any free "
+                         "port; readers learn it over the control channel)")
+    ap.add_argument("--no-data-plane", action="store_true",
+                    help="no TCP data plane: remote readers get pages inside the CURVE replies")
+    ap.add_argument("--data-tls-cert", default=None,
+                    help="PEM certificate: data-plane streams are TLS 1.3, the certificate "
+                         "pinned by readers through the control channel (with --data-tls-key)")
+    ap.add_argument("--data-tls-key", default=None, help="PEM private key of --data-tls-cert")
     args = ap.parse_args(argv)
     if args.copy_threads < 1:
         ap.error("--copy-threads must be >= 1")
+    if bool(args.data_tls_cert) != bool(args.data_tls_key):
+        ap.error("--data-tls-cert and --data-tls-key go together")
+    if not 0 <= args.data_port < 65536:
+        ap.error("--data-port must be within 0..65535")
     tokens, failed = _secret(prog, args, server_tokens)
     if failed:
         return failed
@@ -84,7 +98,10 @@ def serve(argv: list[str]) -> int:
                          int(args.ssd_gb * (1 << 30)))
     server = StoreServer(engine, args.endpoint, tokens,
                          Limits(max_tensor_bytes=int(args.max_tensor_mb * (1 << 20))),
-                         copy_threads=args.copy_threads)
+                         copy_threads=args.copy_threads,
+                         data_plane=None if args.no_data_plane else DataPlaneConfig(
+                             port=args.data_port, tls_cert=args.data_tls_cert,
+                             tls_key=args.data_tls_key))
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
@@ -92,8 +109,11 @@ def serve(argv: list[str]) -> int:
     auth = (f"{len(tokens)} token(s), server key {server.server_key}" if tokens
             else "INSECURE: no authentication")
     ssd = f", SSD {engine.ssd.budget / (1 << 30):.1f} GB" if engine.ssd is not None else ""
+    data = "no data plane" if server.data is None else (
+        f"data plane on port {server.data.port}, "
+        + ("TLS" if server.data.tls is not None else "plain TCP"))
     print(f"PTStore server on {args.endpoint} ({args.memory_gb} GB{ssd}, "
-          f"{len(engine.objects)} objects recovered; {auth})", flush=True)
+          f"{len(engine.objects)} objects recovered; {auth}; {data})", flush=True)
     done.wait()
     engine.flush_to_ssd()
     server.stop()

@@ -201,6 +201,10 @@ class DataServer:
             self.stats["offers"] += 1
         return {"port": self.port, "tickets": tickets, "cert": self.cert_sha256}
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # counters are bumped from every connection's thread
+            self.stats[key] += n
+
     def _expire(self, now: float) -> None:
         """Drop offers past their time (under the lock)."""
         dead = [s for s, o in self._offers.items() if o.expires < now]
@@ -249,7 +253,7 @@ class DataServer:
                 if not full:
                     self._connections += 1
             if full:
-                self.stats["dropped"] += 1
+                self._count("dropped")
                 conn.close()
                 continue
             threading.Thread(
@@ -264,23 +268,27 @@ class DataServer:
             if self.tls is not None:
                 conn = self.tls.wrap_socket(conn, server_side=True)
             ticket = bytearray(TICKET_BYTES)
-            if not recv_exact(conn, memoryview(ticket)):
-                self.stats["refused"] += 1
+            try:
+                whole = recv_exact(conn, memoryview(ticket))
+            except OSError:  # silent past io_timeout_s, or reset
+                whole = False
+            if not whole:
+                self._count("refused")
                 return
             offer = self._redeem(bytes(ticket))
             if offer is None:
-                self.stats["refused"] += 1
+                self._count("refused")
                 return  # closed without a byte sent
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for page in offer.pages:
                 conn.sendall(page)
                 sent += len(page)
-            self.stats["streams"] += 1
+            self._count("streams")
         except (OSError, ssl.SSLError):
-            self.stats["dropped"] += 1  # the reader went away or stopped reading
+            self._count("dropped")  # the reader went away or stopped reading
         finally:
-            self.stats["stream_bytes"] += sent
             with self._lock:
+                self.stats["stream_bytes"] += sent
                 self._connections -= 1
                 if offer is not None:
                     self._pending_bytes -= offer.nbytes
