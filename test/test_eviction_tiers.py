@@ -212,3 +212,121 @@ def test_span_segments_are_typed_where_they_sit_in_the_prompt(clock, monkeypatch
     _Server(cache).serve("r0", [(False, list(range(100, 116))), (True, span), (False, tail)])
     tail_node = next(n for n in cache.root_node.children.values() if n.key.token_ids[0] == 200)
     assert tail_node.sae.offset == 0 and tail_node.sae.token_type == "tool"
+
+
+# ---- HiCache ---------------------------------------------------------------------------------
+class _HostController:
+    """What ``HiRadixCache`` asks of its cache controller here: write-through copies to an
+    unbounded host pool (acknowledged by the test), device and host frees."""
+
+    write_policy = "write_through"
+
+    def __init__(self) -> None:
+        from simulator import CountingAllocator
+
+        self.mem_pool_device_allocator = CountingAllocator()
+        self.next_host = 0
+
+    def reset(self) -> None:
+        pass
+
+    def write(self, device_indices, node_id, **kwargs):
+        n = len(device_indices)
+        self.next_host += n
+        return torch.arange(self.next_host - n, self.next_host)
+
+    def evict_device(self, device_indices) -> None:
+        pass
+
+    def evict_host(self, host_value) -> int:
+        return len(host_value)
+
+
+def _hicache(policy: str, clock, monkeypatch):
+    """A ``HiRadixCache`` without its transfer machinery (``_HostController``)."""
+    from sglang.srt.mem_cache import hiradix_cache as hc
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from simulator import CountingAllocator, _TimeProxy
+
+    monkeypatch.setattr(hc, "time", _TimeProxy(clock))
+    cache = hc.HiRadixCache.__new__(hc.HiRadixCache)
+    cache.cache_controller = _HostController()
+    cache.token_to_kv_pool_host = SimpleNamespace(clear=lambda: None)
+    cache.prefetch_loaded_tokens_by_reqid = {}
+    cache.evictable_host_leaves = set()
+    cache.ongoing_write_through, cache.ongoing_load_back = {}, {}
+    cache.ongoing_prefetch, cache.ongoing_backup = {}, {}
+    cache.write_through_threshold, cache.load_back_threshold = 1, 10
+    cache.enable_storage = False
+    RadixCache.__init__(
+        cache,
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=CountingAllocator(),
+            page_size=1,
+            eviction_policy=policy,
+        ),
+    )
+    cache.eviction_strategy.now_fn = clock.monotonic
+    return cache
+
+
+def _hicache_request(cache, rid: str, ids: list[int]) -> None:
+    """The scheduler's steps for one request: match (with the request), cache its tokens, then
+    acknowledge the host writes and drop everything from the device (all of it stays on the
+    host tier), so the next request finds these blocks on the host only."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+
+    req = SimpleNamespace(rid=rid)
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(list(ids)), req=req))
+    ctx = RequestContext(segments=[(0, "user")], prompt_len=len(ids), rid=rid)
+    with using(ctx):
+        cache.insert(InsertParams(key=RadixKey(list(ids)), value=torch.arange(len(ids))))
+    for ack in list(cache.ongoing_write_through):
+        cache._finish_write_through_ack(ack, release_lock=True)
+    cache.evict(EvictParams(num_tokens=cache.evictable_size()))
+    assert cache.evictable_size() == 0
+
+
+def _host_tokens(cache) -> int:
+    n, stack = 0, list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        n += len(node.host_value) if node.host_value is not None else 0
+        stack.extend(node.children.values())
+    return n
+
+
+def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, monkeypatch):
+    """Two shared templates that live on HiCache's host tier between uses: ``a`` read by six
+    requests a second apart (t = 90..95), ``b`` by three, 30 s apart (t = 40, 70, 100). The
+    host tier must shrink to one template at t = 101. ``sae`` keeps ``a``: its reuses on the
+    host tier are hits, whose interval (1 s against 30 s) says ``a`` is the one to keep though
+    ``b`` was used last. Before, host-tier matches were not reported, the intervals were
+    unknown, and recency kept ``b``. A device drop that keeps the host copy is not an eviction
+    for ``sae``; the host tier's evictions are, and a block asked for again after one is a
+    miss it learns from."""
+    cache = _hicache("sae", clock, monkeypatch)
+    sae = cache.eviction_strategy
+    a, b = list(range(100, 132)), list(range(200, 232))
+    uses = [(40.0, b), (70.0, b), *((90.0 + k, a) for k in range(6)), (100.0, b)]
+    for n, (t, template) in enumerate(uses):
+        clock.now = t
+        _hicache_request(cache, f"r{n}", template + list(range(1000 + 8 * n, 1008 + 8 * n)))
+    assert sae.events["evictions"] == 0 and sae.events["demotions"] >= len(uses)
+    assert sae.events["hits"] == 5 + 2  # every reuse after the first request of each
+    node_a, node_b = cache.root_node.children[a[0]], cache.root_node.children[b[0]]
+    assert node_a.sae.interval == pytest.approx(1.0) and node_b.sae.interval == pytest.approx(30)
+    assert node_a.evicted and node_b.evicted  # on the host tier only
+    clock.now = 101.0
+    cache.evict_host(_host_tokens(cache) - len(a))
+    assert [list(c.key.token_ids) for c in cache.root_node.children.values()] == [a]
+    removed = len(uses) + 1  # every request's own suffix, and template b
+    assert sae.events["evictions"] == removed and len(sae.ghost) == removed
+    clock.now = 102.0
+    _hicache_request(cache, "again", b + [7, 7, 7])
+    assert sae.events["miss_after_eviction"] == 1
