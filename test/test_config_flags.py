@@ -118,14 +118,14 @@ def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
     # knobs without their feature
     (["--span-schedule", "barrier"], "--span-schedule: span caching flags need --enable-span-cache"),
     (["--sae-sample", "0"], "need --radix-eviction-policy sae"),
-    (["--position-free-rope-mode", "cache"], "need --enable-position-free-kv"),
+    (["--position-free-decode-config", "64,2,3"], "need --enable-position-free-kv"),
     (["--ptstore-trace"], "need --ptstore"),
     # combinations the features refused only after the weights loaded
     (["--enable-span-cache", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     (["--enable-span-cache", "--radix-cache-backend", "radix"], "drop --radix-cache-backend radix"),
     (["--enable-span-cache", "--ptstore", "tcp://a:1", "--tp-size", "2"], "--tp-size 1"),
-    (["--enable-span-cache", "--attention-backend", "flashinfer"],
-     "--enable-span-cache needs --attention-backend triton or torch_native"),
+    (["--enable-span-cache", "--attention-backend", "fa3"],
+     "--enable-span-cache needs --attention-backend flashinfer or triton or torch_native"),
     (["--enable-position-free-kv", "--decode-attention-backend", "triton"],
      "does not combine with --decode-attention-backend triton"),
     (["--enable-position-free-kv", "--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
@@ -159,8 +159,8 @@ def test_a_bad_variable_in_the_environment_is_refused_naming_its_flag():
 
 def test_what_can_be_served_passes_the_checks():
     for args in (["--enable-span-cache", "--span-schedule", "barrier", "--page-size", "16"],
-                 ["--enable-position-free-kv", "--attention-backend", "torch_native",
-                  "--position-free-rope-mode", "cache"],
+                 ["--enable-position-free-kv", "--attention-backend", "torch_native"],
+                 ["--enable-span-cache", "--attention-backend", "flashinfer"],
                  ["--sparse-decode", "pariskv", "--sparse-offload", "--sparse-topk", "32",
                   "--context-length", "65536"],
                  ["--radix-eviction-policy", "sae", "--sae-sample", "0", "--sae-predictor", "off"],

@@ -16,7 +16,8 @@ order, so that a mistake costs a second and one line, not a model load:
    Our feature flags (`translate`, which SGLang's own launchers also run through our plugin,
    `sglang_launcher.py`):
    - `--enable-position-free-kv`: selects the position-free twin of the attention backend
-     (`triton` -> `pic_triton`, `torch_native` -> `pic_torch_native`; default `pic_triton`).
+     (`flashinfer` -> `pic_flashinfer`, `triton` -> `pic_triton`, `torch_native` ->
+     `pic_torch_native`; default on a GPU `pic_flashinfer`).
    - `--enable-span-cache`: implies `--enable-position-free-kv`, selects
      `--radix-cache-backend pic_span`.
    - `--ptstore tcp://node1:7400,tcp://node2:7400 [--ptstore-token-file PATH]`: PTStore as
@@ -105,6 +106,8 @@ def build_argv(argv: list[str]) -> list[str]:
     if on_cpu:
         cpu_support.enable_cpu_engine()
         rest += cpu_support.cpu_server_defaults(rest, model_path)
+    # again with the default model and the CPU defaults (its dtype) in the argv
+    serve_conflicts.refuse_for_model(given, rest)
     if CACHE_REPORT_FLAG not in rest:
         rest.append(CACHE_REPORT_FLAG)
     return apply_flags(given, env, rest, on_cpu)
@@ -244,17 +247,19 @@ def _pop_option(argv: list[str], flag: str) -> str | None:
 
 def _with_position_free_backend(argv: list[str]) -> list[str]:
     """Replace (or add) `--attention-backend` with its position-free twin."""
-    from sglang_pic.position_free import BACKEND_FOR
+    from sglang_pic.position_free import BACKEND_FOR, GPU_DEFAULT
 
-    return _with_backend_twin(argv, BACKEND_FOR, POSITION_FREE_FLAG)
+    return _with_backend_twin(argv, BACKEND_FOR, POSITION_FREE_FLAG, GPU_DEFAULT)
 
 
-def _with_backend_twin(argv: list[str], twins: dict[str, str], flag: str) -> list[str]:
-    """Replace (or add: the GPU default `triton`) `--attention-backend` with its twin in
-    ``twins`` (SGLang backend -> ours)."""
+def _with_backend_twin(argv: list[str], twins: dict[str, str], flag: str,
+                       default: str = "triton") -> list[str]:
+    """Replace (or add: the twin of ``default`` when no backend was chosen; CPU settings chose
+    ``torch_native`` before this) `--attention-backend` with its twin in ``twins`` (SGLang
+    backend -> ours)."""
     chosen = _value_of(argv, "--attention-backend")
     if chosen is None:
-        return [*argv, "--attention-backend", twins["triton"]]
+        return [*argv, "--attention-backend", twins[default]]
     if chosen in twins.values():
         return argv
     if chosen not in twins:

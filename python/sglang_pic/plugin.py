@@ -14,11 +14,11 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 |--------------------------------|----------------------------------------------------------------|
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
 | our server flags (`sglang_launcher`) | AROUND hooks on `ServerArgs.add_cli_args` (our flag groups, first in `--help`) and `prepare_server_args` (our flags checked and translated), so SGLang's own launchers take them too |
-| position-free KV (`position_free`) | `register_attention_backend` (`pic_triton`, `pic_torch_native`) + AROUND hook on `RotaryEmbedding.forward` |
+| position-free KV (`position_free`) | `register_attention_backend` (`pic_flashinfer`, `pic_triton`, `pic_torch_native`) + AFTER hook on `ForwardBatch.init_new` (slot positions, batches that read moved keys) + AROUND hooks on `DecodeCudaGraphRunner` / `PrefillCudaGraphRunner.can_run_graph` (those batches run eager) |
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
-| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` |
 | CPU support (`cpu_support`, CPU only) | REPLACE hooks on the HiCache host pool's pinning, AFTER hook on `HostKVCache.__init__`; xgrammar on CPU (`cpu_grammar`): REPLACE `xgrammar_backend._allocate_token_bitmask`, AROUND `XGrammarGrammar.apply_vocab_mask` |
 
 Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists them and

@@ -13,16 +13,25 @@ Standard library only: this runs before SGLang or torch is imported.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from sglang_pic.server_flags import FEATURES, FLAGS, UsageError, setting
-from sglang_pic.sparse.config import SparseDecodeConfig, SparseDecodeUnsupported
+from sglang_pic.sparse.config import (
+    HOST_MEMORY_SHARE,
+    SparseDecodeConfig,
+    SparseDecodeUnsupported,
+    host_kv_bytes,
+    host_memory_available,
+)
 
 POSITION_FREE_FLAG = "--enable-position-free-kv"
 SPAN_FLAG = "--enable-span-cache"
 SPAN_BACKEND = "pic_span"  # sglang_pic.spans.config.BACKEND
 TWINS = {  # SGLang attention backend -> (position-free twin, sparse twin)
+    "flashinfer": ("pic_flashinfer", None),
     "triton": ("pic_triton", "pariskv_triton"),
     "torch_native": ("pic_torch_native", "pariskv_torch_native"),
 }
@@ -83,6 +92,7 @@ def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
         "ptstore": "--ptstore" in given,
         "sparse": "--sparse-decode" in given,
         "sae": value_of(argv, "--radix-eviction-policy") == "sae",
+        "tlru": value_of(argv, "--radix-eviction-policy") == "tlru",
     }
 
 
@@ -127,7 +137,7 @@ def _shared_refusals(twin: Callable[[str], bool],
 
 def _attention_backend(ours: str, argv: list[str], slot: int) -> None:
     chosen = value_of(argv, "--attention-backend")
-    twins = {name: pair[slot] for name, pair in TWINS.items()}
+    twins = {name: pair[slot] for name, pair in TWINS.items() if pair[slot] is not None}
     if chosen is not None and chosen not in twins and chosen not in twins.values():
         raise UsageError(f"{ours} needs --attention-backend {' or '.join(twins)} "
                          f"(got {chosen!r})")
@@ -184,6 +194,7 @@ def _sparse(given: Mapping[str, Any], argv: list[str]) -> None:
     if context is not None and context.isdigit() and int(context) <= cfg.threshold:
         raise UsageError(f"{ours} with --context-length {context} <= --sparse-threshold "
                          f"{cfg.threshold}: nothing would ever decode sparsely")
+    refuse_for_model(given, argv)
     if "--sparse-offload" in given:
         _not_with("--sparse-offload", argv, switches={
             "--enable-mixed-chunk": "a decode token run in a prefill batch attends densely, "
@@ -209,3 +220,92 @@ def sparse_config(given: Mapping[str, Any]) -> SparseDecodeConfig:
     except SparseDecodeUnsupported as e:
         raise UsageError(str(e)) from None
     return cfg
+
+
+# SGLang's order of the config keys that give a model's context length
+# (``sglang.srt.utils.hf_transformers.common.CONTEXT_LENGTH_KEYS``)
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def model_config(model_path: str | None) -> dict | None:
+    """The text config of a local checkpoint folder (``config.json``), or None (a hub name, a
+    GGUF file, no config: the scheduler's own checks decide after loading the model)."""
+    if not model_path:
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The context length SGLang derives from ``config`` (``get_context_length``: the first of
+    ``CONTEXT_LENGTH_KEYS``, times the RoPE scaling factor unless the scaling is llama3's or
+    names the original length)."""
+    scaling = config.get("rope_scaling") or {}
+    factor = 1
+    if isinstance(scaling, dict) and "original_max_position_embeddings" not in scaling \
+            and scaling.get("rope_type") != "llama3":
+        factor = scaling.get("factor", 1) or 1
+    for key in CONTEXT_LENGTH_KEYS:
+        value = config.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return int(factor * value)
+    return None
+
+
+def refuse_for_model(given: Mapping[str, Any], argv: list[str]) -> None:
+    """What sparse decoding refuses from the model's own ``config.json`` (``--model-path`` a
+    local folder), before SGLang loads the weights: a ``--sparse-threshold`` the model's context
+    never exceeds, and a ``--sparse-offload`` host region larger than the host memory left."""
+    if "--sparse-decode" not in given:
+        return
+    config = model_config(value_of(argv, "--model-path"))
+    if config is None:
+        return
+    cfg = sparse_config(given)
+    given_context = value_of(argv, "--context-length")
+    if given_context is not None and given_context.isdigit():
+        context, where = int(given_context), "--context-length"
+    else:
+        context, where = context_length(config), "the model's config.json"
+        if context is not None and context <= cfg.threshold:
+            raise UsageError(
+                f"--sparse-decode pariskv with --sparse-threshold {cfg.threshold}: the model's "
+                f"context length is {context} tokens ({where}), so no request would ever "
+                "decode sparsely; lower --sparse-threshold below it")
+    if "--sparse-offload" in given and context is not None:
+        _host_region_fits(cfg, config, context, argv)
+
+
+def _host_region_fits(cfg: SparseDecodeConfig, config: Mapping[str, Any], context: int,
+                      argv: list[str]) -> None:
+    """Refuse a ``--sparse-offload`` region the host cannot hold. A lower bound of what the
+    scheduler allocates (16-bit KV unless ``--dtype float32``): it refuses the rest with the
+    exact numbers once the model is loaded."""
+    heads = config.get("num_attention_heads")
+    layers = config.get("num_hidden_layers")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    if not all(isinstance(x, int) and x > 0 for x in (layers, kv_heads, head_dim)):
+        return
+    full = value_of(argv, "--kv-cache-dtype") in (None, "auto") \
+        and value_of(argv, "--dtype") in ("float32", "float")
+    itemsize = 4 if full else 2
+    max_context = min(cfg.max_context or context, context)
+    tokens = cfg.max_requests * max(0, max_context - cfg.sink - cfg.local)
+    need = host_kv_bytes(layers, kv_heads, head_dim, itemsize, tokens)
+    available = host_memory_available()
+    if need > HOST_MEMORY_SHARE * available:
+        raise UsageError(
+            f"--sparse-offload: {cfg.max_requests} sparse requests of up to {max_context} tokens "
+            f"need {need / 2**30:.1f} GiB of host memory for their KV ({layers} layers x "
+            f"{kv_heads} KV heads x {head_dim} x {itemsize} bytes, K and V, per token) and "
+            f"{available / 2**30:.1f} GiB are available: lower --sparse-max-requests or "
+            "--sparse-max-context")

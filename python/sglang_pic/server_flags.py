@@ -178,6 +178,7 @@ FEATURES: dict[str, Feature] = {
     "ptstore": Feature("PTStore (HiCache L3 tier, span pages)", "--ptstore"),
     "sparse": Feature("sparse decoding (ParisKV)", "--sparse-decode pariskv"),
     "sae": Feature("SAE eviction", "--radix-eviction-policy sae"),
+    "tlru": Feature("T-LRU eviction", "--radix-eviction-policy tlru"),
 }
 
 _SPARSE_HELP = {
@@ -207,17 +208,10 @@ def _sparse_flags() -> list[Flag]:
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("--enable-position-free-kv", "position_free",
-         "keys stored un-rotated, rotated in our attention kernels (selects the pic_ twin of "
-         "--attention-backend: triton -> pic_triton, torch_native -> pic_torch_native)"),
-    Flag("--position-free-rope-mode", "position_free",
-         "where the GPU decode kernel gets cos/sin: one table row per 64-key tile stepped by "
-         "angle addition, a table row per key, or cosf/sinf",
-         parse=one_of("step", "cache", "compute"), default="step",
-         metavar="{step,cache,compute}", env="SGLANG_PIC_ROPE_MODE"),
-    Flag("--position-free-new-keys", "position_free",
-         "extend: rotate the new tokens' keys once before attention, or in every query tile",
-         parse=one_of("pre_rotated", "in_kernel"), default="pre_rotated",
-         metavar="{pre_rotated,in_kernel}", env="SGLANG_PIC_NEW_KEYS"),
+         "a cached span's keys serve it at any offset: keys kept where computed, turned by the "
+         "distance moved when read (selects the pic_ twin of --attention-backend: flashinfer "
+         "-> pic_flashinfer, the GPU default; triton -> pic_triton; torch_native -> "
+         "pic_torch_native)"),
     Flag("--position-free-decode-config", "position_free",
          "stage-1 launch configuration of the GPU decode kernel",
          parse=decode_config, default=(64, 2, 3),
@@ -273,6 +267,17 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "write the policy's counters and timings to this JSON file after every evict pass",
          parse=text, range="a file in a writable directory", metavar="PATH",
          env="SGLANG_PIC_SAE_STATS", launch_check=in_writable_directory),
+    # T-LRU's two settings (the paper's xi and Q_hat; SGLang's defaults, 0 and 0, make it LRU)
+    Flag("--tlru-threshold", "tlru",
+         "TTFT budget xi in uncached tokens: the tail of a conversation past history + "
+         "--tlru-next-prompt-estimate - xi goes first (only xi - Q_hat matters; plain LRU "
+         "unless xi > Q_hat)",
+         parse=integer(0), default=0, range=">= 0", metavar="TOKENS",
+         env="SGLANG_PIC_TLRU_THRESHOLD"),
+    Flag("--tlru-next-prompt-estimate", "tlru",
+         "Q_hat: tokens a conversation's next prompt is expected to add",
+         parse=integer(0), default=0, range=">= 0", metavar="TOKENS",
+         env="SGLANG_PIC_TLRU_NEXT_PROMPT_ESTIMATE"),
 ]}
 
 

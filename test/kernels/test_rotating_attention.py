@@ -22,6 +22,7 @@ from sglang_pic_kernel.rotating_attention import (  # noqa: E402
     RotaryTable,
     reference_decode,
     reference_extend,
+    rotate_neox,
     rotating_decode_attention_fwd,
     rotating_extend_attention_fwd,
 )
@@ -185,3 +186,98 @@ def test_same_span_at_two_offsets_reads_one_physical_copy():
     plain = RotaryTable.from_inv_freq(torch.zeros(d // 2), 128, ROPE_STEP).to(DEVICE)
     unrotated = reference_decode(q, k_buf, v_buf, indptr, indices, d**-0.5, plain)
     assert (o.float() - unrotated).abs().max() > 20 * tol
+
+
+def _shifted_pool(k_unrotated: torch.Tensor, kv_indptr, kv_indices, table: RotaryTable,
+                  moved: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shifted layout of a pool: each slot's key rotated at the position it was computed
+    at, and that position per slot. Every request's keys sit at their index, except that the
+    ``moved`` keys from index 5 on of each request were computed elsewhere (a span computed at
+    its own start and reused at offset 5) - ``moved == 0``: nothing moved."""
+    slots = k_unrotated.shape[0]
+    stored = torch.zeros(slots, dtype=torch.int32, device=DEVICE)
+    for b in range(kv_indptr.numel() - 1):
+        req = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
+        pos = torch.arange(req.numel(), device=DEVICE, dtype=torch.int32)
+        span = slice(5, 5 + moved)
+        pos[span] -= 5
+        stored[req] = pos
+    k = rotate_neox(k_unrotated, stored.long(), table)
+    return k, stored
+
+
+SHIFTED_DECODE = [  # (q_heads, kv_heads, head_dim, lens, page, rope, moved)
+    (4, 2, 32, [5, 40, 77], 1, "llama3", 20),
+    (4, 1, 32, [33, 9], 4, "qwen2", 0),
+]
+GPU_SHIFTED_DECODE = [
+    (32, 8, 128, [1000, 4096, 17, 8000], 1, "llama3", 4000),
+    (28, 4, 128, [3000, 129], 64, "qwen2", 0),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED_DECODE + _gpu(GPU_SHIFTED_DECODE))
+def test_shifted_decode_matches_reference(case):
+    """Keys stored rotated where they were computed, some of them reused at another offset:
+    the kernel turns each by the distance moved and matches attention over keys rotated at
+    their index (the un-rotated reference)."""
+    hq, hk, d, lens, page, rope_kind, moved = case
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(3)
+    table = _table(rope_kind, d, ROPE_FROM_CACHE, max_pos=max(lens) + 64)
+    slots = page * (sum(-(-n // page) for n in lens) + 4)
+    k0, v_buf = _pool(slots, hk, d, dtype)
+    kv_indptr, kv_indices = _scattered_slots(lens, slots, page)
+    k_buf, stored = _shifted_pool(k0, kv_indptr, kv_indices, table, moved)
+    q = torch.randn(len(lens), hq, d, device=DEVICE, dtype=dtype)
+    max_splits = 8
+    logits = torch.empty(len(lens), hq, max_splits, d, device=DEVICE, dtype=torch.float32)
+    lse = torch.empty(len(lens), hq, max_splits, device=DEVICE, dtype=torch.float32)
+    splits = torch.tensor([min(max_splits, max(1, n // 16)) for n in lens], device=DEVICE,
+                          dtype=torch.int32)
+    o = torch.empty_like(q)
+    rotating_decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse,
+                                  splits, max_splits, d**-0.5, rope=table,
+                                  stored_positions=stored)
+    ref = reference_decode(q, k0, v_buf, kv_indptr, kv_indices, d**-0.5, table)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)
+
+
+SHIFTED_EXTEND = [  # (q_heads, kv_heads, head_dim, prefix_lens, extend_lens, page, rope, moved)
+    (4, 2, 32, [0, 30], [20, 9], 1, "llama3", 16),
+]
+GPU_SHIFTED_EXTEND = [
+    (32, 8, 128, [2048, 100, 0], [512, 1, 777], 16, "llama3", 1024),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED_EXTEND + _gpu(GPU_SHIFTED_EXTEND))
+def test_shifted_extend_matches_reference(case):
+    """Prefix keys in the shifted layout (some moved), new keys rotated by the model at their
+    positions: same output as the un-rotated reference."""
+    hq, hk, d, pre_lens, ext_lens, page, rope_kind, moved = case
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(4)
+    table = _table(rope_kind, d, ROPE_FROM_CACHE,
+                   max_pos=max(p + e for p, e in zip(pre_lens, ext_lens, strict=True)) + 8)
+    slots = page * (sum(-(-n // page) for n in pre_lens) + 4)
+    k0, v_buf = _pool(slots, hk, d, dtype)
+    kv_indptr, kv_indices = _scattered_slots(pre_lens, slots, page)
+    k_buf, stored = _shifted_pool(k0, kv_indptr, kv_indices, table, moved)
+    n_new = sum(ext_lens)
+    q = torch.randn(n_new, hq, d, device=DEVICE, dtype=dtype)
+    k_ext0 = torch.randn(n_new, hk, d, device=DEVICE, dtype=dtype)
+    v_ext = torch.randn(n_new, hk, d, device=DEVICE, dtype=dtype)
+    new_pos = torch.cat([p + torch.arange(e) for p, e in zip(pre_lens, ext_lens, strict=True)])
+    k_ext = rotate_neox(k_ext0, new_pos.to(DEVICE), table)
+    qo_indptr = torch.tensor([0, *torch.tensor(ext_lens).cumsum(0).tolist()], device=DEVICE,
+                             dtype=torch.int64)
+    o = torch.empty_like(q)
+    rotating_extend_attention_fwd(q, k_ext, v_ext, o, k_buf, v_buf, qo_indptr, kv_indptr,
+                                  kv_indices, None, True, None, max(ext_lens), 1.0, 1.0,
+                                  d**-0.5, rope=table, stored_positions=stored)
+    ref = reference_extend(q, k_ext0, v_ext, k0, v_buf, qo_indptr, kv_indptr, kv_indices,
+                           d**-0.5, table)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)

@@ -1,14 +1,19 @@
-"""Position-free KV cache (MiniPIC section 2.1): keys stored un-rotated, rotated on read.
+"""Position-free KV cache (MiniPIC section 2.1): a cached span's keys serve it at any offset.
 
-A physical KV page then carries no position, so one copy of a span can serve requests that
-place it at different offsets. What this changes in SGLang, all registered by ``register()``:
+Layout (``stored_positions``): the model rotates keys as vanilla SGLang does and the pool keeps
+them where they were computed, with that position per slot; a span reused at another offset is
+turned by the distance it moved when read. A pool without spans in use is vanilla's pool. What
+this changes in SGLang, all registered by ``register()``:
 
-1. attention backends ``pic_triton`` (GPU, our Triton kernels) and ``pic_torch_native`` (CPU),
-   through ``attention_registry.register_attention_backend`` and
+1. attention backends ``pic_flashinfer`` (GPU default: FlashInfer for every batch without moved
+   keys, our Triton kernels for the others), ``pic_triton`` (our Triton kernels for every batch)
+   and ``pic_torch_native`` (CPU), through ``attention_registry.register_attention_backend`` and
    ``server_args.add_attention_backend_choices``; ``sglang-pic serve --enable-position-free-kv``
    picks the one matching the chosen ``--attention-backend``;
-2. an AROUND hook on ``RotaryEmbedding.forward`` that rotates only the query once such a backend
-   is active in the process (``rope_hook``);
+2. an AFTER hook on ``ForwardBatch.init_new`` that records the positions of every batch's new
+   keys and marks batches that read moved keys, and AROUND hooks on the decode/prefill CUDA graph
+   runners' ``can_run_graph`` that keep those batches off the (FlashInfer) graphs
+   (``shifted_batches``);
 3. ``pic_torch_native`` must answer ``sglang.srt.utils.common.support_triton`` (which decides by
    backend *name* whether SGLang's Triton bookkeeping kernels may run) like ``torch_native``
    (False): ``CPU_BACKENDS``, answered by the plugin's one AROUND hook on it.
@@ -16,7 +21,12 @@ place it at different offsets. What this changes in SGLang, all registered by ``
 
 from __future__ import annotations
 
-BACKEND_FOR = {"triton": "pic_triton", "torch_native": "pic_torch_native"}
+BACKEND_FOR = {
+    "flashinfer": "pic_flashinfer",
+    "triton": "pic_triton",
+    "torch_native": "pic_torch_native",
+}
+GPU_DEFAULT = "flashinfer"  # what --enable-position-free-kv picks on a GPU without --attention-backend
 CPU_BACKENDS = ("pic_torch_native",)  # answer support_triton like torch_native
 FLAG = "--enable-position-free-kv"
 
@@ -26,9 +36,14 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends, rope_hook
+    from . import backends, shifted_batches
 
+    register_attention_backend("pic_flashinfer")(backends.create_pic_flashinfer)
     register_attention_backend("pic_triton")(backends.create_pic_triton)
     register_attention_backend("pic_torch_native")(backends.create_pic_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
-    HookRegistry.register(rope_hook.HOOK_TARGET, rope_hook.rotate_query_only, HookType.AROUND)
+    HookRegistry.register(
+        shifted_batches.INIT_NEW_TARGET, shifted_batches.mark_forward_batch, HookType.AFTER
+    )
+    for target in shifted_batches.GRAPH_TARGETS:
+        HookRegistry.register(target, shifted_batches.no_graph_for_shifted, HookType.AROUND)

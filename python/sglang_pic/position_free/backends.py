@@ -1,31 +1,54 @@
-"""Attention backends that read un-rotated keys and rotate them at their logical position.
+"""Attention backends for position-free KV in the shifted layout (``stored_positions``).
 
-``pic_triton``: SGLang's ``TritonAttnBackend`` with its two kernel entry points
-(``decode_attention_fwd``, ``extend_attention_fwd`` - instance attributes it calls for every
-layer) swapped for our rotating kernels from ``sglang_pic_kernel.rotating_attention``. Metadata,
-CUDA graphs, paging and KV writes stay SGLang's.
+Keys are rotated by the model, as in vanilla SGLang, and stored where they were computed; a
+span reused at another offset is turned by the distance it moved when read. So:
 
-``pic_torch_native``: SGLang's ``TorchNativeAttnBackend`` (the CPU engine's backend) with the
-key buffer wrapped so that the per-request key gather ``k_cache[req_to_token[r, :len]]`` returns
-keys rotated at ``0..len-1`` with SGLang's own rotation code: on CPU, outputs are bit-identical
-to vanilla.
+``pic_flashinfer`` (GPU default): SGLang's ``FlashInferAttnBackend`` for every batch that reads
+no moved key (plain prompts, span prefills: what vanilla runs, CUDA graphs included), and
+``ShiftedTritonBackend`` for batches that do (``shifted_batches``). The choice is per forward
+batch; both backends see every batch's metadata calls only when chosen.
+
+``pic_triton``: ``ShiftedTritonBackend`` for every batch: SGLang's ``TritonAttnBackend`` with its
+two kernel entry points (``decode_attention_fwd``, ``extend_attention_fwd`` - instance attributes
+it calls for every layer) swapped for ``sglang_pic_kernel.rotating_attention``'s kernels given
+the slot table. Metadata, CUDA graphs, paging and KV writes stay SGLang's. For a batch without
+moved keys the kernels read no RoPE table (every key's shift is zero).
+
+``pic_torch_native`` (CPU): SGLang's ``TorchNativeAttnBackend`` with the key buffer wrapped so
+that the per-request key gather ``k_cache[req_to_token[r, :len]]`` turns moved keys by the
+distance they moved, with SGLang's own rotation code; keys that did not move are returned as
+stored, so requests without spans are bit-identical to vanilla.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from . import model_check, rope_hook
+from . import model_check, shifted_batches, stored_positions
 
 
-class PositionFreeTritonBackend(TritonAttnBackend):
+def _slot_table(model_runner) -> torch.Tensor:
+    """The process's stored-position table, sized to the KV pool's slots."""
+    pool = model_runner.token_to_kv_pool
+    buffers = getattr(pool, "k_buffer", None)
+    if buffers:
+        slots = int(buffers[0].shape[0])
+    else:
+        slots = int(pool.size) + int(getattr(pool, "page_size", 1)) + 1
+    return stored_positions.allocate(slots, model_runner.device)
+
+
+class ShiftedTritonBackend(TritonAttnBackend):
     def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
         model_check.check_server_settings(model_runner)
-        table = model_check.rotary_table(model_runner)
+        rope = model_check.rotary_table(model_runner)
+        table = _slot_table(model_runner)
         super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
         from sglang_pic_kernel.rotating_attention import (
             rotating_decode_attention_fwd,
@@ -33,32 +56,102 @@ class PositionFreeTritonBackend(TritonAttnBackend):
         )
 
         self.decode_attention_fwd = torch.compiler.disable(
-            functools.partial(rotating_decode_attention_fwd, rope=table)
+            functools.partial(rotating_decode_attention_fwd, rope=rope, stored_positions=table)
         )
         self.extend_attention_fwd = torch.compiler.disable(
-            functools.partial(
-                rotating_extend_attention_fwd, rope=table, new_keys=model_check.new_keys_mode()
-            )
+            functools.partial(rotating_extend_attention_fwd, rope=rope, stored_positions=table)
         )
-        rope_hook.activate()
 
 
-class _KeysRotatedOnRead:
+class PositionFreeFlashInferBackend(AttentionBackend):
+    """FlashInfer for batches without moved keys, ``ShiftedTritonBackend`` for the others.
+
+    CUDA graphs are captured and replayed with FlashInfer only: ``shifted_batches`` keeps shifted
+    batches off them. Attributes SGLang reads from its backend (workspace, wrappers, flags) are
+    FlashInfer's.
+    """
+
+    def __init__(self, model_runner):
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+        model_check.check_server_settings(model_runner)
+        self.dense = FlashInferAttnBackend(model_runner)
+        self.shifted = ShiftedTritonBackend(model_runner)
+        self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
+
+    def _pick(self, forward_batch) -> AttentionBackend:
+        return self.shifted if shifted_batches.is_shifted(forward_batch) else self.dense
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names this object lacks: SGLang reading FlashInfer's attributes
+        if name in ("dense", "shifted"):
+            raise AttributeError(name)
+        return getattr(self.dense, name)
+
+    def init_forward_metadata(self, forward_batch):
+        self._pick(forward_batch).init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        self._pick(forward_batch).init_forward_metadata_out_graph(
+            forward_batch, in_capture=in_capture
+        )
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self._pick(forward_batch).init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self):
+        return self.dense.on_after_cuda_graph_warmup()
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None,
+                save_kv_cache: bool = True, **kwargs):
+        return self._pick(forward_batch).forward(
+            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._pick(forward_batch).forward_decode(
+            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._pick(forward_batch).forward_extend(
+            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+
+
+class _KeysTurnedOnRead:
     """Stands in for a layer's key buffer inside ``TorchNativeAttnBackend._run_sdpa_forward_*``.
 
     Those methods only index it with one request's slots in sequence order
-    (``req_to_token[r, 0:seq_len]``), so key ``i`` of the result belongs at position ``i``.
+    (``req_to_token[r, 0:seq_len]``), so key ``i`` of the result belongs at position ``i``; a key
+    stored at another position is turned by the difference.
     """
 
-    def __init__(self, buffer: torch.Tensor, rotary) -> None:
+    def __init__(self, buffer: torch.Tensor, table: torch.Tensor, rotary) -> None:
         self.buffer = buffer
+        self.table = table
         self.rotary = rotary
 
     def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
         keys = self.buffer[slots]
-        positions = torch.arange(keys.shape[0], device=keys.device)
-        cos, sin = self.rotary.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        return self.rotary._apply_rotary_emb_wrapped(keys, cos, sin, self.rotary.is_neox_style)
+        index = torch.arange(keys.shape[0], device=keys.device)
+        shift = index - self.table[slots].to(index.dtype)
+        moved = shift != 0
+        if not bool(moved.any()):
+            return keys
+        rows = shift[moved].clamp(0, self.rotary.cos_sin_cache.shape[0] - 1)
+        cos, sin = self.rotary.cos_sin_cache.index_select(0, rows).chunk(2, dim=-1)
+        keys = keys.clone()
+        keys[moved] = self.rotary._apply_rotary_emb_wrapped(
+            keys[moved], cos, sin, self.rotary.is_neox_style
+        )
+        return keys
 
 
 class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
@@ -66,21 +159,25 @@ class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
         model_check.check_server_settings(model_runner)
         super().__init__(model_runner)
         self.rotary = model_check.model_rotary(model_runner)
-        rope_hook.activate()
+        self.table = _slot_table(model_runner)
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, *args, **kwargs):
         return super()._run_sdpa_forward_extend(
-            query, output, _KeysRotatedOnRead(k_cache, self.rotary), *args, **kwargs
+            query, output, _KeysTurnedOnRead(k_cache, self.table, self.rotary), *args, **kwargs
         )
 
     def _run_sdpa_forward_decode(self, query, output, k_cache, *args, **kwargs):
         return super()._run_sdpa_forward_decode(
-            query, output, _KeysRotatedOnRead(k_cache, self.rotary), *args, **kwargs
+            query, output, _KeysTurnedOnRead(k_cache, self.table, self.rotary), *args, **kwargs
         )
 
 
+def create_pic_flashinfer(model_runner):
+    return PositionFreeFlashInferBackend(model_runner)
+
+
 def create_pic_triton(model_runner):
-    return PositionFreeTritonBackend(model_runner)
+    return ShiftedTritonBackend(model_runner)
 
 
 def create_pic_torch_native(model_runner):

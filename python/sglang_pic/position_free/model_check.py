@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_pic.server_flags import setting
-
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -93,16 +91,12 @@ def model_rotary(model_runner):
 
 
 def rotary_table(model_runner):
-    """The kernels' RoPE table: SGLang's own cos/sin cache in float32, plus the model's
-    frequencies."""
-    from sglang_pic_kernel.rotating_attention import RotaryTable
+    """The kernels' RoPE table: SGLang's own cos/sin cache in float32 (a moved key is turned by
+    the table row of the distance it moved), plus the model's frequencies."""
+    from sglang_pic_kernel.rotating_attention import ROPE_FROM_CACHE, RotaryTable
 
     rotary = model_rotary(model_runner)
-    mode = setting("--position-free-rope-mode")
     inv_freq = rotary._compute_inv_freq(rotary.base)
-    return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, mode).to(model_runner.device)
-
-
-def new_keys_mode() -> str:
-    """``--position-free-new-keys``, handed over by the launcher."""
-    return setting("--position-free-new-keys")
+    return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, ROPE_FROM_CACHE).to(
+        model_runner.device
+    )

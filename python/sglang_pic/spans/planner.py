@@ -299,7 +299,10 @@ class SpanPlanner:
     def _load_from_store(self, ids: Any, seg: Segment) -> bool:
         """Whether the segment's missing pages came in from PTStore (``store_tier.py``)."""
         store = self.cache.store
-        if store is None or not store.load(ids, seg.namespace, seg.key_start, seg.key_end):
+        # an independent span was computed alone (from position 0), a dependent piece in place
+        first_position = 0 if seg.independent else seg.key_start
+        if store is None or not store.load(ids, seg.namespace, seg.key_start, seg.key_end,
+                                           first_position):
             return False
         logger.info("span store: loaded a %d-token segment", seg.key_end - seg.key_start)
         return True

@@ -6,9 +6,9 @@ different system prompt is never found. Here a request that carries a span layou
 own radix namespace (``RadixKey.extra_key``): independent spans from the base root (SSEP: a new
 hash chain), dependent pieces under a digest of what precedes them (PDEP). The matched KV indices
 are concatenated, so the request's ``req_to_token`` row points at the *same physical pages* the
-span occupies in every other request, at whatever offset. That is only correct because the KV pool
-holds keys un-rotated (position-free KV: ``pic_triton`` / ``pic_torch_native``), which the factory
-checks.
+span occupies in every other request, at whatever offset. That is only correct with position-free
+KV (``pic_flashinfer`` / ``pic_triton`` / ``pic_torch_native``: each key turned by the distance it
+moved since it was computed, ``sglang_pic.position_free``), which the factory checks.
 
 Requests without a layout (plain prompts, and the internal span-prefill requests) take the
 unchanged RadixCache paths. What is overridden, and why:
@@ -250,7 +250,7 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
     backends.discard(None)
     if not backends or not backends <= set(BACKEND_FOR.values()):
         problems.append(
-            "it needs position-free KV (keys stored un-rotated): use --attention-backend "
+            "it needs position-free KV: use --attention-backend "
             f"{' or '.join(BACKEND_FOR.values())} (sglang-pic serve --enable-span-cache picks it)"
         )
     if ctx.disable_radix_cache:

@@ -1,7 +1,7 @@
 """Span pages in PTStore: a span computed by one instance is loaded by another, at any offset.
 
 HiCache does not combine with the span cache (its host and storage tiers key pages by SGLang's
-token-prefix hash chain, and our KV pool holds keys un-rotated), so span units get their own
+token-prefix hash chain, which cannot name a span reused at another offset), so span units get their own
 path to the store, keyed by **span-aware page hashes**:
 
 * a segment's pages chain from a root made of the model tag and the segment's radix namespace, so
@@ -9,7 +9,12 @@ path to the store, keyed by **span-aware page hashes**:
   page keys whatever precedes it, and a dependent piece (PDEP: a namespace digesting everything
   before it) gets keys that change with the whole preceding prompt;
 * the model tag names what the bytes mean (model, KV dtype, layers, heads, head dim, page size,
-  TP rank, "position-free keys"), so another model or a rotated-key pool never reads them.
+  TP rank, and the key layout: rotated where computed), so another model or layout never reads
+  them.
+
+A loaded page's keys were rotated where the unit computed them: from 0 for an independent span
+(computed alone), from the segment's offset for a dependent piece; ``load`` records those
+positions for the slots it fills (``position_free.stored_positions``).
 
 A page is ``[layers, 2 (K, V), page_size, kv_heads, head_dim]`` of the KV pool's dtype, copied out
 of the pool when a span unit's prefill has been cached (``SpanPlanner._finish_unit``) and sent by a
@@ -40,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from sglang_pic.position_free import stored_positions
 
 if TYPE_CHECKING:
     from sglang_pic.store.client import StoreClient
@@ -126,7 +133,7 @@ class SpanStoreTier:
                              f"store's {MAX_PAGE_BYTES} B tensor limit (use a smaller page size)")
         self.tag = (f"{model}|{pool.dtype}/{k.dtype}|layers{getattr(pool, 'start_layer', 0)}+"
                     f"{self.layers}|{tuple(k.shape[1:])}|P{self.page_size}|tp0of1"
-                    "|position-free-keys")
+                    "|keys-rotated-where-computed")
         self.known: OrderedDict[str, None] = OrderedDict()
         self.skip_loads_until = 0.0
         self._warned_at = float("-inf")
@@ -223,19 +230,22 @@ class SpanStoreTier:
             return key in self.known
 
     # ---- loading ---------------------------------------------------------------------------
-    def load(self, ids: Sequence[int], namespace: str | None, start: int, end: int) -> bool:
+    def load(self, ids: Sequence[int], namespace: str | None, start: int, end: int,
+             first_position: int) -> bool:
         """Bring the pages of key ``ids[start:end]`` in ``namespace`` that the tree lacks in from
         the store; True when the whole key is cached afterwards. All or nothing: a partial hit
-        loads nothing (the unit's prefill recomputes the span anyway). Never raises."""
+        loads nothing (the unit's prefill recomputes the span anyway). Never raises.
+        ``first_position``: where the unit computed the key's first token."""
         if time.monotonic() < self.skip_loads_until or (end - start) % self.page_size:
             return False
         try:
-            return self._load(ids, namespace, start, end)
+            return self._load(ids, namespace, start, end, first_position)
         except Exception:  # noqa: BLE001 - a store problem is a miss, never an error
             logger.exception("span store: load failed")
             return False
 
-    def _load(self, ids: Sequence[int], namespace: str | None, start: int, end: int) -> bool:
+    def _load(self, ids: Sequence[int], namespace: str | None, start: int, end: int,
+              first_position: int) -> bool:
         key = RadixKey(ids[start:end], namespace)
         match = RadixCache.match_prefix(self.cache, MatchPrefixParams(key=key))
         have = match.device_indices
@@ -264,6 +274,7 @@ class SpanStoreTier:
                 return False
             try:
                 self._scatter(pages, rows)
+                stored_positions.record_run(rows, first_position + done * self.page_size)
                 values = torch.cat([have[: done * self.page_size],
                                     rows.to(device=have.device, dtype=have.dtype)])
                 prefix = self.cache.insert(InsertParams(key=key, value=values)).prefix_len

@@ -59,6 +59,7 @@ def _decode_stage1(
     Mid_O,
     Mid_Lse,
     num_kv_splits,
+    StoredPos,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -83,6 +84,8 @@ def _decode_stage1(
     LOGIT_CAP: tl.constexpr,
     ROPE_FROM_CACHE: tl.constexpr,
     ROPE_STEP: tl.constexpr,
+    SHIFTED: tl.constexpr,
+    MAX_POS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -120,7 +123,7 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         k_base = kv_head * stride_kh + offs_d[:, None]
         v_base = kv_head * stride_vh + offs_dv[None, :]
-        if ROPE_STEP:
+        if ROPE_STEP and not SHIFTED:
             # cos/sin of j*f for the BLOCK_N offsets j of a tile: loaded once, in registers.
             step_off = tl.arange(0, BLOCK_N)[None, :] * stride_cs + offs_d[:, None]
             step_cos = tl.load(CosSin + step_off, mask=mask_d[:, None], other=1.0)
@@ -134,7 +137,16 @@ def _decode_stage1(
             k_off = loc[None, :] * stride_kt + k_base
             k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
             k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
-            if ROPE_STEP:
+            if SHIFTED:
+                # keys were rotated where they were computed: turn each by the distance from
+                # there to here; only keys that moved (a span reused at an offset) read the table
+                stored = tl.load(StoredPos + loc, mask=mask_n, other=0)
+                delta = tl.minimum(tl.maximum(offs_n - stored, 0), MAX_POS - 1)
+                moved = mask_d[:, None] & ((delta != 0) & mask_n)[None, :]
+                row = CosSin + delta.to(tl.int64)[None, :] * stride_cs + offs_d[:, None]
+                cos = tl.load(row, mask=moved, other=1.0)
+                sin = tl.load(row + HALF, mask=moved, other=0.0)
+            elif ROPE_STEP:
                 # the tile's first row, stepped to n0 + j by angle addition
                 row = CosSin + n0 * stride_cs + offs_d
                 c0 = tl.load(row, mask=mask_d, other=1.0)[:, None]
@@ -234,10 +246,14 @@ def rotating_decode_attention_fwd(
     *,
     rope: RotaryTable,
     config: tuple[int, int, int] | None = None,
+    stored_positions: torch.Tensor | None = None,
 ) -> None:
     """Decode attention with keys rotated on read; writes ``o``. See the module docstring.
 
     ``config`` = (BLOCK_N, num_warps, num_stages) for stage 1 (default: :func:`decode_config`).
+    ``stored_positions`` (int32 ``[pool_slots]``) selects the *shifted* layout: keys in the pool
+    were rotated at the position they were computed at, ``stored_positions[slot]``, and key ``n``
+    is turned by ``n - stored_positions[slot]`` (zero for every key that did not move).
 
     The trailing SGLang arguments exist so the backend can call this exactly like
     ``decode_attention_fwd``; features the kernel does not implement (attention sinks, MLA,
@@ -265,6 +281,7 @@ def rotating_decode_attention_fwd(
     _decode_stage1[grid](
         q, k_buffer, v_buffer, rope.cos_sin_cache, rope.inv_freq, sm_scale * k_scale,
         kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits,
+        kv_indices if stored_positions is None else stored_positions,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), rope.cos_sin_cache.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
@@ -272,6 +289,7 @@ def rotating_decode_attention_fwd(
         GROUP=group, Q_HEADS=q_heads, HALF=half, HALF_P=max(16, next_pow2(half)),
         LV=lv, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_H=block_h, MIN_BLOCK=MIN_BLOCK_KV,
         LOGIT_CAP=float(logit_cap), ROPE_FROM_CACHE=rope.from_cache, ROPE_STEP=rope.step,
+        SHIFTED=stored_positions is not None, MAX_POS=rope.max_positions,
         **({} if interp else {"num_warps": warps, "num_stages": stages}),
     )
     _decode_stage2[(batch, q_heads)](

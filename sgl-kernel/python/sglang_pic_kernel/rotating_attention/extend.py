@@ -49,6 +49,7 @@ def _extend_kernel(
     qo_indptr,
     kv_indptr,
     kv_indices,
+    StoredPos,
     CosSin,
     InvFreq,
     sm_scale,
@@ -77,6 +78,8 @@ def _extend_kernel(
     IS_CAUSAL: tl.constexpr,
     ROPE_FROM_CACHE: tl.constexpr,
     ROTATE_NEW_KEYS: tl.constexpr,
+    SHIFTED: tl.constexpr,
+    MAX_POS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -117,10 +120,19 @@ def _extend_kernel(
         k_off = loc[None, :] * stride_kbt + kb_base
         k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
         k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
-        cos, sin = rope_cos_sin(
-            offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
-            HALF, ROPE_FROM_CACHE,
-        )
+        if SHIFTED:
+            # rotated where computed: turn by the distance moved (table read only if it moved)
+            stored = tl.load(StoredPos + loc, mask=mask_n, other=0)
+            delta = tl.minimum(tl.maximum(offs_n - stored, 0), MAX_POS - 1)
+            moved = mask_d[:, None] & ((delta != 0) & mask_n)[None, :]
+            row = CosSin + delta.to(tl.int64)[None, :] * stride_cs + offs_d[:, None]
+            cos = tl.load(row, mask=moved, other=1.0)
+            sin = tl.load(row + HALF, mask=moved, other=0.0)
+        else:
+            cos, sin = rope_cos_sin(
+                offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
+                HALF, ROPE_FROM_CACHE,
+            )
         qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
         qk = tl.where(mask_m[:, None] & mask_n[None, :], qk, float("-inf"))
         v = tl.load(
@@ -255,8 +267,14 @@ def rotating_extend_attention_fwd(
     *,
     rope: RotaryTable,
     new_keys: str = NEW_KEYS_PRE_ROTATED,
+    stored_positions: torch.Tensor | None = None,
 ) -> None:
     """Extend attention with keys rotated on read; writes ``o_extend``. See the module docstring.
+
+    ``stored_positions`` (int32 ``[pool_slots]``) selects the *shifted* layout: pool keys were
+    rotated at ``stored_positions[slot]`` and prefix key ``n`` is turned by the difference; the
+    new keys ``k_extend`` arrive rotated at their positions (the model's own RoPE) and are used
+    as they are (``new_keys`` is then ignored).
 
     Takes SGLang's ``extend_attention_fwd`` arguments; custom masks (speculative verify), sliding
     windows, sinks, score mods and xai temperature are refused by the backend at start.
@@ -281,8 +299,9 @@ def rotating_extend_attention_fwd(
     batch = qo_indptr.shape[0] - 1
     launch = {"num_warps": num_warps, "num_stages": 1} if is_cuda else {}
 
-    rotate_in_kernel = new_keys == NEW_KEYS_IN_KERNEL
-    if not rotate_in_kernel:
+    shifted = stored_positions is not None
+    rotate_in_kernel = new_keys == NEW_KEYS_IN_KERNEL and not shifted
+    if not rotate_in_kernel and not shifted:
         k_rot = torch.empty_like(k_extend)
         block_t = 64 if is_cuda else 16
         _rotate_new_keys[(batch, triton.cdiv(max_len_extend, block_t))](
@@ -297,8 +316,9 @@ def rotating_extend_attention_fwd(
     grid = (batch, q_heads, triton.cdiv(max_len_extend, block_m))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices, rope.cos_sin_cache, rope.inv_freq,
-        sm_scale * k_scale, v_scale,
+        qo_indptr, kv_indptr, kv_indices,
+        kv_indices if stored_positions is None else stored_positions,
+        rope.cos_sin_cache, rope.inv_freq, sm_scale * k_scale, v_scale,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -307,5 +327,6 @@ def rotating_extend_attention_fwd(
         BLOCK_DV=next_pow2(lv), BLOCK_M=block_m, BLOCK_N=block_n,
         LOGIT_CAP=float(logit_cap), IS_CAUSAL=bool(is_causal),
         ROPE_FROM_CACHE=rope.from_cache, ROTATE_NEW_KEYS=rotate_in_kernel,
+        SHIFTED=shifted, MAX_POS=rope.max_positions,
         **launch,
     )
