@@ -85,7 +85,8 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
 @pytest.fixture(scope="module")
 def offload_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("sparse_offload") / "server.log"
-    srv = start_server([*SPARSE_FLAGS, "--sparse-offload"], log)
+    # a host region of 4096 tokens per request, below SmolLM2's 8192: longer requests are 400s
+    srv = start_server([*SPARSE_FLAGS, "--sparse-offload", "--sparse-max-context", "4096"], log)
     yield srv
     stop_server(srv)
 
@@ -108,6 +109,20 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
         == values["sglang_pic:sparse_encoded_tokens_total"]
 
 
+def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(offload_server):
+    """Issue 27 "bad input": with ``--sparse-offload`` a request over ``--sparse-max-context``
+    (prompt + max_new_tokens) is an HTTP 400 naming the GiB, not a dense decode from the pool;
+    the server keeps serving."""
+    r = offload_server.post("/generate", timeout=600,
+                            json={"text": needle(250, 100, 12345), "sampling_params": SP})
+    assert r.status_code == 400, r.text
+    assert "GiB of host KV" in r.text and "--sparse-max-context 4096" in r.text
+    r = offload_server.post("/generate", timeout=600, json={
+        "text": LONG[0], "sampling_params": {**SP, "max_new_tokens": 3000}})
+    assert r.status_code == 400 and "+ 3000 new" in r.text, r.text
+    assert _generate(offload_server, SHORT)["meta_info"]["completion_tokens"] > 0  # still up
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--sparse-decode", "magic"], "supports 'pariskv'"),
     (["--sparse-offload"], "need --sparse-decode pariskv"),
@@ -116,6 +131,12 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
     (["--sparse-decode", "pariskv", "--sparse-topk", "x"], "not an integer"),
     (["--sparse-decode", "pariskv", "--enable-span-cache"], "does not combine"),
     (["--sparse-decode", "pariskv", "--attention-backend", "flashinfer"], "needs --attention"),
+    # issue 27: the default threshold (32768) is above SmolLM2's context (its config.json)
+    (["--sparse-decode", "pariskv"], r"context length is 8192 tokens \(the model's config"),
+    (["--sparse-decode", "pariskv", "--sparse-threshold", "8192"], "lower --sparse-threshold"),
+    # issue 27: a host region larger than the host's memory is refused before SGLang starts
+    (["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-offload",
+      "--sparse-max-requests", "100000"], r"GiB of host memory for their KV .* are available"),
 ])
 def test_bad_sparse_flags_are_refused_before_start(argv, message, model_dir):
     with pytest.raises(SystemExit, match=message):
@@ -125,7 +146,8 @@ def test_bad_sparse_flags_are_refused_before_start(argv, message, model_dir):
 def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_PIC_SPARSE_TOPK", "100")  # restored (unset) after the test
     argv = build_argv(["--model-path", str(model_dir), "--sparse-decode", "pariskv",
-                       "--sparse-topk", "32", "--attention-backend", "torch_native"])
+                       "--sparse-threshold", "700", "--sparse-topk", "32",
+                       "--attention-backend", "torch_native"])
     assert argv[argv.index("--attention-backend") + 1] == "pariskv_torch_native"
     assert os.environ["SGLANG_PIC_SPARSE_TOPK"] == "32"
 
@@ -133,7 +155,7 @@ def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
 def test_sparse_offload_turns_prefix_caching_off(model_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_PIC_SPARSE_OFFLOAD", "0")  # restored (unset) after the test
     argv = build_argv(["--model-path", str(model_dir), "--sparse-decode", "pariskv",
-                       "--sparse-offload"])
+                       "--sparse-threshold", "700", "--sparse-offload"])
     assert "--disable-radix-cache" in argv and "--sparse-offload" not in argv
     assert os.environ["SGLANG_PIC_SPARSE_OFFLOAD"] == "1"
 

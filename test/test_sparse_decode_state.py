@@ -415,3 +415,111 @@ def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again():
     batch.batch_is_full = True
     offload.around_get_new_batch_prefill(original, None, batch)
     assert seen == [True, False, True]
+
+
+# ---- bad input: host memory and request lengths (issue 27) ------------------------------------
+
+
+def test_host_memory_available_is_lowered_by_the_memory_cgroup(tmp_path):
+    """A container over its cgroup limit is killed whatever the host has free: the limit left
+    (v2 ``memory.max - memory.current``, or v1) caps ``MemAvailable``; "max" means no limit."""
+    from sglang_pic.sparse.config import host_memory_available
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    cgroup.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n")
+    host = 50000000 * 1024
+    assert host_memory_available(str(proc), str(cgroup)) == host  # no cgroup files
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert host_memory_available(str(proc), str(cgroup)) == host
+    (cgroup / "memory.max").write_text(f"{8 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{3 << 30}\n")
+    assert host_memory_available(str(proc), str(cgroup)) == 5 << 30
+    (cgroup / "memory.max").unlink()
+    (cgroup / "memory").mkdir()
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (cgroup / "memory" / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
+    assert host_memory_available(str(proc), str(cgroup)) == 0
+
+
+def _offload_runner():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(disable_radix_cache=True, enable_mixed_chunk=False, page_size=1)
+    return SimpleNamespace(server_args=args, token_to_kv_pool_allocator=FakeAllocator(),
+                           req_to_token_pool=SimpleNamespace(req_to_token=FakePool(1).req_to_token),
+                           device="cpu")
+
+
+def test_offload_without_the_host_memory_is_refused_at_start_with_the_gib(monkeypatch):
+    """``--sparse-offload`` sizes its host region at start: more than the memory left (here a
+    cgroup limit the host's free memory would not show) is refused naming the GiB, and so is an
+    allocation the driver or a limit refuses (pinning), instead of a crash."""
+    from sglang_pic.sparse import backends
+
+    state = make_state(FakePool(1), TorchIndexOps)
+    capacity = state.capacity  # 2 requests x 988 tokens x 2 layers x 2 heads x 64 x 4 bytes x 2
+    monkeypatch.setattr(backends, "host_memory_available", lambda: 1 << 20)
+    with pytest.raises(SparseDecodeUnsupported, match=r"host KV needs 0\.0 GiB and 0\.0 GiB of "
+                       r"host memory are available \(lower --sparse-max-requests"):
+        backends._offload(state, _offload_runner(), LAYERS, HKV, D, capacity, torch.float32)
+    monkeypatch.setattr(backends, "host_memory_available", lambda: 64 << 30)
+
+    class Refused(HostKVRegion):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("CUDA error: out of memory\nmore")
+
+    monkeypatch.setattr(backends, "HostKVRegion", Refused)
+    with pytest.raises(SparseDecodeUnsupported,
+                       match=r"allocating it failed \(CUDA error: out of memory\)"):
+        backends._offload(state, _offload_runner(), LAYERS, HKV, D, capacity, torch.float32)
+    monkeypatch.undo()
+    backends._offload(state, _offload_runner(), LAYERS, HKV, D, capacity, torch.float32)
+    assert state.host is not None and state.host.capacity == capacity
+
+
+class _TokenizerManager:
+    """What ``admission.check_request_length`` reads of SGLang's TokenizerManager."""
+
+    def __init__(self, context_len: int = 8192):
+        from types import SimpleNamespace
+
+        self.context_len = context_len
+        self.model_config = SimpleNamespace(num_hidden_layers=32, head_dim=128,
+                                            dtype=torch.bfloat16,
+                                            get_num_kv_heads=lambda tp: 8 // tp)
+        self.server_args = SimpleNamespace(kv_cache_dtype="auto", tp_size=1)
+
+
+def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(monkeypatch):
+    """With ``--sparse-offload`` and ``--sparse-max-context`` below the context length, prompt +
+    max_new_tokens over the region is a ValueError (SGLang's HTTP 400) naming the GiB."""
+    from types import SimpleNamespace
+
+    from sglang_pic.sparse.admission import check_request_length
+
+    tm = _TokenizerManager()
+    for name, value in (("OFFLOAD", "1"), ("MAX_CONTEXT", "4096"), ("THRESHOLD", "1024")):
+        monkeypatch.setenv(f"SGLANG_PIC_SPARSE_{name}", value)
+
+    def request(prompt: int, new: int | None = None):
+        params = {} if new is None else {"max_new_tokens": new}
+        return SimpleNamespace(sampling_params=params), list(range(prompt))
+
+    check_request_length(tm, *request(4000, 96))  # exactly the region
+    # 4097 tokens x 32 layers x 8 KV heads x 128 x 2 bytes x 2 (K, V): 0.50 GiB
+    with pytest.raises(ValueError, match=r"needs 4097 tokens of context \(4000 prompt \+ 97 "
+                       r"new\): 0\.50 GiB of host KV.*holds 4096 tokens \(0\.50 GiB, "
+                       r"--sparse-max-context 4096\)"):
+        check_request_length(tm, *request(4000, 97))
+    with pytest.raises(ValueError, match=r"4100 prompt \+ 128 new"):  # SGLang's default
+        check_request_length(tm, *request(4100))
+    with pytest.raises(ValueError, match="2.00 GiB of host KV"):
+        check_request_length(tm, *request(16000, 384))
+    monkeypatch.setenv("SGLANG_PIC_SPARSE_MAX_CONTEXT", "0")  # the region is the context length
+    check_request_length(tm, *request(7000, 1000))  # longer: SGLang's own check refuses it
+    monkeypatch.setenv("SGLANG_PIC_SPARSE_MAX_CONTEXT", "4096")
+    monkeypatch.setenv("SGLANG_PIC_SPARSE_OFFLOAD", "0")  # no host region: long ones are dense
+    check_request_length(tm, *request(7000, 1000))

@@ -13,9 +13,11 @@
   decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
 
 What this changes in SGLang, all registered by ``register()``: the two attention backends
-(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``) and two
+(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``), two
 AROUND hooks on SGLang's decode CUDA-graph runner (``graphs``: a second graph set with the sparse
-part); with ``--sparse-offload``, one AROUND hook on ``Scheduler.get_new_batch_prefill`` and the
+part) and a BEFORE hook on ``TokenizerManager._validate_one_request`` (``admission``: with
+``--sparse-offload``, a request longer than its host region is an HTTP 400); with
+``--sparse-offload``, one AROUND hook on ``Scheduler.get_new_batch_prefill`` and the
 allocator's ``free`` wrapped (``offload``). ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
 (``CPU_BACKENDS``, in the plugin's one hook on it).
 """
@@ -42,16 +44,19 @@ def register() -> None:
     import os
 
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends, graphs, offload
+    from . import admission, backends, graphs, offload
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
     graphs.register()
+    # always registered: it reads the variables per request (SGLang's own launcher sets them
+    # after this ran) and returns at once without --sparse-offload
+    HookRegistry.register(admission.HOOK_TARGET, admission.check_request_length,
+                          HookType.BEFORE)
     if os.environ.get("SGLANG_PIC_SPARSE_OFFLOAD") == "1":
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
         HookRegistry.register(offload.SCHEDULER_HOOK, offload.around_get_new_batch_prefill,
                               HookType.AROUND)

@@ -24,7 +24,12 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from .config import SparseDecodeConfig, SparseDecodeUnsupported
+from .config import (
+    HOST_MEMORY_SHARE,
+    SparseDecodeConfig,
+    SparseDecodeUnsupported,
+    host_memory_available,
+)
 from .decode_state import SparseDecodeState
 from .index_ops import KernelIndexOps, TorchIndexOps
 from .metrics import metrics_for
@@ -165,20 +170,25 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
 
 def _offload(state: SparseDecodeState, model_runner, layers: int, kv_heads: int, head_dim: int,
              capacity: int, kv_dtype: torch.dtype) -> None:
-    import psutil
-
     check_offload_settings(model_runner)
     cfg = state.cfg
     need = HostKVRegion.bytes_needed(layers, cfg.max_requests, kv_heads, capacity, head_dim,
                                      kv_dtype)
-    available = psutil.virtual_memory().available
-    if need > 0.9 * available:
+    available = host_memory_available()
+
+    def refuse_host_memory(why: str) -> None:
         _refuse(f"--sparse-offload with {cfg.max_requests} sparse requests of up to "
                 f"{capacity + cfg.sink + cfg.local} tokens: their host KV needs "
-                f"{need / 2**30:.1f} GiB and {available / 2**30:.1f} GiB of host memory are "
-                "available (lower --sparse-max-requests or --sparse-max-context)")
+                f"{need / 2**30:.1f} GiB and {why} (lower --sparse-max-requests or "
+                "--sparse-max-context)")
+
+    if need > HOST_MEMORY_SHARE * available:
+        refuse_host_memory(f"{available / 2**30:.1f} GiB of host memory are available")
     pin = torch.device(model_runner.device).type == "cuda"
-    host = HostKVRegion(layers, cfg.max_requests, kv_heads, capacity, head_dim, kv_dtype, pin)
+    try:
+        host = HostKVRegion(layers, cfg.max_requests, kv_heads, capacity, head_dim, kv_dtype, pin)
+    except (RuntimeError, MemoryError) as e:  # e.g. pinning refused by the driver or a limit
+        refuse_host_memory(f"allocating it failed ({str(e).splitlines()[0]})")
     release = PoolSlotRelease(model_runner.token_to_kv_pool_allocator,
                               model_runner.req_to_token_pool.req_to_token)
     state.enable_offload(host, release, kv_dtype)

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass, fields
 
 ENV_PREFIX = "SGLANG_PIC_SPARSE_"
+HOST_MEMORY_SHARE = 0.9
+"""Most of the available host memory the ``--sparse-offload`` region may take (the rest is
+left to the processes around it)."""
 MINIMUM = {"threshold": 0, "topk": 1, "candidates": 1, "sink": 0, "local": 1, "update": 1,
            "max_requests": 1, "max_context": 0, "offload": 0}
 """The smallest value of each integer knob; the cross-knob ranges are in ``validate``."""
@@ -100,3 +103,45 @@ class SparseDecodeConfig:
         """The ``sglang-pic serve`` flag that sets ``field`` (``max_context`` ->
         ``--sparse-max-context``)."""
         return "--sparse-" + field.replace("_", "-")
+
+
+def host_kv_bytes(layers: int, kv_heads: int, head_dim: int, itemsize: int, tokens: int) -> int:
+    """Host memory for the K and V of ``tokens`` tokens over every layer (``--sparse-offload``
+    keeps a sparse request's retrieval region there, token-major like SGLang's pool)."""
+    return 2 * layers * kv_heads * head_dim * itemsize * tokens
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            raw = f.read().split()
+    except OSError:
+        return None
+    return int(raw[0]) if raw and raw[0].isdigit() else None
+
+
+def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes of host memory this process can still take: the kernel's ``MemAvailable``, lowered
+    to what the memory cgroup mounted at ``cgroup`` (a container's own: v2 ``memory.max``, or v1
+    ``memory.limit_in_bytes``) leaves, since a container over its limit is killed whatever the
+    host has free."""
+    available = None
+    try:
+        with open(f"{proc}/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
+        limit = _read_int(f"{cgroup}/{limit_file}")  # None for "max" (no limit) or no file
+        if limit is None:
+            continue
+        usage = _read_int(f"{cgroup}/{usage_file}") or 0
+        available = min(available, max(0, limit - usage))
+    return available
