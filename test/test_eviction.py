@@ -889,3 +889,43 @@ def test_block_belady_is_the_token_belady_on_block_traces(tmp_path, monkeypatch)
     assert block.hit_tokens == token.hit_tokens
     for policy in ("lru", "tlru", "sae"):
         assert simulator.replay(trace, policy, cap).hit_tokens <= block.hit_tokens, policy
+
+
+def test_tlru_settings_are_validated_flags_that_reach_the_policy(monkeypatch, capsys):
+    """``--tlru-threshold`` / ``--tlru-next-prompt-estimate``: integers >= 0, only with
+    ``--radix-eviction-policy tlru``, listed in ``--help``, handed to the scheduler as variables
+    the policy reads when it is built; the replay scripts take ``tlru:<xi>:<q_hat>``."""
+    from bench_eviction import check_policies
+    from sglang_pic import serve_conflicts, server_flags
+    from sglang_pic.eviction.baselines import TLRUStrategy
+    from sglang_pic.server_flags import UsageError
+
+    def refuse(args):
+        serve_conflicts.refuse(*server_flags.parse(args))
+
+    ok = ["--radix-eviction-policy", "tlru", "--tlru-threshold", "1536",
+          "--tlru-next-prompt-estimate", "512"]
+    refuse(ok)
+    given, _ = server_flags.parse(ok)
+    env = server_flags.handed_over(given, {})
+    assert env == {"SGLANG_PIC_TLRU_THRESHOLD": "1536",
+                   "SGLANG_PIC_TLRU_NEXT_PROMPT_ESTIMATE": "512"}
+    for bad, message in [
+            (["--tlru-threshold", "1024"], "T-LRU eviction flags need --radix-eviction-policy tlru"),
+            (["--radix-eviction-policy", "tlru", "--tlru-threshold", "-1"], "out of range"),
+            (["--radix-eviction-policy", "tlru", "--tlru-next-prompt-estimate", "lots"],
+             "not an integer")]:
+        with pytest.raises(UsageError, match=message):
+            refuse(bad)
+    text = server_flags.help_text()
+    assert "--tlru-threshold TOKENS" in text and "--tlru-next-prompt-estimate TOKENS" in text
+    assert TLRUStrategy().threshold == 0  # SGLang's defaults without the flags: LRU
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tlru = TLRUStrategy()
+    assert (tlru.threshold, tlru.next_prompt_estimate) == (1536, 512)
+    assert check_policies("lru,tlru:1536:512") == ["lru", "tlru:1536:512"]
+    for bad in ("tlru:1536", "tlru:x:0", "tlru:0:-5"):
+        with pytest.raises(SystemExit):
+            check_policies(bad)
+        assert "tlru:<xi>:<q_hat>" in capsys.readouterr().err

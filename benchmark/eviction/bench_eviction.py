@@ -43,16 +43,46 @@ def known_policies() -> tuple[str, ...]:
     return SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE
 
 
+TLRU_SPEC = "tlru:<xi>:<q_hat>"
+"""T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in
+tokens, what ``--tlru-threshold`` / ``--tlru-next-prompt-estimate`` set in the server."""
+
+
+def _bad_tlru_setting(name: str) -> str | None:
+    """Why ``tlru:<xi>:<q_hat>`` is refused (None: it is not one, or a good one); the values
+    are checked by the server flags' own parser."""
+    from sglang_pic.server_flags import FLAGS, BadValue
+
+    parts = name.split(":")
+    if parts[0] != "tlru" or len(parts) == 1:
+        return None
+    if len(parts) != 3:
+        return f"{name!r} is not {TLRU_SPEC}"
+    for flag, raw in zip(("--tlru-threshold", "--tlru-next-prompt-estimate"), parts[1:],
+                         strict=True):
+        try:
+            FLAGS[flag].parse(raw)
+        except BadValue as e:
+            return f"{name!r}: {flag.removeprefix('--tlru-')} {e}"
+    return None
+
+
 def check_policies(spec: str) -> list[str]:
     """The comma-separated ``--policies`` as a list; an unknown name is refused in one line on
     stderr, exit 2, before anything heavy is imported (a typo used to surface as a KeyError
-    from SGLang's policy table after the traces were generated)."""
+    from SGLang's policy table after the traces were generated). ``tlru:<xi>:<q_hat>`` names
+    T-LRU at those settings."""
     names = [p.strip() for p in spec.split(",") if p.strip()]
-    unknown = [p for p in names if p not in known_policies()]
+    bad = [why for p in names if (why := _bad_tlru_setting(p))]
+    if bad:
+        print(f"{Path(sys.argv[0]).name}: {bad[0]} in --policies ({TLRU_SPEC}: tokens, "
+              "integers >= 0)", file=sys.stderr)
+        sys.exit(2)
+    unknown = [p for p in names if p not in known_policies() and not p.startswith("tlru:")]
     if unknown or not names:
         what = f"unknown policy {', '.join(map(repr, unknown))}" if unknown else "no policy"
         print(f"{Path(sys.argv[0]).name}: {what} in --policies; known: "
-              f"{','.join(known_policies())}", file=sys.stderr)
+              f"{','.join(known_policies())},{TLRU_SPEC}", file=sys.stderr)
         sys.exit(2)
     return names
 

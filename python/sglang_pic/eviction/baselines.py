@@ -21,6 +21,8 @@ from collections import OrderedDict
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
+from sglang_pic.server_flags import setting
+
 from .context import block_key, block_offset
 
 # Offset (tokens) at which a token's attention costs as much as its linear layers; ~30K for
@@ -79,12 +81,10 @@ class S3FIFOStrategy(EvictionStrategy):
                 self.ghost.popitem(last=False)
 
 
-TLRU_THRESHOLD = 0
-"""T-LRU's ``threshold`` (the paper's xi, in tokens) for ``--radix-eviction-policy tlru``;
-SGLang's default: 0 (with ``TLRU_NEXT_PROMPT_ESTIMATE`` 0 every block is protected and T-LRU is
-LRU). The replay's ``tlru`` sets its own (``simulator.ABLATIONS``)."""
-TLRU_NEXT_PROMPT_ESTIMATE = 0
-"""T-LRU's ``next_prompt_estimate`` (the paper's Q_hat, tokens); SGLang's default: 0."""
+# ``--radix-eviction-policy tlru`` takes its settings from ``--tlru-threshold`` (the paper's xi,
+# in tokens) and ``--tlru-next-prompt-estimate`` (Q_hat, tokens), read when the policy is built
+# in the scheduler process; both default to SGLang's 0, with which every block is protected and
+# T-LRU is LRU. The replay's ``tlru`` sets its own (``simulator.ABLATIONS``).
 
 
 class TLRUStrategy(EvictionStrategy):
@@ -119,9 +119,9 @@ class TLRUStrategy(EvictionStrategy):
 
     def __init__(self, threshold: float | None = None,
                  next_prompt_estimate: float | None = None) -> None:
-        self.threshold = TLRU_THRESHOLD if threshold is None else threshold
-        self.next_prompt_estimate = (TLRU_NEXT_PROMPT_ESTIMATE if next_prompt_estimate is None
-                                     else next_prompt_estimate)
+        self.threshold = setting("--tlru-threshold") if threshold is None else threshold
+        self.next_prompt_estimate = (setting("--tlru-next-prompt-estimate")
+                                     if next_prompt_estimate is None else next_prompt_estimate)
 
     def get_priority(self, node) -> tuple[int, float]:
         budget = max(getattr(node, "tlru_history_len", 0) + self.next_prompt_estimate
