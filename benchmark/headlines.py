@@ -7,7 +7,9 @@ one value), and writes ``benchmark/results/headlines.json`` - one row
 per claim - and prints the same table. The ratio is oriented so that > 1 means ours is better.
 
 Row fields: ``claim, raw_file, metric, baseline_variant, baseline_backend, ours_variant, baseline,
-ours, ratio, spread`` (min-max of each side's samples), ``target, samples`` (per side, the
+ours, ratio, spread`` (min-max of each side's samples), ``target, target_kind`` (``ratio``: met
+when the ratio is at least ``target``; ``points``: met when ours is at most ``target`` below the
+baseline, in the metric's own units, e.g. points of a 0-100 score), ``samples`` (per side, the
 smaller), ``same_run`` (both sides from one run), ``meets_target``, ``path`` (what the number
 measured, e.g. the store's TCP vs same-node path) and ``note``. A claim whose raw file is missing
 is listed with ``ours = null`` and the reason, never dropped silently.
@@ -41,8 +43,11 @@ class Claim:
     """One quoted number: ``ours`` against ``baseline`` in ``raw_file``.
 
     ``higher_is_better`` orients the ratio (ours / baseline when higher is better, else
-    baseline / ours). ``extract`` overrides the side-by-side reader for files of another
-    layout (the eviction replay)."""
+    baseline / ours). ``target_kind`` says how ``target`` is met: ``ratio`` >= target, or
+    (``points``) ours no more than ``target`` worse than the baseline in the metric's units (a
+    score that must stay within 1 point of another: a ratio would allow 0.5 points at 50 and 1
+    at 100). ``extract`` overrides the side-by-side reader for files of another layout (the
+    eviction replay)."""
 
     claim: str
     raw_file: str
@@ -51,6 +56,7 @@ class Claim:
     ours_variant: str = "sglang-pic"
     higher_is_better: bool = False
     target: float | None = None
+    target_kind: str = "ratio"  # or "points"
     path: str | None = None
     note: str | None = None
     same_run: bool | None = None  # overrides what the raw file says (a claim joining two files)
@@ -138,6 +144,7 @@ NONSPAN_CASES = {
     **{f"tpot_b{b}_{c // 1024}k": f"tpot_b{b}_ctx{c}_ms"
        for b in (1, 32, 256) for c in (1024, 8192, 32768) if b * (c + 40) <= 700_000},
 }
+SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
 
 CLAIMS: list[Claim] = [
@@ -193,6 +200,14 @@ CLAIMS: list[Claim] = [
     Claim("sparse.overmemory_throughput", "sparse_offload_h200.json", "output_tokens_per_s",
           higher_is_better=True, target=4.0,
           note=LEGACY + "; 4 x 64K requests from a 72K-token pool, not 16 x 128K"),
+    *[Claim(f"sparse.quality.{length}", SPARSE_QUALITY, f"score_{length}",
+            ours_variant="sglang-pic-sparse", higher_is_better=True, target=1.0,
+            target_kind="points", center=statistics.mean,
+            path=f"SmolLM2-135M-Instruct, bf16, needle tasks at ~{length.upper()} tokens, "
+            "ParisKV from 1024 tokens: sparse vs dense",
+            note="% of the cases solved (each case a sample of 0 or 100); baseline: vanilla "
+            "SGLang dense on FlashInfer")
+      for length in ("2k", "4k", "8k")],
 ]
 
 
@@ -200,7 +215,8 @@ def _row(c: Claim) -> dict:
     row = {"claim": c.claim, "raw_file": c.raw_file, "metric": c.metric,
            "baseline_variant": c.baseline_variant, "baseline_backend": None,
            "ours_variant": c.ours_variant, "baseline": None, "ours": None, "ratio": None,
-           "spread": None, "target": c.target, "samples": 0, "same_run": False,
+           "spread": None, "target": c.target, "target_kind": c.target_kind, "samples": 0,
+           "same_run": False,
            "meets_target": None, "path": c.path, "note": c.note}
     raw = RESULTS / c.raw_file
     if not raw.exists():
@@ -230,7 +246,9 @@ def _row(c: Claim) -> dict:
                spread={"baseline": [min(base), max(base)], "ours": [min(ours), max(ours)]},
                same_run=not report.get("merged_from_earlier_call") if c.same_run is None
                else c.same_run)
-    if c.target is not None and ratio is not None:
+    if c.target is not None and c.target_kind == "points":
+        row["meets_target"] = (o - b if c.higher_is_better else b - o) >= -c.target
+    elif c.target is not None and ratio is not None:
         row["meets_target"] = ratio >= c.target
     return row
 
@@ -264,8 +282,11 @@ def print_table(doc: dict) -> None:
     print(f"{'claim':<38}{'backend':>11}{'baseline':>11}{'ours':>11}{'ratio':>8}{'target':>8}"
           f"{'met':>5}{'n':>3}  rule problems")
     for r in doc["rows"]:
+        target = num(r["target"], ".2f")
+        if r["target"] is not None and r["target_kind"] == "points":
+            target = f"-{r['target']:g}pt"  # ours at most this far below the baseline
         print(f"{r['claim']:<38}{r['baseline_backend'] or '-':>11}{num(r['baseline']):>11}"
-              f"{num(r['ours']):>11}{num(r['ratio'], '.3f'):>8}{num(r['target'], '.2f'):>8}"
+              f"{num(r['ours']):>11}{num(r['ratio'], '.3f'):>8}{target:>8}"
               f"{met[r['meets_target']]:>5}{r['samples']:>3}  {'; '.join(r['problems']) or '-'}")
 
 

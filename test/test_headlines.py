@@ -25,3 +25,30 @@ def test_readme_names_only_existing_claims():
     for name in cited:  # "a.*" cites every row a.<something>
         pattern = re.compile(re.escape(name).replace(r"\*", ".+") + "$")
         assert any(pattern.match(c) for c in claims), f"README cites unknown row {name}"
+
+
+def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_listed(
+        tmp_path, monkeypatch):
+    """``sparse.quality.*``: sparse within 1 point of dense (a score of 0-100 from per-case
+    0/100 samples, their mean), not a ratio; without its raw file the row says so."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    monkeypatch.setattr(headlines, "RESULTS", tmp_path)
+    claim = next(c for c in headlines.CLAIMS if c.claim == "sparse.quality.8k")
+    row = headlines._row(claim)
+    assert row["ours"] is None and "missing" in row["note"] and row["target_kind"] == "points"
+
+    def write(dense: list[float], sparse: list[float]) -> dict:
+        results = {"vanilla": {"score_8k_all": dense, "attention_backend": "flashinfer"},
+                   "sglang-pic-sparse": {"score_8k_all": sparse}}
+        (tmp_path / claim.raw_file).write_text(json.dumps({"results": results}))
+        return headlines._row(claim)
+
+    row = write([100.0] * 99 + [0.0], [100.0] * 98 + [0.0] * 2)  # 99 vs 98 points
+    assert (row["baseline"], row["ours"], row["samples"]) == (99.0, 98.0, 100)
+    assert row["meets_target"] and row["baseline_backend"] == "flashinfer"
+    assert headlines.problems(row) == []
+    row = write([100.0] * 50 + [0.0] * 50, [100.0] * 48 + [0.0] * 52)  # 2 points below
+    assert not row["meets_target"]  # a ratio of 0.96 would pass a 0.95 ratio target
+    assert write([0.0] * 100, [100.0] + [0.0] * 99)["meets_target"]  # better is met
