@@ -1,13 +1,15 @@
 """Non-span traffic on a span-cache server vs vanilla SGLang on FlashInfer, H200, one run.
 
 A server started with ``--enable-span-cache`` (span radix cache ``pic_span``, position-free KV on
-``pic_triton``) serves requests that carry no spans; a drop-in replacement must be as fast as the
-SGLang it replaces on them. The workload is ``bench_position_free.workload`` (Llama-3.1-8B shape,
-dummy weights): TTFT of fresh 1K / 8K / 32K prompts and TPOT at batch 1 / 32 / 256 x 1K / 8K /
-32K context where the KV fits, ``repeats`` samples each (medians reported, every sample kept).
+``pic_flashinfer``, what the flag selects on a GPU) serves requests that carry no spans; a
+drop-in replacement must be as fast as the SGLang it replaces on them. The workload is
+``bench_position_free.workload`` (Llama-3.1-8B shape, dummy weights): TTFT of fresh 1K / 8K / 32K
+/ 128K prompts and TPOT at batch 1 / 32 / 256 x 1K / 8K / 32K context where the KV fits,
+``repeats`` samples each (medians reported, every sample kept).
 
-Variants: ``vanilla`` (FlashInfer, the baseline), ``vanilla-triton`` (second column) and
-``sglang-pic-spans`` (the span-cache server).
+Variants: ``vanilla`` (FlashInfer, the baseline), ``sglang-pic-spans`` (the span-cache server),
+``sglang-pic-spans-triton`` (the same on ``pic_triton``: our Triton kernels for every batch) and
+``vanilla-triton`` (a second column).
 
     python3 benchmark/bench_nonspan_overhead.py [--out DIR] [--variants ...] [--quick]
 """
@@ -20,8 +22,14 @@ from pathlib import Path
 
 from bench_position_free import ENGINE_KWARGS, PARAMS
 
-SPAN_SERVER = {"attention_backend": "pic_triton", "radix_cache_backend": "pic_span"}
-VARIANT_KWARGS = {"sglang-pic-spans": SPAN_SERVER}
+SPAN_SERVER = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pic_span"}
+VARIANT_KWARGS = {
+    "sglang-pic-spans": SPAN_SERVER,
+    "sglang-pic-spans-triton": {**SPAN_SERVER, "attention_backend": "pic_triton"},
+}
+# 128K prompts: every variant gets the longer context (the KV budget is unchanged)
+NONSPAN_ENGINE_KWARGS = {**ENGINE_KWARGS, "context_length": 131072 + 64}
+NONSPAN_PARAMS = {**PARAMS, "prefill_lengths": [1024, 8192, 32768, 131072]}
 
 
 def main() -> None:
@@ -29,16 +37,19 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
-    ap.add_argument("--variants", default="vanilla,sglang-pic-spans,vanilla-triton")
+    ap.add_argument("--variants", default="vanilla,sglang-pic-spans",
+                    help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-triton, "
+                         "vanilla-triton")
     ap.add_argument("--quick", action="store_true",
                     help="1K/8K prompts, batch 1/32, 2 repeats (writes to a temp folder)")
     args = ap.parse_args()
-    params = dict(PARAMS)
+    params = dict(NONSPAN_PARAMS)
     if args.quick:
         params.update(prefill_lengths=[1024, 8192], decode_batches=[1, 32],
                       decode_contexts=[1024, 8192], repeats=2)
         args.out = args.out or smoke_dir()
-    run_side_by_side("nonspan_overhead_h200", "bench_position_free", "workload", ENGINE_KWARGS,
+    run_side_by_side("nonspan_overhead_h200", "bench_position_free", "workload",
+                     NONSPAN_ENGINE_KWARGS,
                      params, out_dir=args.out, variants=tuple(args.variants.split(",")),
                      variant_kwargs=VARIANT_KWARGS, timeout_s=590)
 

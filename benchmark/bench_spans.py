@@ -2,7 +2,8 @@
 sglang-pic (ISPS; barrier on request), one run.
 
 Model: Llama-3-8B shape, dummy weights, token ids only, bf16; vanilla on FlashInfer and on triton,
-sglang-pic on ``pic_triton`` with ``--radix-cache-backend pic_span``. Every variant gets the *same* token sequences; the
+sglang-pic on ``pic_flashinfer`` (what ``--enable-span-cache`` selects on a GPU) with
+``--radix-cache-backend pic_span``. Every variant gets the *same* token sequences; the
 sglang-pic variants mark each retrieved document as an independent span (``-1`` before it) and the
 question as dependent (``-2``); vanilla gets the plain concatenation and its own radix cache.
 
@@ -76,7 +77,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     if not Path(kwargs["model_path"]).is_absolute() and (repo / kwargs["model_path"]).exists():
         kwargs["model_path"] = str(repo / kwargs["model_path"])
     if spans:
-        kwargs["attention_backend"] = params.get("pic_backend", "pic_triton")
+        kwargs["attention_backend"] = params.get("pic_backend", "pic_flashinfer")
         kwargs["radix_cache_backend"] = "pic_span"
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)

@@ -5,7 +5,7 @@ Dummy weights prove speed, never quality: this run uses SmolLM2-135M-Instruct, t
 default model, converted once from its GGUF (``sglang_pic.default_model``), in bf16.
 
 - ``vanilla``: SGLang 0.5.17 on FlashInfer serves ``prompts`` x ``new_tokens`` greedy tokens.
-- ``sglang-pic-spans``: the span-cache server (``pic_triton`` + ``pic_span``, what
+- ``sglang-pic-spans``: the span-cache server (``pic_flashinfer`` + ``pic_span``, what
   ``--enable-span-cache`` selects) serves the same prompts, then span prompts (documents marked
   as independent spans after different system prompts).
 - The parent runs the span prompts through the HF block-attention reference
@@ -166,7 +166,7 @@ def main() -> None:
     else:
         base = {"attention_backend": "flashinfer", "mem_fraction_static": 0.3,
                 "cuda_graph_max_bs_decode": 32}
-        ours = {"attention_backend": "pic_triton", "radix_cache_backend": "pic_span"}
+        ours = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pic_span"}
     plain, spans = build_prompts(tok, args.prompts)
     params = {"plain": plain, "spans": spans, "new_tokens": args.new_tokens}
     engine_kwargs = {"model_path": model_dir, "dtype": "bfloat16", "page_size": 1, **base}
