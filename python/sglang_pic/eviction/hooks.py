@@ -6,7 +6,9 @@ the cache's strategy when it has the matching method, and do nothing for SGLang'
 
 - ``RadixCache.match_prefix``: ``on_hit(node, tokens, ctx)`` for every matched node, once per
   request: the scheduler matches a waiting request on every round, so the latest match is kept
-  and reported when the request is first cached (``insert``), i.e. the match that admitted it;
+  and reported when the request is first cached (``insert``), i.e. the match that admitted it
+  (only the outermost hooked match reports; a match with neither a request nor a context is a
+  probe, e.g. the span planner's, and is not reported);
 - ``RadixCache.insert``: ``on_request(ctx, now)`` once per request, then
   ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path;
 - ``RadixCache._delete_leaf``: ``on_evict(node)``;
@@ -19,9 +21,20 @@ the cache's strategy when it has the matching method, and do nothing for SGLang'
 With ``--enable-hierarchical-cache`` SGLang uses ``HiRadixCache``, which overrides
 ``match_prefix``, ``insert``, ``_split_node`` and ``evict`` without calling ``RadixCache``'s: the
 same hooks are registered on those overrides (its ``insert`` returns no last node, so the inserted
-path is found by a read-only walk), and ``HiRadixCache._evict_backuped`` - a device eviction that
-keeps the block on the host tier - reports ``on_evict`` too (a later load back is a reuse of an
-evicted block, which is what the policy learns from).
+path is found by a read-only walk). Its match's host-tier part (down to ``last_host_node``) is
+reported as hits too; ``_evict_backuped`` - a device eviction that keeps the block on the host
+tier - is ``on_demote`` for a policy that has it (the block is still cached), else ``on_evict``;
+``evict_host`` (ordered by SGLang with the policy's ``get_priority``) is one evict pass for the
+policy and reports ``on_evict`` for every block it removes from the tree.
+
+With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_prefix`` runs
+``RadixCache.match_prefix`` once per segment and whose ``cache_finished_req`` /
+``cache_unfinished_req`` cache a span request's segments themselves: the match and caching hooks
+are registered on those too, a segmented match is reported once over every segment's path, and
+``SpanRadixCache`` names each segment's start in the request (``context.segment_at``) so its
+tokens are typed where they sit. A span prefill (the planner's unit request) caches blocks on
+behalf of the requests waiting for them (``RequestContext.on_behalf``): its own matches are not
+reuses.
 
 In the server the request context comes from SGLang's ``Req`` (``request_context``); the trace
 simulator sets it itself (``context.using``).
