@@ -145,6 +145,7 @@ NONSPAN_CASES = {
        for b in (1, 32, 256) for c in (1024, 8192, 32768) if b * (c + 40) <= 700_000},
 }
 SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
+STORE_TCP = "store_ttft_tcp_h200.json"  # bench_store_ttft.py --name store_ttft_tcp_h200
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
 
 CLAIMS: list[Claim] = [
@@ -164,7 +165,16 @@ CLAIMS: list[Claim] = [
           baseline_variant="vanilla-triton vs vanilla", ours_variant="sglang-pic-spans vs vanilla",
           higher_is_better=True, path="SmolLM2-135M-Instruct, bf16, 24 prompts x 64 greedy tokens",
           same_run=False, center=statistics.mean, extract=_agreement),
-    Claim("store.shm_ttft_8k", "store_ttft_h200_prefault.json", "ttft_8192_ms",
+    *[Claim(f"store.tcp_ttft_{n // 1024}k", STORE_TCP, f"ttft_{n}_ms",
+            ours_variant="sglang-pic-ptstore-tcp", target=target,
+            path="TCP: store servers in their own processes reached over TCP only (the data "
+            "plane, no shared memory); prefix computed by another instance",
+            note="vanilla-FlashInfer recomputes the prefix")
+      for n, target in ((8192, 1.5), (32768, 3.0), (131072, 5.0))],
+    Claim("store.shm_ttft_8k", STORE_TCP, "ttft_8192_ms", ours_variant="sglang-pic-ptstore",
+          path="same-node shared memory: store servers write into SGLang's host pool",
+          note="vanilla-FlashInfer recomputes the prefix"),
+    Claim("store.shm_ttft_8k_triton", "store_ttft_h200_prefault.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
           "host pool through shared memory", note=LEGACY),
     Claim("store.socket_ttft_8k", "store_ttft_h200_shm.json", "ttft_8192_ms",

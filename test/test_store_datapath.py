@@ -466,3 +466,39 @@ def test_fetch_returns_by_its_deadline_with_many_silent_peers():
         for c in held:
             c.close()
         lsock.close()
+
+
+# ---- the TTFT benchmark's bookkeeping (benchmark/store/bench_store_ttft.py) ----------------
+def _bench():
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmark"
+    for p in (str(root), str(root / "store")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    return importlib.import_module("bench_store_ttft")
+
+
+def test_the_ttft_benchmark_fits_prefixes_in_the_context_and_reads_its_load_trace():
+    b = _bench()
+    params = {**b.PARAMS, "lengths": [8192, 32768, 131072]}
+    assert [b.prefix_tokens(n, params) for n in params["lengths"]] == [8192, 32768, 130944]
+    assert b.page_bytes(str(b.REPO / "benchmark/models/llama3-8b"), 64) == 8 << 20
+    text = (
+        "[ptstore-trace] batch_exists at 10.000: 128 pages, 128 hits, 2.0 ms\n"
+        "[ptstore-trace] batch_get_v1 at 10.010: 128 pages, 128 hits, 50.5 ms\n"
+        "noise\n[ptstore-trace] batch_get_v1 at 10.070: 64 pages, 60 hits, 30.0 ms\n"
+        "[ptstore-trace] batch_get_v1 at 99.000: 1 pages, 1 hits, 1.0 ms\n"
+    )
+    trace = b.parse_trace(text)
+    assert len(trace) == 3
+    assert b.loads_in(trace, 9.95, 10.2) == (188, 80.5)
+    # what each reader asks of the backend
+    base = {"servers": ["tcp://127.0.0.1:1"], "data_streams": 4}
+    tcp = b.extra_config("sglang-pic-ptstore-tcp", base)
+    assert tcp["data_plane"] == "tcp" and "allocator" not in tcp and tcp["data_streams"] == 4
+    assert b.extra_config("sglang-pic-ptstore-socket", base)["data_plane"] == "zmq"
+    assert b.extra_config("sglang-pic-ptstore", base)["allocator"] == "shm"
+    assert b.extra_config("sglang-pic-ptstore-staging", base)["data_plane"] == "shm"
+    assert "sglang-pic-ptstore-tcp" in b.VARIANTS

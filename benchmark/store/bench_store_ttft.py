@@ -3,26 +3,49 @@
 One GPU, instances one after the other (each its own process and Engine, so the reader has never
 seen the prefixes and shares no GPU or host memory with the writer):
 
-* ``vanilla``: vanilla SGLang 0.5.17, no HiCache: the reader recomputes the prefix;
+* ``vanilla``: vanilla SGLang 0.5.17 on FlashInfer (the harness's baseline), no HiCache: the
+  reader recomputes the prefix;
 * ``vanilla-file-writer`` then ``vanilla-file``: vanilla SGLang with HiCache and its built-in
   ``file`` storage backend (a directory on the node's disk); the writer computes the prefixes and
   waits until they are written through to storage, the reader loads them;
 * ``sglang-pic-ptstore-writer`` then ``sglang-pic-ptstore``: the same with PTStore (three store
-  servers on this node, started by this script) as the ``dynamic`` backend; the servers are on
-  the reader's node and SGLang's host pool is in shared memory (``"allocator": "shm"``, as
-  ``--ptstore`` sets it), so the servers write the pages straight into the reader's host pool;
+  servers on this node, each its own process, started by this script) as the ``dynamic``
+  backend; the servers are on the reader's node and SGLang's host pool is in shared memory
+  (``"allocator": "shm"``, as ``--ptstore`` sets it), so the servers write the pages straight
+  into the reader's host pool (the same-node path);
+* ``sglang-pic-ptstore-tcp``: the PTStore reader reaching the store servers over TCP only
+  (``"data_plane": "tcp"``: no shared memory at all, a private host pool; pages over 4 parallel
+  connections per server, received into the host-pool slots and verified there) - what a reader
+  on another node gets;
 * ``sglang-pic-ptstore-fastgil``: the PTStore reader with ``"gil_switch_ms": 0.5`` (the
   scheduler process hands the GIL to its HiCache threads within 0.5 ms instead of 5 ms);
 * ``sglang-pic-ptstore-staging``: the PTStore reader with a private host pool: pages come
   through its shared-memory staging segment and are copied into the pool by the reader;
-* ``sglang-pic-ptstore-socket``: the PTStore reader with the shared-memory path off (every page
-  over loopback TCP, as from servers on other nodes).
+* ``sglang-pic-ptstore-socket``: the PTStore reader with every page inside the CURVE replies of
+  the zmq socket (``"data_plane": "zmq"``, the path before the TCP data plane).
 
-Prefixes of 1K/2K/4K/8K tokens (several samples each) + a fresh 64-token question, one output
-token. Llama-3-8B shape, dummy weights, triton attention, bf16, page size 64, HiCache write-through
-and ``wait_complete`` prefetch. The reader reports TTFT and where the cached tokens came from.
+Every engine runs on FlashInfer (Llama-3-8B shape, dummy weights, bf16, page size 64; HiCache
+write-through and ``wait_complete`` prefetch). A prompt is a stored prefix + a fresh 64-token
+question, one output token; the reader reports TTFT and where the cached tokens came from.
+A prefix has the nominal length, trimmed to whole pages that leave the question room in the
+model's context (131072: a 130944-token prefix).
+
+Samples (``--samples``, default 3) go round the lengths in turn (8K, 32K, 128K, 8K, ...). With
+``--flush`` the writer stores one prefix per length and every side empties its device and host
+caches (``Engine.flush_cache``) before each request, so each sample loads from the store (or
+recomputes) again; the first request of each length on each side is an unrecorded warm-up.
+Without ``--flush`` every sample has its own prefix (as the earlier runs did).
+
+The run also measures, before the engines, the copy rates the loads are compared with: a raw TCP
+loopback copy (``bench_transport.py``'s ``tcp-1`` / ``tcp-4``: ``sendall`` / ``recv_into`` between
+two processes) and PTStore's own client reading the same bytes from the store servers over the
+TCP data plane and over the CURVE socket. PTStore readers log each load (``batch_get_v1``, the
+backend's trace): ``load_gbps_<n>`` is the bytes loaded over the time spent in those calls.
 
     python3 benchmark/store/bench_store_ttft.py [--out DIR] [--samples 3]
+    python3 benchmark/store/bench_store_ttft.py --lengths 8192 32768 131072 --flush \
+        --variants vanilla,sglang-pic-ptstore-writer,sglang-pic-ptstore-tcp,sglang-pic-ptstore \
+        --cold-lengths 8192 --name store_ttft_tcp_h200
     python3 benchmark/store/bench_store_ttft.py --replot benchmark/results/store_ttft_h200_pool.json
 
 Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
@@ -33,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -41,10 +65,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 from harness import LLAMA3_8B_DUMMY, store_totals  # noqa: E402
 
 REPO = HERE.parent.parent
 LENGTHS = (1024, 2048, 4096, 8192)
+TRACE_ENV = "SGLANG_PIC_STORE_TRACE"  # the PTStore backend's per-call trace (stderr)
+TRACE_LOAD = re.compile(r"\[ptstore-trace\] batch_get_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
+                        r"([0-9.]+) ms")
 
 
 def _role() -> tuple[str, bool]:
@@ -52,13 +80,23 @@ def _role() -> tuple[str, bool]:
     return variant.removesuffix("-writer"), variant.endswith("-writer")
 
 
+def prefix_tokens(n: int, params: dict) -> int:
+    """The stored prefix of nominal length ``n``: whole pages that leave the question (and one
+    output token) room in the model's context."""
+    page = params["page_size"]
+    room = (params["model_context"] - params["question_tokens"] - 1) // page * page
+    return min(n, room)
+
 
 def _prefixes(params: dict) -> dict[int, list[list[int]]]:
+    """Per length, the prefixes the writer stores: one (``flush``: every sample reloads it) or
+    one per sample."""
     import numpy as np
 
     rng = np.random.default_rng(params["seed"])
-    return {n: [[int(t) for t in rng.integers(1000, params["vocab"], size=n)]
-                for _ in range(params["samples"])] for n in params["lengths"]}
+    count = 1 if params.get("flush") else params["samples"]
+    return {n: [[int(t) for t in rng.integers(1000, params["vocab"], size=prefix_tokens(n, params))]
+                for _ in range(count)] for n in params["lengths"]}
 
 
 def _stored_bytes(params: dict, kind: str) -> int:
@@ -68,15 +106,50 @@ def _stored_bytes(params: dict, kind: str) -> int:
     return store_totals(params["servers"], params["token"], ("bytes_in",))["bytes_in"]
 
 
-def workload(engine_kwargs: dict, params: dict) -> dict:
-    import sglang as sgl
+def extra_config(kind: str, params: dict) -> dict:
+    """The ``dynamic`` backend's extra config of a PTStore variant."""
+    cfg = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
+           "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
+           "interface_v1": 1}
+    if kind.endswith("-tcp"):  # another node's view: TCP only, host pool in private memory
+        cfg.update(data_plane="tcp", data_streams=params.get("data_streams", 4))
+    elif kind.endswith("-socket"):
+        cfg.update(data_plane="zmq")
+    elif kind.endswith("-staging"):  # host pool in private memory: the staging segment
+        cfg.update(data_plane="shm")
+    else:  # as --ptstore sets it: the host pool in shared memory, written by the servers
+        cfg.update(allocator="shm")
+    if kind.endswith("-fastgil"):
+        cfg["gil_switch_ms"] = 0.5
+    return cfg
 
+
+def page_bytes(model_path: str, page_size: int) -> int:
+    """Bytes of one SGLang page of the model's KV (bf16, K and V, every layer)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    return per_token * page_size
+
+
+def loads_in(trace: list[tuple[float, int, int, float]], start: float, end: float
+             ) -> tuple[int, float]:
+    """Pages hit and milliseconds spent by the loads (``batch_get_v1``) that began within
+    ``[start, end]`` (wall clock)."""
+    hits = [(h, ms) for t, _, h, ms in trace if start <= t <= end]
+    return sum(h for h, _ in hits), sum(ms for _, ms in hits)
+
+
+def parse_trace(text: str) -> list[tuple[float, int, int, float]]:
+    return [(float(a), int(b), int(c), float(d)) for a, b, c, d in TRACE_LOAD.findall(text)]
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
     kind, writer = _role()
     kwargs = dict(engine_kwargs)
     if not Path(kwargs["model_path"]).is_absolute():
         kwargs["model_path"] = str(REPO / kwargs["model_path"])
-    lengths = params["lengths"]
-    vocab = params["vocab"]
+    ptstore = kind.startswith("sglang-pic-ptstore")
     if kind != "vanilla":
         kwargs.update(params.get("hicache_kwargs", {}))
         kwargs.update(enable_hierarchical_cache=True, hicache_size=params["hicache_gb"],
@@ -88,46 +161,91 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         else:
             kwargs["hicache_storage_backend"] = "dynamic"
             os.environ["SGLANG_PIC_PTSTORE_TOKEN"] = params["token"]  # the schedulers inherit it
-            kwargs["hicache_storage_backend_extra_config"] = json.dumps({
-                "backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
-                "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
-                "interface_v1": 1,
-                "shm": not kind.endswith("-socket"),
-                # as --ptstore sets it; "-staging": the host pool in private memory, pages
-                # come through the reader's staging segment
-                **({} if kind.endswith("-staging") else {"allocator": "shm"}),
-                **({"gil_switch_ms": 0.5} if kind.endswith("-fastgil") else {})})
+            kwargs["hicache_storage_backend_extra_config"] = json.dumps(extra_config(kind,
+                                                                                     params))
+    trace_file = None
+    if ptstore and not writer:  # the backend's load trace, from the scheduler's stderr
+        os.environ[TRACE_ENV] = "1"
+        trace_file = tempfile.NamedTemporaryFile("w+", prefix="ptstore-trace-", suffix=".log")
+        saved_stderr = os.dup(2)
+        os.dup2(trace_file.fileno(), 2)  # the scheduler processes inherit it
+    try:
+        result = _run(kind, writer, kwargs, params)
+    finally:
+        if trace_file is not None:
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
+            trace_file.seek(0)
+            text = trace_file.read()
+            trace_file.close()
+            sys.stderr.write(text)  # the engine's log, as it would have been printed
+    if trace_file is not None:
+        trace = parse_trace(text)
+        result["trace_loads"] = len(trace)
+        pb = page_bytes(kwargs["model_path"], kwargs["page_size"])
+        for n in params["lengths"]:
+            windows = result.pop(f"_windows_{n}", [])
+            gbps, ms_all = [], []
+            for start, end in windows:
+                hits, ms = loads_in(trace, start, end)
+                ms_all.append(round(ms, 2))
+                if hits and ms:
+                    gbps.append(hits * pb / (ms / 1000) / 1e9)
+            result[f"load_ms_{n}_all"] = ms_all
+            if gbps:
+                result[f"load_gbps_{n}_all"] = [round(g, 3) for g in gbps]
+                result[f"load_gbps_{n}"] = statistics.median(gbps)
+    else:
+        for n in params["lengths"]:
+            result.pop(f"_windows_{n}", None)
+    return result
+
+
+def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
+    import numpy as np
+    import sglang as sgl
+
+    lengths, vocab, flush = params["lengths"], params["vocab"], bool(params.get("flush"))
     prefixes = _prefixes(params)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
-    result: dict = {"engine_start_s": time.perf_counter() - t0, "role": "writer" if writer else "reader"}
-    import numpy as np
-
+    result: dict = {"engine_start_s": time.perf_counter() - t0,
+                    "role": "writer" if writer else "reader",
+                    "prefix_tokens": {str(n): prefix_tokens(n, params) for n in lengths}}
     rng = np.random.default_rng(params["seed"] + (1 if writer else 2))
 
     def question() -> list[int]:
         return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]
 
-    def ttft(ids: list[int]) -> tuple[float, dict]:
+    def empty_caches() -> None:
+        """Device and host caches emptied (the store keeps its pages): the next request loads
+        or recomputes its whole prefix."""
+        for _ in range(100):
+            out = engine.flush_cache()
+            if getattr(out, "success", True):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the engine did not flush its cache within 10 s")
+
+    def ttft(ids: list[int]) -> tuple[float, dict, float]:
         t, wall = time.perf_counter(), time.time()
-        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1,
+                                                              "temperature": 0})
         dt = time.perf_counter() - t
-        if os.environ.get("SGLANG_PIC_STORE_TRACE") == "1":
-            print(f"[ptstore-trace] request at {wall:.3f}: {len(ids)} tokens, TTFT {1000 * dt:.1f} ms",
-                  file=sys.stderr, flush=True)
-        return dt, out["meta_info"]
+        if os.environ.get(TRACE_ENV) == "1":
+            print(f"[ptstore-trace] request at {wall:.3f}: {len(ids)} tokens, TTFT "
+                  f"{1000 * dt:.1f} ms", file=sys.stderr, flush=True)
+        return dt, out["meta_info"], wall
 
     try:
-        for n in lengths:  # warm-up: JIT for every shape class, on prompts nobody else uses
-            ttft([int(t) for t in rng.integers(1000, vocab, size=n + params["question_tokens"])])
-        if writer:
+        if writer:  # nothing timed: compute each prefix once, wait until it is stored
             for n in lengths:
                 for p in prefixes[n]:
                     ttft(p + question())
             # write-through to storage is asynchronous, and HiCache hands finished host copies
             # to its storage thread from the scheduler loop, which an idle engine does not run:
             # keep a trickle of tiny requests going until the stored bytes stop growing
-            last, stable, deadline = -1, 0, time.time() + 120
+            last, stable, deadline = -1, 0, time.time() + params.get("store_wait_s", 120)
             while time.time() < deadline and stable < 3:
                 ttft(question()[:8])
                 now = _stored_bytes(params, kind)
@@ -135,38 +253,66 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 last = now
                 time.sleep(1)
             result["stored_bytes"] = last
-        else:
+            return result
+        # warm-up: JIT for every shape class (and, with flush, the load path) untimed
+        for n in lengths:
+            if flush:
+                empty_caches()
+                ttft(prefixes[n][0] + question())
+            else:
+                size = prefix_tokens(n, params) + params["question_tokens"]
+                ttft([int(t) for t in rng.integers(1000, vocab, size=size)])
+        rows: dict[int, list] = {n: [] for n in lengths}
+        for s in range(params["samples"]):  # round the lengths: drift spreads over all of them
             for n in lengths:
-                times, hits, storage = [], [], []
-                for p in prefixes[n]:
-                    dt, meta = ttft(p + question())
-                    times.append(dt)
-                    hits.append(int(meta.get("cached_tokens", 0)))
-                    storage.append(int((meta.get("cached_tokens_details") or {}).get("storage", 0)))
-                result[f"ttft_{n}_ms"] = 1000 * statistics.median(times)
-                result[f"ttft_{n}_ms_all"] = [round(1000 * t, 2) for t in times]
-                result[f"cached_{n}"] = statistics.median(hits)
-                result[f"storage_hit_{n}"] = statistics.median(storage)
+                if flush:
+                    empty_caches()
+                p = prefixes[n][0 if flush else s]
+                dt, meta, wall = ttft(p + question())
+                rows[n].append((dt, meta, wall))
+        for n in lengths:
+            times = [dt for dt, _, _ in rows[n]]
+            result[f"ttft_{n}_ms"] = 1000 * statistics.median(times)
+            result[f"ttft_{n}_ms_all"] = [round(1000 * t, 2) for t in times]
+            result[f"cached_{n}"] = statistics.median(int(m.get("cached_tokens", 0))
+                                                      for _, m, _ in rows[n])
+            result[f"storage_hit_{n}"] = statistics.median(
+                int((m.get("cached_tokens_details") or {}).get("storage", 0))
+                for _, m, _ in rows[n])
+            result[f"_windows_{n}"] = [(w - 0.05, w + dt) for dt, _, w in rows[n]]
+        # a cold miss: a prefix the store never saw, on an engine whose caches are empty
+        for n in params.get("cold_lengths", []) if kind != "vanilla" else []:
+            cold = []
+            for _ in range(params["samples"]):
+                if flush:
+                    empty_caches()
+                fresh = [int(t) for t in rng.integers(1000, vocab, size=prefix_tokens(n, params))]
+                cold.append(ttft(fresh + question())[0])
+            result[f"ttft_cold_{n}_ms"] = 1000 * statistics.median(cold)
+            result[f"ttft_cold_{n}_ms_all"] = [round(1000 * t, 2) for t in cold]
     finally:
         engine.shutdown()
     return result
 
 
+MODEL_CONTEXT = 131072  # Llama-3.1-8B's max_position_embeddings (benchmark/models/llama3-8b)
 ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 16384, "mem_fraction_static": 0.70,
                  "page_size": 64, "disable_cuda_graph": True}  # one output token: no decode graphs
 PARAMS = {"seed": 0, "samples": 3, "question_tokens": 64, "hicache_gb": 16, "vocab": 120000,
-          "lengths": list(LENGTHS)}
+          "lengths": list(LENGTHS), "page_size": 64, "model_context": MODEL_CONTEXT,
+          "data_streams": 4}
 SMOKE_KWARGS = {"device": "cpu", "skip_tokenizer_init": True, "attention_backend": "torch_native",
                 "max_total_tokens": 4096, "disable_cuda_graph": True, "page_size": 16}
 SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49000,
-                "lengths": [320, 640],
+                "lengths": [320, 640], "page_size": 16, "model_context": 2048,
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
 VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
-            "sglang-pic-ptstore", "sglang-pic-ptstore-fastgil", "sglang-pic-ptstore-staging",
-            "sglang-pic-ptstore-socket")
+            "sglang-pic-ptstore", "sglang-pic-ptstore-tcp", "sglang-pic-ptstore-fastgil",
+            "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
 
 
 COLUMNS = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+           "PTStore/TCP": "sglang-pic-ptstore-tcp",
            "PTStore/fastgil": "sglang-pic-ptstore-fastgil",
            "PTStore/staging": "sglang-pic-ptstore-staging",
            "PTStore/socket": "sglang-pic-ptstore-socket"}
@@ -206,25 +352,103 @@ def plot(report: dict, out: Path) -> Path:
 def print_table(report: dict) -> None:
     res, lengths = report["results"], report["params"]["lengths"]
     print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in COLUMNS)
-          + f"{'PTStore vs recompute':>22}{'vs file':>10}")
+          + f"{'PTStore vs recompute':>22}{'TCP vs recompute':>18}{'vs file':>10}"
+          f"{'TCP load GB/s':>15}")
     for n in lengths:
         ms = {c: res.get(v, {}).get(f"ttft_{n}_ms") for c, v in COLUMNS.items()}
         cells = "".join(f"{m:>14.1f}ms" if m else f"{'-':>16}" for m in ms.values())
-        rec, fil, pts = ms["recompute"], ms["file"], ms["PTStore"]
+        rec, fil, pts, tcp = ms["recompute"], ms["file"], ms["PTStore"], ms["PTStore/TCP"]
         ratio = f"{rec / pts:>21.2f}x" if rec and pts else f"{'-':>22}"
+        vs_tcp = f"{rec / tcp:>17.2f}x" if rec and tcp else f"{'-':>18}"
         vs_file = f"{fil / pts:>9.2f}x" if fil and pts else f"{'-':>10}"
-        print(f"{n:>8}{cells}{ratio}{vs_file}")
+        gbps = res.get("sglang-pic-ptstore-tcp", {}).get(f"load_gbps_{n}")
+        load = f"{gbps:>15.2f}" if gbps else f"{'-':>15}"
+        print(f"{n:>8}{cells}{ratio}{vs_tcp}{vs_file}{load}")
+    ref = report.get("transport_reference")
+    if ref:
+        print(f"\ncopy rates, {ref['pages']} x {ref['page_bytes'] >> 20} MiB over loopback "
+              "(GB/s, median):")
+        for key, r in ref.items():
+            if isinstance(r, dict):
+                print(f"  {key:<28}" + (f"{r['gbps_median']:.2f}" if "gbps_median" in r
+                                          else r.get("error", "-")))
+
+
+def transport_reference(endpoints: list[str], token: str, pages: int, page: int, samples: int,
+                        streams: int) -> dict:
+    """The copy rates a load is compared with, measured on this machine in this run: a raw TCP
+    loopback copy between two processes (``bench_transport``'s ``tcp-1`` / ``tcp-4``), and
+    PTStore's client reading the same bytes from the store servers (not inside SGLang) over the
+    TCP data plane (1, ``streams`` and twice that many connections per server) and over the
+    CURVE socket."""
+    import bench_transport
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.store.client import StoreClient
+
+    out: dict = {"pages": pages, "page_bytes": page, "samples": samples}
+    ns = argparse.Namespace(pages=pages, page_bytes=page, samples=samples, timeout=300.0)
+    for v in ("tcp-1", "tcp-4"):
+        out[f"raw_{v}"] = bench_transport.run_variant(v, ns, None)
+    data = np.random.default_rng(1).integers(0, 255, size=pages * page, dtype=np.uint8)
+    mv = memoryview(data).cast("B")
+    ids = [f"bench-reference-{i}" for i in range(pages)]
+    put = StoreClient(endpoints, token, timeout_ms=60_000)
+    put.batch_set([(t, mv[i * page:(i + 1) * page]) for i, t in enumerate(ids)])
+    put.close()
+    dest = np.zeros_like(data)
+    dv = memoryview(dest).cast("B")
+    views = [dv[i * page:(i + 1) * page] for i in range(pages)]
+    for mode, k in (("tcp", 1), ("tcp", streams), ("tcp", min(64, 2 * streams)), ("zmq", 1)):
+        client = StoreClient(endpoints, token, timeout_ms=60_000, data_plane=mode,
+                             data_streams=k)
+        try:
+            ok = client.batch_get_into(ids, views)  # warm-up, verified
+            verified = all(ok) and bool((dest == data).all())
+            rates = []
+            for _ in range(samples):
+                dest.fill(0)
+                t0 = time.perf_counter()
+                ok = client.batch_get_into(ids, views)
+                rates.append(pages * page / (time.perf_counter() - t0) / 1e9)
+                verified = verified and all(ok)
+            out[f"ptstore_tcp_{k}" if mode == "tcp" else "ptstore_zmq_curve"] = {
+                "gbps_median": statistics.median(rates), "gbps_samples": rates,
+                "verified": verified}
+        finally:
+            client.close()
+    return out
 
 
 def main() -> None:
-    from harness import run_side_by_side, smoke_dir, start_store_servers
+    from harness import _write_report, run_side_by_side, smoke_dir, start_store_servers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replot", default=None, help="table and plot of a report JSON, no run")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--samples", type=int, default=PARAMS["samples"])
+    ap.add_argument("--name", default=None,
+                    help="report name (default store_ttft_h200, or store_ttft_cpu_smoke)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help=f"per length and side (default {PARAMS['samples']}; --smoke: 1)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help=f"nominal prefix lengths (default {' '.join(map(str, LENGTHS))}); "
+                         "e.g. 8192 32768 131072")
+    ap.add_argument("--flush", action="store_true",
+                    help="one stored prefix per length; every side empties its device and host "
+                         "caches before each request (each sample loads or recomputes again)")
+    ap.add_argument("--cold-lengths", type=int, nargs="*", default=[],
+                    help="PTStore readers also time prefixes the store never saw (cold misses)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--stores", type=int, default=3)
+    ap.add_argument("--store-gb", type=float, default=None,
+                    help="memory of each store server (default 16, or 32 beyond 8K prefixes)")
+    ap.add_argument("--hicache-gb", type=float, default=None,
+                    help="HiCache host pool (default 16, or 32 beyond 8K prefixes)")
+    ap.add_argument("--data-streams", type=int, default=PARAMS["data_streams"],
+                    help="TCP connections per store server of the -tcp reader")
+    ap.add_argument("--reference-mb", type=int, default=1024,
+                    help="bytes moved by the copy-rate reference (0: not measured)")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny prefixes")
     args = ap.parse_args()
     if args.replot:
@@ -232,7 +456,14 @@ def main() -> None:
         print_table(report)
         plot(report, REPO / "docs" / "figures" / f"{Path(args.replot).stem}.png")
         return
-    kwargs, extra, name = ENGINE_KWARGS, {}, "store_ttft_h200"
+    if args.samples is not None and args.samples < 1:
+        ap.error("--samples must be at least 1")
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    kwargs, extra, name = dict(ENGINE_KWARGS), {}, "store_ttft_h200"
+    page_mb = 4  # a K or V block of a Llama-3-8B page of 64 tokens
     if args.smoke:
         sys.path.insert(0, str(REPO / "python"))
         from sglang_pic.cpu_support import enable_cpu_engine
@@ -240,16 +471,43 @@ def main() -> None:
 
         enable_cpu_engine()
         kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}
-        extra, name = SMOKE_PARAMS, "store_ttft_cpu_smoke"
+        extra, name = dict(SMOKE_PARAMS), "store_ttft_cpu_smoke"
         args.out = args.out or smoke_dir()
+        page_mb, args.reference_mb = 1, min(args.reference_mb, 16)
+    params = {**PARAMS, **extra, "flush": args.flush, "cold_lengths": list(args.cold_lengths),
+              "data_streams": args.data_streams}
+    if args.samples is not None:
+        params["samples"] = args.samples
+    if args.lengths:
+        params["lengths"] = list(args.lengths)
+    model_dir = Path(kwargs["model_path"])
+    model_dir = model_dir if model_dir.is_absolute() else REPO / model_dir
+    params["model_context"] = json.loads((model_dir / "config.json").read_text()).get(
+        "max_position_embeddings", params["model_context"])
+    longest = max(prefix_tokens(n, params) for n in params["lengths"])
+    big = longest > 8192
+    params["hicache_gb"] = args.hicache_gb or (32 if big else params["hicache_gb"])
+    if not args.smoke:
+        kwargs["context_length"] = min(params["model_context"], max(
+            kwargs["context_length"], longest + params["question_tokens"] + params["page_size"]))
+    store_gb = args.store_gb or (32 if big else 16)
+    name = args.name or name
     token = "bench-store-ttft-token"  # a throwaway token of loopback servers
-    stores, endpoints = start_store_servers(args.stores, token, memory_gb=16)
+    stores, endpoints = start_store_servers(args.stores, token, memory_gb=store_gb)
     try:
+        reference = None
+        if args.reference_mb > 0:
+            page = page_mb << 20
+            reference = transport_reference(endpoints, token, max(1, (args.reference_mb << 20)
+                                                                  // page), page,
+                                            max(3, params["samples"]), args.data_streams)
         with tempfile.TemporaryDirectory() as file_dir:
-            params = {**PARAMS, "samples": args.samples, **extra, "servers": endpoints,
-                      "token": token, "file_dir": file_dir}
-            report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params, variants=tuple(args.variants.split(",")),
-                                      out_dir=args.out, timeout_s=900)
+            params.update(servers=endpoints, token=token, file_dir=file_dir, store_gb=store_gb)
+            report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params,
+                                      variants=variants, out_dir=args.out, timeout_s=900)
+        if reference is not None:
+            report["transport_reference"] = reference
+            print(f"[bench] wrote {_write_report(name, args.out, report)}")
     finally:
         for p in stores:
             p.terminate()
