@@ -74,7 +74,7 @@ class _Server:
         self.cache = cache
         self.slot_row = 0
 
-    def _req(self, rid, ids, segments=None, extra_key=None):
+    def _req(self, rid, ids, segments=None, extra_key=None, session=None):
         self.slot_row += 1
         return SimpleNamespace(
             rid=rid,
@@ -86,7 +86,7 @@ class _Server:
             cache_protected_len=0,
             last_node=None,
             priority=0,
-            session_id=None,
+            session_id=session,
             tokenizer=None,
             sampling_params=SimpleNamespace(custom_params=None),
         )
@@ -104,7 +104,7 @@ class _Server:
         self.cache.cache_finished_req(req, kv_len_to_handle=len(req.origin_input_ids))
         return req.cache_protected_len
 
-    def serve(self, rid: str, pieces: list[tuple[bool, list[int]]]) -> int:
+    def serve(self, rid: str, pieces: list[tuple[bool, list[int]]], session=None) -> int:
         """A prompt laid out as ``(independent, tokens)`` pieces; returns its cached tokens."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -124,7 +124,7 @@ class _Server:
                         extra_key=seg.namespace,
                     )
                 )
-        return self.run(self._req(rid, ids, segments))
+        return self.run(self._req(rid, ids, segments, session=session))
 
 
 def _resident(cache) -> list[list[int]]:
@@ -191,6 +191,16 @@ def test_the_prefill_a_span_was_made_for_is_not_counted_as_its_reuse(clock):
     assert info.sessions_seen == 2 and info.queue == "structural"
     # r1's own opening, cached by its unit just before, is not a reuse; the span is
     assert cache.eviction_strategy.events["hits"] == 1
+    # a request of a session: the opening its unit cached becomes the session's (scored with
+    # the session's index), as if the request had cached it
+    clock.now = 2.0
+    opening = list(range(500, 516))
+    server.serve(
+        "r2", [(False, opening), (True, span), (False, list(range(600, 616)))], session="s2"
+    )
+    own = cache.root_node.children[opening[0]].sae
+    assert (own.session_id, own.sessions_seen, own.last_session) == ("s2", 1, "s2")
+    assert cache.eviction_strategy.session_scored(own.queue, own)
 
 
 def test_span_segments_are_typed_where_they_sit_in_the_prompt(clock, monkeypatch):

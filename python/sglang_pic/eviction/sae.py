@@ -352,6 +352,20 @@ class SAEStrategy(EvictionStrategy):
             info.queue = queue
             self._recount(len(node.key), before, info)
 
+    def _adopt(self, node, info: BlockInfo, ctx: RequestContext) -> None:
+        """The first request to use a block a span prefill cached for it: the block is its own,
+        as if it had cached it (its requester, session and application)."""
+        kind, queue = _w_kind(info), info.queue
+        info.session_id = ctx.session_id
+        info.app_type = ctx.app_type or info.app_type
+        info.turn = self.session_turn.get(ctx.session_id, 0)
+        info.sessions_seen, info.last_session = 1, ctx.requester
+        info.queue = self.route(info)
+        if info.queue != queue:
+            self.resident[queue] = max(self.resident[queue] - len(node.key), 0)
+            self.resident[info.queue] += len(node.key)
+        self._recount(len(node.key), kind, info)
+
     def _recount(self, tokens: int, before: tuple[str, str] | None, after: BlockInfo) -> None:
         """Move ``tokens`` of a block from the ``w`` count of kind ``before`` (None: it was in
         none) to the one ``after`` puts it in: a block that became shared, a split tail
@@ -368,7 +382,9 @@ class SAEStrategy(EvictionStrategy):
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         if not is_new:
             info = getattr(node, "sae", None)
-            if info is not None and not ctx.on_behalf:  # a span prefill uses it for others
+            if info is not None and info.sessions_seen == 0 and not ctx.on_behalf:
+                self._adopt(node, info, ctx)
+            elif info is not None and not ctx.on_behalf:  # a span prefill uses it for others
                 self._seen_by(node, info, ctx.requester)
                 if ctx.session_id is not None and ctx.session_id == info.session_id:
                     info.turn = self.session_turn.get(ctx.session_id, 0)
@@ -420,7 +436,8 @@ class SAEStrategy(EvictionStrategy):
         if info.sessions_seen == 0 and ctx is not None:
             # cached by a span prefill for the requests waiting on it: the first of them is
             # the request it was made for, not a reuse
-            self._seen_by(node, info, ctx.requester)
+            if not ctx.on_behalf:
+                self._adopt(node, info, ctx)
             return
         kind = _w_kind(info)  # the reuse that makes a block shared is one of an unshared block
         if ctx is not None:
