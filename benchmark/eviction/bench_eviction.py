@@ -127,7 +127,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
     ap.add_argument("--policies", default=",".join(known_policies()),
-                    help="comma-separated subset of the default")
+                    help="comma-separated subset of the default; tlru:<xi>:<q_hat> is T-LRU at "
+                         "those settings (tokens)")
     ap.add_argument("--out", default=None,
                     help="results JSON (default benchmark/results/eviction_sim[_hints_X].json)")
     ap.add_argument("--no-plot", action="store_true")

@@ -100,7 +100,9 @@ def environment() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated; tlru:<xi>:<q_hat> is T-LRU at those settings "
+                         "(tokens; tlru alone: the replay's, simulator.TLRU_REPLAY)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                     help="cache sizes as fractions of the trace's unique tokens")
     ap.add_argument("--tokens", default=",".join(map(str, DEPLOYMENT_TOKENS)),
