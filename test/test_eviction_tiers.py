@@ -340,3 +340,16 @@ def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, m
     clock.now = 102.0
     _hicache_request(cache, "again", b + [7, 7, 7])
     assert sae.events["miss_after_eviction"] == 1
+
+
+def test_hicache_write_back_drop_without_host_room_is_reported(clock, monkeypatch):
+    """``write_back`` eviction that finds no host room drops the block and its subtree from
+    both tiers (``_drop_subtree_no_host``): each dropped block is an eviction for the policy."""
+    cache = _hicache("sae", clock, monkeypatch)
+    sae = cache.eviction_strategy
+    _hicache_request(cache, "r0", list(range(100, 132)))
+    _hicache_request(cache, "r1", list(range(100, 116)) + list(range(500, 516)))  # splits r0's
+    top = cache.root_node.children[100]
+    assert len(top.children) == 2 and sae.events["evictions"] == 0
+    cache._drop_subtree_no_host(top)
+    assert not cache.root_node.children and sae.events["evictions"] == 3

@@ -25,7 +25,8 @@ path is found by a read-only walk). Its match's host-tier part (down to ``last_h
 reported as hits too; ``_evict_backuped`` - a device eviction that keeps the block on the host
 tier - is ``on_demote`` for a policy that has it (the block is still cached), else ``on_evict``;
 ``evict_host`` (ordered by SGLang with the policy's ``get_priority``) is one evict pass for the
-policy and reports ``on_evict`` for every block it removes from the tree.
+policy and reports ``on_evict`` for every block it removes from the tree, as does
+``_drop_subtree_no_host`` (``write_back`` finding no host room drops a subtree from both tiers).
 
 With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_prefix`` runs
 ``RadixCache.match_prefix`` once per segment and whose ``cache_finished_req`` /
@@ -300,6 +301,25 @@ def around_evict(original, self, params, *args, **kwargs):
         return _sampled_evict(original, self, params, k, strategy.rng)
 
 
+def around_drop_subtree(original, self, root, *args, **kwargs):
+    """HiCache's ``write_back`` eviction found no host room for a block: SGLang drops it and
+    everything below it from both tiers. Each dropped block is reported as ``on_evict``."""
+    strategy = _learner(self)
+    if strategy is None:
+        return original(self, root, *args, **kwargs)
+    nodes, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    result = original(self, root, *args, **kwargs)
+    parent = root.parent
+    if parent is not None and parent.children.get(root.key.child_key(self.page_size)) is not root:
+        for node in nodes:
+            strategy.on_evict(node)
+    return result
+
+
 def around_evict_host(original, self, num_tokens, *args, **kwargs):
     """HiCache's host-tier eviction. SGLang orders it by the same ``get_priority`` as the
     device tier; this makes it one pass for the policy (one clock reading) and reports each
@@ -417,6 +437,8 @@ def register() -> None:
     HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}.evict_host", around_evict_host, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}._drop_subtree_no_host", around_drop_subtree,
+                          HookType.AROUND)
     # the span cache matches per segment and caches segmented requests itself
     HookRegistry.register(f"{SPAN}.match_prefix", around_match_prefix, HookType.AROUND)
     HookRegistry.register(f"{SPAN}.cache_finished_req", around_cache_req, HookType.AROUND)
