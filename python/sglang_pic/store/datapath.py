@@ -51,6 +51,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import xxhash
+
 from .protocol import checksum
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ logger = logging.getLogger(__name__)
 TICKET_BYTES = 32
 SLOT_BYTES = 8
 IOV_PAGES = 512  # buffers per recvmsg_into call (Linux allows 1024)
+HASH_CHUNK = 64 << 10
+"""python-xxhash hashes an input this small without releasing the GIL (larger ones release it,
+and in SGLang's scheduler process every release waits up to the 5 ms switch interval to get it
+back): a page is hashed in chunks of this size, the same XXH3-64 as in one call."""
 MODES = ("auto", "tcp", "shm", "zmq")
 """A reader's data plane: ``auto`` - same-node servers through shared memory, the others over
 TCP; ``tcp`` - every page over TCP (no shared memory); ``shm`` - same-node servers through shared
@@ -445,8 +451,20 @@ def _stream(
             except OSError:
                 pass
     for i in range(whole):
-        ok[i] = checksum(views[i]) == sums[i]
+        ok[i] = page_checksum(views[i]) == sums[i]
     return ok
+
+
+def page_checksum(view: memoryview) -> int:
+    """XXH3-64 of ``view`` (``protocol.checksum``) without letting go of the GIL: the receiving
+    threads run in SGLang's scheduler process, whose main thread would take it for up to 5 ms
+    at every hand-off (one per page otherwise)."""
+    if len(view) <= HASH_CHUNK:
+        return checksum(view)
+    h = xxhash.xxh3_64()
+    for i in range(0, len(view), HASH_CHUNK):
+        h.update(view[i : i + HASH_CHUNK])
+    return h.intdigest()
 
 
 _POOL: ThreadPoolExecutor | None = None
