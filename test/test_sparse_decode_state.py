@@ -422,7 +422,8 @@ def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again():
 
 def test_host_memory_available_is_lowered_by_the_memory_cgroup(tmp_path):
     """A container over its cgroup limit is killed whatever the host has free: the limit left
-    (v2 ``memory.max - memory.current``, or v1) caps ``MemAvailable``; "max" means no limit."""
+    (v2 ``memory.max - memory.current`` plus the inactive page cache, or v1) caps
+    ``MemAvailable``; "max" means no limit."""
     from sglang_pic.sparse.config import host_memory_available
 
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
@@ -435,7 +436,9 @@ def test_host_memory_available_is_lowered_by_the_memory_cgroup(tmp_path):
     (cgroup / "memory.current").write_text("123\n")
     assert host_memory_available(str(proc), str(cgroup)) == host
     (cgroup / "memory.max").write_text(f"{8 << 30}\n")
-    (cgroup / "memory.current").write_text(f"{3 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{4 << 30}\n")
+    # inactive page cache is reclaimed before the limit kills anything: it counts as free
+    (cgroup / "memory.stat").write_text(f"anon 123\ninactive_file {1 << 30}\nactive_file 7\n")
     assert host_memory_available(str(proc), str(cgroup)) == 5 << 30
     (cgroup / "memory.max").unlink()
     (cgroup / "memory").mkdir()

@@ -120,11 +120,26 @@ def _read_int(path: str) -> int | None:
     return int(raw[0]) if raw and raw[0].isdigit() else None
 
 
+def _stat(path: str, key: str) -> int:
+    """``key``'s value in a cgroup ``memory.stat`` file (0 when absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
 def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
     """Bytes of host memory this process can still take: the kernel's ``MemAvailable``, lowered
     to what the memory cgroup mounted at ``cgroup`` (a container's own: v2 ``memory.max``, or v1
     ``memory.limit_in_bytes``) leaves, since a container over its limit is killed whatever the
-    host has free."""
+    host has free. The cgroup's usage counts its page cache; the inactive file pages are
+    reclaimed before anything is killed, so they count as free (the working set, as container
+    runtimes report it)."""
     available = None
     try:
         with open(f"{proc}/meminfo") as f:
@@ -136,12 +151,14 @@ def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -
         pass
     if available is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes",
-                                    "memory/memory.usage_in_bytes")):
+    for limit_file, usage_file, stat_file, inactive in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+             "memory/memory.stat", "total_inactive_file")):
         limit = _read_int(f"{cgroup}/{limit_file}")  # None for "max" (no limit) or no file
         if limit is None:
             continue
-        usage = _read_int(f"{cgroup}/{usage_file}") or 0
-        available = min(available, max(0, limit - usage))
+        usage = (_read_int(f"{cgroup}/{usage_file}") or 0) - _stat(f"{cgroup}/{stat_file}",
+                                                                      inactive)
+        available = min(available, max(0, limit - max(0, usage)))
     return available
