@@ -491,6 +491,7 @@ def main() -> None:
         kwargs["context_length"] = min(params["model_context"], max(
             kwargs["context_length"], longest + params["question_tokens"] + params["page_size"]))
     store_gb = args.store_gb or (32 if big else 16)
+    params["store_wait_s"] = 300 if big else 120  # write-through of ~22 GB over CURVE puts
     name = args.name or name
     token = "bench-store-ttft-token"  # a throwaway token of loopback servers
     stores, endpoints = start_store_servers(args.stores, token, memory_gb=store_gb)
