@@ -468,6 +468,33 @@ def test_fetch_returns_by_its_deadline_with_many_silent_peers():
         lsock.close()
 
 
+def test_a_stream_that_fails_oddly_is_a_miss_after_every_stream_has_ended(servers, monkeypatch):
+    """An unexpected error in one stream must not end the load while other streams still write
+    into the destinations (which the load then reports, and SGLang reuses)."""
+    client = StoreClient([servers[0].endpoint], TOKEN, data_plane="tcp", data_streams=4)
+    pages = _pages("e", 16)
+    client.batch_set(pages)
+    receive = datapath._receive_plain
+    calls, ended = [], []
+
+    def flaky(sock, views, deadline):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("odd")
+        time.sleep(0.3)  # the others finish well after the failing one
+        got = receive(sock, views, deadline)
+        ended.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(datapath, "_receive_plain", flaky)
+    ok, got = _get_into(client, [t for t, _ in pages])
+    returned = time.monotonic()
+    assert len(ended) == 3 and all(e <= returned for e in ended)
+    assert ok.count(False) == 4  # the failing stream's pages (16 pages over 4 streams)
+    assert all(g == d for g, (_, d), good in zip(got, pages, ok, strict=True) if good)
+    client.close()
+
+
 # ---- the TTFT benchmark's bookkeeping (benchmark/store/bench_store_ttft.py) ----------------
 def _bench():
     import importlib

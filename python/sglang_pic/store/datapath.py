@@ -47,7 +47,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -505,11 +505,10 @@ def fetch(transfers: list[Transfer], deadline: float) -> list[list[bool]]:
     if not jobs:
         return out
     pool = _pool()
-    futures = [
-        (
-            t,
-            first,
-            pool.submit(
+    futures = []
+    try:
+        for t, first, count, ticket in jobs:
+            fut = pool.submit(
                 _stream,
                 t.host,
                 t.offer["port"],
@@ -518,11 +517,17 @@ def fetch(transfers: list[Transfer], deadline: float) -> list[list[bool]]:
                 t.views[first : first + count],
                 t.sums[first : first + count],
                 deadline,
-            ),
-        )
-        for t, first, count, ticket in jobs
-    ]
+            )
+            futures.append((t, first, fut))
+    finally:
+        # every stream has ended before this returns, whatever happened: none may still be
+        # writing into destinations the caller is about to report as misses (and SGLang reuse)
+        wait([f for _, _, f in futures])
     for t, first, fut in futures:
-        ok = fut.result()
+        try:
+            ok = fut.result()
+        except Exception:  # a stream that failed oddly is a miss, never an error of the load
+            logger.exception("PTStore data plane: a stream failed")
+            continue
         out[index[id(t)]][first : first + len(ok)] = ok
     return out

@@ -99,6 +99,9 @@ class StoreServer:
         if data_plane is not None and host is not None:
             try:
                 self.data = DataServer(data_plane, data_plane.host or host)
+            except OSError as e:  # e.g. an endpoint naming an interface, not a host
+                logger.warning("PTStore: no TCP data plane (cannot listen on %s: %s); remote "
+                               "readers get pages over the socket", data_plane.host or host, e)
             except BaseException:
                 self.sock.close(0)
                 self.auth.stop()
