@@ -529,3 +529,5 @@ def test_the_ttft_benchmark_fits_prefixes_in_the_context_and_reads_its_load_trac
     assert b.extra_config("sglang-pic-ptstore", base)["allocator"] == "shm"
     assert b.extra_config("sglang-pic-ptstore-staging", base)["data_plane"] == "shm"
     assert "sglang-pic-ptstore-tcp" in b.VARIANTS
+    fast = b.extra_config("sglang-pic-ptstore-tcp-fastgil", base)
+    assert fast["data_plane"] == "tcp" and fast["gil_switch_ms"] == 0.5

@@ -17,8 +17,9 @@ seen the prefixes and shares no GPU or host memory with the writer):
   (``"data_plane": "tcp"``: no shared memory at all, a private host pool; pages over 4 parallel
   connections per server, received into the host-pool slots and verified there) - what a reader
   on another node gets;
-* ``sglang-pic-ptstore-fastgil``: the PTStore reader with ``"gil_switch_ms": 0.5`` (the
-  scheduler process hands the GIL to its HiCache threads within 0.5 ms instead of 5 ms);
+* ``sglang-pic-ptstore-fastgil`` / ``sglang-pic-ptstore-tcp-fastgil``: the same-node / TCP
+  reader with ``"gil_switch_ms": 0.5`` (the scheduler process hands the GIL to its HiCache
+  threads within 0.5 ms instead of 5 ms);
 * ``sglang-pic-ptstore-staging``: the PTStore reader with a private host pool: pages come
   through its shared-memory staging segment and are copied into the pool by the reader;
 * ``sglang-pic-ptstore-socket``: the PTStore reader with every page inside the CURVE replies of
@@ -111,7 +112,7 @@ def extra_config(kind: str, params: dict) -> dict:
     cfg = {"backend_name": "ptstore", "module_path": "sglang_pic.store.hicache_backend",
            "class_name": "PTStoreHiCacheStorage", "servers": params["servers"],
            "interface_v1": 1}
-    if kind.endswith("-tcp"):  # another node's view: TCP only, host pool in private memory
+    if kind.endswith(("-tcp", "-tcp-fastgil")):  # another node's view: TCP only, private pool
         cfg.update(data_plane="tcp", data_streams=params.get("data_streams", 4))
     elif kind.endswith("-socket"):
         cfg.update(data_plane="zmq")
@@ -307,12 +308,14 @@ SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49
                 "lengths": [320, 640], "page_size": 16, "model_context": 2048,
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
 VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
-            "sglang-pic-ptstore", "sglang-pic-ptstore-tcp", "sglang-pic-ptstore-fastgil",
+            "sglang-pic-ptstore", "sglang-pic-ptstore-tcp", "sglang-pic-ptstore-tcp-fastgil",
+            "sglang-pic-ptstore-fastgil",
             "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
 
 
 COLUMNS = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
            "PTStore/TCP": "sglang-pic-ptstore-tcp",
+           "PTStore/TCP/fastgil": "sglang-pic-ptstore-tcp-fastgil",
            "PTStore/fastgil": "sglang-pic-ptstore-fastgil",
            "PTStore/staging": "sglang-pic-ptstore-staging",
            "PTStore/socket": "sglang-pic-ptstore-socket"}
