@@ -1,0 +1,44 @@
+"""``benchmark/quality/sparse_needle.py`` without an engine: its cases and its scoring.
+
+The engine part runs with ``--cpu --smoke`` here and on the H200 (docs/sparse-decode.md); what
+must hold before a device call is spent: every prompt fits SmolLM2's 8K context with room for
+the answer, each length is near its nominal size, the cases are the same in every run, and a
+case counts as solved exactly when its answer's digits are in the generated text.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmark" / "quality"))
+
+import sparse_needle  # noqa: E402
+
+
+def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cases = sparse_needle.build_cases(tok, ["2k", "8k"], sparse_needle.TASKS, 2, 12)
+    assert [(c["length"], c["task"]) for c in cases] == [
+        (n, t) for n in ("2k", "8k") for t in sparse_needle.TASKS for _ in range(2)]
+    for c in cases:
+        nominal = sparse_needle.LENGTHS[c["length"]]
+        assert 0.9 * nominal < len(c["input_ids"]) and len(c["input_ids"]) + 12 < 8192
+        assert c["answer"].isdigit() and len(c["answer"]) == 7
+        # the needle holding the answer is in the prompt, the question at its end
+        text = tok.decode(c["input_ids"])
+        assert f"is {c['answer']}." in text and text.rstrip().endswith("is")
+    again = sparse_needle.build_cases(tok, ["2k", "8k"], sparse_needle.TASKS, 2, 12)
+    assert again == cases
+    assert len({c["answer"] for c in cases}) == len(cases)
+
+
+def test_a_case_is_solved_when_its_digits_are_generated():
+    cases = [{"length": "2k", "answer": "1234567"}, {"length": "2k", "answer": "7654321"},
+             {"length": "4k", "answer": "1111111"}]
+    texts = [" 1,234,567.", " 7654320 and", " The number is 1111111"]
+    assert sparse_needle.scores(cases, texts) == {"2k": [100.0, 0.0], "4k": [100.0]}
+    assert not sparse_needle.solved("1234567", "123456")
