@@ -23,7 +23,8 @@ def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     cases = sparse_needle.build_cases(tok, ["2k", "8k"], sparse_needle.TASKS, 2, 12)
     assert [(c["length"], c["task"]) for c in cases] == [
-        (n, t) for n in ("2k", "8k") for t in sparse_needle.TASKS for _ in range(2)]
+        (n, t) for n in ("2k", "8k") for t in sparse_needle.TASKS for _ in range(2)
+    ]
     for c in cases:
         nominal = sparse_needle.LENGTHS[c["length"]]
         assert 0.9 * nominal < len(c["input_ids"]) and len(c["input_ids"]) + 12 < 8192
@@ -37,8 +38,11 @@ def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):
 
 
 def test_a_case_is_solved_when_its_digits_are_generated():
-    cases = [{"length": "2k", "answer": "1234567"}, {"length": "2k", "answer": "7654321"},
-             {"length": "4k", "answer": "1111111"}]
+    cases = [
+        {"length": "2k", "answer": "1234567"},
+        {"length": "2k", "answer": "7654321"},
+        {"length": "4k", "answer": "1111111"},
+    ]
     texts = [" 1,234,567.", " 7654320 and", " The number is 1111111"]
     assert sparse_needle.scores(cases, texts) == {"2k": [100.0, 0.0], "4k": [100.0]}
     assert not sparse_needle.solved("1234567", "123456")
