@@ -84,3 +84,35 @@ def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, t
     # --ptstore puts B's host pool in shared memory: the servers (this process) wrote the
     # loaded blocks straight into it, K and V of each layer of each loaded page
     assert sum(s.pool_pages for s in store_cluster) >= 2 * 30 * 256 // 16
+
+
+def test_an_instance_reading_over_the_tcp_data_plane_loads_the_prefix(store_cluster,
+                                                                      two_instances, tmp_path):
+    """A reader with ``"data_plane": "tcp"`` (what an instance on another node gets: no shared
+    memory) loads a prefix instance A computed: pages over the data plane's streams, straight
+    into its host pool, same output."""
+    a, _ = two_instances
+    prompt = "A survey of medieval trade routes across the Mediterranean sea. " * 32
+    first = a.generate_text(prompt)
+    before = sum(s.data.stats["stream_bytes"] for s in store_cluster)
+    pools = sum(s.pool_pages for s in store_cluster)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    args = _instance_args(store_cluster, str(token_file))
+    args[args.index('{"timeout_ms": 10000}')] = '{"timeout_ms": 10000, "data_plane": "tcp"}'
+    deadline = time.time() + 60  # A's write-through is asynchronous: wait for its pages
+    while time.time() < deadline and sum(len(s.engine.owned.entries)
+                                         for s in store_cluster) < 2 * 2 * 30 * 20:
+        time.sleep(1)
+    wait_for_host_memory(0.5)
+    c = start_server(args, tmp_path / "c.log")
+    try:
+        second = c.generate_text(prompt)
+    finally:
+        stop_server(c)
+    details = second["meta_info"].get("cached_tokens_details") or {}
+    assert details.get("storage", 0) >= 256, second["meta_info"]
+    assert second["text"] == first["text"]
+    moved = sum(s.data.stats["stream_bytes"] for s in store_cluster) - before
+    assert moved > 0 and sum(s.pool_pages for s in store_cluster) == pools  # TCP, not the pool
