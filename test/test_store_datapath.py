@@ -203,6 +203,24 @@ def test_a_peer_killed_mid_transfer_gives_misses_for_what_it_did_not_send():
         proc.wait(timeout=10)
 
 
+def test_a_peer_that_resets_mid_transfer_keeps_the_pages_it_sent_whole():
+    proc, port = _fake_peer("""
+        import struct
+        for p in PAGES[:3]:
+            conn.sendall(p)
+        time.sleep(0.5)  # the reader has taken them
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # RST, not FIN
+        time.sleep(30)
+    """)
+    try:
+        ok = datapath.fetch([_fake_transfer(port)], time.monotonic() + 30)[0]
+        assert ok == [True] * 3 + [False] * 5
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def test_a_stalled_transfer_times_out_into_misses():
     proc, port = _fake_peer("""
         conn.sendall(PAGES[0])

@@ -376,6 +376,8 @@ def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float
             n = sock.recvmsg_into(bufs, 0, socket.MSG_WAITALL)[0]
         except (BlockingIOError, TimeoutError, InterruptedError):
             continue  # the wait ran out (or a signal): the deadline decides
+        except OSError:
+            break  # reset: the pages received whole before it still count
         if n == 0:
             break  # the server closed (or died) before sending every page
         while n > 0:
@@ -398,7 +400,10 @@ def _receive_tls(sock: ssl.SSLSocket, views: list[memoryview], deadline: float) 
             if left <= 0:
                 return page
             sock.settimeout(left)
-            n = sock.recv_into(v[got:])
+            try:
+                n = sock.recv_into(v[got:])
+            except OSError:  # timed out or reset: what arrived whole still counts
+                return page
             if not n:
                 return page
             got += n
