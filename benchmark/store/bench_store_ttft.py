@@ -354,12 +354,12 @@ def plot(report: dict, out: Path) -> Path:
 
 def print_table(report: dict) -> None:
     res, lengths = report["results"], report["params"]["lengths"]
-    print(f"\n{'prefix':>8}" + "".join(f"{c:>16}" for c in COLUMNS)
+    print(f"\n{'prefix':>8}" + "".join(f"{c:>20}" for c in COLUMNS)
           + f"{'PTStore vs recompute':>22}{'TCP vs recompute':>18}{'vs file':>10}"
           f"{'TCP load GB/s':>15}")
     for n in lengths:
         ms = {c: res.get(v, {}).get(f"ttft_{n}_ms") for c, v in COLUMNS.items()}
-        cells = "".join(f"{m:>14.1f}ms" if m else f"{'-':>16}" for m in ms.values())
+        cells = "".join(f"{m:>18.1f}ms" if m else f"{'-':>20}" for m in ms.values())
         rec, fil, pts, tcp = ms["recompute"], ms["file"], ms["PTStore"], ms["PTStore/TCP"]
         ratio = f"{rec / pts:>21.2f}x" if rec and pts else f"{'-':>22}"
         vs_tcp = f"{rec / tcp:>17.2f}x" if rec and tcp else f"{'-':>18}"
