@@ -113,12 +113,15 @@ def test_spans_computed_by_one_instance_are_loaded_by_the_other(stores, two_span
     # B has never seen these documents: other prefix, other order, so other offsets
     ids = span_ids(tok, PREFIXES[1], docs[::-1])
     before = loads(b)["total_prefill_uncached_tokens"]
+    streamed = sum(s.data.stats["stream_bytes"] for s in stores)
     second = generate(b, input_ids=ids)
     computed = uncached_since(b, before)
     assert second["meta_info"]["cached_tokens"] >= doc_tokens
     assert computed < second["meta_info"]["prompt_tokens"] - doc_tokens + PAGE
     assert second["output_ids"] == reference(hf, ids)
     assert "span store: loaded" in b.log.read_text(errors="replace")
+    # the span pages came over the stores' TCP data plane (the span tier turns shared memory off)
+    assert sum(s.data.stats["stream_bytes"] for s in stores) > streamed
 
 
 def uncached_since(server, before: int, settle_s: float = 0.5, limit_s: float = 10.0) -> int:
