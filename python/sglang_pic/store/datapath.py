@@ -131,7 +131,7 @@ def split(lengths: Sequence[int], streams: int) -> list[tuple[int, int]]:
 @dataclass
 class _Offer:
     secret: bytes
-    tenant: str
+    tenant: str  # whose get issued it: the pages are that tenant's
     pages: list  # the stream's pages (bytes), in wire order
     nbytes: int
     expires: float  # monotonic
@@ -143,7 +143,6 @@ class DataServer:
 
     def __init__(self, config: DataPlaneConfig, host: str) -> None:
         self.config = config
-        self.instance = os.urandom(8)  # this process's listener: tickets of no other exist here
         self.tls: ssl.SSLContext | None = None
         self.cert_sha256: str | None = None
         if bool(config.tls_cert) != bool(config.tls_key):
