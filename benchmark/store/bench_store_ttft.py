@@ -367,6 +367,12 @@ def print_table(report: dict) -> None:
         gbps = res.get("sglang-pic-ptstore-tcp", {}).get(f"load_gbps_{n}")
         load = f"{gbps:>15.2f}" if gbps else f"{'-':>15}"
         print(f"{n:>8}{cells}{ratio}{vs_tcp}{vs_file}{load}")
+    for v, r in res.items():  # a prefix the store never saw, against recomputing it in vanilla
+        for n in lengths:
+            cold, rec = r.get(f"ttft_cold_{n}_ms"), res.get("vanilla", {}).get(f"ttft_{n}_ms")
+            if cold and rec:
+                print(f"cold miss, {v}, {n}: {cold:.1f} ms vs {rec:.1f} ms recompute "
+                      f"({100 * (cold / rec - 1):+.1f} %)")
     ref = report.get("transport_reference")
     if ref:
         print(f"\ncopy rates, {ref['pages']} x {ref['page_bytes'] >> 20} MiB over loopback "
