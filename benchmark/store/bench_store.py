@@ -79,7 +79,8 @@ def store_times(endpoint: str, size: int, repeats: int,
     from sglang_pic.store.client import StoreClient
     from sglang_pic.store.shm import address_of
 
-    plain = StoreClient([endpoint], token, timeout_ms=60000, shm=False)
+    # the socket columns: pages inside the zmq replies (not the TCP data plane)
+    plain = StoreClient([endpoint], token, timeout_ms=60000, shm=False, data_plane="zmq")
     shm = StoreClient([endpoint], token, timeout_ms=60000, shm=True)
     pool = StoreClient([endpoint], token, timeout_ms=60000, shm=True)
     n = max(size // PAGE, 1)
