@@ -353,17 +353,49 @@ def check_offer(offer, lengths: Sequence[int], streams: int) -> str | None:
     return None
 
 
-def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
+def _timeval(seconds: float) -> bytes:
     sec = max(0.001, seconds)
-    sock.setsockopt(
-        socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(sec), int((sec % 1) * 1e6))
-    )
+    return struct.pack("ll", int(sec), int((sec % 1) * 1e6))
+
+
+def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+_ADDRESSES: dict[tuple[str, int], tuple] = {}  # (host, port) -> getaddrinfo's first answer
+
+
+def _connect_blocking(host: str, port: int, seconds: float) -> socket.socket:
+    """A connected blocking socket whose sends and receives (and the connect itself: Linux
+    applies ``SO_SNDTIMEO`` to it) wait at most ``seconds``. Blocking, because every system
+    call of a socket with a Python timeout is two (a ``poll``, then the call), and each lets go
+    of the GIL, which in SGLang's scheduler process costs up to 5 ms to get back; the address
+    is resolved once per server."""
+    addr = _ADDRESSES.get((host, port))
+    if addr is None:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[
+            0
+        ]
+        if len(_ADDRESSES) > 1024:
+            _ADDRESSES.clear()
+        addr = _ADDRESSES[(host, port)] = (family, kind, proto, sockaddr)
+    family, kind, proto, sockaddr = addr
+    sock = socket.socket(family, kind, proto)
+    try:
+        if sock.gettimeout() is not None:  # a process-wide default timeout (setdefaulttimeout)
+            sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+        _set_rcvtimeo(sock, seconds)
+        sock.connect(sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float) -> int:
     """Receive ``views`` in order with ``MSG_WAITALL`` (the socket blocking, ``SO_RCVTIMEO``
     bounding each wait by the deadline); returns how many arrived whole."""
-    sock.settimeout(None)
     page, offset = 0, 0
     while page < len(views):
         left = deadline - time.monotonic()
@@ -426,7 +458,10 @@ def _stream(
         left = deadline - time.monotonic()
         if left <= 0:
             return ok
-        sock = socket.create_connection((host, port), timeout=left)
+        if cert is None:
+            sock = _connect_blocking(host, port, left)
+        else:
+            sock = socket.create_connection((host, port), timeout=left)
         if cert is not None:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -443,8 +478,7 @@ def _stream(
             sock.sendall(ticket)
             whole = _receive_tls(sock, views, deadline)
         else:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(ticket)
+            sock.sendall(ticket)  # blocking, bounded by SO_SNDTIMEO: a single send
             whole = _receive_plain(sock, views, deadline)
     except (OSError, ssl.SSLError):
         return ok  # refused, reset, timed out: every page of this stream is a miss
