@@ -373,7 +373,8 @@ def print_table(report: dict) -> None:
             if cold and rec:
                 print(f"cold miss, {v}, {n}: {cold:.1f} ms vs {rec:.1f} ms recompute "
                       f"({100 * (cold / rec - 1):+.1f} %)")
-    ref = report.get("transport_reference")
+    ref = report.get("transport_reference") or report.get("params", {}).get(
+        "transport_reference")
     if ref:
         print(f"\ncopy rates, {ref['pages']} x {ref['page_bytes'] >> 20} MiB over loopback "
               "(GB/s, median):")
@@ -453,7 +454,7 @@ def main() -> None:
     ap.add_argument("--store-gb", type=float, default=None,
                     help="memory of each store server (default 16, or 32 beyond 8K prefixes)")
     ap.add_argument("--hicache-gb", type=float, default=None,
-                    help="HiCache host pool (default 16, or 32 beyond 8K prefixes)")
+                    help="HiCache host pool (default 16, or 24 beyond 8K prefixes)")
     ap.add_argument("--data-streams", type=int, default=PARAMS["data_streams"],
                     help="TCP connections per store server of the -tcp reader")
     ap.add_argument("--reference-mb", type=int, default=1024,
@@ -495,7 +496,8 @@ def main() -> None:
         "max_position_embeddings", params["model_context"])
     longest = max(prefix_tokens(n, params) for n in params["lengths"])
     big = longest > 8192
-    params["hicache_gb"] = args.hicache_gb or (32 if big else params["hicache_gb"])
+    # beyond 8K: a host pool that takes the 128K prefix (17 GB) and, on the writer, all three
+    params["hicache_gb"] = args.hicache_gb or (24 if big else params["hicache_gb"])
     if not args.smoke:
         kwargs["context_length"] = min(params["model_context"], max(
             kwargs["context_length"], longest + params["question_tokens"] + params["page_size"]))
@@ -513,6 +515,8 @@ def main() -> None:
                                             max(3, params["samples"]), args.data_streams)
         with tempfile.TemporaryDirectory() as file_dir:
             params.update(servers=endpoints, token=token, file_dir=file_dir, store_gb=store_gb)
+            if reference is not None:  # in params too: the partial reports written after
+                params["transport_reference"] = reference  # each variant carry it
             report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params,
                                       variants=variants, out_dir=args.out, timeout_s=900)
         if reference is not None:
