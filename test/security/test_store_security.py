@@ -683,6 +683,9 @@ def test_data_plane_tickets_need_the_token_and_the_tenant(tmp_path):
         assert stranger.batch_get(["x"]) == [None]
         assert bob.batch_get(["x"]) == [None]
         assert srv.data.stats["offers"] == offers + 1  # bob's: an offer of no page
+        deadline = time.monotonic() + 10  # counted by the server's thread once it has sent
+        while srv.data.stats["stream_bytes"] < PAGE and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert srv.data.stats["stream_bytes"] == PAGE  # alice's page, once
     finally:
         for c in (alice, bob, stranger):
