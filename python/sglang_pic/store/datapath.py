@@ -28,9 +28,9 @@ CA involved), and the ticket travels inside TLS.
 
 **Faults.** Every wait is bounded: connecting, the TLS handshake and every receive stop at the
 load's deadline; a server waits at most ``io_timeout_s`` for a ticket or for the reader to take
-more bytes. A stream that ends early, stalls past the deadline or delivers a page whose checksum
-does not match yields misses for the pages it did not deliver whole; pages already received and
-verified stay hits. The reader writes into its destinations only itself, inside ``fetch``, so
+more bytes. A stream that ends early or stalls past the deadline yields misses for the pages it
+did not deliver whole, and a page whose checksum does not match is a miss; pages received whole
+and verified stay hits. The reader writes into its destinations only itself, inside ``fetch``, so
 once ``fetch`` returns nothing writes there any more.
 """
 
