@@ -60,7 +60,8 @@ def test_mla_is_refused():
 
 
 @pytest.mark.parametrize("argv, backend", [
-    ([], "pic_triton"),
+    ([], "pic_flashinfer"),
+    (["--attention-backend", "flashinfer"], "pic_flashinfer"),
     (["--attention-backend", "triton"], "pic_triton"),
     (["--attention-backend=torch_native"], "pic_torch_native"),
     (["--attention-backend", "pic_torch_native"], "pic_torch_native"),
@@ -74,8 +75,8 @@ def test_flag_selects_position_free_twin(argv, backend):
 def test_flag_with_other_backend_exits_with_message():
     r = subprocess.run(
         [sys.executable, "-m", "sglang_pic", "serve", "--model-path", "/nonexistent",
-         "--enable-position-free-kv", "--attention-backend", "flashinfer"],
+         "--enable-position-free-kv", "--attention-backend", "fa3"],
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode != 0
-    assert "needs --attention-backend triton or torch_native" in r.stderr
+    assert "needs --attention-backend flashinfer or triton or torch_native" in r.stderr

@@ -30,8 +30,11 @@ _table: torch.Tensor | None = None
 def allocate(slots: int, device: torch.device | str) -> torch.Tensor:
     """Create (once per process) the table for a pool of ``slots`` token slots."""
     global _table
-    if _table is None or _table.numel() < slots or _table.device != torch.device(device):
-        _table = torch.zeros(slots, dtype=torch.int32, device=device)
+    want = torch.device(device)
+    same_device = _table is not None and _table.device.type == want.type and (
+        want.index is None or _table.device.index == want.index)
+    if not same_device or _table.numel() < slots:
+        _table = torch.zeros(slots, dtype=torch.int32, device=want)
     return _table
 
 
