@@ -92,11 +92,8 @@ def model_rotary(model_runner):
 
 def rotary_table(model_runner):
     """The kernels' RoPE table: SGLang's own cos/sin cache in float32 (a moved key is turned by
-    the table row of the distance it moved), plus the model's frequencies."""
-    from sglang_pic_kernel.rotating_attention import ROPE_FROM_CACHE, RotaryTable
+    the table row of the distance it moved)."""
+    from sglang_pic_kernel.rotating_attention import RotaryTable
 
     rotary = model_rotary(model_runner)
-    inv_freq = rotary._compute_inv_freq(rotary.base)
-    return RotaryTable(rotary.cos_sin_cache.float(), inv_freq, ROPE_FROM_CACHE).to(
-        model_runner.device
-    )
+    return RotaryTable(rotary.cos_sin_cache.float()).to(model_runner.device)

@@ -1,25 +1,18 @@
-"""Rotating attention: attention kernels that apply RoPE to keys on read.
+"""Rotating attention: attention kernels for position-free KV in the shifted layout.
 
-The KV pool stores keys un-rotated; these kernels rotate each key at its logical position (its
-index in the request's KV sequence) in registers, so a cached page carries no position and can be
-shared by requests that place the same span at different offsets (MiniPIC, section 2.1).
+Keys are rotated by the model, as in vanilla SGLang, and stored rotated at the position they
+were computed at; the pool records that position per slot (``stored_positions``). The kernels
+turn each key by the distance between its index in the request's KV sequence and that position,
+in registers, so one physical copy of a span's pages serves it at any offset (MiniPIC, section
+2.1). Keys that did not move are read exactly as vanilla's kernels read them.
 """
 
 from .decode import rotating_decode_attention_fwd
-from .extend import (
-    NEW_KEYS_IN_KERNEL,
-    NEW_KEYS_PRE_ROTATED,
-    rotating_extend_attention_fwd,
-)
+from .extend import rotating_extend_attention_fwd
 from .reference import reference_decode, reference_extend
-from .rope import ROPE_FROM_CACHE, ROPE_IN_KERNEL, ROPE_STEP, RotaryTable, rotate_neox
+from .rope import RotaryTable, rotate_neox
 
 __all__ = [
-    "NEW_KEYS_IN_KERNEL",
-    "NEW_KEYS_PRE_ROTATED",
-    "ROPE_FROM_CACHE",
-    "ROPE_IN_KERNEL",
-    "ROPE_STEP",
     "RotaryTable",
     "reference_decode",
     "reference_extend",

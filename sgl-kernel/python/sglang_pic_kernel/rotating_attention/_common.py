@@ -1,59 +1,24 @@
 """Triton helpers shared by the decode and extend rotating-attention kernels."""
 
-import os
-
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
-if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
-    # The CPU interpreter has no libdevice; numpy's cos/sin are accurate anyway.
-
-    @triton.jit
-    def _cos(x):
-        return tl.cos(x)
-
-    @triton.jit
-    def _sin(x):
-        return tl.sin(x)
-
-else:
-
-    @triton.jit
-    def _cos(x):
-        return libdevice.cos(x)
-
-    @triton.jit
-    def _sin(x):
-        return libdevice.sin(x)
 
 
 @triton.jit
-def rope_cos_sin(
-    pos,
-    offs_half,
-    mask,
-    CosSin,
-    stride_cs,
-    InvFreq,
-    HALF: tl.constexpr,
-    FROM_CACHE: tl.constexpr,
-):
-    """cos/sin of ``pos * inv_freq`` broadcast over ``pos`` and ``offs_half``, in float32.
+def shift_cos_sin(offs_n, loc, mask_n, offs_d, mask_d, StoredPos, CosSin, stride_cs,
+                  HALF: tl.constexpr, MAX_POS: tl.constexpr):
+    """cos/sin ``[HALF_P, BLOCK_N]`` turning each key of a tile by the distance it moved.
 
-    ``FROM_CACHE`` reads the model's table (bit-identical to SGLang's own rotation); otherwise the
-    angle is computed here and reduced with libdevice's accurate ``cosf``/``sinf`` (the fast
-    hardware approximation is wrong for angles of tens of thousands of radians).
+    Key ``n`` (at pool slot ``loc``) was rotated at ``stored_positions[loc]`` when computed and
+    is read at ``n``; the table row of ``n - stored`` is loaded only for keys that moved (a masked
+    load: keys with a zero shift get ``cos = 1, sin = 0`` and cost no table traffic).
     """
-    if FROM_CACHE:
-        base = CosSin + pos.to(tl.int64) * stride_cs + offs_half
-        cos = tl.load(base, mask=mask, other=1.0)
-        sin = tl.load(base + HALF, mask=mask, other=0.0)
-    else:
-        inv = tl.load(InvFreq + offs_half, mask=offs_half < HALF, other=0.0)
-        angle = pos.to(tl.float32) * inv
-        cos = _cos(angle)
-        sin = _sin(angle)
+    stored = tl.load(StoredPos + loc, mask=mask_n, other=0)
+    delta = tl.minimum(tl.maximum(offs_n - stored, 0), MAX_POS - 1)
+    moved = mask_d[:, None] & ((delta != 0) & mask_n)[None, :]
+    row = CosSin + delta.to(tl.int64)[None, :] * stride_cs + offs_d[:, None]
+    cos = tl.load(row, mask=moved, other=1.0)
+    sin = tl.load(row + HALF, mask=moved, other=0.0)
     return cos, sin
 
 
@@ -72,7 +37,7 @@ def tanh(x):
 
 @triton.jit
 def rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP: tl.constexpr):
-    """``q . rope(k)`` for a tile: keys rotated in fp32, then two half-width dots.
+    """``q . rope(k)`` for a tile: keys turned in fp32, then two half-width dots.
 
     q1/q2: ``[M, HALF]`` query halves; k1/k2, cos/sin: ``[HALF, N]``. Returns ``[M, N]`` fp32.
     """

@@ -1,19 +1,23 @@
-"""Split-KV decode attention over un-rotated keys (one query token per request).
+"""Split-KV decode attention over keys in the shifted layout (one query token per request).
 
 Same contract as SGLang's ``decode_attention_fwd`` (``sglang.kernels.ops.attention.
-decode_attention``) so SGLang's Triton backend can call it unchanged, plus a ``rope`` table:
-keys are read un-rotated from the pool and rotated in registers at their logical position, the
-index ``n`` of the key in the request's ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` range. No
-position is stored per cached token, so one physical page can serve a span at any offset.
+decode_attention``) so SGLang's Triton backend can call it unchanged, plus a RoPE table and the
+pool's ``stored_positions``. Keys sit in the pool rotated at the position they were computed at,
+``stored_positions[slot]``; key ``n`` of request ``b`` (slot ``kv_indices[kv_indptr[b] + n]``) is
+read at logical position ``n`` and turned by ``n - stored_positions[slot]`` in registers. That
+shift is zero for every key that was computed where it is read (prompts without spans, generated
+tokens) and such keys read no table row; a span computed at ``0..L-1`` and reused at offset ``o``
+is turned by ``o``. So one physical copy of a span's pages serves it at any offset.
 
 Stage 1 (grid ``batch x head-blocks x splits``): each program takes up to ``BLOCK_H`` query
 heads sharing one KV head (GQA/MQA) and one contiguous slice of the sequence, and writes a
 partial output and its log-sum-exp. Stage 2 merges the splits. Buffers, shapes:
 
-    q            [batch, q_heads, head_dim]        (already rotated at its position)
-    k/v_buffer   [pool_slots, kv_heads, head_dim]  (k un-rotated)
-    attn_logits  [batch, q_heads, max_kv_splits, head_dim]  float32 scratch
-    attn_lse     [batch, q_heads, max_kv_splits]            float32 scratch
+    q                 [batch, q_heads, head_dim]        (rotated at its position by the model)
+    k/v_buffer        [pool_slots, kv_heads, head_dim]  (k rotated where computed)
+    stored_positions  [pool_slots] int32
+    attn_logits       [batch, q_heads, max_kv_splits, head_dim]  float32 scratch
+    attn_lse          [batch, q_heads, max_kv_splits]            float32 scratch
     num_kv_splits[batch] int32 (chosen by SGLang's backend), o [batch, q_heads, head_dim]
 
 Page size does not enter: ``kv_indices`` holds token slots for any page size. The kernel has no
@@ -28,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, online_softmax_step, rope_cos_sin, rotated_scores
+from ._common import next_pow2, online_softmax_step, rotated_scores, shift_cos_sin
 from .rope import RotaryTable
 
 MIN_BLOCK_KV = 32
@@ -52,7 +56,6 @@ def _decode_stage1(
     K_Buffer,
     V_Buffer,
     CosSin,
-    InvFreq,
     sm_scale,
     kv_indptr,
     kv_indices,
@@ -82,9 +85,6 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr,
     MIN_BLOCK: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
-    ROPE_FROM_CACHE: tl.constexpr,
-    ROPE_STEP: tl.constexpr,
-    SHIFTED: tl.constexpr,
     MAX_POS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -123,12 +123,6 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         k_base = kv_head * stride_kh + offs_d[:, None]
         v_base = kv_head * stride_vh + offs_dv[None, :]
-        if ROPE_STEP and not SHIFTED:
-            # cos/sin of j*f for the BLOCK_N offsets j of a tile: loaded once, in registers.
-            step_off = tl.arange(0, BLOCK_N)[None, :] * stride_cs + offs_d[:, None]
-            step_cos = tl.load(CosSin + step_off, mask=mask_d[:, None], other=1.0)
-            step_sin = tl.load(CosSin + step_off + HALF, mask=mask_d[:, None], other=0.0)
-
         for n0 in tl.range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -137,27 +131,10 @@ def _decode_stage1(
             k_off = loc[None, :] * stride_kt + k_base
             k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
             k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
-            if SHIFTED:
-                # keys were rotated where they were computed: turn each by the distance from
-                # there to here; only keys that moved (a span reused at an offset) read the table
-                stored = tl.load(StoredPos + loc, mask=mask_n, other=0)
-                delta = tl.minimum(tl.maximum(offs_n - stored, 0), MAX_POS - 1)
-                moved = mask_d[:, None] & ((delta != 0) & mask_n)[None, :]
-                row = CosSin + delta.to(tl.int64)[None, :] * stride_cs + offs_d[:, None]
-                cos = tl.load(row, mask=moved, other=1.0)
-                sin = tl.load(row + HALF, mask=moved, other=0.0)
-            elif ROPE_STEP:
-                # the tile's first row, stepped to n0 + j by angle addition
-                row = CosSin + n0 * stride_cs + offs_d
-                c0 = tl.load(row, mask=mask_d, other=1.0)[:, None]
-                s0 = tl.load(row + HALF, mask=mask_d, other=0.0)[:, None]
-                cos = c0 * step_cos - s0 * step_sin
-                sin = s0 * step_cos + c0 * step_sin
-            else:
-                cos, sin = rope_cos_sin(
-                    offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
-                    HALF, ROPE_FROM_CACHE,
-                )
+            # rotated where computed: turn each key by the distance it moved (table rows are
+            # read only for keys that moved, a span reused at another offset)
+            cos, sin = shift_cos_sin(offs_n, loc, mask_n, offs_d, mask_d, StoredPos, CosSin,
+                                     stride_cs, HALF, MAX_POS)
             qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
             v = tl.load(
@@ -245,15 +222,14 @@ def rotating_decode_attention_fwd(
     aux_tensors=None,
     *,
     rope: RotaryTable,
+    stored_positions: torch.Tensor,
     config: tuple[int, int, int] | None = None,
-    stored_positions: torch.Tensor | None = None,
 ) -> None:
-    """Decode attention with keys rotated on read; writes ``o``. See the module docstring.
+    """Decode attention over keys in the shifted layout; writes ``o``. See the module docstring.
 
-    ``config`` = (BLOCK_N, num_warps, num_stages) for stage 1 (default: :func:`decode_config`).
-    ``stored_positions`` (int32 ``[pool_slots]``) selects the *shifted* layout: keys in the pool
-    were rotated at the position they were computed at, ``stored_positions[slot]``, and key ``n``
-    is turned by ``n - stored_positions[slot]`` (zero for every key that did not move).
+    ``rope``: the model's RoPE table (row ``p`` turns a key by ``p``). ``stored_positions``: int32
+    ``[pool_slots]``, the position each slot's key was rotated at. ``config`` = (BLOCK_N,
+    num_warps, num_stages) for stage 1 (default: :func:`decode_config`).
 
     The trailing SGLang arguments exist so the backend can call this exactly like
     ``decode_attention_fwd``; features the kernel does not implement (attention sinks, MLA,
@@ -268,6 +244,7 @@ def rotating_decode_attention_fwd(
     kv_heads = k_buffer.shape[-2]
     lv = v_buffer.shape[-1]
     assert head_dim == rope.head_dim and head_dim % 2 == 0, (head_dim, rope.head_dim)
+    assert stored_positions.dtype == torch.int32 and stored_positions.numel() >= k_buffer.shape[0]
     group = q_heads // kv_heads
     block_h = 16
     half = head_dim // 2
@@ -279,17 +256,15 @@ def rotating_decode_attention_fwd(
 
     grid = (batch, triton.cdiv(q_heads, min(block_h, group)), max_kv_splits)
     _decode_stage1[grid](
-        q, k_buffer, v_buffer, rope.cos_sin_cache, rope.inv_freq, sm_scale * k_scale,
-        kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits,
-        kv_indices if stored_positions is None else stored_positions,
+        q, k_buffer, v_buffer, rope.cos_sin_cache, sm_scale * k_scale,
+        kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits, stored_positions,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), rope.cos_sin_cache.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         GROUP=group, Q_HEADS=q_heads, HALF=half, HALF_P=max(16, next_pow2(half)),
         LV=lv, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_H=block_h, MIN_BLOCK=MIN_BLOCK_KV,
-        LOGIT_CAP=float(logit_cap), ROPE_FROM_CACHE=rope.from_cache, ROPE_STEP=rope.step,
-        SHIFTED=stored_positions is not None, MAX_POS=rope.max_positions,
+        LOGIT_CAP=float(logit_cap), MAX_POS=rope.max_positions,
         **({} if interp else {"num_warps": warps, "num_stages": stages}),
     )
     _decode_stage2[(batch, q_heads)](

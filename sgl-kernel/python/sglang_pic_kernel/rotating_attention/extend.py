@@ -1,21 +1,23 @@
-"""Extend (prefill) attention over un-rotated keys: cached prefix + new tokens, causal.
+"""Extend (prefill) attention over keys in the shifted layout: cached prefix + new tokens, causal.
 
 Same contract as SGLang's ``extend_attention_fwd`` (``sglang.kernels.ops.attention.
-extend_attention``), plus a ``rope`` table. A request ``s`` has ``P = kv_indptr[s+1]-kv_indptr[s]``
-cached prefix keys in the pool and ``E = qo_indptr[s+1]-qo_indptr[s]`` new tokens. Keys are
-rotated at their index in the request's KV sequence: prefix key ``n`` at ``n``, new key ``n`` at
-``P + n``. Queries arrive rotated. This covers plain prefill (``P = 0``), prefix-cache hits and
-chunked prefill (earlier chunks are the prefix).
+extend_attention``), plus a RoPE table and the pool's ``stored_positions``. A request ``s`` has
+``P = kv_indptr[s+1]-kv_indptr[s]`` cached prefix keys in the pool and
+``E = qo_indptr[s+1]-qo_indptr[s]`` new tokens. Prefix keys sit in the pool rotated at the
+position they were computed at, ``stored_positions[slot]``; prefix key ``n`` is read at ``n`` and
+turned by ``n - stored_positions[slot]`` in registers (no table row for keys that did not move).
+The new keys and the queries arrive rotated at their positions by the model (new key ``n`` at
+``P + n``) and are used as they are. This covers plain prefill (``P = 0``), prefix-cache hits,
+chunked prefill (earlier chunks are the prefix) and a prompt after a span reused at an offset.
 
 Grid ``requests x q_heads x ceil(max E / BLOCK_M)``; each program keeps an online softmax over
-the prefix tiles (read through ``kv_indices``, rotated in registers) and then over the causal
-new-key tiles. New keys are either rotated in the same way (``new_keys="in_kernel"``) or once,
-up front, by :func:`_rotate_new_keys` into a scratch buffer (``"pre_rotated"``): the prefix must
-be rotated on read because it is shared, the new keys need not be.
+the prefix tiles (gathered through ``kv_indices``, turned in registers) and then over the causal
+new-key tiles.
 
     q_extend, o_extend   [new_tokens, q_heads, head_dim]
-    k_extend, v_extend   [new_tokens, kv_heads, head_dim]  (k un-rotated)
-    k/v_buffer           [pool_slots, kv_heads, head_dim]  (k un-rotated)
+    k_extend, v_extend   [new_tokens, kv_heads, head_dim]  (k rotated at its position)
+    k/v_buffer           [pool_slots, kv_heads, head_dim]  (k rotated where computed)
+    stored_positions     [pool_slots] int32
 """
 
 from __future__ import annotations
@@ -24,18 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    next_pow2,
-    online_softmax_step,
-    rope_cos_sin,
-    rotate_pair,
-    rotated_scores,
-    tanh,
-)
+from ._common import next_pow2, online_softmax_step, rotated_scores, shift_cos_sin, tanh
 from .rope import RotaryTable
-
-NEW_KEYS_IN_KERNEL = "in_kernel"
-NEW_KEYS_PRE_ROTATED = "pre_rotated"
 
 
 @triton.jit
@@ -51,7 +43,6 @@ def _extend_kernel(
     kv_indices,
     StoredPos,
     CosSin,
-    InvFreq,
     sm_scale,
     v_scale,
     stride_qt,
@@ -76,9 +67,6 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
-    ROPE_FROM_CACHE: tl.constexpr,
-    ROTATE_NEW_KEYS: tl.constexpr,
-    SHIFTED: tl.constexpr,
     MAX_POS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -109,7 +97,7 @@ def _extend_kernel(
     e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Stage 1: the cached prefix, gathered through kv_indices and rotated at n.
+    # Stage 1: the cached prefix, gathered through kv_indices, turned to its index n.
     kb_base = kv_head * stride_kbh + offs_d[:, None]
     vb_base = kv_head * stride_vbh + offs_dv[None, :]
     for n0 in range(0, pre_len, BLOCK_N):
@@ -120,19 +108,9 @@ def _extend_kernel(
         k_off = loc[None, :] * stride_kbt + kb_base
         k1 = tl.load(K_Buffer + k_off, mask=k_mask, other=0.0)
         k2 = tl.load(K_Buffer + k_off + HALF, mask=k_mask, other=0.0)
-        if SHIFTED:
-            # rotated where computed: turn by the distance moved (table read only if it moved)
-            stored = tl.load(StoredPos + loc, mask=mask_n, other=0)
-            delta = tl.minimum(tl.maximum(offs_n - stored, 0), MAX_POS - 1)
-            moved = mask_d[:, None] & ((delta != 0) & mask_n)[None, :]
-            row = CosSin + delta.to(tl.int64)[None, :] * stride_cs + offs_d[:, None]
-            cos = tl.load(row, mask=moved, other=1.0)
-            sin = tl.load(row + HALF, mask=moved, other=0.0)
-        else:
-            cos, sin = rope_cos_sin(
-                offs_n[None, :], offs_d[:, None], k_mask, CosSin, stride_cs, InvFreq,
-                HALF, ROPE_FROM_CACHE,
-            )
+        # rotated where computed: turn by the distance moved (table read only if it moved)
+        cos, sin = shift_cos_sin(offs_n, loc, mask_n, offs_d, mask_d, StoredPos, CosSin,
+                                 stride_cs, HALF, MAX_POS)
         qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
         qk = tl.where(mask_m[:, None] & mask_n[None, :], qk, float("-inf"))
         v = tl.load(
@@ -142,7 +120,7 @@ def _extend_kernel(
         )
         acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
-    # Stage 2: the new tokens, contiguous, causal; key n sits at position pre_len + n.
+    # Stage 2: the new tokens, contiguous, causal, rotated by the model at pre_len + n.
     if IS_CAUSAL:
         ext_end = tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
     else:
@@ -156,17 +134,10 @@ def _extend_kernel(
         k_off = (q_start + offs_n)[None, :] * stride_ket + ke_base
         k1 = tl.load(K_Ext + k_off, mask=k_mask, other=0.0)
         k2 = tl.load(K_Ext + k_off + HALF, mask=k_mask, other=0.0)
-        if ROTATE_NEW_KEYS:
-            cos, sin = rope_cos_sin(
-                (pre_len + offs_n)[None, :], offs_d[:, None], k_mask, CosSin, stride_cs,
-                InvFreq, HALF, ROPE_FROM_CACHE,
-            )
-            qk = rotated_scores(q1, q2, k1, k2, cos, sin, sm_scale, LOGIT_CAP)
-        else:
-            qk = tl.dot(q1, k1.to(q1.dtype)) + tl.dot(q2, k2.to(q2.dtype))
-            qk *= sm_scale
-            if LOGIT_CAP > 0:
-                qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
+        qk = tl.dot(q1, k1.to(q1.dtype)) + tl.dot(q2, k2.to(q2.dtype))
+        qk *= sm_scale
+        if LOGIT_CAP > 0:
+            qk = LOGIT_CAP * tanh(qk / LOGIT_CAP)
         valid = mask_m[:, None] & mask_n[None, :]
         if IS_CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
@@ -181,50 +152,6 @@ def _extend_kernel(
     o_off = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
     out = acc / e_sum[:, None] * v_scale
     tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
-
-
-@triton.jit
-def _rotate_new_keys(
-    K_Ext,
-    K_Out,
-    qo_indptr,
-    kv_indptr,
-    CosSin,
-    InvFreq,
-    stride_kt,
-    stride_kh,
-    stride_ot,
-    stride_oh,
-    stride_cs,
-    KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ROPE_FROM_CACHE: tl.constexpr,
-):
-    """K_Out[t] = rope(K_Ext[t], P_s + t - qo_indptr[s]) for the new tokens of request s."""
-    seq = tl.program_id(0)
-    block_t = tl.program_id(1)
-    q_start = tl.load(qo_indptr + seq).to(tl.int64)
-    ext_len = tl.load(qo_indptr + seq + 1) - q_start
-    pre_len = tl.load(kv_indptr + seq + 1) - tl.load(kv_indptr + seq)
-    if block_t * BLOCK_T >= ext_len:
-        return
-    offs_t = block_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HALF_P)
-    mask = (offs_t < ext_len)[:, None] & (offs_d < HALF)[None, :]
-    cos, sin = rope_cos_sin(
-        (pre_len + offs_t)[:, None], offs_d[None, :], mask, CosSin, stride_cs, InvFreq,
-        HALF, ROPE_FROM_CACHE,
-    )
-    for h in range(KV_HEADS):
-        src = (q_start + offs_t)[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
-        dst = (q_start + offs_t)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-        k1 = tl.load(K_Ext + src, mask=mask, other=0.0)
-        k2 = tl.load(K_Ext + src + HALF, mask=mask, other=0.0)
-        r1, r2 = rotate_pair(k1, k2, cos, sin)
-        tl.store(K_Out + dst, r1.to(K_Out.dtype.element_ty), mask=mask)
-        tl.store(K_Out + dst + HALF, r2.to(K_Out.dtype.element_ty), mask=mask)
 
 
 def _block_sizes(head_dim: int, is_cuda: bool) -> tuple[int, int, int]:
@@ -266,15 +193,13 @@ def rotating_extend_attention_fwd(
     aux_tensors=None,
     *,
     rope: RotaryTable,
-    new_keys: str = NEW_KEYS_PRE_ROTATED,
-    stored_positions: torch.Tensor | None = None,
+    stored_positions: torch.Tensor,
 ) -> None:
-    """Extend attention with keys rotated on read; writes ``o_extend``. See the module docstring.
+    """Extend attention over keys in the shifted layout; writes ``o_extend``. See the module
+    docstring.
 
-    ``stored_positions`` (int32 ``[pool_slots]``) selects the *shifted* layout: pool keys were
-    rotated at ``stored_positions[slot]`` and prefix key ``n`` is turned by the difference; the
-    new keys ``k_extend`` arrive rotated at their positions (the model's own RoPE) and are used
-    as they are (``new_keys`` is then ignored).
+    ``rope``: the model's RoPE table (row ``p`` turns a key by ``p``). ``stored_positions``: int32
+    ``[pool_slots]``, the position each slot's key was rotated at.
 
     Takes SGLang's ``extend_attention_fwd`` arguments; custom masks (speculative verify), sliding
     windows, sinks, score mods and xai temperature are refused by the backend at start.
@@ -284,12 +209,11 @@ def rotating_extend_attention_fwd(
     )
     assert (sliding_window_size is None or sliding_window_size < 0) and xai_temperature_len <= 0
     del mask_indptr, window_kv_offsets, page_size, aux_tensors
-    if new_keys not in (NEW_KEYS_IN_KERNEL, NEW_KEYS_PRE_ROTATED):
-        raise ValueError(f"new_keys must be 'in_kernel' or 'pre_rotated', got {new_keys!r}")
     head_dim = q_extend.shape[-1]
     q_heads, kv_heads = q_extend.shape[1], k_extend.shape[1]
     lv = v_extend.shape[-1]
     assert head_dim == rope.head_dim and head_dim % 2 == 0, (head_dim, rope.head_dim)
+    assert stored_positions.dtype == torch.int32 and stored_positions.numel() >= k_buffer.shape[0]
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     half = head_dim // 2
@@ -299,34 +223,17 @@ def rotating_extend_attention_fwd(
     batch = qo_indptr.shape[0] - 1
     launch = {"num_warps": num_warps, "num_stages": 1} if is_cuda else {}
 
-    shifted = stored_positions is not None
-    rotate_in_kernel = new_keys == NEW_KEYS_IN_KERNEL and not shifted
-    if not rotate_in_kernel and not shifted:
-        k_rot = torch.empty_like(k_extend)
-        block_t = 64 if is_cuda else 16
-        _rotate_new_keys[(batch, triton.cdiv(max_len_extend, block_t))](
-            k_extend, k_rot, qo_indptr, kv_indptr, rope.cos_sin_cache, rope.inv_freq,
-            k_extend.stride(0), k_extend.stride(1), k_rot.stride(0), k_rot.stride(1),
-            rope.cos_sin_cache.stride(0),
-            KV_HEADS=kv_heads, HALF=half, HALF_P=half_p, BLOCK_T=block_t,
-            ROPE_FROM_CACHE=rope.from_cache,
-        )
-        k_extend = k_rot
-
     grid = (batch, q_heads, triton.cdiv(max_len_extend, block_m))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices,
-        kv_indices if stored_positions is None else stored_positions,
-        rope.cos_sin_cache, rope.inv_freq, sm_scale * k_scale, v_scale,
+        qo_indptr, kv_indptr, kv_indices, stored_positions,
+        rope.cos_sin_cache, sm_scale * k_scale, v_scale,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         rope.cos_sin_cache.stride(0),
         GROUP=q_heads // kv_heads, HALF=half, HALF_P=half_p, LV=lv,
         BLOCK_DV=next_pow2(lv), BLOCK_M=block_m, BLOCK_N=block_n,
-        LOGIT_CAP=float(logit_cap), IS_CAUSAL=bool(is_causal),
-        ROPE_FROM_CACHE=rope.from_cache, ROTATE_NEW_KEYS=rotate_in_kernel,
-        SHIFTED=shifted, MAX_POS=rope.max_positions,
+        LOGIT_CAP=float(logit_cap), IS_CAUSAL=bool(is_causal), MAX_POS=rope.max_positions,
         **launch,
     )

@@ -1,6 +1,9 @@
 """Plain-torch references for the rotating-attention kernels: rotate K, then standard attention.
 
-Used by the tests (CPU interpreter and GPU) and by the kernel benchmark's correctness check.
+The references take keys *un-rotated* and rotate each at its index in the request's KV sequence
+(new key ``n`` of an extend at ``prefix + n``): what the kernels must compute from the same keys
+in the shifted layout (rotated where computed, turned on read). Used by the kernel tests (CPU
+interpreter and GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _attend(q, k, v, sm_scale, causal_offset: int | None, logit_cap: float = 0.0
 
 def reference_decode(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, rope: RotaryTable,
                      logit_cap: float = 0.0) -> torch.Tensor:
-    """q [batch, hq, d]; returns float32 [batch, hq, dv]."""
+    """q [batch, hq, d], k_buffer un-rotated; returns float32 [batch, hq, dv]."""
     out = []
     for b in range(q.shape[0]):
         slots = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
@@ -40,7 +43,7 @@ def reference_decode(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, rop
 def reference_extend(q, k_ext, v_ext, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                      sm_scale, rope: RotaryTable, causal: bool = True,
                      logit_cap: float = 0.0) -> torch.Tensor:
-    """Returns float32 [new_tokens, hq, dv]."""
+    """k_ext and k_buffer un-rotated; returns float32 [new_tokens, hq, dv]."""
     out = []
     for s in range(qo_indptr.numel() - 1):
         qs, qe = int(qo_indptr[s]), int(qo_indptr[s + 1])

@@ -1,15 +1,12 @@
-"""RoPE tables shared by the rotating-attention kernels, and the torch reference rotation.
+"""The RoPE table of the rotating-attention kernels, and the torch reference rotation.
 
-Position-free KV keeps keys un-rotated in the pool; every kernel that reads a key rotates it at
-its logical position (its index in the request's KV sequence). The angle for position ``p`` and
-frequency ``i`` is ``p * inv_freq[i]``; the kernels either read ``cos``/``sin`` from the model's
-own ``cos_sin_cache`` (exactly the numbers SGLang rotated keys with, so outputs match vanilla),
-compute them in-kernel from ``inv_freq`` (no table traffic, but accurate ``cosf`` is slow), or -
-the default, ``step`` - let the decode kernel read one table row per key tile and step it to each
-key of the tile by angle addition, ``cos((n0+j)f) = cos(n0 f) cos(j f) - sin(n0 f) sin(j f)``,
-with the ``j`` rows loaded once per program: decode is bandwidth-bound and a full table row per
-key costs twice the key's own bytes. The extend kernel reads table rows in ``step`` mode (it is
-compute-bound). Measurements: ``docs/position-free-kv.md``.
+Position-free KV in the *shifted layout*: the model rotates keys as vanilla SGLang does and they
+are stored rotated at the position they were computed at, ``stored_positions[slot]``. A key read
+at logical position ``l`` (its index in the request's KV sequence) is turned by ``l - s`` in the
+kernel. RoPE rotations compose (``rope(rope(k, s), l - s) = rope(k, l)``, llama3 frequency
+scaling included: it only changes the frequencies), so one table row per distance suffices:
+row ``p`` holds ``cos(p f) ++ sin(p f)``, the numbers SGLang's own ``cos_sin_cache`` holds. Keys
+that did not move (``l == s``, every key of a request without spans) read no table row.
 
 Only the neox layout (``rotate_half``: dims ``[0, d/2)`` pair with ``[d/2, d)``) over the full
 head dimension is supported: Llama 2/3.x, Qwen2/2.5/3 and Mistral all use it in SGLang.
@@ -21,32 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
-ROPE_FROM_CACHE = "cache"
-ROPE_IN_KERNEL = "compute"
-ROPE_STEP = "step"
-ROPE_MODES = (ROPE_STEP, ROPE_FROM_CACHE, ROPE_IN_KERNEL)
-
 
 @dataclass(frozen=True)
 class RotaryTable:
-    """What a kernel needs to rotate a key at any position.
+    """What a kernel needs to turn a key by any distance.
 
-    cos_sin_cache: float32 ``[max_positions, head_dim]``; row ``p`` is ``cos(p*f) ++ sin(p*f)``.
-    inv_freq:      float32 ``[head_dim // 2]``, the (possibly llama3-scaled) frequencies.
-    mode:          ``"step"`` (default), ``"cache"`` or ``"compute"`` (see the module docstring).
+    cos_sin_cache: float32 ``[max_positions, head_dim]``; row ``p`` is ``cos(p*f) ++ sin(p*f)``
+    for the model's (possibly llama3-scaled) frequencies ``f``. Distances are clamped to
+    ``max_positions - 1``: size it to the context length.
     """
 
     cos_sin_cache: torch.Tensor
-    inv_freq: torch.Tensor
-    mode: str = ROPE_STEP
 
     def __post_init__(self) -> None:
-        if self.mode not in ROPE_MODES:
-            raise ValueError(f"rope mode must be one of {ROPE_MODES}, got {self.mode!r}")
-        if self.cos_sin_cache.dim() != 2 or self.cos_sin_cache.shape[1] != 2 * self.inv_freq.numel():
+        if self.cos_sin_cache.dim() != 2 or self.cos_sin_cache.shape[1] % 2:
             raise ValueError(
-                f"cos_sin_cache {tuple(self.cos_sin_cache.shape)} does not match "
-                f"inv_freq of {self.inv_freq.numel()} frequencies"
+                f"cos_sin_cache must be [max_positions, head_dim] with an even head_dim, "
+                f"got {tuple(self.cos_sin_cache.shape)}"
             )
 
     @property
@@ -57,32 +45,17 @@ class RotaryTable:
     def max_positions(self) -> int:
         return self.cos_sin_cache.shape[0]
 
-    @property
-    def from_cache(self) -> bool:
-        """Whether kernels read cos/sin from the table (``step`` reads it too)."""
-        return self.mode in (ROPE_FROM_CACHE, ROPE_STEP)
-
-    @property
-    def step(self) -> bool:
-        return self.mode == ROPE_STEP
-
     @classmethod
-    def from_inv_freq(
-        cls, inv_freq: torch.Tensor, max_positions: int, mode: str = ROPE_STEP
-    ) -> RotaryTable:
+    def from_inv_freq(cls, inv_freq: torch.Tensor, max_positions: int) -> RotaryTable:
         """Build the table the way SGLang's ``RotaryEmbedding._compute_cos_sin_cache`` does."""
         inv_freq = inv_freq.float()
         t = torch.arange(max_positions, dtype=torch.float, device=inv_freq.device)
         freqs = torch.einsum("i,j -> ij", t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        return cls(cache.contiguous(), inv_freq.contiguous(), mode)
+        return cls(cache.contiguous())
 
     def to(self, device: torch.device | str) -> RotaryTable:
-        return RotaryTable(
-            self.cos_sin_cache.to(device, torch.float32).contiguous(),
-            self.inv_freq.to(device, torch.float32).contiguous(),
-            self.mode,
-        )
+        return RotaryTable(self.cos_sin_cache.to(device, torch.float32).contiguous())
 
 
 def rotate_neox(x: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
