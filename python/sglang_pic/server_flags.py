@@ -212,6 +212,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "distance moved when read (selects the pic_ twin of --attention-backend: flashinfer "
          "-> pic_flashinfer, the GPU default; triton -> pic_triton; torch_native -> "
          "pic_torch_native)"),
+    Flag("--position-free-span-graphs", "position_free",
+         "pic_flashinfer: capture a second set of decode CUDA graphs (our Triton kernels) for "
+         "batches holding span requests, which otherwise decode eagerly (not yet measured on a "
+         "GPU: off by default)", default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
     Flag("--position-free-decode-config", "position_free",
          "stage-1 launch configuration of the GPU decode kernel",
          parse=decode_config, default=(64, 2, 3),

@@ -11,9 +11,10 @@ this changes in SGLang, all registered by ``register()``:
    ``server_args.add_attention_backend_choices``; ``sglang-pic serve --enable-position-free-kv``
    picks the one matching the chosen ``--attention-backend``;
 2. an AFTER hook on ``ForwardBatch.init_new`` that records the positions of every batch's new
-   keys and marks batches that read moved keys, and AROUND hooks on the decode/prefill CUDA graph
-   runners' ``can_run_graph`` that keep those batches off the (FlashInfer) graphs
-   (``shifted_batches``);
+   keys and marks batches that read moved keys (``shifted_batches``), and AROUND hooks on the
+   CUDA graph runners that keep those batches off ``pic_flashinfer``'s FlashInfer graphs and,
+   with ``--position-free-span-graphs``, capture and replay a second decode graph set for them
+   (``span_graphs``);
 3. ``pic_torch_native`` must answer ``sglang.srt.utils.common.support_triton`` (which decides by
    backend *name* whether SGLang's Triton bookkeeping kernels may run) like ``torch_native``
    (False): ``CPU_BACKENDS``, answered by the plugin's one AROUND hook on it.
@@ -36,7 +37,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends, shifted_batches
+    from . import backends, shifted_batches, span_graphs
 
     register_attention_backend("pic_flashinfer")(backends.create_pic_flashinfer)
     register_attention_backend("pic_triton")(backends.create_pic_triton)
@@ -45,5 +46,5 @@ def register() -> None:
     HookRegistry.register(
         shifted_batches.INIT_NEW_TARGET, shifted_batches.mark_forward_batch, HookType.AFTER
     )
-    for target in shifted_batches.GRAPH_TARGETS:
-        HookRegistry.register(target, shifted_batches.no_graph_for_shifted, HookType.AROUND)
+    for target, hook in span_graphs.TARGETS.items():
+        HookRegistry.register(target, getattr(span_graphs, hook), HookType.AROUND)

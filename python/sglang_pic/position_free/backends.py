@@ -66,21 +66,32 @@ class ShiftedTritonBackend(TritonAttnBackend):
 class PositionFreeFlashInferBackend(AttentionBackend):
     """FlashInfer for batches without moved keys, ``ShiftedTritonBackend`` for the others.
 
-    CUDA graphs are captured and replayed with FlashInfer only: ``shifted_batches`` keeps shifted
-    batches off them. Attributes SGLang reads from its backend (workspace, wrappers, flags) are
-    FlashInfer's.
+    CUDA graphs are captured with FlashInfer; with ``--position-free-span-graphs`` (``span_graphs``)
+    the decode graphs are captured a second time with ``ShiftedTritonBackend`` for shifted
+    batches, which otherwise run eagerly. Attributes SGLang reads from its backend (workspace,
+    wrappers, flags) are FlashInfer's.
     """
 
     def __init__(self, model_runner):
         from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
+        from sglang_pic.server_flags import setting
+
         model_check.check_server_settings(model_runner)
         self.dense = FlashInferAttnBackend(model_runner)
         self.shifted = ShiftedTritonBackend(model_runner)
         self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
+        self.span_graphs = bool(setting("--position-free-span-graphs"))
+        self.capture_shifted = False  # capturing the second decode graph set (span_graphs)
+        self.replay_shifted = False  # the decode graph about to be replayed is a shifted one
 
     def _pick(self, forward_batch) -> AttentionBackend:
-        return self.shifted if shifted_batches.is_shifted(forward_batch) else self.dense
+        if self.capture_shifted:
+            return self.shifted
+        marked = getattr(forward_batch, shifted_batches.ATTR, None)
+        if marked is None:  # a graph runner's own view of a batch (capture or replay)
+            return self.shifted if self.replay_shifted else self.dense
+        return self.shifted if marked else self.dense
 
     def __getattr__(self, name: str) -> Any:
         # only called for names this object lacks: SGLang reading FlashInfer's attributes
@@ -101,6 +112,8 @@ class PositionFreeFlashInferBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        if self.span_graphs:
+            self.shifted.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return self.dense.get_cuda_graph_seq_len_fill_value()

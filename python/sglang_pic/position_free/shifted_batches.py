@@ -1,18 +1,15 @@
-"""Which forward batches read moved keys, and keeping those batches off the dense CUDA graphs.
+"""Which forward batches read moved keys, and the positions of the keys every batch computes.
 
 In the shifted layout (``stored_positions``) a request without spans reads every key at the
 position it was computed at, so a batch of such requests is vanilla attention: ``pic_flashinfer``
 runs it on FlashInfer, CUDA graphs included. A request whose prompt reuses a cached span at
 another offset (the span cache sets ``req.pic_segments``) reads moved keys; a batch holding one
-runs our Triton kernels, which turn each key by the distance it moved, and runs without CUDA
-graphs (the graphs hold the dense kernels).
+runs our Triton kernels, which turn each key by the distance it moved (which CUDA graphs such a
+batch may replay: ``span_graphs``).
 
-Hooks (registered by ``position_free.register``):
-
-* AFTER ``ForwardBatch.init_new`` (``mark_forward_batch``): records the positions of the batch's
-  new keys in the slot table and sets ``forward_batch.pic_shifted``;
-* AROUND ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
-  (``no_graph_for_shifted``): False for a shifted batch.
+AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, registered by
+``position_free.register``): records the positions of the batch's new keys in the slot table
+and sets ``forward_batch.pic_shifted``.
 """
 
 from __future__ import annotations
@@ -23,11 +20,6 @@ from . import stored_positions
 
 ATTR = "pic_shifted"
 INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-GRAPH_TARGETS = (
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner."
-    "can_run_graph",
-)
 
 
 def reads_moved_keys(req: Any) -> bool:
@@ -48,9 +40,3 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
     reqs = getattr(batch, "reqs", None) or ()
     setattr(result, ATTR, any(reads_moved_keys(r) for r in reqs))
 
-
-def no_graph_for_shifted(original, self: Any, forward_batch: Any, *args: Any, **kwargs: Any):
-    """AROUND hook for the CUDA graph runners' ``can_run_graph``."""
-    if is_shifted(forward_batch):
-        return False
-    return original(self, forward_batch, *args, **kwargs)

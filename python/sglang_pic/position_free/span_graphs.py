@@ -1,0 +1,90 @@
+"""Which CUDA graphs a batch that reads moved keys may replay, and a second decode graph set for
+it on ``pic_flashinfer`` (``--position-free-span-graphs``).
+
+``pic_triton`` runs the same (shift-aware) Triton kernels for every batch, so its graphs serve
+shifted batches as they are. ``pic_flashinfer`` captures its graphs with FlashInfer, which reads
+keys as stored: a shifted batch must not replay them. Without the flag it runs eagerly; that
+costs every layer's kernel launches on the host, and SGLang's overlap scheduler launches one
+such decode step before a request's first token is returned (the note of headline row
+``spans.cached_span_ttft``). With the flag the decode graph runner captures every batch size
+twice, once as SGLang does (FlashInfer) and once with ``ShiftedTritonBackend`` under the graph
+variant label ``shifted`` (SGLang keys graphs by a variant label - its LoRA / no-LoRA graphs;
+the sparse decoder's second set, ``sparse/graphs.py``, uses the same mechanism), and a shifted
+decode batch replays the second set. Prefill graphs never hold the shifted kernels.
+
+AROUND hooks (registered by ``position_free.register``):
+
+* ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
+  (``around_can_run_graph``): a shifted batch on ``pic_flashinfer`` replays only the second decode
+  set; the backend is told which set the batch about to be replayed needs (``replay_shifted``:
+  the runner's view of the batch does not carry the mark);
+* ``DecodeCudaGraphRunner._capture_one_stream``: runs the original twice on ``pic_flashinfer``
+  with the flag, the second time with the backend's ``capture_shifted`` set;
+* ``DecodeCudaGraphRunner._make_graph_key``: adds ``shifted`` to the variant label while
+  capturing the second set and when replaying for a shifted batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import shifted_batches
+
+RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+PREFILL_RUNNER = (
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+)
+LABEL = "shifted"
+TARGETS = {
+    f"{RUNNER}.can_run_graph": "around_can_run_graph",
+    f"{PREFILL_RUNNER}.can_run_graph": "around_can_run_graph",
+    f"{RUNNER}._capture_one_stream": "around_capture_one_stream",
+    f"{RUNNER}._make_graph_key": "around_make_graph_key",
+}
+
+
+def _flashinfer_twin(runner: Any):
+    """The runner's backend if it is ``pic_flashinfer`` (graphs that hold dense kernels)."""
+    from .backends import PositionFreeFlashInferBackend
+
+    model_runner = getattr(runner, "model_runner", None)
+    backend = getattr(model_runner, "attn_backend", None)
+    return backend if isinstance(backend, PositionFreeFlashInferBackend) else None
+
+
+def _is_decode_runner(runner: Any) -> bool:
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    return isinstance(runner, DecodeCudaGraphRunner)
+
+
+def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwargs: Any):
+    backend = _flashinfer_twin(self)
+    if backend is None:
+        return original(self, forward_batch, *args, **kwargs)
+    shifted = shifted_batches.is_shifted(forward_batch)
+    if shifted and not (backend.span_graphs and _is_decode_runner(self)):
+        return False
+    if _is_decode_runner(self):
+        backend.replay_shifted = shifted
+    return original(self, forward_batch, *args, **kwargs)
+
+
+def around_capture_one_stream(original, self, *args: Any, **kwargs: Any):
+    backend = _flashinfer_twin(self)
+    if backend is None or not backend.span_graphs:
+        return original(self, *args, **kwargs)
+    backend.replay_shifted = False
+    try:
+        original(self, *args, **kwargs)
+        backend.capture_shifted = True
+        return original(self, *args, **kwargs)
+    finally:
+        backend.capture_shifted = False
+
+
+def around_make_graph_key(original, self, size, stream_idx=None, variant_label=None):
+    backend = _flashinfer_twin(self)
+    if backend is not None and (backend.capture_shifted or backend.replay_shifted):
+        variant_label = f"{variant_label}+{LABEL}" if variant_label else LABEL
+    return original(self, size, stream_idx, variant_label)
