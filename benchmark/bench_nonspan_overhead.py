@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--variants", default="vanilla,sglang-pic-spans",
                     help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-triton, "
                          "vanilla-triton")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, alternating which goes first "
+                         "(samples pooled; 2 = A B B A)")
     ap.add_argument("--quick", action="store_true",
                     help="1K/8K prompts, batch 1/32, 2 repeats (writes to a temp folder)")
     args = ap.parse_args()
@@ -51,7 +54,7 @@ def main() -> None:
     run_side_by_side("nonspan_overhead_h200", "bench_position_free", "workload",
                      NONSPAN_ENGINE_KWARGS,
                      params, out_dir=args.out, variants=tuple(args.variants.split(",")),
-                     variant_kwargs=VARIANT_KWARGS, timeout_s=590)
+                     variant_kwargs=VARIANT_KWARGS, timeout_s=590, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ from harness import LLAMA3_8B_DUMMY, stream_generate
 
 SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
+# variants of the span server beyond its schedule: the switches they turn on
+SPAN_SWITCHES = {"sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"}}
 
 
 def _variant() -> str:
@@ -70,6 +72,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     spans = variant.startswith("sglang-pic")
     if spans:
         os.environ["SGLANG_PIC_SPAN_SCHEDULE"] = SCHEDULE.get(variant, "isps")
+        os.environ.update(SPAN_SWITCHES.get(variant, {}))  # read by the scheduler it starts
     import sglang as sgl
 
     repo = Path(__file__).resolve().parent.parent
@@ -200,11 +203,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default=None,
                     help="any of vanilla (FlashInfer), vanilla-triton, sglang-pic (ISPS), "
-                         "sglang-pic-barrier" "(default: vanilla,vanilla-triton,sglang-pic; "
+                         "sglang-pic-barrier, sglang-pic-span-graphs (--position-free-span-graphs) "
+                         "(default: vanilla,vanilla-triton,sglang-pic; "
                          "vanilla,sglang-pic with --smoke)")
     ap.add_argument("--repeats", type=int, default=PARAMS["repeats"])
     ap.add_argument("--requests", type=int, default=PARAMS["rag_requests"])
     ap.add_argument("--rag-repeats", type=int, default=PARAMS["rag_repeats"])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, alternating which goes first")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     engine_kwargs = ENGINE_KWARGS
@@ -224,7 +230,8 @@ def main() -> None:
     args.variants = args.variants or "vanilla,vanilla-triton,sglang-pic"
     report = run_side_by_side(name, "bench_spans", "workload", engine_kwargs, params,
                               higher_is_better={"rag_requests_per_s"}, out_dir=args.out,
-                              variants=tuple(args.variants.split(",")), timeout_s=1800)
+                              variants=tuple(args.variants.split(",")), timeout_s=1800,
+                              rounds=args.rounds)
     res = report["results"]
     van = res.get("vanilla", {})
     print(f"\n{'variant':<22}{'req/s':>9}{'x vanilla':>11}{'TTFT p50':>10}{'p99':>9}"

@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,25 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['metric']:<40}{r['vanilla']:>14.4g}{r['sglang-pic']:>14.4g}{ratio:>13}")
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One variant's results from several rounds (each a fresh process): every sample list
+    ``<metric>_all`` concatenated and ``<metric>`` its median; each metric's per-round medians in
+    ``<metric>_rounds``; anything else from the first round. A failed round fails the variant."""
+    failed = [r for r in runs if "error" in r]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        if key.endswith("_all") and isinstance(value, list):
+            metric = key.removesuffix("_all")
+            samples = [x for r in runs for x in r.get(key, [])]
+            merged[key] = samples
+            merged[metric] = statistics.median(samples)
+            merged[f"{metric}_rounds"] = [r.get(metric) for r in runs]
+    merged["rounds"] = len(runs)
+    return merged
+
+
 def run_side_by_side(
     name: str,
     module: str,
@@ -155,41 +175,52 @@ def run_side_by_side(
     timeout_s: float = 1200,
     out_dir: str | None = None,
     variant_kwargs: dict[str, dict] | None = None,
+    rounds: int = 1,
 ) -> dict:
-    """Run `module.func` once per variant, each in a fresh process; write and return the report.
+    """Run `module.func` once per variant and round, each in a fresh process; write and return
+    the report.
 
     ``variant_kwargs`` overrides engine arguments per variant (e.g. the attention backend a
-    sglang-pic feature needs); everything else is the same for both.
+    sglang-pic feature needs); everything else is the same for both. With ``rounds`` > 1 the
+    order alternates (A B, then B A, ...) so that neither side always runs first, and each
+    variant's samples are pooled over its rounds (``merge_rounds``).
     """
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         site = plugin_site(Path(tmp) / "site")
-        for variant in variants:
-            out = Path(tmp) / f"{variant}.json"
-            spec = Path(tmp) / f"{variant}.spec.json"
-            kwargs = {**engine_kwargs, **(variant_kwargs or {}).get(variant, {})}
-            if variant in VANILLA_BACKENDS and "device" not in kwargs:  # GPU runs only
-                kwargs["attention_backend"] = VANILLA_BACKENDS[variant]
-            spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
-                                        "engine_kwargs": kwargs, "params": params}))
-            print(f"[bench] {name}: running {variant} ...", flush=True)
-            t0 = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", str(spec)],
-                env=variant_env(variant, site),
-                timeout=timeout_s,
-            )
-            if proc.returncode != 0 or not out.exists():
-                results[variant] = {"error": f"exit code {proc.returncode}"}
-            else:
-                results[variant] = json.loads(out.read_text())
-                # the workload may pick the backend its feature needs: it reports it then
-                results[variant].setdefault("attention_backend", kwargs.get("attention_backend"))
-            print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
-            if len(results) < len(variants):  # a partial report survives a later variant's crash
-                _write_report(name, out_dir, {"benchmark": name, "partial": True,
-                                              "environment": environment(), "params": params,
-                                              "results": results})
+        for round_no in range(rounds):
+            order = variants if round_no % 2 == 0 else tuple(reversed(variants))
+            for variant in order:
+                out = Path(tmp) / f"{variant}.{round_no}.json"
+                spec = Path(tmp) / f"{variant}.{round_no}.spec.json"
+                kwargs = {**engine_kwargs, **(variant_kwargs or {}).get(variant, {})}
+                if variant in VANILLA_BACKENDS and "device" not in kwargs:  # GPU runs only
+                    kwargs["attention_backend"] = VANILLA_BACKENDS[variant]
+                spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
+                                            "engine_kwargs": kwargs, "params": params}))
+                tag = f" (round {round_no + 1}/{rounds})" if rounds > 1 else ""
+                print(f"[bench] {name}: running {variant}{tag} ...", flush=True)
+                t0 = time.perf_counter()
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", str(spec)],
+                    env=variant_env(variant, site),
+                    timeout=timeout_s,
+                )
+                if proc.returncode != 0 or not out.exists():
+                    result = {"error": f"exit code {proc.returncode}"}
+                else:
+                    result = json.loads(out.read_text())
+                    # the workload may pick the backend its feature needs: it reports it then
+                    result.setdefault("attention_backend", kwargs.get("attention_backend"))
+                runs[variant].append(result)
+                results[variant] = merge_rounds(runs[variant])
+                print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
+                done = sum(len(r) for r in runs.values())
+                if done < rounds * len(variants):  # a partial report survives a later crash
+                    _write_report(name, out_dir, {"benchmark": name, "partial": True,
+                                                  "environment": environment(), "params": params,
+                                                  "results": results})
     rows = ratio_table(results, set(higher_is_better))
     report = {
         "benchmark": name,
@@ -197,6 +228,7 @@ def run_side_by_side(
         "engine_kwargs": engine_kwargs,
         "variant_kwargs": variant_kwargs or {},
         "params": params,
+        "rounds": rounds,
         "results": results,
         "ratios": rows,
     }

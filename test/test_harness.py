@@ -37,3 +37,16 @@ def test_only_pic_variant_gets_our_paths(tmp_path, monkeypatch):
     assert van == ["/elsewhere"]
     assert pic[:3] == [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python")]
     assert pic[-1] == "/elsewhere"
+
+
+def test_rounds_pool_samples_and_keep_each_rounds_median():
+    from harness import merge_rounds
+
+    a = {"ttft_ms": 2.0, "ttft_ms_all": [1.0, 2.0, 3.0], "engine_start_s": 40.0}
+    b = {"ttft_ms": 5.0, "ttft_ms_all": [4.0, 5.0, 6.0], "engine_start_s": 41.0}
+    merged = merge_rounds([a, b])
+    assert merged["ttft_ms_all"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert merged["ttft_ms"] == 3.5 and merged["ttft_ms_rounds"] == [2.0, 5.0]
+    assert merged["rounds"] == 2 and merged["engine_start_s"] == 40.0
+    assert merge_rounds([a, {"error": "exit code 1"}]) == {"error": "exit code 1"}
+    assert merge_rounds([a]) is a
