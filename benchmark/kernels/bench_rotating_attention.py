@@ -33,13 +33,16 @@ Cases:
 
     python3 benchmark/kernels/bench_rotating_attention.py [--out DIR] [--quick] [--no-flashinfer]
     python3 benchmark/kernels/bench_rotating_attention.py --tune-decode [--best-config-out F]
+    .venv/bin/python benchmark/kernels/bench_rotating_attention.py --smoke   # CPU, interpreter
 
 ``--tune-decode`` sweeps the decode kernel's stage-1 (BLOCK_N, num_warps, num_stages) over
 representative cases (with and without moved keys) and reports the config with the lowest
 geometric-mean time ratio to SGLang's Triton kernel; ``--best-config-out`` writes it as
 ``BLOCK_N,WARPS,STAGES`` (the form of ``--position-free-decode-config``).
 
-Needs a CUDA GPU, SGLang and FlashInfer; prints a table and writes
+``--smoke`` checks the script on a CPU: tiny cases, SGLang's Triton kernels and ours under
+``TRITON_INTERPRET=1``, no FlashInfer, no meaningful times; it writes to the temp smoke folder.
+Otherwise it needs a CUDA GPU, SGLang and FlashInfer; it prints a table and writes
 ``rotating_attention_kernels_shifted.json`` (machine, versions, config, per-case raw samples in
 microseconds). The earlier layout's results (``rotating_attention_kernels_h200*.json``) are
 history: ``benchmark/plot_position_free.py`` plots them.
@@ -61,6 +64,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 MAX_KV_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
 WORKSPACE_BYTES = 384 * 1024 * 1024  # SGLang's SGLANG_FLASHINFER_WORKSPACE_SIZE default
 SIDES = ("triton", "flashinfer", "pic")
+DEVICE = "cuda"  # "cpu" with --smoke
 
 DECODE_GRID = [(b, c, f) for b in (1, 32, 256) for c in (1024, 8192, 32768) for f in (0.0, 0.9)]
 DECODE_QUICK = [(1, 1024, 0.0), (1, 1024, 0.9), (32, 1024, 0.9)]
@@ -68,6 +72,8 @@ DECODE_QUICK = [(1, 1024, 0.0), (1, 1024, 0.9), (32, 1024, 0.9)]
 EXTEND_GRID = [(0, 0, 8192), (8192, 0, 64), (256, 8192, 64), (24576, 0, 8192),
                (2048, 22528, 8192)]
 EXTEND_QUICK = [(0, 0, 1024), (1024, 0, 64), (64, 1024, 64)]
+DECODE_SMOKE = [(2, 64, 0.0), (2, 64, 0.75)]
+EXTEND_SMOKE = [(0, 0, 32), (32, 0, 16), (16, 32, 16)]
 TUNE_CASES = [(1, 32768, 0.9), (32, 8192, 0.0), (32, 8192, 0.9), (256, 1024, 0.0),
               (256, 8192, 0.9)]
 
@@ -83,7 +89,7 @@ def llama3_table(max_pos: int):
     scaled = torch.where(wavelen > orig / low, inv / factor, inv)
     mid = (wavelen <= orig / low) & (wavelen >= orig / high)
     inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return RotaryTable.from_inv_freq(inv, max_pos).to("cuda")
+    return RotaryTable.from_inv_freq(inv, max_pos).to(DEVICE)
 
 
 def scattered_indices(lens, device):
@@ -107,6 +113,8 @@ def num_kv_splits(seq_lens):
     import triton
     from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 
+    if not seq_lens.is_cuda:  # --smoke: any split count will do
+        return torch.full_like(seq_lens, 2, dtype=torch.int32)
     out = torch.empty(seq_lens.numel(), dtype=torch.int32, device=seq_lens.device)
     cores = torch.cuda.get_device_properties(0).multi_processor_count
     n = seq_lens.numel()
@@ -136,7 +144,8 @@ def shifted_pool(slots, indptr, indices, offset: int, moved: int, table):
     import torch
 
     dev = indices.device
-    k0 = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    k0 = torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev,
+                     dtype=torch.bfloat16 if indices.is_cuda else torch.float32)
     v = torch.randn_like(k0)
     index = torch.zeros(slots, dtype=torch.int64, device=dev)
     for b in range(indptr.numel() - 1):
@@ -157,15 +166,28 @@ def _samples_us(times_ms) -> list[float]:
     return [1000.0 * t for t in (times_ms if isinstance(times_ms, list) else [times_ms])]
 
 
+def _cpu_times(fn, reps: int = 2) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(1e6 * (time.perf_counter() - t))
+    return out
+
+
 def bench_graph(fn) -> list[float]:
     import triton
 
+    if DEVICE == "cpu":
+        return _cpu_times(fn)
     return _samples_us(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="all"))
 
 
 def bench(fn) -> list[float]:
     import triton
 
+    if DEVICE == "cpu":
+        return _cpu_times(fn)
     return _samples_us(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="all"))
 
 
@@ -176,7 +198,7 @@ def flashinfer_tensor_cores(dtype) -> bool:
 
         return should_use_tensor_core(kv_cache_dtype=dtype, num_attention_heads=Q_HEADS,
                                       num_kv_heads=KV_HEADS)
-    except ImportError:
+    except Exception:  # SGLang's rule: GQA groups of 4 or more on tensor cores
         return Q_HEADS // KV_HEADS >= 4
 
 
@@ -188,14 +210,16 @@ def flashinfer_decode(q, k, v, indptr, indices, scale):
 
     batch = q.shape[0]
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-    fi_indptr = indptr.to(torch.int32).clone()
-    fi_indices = indices.to(torch.int32).clone()
+    fi_indptr = indptr.to(torch.int32)
+    fi_indices = indices.to(torch.int32)
     last_page_len = torch.ones(batch, dtype=torch.int32, device=q.device)
+    # the CUDA-graph buffers plan() fills, as SGLang's capture-time wrappers hold them
     wrapper = BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", backend="fa2", use_cuda_graph=True,
         use_tensor_cores=flashinfer_tensor_cores(k.dtype),
-        paged_kv_indptr_buffer=fi_indptr, paged_kv_indices_buffer=fi_indices,
-        paged_kv_last_page_len_buffer=last_page_len)
+        paged_kv_indptr_buffer=torch.empty_like(fi_indptr),
+        paged_kv_indices_buffer=torch.empty_like(fi_indices),
+        paged_kv_last_page_len_buffer=torch.ones_like(last_page_len))
     wrapper.begin_forward(fi_indptr, fi_indices, last_page_len, Q_HEADS, KV_HEADS, HEAD_DIM, 1,
                           data_type=k.dtype, q_data_type=q.dtype, non_blocking=True)
     return lambda: wrapper.forward(q, (k, v), sm_scale=scale)
@@ -206,14 +230,14 @@ def decode_case(batch: int, ctx: int, moved_frac: float, sides=SIDES) -> dict:
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang_pic_kernel.rotating_attention import rotating_decode_attention_fwd
 
-    dev = "cuda"
+    dev = DEVICE
     moved = int(ctx * moved_frac) // PAGE * PAGE
     offset = ctx - moved
     lens = [ctx] * batch
     indptr, indices, slots = scattered_indices(lens, dev)
     table = llama3_table(ctx + 1)
     k, k_at_index, stored, v = shifted_pool(slots, indptr, indices, offset, moved, table)
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=dev, dtype=k.dtype)
     scale = HEAD_DIM**-0.5
     splits = num_kv_splits(torch.tensor(lens, device=dev, dtype=torch.int32))
     logits = torch.empty(batch, Q_HEADS, MAX_KV_SPLITS, HEAD_DIM, device=dev)
@@ -240,11 +264,14 @@ def decode_case(batch: int, ctx: int, moved_frac: float, sides=SIDES) -> dict:
 
 def _diffs(row: dict, outs: dict, fns: dict, moved: int) -> None:
     """Ours against SGLang's Triton kernel over keys rotated at their index; with nothing
-    moved, FlashInfer against the same."""
+    moved, FlashInfer against the same; with keys moved, SGLang's Triton kernel over the keys as
+    stored against the same (how wrong reading them unturned is)."""
     ref = outs["reference"].float()
     row["pic_max_abs_diff"] = (outs["pic"].float() - ref).abs().max().item()
     if "flashinfer" in fns and not moved:
         row["flashinfer_max_abs_diff"] = (outs["flashinfer"].float() - ref).abs().max().item()
+    if moved:  # what reading the moved keys unturned gets wrong
+        row["triton_unturned_max_abs_diff"] = (outs["triton"].float() - ref).abs().max().item()
 
 
 def flashinfer_extend(q, k_new, v_new, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, prefix,
@@ -280,7 +307,7 @@ def extend_case(offset: int, moved: int, new: int, batch: int = 1, sides=SIDES) 
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang_pic_kernel.rotating_attention import rotating_extend_attention_fwd
 
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = DEVICE, torch.bfloat16 if DEVICE == "cuda" else torch.float32
     prefix = offset + moved
     indptr, indices, slots = scattered_indices([prefix] * batch, dev)
     table = llama3_table(prefix + new + 1)
@@ -314,7 +341,8 @@ def extend_case(offset: int, moved: int, new: int, batch: int = 1, sides=SIDES) 
         res = fn()  # compile outside the timed region
         if side == "flashinfer":
             outs[side] = res
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     row = {"kind": "extend", "batch": batch, "prefix": prefix, "offset": offset,
            "moved": moved, "new": new}
     for side, fn in fns.items():
@@ -401,7 +429,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None,
                     help="results folder (default benchmark/results; with --quick a temp folder)")
-    ap.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="a few small cases (GPU smoke test)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the script: tiny cases under TRITON_INTERPRET=1, no "
+                         "FlashInfer")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="leave FlashInfer out (SGLang Triton vs ours only)")
     ap.add_argument("--tune-decode", action="store_true",
@@ -409,31 +440,46 @@ def main() -> None:
     ap.add_argument("--best-config-out", default=None,
                     help="with --tune-decode: write the best BLOCK_N,WARPS,STAGES here")
     args = ap.parse_args()
+    global DEVICE
+    if args.smoke:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
+        DEVICE = "cpu"
 
     import torch
     from harness import environment, smoke_dir
 
-    if not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_rotating_attention needs a CUDA GPU (the CPU check is the kernel tests: "
                  "TRITON_INTERPRET=1 pytest test/kernels/test_rotating_attention.py)")
-    args.out = args.out or (smoke_dir() if args.quick else str(REPO / "benchmark" / "results"))
+    args.out = args.out or (smoke_dir() if args.quick or args.smoke
+                            else str(REPO / "benchmark" / "results"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     if args.tune_decode:
+        if args.smoke:
+            sys.exit("--tune-decode needs a GPU")
         tune_decode(TUNE_CASES[:2] if args.quick else TUNE_CASES, out, args.best_config_out)
         return
-    sides = tuple(s for s in SIDES if not (args.no_flashinfer and s == "flashinfer"))
+    no_flashinfer = args.no_flashinfer or args.smoke
+    sides = tuple(s for s in SIDES if not (no_flashinfer and s == "flashinfer"))
+    decode_grid, extend_grid = ((DECODE_SMOKE, EXTEND_SMOKE) if args.smoke
+                                else (DECODE_QUICK, EXTEND_QUICK) if args.quick
+                                else (DECODE_GRID, EXTEND_GRID))
     rows = []
     t0 = time.perf_counter()
-    for b, c, f in DECODE_QUICK if args.quick else DECODE_GRID:
+    for b, c, f in decode_grid:
         rows.append(decode_case(b, c, f, sides))
         print_row(rows[-1], t0)
-        torch.cuda.empty_cache()
-    for o, m, n in EXTEND_QUICK if args.quick else EXTEND_GRID:
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    for o, m, n in extend_grid:
         rows.append(extend_case(o, m, n, sides=sides))
         print_row(rows[-1], t0)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     print("\nmedian us, and time / SGLang Triton (moved keys: SGLang's and FlashInfer's kernels "
           "read the same bytes unturned)")
@@ -447,10 +493,11 @@ def main() -> None:
 
     report = {"benchmark": "rotating_attention_kernels_shifted", "environment": environment(),
               "config": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                         "page_size": PAGE, "dtype": "bfloat16", "rope": "llama3",
+                         "page_size": PAGE, "dtype": "float32" if args.smoke else "bfloat16",
+                         "rope": "llama3",
                          "max_kv_splits": MAX_KV_SPLITS, "sides": list(sides),
                          "flashinfer_tensor_cores": flashinfer_tensor_cores(torch.bfloat16),
-                         "quick": args.quick},
+                         "quick": args.quick, "smoke": args.smoke},
               "rows": rows}
     try:
         import flashinfer
