@@ -1,10 +1,18 @@
 """Plot position-free KV results: kernel time ratios and end-to-end ratios vs vanilla SGLang.
 
-    python benchmark/plot_position_free.py
+    python benchmark/plot_position_free.py [--shifted FILE] [--figures DIR]
 
-Reads ``benchmark/results/rotating_attention_kernels_h200.json`` and
+History, the earlier layout (keys stored un-rotated, rotated on read at their index; its kernels
+are gone): reads ``benchmark/results/rotating_attention_kernels_h200.json`` and
 ``benchmark/results/position_free_h200_tuned.json`` (+ ``_untuned`` for the 32K cases) and writes
-``docs/figures/position_free_kernels.png`` and ``docs/figures/position_free_e2e.png``.
+``position_free_kernels.png`` and ``position_free_e2e.png``.
+
+The shifted layout: with ``--shifted`` (a ``rotating_attention_kernels_shifted.json`` written by
+``benchmark/kernels/bench_rotating_attention.py``), or when
+``benchmark/results/rotating_attention_kernels_shifted_h200.json`` exists, also
+``position_free_kernels_shifted.png``: each side's time over SGLang's Triton kernel, decode and
+extend, with no key moved and with a span moved. Figures go to ``docs/figures`` unless
+``--figures`` names another folder.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmark" / "results"
 FIGURES = REPO / "docs" / "figures"
+SHIFTED = RESULTS / "rotating_attention_kernels_shifted_h200.json"
 
 
 def _bars(ax, labels, series: dict[str, list[float]], title: str) -> None:
@@ -81,6 +90,62 @@ def plot_e2e() -> Path:
     return out
 
 
-if __name__ == "__main__":
+def plot_shifted_kernels(src: Path) -> Path:
+    """Shifted-layout kernels: SGLang Triton = 1, FlashInfer and ours, per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(src.read_text())
+    sides = [s for s in report["config"]["sides"] if s != "triton"]
+    names = {"flashinfer": "FlashInfer", "pic": "ours (shifted)"}
+    rows = report["rows"]
+    dec = [r for r in rows if r["kind"] == "decode"]
+    ext = [r for r in rows if r["kind"] == "extend"]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+
+    def label(r):
+        keys = r["context"] if r["kind"] == "decode" else max(r["prefix"], 1)
+        moved = f"{round(100 * r['moved'] / keys)} % moved"
+        if r["kind"] == "decode":
+            ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
+            return f"b{r['batch']} {ctx}, {moved}"
+        return f"{r['prefix']} + {r['new']}, {moved}"
+
+    for ax, part, title in ((axes[0], dec, "decode (CUDA graphs)"), (axes[1], ext, "extend")):
+        if part:
+            _bars(ax, [label(r) for r in part],
+                  {names.get(s, s): [r[f"{s}_us"] / r["triton_us"] for r in part] for s in sides},
+                  title)
+        ax.set_ylabel("time / SGLang Triton kernel")
+    env = report["environment"]
+    fig.suptitle(f"Shifted-layout kernels vs SGLang {env.get('sglang')} Triton kernels and "
+                 f"FlashInfer {env.get('flashinfer')}, Llama-3-8B shapes, "
+                 f"{report['config'].get('dtype')}, {env.get('gpu')}", fontsize=10)
+    fig.tight_layout()
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    out = FIGURES / "position_free_kernels_shifted.png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    global FIGURES
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shifted", type=Path, default=None,
+                    help=f"shifted-layout kernel results (default {SHIFTED.name} if present)")
+    ap.add_argument("--figures", type=Path, default=FIGURES, help="where the figures go")
+    args = ap.parse_args()
+    FIGURES = args.figures
     print(plot_kernels())
     print(plot_e2e())
+    shifted = args.shifted or (SHIFTED if SHIFTED.exists() else None)
+    if shifted is not None:
+        print(plot_shifted_kernels(shifted))
+
+
+if __name__ == "__main__":
+    main()
