@@ -55,7 +55,7 @@ def check_server_settings(model_runner) -> None:
     for flag in ("prefill_attention_backend", "decode_attention_backend"):
         chosen = getattr(args, flag, None)
         if chosen is not None and not str(chosen).startswith("pic_"):
-            # a non-rotating backend on one side would attend over un-rotated keys
+            # a backend on one side that does not turn moved keys would read them unturned
             _refuse(f"--{flag.replace('_', '-')} {chosen} (both phases must be position-free)")
 
 
