@@ -1,7 +1,7 @@
 """Position-free KV end to end on the H200: overhead vs vanilla SGLang, and logits equality.
 
-Vanilla uses ``triton`` attention, sglang-pic ``pic_triton`` (keys stored un-rotated, rotated in
-our kernels); everything else is identical. Two runs, each with both variants:
+Vanilla uses ``triton`` attention, sglang-pic ``pic_triton`` (our shift-aware Triton kernels for
+every batch; ``docs/position-free-kv.md``); everything else is identical. Two runs, each with both variants:
 
 1. Logits (``position_free_logits_h200.json``): SGLang's dummy weights (uniform +-1e-3) give
    near-uniform logits that any attention would match, so this run writes a 4-layer

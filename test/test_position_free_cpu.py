@@ -2,7 +2,8 @@
 
 Two servers with identical flags (small chunked-prefill size so long prompts are chunked, page
 size 16): vanilla `torch_native` and `--enable-position-free-kv` (`pic_torch_native`), whose pool
-holds un-rotated keys that the backend rotates on read.
+records where each key was computed and whose backend turns a key that moved (none here: no
+request carries spans, so the two must agree).
 """
 
 from __future__ import annotations
