@@ -153,35 +153,11 @@ def scores(cases: list[dict], texts: list[str]) -> dict[str, list[float]]:
 
 def capture_qk(model, ids: list[int], device: str) -> list[tuple]:
     """Per layer, the post-RoPE query of the last position ``[q_heads, D]`` and every key
-    ``[n, kv_heads, D]`` (``bench_recall.py``'s forward pre-hooks on the attention modules)."""
-    import torch
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    ``[n, kv_heads, D]`` (``bench_recall.capture_qkv``)."""
+    from bench_recall import capture_qkv
 
-    captured: dict[int, tuple] = {}
-
-    def hook(layer_idx: int):
-        def pre(module, args, kwargs):
-            hs = kwargs["hidden_states"]
-            cos, sin = kwargs["position_embeddings"]
-            shape = (*hs.shape[:-1], -1, module.head_dim)
-            q = module.q_proj(hs).view(shape).transpose(1, 2)
-            k = module.k_proj(hs).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            captured[layer_idx] = (q[0, :, -1].detach(), k[0].transpose(0, 1).detach())
-
-        return pre
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)
-    ]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids], device=device))
-    finally:
-        for h in handles:
-            h.remove()
-    return [captured[i] for i in sorted(captured)]
+    captured = capture_qkv(model, ids, device)
+    return [(q[:, -1], k.transpose(0, 1)) for _, (q, k, _v) in sorted(captured.items())]
 
 
 def selection_recall(ops, per_layer: list[tuple], knobs: dict, device: str) -> list[float]:

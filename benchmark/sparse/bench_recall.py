@@ -39,6 +39,38 @@ def haystack(tok, n_tokens: int, seed: int) -> tuple[list[int], str]:
     return tok(text)["input_ids"], needle
 
 
+
+def capture_qkv(model, ids: list[int], device: str = "cpu") -> dict[int, tuple]:
+    """Per layer, the post-RoPE queries, keys and values of the prompt ``ids``, each
+    ``[heads, n, D]``, from forward pre-hooks on the HF model's attention modules (one pass)."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    captured: dict[int, tuple] = {}
+
+    def hook(layer_idx):
+        def pre(module, a, kw):
+            hs = kw["hidden_states"]
+            cos, sin = kw["position_embeddings"]
+            shape = (*hs.shape[:-1], -1, module.head_dim)
+            q = module.q_proj(hs).view(shape).transpose(1, 2)
+            k = module.k_proj(hs).view(shape).transpose(1, 2)
+            v = module.v_proj(hs).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            captured[layer_idx] = (q[0].detach(), k[0].detach(), v[0].detach())
+
+        return pre
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids], device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -60,32 +92,14 @@ def main() -> None:
         sparse_attention,
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     torch.manual_seed(args.seed)
     model_dir = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, needle = haystack(tok, args.tokens, args.seed)
-    captured: dict[int, tuple] = {}
-
-    def hook(layer_idx):
-        def pre(module, a, kw):
-            hs = kw["hidden_states"]
-            cos, sin = kw["position_embeddings"]
-            shape = (*hs.shape[:-1], -1, module.head_dim)
-            q = module.q_proj(hs).view(shape).transpose(1, 2)
-            k = module.k_proj(hs).view(shape).transpose(1, 2)
-            v = module.v_proj(hs).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            captured[layer_idx] = (q[0].detach(), k[0].detach(), v[0].detach())
-        return pre
-
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
     t0 = time.time()
-    with torch.no_grad():
-        model(torch.tensor([ids]))
+    captured = capture_qkv(model, ids)
     print(f"forward over {len(ids)} tokens: {time.time() - t0:.1f} s; needle: {needle}")
     cfg = ParisConfig(vote=args.vote)
     rows = []

@@ -61,7 +61,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "benchmark")]
+sys.path[:0] = [str(REPO / "benchmark"), str(REPO / "python")]
+from sglang_pic.store.datapath import recv_exact  # noqa: E402  (the data plane's own receive loop)
 
 VARIANTS: dict[str, dict] = {
     "tcp-1": {"kind": "tcp", "streams": 1},
@@ -143,16 +144,6 @@ def _ranges(pages: int, streams: int) -> list[tuple[int, int]]:
     return out
 
 
-def _recv_exact(sock, mv: memoryview) -> bool:
-    got = 0
-    while got < len(mv):
-        n = sock.recv_into(mv[got:])
-        if not n:
-            return False
-        got += n
-    return True
-
-
 def _dist_version(names) -> str | None:
     for name in names:
         try:
@@ -205,12 +196,12 @@ def serve(variant: str, pages: int, page: int, tls_key: str | None, tls_cert: st
                 if ctx is not None:
                     conn = ctx.wrap_socket(conn, server_side=True)
                     got = bytearray(TICKET_BYTES)
-                    if not _recv_exact(conn, memoryview(got)) or not hmac.compare_digest(
+                    if not recv_exact(conn, memoryview(got)) or not hmac.compare_digest(
                             bytes(got), ticket):
                         conn.close()
                         return
                 hdr = bytearray(REQ.size)
-                while _recv_exact(conn, memoryview(hdr)):
+                while recv_exact(conn, memoryview(hdr)):
                     first, count = REQ.unpack(hdr)
                     conn.sendall(mv[first * page:(first + count) * page])
             except OSError:
@@ -336,11 +327,11 @@ def client(variant: str, pages: int, page: int, samples: int, info: dict) -> Non
             if verify:
                 for p in range(first, first + count):
                     part = mv[p * page:(p + 1) * page]
-                    if not _recv_exact(s, part):
+                    if not recv_exact(s, part):
                         raise RuntimeError("connection closed")
                     if xxhash.xxh3_64_intdigest(part) != sums[p]:
                         bad[0] += 1
-            elif not _recv_exact(s, mv[first * page:(first + count) * page]):
+            elif not recv_exact(s, mv[first * page:(first + count) * page]):
                 raise RuntimeError("connection closed")
 
         fetch = _threaded(one, streams)
