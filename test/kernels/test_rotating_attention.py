@@ -169,11 +169,14 @@ GPU_SHIFTED_EXTEND = [
 ]
 
 
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("case", SHIFTED_EXTEND + _gpu(GPU_SHIFTED_EXTEND))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_shifted_extend_matches_reference(case, dtype):
+def test_shifted_extend_matches_reference(case, dtype, splits):
     """Prefix keys in the shifted layout (some moved), new keys rotated by the model at their
-    positions: same output as the un-rotated reference."""
+    positions: same output as the un-rotated reference, whole or with the prefix cut in ranges
+    merged by log-sum-exp (``splits``; the default picks it from the grid: 1 on CPU). Three
+    ranges over a 7- or 30-key prefix leave some ranges empty."""
     hq, hk, d, pre_lens, ext_lens, page, rope_kind, moved = case
     torch.manual_seed(4)
     table = _table(rope_kind, d,
@@ -193,7 +196,7 @@ def test_shifted_extend_matches_reference(case, dtype):
     o = torch.empty_like(q)
     rotating_extend_attention_fwd(q, k_ext, v_ext, o, k_buf, v_buf, qo_indptr, kv_indptr,
                                   kv_indices, None, True, None, max(ext_lens), 1.0, 1.0,
-                                  d**-0.5, rope=table, stored_positions=stored)
+                                  d**-0.5, rope=table, stored_positions=stored, splits=splits)
     ref = reference_extend(q, k_ext0, v_ext, k0, v_buf, qo_indptr, kv_indptr, kv_indices,
                            d**-0.5, table)
     torch.testing.assert_close(o.float(), ref, atol=_tol(dtype), rtol=_tol(dtype))

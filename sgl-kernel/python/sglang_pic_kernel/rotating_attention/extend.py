@@ -10,9 +10,13 @@ The new keys and the queries arrive rotated at their positions by the model (new
 ``P + n``) and are used as they are. This covers plain prefill (``P = 0``), prefix-cache hits,
 chunked prefill (earlier chunks are the prefix) and a prompt after a span reused at an offset.
 
-Grid ``requests x q_heads x ceil(max E / BLOCK_M)``; each program keeps an online softmax over
-the prefix tiles (gathered through ``kv_indices``, turned in registers) and then over the causal
-new-key tiles.
+Grid ``requests x q_heads x (ceil(max E / BLOCK_M) * splits)``; each program keeps an online
+softmax over its share of the prefix tiles (gathered through ``kv_indices``, turned in registers)
+and, in the last split, over the causal new-key tiles. ``splits`` > 1 when that grid would
+otherwise leave most of the GPU idle - a few new tokens after a long cached prefix, which is
+every request that reuses a cached span: the prefix is cut in ``splits`` ranges, each program
+writes its partial output and log-sum-exp, and ``_merge_splits`` combines them (as split-KV
+decode does).
 
     q_extend, o_extend   [new_tokens, q_heads, head_dim]
     k_extend, v_extend   [new_tokens, kv_heads, head_dim]  (k rotated at its position)
@@ -58,6 +62,13 @@ def _extend_kernel(
     stride_vbt,
     stride_vbh,
     stride_cs,
+    Mid_O,
+    Mid_Lse,
+    stride_mos,
+    stride_mot,
+    stride_moh,
+    stride_mls,
+    stride_mlt,
     GROUP: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P: tl.constexpr,
@@ -68,10 +79,12 @@ def _extend_kernel(
     LOGIT_CAP: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MAX_POS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    block_m = tl.program_id(2)
+    block_m = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     kv_head = head // GROUP
 
     q_start = tl.load(qo_indptr + seq).to(tl.int64)
@@ -97,12 +110,16 @@ def _extend_kernel(
     e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Stage 1: the cached prefix, gathered through kv_indices, turned to its index n.
+    # Stage 1: this split's range of the cached prefix, gathered through kv_indices, turned to
+    # its index n.
+    per_split = tl.cdiv(tl.cdiv(pre_len, SPLITS), BLOCK_N) * BLOCK_N
+    pre_lo = split * per_split
+    pre_hi = tl.minimum(pre_lo + per_split, pre_len)
     kb_base = kv_head * stride_kbh + offs_d[:, None]
     vb_base = kv_head * stride_vbh + offs_dv[None, :]
-    for n0 in range(0, pre_len, BLOCK_N):
+    for n0 in range(pre_lo, pre_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < pre_len
+        mask_n = offs_n < pre_hi
         loc = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
         k_mask = mask_n[None, :] & mask_d[:, None]
         k_off = loc[None, :] * stride_kbt + kb_base
@@ -120,11 +137,13 @@ def _extend_kernel(
         )
         acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
-    # Stage 2: the new tokens, contiguous, causal, rotated by the model at pre_len + n.
+    # Stage 2 (the last split): the new tokens, contiguous, causal, rotated by the model at
+    # pre_len + n.
     if IS_CAUSAL:
         ext_end = tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
     else:
         ext_end = ext_len
+    ext_end = tl.where(split == SPLITS - 1, ext_end, 0)
     ke_base = kv_head * stride_keh + offs_d[:, None]
     ve_base = kv_head * stride_veh + offs_dv[None, :]
     for n0 in range(0, ext_end, BLOCK_N):
@@ -149,9 +168,72 @@ def _extend_kernel(
         )
         acc, e_max, e_sum = online_softmax_step(qk, v, acc, e_max, e_sum)
 
-    o_off = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
-    out = acc / e_sum[:, None] * v_scale
-    tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+    if SPLITS == 1:
+        o_off = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
+        out = acc / e_sum[:, None] * v_scale
+        tl.store(Out + o_off, out.to(Out.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_dv[None, :])
+    else:
+        # a split that saw no key (a short prefix) leaves weight zero: lse -inf, output 0
+        seen = e_sum > 0
+        part = tl.where(seen[:, None], acc / tl.where(seen, e_sum, 1.0)[:, None], 0.0)
+        lse = tl.where(seen, e_max + tl.log(tl.where(seen, e_sum, 1.0)), float("-inf"))
+        tok = q_start + offs_m
+        mo = split * stride_mos + tok[:, None] * stride_mot + head * stride_moh + offs_dv[None, :]
+        tl.store(Mid_O + mo, part, mask=mask_m[:, None] & mask_dv[None, :])
+        tl.store(Mid_Lse + split * stride_mls + tok * stride_mlt + head, lse, mask=mask_m)
+
+
+@triton.jit
+def _merge_splits(
+    Mid_O,
+    Mid_Lse,
+    Out,
+    v_scale,
+    stride_mos,
+    stride_mot,
+    stride_moh,
+    stride_mls,
+    stride_mlt,
+    stride_ot,
+    stride_oh,
+    SPLITS: tl.constexpr,
+    LV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Out[t, h] = the splits' partial outputs weighted by their softmax mass (log-sum-exp)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < LV
+    e_max = -float("inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(SPLITS):
+        lse = tl.load(Mid_Lse + s * stride_mls + tok * stride_mlt + head)
+        if lse > float("-inf"):
+            part = tl.load(Mid_O + s * stride_mos + tok * stride_mot + head * stride_moh
+                           + offs_dv, mask=mask_dv, other=0.0)
+            n_max = tl.maximum(lse, e_max)
+            rescale = tl.exp(e_max - n_max)
+            w = tl.exp(lse - n_max)
+            acc = acc * rescale + w * part
+            e_sum = e_sum * rescale + w
+            e_max = n_max
+    tl.store(Out + tok * stride_ot + head * stride_oh + offs_dv,
+             (acc / e_sum * v_scale).to(Out.dtype.element_ty), mask=mask_dv)
+
+
+MAX_PREFIX_SPLITS = 16
+
+
+def prefix_splits(programs: int, device: torch.device) -> int:
+    """How many ranges to cut the prefix in so that the grid fills about two waves of the GPU's
+    SMs (1 when ``programs`` already does, and on CPU)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_PREFIX_SPLITS, (2 * sms) // max(programs, 1)))
 
 
 def _block_sizes(head_dim: int, is_cuda: bool) -> tuple[int, int, int]:
@@ -194,12 +276,14 @@ def rotating_extend_attention_fwd(
     *,
     rope: RotaryTable,
     stored_positions: torch.Tensor,
+    splits: int | None = None,
 ) -> None:
     """Extend attention over keys in the shifted layout; writes ``o_extend``. See the module
     docstring.
 
     ``rope``: the model's RoPE table (row ``p`` turns a key by ``p``). ``stored_positions``: int32
-    ``[pool_slots]``, the position each slot's key was rotated at.
+    ``[pool_slots]``, the position each slot's key was rotated at. ``splits``: ranges the prefix
+    is cut in (default: :func:`prefix_splits`).
 
     Takes SGLang's ``extend_attention_fwd`` arguments; custom masks (speculative verify), sliding
     windows, sinks, score mods and xai temperature are refused by the backend at start.
@@ -223,7 +307,20 @@ def rotating_extend_attention_fwd(
     batch = qo_indptr.shape[0] - 1
     launch = {"num_warps": num_warps, "num_stages": 1} if is_cuda else {}
 
-    grid = (batch, q_heads, triton.cdiv(max_len_extend, block_m))
+    m_blocks = triton.cdiv(max_len_extend, block_m)
+    if splits is None:
+        splits = prefix_splits(batch * q_heads * m_blocks, q_extend.device)
+    if splits > 1:
+        n_new = q_extend.shape[0]
+        mid_o = torch.empty((splits, n_new, q_heads, lv), dtype=torch.float32,
+                            device=q_extend.device)
+        mid_lse = torch.empty((splits, n_new, q_heads), dtype=torch.float32,
+                              device=q_extend.device)
+    else:  # not read: the kernel writes o_extend itself
+        mid_o = mid_lse = o_extend
+    mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+                   mid_lse.stride(1)) if splits > 1 else (0, 0, 0, 0, 0)
+    grid = (batch, q_heads, m_blocks * splits)
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, stored_positions,
@@ -231,9 +328,16 @@ def rotating_extend_attention_fwd(
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        rope.cos_sin_cache.stride(0),
+        rope.cos_sin_cache.stride(0), mid_o, mid_lse, *mid_strides,
         GROUP=q_heads // kv_heads, HALF=half, HALF_P=half_p, LV=lv,
         BLOCK_DV=next_pow2(lv), BLOCK_M=block_m, BLOCK_N=block_n,
         LOGIT_CAP=float(logit_cap), IS_CAUSAL=bool(is_causal), MAX_POS=rope.max_positions,
+        SPLITS=splits,
         **launch,
     )
+    if splits > 1:
+        _merge_splits[(q_extend.shape[0], q_heads)](
+            mid_o, mid_lse, o_extend, v_scale, *mid_strides,
+            o_extend.stride(0), o_extend.stride(1),
+            SPLITS=splits, LV=lv, BLOCK_DV=next_pow2(lv),
+        )
