@@ -929,3 +929,106 @@ def test_tlru_settings_are_validated_flags_that_reach_the_policy(monkeypatch, ca
         with pytest.raises(SystemExit):
             check_policies(bad)
         assert "tlru:<xi>:<q_hat>" in capsys.readouterr().err
+
+
+def _conv_cache():
+    """A ``sae`` cache with conversations inferred (``sae-conv``) and a ``serve`` that runs a
+    request without session or application type as the trace replay does; returns the
+    request's context (its inferred conversation in ``session_id``)."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae-conv")
+
+    def serve(ids, rid=None):
+        ctx = RequestContext(segments=[(0, "user")], prompt_len=len(ids), rid=rid)
+        key = RadixKey(array("q", ids), None)
+        with using(ctx):
+            cache.match_prefix(MatchPrefixParams(key=key))
+            cache.insert(InsertParams(key=key, value=torch.arange(len(ids))))
+        return ctx
+
+    return cache, serve
+
+
+def test_inferred_conversation_follows_the_prefix_chain_not_a_shared_opening():
+    """Without session ids (``sae-conv``), a request that resends another's whole history and
+    goes deeper continues its conversation: same session, the history stays unshared (scored
+    with the conversation's index, not as a structural template). Requests branching where
+    another one already branched off a block share it: the third user of a template opens a
+    conversation of its own and the template becomes structural. Before (no inference) the
+    second turn was a second requester and made the first turn's blocks structural."""
+    cache, serve = _conv_cache()
+    sae = cache.eviction_strategy
+    opening, turn1, turn2 = list(range(10, 42)), list(range(100, 164)), list(range(200, 232))
+    a = serve(opening + turn1)
+    b = serve(opening + turn1 + turn2)
+    assert a.session_id is not None and b.session_id == a.session_id
+    assert sae.session_turn[a.session_id] == 2
+    first = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert first.sae.queue == "chat" and first.sae.sessions_seen == 1
+    assert sae.session_scored(first.sae.queue, first.sae)
+    # a template: every request stops where the one before stopped
+    template = list(range(1000, 1040))
+    t1 = serve(template + [5000, 5001, 5002])
+    t2 = serve(template + [6000, 6001])
+    t3 = serve(template + [7000, 7001])
+    assert t3.session_id not in (t1.session_id, t2.session_id)
+    node = cache.root_node.children[1000]
+    assert len(node.key) == len(template) and node.sae.queue == "structural"
+
+
+def test_inferred_conversation_survives_the_eviction_of_its_history():
+    """The conversation's last blocks were evicted before its next request: the match stops
+    where they began, the ghost set knows whose they were, and the request still continues
+    that conversation (its return is counted: a gap observed, a label for the predictor) -
+    rather than opening a new one, which taught the predictor that few conversations go on."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache, serve = _conv_cache()
+    sae = cache.eviction_strategy
+    opening, turn1 = list(range(10, 42)), list(range(100, 164))
+    serve(opening + list(range(300, 310)))  # other conversations: the opening is shared
+    serve(opening + list(range(400, 410)))
+    a = serve(opening + turn1)
+    head = cache.root_node.children[10]
+    assert head.sae.queue == "structural" and 100 in head.children
+    while 100 in head.children:  # evict until the conversation's own blocks are gone
+        cache.evict(EvictParams(num_tokens=1))
+    assert cache.root_node.children.get(10) is head
+    returns = sae.returns["chat"]
+    b = serve(opening + turn1 + list(range(200, 232)))
+    assert b.session_id == a.session_id and sae.returns["chat"] == returns + 1
+
+
+def test_inferred_conversation_is_kept_for_later_inserts_of_the_request():
+    """The server builds a new context for every insert of a request (chunks, the finished
+    request): those of a request whose conversation was inferred get it too (by ``rid``)."""
+    from sglang_pic.eviction.context import RequestContext
+
+    cache, serve = _conv_cache()
+    sae = cache.eviction_strategy
+    a = serve(list(range(10, 60)), rid="r1")
+    later = RequestContext(segments=[(0, "user")], prompt_len=50, rid="r1")
+    sae._resolve(later)
+    assert later.session_id == a.session_id is not None
+
+
+def test_conversation_continues_from_a_block_trace():
+    """``sae-conv-ends``'s labels: a request continues when a later one resends its full
+    blocks beyond the first (a shared first block alone is a new conversation)."""
+    from traces import Request
+
+    from simulator import _conversation_continues
+
+    def req(t, blocks, n=None):
+        n = 512 * len(blocks) if n is None else n
+        return Request(t, None, None, [0] * n, [], blocks=tuple(blocks))
+
+    trace = [req(0, [0, 1, 2]), req(1, [0, 5]), req(2, [0, 1, 2, 3]), req(3, [0, 5, 6], 1100)]
+    assert _conversation_continues(trace) == [1.0, 1.0, 0.0, 0.0]

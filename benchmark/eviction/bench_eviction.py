@@ -28,11 +28,13 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
-ABLATIONS = ("sae-nopred", "sae-alpha")  # sae without the session predictor / with alpha_q
+# sae without the session predictor / with alpha_q / with conversations inferred from the
+# prefix chain where requests carry no session (SAEStrategy.on_match)
+ABLATIONS = ("sae-nopred", "sae-alpha", "sae-conv")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
 # (simulator.PARAMS_ORACLE; generated workloads other than sharegpt* only)
-REFERENCE = ("belady", "sae-ends", "sae-params")
+REFERENCE = ("belady", "sae-ends", "sae-params", "sae-conv-ends")
 WORKLOADS = ("chat", "agent", "single", "mix", "single_heavy", "shift", "sharegpt",
              "sharegpt_mix")
 FRACTIONS = (0.05, 0.1, 0.2, 0.4)
@@ -42,6 +44,9 @@ def known_policies() -> tuple[str, ...]:
     """What ``--policies`` accepts: SGLang's seven, ours, the ablations and the references."""
     return SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE
 
+
+# what a run replays unless told: all but the two for traces without sessions
+DEFAULT_POLICIES = tuple(p for p in known_policies() if p not in ("sae-conv", "sae-conv-ends"))
 
 TLRU_SPEC = "tlru:<xi>:<q_hat>"
 """T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in
@@ -126,7 +131,7 @@ def main() -> None:
                     help="two workloads, two sizes; writes to $TMPDIR/sglang-pic-bench, no plot")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
-    ap.add_argument("--policies", default=",".join(known_policies()),
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                     help="comma-separated subset of the default; tlru:<xi>:<q_hat> is T-LRU at "
                          "those settings (tokens)")
     ap.add_argument("--out", default=None,

@@ -129,6 +129,7 @@ on average), never tuned on the held-out 40 %. SGLang's defaults (0, 0) make T-L
 
 ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-nopred": ("sae", {"use_predictor": False}),
+             "sae-conv": ("sae", {"infer_sessions": True}),
              "tlru": ("tlru", TLRU_REPLAY)}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes).
 ``tlru:<xi>:<q_hat>`` names T-LRU at other settings (``policy_spec``)."""
@@ -150,6 +151,12 @@ ENDS_ORACLE = "sae-ends"
 send another one (its ``q`` is 1 or 0 instead of the session predictor's guess), but not when.
 Between it and ``belady`` lies what knowing *when* sessions come back is worth; between ``sae``
 and it, what knowing *whether* they do."""
+
+CONV_ENDS_ORACLE = "sae-conv-ends"
+"""Not a policy anyone can run: ``sae-conv`` (conversations inferred from the prefix chain, for
+traces without sessions) told at every request whether a later request continues its
+conversation (``_conversation_continues``; its ``q`` is 1 or 0), but not when: what knowing
+which conversations go on is worth on a block trace."""
 
 PARAMS_ORACLE = "sae-params"
 """``sae`` handed the generator's true session parameters (gap log-normals and continuation
@@ -326,8 +333,8 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     from sglang_pic.eviction.context import RequestContext, using
 
     rc.TreeNode.counter = 0  # creation numbers, the nodes' hashes (_node_hash), from 0
-    cache, _ = make_cache({ORACLE: "lru", ENDS_ORACLE: "sae", PARAMS_ORACLE: "sae"}.get(
-        policy, policy))
+    cache, _ = make_cache({ORACLE: "lru", ENDS_ORACLE: "sae", PARAMS_ORACLE: "sae",
+                           CONV_ENDS_ORACLE: "sae-conv"}.get(policy, policy))
     if policy == ORACLE:
         blocks = bool(trace) and all(r.blocks is not None for r in trace)
         cache.eviction_strategy = BlockBeladyOracle(trace) if blocks else BeladyOracle(trace)
@@ -335,6 +342,9 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     if policy == ENDS_ORACLE:
         continues = _session_continues(trace)
         cache.eviction_strategy.use_predictor = True  # q is read from session_p, set below
+    if policy == CONV_ENDS_ORACLE:
+        continues = _conversation_continues(trace)
+        cache.eviction_strategy.use_predictor = True
     if policy == PARAMS_ORACLE:
         if session_params is None:
             raise ValueError(f"{PARAMS_ORACLE} needs the generator's session_params")
@@ -384,16 +394,17 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
                     result.insert_s += time.perf_counter() - t0
                     result.insert_calls += 1
                 cache.dec_lock_ref(match.last_device_node)
-                if continues is not None and req.session_id is not None:
+                sid = req.session_id if policy != CONV_ENDS_ORACLE else ctx.session_id
+                if continues is not None and sid is not None:
                     # after the request's own on_request, which set the predictor's guess
-                    strategy.session_p[req.session_id] = continues[i]
+                    strategy.session_p[sid] = continues[i]
                 result.max_used_tokens = max(result.max_used_tokens,
                                              cache.evictable_size() + cache.protected_size())
             result.requests += 1
             result.prompt_tokens += len(req.prompt)
             result.hit_tokens += hit
             result.ttft_ms.append(estimated_ttft_ms(len(req.prompt), hit))
-            app = result.hits_by_app.setdefault(req.app_type, [0, 0])
+            app = result.hits_by_app.setdefault(req.app_type or "unknown", [0, 0])
             app[0] += hit
             app[1] += len(req.prompt)
             ph = phase_stats[min(i // phase_len, phases - 1)]
@@ -432,6 +443,28 @@ def _session_continues(trace: list[Request]) -> list[float]:
         if sid is not None:
             out[i] = float(sid in seen)
             seen.add(sid)
+    return out
+
+
+def _conversation_continues(trace: list[Request], block: int = 512) -> list[float]:
+    """Per request of a block trace: 1.0 when a later request continues its conversation - its
+    prompt resends this one's full blocks beyond the first (a shared opening alone is not a
+    continuation) and this request is the latest to have used the deepest of them - else 0.0.
+    Generated traces (no blocks): their sessions (``_session_continues``)."""
+    if not trace or any(r.blocks is None for r in trace):
+        return _session_continues(trace)
+    out = [0.0] * len(trace)
+    last_use: dict[int, int] = {}
+    for i, req in enumerate(trace):
+        n, k = len(req.prompt), 0
+        for b, h in enumerate(req.blocks):
+            if h not in last_use or min(block, n - b * block) < block:
+                break
+            k += 1
+        if k >= 2:
+            out[last_use[req.blocks[k - 1]]] = 1.0
+        for h in req.blocks:
+            last_use[h] = i
     return out
 
 

@@ -238,7 +238,8 @@ def load_mooncake(path: str | Path, compact: bool = True) -> list[Request]:
     ``blocks``; ``compact`` stores prompts as ``array('q')`` (same tokens as lists, a quarter
     of the memory, built in numpy); ``compact=False`` builds Python lists as the loader did
     before (the reference the fast path is tested against). Outputs are unique per request
-    (negative ids): they are cached after their prompt but never resent."""
+    (negative ids): they are cached after their prompt but never resent. No session or
+    application type: what a server sees from token ids alone."""
     reqs, skipped = [], 0
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -260,7 +261,7 @@ def load_mooncake(path: str | Path, compact: bool = True) -> list[Request]:
             base = -(len(reqs) << 20) - 1
             out = array("q", range(base, base - n_out, -1)) if compact else list(
                 range(base, base - n_out, -1))
-            reqs.append(Request(t, None, "single", prompt, out, [(0, "user")],
+            reqs.append(Request(t, None, None, prompt, out, [(0, "user")],
                                 blocks=tuple(ids)))
     if skipped:
         print(f"{path}: skipped {skipped} malformed line(s), replaying {len(reqs)} requests",

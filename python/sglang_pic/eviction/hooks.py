@@ -9,7 +9,9 @@ the cache's strategy when it has the matching method, and do nothing for SGLang'
   and reported when the request is first cached (``insert``), i.e. the match that admitted it
   (only the outermost hooked match reports; a match with neither a request nor a context is a
   probe, e.g. the span planner's, and is not reported);
-- ``RadixCache.insert``: ``on_request(ctx, now)`` once per request, then
+- ``RadixCache.insert``: ``on_match(nodes, ctx)`` with the request's admitted match (deepest
+  node first; in the trace replay, where the match is a hit at once, from ``match_prefix``
+  before its ``on_hit`` calls) and ``on_request(ctx, now)`` once per request, then
   ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path;
 - ``RadixCache._delete_leaf``: ``on_evict(node)``;
 - ``RadixCache._split_node``: ``on_split(head, tail)`` (SGLang cuts a node in two when a new key
@@ -155,7 +157,10 @@ def around_match_prefix(original, self, params, *args, **kwargs):
             # no request's match: a probe whether something is cached (the span planner's,
             # before it runs a span prefill); the request itself reports its match
             return result
-        for node in _matched_nodes(self, result):  # the trace replay: a hit now
+        nodes = _matched_nodes(self, result)  # the trace replay: a hit now
+        if hasattr(strategy, "on_match"):
+            strategy.on_match(nodes, ctx, params.key.token_ids)
+        for node in nodes:
             strategy.on_hit(node, len(node.key), ctx)
         return result
     # The scheduler matches a waiting request on every scheduling round; what it reuses is the
@@ -209,6 +214,10 @@ def around_insert(original, self, params, *args, **kwargs):
     if strategy is None or ctx is None:
         return original(self, params, *args, **kwargs)
     if _first_report(self, ctx):
+        if hasattr(strategy, "on_match") and ctx.rid is not None:
+            # the admitted match (reported as hits just below), deepest node first
+            matched = self.__dict__.get("_pic_pending_hits", {}).get(ctx.rid, ())
+            strategy.on_match([node for node, _ in matched], ctx, params.key.token_ids)
         if hasattr(strategy, "on_request"):
             strategy.on_request(ctx, _now(strategy, ctx))
         if ctx.rid is not None and hasattr(strategy, "on_hit") and not ctx.on_behalf:
