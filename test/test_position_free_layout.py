@@ -159,3 +159,4 @@ def test_the_table_is_made_once_per_pool():
     first = stored_positions.allocate(16, "cpu")
     assert stored_positions.allocate(8, "cpu") is first  # a second backend of the same pool
     assert stored_positions.allocate(32, "cpu").numel() == 32  # a larger pool
+

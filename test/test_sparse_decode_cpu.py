@@ -130,7 +130,7 @@ def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(offload_s
     (["--sparse-decode", "pariskv", "--sparse-threshold", "100"], "threshold"),
     (["--sparse-decode", "pariskv", "--sparse-topk", "x"], "not an integer"),
     (["--sparse-decode", "pariskv", "--enable-span-cache"], "does not combine"),
-    (["--sparse-decode", "pariskv", "--attention-backend", "flashinfer"], "needs --attention"),
+    (["--sparse-decode", "pariskv", "--attention-backend", "fa3"], "needs --attention"),
     # issue 27: the default threshold (32768) is above SmolLM2's context (its config.json)
     (["--sparse-decode", "pariskv"], r"context length is 8192 tokens \(the model's config"),
     (["--sparse-decode", "pariskv", "--sparse-threshold", "8192"], "lower --sparse-threshold"),

@@ -10,6 +10,7 @@ slots follow requests (released by an extend batch of another request, reused wh
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -526,3 +527,37 @@ def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(monkeypat
     monkeypatch.setenv("SGLANG_PIC_SPARSE_MAX_CONTEXT", "4096")
     monkeypatch.setenv("SGLANG_PIC_SPARSE_OFFLOAD", "0")  # no host region: long ones are dense
     check_request_length(tm, *request(7000, 1000))
+
+
+def test_sparse_flashinfer_twin_shares_the_gpu_sparse_path():
+    """``pariskv_flashinfer``: SGLang's FlashInfer backend with the same sparse metadata calls
+    and decode overwrite as ``pariskv_triton``, and the sparse graph hooks recognise it."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang_pic.sparse import BACKEND_FOR, graphs
+    from sglang_pic.sparse.backends import (
+        ParisKVFlashInferBackend,
+        ParisKVTritonBackend,
+        _GpuSparseMixin,
+    )
+
+    assert BACKEND_FOR["flashinfer"] == "pariskv_flashinfer"
+    mro = ParisKVFlashInferBackend.__mro__
+    assert mro.index(_GpuSparseMixin) < mro.index(FlashInferAttnBackend)
+    for method in ("init_forward_metadata", "init_forward_metadata_out_graph",
+                   "init_cuda_graph_state", "forward_decode"):
+        assert getattr(ParisKVFlashInferBackend, method) is getattr(ParisKVTritonBackend, method)
+    backend = object.__new__(ParisKVFlashInferBackend)
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+    assert graphs._sparse_backend(runner) is backend
+
+
+def test_the_sparse_dense_view_shrinks_the_sum_the_kernel_sizes_buffers_by():
+    from sglang_pic.sparse.backends import _SparseDecodeMixin
+
+    mixin = object.__new__(_SparseDecodeMixin)
+    mixin.sparse = SimpleNamespace(active=True, rows=torch.tensor([1]))
+    fb = SimpleNamespace(seq_lens=torch.tensor([5, 900]), seq_lens_cpu=torch.tensor([5, 900]),
+                         seq_lens_sum=905)
+    with mixin._dense_view(fb, torch.tensor([5, 1])):
+        assert fb.seq_lens_cpu.tolist() == [5, 1] and fb.seq_lens_sum == 6
+    assert fb.seq_lens_cpu.tolist() == [5, 900] and fb.seq_lens_sum == 905

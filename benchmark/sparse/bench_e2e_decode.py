@@ -159,7 +159,9 @@ def _merge_earlier(report: dict, prev: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="1x4096,1x131072,1x262144,4x65536")
-    ap.add_argument("--variants", default="vanilla,sglang-pic")
+    ap.add_argument("--variants", default="vanilla,sglang-pic",
+                    help="of vanilla, vanilla-triton, sglang-pic (pariskv_triton), "
+                         "sglang-pic-flashinfer (pariskv_flashinfer)")
     ap.add_argument("--threshold", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--candidates", type=int, default=4096)
@@ -189,7 +191,8 @@ def main() -> None:
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
         higher_is_better={f"tokens_per_s_{c}" for c in cases},
         variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
-        variant_kwargs={"sglang-pic": {"attention_backend": "pariskv_triton"}})
+        variant_kwargs={"sglang-pic": {"attention_backend": "pariskv_triton"},
+                        "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}})
     out_dir = Path(args.out) if args.out else RESULTS
     report = _merge_earlier(report, out_dir / "sparse_e2e_decode.json.prev")
     res = report["results"]

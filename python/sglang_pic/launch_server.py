@@ -30,7 +30,8 @@ order, so that a mistake costs a second and one line, not a model load:
      go to PTStore instead, under span-aware page keys (`SGLANG_PIC_SPAN_STORE`,
      `sglang_pic/spans/store_tier.py`).
    - `--sparse-decode pariskv`: selects the sparse twin of the attention backend (`triton` ->
-     `pariskv_triton`, `torch_native` -> `pariskv_torch_native`); `--sparse-offload` turns prefix
+     `pariskv_triton`, `flashinfer` -> `pariskv_flashinfer`, `torch_native` ->
+     `pariskv_torch_native`); `--sparse-offload` turns prefix
      caching off.
    - every knob (`--span-*`, `--sparse-*`, `--sae-*`, `--position-free-*`, `--ptstore-trace`)
      reaches SGLang's processes as the `SGLANG_PIC_*` variable `server_flags` names: they inherit

@@ -31,7 +31,7 @@ POSITION_FREE_FLAG = "--enable-position-free-kv"
 SPAN_FLAG = "--enable-span-cache"
 SPAN_BACKEND = "pic_span"  # sglang_pic.spans.config.BACKEND
 TWINS = {  # SGLang attention backend -> (position-free twin, sparse twin)
-    "flashinfer": ("pic_flashinfer", None),
+    "flashinfer": ("pic_flashinfer", "pariskv_flashinfer"),
     "triton": ("pic_triton", "pariskv_triton"),
     "torch_native": ("pic_torch_native", "pariskv_torch_native"),
 }

@@ -8,11 +8,11 @@
   memory (what the kernel benchmark times);
 - ``offload``: the same layout inside SGLang (``--sparse-offload``): retrieval-region KV in
   pinned host memory, its GPU pool slots freed (the one place that touches SGLang's allocator);
-- in SGLang: ``backends`` (attention backends ``pariskv_triton`` / ``pariskv_torch_native``,
-  picked by ``sglang-pic serve --sparse-decode pariskv``), ``decode_state`` (which requests
+- in SGLang: ``backends`` (attention backends ``pariskv_triton`` / ``pariskv_flashinfer`` /
+  ``pariskv_torch_native``, picked by ``sglang-pic serve --sparse-decode pariskv``), ``decode_state`` (which requests
   decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
 
-What this changes in SGLang, all registered by ``register()``: the two attention backends
+What this changes in SGLang, all registered by ``register()``: the three attention backends
 (``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``), two
 AROUND hooks on SGLang's decode CUDA-graph runner (``graphs``: a second graph set with the sparse
 part) and a BEFORE hook on ``TokenizerManager._validate_one_request`` (``admission``: with
@@ -24,7 +24,11 @@ allocator's ``free`` wrapped (``offload``). ``pariskv_torch_native`` answers ``s
 
 from __future__ import annotations
 
-BACKEND_FOR = {"triton": "pariskv_triton", "torch_native": "pariskv_torch_native"}
+BACKEND_FOR = {
+    "triton": "pariskv_triton",
+    "flashinfer": "pariskv_flashinfer",
+    "torch_native": "pariskv_torch_native",
+}
 CPU_BACKENDS = ("pariskv_torch_native",)  # answer support_triton like torch_native
 FLAG = "--sparse-decode"
 OFFLOAD_FLAG = "--sparse-offload"  # no value: sets SparseDecodeConfig.offload
@@ -50,6 +54,7 @@ def register() -> None:
     from . import admission, backends, graphs, offload
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
+    register_attention_backend("pariskv_flashinfer")(backends.create_pariskv_flashinfer)
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
     graphs.register()

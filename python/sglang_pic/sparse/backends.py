@@ -1,12 +1,14 @@
 """Attention backends with sparse long-context decoding: SGLang's own backend for prefill and
 for short requests, ParisKV for the decode steps of long ones.
 
-``pariskv_triton`` (GPU): SGLang's ``TritonAttnBackend``. Its decode metadata is built with a
-length of 1 for sparse rows (so the dense kernel skips their context), and after its decode
-kernel the sparse rows of the output are overwritten by ParisKV attention over sink + retrieved
-+ local keys (``decode_state``; kernels in ``sglang_pic_kernel.pariskv``). The sparse part has
-fixed shapes and lives in static buffers, so SGLang captures it in its decode CUDA graphs: a
-second set of graphs, replayed only for batches with sparse rows (``graphs``).
+``pariskv_triton`` / ``pariskv_flashinfer`` (GPU): SGLang's ``TritonAttnBackend`` /
+``FlashInferAttnBackend``. Its decode metadata is built with a length of 1 for sparse rows (so
+the dense kernel skips their context), and after its decode kernel the sparse rows of the output
+are overwritten by ParisKV attention over sink + retrieved + local keys (``decode_state``;
+kernels in ``sglang_pic_kernel.pariskv``). The sparse part has fixed shapes and lives in static
+buffers, so SGLang captures it in its decode CUDA graphs: a second set of graphs, replayed only
+for batches with sparse rows (``graphs``). With ``pariskv_flashinfer`` prefill, short requests
+and every batch without sparse rows run FlashInfer's kernels, as vanilla SGLang on FlashInfer.
 
 ``pariskv_torch_native`` (CPU engine): SGLang's ``TorchNativeAttnBackend``, the same split, with
 the torch reference of the selection (``index_ops.TorchIndexOps``).
@@ -21,6 +23,7 @@ import contextlib
 import logging
 
 import torch
+from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
@@ -231,16 +234,18 @@ class _SparseDecodeMixin:
         if dense_lens is None or not self.sparse.active:
             yield
             return
-        saved = fb.seq_lens, getattr(fb, "seq_lens_cpu", None)
+        saved = fb.seq_lens, getattr(fb, "seq_lens_cpu", None), getattr(fb, "seq_lens_sum", None)
         fb.seq_lens = dense_lens
         if saved[1] is not None:
             cpu = saved[1].clone()
             cpu[self.sparse.rows] = 1
             fb.seq_lens_cpu = cpu
+            if saved[2] is not None:  # sizes the dense kernel's index buffers
+                fb.seq_lens_sum = int(cpu.sum())
         try:
             yield
         finally:
-            fb.seq_lens, fb.seq_lens_cpu = saved
+            fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum = saved
 
     capturing = False  # set by graphs.py while SGLang captures decode graphs
     capture_sparse = False  # ... and while it captures the set with the sparse part
@@ -260,14 +265,8 @@ class _SparseDecodeMixin:
         return o
 
 
-class ParisKVTritonBackend(_SparseDecodeMixin, TritonAttnBackend):
-    NAME = "pariskv_triton"
-
-    def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
-        cfg = SparseDecodeConfig.from_env()
-        check_server_settings(model_runner, self.NAME)
-        super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
-        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
+class _GpuSparseMixin(_SparseDecodeMixin):
+    """The GPU backends' metadata calls: SGLang's, on the dense view of the batch."""
 
     def init_forward_metadata(self, forward_batch):
         dense = self._note_batch(forward_batch)
@@ -286,6 +285,26 @@ class ParisKVTritonBackend(_SparseDecodeMixin, TritonAttnBackend):
         dense = self._note_batch(forward_batch)
         with self._dense_view(forward_batch, dense):
             return super().init_forward_metadata_out_graph(forward_batch)
+
+
+class ParisKVTritonBackend(_GpuSparseMixin, TritonAttnBackend):
+    NAME = "pariskv_triton"
+
+    def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
+        cfg = SparseDecodeConfig.from_env()
+        check_server_settings(model_runner, self.NAME)
+        super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
+        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
+
+
+class ParisKVFlashInferBackend(_GpuSparseMixin, FlashInferAttnBackend):
+    NAME = "pariskv_flashinfer"
+
+    def __init__(self, model_runner):
+        cfg = SparseDecodeConfig.from_env()
+        check_server_settings(model_runner, self.NAME)
+        super().__init__(model_runner)
+        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
 
 
 class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
@@ -316,6 +335,10 @@ class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
 
 def create_pariskv_triton(model_runner):
     return ParisKVTritonBackend(model_runner)
+
+
+def create_pariskv_flashinfer(model_runner):
+    return ParisKVFlashInferBackend(model_runner)
 
 
 def create_pariskv_torch_native(model_runner):

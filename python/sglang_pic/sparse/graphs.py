@@ -10,7 +10,7 @@ no-LoRA graphs); we add ours to that label.
 
 What this patches, with AROUND hooks on ``DecodeCudaGraphRunner``
 (``sglang.srt.model_executor.runner.decode_cuda_graph_runner``), only when the runner's attention
-backend is ``pariskv_triton``:
+backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
 
 - ``_capture_one_stream``: runs the original twice, the second time with the backend's
   ``capture_sparse`` set (``forward_decode`` then records the sparse part);
@@ -34,11 +34,11 @@ def register() -> None:
 
 
 def _sparse_backend(runner):
-    from .backends import ParisKVTritonBackend
+    from .backends import _GpuSparseMixin
 
     model_runner = getattr(runner, "model_runner", None)
     backend = getattr(model_runner, "attn_backend", None)
-    return backend if isinstance(backend, ParisKVTritonBackend) else None
+    return backend if isinstance(backend, _GpuSparseMixin) else None
 
 
 def around_capture_one_stream(original, self, *args, **kwargs):
