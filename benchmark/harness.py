@@ -68,8 +68,12 @@ def plugin_site(root: Path) -> Path:
     return root
 
 
-def variant_env(variant: str, site: Path) -> dict[str, str]:
+def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:
+    """The environment of a variant's process: our source tree on the path for sglang-pic
+    variants only, the variant's name, and ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given."""
     env = dict(os.environ)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     ours = {str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), str(site)}
     parts = [p for p in parts if p not in ours]
@@ -176,6 +180,7 @@ def run_side_by_side(
     out_dir: str | None = None,
     variant_kwargs: dict[str, dict] | None = None,
     rounds: int = 1,
+    variant_gpus: dict[str, str] | None = None,
 ) -> dict:
     """Run `module.func` once per variant and round, each in a fresh process; write and return
     the report.
@@ -183,7 +188,9 @@ def run_side_by_side(
     ``variant_kwargs`` overrides engine arguments per variant (e.g. the attention backend a
     sglang-pic feature needs); everything else is the same for both. With ``rounds`` > 1 the
     order alternates (A B, then B A, ...) so that neither side always runs first, and each
-    variant's samples are pooled over its rounds (``merge_rounds``).
+    variant's samples are pooled over its rounds (``merge_rounds``). ``variant_gpus`` pins a
+    variant's process to GPUs (``CUDA_VISIBLE_DEVICES``), e.g. the instance that computes on one
+    GPU and the one that loads on another.
     """
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     results: dict[str, dict] = {}
@@ -202,10 +209,9 @@ def run_side_by_side(
                 tag = f" (round {round_no + 1}/{rounds})" if rounds > 1 else ""
                 print(f"[bench] {name}: running {variant}{tag} ...", flush=True)
                 t0 = time.perf_counter()
+                env = variant_env(variant, site, (variant_gpus or {}).get(variant))
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--child", str(spec)],
-                    env=variant_env(variant, site),
-                    timeout=timeout_s,
+                    [sys.executable, __file__, "--child", str(spec)], env=env, timeout=timeout_s,
                 )
                 if proc.returncode != 0 or not out.exists():
                     result = {"error": f"exit code {proc.returncode}"}
@@ -229,6 +235,7 @@ def run_side_by_side(
         "variant_kwargs": variant_kwargs or {},
         "params": params,
         "rounds": rounds,
+        "variant_gpus": variant_gpus or {},
         "results": results,
         "ratios": rows,
     }

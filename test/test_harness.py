@@ -39,6 +39,14 @@ def test_only_pic_variant_gets_our_paths(tmp_path, monkeypatch):
     assert pic[-1] == "/elsewhere"
 
 
+def test_a_variant_can_be_pinned_to_its_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    site = tmp_path / "site"
+    assert harness.variant_env("sglang-pic-ptstore-writer", site, "0")["CUDA_VISIBLE_DEVICES"] == "0"
+    assert harness.variant_env("sglang-pic-ptstore", site, "1")["CUDA_VISIBLE_DEVICES"] == "1"
+    assert harness.variant_env("vanilla", site)["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
 def test_rounds_pool_samples_and_keep_each_rounds_median():
     from harness import merge_rounds
 

@@ -459,6 +459,10 @@ def main() -> None:
                     help="TCP connections per store server of the -tcp reader")
     ap.add_argument("--reference-mb", type=int, default=1024,
                     help="bytes moved by the copy-rate reference (0: not measured)")
+    ap.add_argument("--gpus", default=None, metavar="WRITER,READER",
+                    help="GPU ids: the instances that compute (*-writer) on the first, every "
+                         "other on the second (two instances on two GPUs of one host, stores "
+                         "between them); default: every instance on the visible GPU")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny prefixes")
     args = ap.parse_args()
     if args.replot:
@@ -469,6 +473,13 @@ def main() -> None:
     if args.samples is not None and args.samples < 1:
         ap.error("--samples must be at least 1")
     variants = tuple(v for v in args.variants.split(",") if v)
+    gpus = None
+    if args.gpus is not None:
+        ids = args.gpus.split(",")
+        if len(ids) != 2 or not all(i.strip().isdigit() for i in ids):
+            ap.error("--gpus takes two GPU ids, WRITER,READER (e.g. 0,1)")
+        gpus = {v: ids[0].strip() if v.endswith("-writer") else ids[1].strip()
+                for v in variants}
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
@@ -518,7 +529,8 @@ def main() -> None:
             if reference is not None:  # in params too: the partial reports written after
                 params["transport_reference"] = reference  # each variant carry it
             report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params,
-                                      variants=variants, out_dir=args.out, timeout_s=900)
+                                      variants=variants, out_dir=args.out, timeout_s=900,
+                                      variant_gpus=gpus)
         if reference is not None:
             report["transport_reference"] = reference
             print(f"[bench] wrote {_write_report(name, args.out, report)}")
