@@ -52,3 +52,25 @@ def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_li
     row = write([100.0] * 50 + [0.0] * 50, [100.0] * 48 + [0.0] * 52)  # 2 points below
     assert not row["meets_target"]  # a ratio of 0.96 would pass a 0.95 ratio target
     assert write([0.0] * 100, [100.0] + [0.0] * 99)["meets_target"]  # better is met
+
+
+def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of_runs(
+        tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    monkeypatch.setattr(headlines, "RESULTS", tmp_path)
+    claim = next(c for c in headlines.CLAIMS if c.claim == "eviction.e2e_hit_rate")
+    results = {
+        "vanilla": {"policy": "lru", "token_hit_rate_all": [0.20, 0.24, 0.22],
+                    "attention_backend": "flashinfer"},
+        "vanilla-fifo": {"policy": "fifo", "token_hit_rate_all": [0.25, 0.27, 0.26],
+                         "attention_backend": "flashinfer"},
+        "sglang-pic": {"policy": "sae", "token_hit_rate_all": [0.30, 0.28, 0.29]},
+    }
+    (tmp_path / claim.raw_file).write_text(json.dumps({"results": results, "rounds": 3}))
+    row = headlines._row(claim)
+    assert row["baseline_variant"] == "vanilla-fifo" and row["baseline_backend"] == "flashinfer"
+    assert abs(row["baseline"] - 0.26) < 1e-9 and abs(row["ours"] - 0.29) < 1e-9
+    assert row["samples"] == 3 and row["spread"]["baseline"] == [0.25, 0.27]
+    assert "fifo" in row["note"] and "3 alternating" in row["note"]

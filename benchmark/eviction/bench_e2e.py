@@ -1,9 +1,13 @@
 """End to end on the H200: `--radix-eviction-policy sae` (sglang-pic) vs `lru` (vanilla SGLang).
 
 The trace is ``traces.generate("mix")`` (chat sessions, agent loops, templated single-turn
-requests; content-faithful token ids), replayed open-loop through ``Engine.async_generate`` at its
+requests; content-faithful token ids) or, with ``--trace mooncake``, the first ``--requests``
+requests of the Mooncake conversation trace (each 512-token block hash becomes 512 fixed token
+ids, ``traces.load_mooncake``), replayed open-loop through ``Engine.async_generate`` at its
 arrival times compressed by ``--speedup``, with a KV budget (``max_total_tokens``) well below the
-trace's unique tokens so the prefix cache has to evict. Each request generates a few tokens
+trace's unique tokens so the prefix cache has to evict. The open-loop schedule moves the hit rate
+between runs, so ``--rounds N`` runs every variant N times, alternating which goes first; the
+per-run values are kept (``<metric>_all``) and the headline rows take their mean. Each request generates a few tokens
 (``ignore_eos``); the next turn's prompt carries the trace's recorded answer, as a client resending
 history would. Reported per variant: token hit rate (cached / prompt tokens), TTFT p50/p99,
 makespan.
@@ -45,7 +49,10 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     kwargs = dict(engine_kwargs)
     if not Path(kwargs["model_path"]).is_absolute():
         kwargs["model_path"] = str(repo / kwargs["model_path"])
-    trace = traces.generate("mix", scale=params["scale"], seed=params["seed"])
+    if params.get("trace") == "mooncake":
+        trace = _mooncake_head(traces, params["trace_file"], params["requests"])
+    else:
+        trace = traces.generate("mix", scale=params["scale"], seed=params["seed"])
     limit = params["max_prompt_tokens"]
     vocab = params["vocab"]
     trace = [r for r in trace if len(r.prompt) <= limit]
@@ -96,7 +103,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     ttft = [o[0] for o in outs]
     cached, prompt = sum(o[1] for o in outs), sum(o[2] for o in outs)
     profile = _policy_profile(stats_file) if stats_file else {}
-    return {**profile,
+    per_run = {"token_hit_rate": cached / prompt, "ttft_p50_ms": 1000 * _percentile(ttft, 50),
+               "ttft_p99_ms": 1000 * _percentile(ttft, 99)}
+    return {**profile, **{f"{k}_all": [v] for k, v in per_run.items()},
         "engine_start_s": start_s,
         "requests": len(outs),
         "prompt_tokens": prompt,
@@ -108,6 +117,26 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         "makespan_s": makespan,
         "policy": kwargs.get("radix_eviction_policy", "lru"),
     }
+
+
+def _mooncake_head(traces, path: str, n: int) -> list:
+    """The first ``n`` records of a Mooncake trace file (by line; the file is in time order),
+    loaded by ``traces.load_mooncake`` (which reports and skips malformed lines)."""
+    import tempfile
+
+    lines = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            if len(lines) >= n:
+                break
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as tmp:
+        tmp.writelines(lines)
+    try:
+        return traces.load_mooncake(tmp.name)
+    finally:
+        os.unlink(tmp.name)
 
 
 def _policy_profile(path: Path) -> dict:
@@ -137,7 +166,9 @@ def _policy_profile(path: Path) -> dict:
 ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 32768, "max_total_tokens": 32768,
                  "mem_fraction_static": 0.80, "cuda_graph_max_bs_decode": 64}
 PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 120000,
-          "max_prompt_tokens": 24000}
+          "max_prompt_tokens": 24000, "trace": "mix"}
+MOONCAKE_KV_TOKENS = 262144
+MOONCAKE_TRACE = HERE.parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def main() -> None:
@@ -147,8 +178,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--scale", type=int, default=PARAMS["scale"])
-    ap.add_argument("--kv-tokens", type=int, default=ENGINE_KWARGS["max_total_tokens"])
-    ap.add_argument("--speedup", type=float, default=PARAMS["speedup"])
+    ap.add_argument("--kv-tokens", type=int, default=None,
+                    help=f"KV pool tokens (default {ENGINE_KWARGS['max_total_tokens']}; "
+                         f"--trace mooncake: {MOONCAKE_KV_TOKENS}, ~10 %% of the unique tokens of "
+                         "its first 400 requests)")
+    ap.add_argument("--speedup", type=float, default=None,
+                    help=f"arrival-time compression (default {PARAMS['speedup']}; --trace "
+                         "mooncake: 1, real time: its requests carry ~9K-token prompts)")
     ap.add_argument("--seed", type=int, default=PARAMS["seed"], help="trace generator seed")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
     ap.add_argument("--no-cuda-graph", action="store_true",
@@ -157,12 +193,34 @@ def main() -> None:
                     help="comma-separated SGLang policies run as vanilla variants")
     ap.add_argument("--pic-first", action="store_true",
                     help="run sglang-pic before vanilla (to check the order does not decide)")
+    ap.add_argument("--trace", choices=("mix", "mooncake"), default="mix",
+                    help="generated mixed traffic, or the head of the Mooncake conversation trace")
+    ap.add_argument("--trace-file", default=str(MOONCAKE_TRACE),
+                    help="the Mooncake JSONL (--trace mooncake)")
+    ap.add_argument("--requests", type=int, default=400,
+                    help="--trace mooncake: how many of its first requests to replay")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs per variant, alternating which goes first (hit rate and TTFT "
+                         "are reported per run and as their mean)")
     args = ap.parse_args()
+    if args.requests < 1 or args.rounds < 1:
+        ap.error("--requests and --rounds must be at least 1")
+    if args.trace == "mooncake" and not Path(args.trace_file).is_file():
+        ap.error(f"--trace-file {args.trace_file}: no such file")
+    mooncake = args.trace == "mooncake"
+    if args.kv_tokens is None:
+        args.kv_tokens = MOONCAKE_KV_TOKENS if mooncake else ENGINE_KWARGS["max_total_tokens"]
+    if args.speedup is None:
+        args.speedup = 1.0 if mooncake else PARAMS["speedup"]
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": args.kv_tokens}
     if args.no_cuda_graph:
         kwargs["disable_cuda_graph"] = True
-    params = {**PARAMS, "scale": args.scale, "speedup": args.speedup, "seed": args.seed}
+    params = {**PARAMS, "scale": args.scale, "speedup": args.speedup, "seed": args.seed,
+              "trace": args.trace}
     name = "eviction_e2e_h200" if args.seed == PARAMS["seed"] else f"eviction_e2e_h200_seed{args.seed}"
+    if args.trace == "mooncake":
+        params.update(trace_file=str(Path(args.trace_file).resolve()), requests=args.requests)
+        name = "eviction_e2e_mooncake_h200"
     if args.pic_first:
         name += "_pic_first"
     if args.scale != PARAMS["scale"]:
@@ -197,7 +255,7 @@ def main() -> None:
     report = run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
                               higher_is_better={"token_hit_rate", "cached_tokens"},
                               out_dir=args.out, variant_kwargs=variant_kwargs, timeout_s=1800,
-                              variants=variants)
+                              variants=variants, rounds=args.rounds)
     print(f"\n{'variant':<16}{'policy':<8}{'hit rate':>10}{'TTFT p50 ms':>13}{'p99 ms':>10}")
     for v, r in report["results"].items():
         if "token_hit_rate" in r:
