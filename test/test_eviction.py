@@ -1032,3 +1032,36 @@ def test_conversation_continues_from_a_block_trace():
 
     trace = [req(0, [0, 1, 2]), req(1, [0, 5]), req(2, [0, 1, 2, 3]), req(3, [0, 5, 6], 1100)]
     assert _conversation_continues(trace) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_sae_conv_ends_on_a_block_trace_reaches_belady_and_reads_told_q(tmp_path):
+    """On a conversation-like block trace, ``sae-conv-ends`` (inferred conversations, told which
+    go on) does at least as well as LRU and no better than ``belady``; told a ``q`` instead
+    (``told_q``, what ``analyze_trace.py`` uses for predictors of a given quality), it uses
+    it: told that every conversation ends, it scores differently than told the truth."""
+    from simulator import _conversation_continues, replay
+    from traces import load_mooncake, unique_tokens
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(_mooncake_lines(120, seed=3)) + "\n")
+    trace = load_mooncake(path)
+    cap = unique_tokens(trace) // 8
+    rate = {p: replay(trace, p, cap).summary()["token_hit_rate"]
+            for p in ("lru", "belady", "sae-conv-ends")}
+    assert rate["lru"] <= rate["sae-conv-ends"] <= rate["belady"] + 1e-9
+    ended = replay(trace, "sae-conv-ends", cap, told_q=[0.0] * len(trace)).summary()
+    assert ended["token_hit_rate"] != rate["sae-conv-ends"]
+    assert sum(_conversation_continues(trace)) > 0
+
+
+def test_noisy_predictor_ranks_at_the_asked_auc():
+    """``analyze_trace.noisy_q``: a calibrated probability from the label plus noise, ranking
+    continued requests above the others at the asked ROC AUC."""
+    from analyze_trace import auc, noisy_q
+
+    labels = (np.random.default_rng(1).random(20000) < 0.4).astype(float)
+    assert auc(labels, labels) == pytest.approx(1.0)
+    for target in (0.65, 0.85):
+        q = noisy_q(labels, target)
+        assert auc(labels, q) == pytest.approx(target, abs=0.01)
+        assert q.mean() == pytest.approx(labels.mean(), abs=0.02)  # calibrated on average

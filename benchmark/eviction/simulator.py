@@ -310,7 +310,8 @@ def _slots(n: int) -> torch.Tensor:
 
 def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
            session_params: dict[str, tuple[float, float, float]] | None = None,
-           split_t: float | None = None, fast: bool = True) -> ReplayResult:
+           split_t: float | None = None, fast: bool = True,
+           told_q: list[float] | None = None) -> ReplayResult:
     """Replay `trace` through a RadixCache of `capacity` tokens evicting with `policy`;
     ``session_params`` (``traces.session_params``) is what ``sae-params`` is handed.
 
@@ -319,6 +320,10 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     held-out part starts from the cache state the first part left; an online policy's decisions
     before ``split_t`` are the same as in a replay of the first part alone, so its
     ``first_hit_rate`` is what tuning on that part alone would see.
+
+    ``told_q`` (``sae-conv-ends`` only): per request, the ``q`` it is told instead of the true
+    0 / 1 of ``_conversation_continues`` - a predictor of a chosen quality
+    (``analyze_trace.py``).
 
     ``fast`` (default) inserts views of one shared range as KV values (``_slots``) instead of
     the matched indices plus fresh ones; ``fast=False`` is the original path, which the tests
@@ -343,7 +348,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
         continues = _session_continues(trace)
         cache.eviction_strategy.use_predictor = True  # q is read from session_p, set below
     if policy == CONV_ENDS_ORACLE:
-        continues = _conversation_continues(trace)
+        continues = _conversation_continues(trace) if told_q is None else list(told_q)
         cache.eviction_strategy.use_predictor = True
     if policy == PARAMS_ORACLE:
         if session_params is None:
