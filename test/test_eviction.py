@@ -1022,9 +1022,8 @@ def test_inferred_conversation_is_kept_for_later_inserts_of_the_request():
 def test_conversation_continues_from_a_block_trace():
     """``sae-conv-ends``'s labels: a request continues when a later one resends its full
     blocks beyond the first (a shared first block alone is a new conversation)."""
-    from traces import Request
-
     from simulator import _conversation_continues
+    from traces import Request
 
     def req(t, blocks, n=None):
         n = 512 * len(blocks) if n is None else n
