@@ -37,6 +37,7 @@ REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 from replay_trace import TRACE, _register  # noqa: E402
+from simulator import resent_blocks  # noqa: E402
 
 OUT = REPO / "benchmark" / "results" / "eviction_mooncake_analysis.json"
 BLOCK = 512
@@ -60,11 +61,7 @@ def request_features(trace) -> dict[str, np.ndarray]:
     resent = np.zeros(n)
     last_use: dict[int, int] = {}
     for i, req in enumerate(trace):
-        plen, k = len(req.prompt), 0
-        for b, h in enumerate(req.blocks):
-            if h not in last_use or min(BLOCK, plen - b * BLOCK) < BLOCK:
-                break
-            k += 1
+        k = resent_blocks(req, last_use, BLOCK)
         resent[i] = k
         if k >= 2:
             parent = last_use[req.blocks[k - 1]]

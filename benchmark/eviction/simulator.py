@@ -451,6 +451,17 @@ def _session_continues(trace: list[Request]) -> list[float]:
     return out
 
 
+def resent_blocks(req: Request, last_use: dict[int, int], block: int = 512) -> int:
+    """How many of ``req``'s leading blocks are full blocks an earlier request used
+    (``last_use``: block hash -> index of the latest request that used it)."""
+    n, k = len(req.prompt), 0
+    for b, h in enumerate(req.blocks):
+        if h not in last_use or min(block, n - b * block) < block:
+            break
+        k += 1
+    return k
+
+
 def _conversation_continues(trace: list[Request], block: int = 512) -> list[float]:
     """Per request of a block trace: 1.0 when a later request continues its conversation - its
     prompt resends this one's full blocks beyond the first (a shared opening alone is not a
@@ -461,11 +472,7 @@ def _conversation_continues(trace: list[Request], block: int = 512) -> list[floa
     out = [0.0] * len(trace)
     last_use: dict[int, int] = {}
     for i, req in enumerate(trace):
-        n, k = len(req.prompt), 0
-        for b, h in enumerate(req.blocks):
-            if h not in last_use or min(block, n - b * block) < block:
-                break
-            k += 1
+        k = resent_blocks(req, last_use, block)
         if k >= 2:
             out[last_use[req.blocks[k - 1]]] = 1.0
         for h in req.blocks:

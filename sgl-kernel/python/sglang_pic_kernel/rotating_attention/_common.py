@@ -62,3 +62,13 @@ def online_softmax_step(qk, v, acc, e_max, e_sum):
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)
+
+
+@triton.jit
+def merge_partial(acc, e_sum, e_max, part, lse):
+    """Add one split's normalised partial output ``part`` with log-sum-exp ``lse`` to the
+    running ``(acc, e_sum, e_max)`` of a log-sum-exp merge; returns the new three."""
+    n_max = tl.maximum(lse, e_max)
+    rescale = tl.exp(e_max - n_max)
+    w = tl.exp(lse - n_max)
+    return acc * rescale + w * part, e_sum * rescale + w, n_max

@@ -32,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, online_softmax_step, rotated_scores, shift_cos_sin
+from ._common import (
+    merge_partial,
+    next_pow2,
+    online_softmax_step,
+    rotated_scores,
+    shift_cos_sin,
+)
 from .rope import RotaryTable
 
 MIN_BLOCK_KV = 32
@@ -189,12 +195,7 @@ def _decode_stage2(
                 other=0.0,
             )
             lse = tl.load(Mid_Lse + b * stride_mlb + h * stride_mlh + s)
-            n_max = tl.maximum(lse, e_max)
-            rescale = tl.exp(e_max - n_max)
-            w = tl.exp(lse - n_max)
-            acc = acc * rescale + w * part
-            e_sum = e_sum * rescale + w
-            e_max = n_max
+            acc, e_sum, e_max = merge_partial(acc, e_sum, e_max, part, lse)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, acc / e_sum * v_scale, mask=mask_dv)
 
 

@@ -30,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, online_softmax_step, rotated_scores, shift_cos_sin, tanh
+from ._common import (
+    merge_partial,
+    next_pow2,
+    online_softmax_step,
+    rotated_scores,
+    shift_cos_sin,
+    tanh,
+)
 from .rope import RotaryTable
 
 
@@ -214,12 +221,7 @@ def _merge_splits(
         if lse > float("-inf"):
             part = tl.load(Mid_O + s * stride_mos + tok * stride_mot + head * stride_moh
                            + offs_dv, mask=mask_dv, other=0.0)
-            n_max = tl.maximum(lse, e_max)
-            rescale = tl.exp(e_max - n_max)
-            w = tl.exp(lse - n_max)
-            acc = acc * rescale + w * part
-            e_sum = e_sum * rescale + w
-            e_max = n_max
+            acc, e_sum, e_max = merge_partial(acc, e_sum, e_max, part, lse)
     tl.store(Out + tok * stride_ot + head * stride_oh + offs_dv,
              (acc / e_sum * v_scale).to(Out.dtype.element_ty), mask=mask_dv)
 
