@@ -123,6 +123,7 @@ def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
     # combinations the features refused only after the weights loaded
     (["--enable-span-cache", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     (["--enable-span-cache", "--radix-cache-backend", "radix"], "drop --radix-cache-backend radix"),
+    (["--enable-span-cache", "--disaggregation-mode", "decode"], "--disaggregation-mode decode"),
     (["--enable-span-cache", "--ptstore", "tcp://a:1", "--tp-size", "2"], "--tp-size 1"),
     (["--enable-span-cache", "--attention-backend", "fa3"],
      "--enable-span-cache needs --attention-backend flashinfer or triton or torch_native"),

@@ -166,7 +166,9 @@ def _spans(given: Mapping[str, Any], argv: list[str]) -> None:
         "--disable-radix-cache": "spans are found and shared in the radix tree",
         "--enable-hierarchical-cache": "HiCache does not take span pages yet; --ptstore stores "
                                        "them instead",
-    })
+    }, values={"--disaggregation-mode": lambda v: None if v == "null" else (
+        "KV a prefill instance sends arrives without the positions its keys were computed at, "
+        "which span requests need")})
     if "--ptstore" in given:
         tp, pp = _int(argv, "--tp-size", 1), _int(argv, "--pp-size", 1)
         if tp > 1 or pp > 1:

@@ -259,6 +259,9 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
         problems.append("HiCache (--enable-hierarchical-cache) is not supported with spans yet")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         problems.append("hybrid (sliding-window / SSM / DSA) models are not supported")
+    if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
+        problems.append("prefill/decode disaggregation is not supported (transferred KV carries "
+                        "no record of the positions its keys were computed at)")
     if getattr(ctx.params, "is_eagle", False):
         problems.append("speculative decoding (EAGLE bigram keys) is not supported")
     if problems:
