@@ -1,5 +1,7 @@
 """`pic_triton` on CPU: our rotating Triton kernels (TRITON_INTERPRET=1) inside SGLang's Triton
-attention backend give HF transformers' greedy tokens, including through a prefix-cache hit.
+attention backend give HF transformers' greedy tokens, including through a prefix-cache hit, and
+on span prompts (a cached document read at another offset: keys turned by the distance they
+moved, what batches with span requests run on a GPU) the HF block-attention reference's.
 
 Its own module so that the other position-free servers are down while the interpreter runs
 (every Triton program is executed in Python; CPU cores are the bottleneck).
@@ -20,7 +22,7 @@ def triton_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("position_free_triton") / "server.log"
     # one KV split: fewer Triton programs for the interpreter to run
     srv = start_server(["--max-total-tokens", "4096", "--page-size", "16",
-                        "--enable-position-free-kv", "--attention-backend", "triton",
+                        "--enable-span-cache", "--attention-backend", "triton",
                         "--triton-attention-num-kv-splits", "1"], log)
     yield srv
     stop_server(srv)
@@ -66,3 +68,42 @@ def test_prefix_hit_through_rotating_extend_kernel(triton_server, hf_greedy):
     out = _generate(triton_server, ids, 2)
     assert out["meta_info"]["cached_tokens"] >= 16  # the story's first page, from the cache
     assert out["output_ids"][: len(want)] == want
+
+
+def test_a_document_moved_to_another_offset_follows_the_block_attention_reference(
+        triton_server, model_dir):
+    """The document is computed as a span unit (from position 0) for the first prompt, then read
+    after a longer system prompt and in second place: its keys are turned by the offsets."""
+    import torch
+    from sglang_pic.spans.reference import block_attention_greedy
+    from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
+    from sglang_pic.spans.segments import decode_pieces
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    doc = " The secret code of the blue castle is 4417."
+    other = " Mount Quellen is 3120 metres high."
+    question = tok("\nQuestion: what is the secret code?\nAnswer:",
+                   add_special_tokens=False)["input_ids"]
+
+    def prompt(system: str, docs: list[str]) -> list[int]:
+        ids = tok(system)["input_ids"]
+        for d in docs:
+            ids += [SSEP_ID] + tok(d, add_special_tokens=False)["input_ids"]
+        return ids + [PDEP_ID] + question
+
+    for ids in (prompt("Answer briefly.", [doc]),
+                prompt("Read the documents below and answer briefly.", [other, doc])):
+        padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=16,
+                                       pad_id=tok.eos_token_id)
+        with torch.no_grad():
+            want = block_attention_greedy(model, padded, decode_pieces(layout), 3)
+        r = triton_server.post("/generate", timeout=600, json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == want
+    assert out["meta_info"]["cached_tokens"] >= 16  # the document's page, from the cache
