@@ -59,14 +59,19 @@ def plot_kernels() -> Path:
            for k in ("pre_rotated_cache", "in_kernel_cache")},
           "extend (new keys pre-rotated = default)")
     env = report["environment"]
-    fig.suptitle(f"Rotating attention kernels vs SGLang {env.get('sglang')} Triton kernels, "
-                 f"Llama-3-8B shapes, bf16, {env.get('gpu')}", fontsize=10)
+    return _save(fig, f"Rotating attention kernels vs SGLang {env.get('sglang')} Triton kernels, "
+                 f"Llama-3-8B shapes, bf16, {env.get('gpu')}", "position_free_kernels.png")
+
+
+
+def _save(fig, title: str, name: str) -> Path:
+    """Title the kernel figure and write it to ``FIGURES/name``."""
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "position_free_kernels.png"
+    out = FIGURES / name
     fig.savefig(out, dpi=120)
     return out
-
 
 def plot_e2e() -> Path:
     import matplotlib
@@ -120,14 +125,10 @@ def plot_shifted_kernels(src: Path) -> Path:
                   title)
         ax.set_ylabel("time / SGLang Triton kernel")
     env = report["environment"]
-    fig.suptitle(f"Shifted-layout kernels vs SGLang {env.get('sglang')} Triton kernels and "
+    return _save(fig, f"Shifted-layout kernels vs SGLang {env.get('sglang')} Triton kernels and "
                  f"FlashInfer {env.get('flashinfer')}, Llama-3-8B shapes, "
-                 f"{report['config'].get('dtype')}, {env.get('gpu')}", fontsize=10)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "position_free_kernels_shifted.png"
-    fig.savefig(out, dpi=120)
-    return out
+                 f"{report['config'].get('dtype')}, {env.get('gpu')}",
+                 "position_free_kernels_shifted.png")
 
 
 def main() -> None:

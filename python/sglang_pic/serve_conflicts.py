@@ -137,7 +137,7 @@ def _shared_refusals(twin: Callable[[str], bool],
 
 def _attention_backend(ours: str, argv: list[str], slot: int) -> None:
     chosen = value_of(argv, "--attention-backend")
-    twins = {name: pair[slot] for name, pair in TWINS.items() if pair[slot] is not None}
+    twins = {name: pair[slot] for name, pair in TWINS.items()}
     if chosen is not None and chosen not in twins and chosen not in twins.values():
         raise UsageError(f"{ours} needs --attention-backend {' or '.join(twins)} "
                          f"(got {chosen!r})")

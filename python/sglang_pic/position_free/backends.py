@@ -6,7 +6,7 @@ span reused at another offset is turned by the distance it moved when read. So:
 ``pic_flashinfer`` (GPU default): SGLang's ``FlashInferAttnBackend`` for every batch that reads
 no moved key (plain prompts, span prefills: what vanilla runs, CUDA graphs included), and
 ``ShiftedTritonBackend`` for batches that do (``shifted_batches``). The choice is per forward
-batch; both backends see every batch's metadata calls only when chosen.
+batch, and a batch's metadata and forward calls all go to the backend chosen for it.
 
 ``pic_triton``: ``ShiftedTritonBackend`` for every batch: SGLang's ``TritonAttnBackend`` with its
 two kernel entry points (``decode_attention_fwd``, ``extend_attention_fwd`` - instance attributes

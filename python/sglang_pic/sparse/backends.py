@@ -266,7 +266,17 @@ class _SparseDecodeMixin:
 
 
 class _GpuSparseMixin(_SparseDecodeMixin):
-    """The GPU backends' metadata calls: SGLang's, on the dense view of the batch."""
+    """The GPU backends: SGLang's backend (the class this mixes into) refused for settings the
+    sparse path lacks, with the kernel selection, and its metadata calls on the dense view of the
+    batch."""
+
+    NAME: str
+
+    def __init__(self, model_runner, *args, **kwargs):
+        cfg = SparseDecodeConfig.from_env()
+        check_server_settings(model_runner, self.NAME)
+        super().__init__(model_runner, *args, **kwargs)
+        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
 
     def init_forward_metadata(self, forward_batch):
         dense = self._note_batch(forward_batch)
@@ -290,21 +300,9 @@ class _GpuSparseMixin(_SparseDecodeMixin):
 class ParisKVTritonBackend(_GpuSparseMixin, TritonAttnBackend):
     NAME = "pariskv_triton"
 
-    def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None):
-        cfg = SparseDecodeConfig.from_env()
-        check_server_settings(model_runner, self.NAME)
-        super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
-        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
-
 
 class ParisKVFlashInferBackend(_GpuSparseMixin, FlashInferAttnBackend):
     NAME = "pariskv_flashinfer"
-
-    def __init__(self, model_runner):
-        cfg = SparseDecodeConfig.from_env()
-        check_server_settings(model_runner, self.NAME)
-        super().__init__(model_runner)
-        self.sparse = build_state(model_runner, KernelIndexOps, cfg)
 
 
 class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
