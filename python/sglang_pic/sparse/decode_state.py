@@ -81,7 +81,7 @@ class SparseDecodeState:
         self.rows: list[int] = []  # batch rows decoding sparsely this step
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0,
                       "offloaded_tokens": 0}
-        self.metrics = None  # metrics.SparseMetrics with --enable-metrics (set by the backend)
+        self.metrics = None  # sglang_pic.metrics.Counters with --enable-metrics (set by the backend)
         self._warned_full = False
         self.host = None  # offload.HostKVRegion with --sparse-offload (enable_offload)
         self.pool_release = None  # offload.PoolSlotRelease, likewise

@@ -1,12 +1,9 @@
-"""Prometheus counters of sparse decoding, next to SGLang's own on ``/metrics``.
-
-Created in the scheduler process only with ``--enable-metrics``: SGLang then runs
-prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), so counters of any of its
-processes are served by the HTTP server's ``/metrics``, labelled like SGLang's
-(``model_name``, ...).
-"""
+"""Prometheus counters of sparse decoding (``sglang_pic.metrics``), served on ``/metrics`` with
+``--enable-metrics``."""
 
 from __future__ import annotations
+
+from sglang_pic.metrics import Counters, counters_for
 
 COUNTERS = {  # SparseDecodeState.stats key -> (metric name, help)
     "activated": ("sglang_pic:sparse_activated", "Requests that started decoding sparsely."),
@@ -22,21 +19,5 @@ COUNTERS = {  # SparseDecodeState.stats key -> (metric name, help)
 }
 
 
-class SparseMetrics:
-    def __init__(self, labels: dict[str, str]) -> None:
-        from prometheus_client import Counter  # after SGLang set PROMETHEUS_MULTIPROC_DIR
-
-        self.counters = {
-            key: Counter(name, doc, labelnames=list(labels)).labels(**labels)
-            for key, (name, doc) in COUNTERS.items()
-        }
-
-    def inc(self, name: str, n: int) -> None:
-        self.counters[name].inc(n)
-
-
-def metrics_for(model_runner) -> SparseMetrics | None:
-    args = model_runner.server_args
-    if not getattr(args, "enable_metrics", False):
-        return None
-    return SparseMetrics({"model_name": args.served_model_name})
+def metrics_for(model_runner) -> Counters | None:
+    return counters_for(model_runner, COUNTERS)
