@@ -41,7 +41,10 @@ from harness import LLAMA3_8B_DUMMY, stream_generate
 SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
 # variants of the span server beyond its schedule: the switches they turn on
-SPAN_SWITCHES = {"sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"}}
+SPAN_SWITCHES = {
+    "sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1", "SGLANG_PIC_SPAN_COPY": "off"},
+    "sglang-pic-shared": {"SGLANG_PIC_SPAN_COPY": "off"},  # moved spans read from shared pages
+}
 
 
 def _variant() -> str:
@@ -203,7 +206,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default=None,
                     help="any of vanilla (FlashInfer), vanilla-triton, sglang-pic (ISPS), "
-                         "sglang-pic-barrier, sglang-pic-span-graphs (--position-free-span-graphs) "
+                         "sglang-pic-barrier, sglang-pic-shared (--span-copy-on-reuse off: "
+                         "moved spans read from the shared pages with the shift-aware kernels), "
+                         "sglang-pic-span-graphs (the same with --position-free-span-graphs) "
                          "(default: vanilla,vanilla-triton,sglang-pic; "
                          "vanilla,sglang-pic with --smoke)")
     ap.add_argument("--repeats", type=int, default=PARAMS["repeats"])

@@ -60,6 +60,7 @@ class Claim:
     path: str | None = None
     note: str | None = None
     same_run: bool | None = None  # overrides what the raw file says (a claim joining two files)
+    void: str | None = None  # why the raw file's numbers must not be quoted (kept as a record)
     center: Callable[[list[float]], float] = statistics.median  # of each side's samples
     # (baseline samples, ours, a note[, the baseline variant it chose])
     extract: Callable[[dict], tuple] | None = field(
@@ -169,19 +170,23 @@ LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure o
 SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys, our Triton "
                "kernels (eager) for batches holding span requests")
 
+SPANS_VOID = ("measured before the batch-mark fix: SGLang's eager runner handed pic_flashinfer a "
+              "copy of each batch without the mark, so span batches ran on FlashInfer reading "
+              "moved keys unturned (docs/position-free-kv.md, Performance)")
+
 CLAIMS: list[Claim] = [
     Claim("spans.rag_throughput", SPANS, "rag_requests_per_s", higher_is_better=True,
-          target=2.5, path=SPAN_SERVER,
+          target=2.5, void=SPANS_VOID, path=SPAN_SERVER,
           note="vanilla lists each request's documents in sorted order"),
-    Claim("spans.rag_ttft_p50", SPANS, "rag_ttft_p50_ms", path=SPAN_SERVER),
+    Claim("spans.rag_ttft_p50", SPANS, "rag_ttft_p50_ms", void=SPANS_VOID, path=SPAN_SERVER),
     Claim("spans.cached_span_ttft", SPANS, "ttft_cached_prefix_ms", target=10.0,
-          path=SPAN_SERVER,
+          void=SPANS_VOID, path=SPAN_SERVER,
           note="8K document cached after system prompt A, served after another system prompt; "
           "includes one eager decode step (~19 ms) SGLang's overlap scheduler launches before "
           "the first token returns"),
-    Claim("spans.new_prefix_ttft", SPANS, "ttft_new_prefix_ms", path=SPAN_SERVER,
+    Claim("spans.new_prefix_ttft", SPANS, "ttft_new_prefix_ms", void=SPANS_VOID, path=SPAN_SERVER,
           note="8K document cached, after a system prompt never seen (prefilled as a span)"),
-    Claim("spans.cold_ttft", SPANS, "ttft_cold_ms", target=0.98, path=SPAN_SERVER,
+    Claim("spans.cold_ttft", SPANS, "ttft_cold_ms", target=0.98, void=SPANS_VOID, path=SPAN_SERVER,
           note="nothing cached: the span server's cost on a cold prompt"),
     *[Claim(f"spans.nonspan.{case}", NONSPAN, metric, ours_variant="sglang-pic-spans",
             target=0.98, path=SPAN_SERVER,
@@ -266,6 +271,9 @@ def _row(c: Claim) -> dict:
     if not raw.exists():
         row["note"] = f"not measured yet: {c.raw_file} is missing"
         return row
+    if c.void is not None:
+        row["note"] = f"void: {c.void}; to re-measure ({c.raw_file} kept as a record)"
+        return row
     report = json.loads(raw.read_text())
     if c.extract is not None:
         base, ours, extra, *picked = c.extract(report)
@@ -304,7 +312,7 @@ def problems(row: dict) -> list[str]:
     """The rules of docs/benchmarks.md a row breaks (empty: a headline-grade number)."""
     out = []
     if row["ours"] is None:
-        return ["not measured"]
+        return ["void" if (row["note"] or "").startswith("void:") else "not measured"]
     if row["baseline_backend"] not in (FLASHINFER, "fa3", "n/a"):
         out.append(f"baseline on {row['baseline_backend']}")
     if row["samples"] < MIN_SAMPLES:

@@ -74,3 +74,16 @@ def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of
     assert abs(row["baseline"] - 0.26) < 1e-9 and abs(row["ours"] - 0.29) < 1e-9
     assert row["samples"] == 3 and row["spread"]["baseline"] == [0.25, 0.27]
     assert "fifo" in row["note"] and "3 alternating" in row["note"]
+
+
+def test_a_void_row_quotes_no_number_even_with_its_raw_file_present():
+    """Rows measured with a defect (``Claim.void``) keep their raw file as a record but give no
+    baseline, ours or ratio, and say why; README must not cite them as numbers."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    claim = next(c for c in headlines.CLAIMS if c.claim == "spans.cached_span_ttft")
+    assert claim.void and (headlines.RESULTS / claim.raw_file).exists()
+    row = headlines._row(claim)
+    assert (row["baseline"], row["ours"], row["ratio"], row["meets_target"]) == (None,) * 4
+    assert row["note"].startswith("void:") and headlines.problems(row) == ["void"]

@@ -71,7 +71,8 @@ def test_graphs_a_shifted_batch_may_replay():
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
-    span, plain = SimpleNamespace(pic_shifted=True), SimpleNamespace(pic_shifted=False)
+    stored_positions.allocate(8, "cpu")
+    span, plain = _marked(span=True), _marked(span=False)
     can_run = span_graphs.around_can_run_graph
     # pic_triton: its graphs hold the shift-aware kernels every batch needs
     original, calls = _graph_calls()
@@ -84,11 +85,21 @@ def test_graphs_a_shifted_batch_may_replay():
     # with it: a shifted decode batch replays the second set, a prefill graph never
     twin = _twin(span_graphs=True)
     original, calls = _graph_calls()
+    span = _marked(span=True)  # init_new builds each batch right before its forward
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), span) and twin.replay_shifted
     assert twin._pick(SimpleNamespace()) == "triton"  # the runner's view of the batch
     assert can_run(original, _runner(PrefillCudaGraphRunner, twin), span) is False
+    plain = _marked(span=False)
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), plain)
     assert not twin.replay_shifted and twin._pick(SimpleNamespace()) == "flashinfer"
+
+
+def _marked(span: bool) -> SimpleNamespace:
+    """A batch as ``ForwardBatch.init_new`` leaves it: marked, and the process's last one."""
+    req = SimpleNamespace(pic_segments=[object()]) if span else SimpleNamespace()
+    fb = _forward_batch([1], [5])
+    shifted_batches.mark_forward_batch(fb, None, SimpleNamespace(reqs=[req]))
+    return fb
 
 
 def test_the_second_decode_graph_set_is_captured_under_its_own_label():
@@ -160,3 +171,140 @@ def test_the_table_is_made_once_per_pool():
     assert stored_positions.allocate(8, "cpu") is first  # a second backend of the same pool
     assert stored_positions.allocate(32, "cpu").numel() == 32  # a larger pool
 
+
+
+def test_a_runners_copy_of_a_batch_follows_the_batch_it_copies():
+    """SGLang's runners hand the model a copy of the batch (the eager runner's static buffers, a
+    graph's view) without our mark: it belongs to the batch init_new built last."""
+    stored_positions.allocate(8, "cpu")
+    backend = _twin(span_graphs=False)
+    span = SimpleNamespace(pic_segments=[object()])
+    shifted_batches.mark_forward_batch(_forward_batch([1], [5]), None, SimpleNamespace(reqs=[span]))
+    runner_copy = SimpleNamespace()  # no pic_shifted attribute
+    assert shifted_batches.is_shifted(runner_copy) and backend._pick(runner_copy) == "triton"
+    shifted_batches.mark_forward_batch(_forward_batch([2], [6]), None,
+                                       SimpleNamespace(reqs=[SimpleNamespace()]))
+    assert not shifted_batches.is_shifted(runner_copy)
+    assert backend._pick(runner_copy) == "flashinfer"
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cos, sin = cache[pos].chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _cos_sin_cache(positions: int, dim: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(positions).float()[:, None] * inv[None]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def test_turning_a_key_equals_rotating_it_where_it_now_stands():
+    from sglang_pic.position_free.moved_copies import turn_keys
+
+    cache = _cos_sin_cache(256, 16)
+    keys = torch.randn(5, 2, 16)
+    stored = torch.tensor([0, 3, 10, 40, 7])
+    shift = torch.tensor([0, 5, 100, -30, 48])
+    rotated = _rope(keys, stored, cache)
+    turned = turn_keys(rotated, shift, cache)
+    torch.testing.assert_close(turned, _rope(keys, stored + shift, cache), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(turn_keys(turned, -shift, cache), rotated, atol=1e-5, rtol=1e-5)
+
+
+class _Allocator:
+    def __init__(self, size: int, page: int) -> None:
+        self.size, self.page_size = size, page
+        self.free_pages = list(range(16 // page, size // page))  # slots 0-15: the tests' own
+        self.freed: list[int] = []
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        pages = n // self.page_size
+        if pages > len(self.free_pages):
+            return None
+        taken, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
+        return (torch.tensor(taken)[:, None] * self.page_size
+                + torch.arange(self.page_size)).flatten()
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed += slots.tolist()
+
+
+def _copier(pool_slots: int = 64, page: int = 4):
+    from sglang_pic.position_free.moved_copies import MovedPageCopier
+
+    table = stored_positions.allocate(pool_slots, "cpu")
+    k = [torch.randn(pool_slots, 2, 16) for _ in range(2)]
+    v = [torch.randn(pool_slots, 2, 16) for _ in range(2)]
+    pool = SimpleNamespace(start_layer=0, layer_num=2, get_key_buffer=lambda i: k[i],
+                           get_value_buffer=lambda i: v[i])
+    allocator = _Allocator(pool_slots, page)
+    runner = SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator,
+                             req_to_token_pool=SimpleNamespace(
+                                 req_to_token=torch.zeros(2, 32, dtype=torch.int32)))
+    cache = _cos_sin_cache(128, 16)
+    return MovedPageCopier(runner, SimpleNamespace(cos_sin_cache=cache)), table, k, v, cache
+
+
+def test_a_span_request_reads_its_own_turned_copy_of_the_pages_it_moved():
+    from sglang_pic.position_free import moved_copies
+
+    copier, table, k, v, cache = _copier()
+    row = copier.req_to_token[1]
+    # a 4-token prompt piece computed in place (slots 4-7), then a span of 8 tokens computed
+    # alone from 0 (slots 8-15) and read at positions 4..11, then 4 new tokens
+    row[:12] = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], dtype=torch.int32)
+    table[4:8] = torch.arange(4, dtype=torch.int32)
+    table[8:16] = torch.arange(8, dtype=torch.int32)
+    shared_k = [b[8:16].clone() for b in k]
+    req = SimpleNamespace(pic_segments=[object()], req_pool_idx=1, prefix_indices=row[:12])
+    assert moved_copies.reads_moved_keys(req)
+    copier.prepare([req], [12])
+    state = getattr(req, moved_copies.ATTR)
+    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_moved_keys(req)
+    assert state.positions.tolist() == list(range(4, 12))  # the span's two pages
+    slots = state.slots
+    assert row[4:12].tolist() == slots.tolist() and row[:4].tolist() == [4, 5, 6, 7]
+    assert table[slots].tolist() == list(range(4, 12))  # read where they stand: no turn
+    for layer in range(2):
+        torch.testing.assert_close(k[layer][slots], turn_keys_expected(shared_k[layer], cache))
+        torch.testing.assert_close(v[layer][slots], v[layer][8:16])
+        torch.testing.assert_close(k[layer][8:16], shared_k[layer])  # the shared copy is kept
+    # SGLang rewrites the prefix before the next chunk: the row points at the copy again
+    row[4:12] = torch.arange(8, 16, dtype=torch.int32)
+    copier.prepare([req], [16])
+    assert row[4:12].tolist() == slots.tolist()
+    copier.release(req)
+    assert sorted(copier.allocator.freed) == sorted(slots.tolist())
+    assert getattr(req, moved_copies.ATTR) is None  # a retracted request is prepared again
+
+
+def turn_keys_expected(shared: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    from sglang_pic.position_free.moved_copies import turn_keys
+
+    return turn_keys(shared, torch.full((shared.shape[0],), 4), cache)
+
+
+def test_without_room_or_moved_pages_a_request_keeps_the_shared_pages():
+    from sglang_pic.position_free import moved_copies
+
+    copier, table, *_ = _copier(pool_slots=24)
+    row = copier.req_to_token[0]
+    row[:8] = torch.arange(8, 16, dtype=torch.int32)
+    table[8:16] = torch.arange(8, dtype=torch.int32)
+    in_place = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=row[:8])
+    copier.prepare([in_place], [8])  # every key read where it was computed
+    assert getattr(in_place, moved_copies.ATTR) == moved_copies.NOTHING_MOVED
+    assert not moved_copies.reads_moved_keys(in_place)
+    table[8:16] = torch.arange(8, dtype=torch.int32) - 3 + 8  # computed 5 positions later
+    moved = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=row[:8])
+    copier.allocator.free_pages = copier.allocator.free_pages[:2]  # 8 free slots, 2 kept free
+    copier.prepare([moved], [8])
+    assert getattr(moved, moved_copies.ATTR) == moved_copies.SHARED
+    assert moved_copies.reads_moved_keys(moved) and row[:8].tolist() == list(range(8, 16))
+    assert copier.stats["shared_requests"] == 1

@@ -275,16 +275,46 @@ def test_without_span_cache_spans_and_markers_are_refused(server):
 @pytest.fixture  # one test uses it: stopped right after
 def tight_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("spans_tight") / "server.log"
-    srv = start_server(["--enable-span-cache", "--max-total-tokens", "1536", "--page-size",
-                        str(PAGE)], log)
+    srv = start_server(["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics",
+                        "--max-total-tokens", "1536", "--page-size", str(PAGE),
+                        "--chunked-prefill-size", "128"], log)
     yield srv
     stop_server(srv)
 
 
-def test_span_burst_larger_than_the_pool_completes(tight_server, hf):
-    """8 concurrent requests whose 8 distinct spans (~1000 tokens) plus prompts outgrow a
-    1536-token KV pool: pinned spans are bounded (backlog), every request completes correctly."""
+def _pic_counters(server) -> dict[str, float]:
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("sglang_pic:") and "_total" in line.split("{")[0]}
+
+
+def test_span_copies_and_a_burst_larger_than_the_pool(tight_server, hf):
+    """``--span-copy-on-reuse on`` in a 1536-token pool (CPU: pic_torch_native, which like
+    pic_flashinfer runs a batch without moved keys as vanilla attention, turning nothing).
+
+    1. A document reused at two offsets, each request's question long enough to be prefilled in
+       two chunks (SGLang rewrites the row's prefix before the second): output equal to the
+       block-attention reference, the moved pages copied for each request, and no batch read
+       moved keys (a missing or unturned copy would be read as is: wrong tokens).
+    2. 8 concurrent requests whose 8 distinct spans (~1000 tokens) plus prompts outgrow the pool:
+       pinned spans are bounded (backlog), copies are made while 10 % of the pool stays free and
+       skipped (shared pages, shift-aware reads) otherwise; every request completes correctly,
+       and no pool slot leaks (SGLang's idle check)."""
     tok = hf[0]
+    doc = " ".join(DOCS[:2]) + " This paragraph is only in the copy test."
+    question = "\nQuestion: what is the secret code of the blue castle? " * 9 + "\nAnswer:"
+    doc_pages = len(tok(" " + doc, add_special_tokens=False)["input_ids"]) // PAGE * PAGE
+    for prefix in ("Copy test.", "A longer prompt prefix, so the document moves further."):
+        ids = span_ids(tok, prefix, [doc], question)
+        assert len(tok(question, add_special_tokens=False)["input_ids"]) > 128
+        out = generate(tight_server, input_ids=ids)
+        assert out["output_ids"] == reference(hf, ids)
+    counters = _pic_counters(tight_server)
+    assert counters["sglang_pic:span_copied_requests_total"] == 2
+    assert counters["sglang_pic:span_copied_tokens_total"] >= 2 * doc_pages
+    assert counters["sglang_pic:span_shared_requests_total"] == 0
+    assert counters["sglang_pic:shifted_batches_total"] == 0
+
     docs = [f"Record {i}: " + " ".join(DOCS) for i in range(8)]
     reqs = [span_ids(tok, f"Burst prefix {i}.", [docs[i], docs[(i + 1) % 8]]) for i in range(8)]
     outs: list[dict | None] = [None] * len(reqs)
@@ -303,3 +333,8 @@ def test_span_burst_larger_than_the_pool_completes(tight_server, hf):
     for i in (0, 5):
         assert outs[i]["output_ids"] == reference(hf, reqs[i])
     assert tight_server.healthy()
+    after = _pic_counters(tight_server)
+    assert after["sglang_pic:span_copied_requests_total"] + \
+        after["sglang_pic:span_shared_requests_total"] >= 2 + 8
+    time.sleep(2)  # the scheduler checks its pools once idle
+    assert "memory leak" not in tight_server.log.read_text(errors="replace")

@@ -216,6 +216,14 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "pic_flashinfer: capture a second set of decode CUDA graphs (our Triton kernels) for "
          "batches holding span requests, which otherwise decode eagerly (not yet measured on a "
          "GPU: off by default)", default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
+    Flag("--span-copy-on-reuse", "position_free",
+         "a request reading a cached span at another offset gets its own copy of the span's "
+         "pages, keys turned once to where they now stand, so its batches run vanilla attention "
+         "(FlashInfer and its CUDA graphs on pic_flashinfer) instead of the shift-aware kernels; "
+         "costs pool memory per running request, and is skipped while less than 10% of the pool "
+         "would stay free. auto: on with pic_flashinfer",
+         parse=one_of("auto", "on", "off"), default="auto", metavar="{auto,on,off}",
+         env="SGLANG_PIC_SPAN_COPY"),
     Flag("--position-free-decode-config", "position_free",
          "stage-1 launch configuration of the GPU decode kernel",
          parse=decode_config, default=(64, 2, 3),

@@ -31,6 +31,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from . import model_check, shifted_batches, stored_positions
+from .moved_copies import turn_keys
 
 
 def _slot_table(model_runner) -> torch.Tensor:
@@ -88,10 +89,9 @@ class PositionFreeFlashInferBackend(AttentionBackend):
     def _pick(self, forward_batch) -> AttentionBackend:
         if self.capture_shifted:
             return self.shifted
-        marked = getattr(forward_batch, shifted_batches.ATTR, None)
-        if marked is None:  # a graph runner's own view of a batch (capture or replay)
-            return self.shifted if self.replay_shifted else self.dense
-        return self.shifted if marked else self.dense
+        # the batch, or a runner's copy of it, the one a graph replays included (is_shifted);
+        # the dense graphs are captured before any batch exists, so with FlashInfer
+        return self.shifted if shifted_batches.is_shifted(forward_batch) else self.dense
 
     def __getattr__(self, name: str) -> Any:
         # only called for names this object lacks: SGLang reading FlashInfer's attributes
@@ -158,12 +158,8 @@ class _KeysTurnedOnRead:
         moved = shift != 0
         if not bool(moved.any()):
             return keys
-        rows = shift[moved].clamp(0, self.rotary.cos_sin_cache.shape[0] - 1)
-        cos, sin = self.rotary.cos_sin_cache.index_select(0, rows).chunk(2, dim=-1)
         keys = keys.clone()
-        keys[moved] = self.rotary._apply_rotary_emb_wrapped(
-            keys[moved], cos, sin, self.rotary.is_neox_style
-        )
+        keys[moved] = turn_keys(keys[moved], shift[moved], self.rotary.cos_sin_cache)
         return keys
 
 
@@ -174,15 +170,28 @@ class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
         self.rotary = model_check.model_rotary(model_runner)
         self.table = _slot_table(model_runner)
 
+    # A batch without moved keys (``shifted_batches``) is read as vanilla torch_native reads it,
+    # as pic_flashinfer hands such a batch to FlashInfer: the CPU engine runs the same split.
+    _turn = True
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        self._turn = shifted_batches.is_shifted(forward_batch)
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        self._turn = shifted_batches.is_shifted(forward_batch)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def _keys(self, k_cache):
+        return _KeysTurnedOnRead(k_cache, self.table, self.rotary) if self._turn else k_cache
+
     def _run_sdpa_forward_extend(self, query, output, k_cache, *args, **kwargs):
-        return super()._run_sdpa_forward_extend(
-            query, output, _KeysTurnedOnRead(k_cache, self.table, self.rotary), *args, **kwargs
-        )
+        return super()._run_sdpa_forward_extend(query, output, self._keys(k_cache), *args,
+                                                **kwargs)
 
     def _run_sdpa_forward_decode(self, query, output, k_cache, *args, **kwargs):
-        return super()._run_sdpa_forward_decode(
-            query, output, _KeysTurnedOnRead(k_cache, self.table, self.rotary), *args, **kwargs
-        )
+        return super()._run_sdpa_forward_decode(query, output, self._keys(k_cache), *args,
+                                                **kwargs)
 
 
 def create_pic_flashinfer(model_runner):
@@ -195,3 +204,4 @@ def create_pic_triton(model_runner):
 
 def create_pic_torch_native(model_runner):
     return PositionFreeTorchNativeBackend(model_runner)
+

@@ -8,28 +8,62 @@ runs our Triton kernels, which turn each key by the distance it moved (which CUD
 batch may replay: ``span_graphs``).
 
 AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, registered by
-``position_free.register``): records the positions of the batch's new keys in the slot table
-and sets ``forward_batch.pic_shifted``.
+``position_free.register``): records the positions of the batch's new keys in the slot table,
+gives span requests their own turned copies of the pages they read moved (``moved_copies``, with
+``--span-copy-on-reuse``), and sets ``forward_batch.pic_shifted``: whether a request of the batch
+still reads moved keys.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import stored_positions
+from sglang_pic.metrics import counters_for
+
+from . import moved_copies, stored_positions
 
 ATTR = "pic_shifted"
 INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
+    "shifted_batches": ("sglang_pic:shifted_batches",
+                        "Forward batches holding a request that reads cached span pages at "
+                        "another offset than they were computed at (on pic_flashinfer: run "
+                        "with the shift-aware kernels, off FlashInfer and its CUDA graphs)."),
+    "copied_requests": ("sglang_pic:span_copied_requests",
+                        "Span requests given their own turned copy of the pages they read "
+                        "moved (--span-copy-on-reuse)."),
+    "copied_tokens": ("sglang_pic:span_copied_tokens",
+                      "Tokens of moved span pages copied for the requests reading them."),
+    "shared_requests": ("sglang_pic:span_shared_requests",
+                        "Span requests that read moved pages shared, with the shift-aware "
+                        "kernels, because the pool lacked room for a copy."),
+}
+_counters = None
+_started = False  # set at this process's first forward batch
+_current = False  # the last batch init_new built here reads moved keys (is_shifted)
 
 
 def reads_moved_keys(req: Any) -> bool:
     """A request whose KV holds cached spans placed at an offset other than where they were
-    computed (the span cache's segment layout)."""
-    return getattr(req, "pic_segments", None) is not None
+    computed (the span cache's segment layout), unless it reads its own turned copies of them
+    (``moved_copies``)."""
+    if getattr(req, "pic_segments", None) is None:
+        return False
+    return moved_copies.copier() is None or moved_copies.reads_moved_keys(req)
 
 
 def is_shifted(forward_batch: Any) -> bool:
-    return bool(getattr(forward_batch, ATTR, False))
+    """Whether ``forward_batch`` reads moved keys. SGLang's runners hand the model their own
+    copy of the batch (the eager runner's ``load_batch`` copies it into static buffers, a
+    graph runner's view is built from them), which carries none of our attributes; such a copy
+    belongs to the batch ``init_new`` built last in this process (one forward at a time)."""
+    marked = getattr(forward_batch, ATTR, None)
+    return _current if marked is None else bool(marked)
+
+
+def current() -> bool:
+    """Whether the batch this process's forward is running reads moved keys."""
+    return _current
 
 
 def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -38,5 +72,26 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
         return
     stored_positions.record(result.out_cache_loc, result.positions)
     reqs = getattr(batch, "reqs", None) or ()
-    setattr(result, ATTR, any(reads_moved_keys(r) for r in reqs))
+    if not _started:
+        _start(args[0] if args else kwargs.get("model_runner"))
+    copier = moved_copies.copier()
+    if copier is not None and reqs and result.forward_mode.is_extend():
+        copier.prepare(list(reqs), getattr(result, "extend_prefix_lens_cpu", None))
+    global _current
+    shifted = any(reads_moved_keys(r) for r in reqs)
+    setattr(result, ATTR, shifted)
+    _current = shifted
+    if shifted and _counters is not None:
+        _counters.inc("shifted_batches")
+
+
+def _start(model_runner: Any) -> None:
+    """This process's counters and, with ``--span-copy-on-reuse``, its copier."""
+    global _started, _counters
+    _started = True
+    if model_runner is None:
+        return
+    _counters = counters_for(model_runner, COUNTERS)
+    if moved_copies.wanted(model_runner):
+        moved_copies.start(model_runner, _counters)
 

@@ -16,8 +16,9 @@ AROUND hooks (registered by ``position_free.register``):
 
 * ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
   (``around_can_run_graph``): a shifted batch on ``pic_flashinfer`` replays only the second decode
-  set; the backend is told which set the batch about to be replayed needs (``replay_shifted``:
-  the runner's view of the batch does not carry the mark);
+  set; the backend is told which set the batch about to be replayed needs (``replay_shifted``,
+  for the graph key below; the runner's view of the batch carries no mark, and
+  ``shifted_batches.is_shifted`` reads it as the batch it was built from);
 * ``DecodeCudaGraphRunner._capture_one_stream``: runs the original twice on ``pic_flashinfer``
   with the flag, the second time with the backend's ``capture_shifted`` set;
 * ``DecodeCudaGraphRunner._make_graph_key``: adds ``shifted`` to the variant label while

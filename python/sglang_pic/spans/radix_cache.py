@@ -17,7 +17,8 @@ unchanged RadixCache paths. What is overridden, and why:
   segment's last node) so that locking protects every segment;
 * ``inc_lock_ref`` / ``dec_lock_ref`` / ``resolve_node_handle``: accept a ``SpanPath``;
 * ``cache_finished_req`` / ``cache_unfinished_req``: insert each segment's own KV under its
-  namespace and free exactly the duplicate indices this request owns;
+  namespace and free exactly the duplicate indices this request owns (and, on finishing, its
+  own turned copies of moved span pages: ``position_free.moved_copies``);
 * after a finished request is cached, the ``SpanPlanner`` is told (span prefills finishing is what
   releases the requests waiting for them).
 """
@@ -38,6 +39,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_pic.eviction.context import segment_at
+from sglang_pic.position_free import moved_copies
 
 from .segments import Segment
 
@@ -202,6 +204,9 @@ class SpanRadixCache(RadixCache):
                 req, token_ids, kv_indices, chunked=False, finished=True, is_insert=is_insert
             )
             self.token_to_kv_pool_allocator.free_segments(to_free)
+            copier = moved_copies.copier()
+            if copier is not None:  # the request's own turned copies of moved span pages
+                copier.release(req)
             if req.last_node is not None:
                 self.dec_lock_ref(req.last_node)
         if self.planner is not None:

@@ -1,0 +1,214 @@
+"""Copy on reuse: a request that reuses a cached span at another offset gets its own copy of the
+span's pages, with the keys turned to where they now stand.
+
+Why. In the shifted layout (``stored_positions``) a span cached at one offset and reused at
+another is read through our shift-aware kernels, which turn each moved key while attending. A
+batch holding such a request therefore runs ``ShiftedTritonBackend`` on ``pic_flashinfer``,
+off FlashInfer's kernels and its CUDA graphs, for the request's whole life: its last piece's
+prefill and every decode step. Turning the moved keys *once*, into pool slots of the request's
+own, makes its row read every key at the position it was computed at: from then on its batches
+are vanilla attention (FlashInfer, CUDA graphs). The price is pool memory: one copy of each
+moved page per running request instead of one shared copy, and one gather / turn / scatter per
+layer at the request's first prefill (a span of ``n`` tokens moves ``2 * n * kv_heads * D``
+elements per layer).
+
+How (``MovedPageCopier.prepare``, from the ``ForwardBatch.init_new`` AFTER hook, before the
+batch's attention metadata is built):
+
+* at a span request's first extend, the pages of its matched prefix holding a key whose recorded
+  position differs from its index in the row are found (one device-to-host read per request);
+* when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
+  allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
+  written there, the slots' recorded positions are their row indices, and the row points at
+  them; otherwise the request keeps reading the shared pages (``reads_moved_keys`` stays true);
+* SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
+  points the row at the copies again;
+* ``SpanRadixCache.cache_finished_req`` (finish, abort, retraction) frees the copies
+  (``release``); the shared pages stay in the tree, locked by the request as before.
+
+Shapes: the pool's per-layer K and V buffers are ``[slots, kv_heads, D]``; a request's copy is
+``MovedCopy.positions`` / ``slots``, int64 ``[n]`` (whole pages).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import stored_positions
+
+logger = logging.getLogger(__name__)
+
+ATTR = "pic_moved_copy"
+"""On a span request: ``MovedCopy`` (its moved pages are copied), ``NOTHING_MOVED``, or
+``SHARED`` (no room: it reads the shared pages for its whole life)."""
+NOTHING_MOVED = "nothing-moved"
+SHARED = "shared"
+RESERVE_SHARE = 0.1
+"""A copy is made only if this share of the pool stays free after it (room for the running
+requests' decode tokens, which SGLang budgets without knowing about copies)."""
+
+
+@dataclass
+class MovedCopy:
+    positions: torch.Tensor  # int64 [n]: row positions of the copied pages (whole pages)
+    slots: torch.Tensor  # int64 [n]: the request's own pool slots holding them
+
+
+def turn_keys(keys: torch.Tensor, shift: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Keys ``[n, heads, D]`` rotated (NeoX RoPE) at their stored positions, turned by ``shift``
+    ``[n]`` positions (either sign; 0 leaves a key as is). ``cos_sin_cache`` ``[positions, D]``
+    is SGLang's (cos | sin halves). Math in float32, the result in ``keys.dtype``."""
+    rows = shift.abs().clamp(max=cos_sin_cache.shape[0] - 1)
+    cos, sin = cos_sin_cache.index_select(0, rows).float().chunk(2, dim=-1)
+    sin = sin * shift.sign().to(sin.dtype)[:, None]  # a turn back is the opposite angle
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = keys.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
+
+
+def reads_moved_keys(req: Any) -> bool:
+    """Whether ``req`` (a span request: ``pic_segments`` set) still reads shared pages at another
+    offset than they were computed at: not yet prepared, or no room for its copy."""
+    state = getattr(req, ATTR, None)
+    return state is None or state == SHARED
+
+
+class MovedPageCopier:
+    """Makes and frees span requests' copies of their moved pages (see the module docstring).
+    One per scheduler process, bound to its KV pool, allocator and RoPE table."""
+
+    def __init__(self, model_runner: Any, rotary: Any):
+        self.pool = model_runner.token_to_kv_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.cos_sin_cache = rotary.cos_sin_cache
+        self.page_size = int(getattr(self.allocator, "page_size", 1) or 1)
+        first = int(getattr(self.pool, "start_layer", 0) or 0)
+        self.layer_ids = range(first, first + int(self.pool.layer_num))
+        self.reserve = int(RESERVE_SHARE * self.allocator.size)
+        self.stats = {"copied_requests": 0, "copied_tokens": 0, "shared_requests": 0}
+        self.counters = None  # sglang_pic.metrics.Counters with --enable-metrics
+        self._warned = False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] += n
+        if self.counters is not None:
+            self.counters.inc(name, n)
+
+    def prepare(self, reqs: list, prefix_lens: list[int] | None) -> None:
+        """For an extend batch: copy the moved pages of span requests seen for the first time,
+        and point the rows of those already copied at their copies (SGLang rewrote the prefix)."""
+        for i, req in enumerate(reqs):
+            if getattr(req, "pic_segments", None) is None:
+                continue
+            state = getattr(req, ATTR, None)
+            if isinstance(state, MovedCopy):
+                self.req_to_token[req.req_pool_idx, state.positions] = state.slots.to(
+                    self.req_to_token.dtype)
+            elif state is None:
+                n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
+                setattr(req, ATTR, self._copy(req.req_pool_idx, int(n)))
+
+    def _moved_positions(self, row: torch.Tensor, n: int) -> torch.Tensor:
+        """Row positions ``[m]`` (whole pages, ascending) of the pages of ``row[:n]`` holding a
+        key stored at another position than its index."""
+        table = stored_positions.table()
+        index = torch.arange(n, device=row.device)
+        moved = table[row[:n].long()].long() != index
+        pages = torch.unique(torch.nonzero(moved).flatten() // self.page_size)  # syncs once
+        if pages.numel() == 0:
+            return pages
+        within = torch.arange(self.page_size, device=row.device)
+        return (pages[:, None] * self.page_size + within).flatten()
+
+    def _copy(self, pool_index: int, n: int) -> MovedCopy | str:
+        row = self.req_to_token[pool_index]
+        positions = self._moved_positions(row, n)
+        count = positions.numel()
+        if count == 0:
+            return NOTHING_MOVED
+        if n % self.page_size:  # a moved key in the page this extend completes: never seen
+            self._count("shared_requests")  # (matches are whole pages), but not copyable
+            return SHARED
+        if self.allocator.available_size() - count < self.reserve:
+            self._count("shared_requests")
+            if not self._warned:
+                self._warned = True
+                logger.warning("span copy on reuse: the pool is too full to copy %d moved tokens "
+                               "(%d free, %d kept free); such requests read the shared pages "
+                               "with the shift-aware kernels", count,
+                               self.allocator.available_size(), self.reserve)
+            return SHARED
+        slots = self.allocator.alloc(count)
+        if slots is None:
+            self._count("shared_requests")
+            return SHARED
+        slots = slots.to(device=row.device, dtype=torch.int64)
+        src = row[positions].long()
+        table = stored_positions.table()
+        shift = positions - table[src].long()
+        for layer_id in self.layer_ids:
+            k_buf = self.pool.get_key_buffer(layer_id)
+            v_buf = self.pool.get_value_buffer(layer_id)
+            k_buf[slots] = turn_keys(k_buf[src], shift, self.cos_sin_cache)
+            v_buf[slots] = v_buf[src]
+        table[slots] = positions.to(table.dtype)
+        row[positions] = slots.to(row.dtype)
+        self._count("copied_requests")
+        self._count("copied_tokens", count)
+        logger.debug("span copy on reuse: %d moved tokens copied for pool row %d", count,
+                     pool_index)
+        return MovedCopy(positions, slots)
+
+    def release(self, req: Any) -> None:
+        """Free ``req``'s copy (its row is being released: finished, aborted or retracted) and
+        forget its state, so a retracted request is prepared again when it is resumed."""
+        state = getattr(req, ATTR, None)
+        if isinstance(state, MovedCopy):
+            self.allocator.free(state.slots)
+        if state is not None:
+            setattr(req, ATTR, None)
+
+
+_copier: MovedPageCopier | None = None
+
+
+def wanted(model_runner: Any) -> bool:
+    """Whether this scheduler process should copy moved pages: ``--span-copy-on-reuse on``, or
+    ``auto`` (the default) with ``pic_flashinfer``, whose batches without moved keys run
+    FlashInfer; never without the span radix cache."""
+    from sglang_pic.server_flags import setting
+
+    args = model_runner.server_args
+    if getattr(args, "radix_cache_backend", None) != "pic_span":
+        return False
+    mode = setting("--span-copy-on-reuse")
+    return mode == "on" or (mode == "auto" and args.attention_backend == "pic_flashinfer")
+
+
+def start(model_runner: Any, counters: Any = None) -> MovedPageCopier:
+    """Create the process's copier (``wanted`` said yes); ``counters``: ``sglang_pic.metrics``
+    counters with the keys of ``MovedPageCopier.stats``, or None."""
+    from .model_check import model_rotary
+
+    global _copier
+    _copier = MovedPageCopier(model_runner, model_rotary(model_runner))
+    _copier.counters = counters
+    logger.info("span copy on reuse: requests reading a cached span at another offset get "
+                "their own turned copy of its pages (while %d pool slots stay free)",
+                _copier.reserve)
+    return _copier
+
+
+def copier() -> MovedPageCopier | None:
+    return _copier
+
+
+def reset() -> None:
+    """Forget the copier (tests that build several engines in one process)."""
+    global _copier
+    _copier = None
