@@ -1,7 +1,8 @@
 """Position-free KV on a GPU, end to end: ``pic_flashinfer`` serves requests without spans as
 vanilla SGLang on FlashInfer does, serves span prompts as the HF block-attention reference does,
-and its second decode graph set (``--position-free-span-graphs``) and ``pic_triton`` give the
-same tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
+with moved spans copied per request (FlashInfer, the default) or read from the shared pages
+(the shift-aware kernels, eager or with the second decode graph set,
+``--position-free-span-graphs``), and ``pic_triton`` gives the same tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
 logits that any attention would match.
 
 Run on the device by ``make test-gpu`` (needs the model staged: ``SGLANG_PIC_CACHE`` and the
@@ -26,8 +27,12 @@ COMMON = ["--mem-fraction-static", "0.12", "--page-size", "1", "--dtype", "bfloa
           "--cuda-graph-max-bs", "16"]
 SERVERS = {
     "vanilla": ["--attention-backend", "flashinfer"],
-    "spans": ["--enable-span-cache"],  # pic_flashinfer
-    "span_graphs": ["--enable-span-cache", "--position-free-span-graphs"],
+    # pic_flashinfer, moved spans copied per request (--span-copy-on-reuse auto): FlashInfer
+    "spans": ["--enable-span-cache", "--enable-metrics"],
+    # moved spans read from the shared pages: the shift-aware Triton kernels, eager decode
+    "spans_shared": ["--enable-span-cache", "--span-copy-on-reuse", "off"],
+    "span_graphs": ["--enable-span-cache", "--span-copy-on-reuse", "off",
+                    "--position-free-span-graphs"],
     "spans_triton": ["--enable-span-cache", "--attention-backend", "triton"],
 }
 
@@ -77,11 +82,9 @@ def test_requests_without_spans_are_served_as_vanilla_flashinfer_serves_them(ser
         assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b), strict=True)) < 1e-3
 
 
-def test_span_prompts_follow_the_block_attention_reference(servers, prompts, model_dir):
-    """Each document sits at another offset in each prompt, after another system prompt, so
-    most reads are of span keys computed elsewhere and turned by the distance they moved. bf16
-    against the float32 reference: the first divergences on the H200 came after 20 tokens
-    (benchmark/results/real_weights_h200.json), so 16 must agree."""
+@pytest.fixture(scope="module")
+def references(prompts, model_dir):
+    """The HF block-attention reference's greedy tokens for the span prompts (float32)."""
     import torch
 
     sys.path.insert(0, str(REPO / "benchmark"))
@@ -93,17 +96,42 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, mod
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     refs = reference_spans(str(model_dir), spans, NEW_TOKENS, pad, "cuda")
     torch.cuda.empty_cache()
-    outs = _generate(servers.spans, spans)
-    for (want, _), got in zip(refs, outs, strict=True):
-        assert _tokens(got) == want
-    again = _generate(servers.spans, spans)  # every document cached now, at other offsets
+    return [want for want, _ in refs]
+
+
+@pytest.mark.parametrize("server", ["spans", "spans_shared"])
+def test_span_prompts_follow_the_block_attention_reference(servers, prompts, references, server):
+    """Each document sits at another offset in each prompt, after another system prompt, so
+    most reads are of span keys computed elsewhere and moved: turned once into the request's own
+    copy (``spans``, FlashInfer) or turned while read from the shared pages (``spans_shared``,
+    the shift-aware kernels). bf16 against the float32 reference: the first divergences on the
+    H200 came after 20 tokens (benchmark/results/real_weights_h200.json), so 16 must agree."""
+    _, spans = prompts
+    srv = getattr(servers, server)
+    outs = _generate(srv, spans)
+    assert [_tokens(o) for o in outs] == references
+    again = _generate(srv, spans)  # every document cached now, at other offsets
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     assert [_tokens(o) for o in again] == [_tokens(o) for o in outs]
 
 
+def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
+    """With copies (the ``spans`` server's default) every span request read its own turned
+    copy: no batch was marked for the shift-aware kernels."""
+    import requests
+
+    _generate(servers.spans, prompts[1])
+    text = requests.get(servers.spans.url + "/metrics", timeout=30).text
+    counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("sglang_pic:")}
+    assert counters["sglang_pic:span_copied_requests_total"] >= len(prompts[1])
+    assert counters["sglang_pic:shifted_batches_total"] == 0
+
+
 def test_span_decode_graphs_and_pic_triton_give_the_same_tokens(servers, prompts):
+    """The shift-aware kernels eager, in the second decode graph set, and on pic_triton."""
     _, spans = prompts
-    eager = [_tokens(o) for o in _generate(servers.spans, spans)]
+    eager = [_tokens(o) for o in _generate(servers.spans_shared, spans)]
     assert [_tokens(o) for o in _generate(servers.span_graphs, spans)] == eager
     assert [_tokens(o) for o in _generate(servers.spans_triton, spans)] == eager
 
@@ -115,6 +143,7 @@ def test_the_servers_run_the_backends_named(servers):
         return requests.get(srv.url + "/get_server_info", timeout=30).json()["attention_backend"]
 
     assert backend(servers.spans) == "pic_flashinfer"
+    assert backend(servers.spans_shared) == "pic_flashinfer"
     assert backend(servers.span_graphs) == "pic_flashinfer"
     assert backend(servers.spans_triton) == "pic_triton"
     assert backend(servers.vanilla) == "flashinfer"
