@@ -308,3 +308,27 @@ def test_without_room_or_moved_pages_a_request_keeps_the_shared_pages():
     assert getattr(moved, moved_copies.ATTR) == moved_copies.SHARED
     assert moved_copies.reads_moved_keys(moved) and row[:8].tolist() == list(range(8, 16))
     assert copier.stats["shared_requests"] == 1
+
+
+def test_a_batch_of_new_span_requests_is_looked_up_together():
+    """Several new span requests in one extend batch: each gets its own outcome (copied, nothing
+    moved, or a moved key in a partial last page: left on the shared pages)."""
+    from sglang_pic.position_free import moved_copies
+
+    copier, table, *_ = _copier(pool_slots=64)
+    table[8:16] = torch.arange(8, dtype=torch.int32)  # a span computed alone from 0
+    table[4:8] = torch.arange(4, dtype=torch.int32)
+    rows = copier.req_to_token
+    rows[0, :12] = torch.tensor([4, 5, 6, 7, *range(8, 16)], dtype=torch.int32)  # moved by 4
+    rows[1, :8] = torch.arange(8, 16, dtype=torch.int32)  # read where computed
+    moved, in_place = (SimpleNamespace(pic_segments=[object()], req_pool_idx=i,
+                                       prefix_indices=rows[i, :n]) for i, n in ((0, 12), (1, 8)))
+    plain = SimpleNamespace(req_pool_idx=1)  # no span layout: not looked at
+    copier.prepare([moved, plain, in_place], [12, 8, 8])
+    assert isinstance(getattr(moved, moved_copies.ATTR), moved_copies.MovedCopy)
+    assert getattr(in_place, moved_copies.ATTR) == moved_copies.NOTHING_MOVED
+    assert not hasattr(plain, moved_copies.ATTR)
+    partial = SimpleNamespace(pic_segments=[object()], req_pool_idx=1, prefix_indices=rows[1, :6])
+    rows[1, :6] = torch.tensor([4, 5, 6, 7, 8, 9], dtype=torch.int32)  # moved keys at 4, 5
+    copier.prepare([partial], [6])
+    assert getattr(partial, moved_copies.ATTR) == moved_copies.SHARED

@@ -16,7 +16,8 @@ How (``MovedPageCopier.prepare``, from the ``ForwardBatch.init_new`` AFTER hook,
 batch's attention metadata is built):
 
 * at a span request's first extend, the pages of its matched prefix holding a key whose recorded
-  position differs from its index in the row are found (one device-to-host read per request);
+  position differs from its index in the row are found (one device-to-host read per batch with
+  such requests, which waits for the GPU: once per span request's life);
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
   written there, the slots' recorded positions are their row indices, and the row points at
@@ -101,7 +102,9 @@ class MovedPageCopier:
 
     def prepare(self, reqs: list, prefix_lens: list[int] | None) -> None:
         """For an extend batch: copy the moved pages of span requests seen for the first time,
-        and point the rows of those already copied at their copies (SGLang rewrote the prefix)."""
+        and point the rows of those already copied at their copies (SGLang rewrote the prefix).
+        The batch's new span requests are looked up with one device-to-host read."""
+        new: list[tuple[Any, int]] = []
         for i, req in enumerate(reqs):
             if getattr(req, "pic_segments", None) is None:
                 continue
@@ -111,29 +114,43 @@ class MovedPageCopier:
                     self.req_to_token.dtype)
             elif state is None:
                 n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
-                setattr(req, ATTR, self._copy(req.req_pool_idx, int(n)))
+                new.append((req, int(n)))
+        if new:
+            for (req, n), pages in zip(new, self._moved_pages(new), strict=True):
+                setattr(req, ATTR, self._copy(req.req_pool_idx, n, pages))
 
-    def _moved_positions(self, row: torch.Tensor, n: int) -> torch.Tensor:
-        """Row positions ``[m]`` (whole pages, ascending) of the pages of ``row[:n]`` holding a
-        key stored at another position than its index."""
+    def _moved_pages(self, reqs: list[tuple[Any, int]]) -> list[torch.Tensor | None]:
+        """Per request (and its prefix length ``n``): the pages (ascending, CPU int64) of its row's
+        first ``n`` slots holding a key stored at another position than its index; None when such
+        a key is in a partial last page (never seen: matches are whole pages; not copyable)."""
         table = stored_positions.table()
-        index = torch.arange(n, device=row.device)
-        moved = table[row[:n].long()].long() != index
-        pages = torch.unique(torch.nonzero(moved).flatten() // self.page_size)  # syncs once
-        if pages.numel() == 0:
-            return pages
-        within = torch.arange(self.page_size, device=row.device)
-        return (pages[:, None] * self.page_size + within).flatten()
+        page = self.page_size
+        flags = []
+        for req, n in reqs:
+            row = self.req_to_token[req.req_pool_idx, :n].long()
+            moved = table[row].long() != torch.arange(n, device=row.device)
+            full = n // page * page
+            flags.append(moved[:full].view(-1, page).any(dim=1))
+            flags.append(moved[full:].any().view(1))  # the partial page, if any
+        cpu = torch.cat(flags).cpu()  # the one device-to-host read
+        out, at = [], 0
+        for _, n in reqs:
+            pages = cpu[at : at + n // page]
+            partial = bool(cpu[at + n // page])
+            at += n // page + 1
+            out.append(None if partial else torch.nonzero(pages).flatten())
+        return out
 
-    def _copy(self, pool_index: int, n: int) -> MovedCopy | str:
-        row = self.req_to_token[pool_index]
-        positions = self._moved_positions(row, n)
-        count = positions.numel()
-        if count == 0:
-            return NOTHING_MOVED
-        if n % self.page_size:  # a moved key in the page this extend completes: never seen
-            self._count("shared_requests")  # (matches are whole pages), but not copyable
+    def _copy(self, pool_index: int, n: int, pages: torch.Tensor | None) -> MovedCopy | str:
+        if pages is None:
+            self._count("shared_requests")
             return SHARED
+        if pages.numel() == 0:
+            return NOTHING_MOVED
+        row = self.req_to_token[pool_index]
+        within = torch.arange(self.page_size)
+        positions = (pages[:, None] * self.page_size + within).flatten().to(row.device)
+        count = positions.numel()
         if self.allocator.available_size() - count < self.reserve:
             self._count("shared_requests")
             if not self._warned:
