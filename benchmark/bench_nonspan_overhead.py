@@ -11,7 +11,12 @@ Variants: ``vanilla`` (FlashInfer, the baseline), ``sglang-pic-spans`` (the span
 ``sglang-pic-spans-triton`` (the same on ``pic_triton``: our Triton kernels for every batch) and
 ``vanilla-triton`` (a second column).
 
-    python3 benchmark/bench_nonspan_overhead.py [--out DIR] [--variants ...] [--quick]
+    python3 benchmark/bench_nonspan_overhead.py [--out DIR] [--variants ...] [--rounds N] [--quick]
+        [--prefill-lengths 1024,8192] [--decode-cases 32x8192,256x1024] [--name NAME]
+
+A subset (``--prefill-lengths ""`` skips TTFT; ``--decode-cases`` picks batch x context cases)
+with ``--name nonspan_overhead_rerun_h200`` re-measures some rows in one device call:
+``headlines.py`` takes a row from that file when it holds both variants' samples for it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,21 @@ NONSPAN_ENGINE_KWARGS = {**ENGINE_KWARGS, "context_length": 131072}  # the model
 NONSPAN_PARAMS = {**PARAMS, "prefill_lengths": [1024, 8192, 32768, 131000]}
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _cases(text: str) -> list[list[int]]:
+    try:
+        cases = [[int(v) for v in case.lower().split("x")] for case in text.split(",") if case]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+        raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT,... (positive integers), "
+                                         f"got {text!r}")
+    return cases
+
+
 def main() -> None:
     from harness import run_side_by_side, smoke_dir
 
@@ -45,13 +65,25 @@ def main() -> None:
                          "(samples pooled; 2 = A B B A)")
     ap.add_argument("--quick", action="store_true",
                     help="1K/8K prompts, batch 1/32, 2 repeats (writes to a temp folder)")
+    ap.add_argument("--prefill-lengths", type=_ints, default=None,
+                    help="comma-separated TTFT prompt lengths ('' for none; default "
+                         "1024,8192,32768,131000)")
+    ap.add_argument("--decode-cases", type=_cases, default=None,
+                    help="comma-separated BATCHxCONTEXT TPOT cases (default: batch 1/32/256 x "
+                         "context 1K/8K/32K where the KV fits)")
+    ap.add_argument("--name", default="nonspan_overhead_h200",
+                    help="result file name (nonspan_overhead_rerun_h200 for a re-measured subset)")
     args = ap.parse_args()
     params = dict(NONSPAN_PARAMS)
+    if args.prefill_lengths is not None:
+        params["prefill_lengths"] = args.prefill_lengths
+    if args.decode_cases is not None:
+        params["decode_cases"] = args.decode_cases
     if args.quick:
         params.update(prefill_lengths=[1024, 8192], decode_batches=[1, 32],
                       decode_contexts=[1024, 8192], repeats=2)
         args.out = args.out or smoke_dir()
-    run_side_by_side("nonspan_overhead_h200", "bench_position_free", "workload",
+    run_side_by_side(args.name, "bench_position_free", "workload",
                      NONSPAN_ENGINE_KWARGS,
                      params, out_dir=args.out, variants=tuple(args.variants.split(",")),
                      variant_kwargs=VARIANT_KWARGS, timeout_s=590, rounds=args.rounds)

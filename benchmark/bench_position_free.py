@@ -62,21 +62,22 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
 
         budget = params["kv_budget_tokens"]
         steps = params["decode_tokens"]
-        for batch in params["decode_batches"]:
-            for ctx in params["decode_contexts"]:
-                if batch * (ctx + steps + 8) > budget:
-                    continue
-                prompts = [_tokens(rng, ctx) for _ in range(batch)]
-                engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
-                sp = {**greedy, "max_new_tokens": steps, "ignore_eos": True}
-                times = []
-                for _ in range(params["repeats"]):  # each a full prefix hit, then the decode
-                    t = time.perf_counter()
-                    engine.generate(input_ids=prompts, sampling_params=sp)
-                    times.append(1000 * (time.perf_counter() - t) / steps)
-                result[f"tpot_b{batch}_ctx{ctx}_ms"] = statistics.median(times)
-                result[f"tpot_b{batch}_ctx{ctx}_ms_all"] = [round(t, 4) for t in times]
-                engine.flush_cache()
+        cases = params.get("decode_cases") or [
+            (b, c) for b in params["decode_batches"] for c in params["decode_contexts"]]
+        for batch, ctx in cases:
+            if batch * (ctx + steps + 8) > budget:
+                continue
+            prompts = [_tokens(rng, ctx) for _ in range(batch)]
+            engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
+            sp = {**greedy, "max_new_tokens": steps, "ignore_eos": True}
+            times = []
+            for _ in range(params["repeats"]):  # each a full prefix hit, then the decode
+                t = time.perf_counter()
+                engine.generate(input_ids=prompts, sampling_params=sp)
+                times.append(1000 * (time.perf_counter() - t) / steps)
+            result[f"tpot_b{batch}_ctx{ctx}_ms"] = statistics.median(times)
+            result[f"tpot_b{batch}_ctx{ctx}_ms_all"] = [round(t, 4) for t in times]
+            engine.flush_cache()
     finally:
         engine.shutdown()
     return result

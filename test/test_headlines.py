@@ -87,3 +87,28 @@ def test_a_void_row_quotes_no_number_even_with_its_raw_file_present():
     row = headlines._row(claim)
     assert (row["baseline"], row["ours"], row["ratio"], row["meets_target"]) == (None,) * 4
     assert row["note"].startswith("void:") and headlines.problems(row) == ["void"]
+
+
+def test_a_rerun_file_holding_both_sides_of_a_row_is_preferred(tmp_path, monkeypatch):
+    """``bench_nonspan_overhead.py --name nonspan_overhead_rerun_h200`` re-measures a subset:
+    a row takes the rerun when it holds both variants' samples, else the full run."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    monkeypatch.setattr(headlines, "RESULTS", tmp_path)
+    claim = next(c for c in headlines.CLAIMS if c.claim == "spans.nonspan.tpot_b32_8k")
+    other = next(c for c in headlines.CLAIMS if c.claim == "spans.nonspan.tpot_b1_1k")
+
+    def write(name: str, metric: str, base: list[float], ours: list[float]) -> None:
+        results = {"vanilla": {f"{metric}_all": base, "attention_backend": "flashinfer"},
+                   "sglang-pic-spans": {f"{metric}_all": ours}}
+        (tmp_path / name).write_text(json.dumps({"results": results}))
+
+    write(headlines.NONSPAN, claim.metric, [14.0] * 3, [16.0] * 3)
+    write(headlines.NONSPAN_RERUN, claim.metric, [14.0] * 6, [14.1] * 6)
+    row = headlines._row(claim)
+    assert row["raw_file"] == headlines.NONSPAN_RERUN and row["samples"] == 6
+    assert row["ours"] == 14.1
+    # a row the rerun did not measure comes from the full run
+    write(headlines.NONSPAN, other.metric, [6.0] * 3, [5.9] * 3)
+    assert headlines._row(other)["raw_file"] == headlines.NONSPAN
