@@ -303,11 +303,19 @@ def test_without_room_or_moved_pages_a_request_keeps_the_shared_pages():
     assert not moved_copies.reads_moved_keys(in_place)
     table[8:16] = torch.arange(8, dtype=torch.int32) - 3 + 8  # computed 5 positions later
     moved = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=row[:8])
-    copier.allocator.free_pages = copier.allocator.free_pages[:2]  # 8 free slots, 2 kept free
+    free = copier.allocator.free_pages
+    copier.allocator.free_pages = free[:2]  # 8 free slots, 2 kept free: no room
     copier.prepare([moved], [8])
-    assert getattr(moved, moved_copies.ATTR) == moved_copies.SHARED
+    assert isinstance(getattr(moved, moved_copies.ATTR), moved_copies.Waiting)
     assert moved_copies.reads_moved_keys(moved) and row[:8].tolist() == list(range(8, 16))
-    assert copier.stats["shared_requests"] == 1
+    assert copier.stats["waiting_requests"] == 1
+    copier.retry([moved])  # still no room: nothing changes
+    assert isinstance(getattr(moved, moved_copies.ATTR), moved_copies.Waiting)
+    copier.allocator.free_pages = free[:2] + [free[-1]]  # a request finished: room now
+    copier.retry([moved])  # a later (decode) batch of the request
+    state = getattr(moved, moved_copies.ATTR)
+    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_moved_keys(moved)
+    assert row[:8].tolist() == state.slots.tolist()
 
 
 def test_a_batch_of_new_span_requests_is_looked_up_together():

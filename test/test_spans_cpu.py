@@ -297,9 +297,10 @@ def test_span_copies_and_a_burst_larger_than_the_pool(tight_server, hf):
        block-attention reference, the moved pages copied for each request, and no batch read
        moved keys (a missing or unturned copy would be read as is: wrong tokens).
     2. 8 concurrent requests whose 8 distinct spans (~1000 tokens) plus prompts outgrow the pool:
-       pinned spans are bounded (backlog), copies are made while 10 % of the pool stays free and
-       skipped (shared pages, shift-aware reads) otherwise; every request completes correctly,
-       and no pool slot leaks (SGLang's idle check)."""
+       pinned spans are bounded (backlog), copies are made while 10 % of the pool stays free,
+       and a request without room reads the shared pages (shift-aware) until a later batch of it
+       finds room; every request completes correctly, and no pool slot leaks (SGLang's idle
+       check)."""
     tok = hf[0]
     doc = " ".join(DOCS[:2]) + " This paragraph is only in the copy test."
     question = "\nQuestion: what is the secret code of the blue castle? " * 9 + "\nAnswer:"
@@ -335,6 +336,7 @@ def test_span_copies_and_a_burst_larger_than_the_pool(tight_server, hf):
     assert tight_server.healthy()
     after = _pic_counters(tight_server)
     assert after["sglang_pic:span_copied_requests_total"] + \
-        after["sglang_pic:span_shared_requests_total"] >= 2 + 8
+        after["sglang_pic:span_waiting_requests_total"] >= 2 + 8
+    assert after["sglang_pic:span_shared_requests_total"] == 0
     time.sleep(2)  # the scheduler checks its pools once idle
     assert "memory leak" not in tight_server.log.read_text(errors="replace")

@@ -220,7 +220,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "a request reading a cached span at another offset gets its own copy of the span's "
          "pages, keys turned once to where they now stand, so its batches run vanilla attention "
          "(FlashInfer and its CUDA graphs on pic_flashinfer) instead of the shift-aware kernels; "
-         "costs pool memory per running request, and is skipped while less than 10% of the pool "
+         "costs pool memory per running request, and waits while less than 10% of the pool "
          "would stay free. auto: on with pic_flashinfer",
          parse=one_of("auto", "on", "off"), default="auto", metavar="{auto,on,off}",
          env="SGLANG_PIC_SPAN_COPY"),

@@ -21,7 +21,8 @@ batch's attention metadata is built):
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
   written there, the slots' recorded positions are their row indices, and the row points at
-  them; otherwise the request keeps reading the shared pages (``reads_moved_keys`` stays true);
+  them; otherwise the request reads the shared pages (``reads_moved_keys`` stays true) and
+  each later batch of it tries again (``retry``: the pages are known, no device read);
 * SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
   points the row at the copies again;
 * ``SpanRadixCache.cache_finished_req`` (finish, abort, retraction) frees the copies
@@ -44,13 +45,21 @@ from . import stored_positions
 logger = logging.getLogger(__name__)
 
 ATTR = "pic_moved_copy"
-"""On a span request: ``MovedCopy`` (its moved pages are copied), ``NOTHING_MOVED``, or
-``SHARED`` (no room: it reads the shared pages for its whole life)."""
+"""On a span request: ``MovedCopy`` (its moved pages are copied), ``NOTHING_MOVED``, ``Waiting``
+(no room yet: it reads the shared pages, and is copied once the pool has room) or ``SHARED``
+(its moved keys cannot be copied: it reads the shared pages for its whole life)."""
 NOTHING_MOVED = "nothing-moved"
 SHARED = "shared"
 RESERVE_SHARE = 0.1
 """A copy is made only if this share of the pool stays free after it (room for the running
 requests' decode tokens, which SGLang budgets without knowing about copies)."""
+
+
+@dataclass
+class Waiting:
+    """A request whose moved pages did not fit yet: ``pages`` (CPU int64, ascending) of its row."""
+
+    pages: torch.Tensor
 
 
 @dataclass
@@ -75,7 +84,7 @@ def reads_moved_keys(req: Any) -> bool:
     """Whether ``req`` (a span request: ``pic_segments`` set) still reads shared pages at another
     offset than they were computed at: not yet prepared, or no room for its copy."""
     state = getattr(req, ATTR, None)
-    return state is None or state == SHARED
+    return state is None or state == SHARED or isinstance(state, Waiting)
 
 
 class MovedPageCopier:
@@ -91,7 +100,8 @@ class MovedPageCopier:
         first = int(getattr(self.pool, "start_layer", 0) or 0)
         self.layer_ids = range(first, first + int(self.pool.layer_num))
         self.reserve = int(RESERVE_SHARE * self.allocator.size)
-        self.stats = {"copied_requests": 0, "copied_tokens": 0, "shared_requests": 0}
+        self.stats = {"copied_requests": 0, "copied_tokens": 0, "shared_requests": 0,
+                      "waiting_requests": 0}
         self.counters = None  # sglang_pic.metrics.Counters with --enable-metrics
         self._warned = False
 
@@ -103,7 +113,8 @@ class MovedPageCopier:
     def prepare(self, reqs: list, prefix_lens: list[int] | None) -> None:
         """For an extend batch: copy the moved pages of span requests seen for the first time,
         and point the rows of those already copied at their copies (SGLang rewrote the prefix).
-        The batch's new span requests are looked up with one device-to-host read."""
+        The batch's new span requests are looked up with one device-to-host read. Requests
+        still waiting for room are retried (``retry``)."""
         new: list[tuple[Any, int]] = []
         for i, req in enumerate(reqs):
             if getattr(req, "pic_segments", None) is None:
@@ -116,8 +127,20 @@ class MovedPageCopier:
                 n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
                 new.append((req, int(n)))
         if new:
-            for (req, n), pages in zip(new, self._moved_pages(new), strict=True):
-                setattr(req, ATTR, self._copy(req.req_pool_idx, n, pages))
+            for (req, _), pages in zip(new, self._moved_pages(new), strict=True):
+                setattr(req, ATTR, self._copy(req.req_pool_idx, pages))
+        self.retry(reqs)
+
+    def retry(self, reqs: list) -> None:
+        """Copy the moved pages of the batch's requests that waited for room, if the pool has it
+        now (any batch; the pages were found at their first extend, so no device read)."""
+        for req in reqs:
+            state = getattr(req, ATTR, None)
+            if isinstance(state, Waiting) and self._has_room(state.pages.numel() * self.page_size):
+                setattr(req, ATTR, self._copy(req.req_pool_idx, state.pages))
+
+    def _has_room(self, count: int) -> bool:
+        return self.allocator.available_size() - count >= self.reserve
 
     def _moved_pages(self, reqs: list[tuple[Any, int]]) -> list[torch.Tensor | None]:
         """Per request (and its prefix length ``n``): the pages (ascending, CPU int64) of its row's
@@ -141,7 +164,8 @@ class MovedPageCopier:
             out.append(None if partial else torch.nonzero(pages).flatten())
         return out
 
-    def _copy(self, pool_index: int, n: int, pages: torch.Tensor | None) -> MovedCopy | str:
+    def _copy(self, pool_index: int, pages: torch.Tensor | None) -> MovedCopy | Waiting | str:
+        """Copy the row's moved ``pages`` (None: a moved key in a partial page, not copyable)."""
         if pages is None:
             self._count("shared_requests")
             return SHARED
@@ -151,19 +175,16 @@ class MovedPageCopier:
         within = torch.arange(self.page_size)
         positions = (pages[:, None] * self.page_size + within).flatten().to(row.device)
         count = positions.numel()
-        if self.allocator.available_size() - count < self.reserve:
-            self._count("shared_requests")
+        slots = self.allocator.alloc(count) if self._has_room(count) else None
+        if slots is None:
+            self._count("waiting_requests")
             if not self._warned:
                 self._warned = True
                 logger.warning("span copy on reuse: the pool is too full to copy %d moved tokens "
                                "(%d free, %d kept free); such requests read the shared pages "
-                               "with the shift-aware kernels", count,
+                               "with the shift-aware kernels until it has room", count,
                                self.allocator.available_size(), self.reserve)
-            return SHARED
-        slots = self.allocator.alloc(count)
-        if slots is None:
-            self._count("shared_requests")
-            return SHARED
+            return Waiting(pages)
         slots = slots.to(device=row.device, dtype=torch.int64)
         src = row[positions].long()
         table = stored_positions.table()

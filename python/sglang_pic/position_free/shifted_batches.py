@@ -36,7 +36,10 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
                       "Tokens of moved span pages copied for the requests reading them."),
     "shared_requests": ("sglang_pic:span_shared_requests",
                         "Span requests that read moved pages shared, with the shift-aware "
-                        "kernels, because the pool lacked room for a copy."),
+                        "kernels, for their whole life (a moved key in a partial page)."),
+    "waiting_requests": ("sglang_pic:span_waiting_requests",
+                         "Times a span request's copy did not fit the pool (it read the shared "
+                         "pages meanwhile, and was copied once the pool had room)."),
 }
 _counters = None
 _started = False  # set at this process's first forward batch
@@ -75,8 +78,11 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
     if not _started:
         _start(args[0] if args else kwargs.get("model_runner"))
     copier = moved_copies.copier()
-    if copier is not None and reqs and result.forward_mode.is_extend():
-        copier.prepare(list(reqs), getattr(result, "extend_prefix_lens_cpu", None))
+    if copier is not None and reqs:
+        if result.forward_mode.is_extend():
+            copier.prepare(list(reqs), getattr(result, "extend_prefix_lens_cpu", None))
+        else:  # a decode batch: requests that waited for room may be copied now
+            copier.retry(reqs)
     global _current
     shifted = any(reads_moved_keys(r) for r in reqs)
     setattr(result, ATTR, shifted)
