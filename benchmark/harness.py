@@ -163,8 +163,9 @@ def merge_rounds(runs: list[dict]) -> dict:
             samples = [x for r in runs for x in r.get(key, [])]
             merged[key] = samples
             merged[metric] = statistics.median(samples)
-            merged[f"{metric}_rounds"] = [r.get(metric) for r in runs]
-    merged["rounds"] = len(runs)
+            merged[f"{metric}_rounds"] = [  # a run may itself be pooled rounds (resume_from)
+                x for r in runs for x in (r.get(f"{metric}_rounds") or [r.get(metric)])]
+    merged["rounds"] = sum(int(r.get("rounds", 1)) for r in runs)
     return merged
 
 
@@ -181,9 +182,14 @@ def run_side_by_side(
     variant_kwargs: dict[str, dict] | None = None,
     rounds: int = 1,
     variant_gpus: dict[str, str] | None = None,
+    resume_from: str | None = None,
 ) -> dict:
     """Run `module.func` once per variant and round, each in a fresh process; write and return
     the report.
+
+    ``resume_from``: the report of earlier rounds of the same benchmark, engine arguments and
+    parameters (a device call holds only so many rounds): this call's rounds continue its
+    alternation and its samples are pooled with theirs (``calls`` counts the calls).
 
     ``variant_kwargs`` overrides engine arguments per variant (e.g. the attention backend a
     sglang-pic feature needs); everything else is the same for both. With ``rounds`` > 1 the
@@ -194,9 +200,22 @@ def run_side_by_side(
     """
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     results: dict[str, dict] = {}
+    first, calls = 0, 1
+    if resume_from is not None:
+        earlier = json.loads(Path(resume_from).read_text())
+        for key, mine in (("benchmark", name), ("engine_kwargs", engine_kwargs),
+                          ("params", params), ("variant_kwargs", variant_kwargs or {})):
+            if json.loads(json.dumps(mine)) != earlier.get(key):
+                raise SystemExit(f"--resume-from {resume_from}: its {key} differs from this "
+                                 "run's; only rounds of the same benchmark and settings pool")
+        if earlier.get("failed_variants") or sorted(earlier["results"]) != sorted(variants):
+            raise SystemExit(f"--resume-from {resume_from}: not a complete run of variants "
+                             f"{', '.join(variants)}")
+        first, calls = int(earlier.get("rounds", 1)), int(earlier.get("calls", 1)) + 1
+        runs = {v: [earlier["results"][v]] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         site = plugin_site(Path(tmp) / "site")
-        for round_no in range(rounds):
+        for round_no in range(first, first + rounds):
             order = variants if round_no % 2 == 0 else tuple(reversed(variants))
             for variant in order:
                 out = Path(tmp) / f"{variant}.{round_no}.json"
@@ -206,7 +225,7 @@ def run_side_by_side(
                     kwargs["attention_backend"] = VANILLA_BACKENDS[variant]
                 spec.write_text(json.dumps({"module": module, "func": func, "out": str(out),
                                             "engine_kwargs": kwargs, "params": params}))
-                tag = f" (round {round_no + 1}/{rounds})" if rounds > 1 else ""
+                tag = f" (round {round_no + 1}/{first + rounds})" if first + rounds > 1 else ""
                 print(f"[bench] {name}: running {variant}{tag} ...", flush=True)
                 t0 = time.perf_counter()
                 env = variant_env(variant, site, (variant_gpus or {}).get(variant))
@@ -222,7 +241,7 @@ def run_side_by_side(
                 runs[variant].append(result)
                 results[variant] = merge_rounds(runs[variant])
                 print(f"[bench] {variant} done in {time.perf_counter() - t0:.0f} s", flush=True)
-                done = sum(len(r) for r in runs.values())
+                done = sum(len(r) for r in runs.values()) - (len(variants) if first else 0)
                 if done < rounds * len(variants):  # a partial report survives a later crash
                     _write_report(name, out_dir, {"benchmark": name, "partial": True,
                                                   "environment": environment(), "params": params,
@@ -234,7 +253,8 @@ def run_side_by_side(
         "engine_kwargs": engine_kwargs,
         "variant_kwargs": variant_kwargs or {},
         "params": params,
-        "rounds": rounds,
+        "rounds": first + rounds,
+        "calls": calls,
         "variant_gpus": variant_gpus or {},
         "results": results,
         "ratios": rows,

@@ -58,3 +58,38 @@ def test_rounds_pool_samples_and_keep_each_rounds_median():
     assert merged["rounds"] == 2 and merged["engine_start_s"] == 40.0
     assert merge_rounds([a, {"error": "exit code 1"}]) == {"error": "exit code 1"}
     assert merge_rounds([a]) is a
+
+
+def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_path,
+                                                                           monkeypatch):
+    """``resume_from``: rounds a later device call adds to an earlier call's report (same
+    settings) go on alternating which variant runs first, and every sample is pooled."""
+    import json
+
+    import pytest
+
+    order: list[str] = []
+
+    def fake_run(cmd, env, timeout):  # the variant's process: one sample, its run number
+        spec = json.loads(Path(cmd[-1]).read_text())
+        order.append(env["SGLANG_PIC_BENCH_VARIANT"])
+        Path(spec["out"]).write_text(json.dumps({"x": len(order), "x_all": [len(order)]}))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    args = ("e2e", "m", "f", {"device": "cpu"}, {"p": 1})
+    kw = dict(variants=("vanilla", "sglang-pic"), out_dir=str(tmp_path))
+    first = harness.run_side_by_side(*args, rounds=1, **kw)
+    assert (first["rounds"], first["calls"]) == (1, 1)
+    earlier = tmp_path / "earlier.json"
+    (tmp_path / "e2e.json").rename(earlier)
+    second = harness.run_side_by_side(*args, rounds=2, resume_from=str(earlier), **kw)
+    assert order == ["vanilla", "sglang-pic", "sglang-pic", "vanilla", "vanilla", "sglang-pic"]
+    assert (second["rounds"], second["calls"]) == (3, 2)
+    assert second["results"]["vanilla"]["x_all"] == [1, 4, 5]
+    assert second["results"]["sglang-pic"]["x_all"] == [2, 3, 6]
+    assert second["results"]["vanilla"]["x_rounds"] == [1, 4, 5]
+    assert second["results"]["vanilla"]["rounds"] == 3
+    with pytest.raises(SystemExit, match="params differs"):
+        harness.run_side_by_side("e2e", "m", "f", {"device": "cpu"}, {"p": 2}, rounds=1,
+                                 resume_from=str(earlier), **kw)

@@ -199,6 +199,10 @@ def main() -> None:
                     help="the Mooncake JSONL (--trace mooncake)")
     ap.add_argument("--requests", type=int, default=400,
                     help="--trace mooncake: how many of its first requests to replay")
+    ap.add_argument("--resume-from", default=None, metavar="REPORT",
+                    help="an earlier call's report of this run (same settings; e.g. "
+                         "benchmark/results/eviction_e2e_mooncake_h200.json): this call's rounds "
+                         "continue its alternation and pool with its runs")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per variant, alternating which goes first (hit rate and TTFT "
                          "are reported per run and as their mean)")
@@ -244,7 +248,7 @@ def main() -> None:
         ap.error(f"--baselines {','.join(unknown)}: not one of SGLang's policies "
                  f"{SGLANG_POLICIES}")
     vanilla = {"vanilla" if i == 0 else f"vanilla-{p}": p for i, p in enumerate(baselines)}
-    if baselines != ["lru"]:
+    if baselines != ["lru"] and args.trace != "mooncake":  # the Mooncake rows' file is one name
         name += "_vs_" + "_".join(baselines)
     variant_kwargs = {v: {"radix_eviction_policy": p} for v, p in vanilla.items()}
     variant_kwargs["sglang-pic"] = {"radix_eviction_policy": "sae"}
@@ -255,7 +259,8 @@ def main() -> None:
     report = run_side_by_side(name, "eviction.bench_e2e", "workload", kwargs, params,
                               higher_is_better={"token_hit_rate", "cached_tokens"},
                               out_dir=args.out, variant_kwargs=variant_kwargs, timeout_s=1800,
-                              variants=variants, rounds=args.rounds)
+                              variants=variants, rounds=args.rounds,
+                              resume_from=args.resume_from)
     print(f"\n{'variant':<16}{'policy':<8}{'hit rate':>10}{'TTFT p50 ms':>13}{'p99 ms':>10}")
     for v, r in report["results"].items():
         if "token_hit_rate" in r:
