@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     if not Path(kwargs["model_path"]).is_absolute():
         kwargs["model_path"] = str(repo / kwargs["model_path"])
     if params.get("trace") == "mooncake":
-        trace = _mooncake_head(traces, params["trace_file"], params["requests"])
+        trace = _mooncake_head(traces, os.environ["SGLANG_PIC_BENCH_TRACE_FILE"],
+                               params["requests"])
     else:
         trace = traces.generate("mix", scale=params["scale"], seed=params["seed"])
     limit = params["max_prompt_tokens"]
@@ -223,7 +225,11 @@ def main() -> None:
               "trace": args.trace}
     name = "eviction_e2e_h200" if args.seed == PARAMS["seed"] else f"eviction_e2e_h200_seed{args.seed}"
     if args.trace == "mooncake":
-        params.update(trace_file=str(Path(args.trace_file).resolve()), requests=args.requests)
+        # the trace's bytes name it (a later call's --resume-from may find it elsewhere); the
+        # variants' processes read it from where it is now
+        params.update(trace_sha256=hashlib.sha256(Path(args.trace_file).read_bytes()).hexdigest(),
+                      requests=args.requests)
+        os.environ["SGLANG_PIC_BENCH_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         name = "eviction_e2e_mooncake_h200"
     if args.pic_first:
         name += "_pic_first"
