@@ -12,6 +12,7 @@ from sglang_pic.request_validation import (
     check_openai_body,
     constrained_decoding_available,
     constrained_field,
+    id_range,
     validate_logprob_params,
     validate_rid,
     validate_sampling_params,
@@ -59,10 +60,21 @@ def test_ids_in_vocabulary_pass(ids):
     ([1, -3, 2], "-3"),
     ([[1, 2], [3, 999999]], "999999"),
     ([1, "2"], "'2'"),
+    ([1, 2.0, 3], "2.0"),
+    ([1, None], "None"),
+    ([1, 2**70], str(2**70)),
 ])
 def test_ids_outside_vocabulary_raise(ids, bad):
     with pytest.raises(ValueError, match=f"input_ids.*{bad}"):
         validate_token_ids("input_ids", ids, VOCAB)
+
+
+def test_id_range_is_the_bounds_of_an_all_int_list_and_none_otherwise():
+    assert id_range([5, 0, 17, 3]) == (0, 17)
+    assert id_range([True, 4]) == (1, 4)  # bool is an int, as isinstance says
+    assert id_range([-2, 9]) == (-2, 9)
+    for bad in ([], [1, 2.0], [1, "2"], [1, None], [2**64]):
+        assert id_range(bad) is None
 
 
 def test_span_markers_pass_only_where_accepted():

@@ -60,3 +60,25 @@ def test_spans_field_validation():
                      ([{"text": "a", "input_ids": [1]}], "exactly one")]:
         with pytest.raises(SpanError, match=msg):
             spans_to_prompt(bad)
+
+
+def test_plain_token_ids_are_passed_over_without_a_per_token_scan():
+    """Every prompt on a span server meets the resolver; a list whose ids are all within the
+    vocabulary (below the marker tokens added after it) is not a span prompt."""
+    from types import SimpleNamespace
+
+    from sglang_pic.spans.request import SpanRequestResolver
+
+    resolver = SpanRequestResolver.__new__(SpanRequestResolver)
+    resolver.enabled, resolver.marker_ids = True, (49152, 49153)  # the added marker tokens
+    resolver.cfg = SimpleNamespace(markers=("<|ssep|>", "<|pdep|>"))
+    resolver.page_size, resolver.pad_id = 4, 0
+    assert not resolver._may_hold_markers(list(range(49152)))
+    assert resolver._resolve_one(list(range(100))) is None
+    for span_prompt in ([1, 2, SSEP_ID, 3, PDEP_ID, 4], [1, 2, 49152, 3, 49153, 4]):
+        assert resolver._may_hold_markers(span_prompt)
+        ids, layout = resolver._resolve_one(span_prompt)
+        assert SSEP_ID not in ids and 49152 not in ids and layout
+    assert resolver._may_hold_markers([1, "x"])  # not all ints: the full checks decide
+    with pytest.raises(SpanError):
+        resolver._resolve_one([1, -7, 2])  # a negative id that is no marker

@@ -148,6 +148,23 @@ class SpanRequestResolver:
                 f"{layout[-3]}): input logprobs are only available after the spans"
             )
 
+    @property
+    def _marker_set(self) -> frozenset[int]:
+        return frozenset(self.marker_ids)
+
+    def _may_hold_markers(self, item: list) -> bool:
+        """False when ``item`` surely holds no marker and no negative id: its smallest id is not
+        negative and its largest is below every marker token (added to the tokenizer, they come
+        after its vocabulary). ``id_range``'s C pass instead of Python loops per token: every
+        prompt on the server passes here, most of them plain."""
+        from sglang_pic.request_validation import id_range  # server side only (numpy)
+
+        bounds = id_range(item)
+        if bounds is None:  # not all ints, or empty: the full checks decide
+            return True
+        markers = [t for t in self.marker_ids if t >= 0]
+        return bounds[0] < 0 or (bool(markers) and bounds[1] >= min(markers))
+
     def _tokenize(self, item: Any) -> list[int]:
         if isinstance(item, str):
             if self.tokenizer is None:
@@ -165,8 +182,10 @@ class SpanRequestResolver:
         elif isinstance(item, list):
             # other negative ids are not markers: the span-enabled path refuses them in
             # layout_prompt, request_validation refuses them everywhere
+            if not self._may_hold_markers(item):
+                return None
             has_sentinel = SSEP_ID in item or PDEP_ID in item
-            has_marker = self.enabled and any(t in self.marker_ids for t in item)
+            has_marker = self.enabled and not self._marker_set.isdisjoint(item)
             if not (has_sentinel or has_marker or (self.enabled and _has_negative(item))):
                 return None
             ids = item
