@@ -728,3 +728,26 @@ def test_data_plane_tickets_are_compared_in_constant_time(monkeypatch):
     finally:
         client.close()
         srv.stop()
+
+
+def test_a_refused_handshake_gives_misses_and_never_blocks_a_send(server):
+    """A DEALER blocks a send while it has no peer, and a server refusing our CURVE key leaves
+    the socket without one: the client bounds each send by its time-out (a miss), so a wrong
+    key, or a server gone, never hangs the caller (it once hung this suite)."""
+
+    wrong = StoreClient([server.endpoint], OTHER, timeout_ms=300, server_key=server.server_key)
+    results: list = []
+
+    def calls():
+        wrong._sock(server.endpoint)  # connect, and let the handshake fail before any send
+        time.sleep(1.0)
+        results.append(wrong.batch_set(_pages("w", 1)))
+        results.append(wrong.batch_get(["p0"]))
+
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    # a blocked thread keeps its socket: closing it under the thread would abort the process
+    assert not worker.is_alive(), "a send to a server refusing the key blocked"
+    wrong.close()
+    assert results == [0, [None]]

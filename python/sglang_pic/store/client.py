@@ -233,6 +233,9 @@ class StoreClient:
         if s is None:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            # a DEALER blocks a send while it has no peer: a server that is down, or one whose
+            # CURVE handshake refuses our key, would otherwise hold the caller forever
+            s.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_ms)))
             s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
             secure_client(s, *self._credentials)
             s.connect(server)
@@ -275,16 +278,22 @@ class StoreClient:
                      nbytes: int, deadline: float | None = None
                      ) -> dict[str, tuple[dict, list] | None]:
         """Send every request, then collect every reply against one deadline (``nbytes``: the
-        bytes the replies and requests carry; or ``deadline``, monotonic). A server whose reply
-        was not collected - time out, or an error while collecting - loses its socket."""
+        bytes the replies and requests carry; or ``deadline``, monotonic). A server whose request
+        could not be sent within the time-out, or whose reply was not collected - time out, or an
+        error while collecting - loses its socket and gets None."""
         replies: dict[str, tuple[dict, list] | None] = {}
         try:
             for server, (header, payloads) in requests.items():
-                self._send(server, header, payloads)
+                try:
+                    self._send(server, header, payloads)
+                except zmq.Again:  # no peer took it in time (SNDTIMEO): a miss, never a hang
+                    self._drop(server)
+                    replies[server] = None
             if deadline is None:
                 deadline = self._deadline(nbytes)
             for server in requests:
-                replies[server] = self._recv(server, deadline)
+                if server not in replies:
+                    replies[server] = self._recv(server, deadline)
         finally:
             for server in requests:
                 if server not in replies:
