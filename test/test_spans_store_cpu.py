@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import free_port, start_server, stop_server
@@ -77,15 +78,17 @@ def two_span_servers(stores, tmp_path_factory):
     args = ["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", str(PAGE),
             "--chunked-prefill-size", "128", "--ptstore", ",".join(s.endpoint for s in stores),
             "--ptstore-token-file", str(token_file)]
-    a = start_server(args, logs / "a.log")
-    try:
-        b = start_server(args, logs / "b.log")
-    except BaseException:
-        stop_server(a)  # a failed second start must not leave the first server running
-        raise
-    yield a, b
-    stop_server(a)
-    stop_server(b)
+    # both start at once: most of a start is waiting (model load, warm-up request)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_server, args, logs / f"{name}.log") for name in "ab"]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < 2:  # a failed start must not leave the other server running
+        for srv in started:
+            stop_server(srv)
+        next(f for f in futures if f.exception() is not None).result()
+    yield tuple(started)
+    for srv in started:
+        stop_server(srv)
 
 
 def _span_pages(stores) -> int:
