@@ -263,10 +263,10 @@ def test_a_span_request_reads_its_own_turned_copy_of_the_pages_it_moved():
     table[8:16] = torch.arange(8, dtype=torch.int32)
     shared_k = [b[8:16].clone() for b in k]
     req = SimpleNamespace(pic_segments=[object()], req_pool_idx=1, prefix_indices=row[:12])
-    assert moved_copies.reads_moved_keys(req)
+    assert moved_copies.reads_shared_pages(req)
     copier.prepare([req], [12])
     state = getattr(req, moved_copies.ATTR)
-    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_moved_keys(req)
+    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_shared_pages(req)
     assert state.positions.tolist() == list(range(4, 12))  # the span's two pages
     slots = state.slots
     assert row[4:12].tolist() == slots.tolist() and row[:4].tolist() == [4, 5, 6, 7]
@@ -300,21 +300,21 @@ def test_without_room_or_moved_pages_a_request_keeps_the_shared_pages():
     in_place = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=row[:8])
     copier.prepare([in_place], [8])  # every key read where it was computed
     assert getattr(in_place, moved_copies.ATTR) == moved_copies.NOTHING_MOVED
-    assert not moved_copies.reads_moved_keys(in_place)
+    assert not moved_copies.reads_shared_pages(in_place)
     table[8:16] = torch.arange(8, dtype=torch.int32) - 3 + 8  # computed 5 positions later
     moved = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=row[:8])
     free = copier.allocator.free_pages
     copier.allocator.free_pages = free[:2]  # 8 free slots, 2 kept free: no room
     copier.prepare([moved], [8])
     assert isinstance(getattr(moved, moved_copies.ATTR), moved_copies.Waiting)
-    assert moved_copies.reads_moved_keys(moved) and row[:8].tolist() == list(range(8, 16))
+    assert moved_copies.reads_shared_pages(moved) and row[:8].tolist() == list(range(8, 16))
     assert copier.stats["waiting_requests"] == 1
     copier.retry([moved])  # still no room: nothing changes
     assert isinstance(getattr(moved, moved_copies.ATTR), moved_copies.Waiting)
     copier.allocator.free_pages = free[:2] + [free[-1]]  # a request finished: room now
     copier.retry([moved])  # a later (decode) batch of the request
     state = getattr(moved, moved_copies.ATTR)
-    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_moved_keys(moved)
+    assert isinstance(state, moved_copies.MovedCopy) and not moved_copies.reads_shared_pages(moved)
     assert row[:8].tolist() == state.slots.tolist()
 
 

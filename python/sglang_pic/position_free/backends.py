@@ -170,20 +170,13 @@ class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
         self.rotary = model_check.model_rotary(model_runner)
         self.table = _slot_table(model_runner)
 
-    # A batch without moved keys (``shifted_batches``) is read as vanilla torch_native reads it,
-    # as pic_flashinfer hands such a batch to FlashInfer: the CPU engine runs the same split.
-    _turn = True
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        self._turn = shifted_batches.is_shifted(forward_batch)
-        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        self._turn = shifted_batches.is_shifted(forward_batch)
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
     def _keys(self, k_cache):
-        return _KeysTurnedOnRead(k_cache, self.table, self.rotary) if self._turn else k_cache
+        """A batch without moved keys is read as vanilla torch_native reads it, as pic_flashinfer
+        hands such a batch to FlashInfer: the CPU engine runs the same split. The batch being
+        run is the one ``init_new`` built last (``shifted_batches.current``)."""
+        if shifted_batches.current():
+            return _KeysTurnedOnRead(k_cache, self.table, self.rotary)
+        return k_cache
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, *args, **kwargs):
         return super()._run_sdpa_forward_extend(query, output, self._keys(k_cache), *args,
@@ -204,4 +197,3 @@ def create_pic_triton(model_runner):
 
 def create_pic_torch_native(model_runner):
     return PositionFreeTorchNativeBackend(model_runner)
-

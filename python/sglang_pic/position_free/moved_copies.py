@@ -21,7 +21,7 @@ batch's attention metadata is built):
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
   written there, the slots' recorded positions are their row indices, and the row points at
-  them; otherwise the request reads the shared pages (``reads_moved_keys`` stays true) and
+  them; otherwise the request reads the shared pages (``reads_shared_pages`` stays true) and
   each later batch of it tries again (``retry``: the pages are known, no device read);
 * SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
   points the row at the copies again;
@@ -80,9 +80,9 @@ def turn_keys(keys: torch.Tensor, shift: torch.Tensor, cos_sin_cache: torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
 
 
-def reads_moved_keys(req: Any) -> bool:
-    """Whether ``req`` (a span request: ``pic_segments`` set) still reads shared pages at another
-    offset than they were computed at: not yet prepared, or no room for its copy."""
+def reads_shared_pages(req: Any) -> bool:
+    """Whether ``req`` (a span request: ``pic_segments`` set) still reads the shared pages of
+    the spans it moved: not yet prepared, waiting for room for its copy, or not copyable."""
     state = getattr(req, ATTR, None)
     return state is None or state == SHARED or isinstance(state, Waiting)
 
@@ -245,8 +245,3 @@ def start(model_runner: Any, counters: Any = None) -> MovedPageCopier:
 def copier() -> MovedPageCopier | None:
     return _copier
 
-
-def reset() -> None:
-    """Forget the copier (tests that build several engines in one process)."""
-    global _copier
-    _copier = None

@@ -52,7 +52,7 @@ def reads_moved_keys(req: Any) -> bool:
     (``moved_copies``)."""
     if getattr(req, "pic_segments", None) is None:
         return False
-    return moved_copies.copier() is None or moved_copies.reads_moved_keys(req)
+    return moved_copies.copier() is None or moved_copies.reads_shared_pages(req)
 
 
 def is_shifted(forward_batch: Any) -> bool:
