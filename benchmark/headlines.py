@@ -169,8 +169,9 @@ SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.p
 STORE_TCP = "store_ttft_tcp_h200.json"
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
-SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys, our Triton "
-               "kernels (eager) for batches holding span requests")
+SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys (span "
+               "requests reading their own turned copies included), our Triton kernels for "
+               "batches still reading shared moved pages")
 
 SPANS_VOID = ("measured before the batch-mark fix: SGLang's eager runner handed pic_flashinfer a "
               "copy of each batch without the mark, so span batches ran on FlashInfer reading "
