@@ -235,7 +235,7 @@ class _Allocator:
         self.freed += slots.tolist()
 
 
-def _copier(pool_slots: int = 64, page: int = 4):
+def _copier(pool_slots: int = 64, page: int = 4, use_kernel: bool = False):
     from sglang_pic.position_free.moved_copies import MovedPageCopier
 
     table = stored_positions.allocate(pool_slots, "cpu")
@@ -248,13 +248,18 @@ def _copier(pool_slots: int = 64, page: int = 4):
                              req_to_token_pool=SimpleNamespace(
                                  req_to_token=torch.zeros(2, 32, dtype=torch.int32)))
     cache = _cos_sin_cache(128, 16)
-    return MovedPageCopier(runner, SimpleNamespace(cos_sin_cache=cache)), table, k, v, cache
+    copier = MovedPageCopier(runner, SimpleNamespace(cos_sin_cache=cache), use_kernel=use_kernel)
+    assert (copier.buffers is not None) == use_kernel
+    return copier, table, k, v, cache
 
 
-def test_a_span_request_reads_its_own_turned_copy_of_the_pages_it_moved():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+def test_a_span_request_reads_its_own_turned_copy_of_the_pages_it_moved(use_kernel):
+    """Torch ops per layer (the CPU path) and the one-launch kernel (the GPU path, here under
+    the Triton interpreter) make the same copy."""
     from sglang_pic.position_free import moved_copies
 
-    copier, table, k, v, cache = _copier()
+    copier, table, k, v, cache = _copier(use_kernel=use_kernel)
     row = copier.req_to_token[1]
     # a 4-token prompt piece computed in place (slots 4-7), then a span of 8 tokens computed
     # alone from 0 (slots 8-15) and read at positions 4..11, then 4 new tokens

@@ -20,7 +20,8 @@ batch's attention metadata is built):
   such requests, which waits for the GPU: once per span request's life);
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
-  written there, the slots' recorded positions are their row indices, and the row points at
+  written there (on the GPU by one kernel launch for all layers,
+  ``sglang_pic_kernel.rotating_attention.turn_copy_kv``; torch ops per layer on the CPU), the slots' recorded positions are their row indices, and the row points at
   them; otherwise the request reads the shared pages (``reads_shared_pages`` stays true) and
   each later batch of it tries again (``retry``: the pages are known, no device read);
 * SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
@@ -91,19 +92,34 @@ class MovedPageCopier:
     """Makes and frees span requests' copies of their moved pages (see the module docstring).
     One per scheduler process, bound to its KV pool, allocator and RoPE table."""
 
-    def __init__(self, model_runner: Any, rotary: Any):
+    def __init__(self, model_runner: Any, rotary: Any, use_kernel: bool | None = None):
         self.pool = model_runner.token_to_kv_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.cos_sin_cache = rotary.cos_sin_cache
+        self.cos_sin_cache = rotary.cos_sin_cache.float().contiguous()
         self.page_size = int(getattr(self.allocator, "page_size", 1) or 1)
         first = int(getattr(self.pool, "start_layer", 0) or 0)
         self.layer_ids = range(first, first + int(self.pool.layer_num))
+        if use_kernel is None:  # the torch path on CPU (the interpreter would be slower)
+            use_kernel = self.pool.get_key_buffer(first).device.type == "cuda"
+        self.buffers = self._layer_buffers() if use_kernel else None
         self.reserve = int(RESERVE_SHARE * self.allocator.size)
         self.stats = {"copied_requests": 0, "copied_tokens": 0, "shared_requests": 0,
                       "waiting_requests": 0}
         self.counters = None  # sglang_pic.metrics.Counters with --enable-metrics
         self._warned = False
+
+    def _layer_buffers(self) -> Any:
+        """The pool's buffers as the one-launch turned-copy kernel reads them, or None (the
+        torch path, one gather / turn / scatter per layer) for a layout it cannot address."""
+        from sglang_pic_kernel.rotating_attention import LayerBuffers
+
+        try:
+            return LayerBuffers([self.pool.get_key_buffer(i) for i in self.layer_ids],
+                                [self.pool.get_value_buffer(i) for i in self.layer_ids])
+        except ValueError as e:
+            logger.info("span copy on reuse: copying with torch ops per layer (%s)", e)
+            return None
 
     def _count(self, name: str, n: int = 1) -> None:
         self.stats[name] += n
@@ -189,11 +205,16 @@ class MovedPageCopier:
         src = row[positions].long()
         table = stored_positions.table()
         shift = positions - table[src].long()
-        for layer_id in self.layer_ids:
-            k_buf = self.pool.get_key_buffer(layer_id)
-            v_buf = self.pool.get_value_buffer(layer_id)
-            k_buf[slots] = turn_keys(k_buf[src], shift, self.cos_sin_cache)
-            v_buf[slots] = v_buf[src]
+        if self.buffers is not None:
+            from sglang_pic_kernel.rotating_attention import turn_copy_kv
+
+            turn_copy_kv(self.buffers, src, slots, shift, self.cos_sin_cache)
+        else:
+            for layer_id in self.layer_ids:
+                k_buf = self.pool.get_key_buffer(layer_id)
+                v_buf = self.pool.get_value_buffer(layer_id)
+                k_buf[slots] = turn_keys(k_buf[src], shift, self.cos_sin_cache)
+                v_buf[slots] = v_buf[src]
         table[slots] = positions.to(table.dtype)
         row[positions] = slots.to(row.dtype)
         self._count("copied_requests")

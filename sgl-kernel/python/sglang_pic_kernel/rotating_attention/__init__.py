@@ -11,12 +11,15 @@ from .decode import rotating_decode_attention_fwd
 from .extend import rotating_extend_attention_fwd
 from .reference import reference_decode, reference_extend
 from .rope import RotaryTable, rotate_neox
+from .turn_copy import LayerBuffers, turn_copy_kv
 
 __all__ = [
+    "LayerBuffers",
     "RotaryTable",
     "reference_decode",
     "reference_extend",
     "rotate_neox",
     "rotating_decode_attention_fwd",
     "rotating_extend_attention_fwd",
+    "turn_copy_kv",
 ]
