@@ -149,3 +149,41 @@ def test_the_gil_switch_interval_is_opt_in_and_bounded(server):
             _backend(server, True, gil_switch_ms=50)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_traced_stores_name_the_pages_each_write_back_stored(server, monkeypatch, capfd):
+    """``SGLANG_PIC_STORE_TRACE=1`` (``--ptstore-trace``) logs each store as it logs loads: the
+    TTFT benchmark's writer reads from it which write-backs failed (SGLang drops the rest of an
+    operation after one) and how long each took."""
+    import importlib
+    import re
+
+    import sglang_pic.store.hicache_backend as hb
+
+    monkeypatch.setenv("SGLANG_PIC_STORE_TRACE", "1")
+    traced = importlib.reload(hb)  # the trace is chosen when the module is imported
+    try:
+        pool = HostPool(4)
+
+        def backend(endpoint: str):
+            cfg = HiCacheStorageConfig(
+                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                enable_storage_metrics=False, is_mla_model=False, is_page_first_layout=True,
+                model_name="m", extra_config={"servers": [endpoint], "interface_v1": 1,
+                                              "timeout_ms": 300})
+            b = traced.PTStoreHiCacheStorage(cfg)
+            b.register_mem_pool_host(pool)
+            return b
+
+        capfd.readouterr()
+        assert backend(server.endpoint).batch_set_v1(["t0", "t1"], torch.arange(2 * PAGE)) \
+            == [True, True]
+        nobody = f"tcp://127.0.0.1:{free_port()}"  # no server: the store fails, never raises
+        assert backend(nobody).batch_set_v1(["t2", "t3", "t4"], torch.arange(3 * PAGE)) \
+            == [False] * 3
+    finally:
+        monkeypatch.delenv("SGLANG_PIC_STORE_TRACE")
+        importlib.reload(hb)
+    lines = re.findall(r"\[ptstore-trace\] batch_set_v1 at [0-9.]+: (\d+) pages, (\d+) hits, "
+                       r"[0-9.]+ ms", capfd.readouterr().err)
+    assert lines == [("2", "2"), ("3", "0")]

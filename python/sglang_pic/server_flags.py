@@ -258,7 +258,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "the store servers' public key, when not derived from the token",
          parse=text, metavar="KEY"),
     Flag("--ptstore-trace", "ptstore",
-         "one stderr line per PTStore lookup and load (wall clock, pages, hits, ms)",
+         "one stderr line per PTStore lookup, load and store (wall clock, pages, hits, ms)",
          default=False, env="SGLANG_PIC_STORE_TRACE"),
     # refused with its reason (argv is visible to every user), not reported as unknown
     Flag("--ptstore-token", "ptstore", "", parse=text, hidden=True),

@@ -59,12 +59,13 @@ from .client import StoreClient
 from .shm import address_of
 
 logger = logging.getLogger(__name__)
-TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup and load with timings
+TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup, load and store
 
 
 def _traced(method):
-    """With ``SGLANG_PIC_STORE_TRACE=1``: one stderr line per call (wall clock, duration, pages),
-    to see how much of a load's time-to-first-token PTStore itself takes."""
+    """With ``SGLANG_PIC_STORE_TRACE=1``: one stderr line per call (wall clock, duration, pages,
+    hits: pages found, loaded or - for ``batch_set_v1`` - stored), to see how much of a load's
+    time-to-first-token PTStore itself takes, and which write-backs failed or were slow."""
     if not TRACE:
         return method
 
@@ -238,6 +239,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         self.stats["get_hits"] += sum(ok)
         return ok
 
+    @_traced
     @_never_raise(lambda keys: [False] * len(keys))
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info=None) -> list[bool]:
