@@ -55,6 +55,7 @@ Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -74,6 +75,9 @@ LENGTHS = (1024, 2048, 4096, 8192)
 TRACE_ENV = "SGLANG_PIC_STORE_TRACE"  # the PTStore backend's per-call trace (stderr)
 TRACE_LOAD = re.compile(r"\[ptstore-trace\] batch_get_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
                         r"([0-9.]+) ms")
+TRACE_PUT = re.compile(r"\[ptstore-trace\] batch_set_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
+                       r"([0-9.]+) ms")
+FLUSH_SLICE_S = 10.0  # a deferred flush waits this long per call; progress is printed in between
 
 
 def _role() -> tuple[str, bool]:
@@ -141,8 +145,73 @@ def loads_in(trace: list[tuple[float, int, int, float]], start: float, end: floa
     return sum(h for h, _ in hits), sum(ms for _, ms in hits)
 
 
-def parse_trace(text: str) -> list[tuple[float, int, int, float]]:
-    return [(float(a), int(b), int(c), float(d)) for a, b, c, d in TRACE_LOAD.findall(text)]
+def parse_trace(text: str, pattern: re.Pattern = TRACE_LOAD) -> list[tuple[float, int, int, float]]:
+    """``(wall clock, pages, hits, ms)`` of each traced call: loads (``TRACE_LOAD``), or stores
+    (``TRACE_PUT``: hits are the pages the store took)."""
+    return [(float(a), int(b), int(c), float(d)) for a, b, c, d in pattern.findall(text)]
+
+
+def put_summary(puts: list[tuple[float, int, int, float]], page: int) -> dict:
+    """The writer's stores (``batch_set_v1``, from the trace): calls, pages, pages that failed
+    (SGLang drops the rest of a write-back operation after a failed batch), the slowest call and
+    the rate while storing."""
+    pages, stored = sum(p for _, p, _, _ in puts), sum(h for _, _, h, _ in puts)
+    ms = sum(m for _, _, _, m in puts)
+    return {"trace_puts": len(puts), "put_pages": pages, "put_failed_pages": pages - stored,
+            "put_ms_max": max((m for _, _, _, m in puts), default=0.0),
+            **({"put_gbps": stored * page / (ms / 1000) / 1e9} if stored and ms else {})}
+
+
+def expected_pages(prompts: list[int], page_size: int) -> int:
+    """Pages SGLang stores for requests of these prompt lengths (one output token each): the
+    whole pages of each prompt (its partial last page is never cached)."""
+    return sum(n // page_size for n in prompts)
+
+
+def _flush_once(engine, timeout_s: float):
+    """One ``flush_cache``; with ``timeout_s`` > 0 SGLang's scheduler defers it until it is fully
+    idle or the time-out passes (``SchedulerFlushWrapper``), where the engine's tokenizer manager
+    takes one (``Engine.flush_cache`` does not pass it)."""
+    manager = getattr(engine, "tokenizer_manager", None)
+    flush = getattr(manager, "flush_cache", None)
+    if timeout_s > 0 and flush is not None \
+            and "timeout_s" in inspect.signature(flush).parameters:
+        return engine.loop.run_until_complete(flush(timeout_s=timeout_s)), True
+    return engine.flush_cache(), False
+
+
+def flush_when_idle(engine, budget_s: float, label: str, progress=None,
+                    slice_s: float = FLUSH_SLICE_S) -> float:
+    """Empty the engine's device and host caches as soon as SGLang lets it, waiting at most
+    ``budget_s``; returns the seconds waited.
+
+    SGLang refuses a flush while its scheduler is not fully idle (``Scheduler.is_fully_idle``),
+    and with HiCache that includes every operation in flight: device-to-host write-through,
+    write-back to the storage backend, prefetch and load-back. After a long prefill whose pages
+    are written through to storage, that lasts as long as the storage writes (a 64K-token
+    half-prefix of Llama-3-8B is 8 GiB of puts): far beyond a fixed 10 s. The flush is asked in
+    slices of ``slice_s`` (SGLang defers each until idle), with a progress line after each
+    slice (``progress()`` adds to it); past ``budget_s`` it raises, naming what was waited for."""
+    t0 = time.monotonic()
+    printed = t0
+    while True:
+        left = budget_s - (time.monotonic() - t0)
+        out, deferred = _flush_once(engine, max(0.0, min(slice_s, left)))
+        if getattr(out, "success", True):
+            return time.monotonic() - t0
+        now = time.monotonic()
+        if now - t0 >= budget_s:
+            raise RuntimeError(
+                f"{label}: the engine did not flush its cache within {budget_s:g} s: SGLang "
+                "refuses while HiCache write-through, storage write-back, prefetch or load-back "
+                f"is in flight ({getattr(out, 'message', '') or 'not idle'})"
+                + (f"; {progress()}" if progress else ""))
+        if now - printed >= slice_s or deferred:
+            printed = now
+            print(f"[bench] {label}: waiting for HiCache operations in flight, {now - t0:.0f} s "
+                  f"of {budget_s:g} s" + (f"; {progress()}" if progress else ""), flush=True)
+        if not deferred:
+            time.sleep(0.2)
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
@@ -164,8 +233,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             os.environ["SGLANG_PIC_PTSTORE_TOKEN"] = params["token"]  # the schedulers inherit it
             kwargs["hicache_storage_backend_extra_config"] = json.dumps(extra_config(kind,
                                                                                      params))
-    trace_file = None
-    if ptstore and not writer:  # the backend's load trace, from the scheduler's stderr
+    trace_file, puts = None, {}
+    pb = page_bytes(kwargs["model_path"], kwargs["page_size"])
+    if ptstore:  # the backend's trace (loads; a writer's stores), from the scheduler's stderr
         os.environ[TRACE_ENV] = "1"
         trace_file = tempfile.NamedTemporaryFile("w+", prefix="ptstore-trace-", suffix=".log")
         saved_stderr = os.dup(2)
@@ -180,10 +250,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             text = trace_file.read()
             trace_file.close()
             sys.stderr.write(text)  # the engine's log, as it would have been printed
-    if trace_file is not None:
+            if writer:  # printed also when the writer failed: which stores failed, how slow
+                puts = put_summary(parse_trace(text, TRACE_PUT), pb)
+                print(f"[bench] the writer's stores (backend trace): {puts}", flush=True)
+    result.update(puts)
+    if trace_file is not None and not writer:
         trace = parse_trace(text)
         result["trace_loads"] = len(trace)
-        pb = page_bytes(kwargs["model_path"], kwargs["page_size"])
         for n in params["lengths"]:
             windows = result.pop(f"_windows_{n}", [])
             gbps, ms_all = [], []
@@ -208,6 +281,7 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
 
     lengths, vocab, flush = params["lengths"], params["vocab"], bool(params.get("flush"))
     prefixes = _prefixes(params)
+    pb = page_bytes(kwargs["model_path"], kwargs["page_size"])
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
     result: dict = {"engine_start_s": time.perf_counter() - t0,
@@ -218,15 +292,18 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
     def question() -> list[int]:
         return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]
 
-    def empty_caches() -> None:
+    wait_s = params.get("store_wait_s", 120)
+    waits: list[float] = []
+
+    def in_store() -> str:
+        return f"{_stored_bytes(params, kind) / 1e9:.2f} GB stored in all"
+
+    def empty_caches(label: str) -> None:
         """Device and host caches emptied (the store keeps its pages): the next request loads
-        or recomputes its whole prefix."""
-        for _ in range(100):
-            out = engine.flush_cache()
-            if getattr(out, "success", True):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("the engine did not flush its cache within 10 s")
+        or recomputes its whole prefix. SGLang flushes only once no HiCache operation is in
+        flight: after a request whose pages the store lacked, its own write-back of them."""
+        waits.append(round(flush_when_idle(engine, wait_s, label,
+                                           in_store if kind != "vanilla" else None), 2))
 
     def ttft(ids: list[int]) -> tuple[float, dict, float]:
         t, wall = time.perf_counter(), time.time()
@@ -240,25 +317,39 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
 
     try:
         if writer:  # nothing timed: compute each prefix once, wait until it is stored
+            before = _stored_bytes(params, kind)  # e.g. the copy-rate reference's pages
+            prompts = []
             for n in lengths:
                 for p in prefixes[n]:
-                    ttft(p + question())
-            # write-through to storage is asynchronous, and HiCache hands finished host copies
-            # to its storage thread from the scheduler loop, which an idle engine does not run:
-            # keep a trickle of tiny requests going until the stored bytes stop growing
-            last, stable, deadline = -1, 0, time.time() + params.get("store_wait_s", 120)
-            while time.time() < deadline and stable < 3:
-                ttft(question()[:8])
-                now = _stored_bytes(params, kind)
-                stable = stable + 1 if now == last and now > 0 else 0
-                last = now
-                time.sleep(1)
-            result["stored_bytes"] = last
+                    ids = p + question()
+                    ttft(ids)
+                    prompts.append(len(ids))
+            expected = expected_pages(prompts, kwargs["page_size"]) * pb
+
+            def stored() -> int:
+                return _stored_bytes(params, kind) - before
+
+            # Write-through to storage is asynchronous: one operation per radix node (a chunk of
+            # chunked prefill, 8192 tokens on the H200: 1 GiB), stored one after the other by
+            # HiCache's backup thread. SGLang's own bookkeeping says when none is left (the
+            # flush waits for it); a pause in the stored bytes does not (one operation may take
+            # longer than any pause chosen).
+            waited = flush_when_idle(engine, wait_s, "writer", lambda: (
+                f"{stored() / 1e9:.2f} of {expected / 1e9:.2f} GB stored"))
+            got = stored()
+            result.update(stored_bytes=got, stored_expected_bytes=expected,
+                          store_wait_s=round(waited, 1))
+            if got < expected:
+                raise RuntimeError(
+                    f"the writer stored {got} of {expected} bytes ({got // pb} of "
+                    f"{expected // pb} pages) with no write-back left in flight: stores failed "
+                    "(SGLang logs 'Write page to storage: N pages failed' and drops the rest of "
+                    "that operation; the backend trace's batch_set_v1 lines show which)")
             return result
         # warm-up: JIT for every shape class (and, with flush, the load path) untimed
         for n in lengths:
             if flush:
-                empty_caches()
+                empty_caches(f"before the {n}-token warm-up")
                 ttft(prefixes[n][0] + question())
             else:
                 size = prefix_tokens(n, params) + params["question_tokens"]
@@ -267,7 +358,7 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
         for s in range(params["samples"]):  # round the lengths: drift spreads over all of them
             for n in lengths:
                 if flush:
-                    empty_caches()
+                    empty_caches(f"before {n}-token sample {s + 1}")
                 p = prefixes[n][0 if flush else s]
                 dt, meta, wall = ttft(p + question())
                 rows[n].append((dt, meta, wall))
@@ -277,21 +368,24 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
             result[f"ttft_{n}_ms_all"] = [round(1000 * t, 2) for t in times]
             result[f"cached_{n}"] = statistics.median(int(m.get("cached_tokens", 0))
                                                       for _, m, _ in rows[n])
-            result[f"storage_hit_{n}"] = statistics.median(
-                int((m.get("cached_tokens_details") or {}).get("storage", 0))
-                for _, m, _ in rows[n])
+            hits = [int((m.get("cached_tokens_details") or {}).get("storage", 0))
+                    for _, m, _ in rows[n]]
+            result[f"storage_hit_{n}"] = statistics.median(hits)
+            result[f"storage_hit_{n}_all"] = hits
             result[f"_windows_{n}"] = [(w - 0.05, w + dt) for dt, _, w in rows[n]]
         # a cold miss: a prefix the store never saw, on an engine whose caches are empty
         for n in params.get("cold_lengths", []) if kind != "vanilla" else []:
             cold = []
             for _ in range(params["samples"]):
                 if flush:
-                    empty_caches()
+                    empty_caches(f"before a {n}-token cold miss")
                 fresh = [int(t) for t in rng.integers(1000, vocab, size=prefix_tokens(n, params))]
                 cold.append(ttft(fresh + question())[0])
             result[f"ttft_cold_{n}_ms"] = 1000 * statistics.median(cold)
             result[f"ttft_cold_{n}_ms_all"] = [round(1000 * t, 2) for t in cold]
     finally:
+        if waits:
+            result.update(flush_wait_s_max=max(waits), flush_wait_s_all=waits)
         engine.shutdown()
     return result
 
@@ -390,7 +484,9 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
     loopback copy between two processes (``bench_transport``'s ``tcp-1`` / ``tcp-4``), and
     PTStore's client reading the same bytes from the store servers (not inside SGLang) over the
     TCP data plane (1, ``streams`` and twice that many connections per server) and over the
-    CURVE socket."""
+    CURVE socket; and the rate of the page checksum a TCP load verifies every page with, on one
+    thread (the reader's streams hash holding the GIL, so their hashing does not run in
+    parallel)."""
     import bench_transport
     import numpy as np
 
@@ -403,6 +499,17 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
         out[f"raw_{v}"] = bench_transport.run_variant(v, ns, None)
     data = np.random.default_rng(1).integers(0, 255, size=pages * page, dtype=np.uint8)
     mv = memoryview(data).cast("B")
+    # the check every page of a TCP load gets, on one thread holding the GIL (as the reader's
+    # streams hash: datapath.page_checksum), i.e. the most it adds to a load when not overlapped
+    from sglang_pic.store.datapath import page_checksum
+
+    rates = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for i in range(pages):
+            page_checksum(mv[i * page:(i + 1) * page])
+        rates.append(pages * page / (time.perf_counter() - t0) / 1e9)
+    out["xxh3_one_thread"] = {"gbps_median": statistics.median(rates), "gbps_samples": rates}
     ids = [f"bench-reference-{i}" for i in range(pages)]
     put = StoreClient(endpoints, token, timeout_ms=60_000)
     put.batch_set([(t, mv[i * page:(i + 1) * page]) for i, t in enumerate(ids)])
