@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 HEADLINES = REPO / "benchmark" / "results" / "headlines.json"
 
@@ -76,17 +78,25 @@ def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of
     assert "fifo" in row["note"] and "3 alternating" in row["note"]
 
 
-def test_a_void_row_quotes_no_number_even_with_its_raw_file_present():
+def test_a_void_row_quotes_no_number_even_with_its_raw_file_present(tmp_path, monkeypatch):
     """Rows measured with a defect (``Claim.void``) keep their raw file as a record but give no
     baseline, ours or ratio, and say why; README must not cite them as numbers."""
     sys.path.insert(0, str(REPO / "benchmark"))
+    import dataclasses
+
     import headlines
 
-    claim = next(c for c in headlines.CLAIMS if c.claim == "spans.cached_span_ttft")
-    assert claim.void and (headlines.RESULTS / claim.raw_file).exists()
-    row = headlines._row(claim)
+    monkeypatch.setattr(headlines, "RESULTS", tmp_path)
+    (tmp_path / "raw.json").write_text(json.dumps({"results": {
+        "vanilla": {"ttft_ms_all": [10.0, 11.0, 12.0], "attention_backend": "flashinfer"},
+        "sglang-pic": {"ttft_ms_all": [1.0, 1.1, 1.2]}}}))
+    claim = headlines.Claim("x.ttft", "raw.json", "ttft_ms", target=2.0)
+    measured = headlines._row(claim)
+    assert measured["ratio"] == pytest.approx(10.0) and measured["meets_target"] is True
+    row = headlines._row(dataclasses.replace(claim, void="timed a wrong computation"))
     assert (row["baseline"], row["ours"], row["ratio"], row["meets_target"]) == (None,) * 4
-    assert row["note"].startswith("void:") and headlines.problems(row) == ["void"]
+    assert row["note"].startswith("void: timed a wrong computation")
+    assert headlines.problems(row) == ["void"]
 
 
 def test_a_rerun_file_holding_both_sides_of_a_row_is_preferred(tmp_path, monkeypatch):
