@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,21 @@ def start_server(args: list[str], log: Path, attempts: int = 3) -> Server:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def start_servers(specs: dict[str, tuple[list[str], Path]]) -> dict[str, Server]:
+    """Start several servers at once (``name -> (args, log)``): most of a start is waiting on
+    the model load and the warm-up request, so starts overlap well even on 2 cores. A failed
+    start stops the others and raises its error."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(start_server, args, log)
+                   for name, (args, log) in specs.items()}
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    if len(started) < len(specs):
+        for srv in started.values():
+            stop_server(srv)
+        next(f for f in futures.values() if f.exception() is not None).result()
+    return started
 
 
 def _start_server_once(args: list[str], log: Path) -> Server:

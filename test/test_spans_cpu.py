@@ -14,7 +14,7 @@ import time
 
 import pytest
 import requests
-from conftest import start_server, stop_server
+from conftest import start_server, start_servers, stop_server
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
 
@@ -241,14 +241,32 @@ def test_reserved_layout_field_and_logprobs_inside_spans_are_400(span_server, hf
     assert r.status_code == 200, r.text  # output logprobs only: fine
 
 
-@pytest.fixture  # one test uses it: stopped right after, so few servers share the 2 cores
-def link_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("spans_link") / "server.log"
-    srv = start_server(["--enable-span-cache", "--span-recompute-tokens", "16",
-                        "--span-schedule", "barrier", "--max-total-tokens", "8192",
-                        "--page-size", str(PAGE)], log)
-    yield srv
-    stop_server(srv)
+@pytest.fixture(scope="module")
+def side_servers(tmp_path_factory):
+    """The link-recompute server and the tight-pool server, started together when the first of
+    their tests runs (the module's last tests: they live only until its end)."""
+    logs = tmp_path_factory.mktemp("spans_side")
+    servers = start_servers({
+        "link": (["--enable-span-cache", "--span-recompute-tokens", "16",
+                  "--span-schedule", "barrier", "--max-total-tokens", "8192",
+                  "--page-size", str(PAGE)], logs / "link.log"),
+        "tight": (["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics",
+                   "--max-total-tokens", "1536", "--page-size", str(PAGE),
+                   "--chunked-prefill-size", "128"], logs / "tight.log"),
+    })
+    yield servers
+    for srv in servers.values():
+        stop_server(srv)
+
+
+@pytest.fixture
+def link_server(side_servers):
+    return side_servers["link"]
+
+
+@pytest.fixture
+def tight_server(side_servers):
+    return side_servers["tight"]
 
 
 def test_link_recompute_equals_reference(link_server, hf):
@@ -270,16 +288,6 @@ def test_without_span_cache_spans_and_markers_are_refused(server):
     r = server.post("/generate", json={"text": "Hello<|ssep|>world<|pdep|>!",
                                         "sampling_params": SP})
     assert r.status_code == 400 and "--enable-span-cache" in r.text
-
-
-@pytest.fixture  # one test uses it: stopped right after
-def tight_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("spans_tight") / "server.log"
-    srv = start_server(["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics",
-                        "--max-total-tokens", "1536", "--page-size", str(PAGE),
-                        "--chunked-prefill-size", "128"], log)
-    yield srv
-    stop_server(srv)
 
 
 def _pic_counters(server) -> dict[str, float]:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import free_port, start_server, stop_server
+from conftest import free_port, start_servers, stop_server
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
 from sglang_pic.spans.store_tier import (
@@ -78,14 +77,8 @@ def two_span_servers(stores, tmp_path_factory):
     args = ["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", str(PAGE),
             "--chunked-prefill-size", "128", "--ptstore", ",".join(s.endpoint for s in stores),
             "--ptstore-token-file", str(token_file)]
-    # both start at once: most of a start is waiting (model load, warm-up request)
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, args, logs / f"{name}.log") for name in "ab"]
-    started = [f.result() for f in futures if f.exception() is None]
-    if len(started) < 2:  # a failed start must not leave the other server running
-        for srv in started:
-            stop_server(srv)
-        next(f for f in futures if f.exception() is not None).result()
+    servers = start_servers({name: (args, logs / f"{name}.log") for name in "ab"})
+    started = list(servers.values())
     yield tuple(started)
     for srv in started:
         stop_server(srv)

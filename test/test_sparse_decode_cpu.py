@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import start_server, stop_server
+from conftest import start_servers, stop_server
 from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
@@ -32,11 +32,24 @@ def needle(n_fill: int, pos: int, key: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def sparse_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("sparse") / "server.log"
-    srv = start_server(SPARSE_FLAGS, log)
-    yield srv
-    stop_server(srv)
+def sparse_servers(tmp_path_factory):
+    """The sparse server and the offloading one, started together."""
+    logs = tmp_path_factory.mktemp("sparse")
+    # the offloading server's host region holds 4096 tokens per request, below SmolLM2's 8192:
+    # longer requests are 400s
+    servers = start_servers({
+        "sparse": (SPARSE_FLAGS, logs / "server.log"),
+        "offload": ([*SPARSE_FLAGS, "--sparse-offload", "--sparse-max-context", "4096"],
+                    logs / "offload.log"),
+    })
+    yield servers
+    for srv in servers.values():
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def sparse_server(sparse_servers):
+    return sparse_servers["sparse"]
 
 
 def _generate(server, text: str) -> dict:
@@ -83,12 +96,8 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
 
 
 @pytest.fixture(scope="module")
-def offload_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("sparse_offload") / "server.log"
-    # a host region of 4096 tokens per request, below SmolLM2's 8192: longer requests are 400s
-    srv = start_server([*SPARSE_FLAGS, "--sparse-offload", "--sparse-max-context", "4096"], log)
-    yield srv
-    stop_server(srv)
+def offload_server(sparse_servers):
+    return sparse_servers["offload"]
 
 
 def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):

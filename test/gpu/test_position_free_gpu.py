@@ -12,12 +12,11 @@ GGUF, see benchmark/quality/real_weights.py); skipped on CPU machines.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import start_server, stop_server
+from conftest import start_servers, stop_server
 
 pytestmark = pytest.mark.gpu
 
@@ -44,10 +43,9 @@ SERVERS = {
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
     logs = tmp_path_factory.mktemp("position_free_gpu")
-    args = {k: ["--model-path", str(model_dir), *COMMON, *v] for k, v in SERVERS.items()}
-    with ThreadPoolExecutor(len(args)) as pool:
-        futures = {k: pool.submit(start_server, a, logs / f"{k}.log") for k, a in args.items()}
-        up = SimpleNamespace(**{k: f.result() for k, f in futures.items()})
+    up = SimpleNamespace(**start_servers({
+        k: (["--model-path", str(model_dir), *COMMON, *v], logs / f"{k}.log")
+        for k, v in SERVERS.items()}))
     yield up
     for srv in vars(up).values():
         stop_server(srv)
