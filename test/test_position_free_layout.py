@@ -246,7 +246,7 @@ def _copier(pool_slots: int = 64, page: int = 4, use_kernel: bool = False):
     allocator = _Allocator(pool_slots, page)
     runner = SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator,
                              req_to_token_pool=SimpleNamespace(
-                                 req_to_token=torch.zeros(2, 32, dtype=torch.int32)))
+                                 req_to_token=torch.zeros(3, 32, dtype=torch.int32)))
     cache = _cos_sin_cache(128, 16)
     copier = MovedPageCopier(runner, SimpleNamespace(cos_sin_cache=cache), use_kernel=use_kernel)
     assert (copier.buffers is not None) == use_kernel
@@ -345,3 +345,38 @@ def test_a_batch_of_new_span_requests_is_looked_up_together():
     rows[1, :6] = torch.tensor([4, 5, 6, 7, 8, 9], dtype=torch.int32)  # moved keys at 4, 5
     copier.prepare([partial], [6])
     assert getattr(partial, moved_copies.ATTR) == moved_copies.SHARED
+
+
+def test_requests_reading_the_same_pages_at_the_same_shift_share_one_turned_copy():
+    """Two requests reading a span at the same offset read one turned copy (reference-counted);
+    one reading it at another offset gets its own; the copy is freed with its last reader."""
+    from sglang_pic.position_free import moved_copies
+
+    copier, table, k, v, cache = _copier(pool_slots=64)
+    table[8:16] = torch.arange(8, dtype=torch.int32)  # a span computed alone from 0
+    table[4:8] = torch.arange(4, dtype=torch.int32)  # a 4-token piece in place
+    rows = copier.req_to_token
+    rows[0, :12] = rows[1, :12] = torch.tensor([4, 5, 6, 7, *range(8, 16)], dtype=torch.int32)
+    rows[2, :8] = torch.arange(8, 16, dtype=torch.int32)  # the span at offset 0: nothing moved
+    reqs = [SimpleNamespace(pic_segments=[object()], req_pool_idx=i, prefix_indices=rows[i])
+            for i in range(3)]
+    copier.prepare(reqs[:2], [12, 12])
+    a, b = (getattr(r, moved_copies.ATTR) for r in reqs[:2])
+    assert torch.equal(a.slots, b.slots) and rows[0, 4:12].tolist() == rows[1, 4:12].tolist()
+    assert copier.stats["copied_tokens"] == 8 and copier.stats["reused_copy_tokens"] == 8
+    for layer in range(2):
+        torch.testing.assert_close(k[layer][a.slots], turn_keys_expected(k[layer][8:16], cache))
+    # the span read 4 positions later than the shared copy was made for: its own copy
+    rows[2, :16] = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3, *range(8, 16)], dtype=torch.int32)
+    table[0:4] = torch.arange(4, 8, dtype=torch.int32)  # a second in-place piece
+    copier.prepare([reqs[2]], [16])
+    c = getattr(reqs[2], moved_copies.ATTR)
+    assert isinstance(c, moved_copies.MovedCopy) and not set(c.slots.tolist()) & set(a.slots.tolist())
+    assert table[c.slots].tolist() == list(range(8, 16))
+    copier.release(reqs[0])
+    assert copier.allocator.freed == []  # the second reader still reads it
+    copier.release(reqs[1])
+    assert sorted(copier.allocator.freed) == sorted(a.slots.tolist())
+    copier.release(reqs[2])
+    assert sorted(copier.allocator.freed) == sorted(a.slots.tolist() + c.slots.tolist())
+    assert copier.runs == {}

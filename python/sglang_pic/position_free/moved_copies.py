@@ -17,7 +17,8 @@ batch's attention metadata is built):
 
 * at a span request's first extend, the pages of its matched prefix holding a key whose recorded
   position differs from its index in the row are found (one device-to-host read per batch with
-  such requests, which waits for the GPU: once per span request's life);
+  such requests, which waits for the GPU: once per span request's life; then a small read of
+  each moved request's source slots and shifts, to key the shared copies);
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
   written there (on the GPU by one kernel launch for all layers,
@@ -26,8 +27,13 @@ batch's attention metadata is built):
   each later batch of it tries again (``retry``: the pages are known, no device read);
 * SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
   points the row at the copies again;
-* ``SpanRadixCache.cache_finished_req`` (finish, abort, retraction) frees the copies
-  (``release``); the shared pages stay in the tree, locked by the request as before.
+* a turned copy is shared: requests reading the same cached pages moved by the same distance
+  (in RAG, a document at the same place in the prompt) read one copy, reference-counted per run
+  of pages with one shift; the copied slots record the positions they are read at, which are the
+  same for every such request (shift = row index - stored position, the stored positions fixed);
+* ``SpanRadixCache.cache_finished_req`` (finish, abort, retraction) drops the request's
+  references (``release``) and frees a copy nobody reads any more; the shared pages stay in the
+  tree, locked by the request as before.
 
 Shapes: the pool's per-layer K and V buffers are ``[slots, kv_heads, D]``; a request's copy is
 ``MovedCopy.positions`` / ``slots``, int64 ``[n]`` (whole pages).
@@ -66,7 +72,17 @@ class Waiting:
 @dataclass
 class MovedCopy:
     positions: torch.Tensor  # int64 [n]: row positions of the copied pages (whole pages)
-    slots: torch.Tensor  # int64 [n]: the request's own pool slots holding them
+    slots: torch.Tensor  # int64 [n]: the pool slots of the turned copies the row reads there
+    runs: list[tuple[bytes, bytes]]  # keys of the shared copies (``TurnedRun``) it holds
+
+
+@dataclass
+class TurnedRun:
+    """A turned copy of a run of moved pages with one shift, shared by the requests reading
+    those pages at that shift: ``slots`` int64 [n] on the device, ``readers`` its refcount."""
+
+    slots: torch.Tensor
+    readers: int = 0
 
 
 def turn_keys(keys: torch.Tensor, shift: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -104,8 +120,9 @@ class MovedPageCopier:
             use_kernel = self.pool.get_key_buffer(first).device.type == "cuda"
         self.buffers = self._layer_buffers() if use_kernel else None
         self.reserve = int(RESERVE_SHARE * self.allocator.size)
-        self.stats = {"copied_requests": 0, "copied_tokens": 0, "shared_requests": 0,
-                      "waiting_requests": 0}
+        self.stats = {"copied_requests": 0, "copied_tokens": 0, "reused_copy_tokens": 0,
+                      "shared_requests": 0, "waiting_requests": 0}
+        self.runs: dict[tuple[bytes, bytes], TurnedRun] = {}  # (shifts, source slots) -> copy
         self.counters = None  # sglang_pic.metrics.Counters with --enable-metrics
         self._warned = False
 
@@ -171,7 +188,7 @@ class MovedPageCopier:
             full = n // page * page
             flags.append(moved[:full].view(-1, page).any(dim=1))
             flags.append(moved[full:].any().view(1))  # the partial page, if any
-        cpu = torch.cat(flags).cpu()  # the one device-to-host read
+        cpu = torch.cat(flags).cpu()  # the batch's device-to-host read (it waits for the GPU)
         out, at = [], 0
         for _, n in reqs:
             pages = cpu[at : at + n // page]
@@ -190,45 +207,79 @@ class MovedPageCopier:
         row = self.req_to_token[pool_index]
         within = torch.arange(self.page_size)
         positions = (pages[:, None] * self.page_size + within).flatten().to(row.device)
-        count = positions.numel()
-        slots = self.allocator.alloc(count) if self._has_room(count) else None
-        if slots is None:
-            self._count("waiting_requests")
-            if not self._warned:
-                self._warned = True
-                logger.warning("span copy on reuse: the pool is too full to copy %d moved tokens "
-                               "(%d free, %d kept free); such requests read the shared pages "
-                               "with the shift-aware kernels until it has room", count,
-                               self.allocator.available_size(), self.reserve)
-            return Waiting(pages)
-        slots = slots.to(device=row.device, dtype=torch.int64)
-        src = row[positions].long()
         table = stored_positions.table()
+        src = row[positions].long()
         shift = positions - table[src].long()
+        src_cpu, shift_cpu = src.cpu(), shift.cpu()  # the batch's device read already waited
+        # runs of one shift, cut at page boundaries (padding starts every piece on a page, so a
+        # run is a span); a run's key holds all its shifts and source slots, so a copy is reused
+        # only for exactly the same turn of exactly the same slots
+        cuts = (torch.nonzero(shift_cpu[1:] != shift_cpu[:-1]).flatten() + 1).tolist()
+        bounds = [0, *(c for c in cuts if c % self.page_size == 0), positions.numel()]
+        keys, missing = [], []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            key = (shift_cpu[a:b].numpy().tobytes(), src_cpu[a:b].numpy().tobytes())
+            keys.append(key)
+            if key not in self.runs and key not in (k for k, _, _ in missing):
+                missing.append((key, a, b))
+        count = sum(b - a for _, a, b in missing)
+        slots = None
+        if count:
+            slots = self.allocator.alloc(count) if self._has_room(count) else None
+            if slots is None:
+                self._count("waiting_requests")
+                if not self._warned:
+                    self._warned = True
+                    logger.warning(
+                        "span copy on reuse: the pool is too full to copy %d moved tokens (%d "
+                        "free, %d kept free); such requests read the shared pages with the "
+                        "shift-aware kernels until it has room", count,
+                        self.allocator.available_size(), self.reserve)
+                return Waiting(pages)
+            slots = slots.to(device=row.device, dtype=torch.int64)
+            take = torch.cat([torch.arange(a, b) for _, a, b in missing]).to(row.device)
+            self._turn_copy(src[take], slots, shift[take])
+            table[slots] = positions[take].to(table.dtype)
+            at = 0
+            for key, a, b in missing:
+                self.runs[key] = TurnedRun(slots[at : at + b - a])
+                at += b - a
+        for key in keys:
+            self.runs[key].readers += 1
+        own = torch.cat([self.runs[key].slots for key in keys])
+        row[positions] = own.to(row.dtype)
+        self._count("copied_requests")
+        self._count("copied_tokens", count)
+        self._count("reused_copy_tokens", positions.numel() - count)
+        logger.debug("span copy on reuse: %d moved tokens of pool row %d, %d copied now",
+                     positions.numel(), pool_index, count)
+        return MovedCopy(positions, own, keys)
+
+    def _turn_copy(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """Every layer: K[dst] = K[src] turned by ``shift``, V[dst] = V[src]."""
         if self.buffers is not None:
             from sglang_pic_kernel.rotating_attention import turn_copy_kv
 
-            turn_copy_kv(self.buffers, src, slots, shift, self.cos_sin_cache)
-        else:
-            for layer_id in self.layer_ids:
-                k_buf = self.pool.get_key_buffer(layer_id)
-                v_buf = self.pool.get_value_buffer(layer_id)
-                k_buf[slots] = turn_keys(k_buf[src], shift, self.cos_sin_cache)
-                v_buf[slots] = v_buf[src]
-        table[slots] = positions.to(table.dtype)
-        row[positions] = slots.to(row.dtype)
-        self._count("copied_requests")
-        self._count("copied_tokens", count)
-        logger.debug("span copy on reuse: %d moved tokens copied for pool row %d", count,
-                     pool_index)
-        return MovedCopy(positions, slots)
+            turn_copy_kv(self.buffers, src, dst, shift, self.cos_sin_cache)
+            return
+        for layer_id in self.layer_ids:
+            k_buf = self.pool.get_key_buffer(layer_id)
+            v_buf = self.pool.get_value_buffer(layer_id)
+            k_buf[dst] = turn_keys(k_buf[src], shift, self.cos_sin_cache)
+            v_buf[dst] = v_buf[src]
 
     def release(self, req: Any) -> None:
-        """Free ``req``'s copy (its row is being released: finished, aborted or retracted) and
-        forget its state, so a retracted request is prepared again when it is resumed."""
+        """Drop ``req``'s references to its turned copies (its row is being released: finished,
+        aborted or retracted), freeing those nobody reads any more, and forget its state, so a
+        retracted request is prepared again when it is resumed."""
         state = getattr(req, ATTR, None)
         if isinstance(state, MovedCopy):
-            self.allocator.free(state.slots)
+            for key in state.runs:
+                run = self.runs[key]
+                run.readers -= 1
+                if run.readers == 0:
+                    del self.runs[key]
+                    self.allocator.free(run.slots)
         if state is not None:
             setattr(req, ATTR, None)
 

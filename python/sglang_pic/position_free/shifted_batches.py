@@ -30,10 +30,13 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
                         "another offset than they were computed at (on pic_flashinfer: run "
                         "with the shift-aware kernels, off FlashInfer and its CUDA graphs)."),
     "copied_requests": ("sglang_pic:span_copied_requests",
-                        "Span requests given their own turned copy of the pages they read "
-                        "moved (--span-copy-on-reuse)."),
+                        "Span requests reading turned copies of the pages they read moved "
+                        "(--span-copy-on-reuse), made for them or shared."),
     "copied_tokens": ("sglang_pic:span_copied_tokens",
                       "Tokens of moved span pages copied for the requests reading them."),
+    "reused_copy_tokens": ("sglang_pic:span_reused_copy_tokens",
+                           "Tokens of moved span pages a request read from a turned copy "
+                           "another running request had made (same pages, same shift)."),
     "shared_requests": ("sglang_pic:span_shared_requests",
                         "Span requests that read moved pages shared, with the shift-aware "
                         "kernels, for their whole life (a moved key in a partial page)."),
