@@ -273,12 +273,14 @@ def test_a_page_corrupted_after_the_transport_is_a_miss_end_to_end(servers, monk
     receive = datapath._receive_plain
     hit = []
 
-    def corrupting(sock, views, deadline):  # the stream arrives, then a byte of it flips
-        whole = receive(sock, views, deadline)
-        if whole and not hit:
-            hit.append(bytes(views[0]))
-            views[0][0] ^= 0xFF
-        return whole
+    def corrupting(sock, views, deadline, on_whole=None):  # a byte of a page flips as it lands
+        def flip_then_verify(i):
+            if i == 0 and not hit:
+                hit.append(bytes(views[0]))
+                views[0][0] ^= 0xFF
+            on_whole(i)
+
+        return receive(sock, views, deadline, on_whole=flip_then_verify)
 
     monkeypatch.setattr(datapath, "_receive_plain", corrupting)
     ok, got = _get_into(client, [t for t, _ in pages])
@@ -317,11 +319,11 @@ def test_a_server_killed_mid_load_gives_misses_and_the_reader_goes_on(tmp_path):
         victim = procs[0]
         receive = datapath._receive_plain
 
-        def slow_then_kill(sock, views, deadline):  # the owner dies while streams are open
+        def slow_then_kill(sock, views, deadline, on_whole=None):  # the owner dies mid-load
             if victim.poll() is None:
                 victim.kill()
                 victim.wait(timeout=10)
-            return receive(sock, views, deadline)
+            return receive(sock, views, deadline, on_whole)
 
         datapath._receive_plain = slow_then_kill
         try:
@@ -510,12 +512,12 @@ def test_a_stream_that_fails_oddly_is_a_miss_after_every_stream_has_ended(server
     receive = datapath._receive_plain
     calls, ended = [], []
 
-    def flaky(sock, views, deadline):
+    def flaky(sock, views, deadline, on_whole=None):
         calls.append(1)
         if len(calls) == 1:
             raise ValueError("odd")
         time.sleep(0.3)  # the others finish well after the failing one
-        got = receive(sock, views, deadline)
+        got = receive(sock, views, deadline, on_whole)
         ended.append(time.monotonic())
         return got
 
