@@ -1,5 +1,6 @@
-"""Copy on reuse: a request that reuses a cached span at another offset gets its own copy of the
-span's pages, with the keys turned to where they now stand.
+"""Copy on reuse: a request that reuses a cached span at another offset reads a copy of the
+span's pages with the keys turned to where they now stand (made for it, or shared with the
+requests reading the same pages at the same offset).
 
 Why. In the shifted layout (``stored_positions``) a span cached at one offset and reused at
 another is read through our shift-aware kernels, which turn each moved key while attending. A
@@ -309,7 +310,7 @@ def start(model_runner: Any, counters: Any = None) -> MovedPageCopier:
     _copier = MovedPageCopier(model_runner, model_rotary(model_runner))
     _copier.counters = counters
     logger.info("span copy on reuse: requests reading a cached span at another offset get "
-                "their own turned copy of its pages (while %d pool slots stay free)",
+                "a turned copy of its pages (while %d pool slots stay free)",
                 _copier.reserve)
     return _copier
 

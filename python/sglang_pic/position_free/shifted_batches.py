@@ -9,7 +9,7 @@ batch may replay: ``span_graphs``).
 
 AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, registered by
 ``position_free.register``): records the positions of the batch's new keys in the slot table,
-gives span requests their own turned copies of the pages they read moved (``moved_copies``, with
+gives span requests turned copies of the pages they read moved (``moved_copies``, with
 ``--span-copy-on-reuse``), and sets ``forward_batch.pic_shifted``: whether a request of the batch
 still reads moved keys.
 """
