@@ -380,3 +380,23 @@ def test_requests_reading_the_same_pages_at_the_same_shift_share_one_turned_copy
     copier.release(reqs[2])
     assert sorted(copier.allocator.freed) == sorted(a.slots.tolist() + c.slots.tolist())
     assert copier.runs == {}
+
+
+def test_the_copier_logs_a_summary_of_its_counts(monkeypatch, caplog):
+    """Every SUMMARY_EVERY copied requests the log says what the copier did (benchmarks run
+    without --enable-metrics)."""
+    import logging
+
+    from sglang_pic.position_free import moved_copies
+
+    monkeypatch.setattr(moved_copies, "SUMMARY_EVERY", 1)
+    copier, table, *_ = _copier(pool_slots=64)
+    table[8:16] = torch.arange(8, dtype=torch.int32)
+    rows = copier.req_to_token
+    rows[0, :12] = torch.tensor([4, 5, 6, 7, *range(8, 16)], dtype=torch.int32)
+    table[4:8] = torch.arange(4, dtype=torch.int32)
+    req = SimpleNamespace(pic_segments=[object()], req_pool_idx=0, prefix_indices=rows[0])
+    with caplog.at_level(logging.INFO, logger=moved_copies.__name__):
+        copier.prepare([req], [12])
+    assert "copied_requests 1, copied_tokens 8, reused_copy_tokens 0" in caplog.text
+    assert "1 shared copies live" in caplog.text

@@ -58,6 +58,7 @@ ATTR = "pic_moved_copy"
 (its moved keys cannot be copied: it reads the shared pages for its whole life)."""
 NOTHING_MOVED = "nothing-moved"
 SHARED = "shared"
+SUMMARY_EVERY = 64  # copied requests between two summary lines in the log
 RESERVE_SHARE = 0.1
 """A copy is made only if this share of the pool stays free after it (room for the running
 requests' decode tokens, which SGLang budgets without knowing about copies)."""
@@ -252,6 +253,9 @@ class MovedPageCopier:
         self._count("copied_requests")
         self._count("copied_tokens", count)
         self._count("reused_copy_tokens", positions.numel() - count)
+        if self.stats["copied_requests"] % SUMMARY_EVERY == 0:  # readable without --enable-metrics
+            logger.info("span copy on reuse so far: %s, %d shared copies live",
+                        ", ".join(f"{k} {v}" for k, v in self.stats.items()), len(self.runs))
         logger.debug("span copy on reuse: %d moved tokens of pool row %d, %d copied now",
                      positions.numel(), pool_index, count)
         return MovedCopy(positions, own, keys)
