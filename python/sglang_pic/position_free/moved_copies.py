@@ -23,8 +23,8 @@ batch's attention metadata is built):
 * when the pool keeps at least ``reserve`` free slots after the copy, that many slots are
   allocated from SGLang's allocator, each page's K is turned by the distance it moved and K/V are
   written there (on the GPU by one kernel launch for all layers,
-  ``sglang_pic_kernel.rotating_attention.turn_copy_kv``; torch ops per layer on the CPU), the slots' recorded positions are their row indices, and the row points at
-  them; otherwise the request reads the shared pages (``reads_shared_pages`` stays true) and
+  ``sglang_pic_kernel.rotating_attention.turn_copy_kv``; torch ops per layer on the CPU), the
+  slots' recorded positions are their row indices, and the row points at them; otherwise the request reads the shared pages (``reads_shared_pages`` stays true) and
   each later batch of it tries again (``retry``: the pages are known, no device read);
 * SGLang rewrites a row's prefix before each chunk of a chunked prefill, so every extend batch
   points the row at the copies again;
@@ -218,13 +218,14 @@ class MovedPageCopier:
         # only for exactly the same turn of exactly the same slots
         cuts = (torch.nonzero(shift_cpu[1:] != shift_cpu[:-1]).flatten() + 1).tolist()
         bounds = [0, *(c for c in cuts if c % self.page_size == 0), positions.numel()]
-        keys, missing = [], []
+        keys: list[tuple[bytes, bytes]] = []
+        missing: dict[tuple[bytes, bytes], tuple[int, int]] = {}  # run key -> (start, end)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             key = (shift_cpu[a:b].numpy().tobytes(), src_cpu[a:b].numpy().tobytes())
             keys.append(key)
-            if key not in self.runs and key not in (k for k, _, _ in missing):
-                missing.append((key, a, b))
-        count = sum(b - a for _, a, b in missing)
+            if key not in self.runs:
+                missing.setdefault(key, (a, b))
+        count = sum(b - a for a, b in missing.values())
         slots = None
         if count:
             slots = self.allocator.alloc(count) if self._has_room(count) else None
@@ -239,11 +240,11 @@ class MovedPageCopier:
                         self.allocator.available_size(), self.reserve)
                 return Waiting(pages)
             slots = slots.to(device=row.device, dtype=torch.int64)
-            take = torch.cat([torch.arange(a, b) for _, a, b in missing]).to(row.device)
+            take = torch.cat([torch.arange(a, b) for a, b in missing.values()]).to(row.device)
             self._turn_copy(src[take], slots, shift[take])
             table[slots] = positions[take].to(table.dtype)
             at = 0
-            for key, a, b in missing:
+            for key, (a, b) in missing.items():
                 self.runs[key] = TurnedRun(slots[at : at + b - a])
                 at += b - a
         for key in keys:

@@ -428,7 +428,9 @@ def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float
     return page
 
 
-def _receive_tls(sock: ssl.SSLSocket, views: list[memoryview], deadline: float) -> int:
+def _receive_tls(sock: ssl.SSLSocket, views: list[memoryview], deadline: float,
+                 on_whole: Callable[[int], None]) -> int:
+    """``_receive_plain`` over TLS, a page at a time (``on_whole`` as there)."""
     page = 0
     for v in views:
         got = 0
@@ -444,6 +446,7 @@ def _receive_tls(sock: ssl.SSLSocket, views: list[memoryview], deadline: float) 
             if not n:
                 return page
             got += n
+        on_whole(page)
         page += 1
     return page
 
@@ -459,11 +462,9 @@ def _stream(
 ) -> list[bool]:
     """One data connection: present the ticket, receive the stream's pages, verify each."""
     ok = [False] * len(views)
-    verified: set[int] = set()
 
-    def verify(i: int) -> None:
+    def verify(i: int) -> None:  # as each page lands
         ok[i] = page_checksum(views[i]) == sums[i]
-        verified.add(i)
 
     sock = None
     try:
@@ -488,21 +489,18 @@ def _stream(
                 )
                 return ok
             sock.sendall(ticket)
-            whole = _receive_tls(sock, views, deadline)
+            _receive_tls(sock, views, deadline, on_whole=verify)
         else:
             sock.sendall(ticket)  # blocking, bounded by SO_SNDTIMEO: a single send
-            whole = _receive_plain(sock, views, deadline, on_whole=verify)
-    except (OSError, ssl.SSLError):
-        return ok  # refused, reset, timed out: every page of this stream is a miss
+            _receive_plain(sock, views, deadline, on_whole=verify)
+    except (OSError, ssl.SSLError):  # refused, reset, timed out: every page of it is a miss
+        return [False] * len(views)
     finally:
         if sock is not None:
             try:
                 sock.close()
             except OSError:
                 pass
-    for i in range(whole):
-        if i not in verified:  # TLS: verified after the stream
-            verify(i)
     return ok
 
 

@@ -1,7 +1,7 @@
 """Turned copy of KV slots across every layer in one launch (copy on reuse).
 
-A request that reuses a cached span at another offset gets its own copy of the span's pages with
-each key turned by the distance it moved (``sglang_pic.position_free.moved_copies``). Done with
+A request that reuses a cached span at another offset reads a copy of the span's pages with each
+key turned by the distance it moved (``sglang_pic.position_free.moved_copies``). Done with
 torch ops, that is a gather, a float32 turn (six element-wise ops) and a scatter for K and a
 gather / scatter for V per layer: ~15 launches and ~8x the bytes of the copy in float32
 temporaries, per layer. This kernel reads each source row once and writes its turned copy, for
@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ._common import rotate_pair
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 BLOCK_TOKENS = 32
@@ -57,10 +59,10 @@ def _turn_copy_kernel(
     for h in tl.static_range(HEADS):
         at_src = src_row + h * 2 * HALF
         at_dst = dst_row + h * 2 * HALF
-        x1 = tl.load(k_base + at_src, mask=live2, other=0.0).to(tl.float32)
-        x2 = tl.load(k_base + at_src + HALF, mask=live2, other=0.0).to(tl.float32)
-        tl.store(k_base + at_dst, (x1 * cos - x2 * sin).to(DTYPE), mask=live2)
-        tl.store(k_base + at_dst + HALF, (x2 * cos + x1 * sin).to(DTYPE), mask=live2)
+        r1, r2 = rotate_pair(tl.load(k_base + at_src, mask=live2, other=0.0),
+                             tl.load(k_base + at_src + HALF, mask=live2, other=0.0), cos, sin)
+        tl.store(k_base + at_dst, r1.to(DTYPE), mask=live2)
+        tl.store(k_base + at_dst + HALF, r2.to(DTYPE), mask=live2)
         v1 = tl.load(v_base + at_src, mask=live2, other=0.0)
         v2 = tl.load(v_base + at_src + HALF, mask=live2, other=0.0)
         tl.store(v_base + at_dst, v1, mask=live2)
