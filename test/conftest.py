@@ -92,24 +92,26 @@ class Server:
             return False
 
 
-def start_server(args: list[str], log: Path, attempts: int = 3) -> Server:
+def start_server(args: list[str], log: Path, attempts: int = 3,
+                 timeout_s: float = START_TIMEOUT_S) -> Server:
     """Start `sglang-pic serve` on a free port and wait until /health answers; retried on a new
     port when another process took the chosen one in between (free_port cannot reserve it)."""
     for attempt in range(attempts):
         try:
-            return _start_server_once(args, log)
+            return _start_server_once(args, log, timeout_s)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def start_servers(specs: dict[str, tuple[list[str], Path]]) -> dict[str, Server]:
+def start_servers(specs: dict[str, tuple[list[str], Path]],
+                  timeout_s: float = START_TIMEOUT_S) -> dict[str, Server]:
     """Start several servers at once (``name -> (args, log)``): most of a start is waiting on
     the model load and the warm-up request, so starts overlap well even on 2 cores. A failed
     start stops the others and raises its error."""
     with ThreadPoolExecutor(len(specs)) as pool:
-        futures = {name: pool.submit(start_server, args, log)
+        futures = {name: pool.submit(start_server, args, log, timeout_s=timeout_s)
                    for name, (args, log) in specs.items()}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
     if len(started) < len(specs):
@@ -119,7 +121,7 @@ def start_servers(specs: dict[str, tuple[list[str], Path]]) -> dict[str, Server]
     return started
 
 
-def _start_server_once(args: list[str], log: Path) -> Server:
+def _start_server_once(args: list[str], log: Path, timeout_s: float) -> Server:
     """Start `sglang-pic serve` on a free port and wait until /health answers.
 
     Test servers run torch with one thread: the suite keeps two or three servers up at once on a
@@ -133,7 +135,7 @@ def _start_server_once(args: list[str], log: Path) -> Server:
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env=env)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.time() + START_TIMEOUT_S
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:]
@@ -149,7 +151,7 @@ def _start_server_once(args: list[str], log: Path) -> Server:
             return server
         time.sleep(2)
     stop_server(server)
-    raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s; log:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log:\n{log.read_text()[-4000:]}")
 
 
 def stop_server(server: Server) -> None:
