@@ -485,8 +485,7 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
     PTStore's client reading the same bytes from the store servers (not inside SGLang) over the
     TCP data plane (1, ``streams`` and twice that many connections per server) and over the
     CURVE socket; and the rate of the page checksum a TCP load verifies every page with, on one
-    thread (the reader's streams hash holding the GIL, so their hashing does not run in
-    parallel)."""
+    thread and on ``streams`` threads (a load's streams hash in parallel)."""
     import bench_transport
     import numpy as np
 
@@ -499,17 +498,15 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
         out[f"raw_{v}"] = bench_transport.run_variant(v, ns, None)
     data = np.random.default_rng(1).integers(0, 255, size=pages * page, dtype=np.uint8)
     mv = memoryview(data).cast("B")
-    # the check every page of a TCP load gets, on one thread holding the GIL (as the reader's
-    # streams hash: datapath.page_checksum), i.e. the most it adds to a load when not overlapped
-    from sglang_pic.store.datapath import page_checksum
+    # the check every page of a TCP load gets (datapath._stream: one XXH3 call per page, which
+    # lets go of the GIL), on one thread and on as many threads as a load has streams per server
+    import bench_checksum_threads
 
-    rates = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for i in range(pages):
-            page_checksum(mv[i * page:(i + 1) * page])
-        rates.append(pages * page / (time.perf_counter() - t0) / 1e9)
-    out["xxh3_one_thread"] = {"gbps_median": statistics.median(rates), "gbps_samples": rates}
+    views_in = [mv[i * page:(i + 1) * page] for i in range(pages)]
+    for key, threads in (("xxh3_one_thread", 1), (f"xxh3_{streams}_threads", streams)):
+        rates = [bench_checksum_threads.rate(bench_checksum_threads.whole_page_call, views_in,
+                                             threads) for _ in range(samples)]
+        out[key] = {"gbps_median": statistics.median(rates), "gbps_samples": rates}
     ids = [f"bench-reference-{i}" for i in range(pages)]
     put = StoreClient(endpoints, token, timeout_ms=60_000)
     put.batch_set([(t, mv[i * page:(i + 1) * page]) for i, t in enumerate(ids)])
