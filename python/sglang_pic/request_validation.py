@@ -104,7 +104,9 @@ def id_range(seq: list) -> tuple[int, int] | None:
     counts, as ``isinstance`` says) or does not fit 64 bits. One C pass packs the list and numpy
     reduces it: every prompt's ids pass here on the tokenizer's thread, where a Python loop over
     an 8K-token prompt cost ~0.35 ms (1.1 ms with the span check), a share of every request's
-    latency at large batches."""
+    latency at large batches. The pass itself is ~25 ns a token on a loaded 2-core machine (a
+    32 x 8K batch: ~7 ms), so the two hooks that need it share one per prompt
+    (``request_id_range``)."""
     if not seq:
         return None
     try:
@@ -117,15 +119,52 @@ def id_range(seq: list) -> tuple[int, int] | None:
     return int(view.min()), int(view.max())
 
 
+# one request's prompt id ranges, shared by the span resolver and ``check_generate_request``
+_ranges_owner: Any = None
+_ranges: dict[int, tuple[list, int, tuple[int, int] | None]] = {}
+
+
+def request_id_range(owner: Any, seq: list) -> tuple[int, int] | None:
+    """``id_range(seq)``, computed once per prompt of the request ``owner`` (its
+    ``GenerateReqInput``).
+
+    Two BEFORE hooks on ``TokenizerManager.generate_request`` need every prompt's id range: the
+    span resolver (``spans.request``: can the prompt hold a marker?) and ``check_generate_request``
+    (is every id in the vocabulary?). Each pass costs ~25 ns a token, ~18 ms for a 32 x 8K batch
+    when both made their own: the span server's largest per-request cost on requests without
+    spans (``benchmark/bench_nonspan_overhead.py`` divides it by the 32 decode steps it times).
+    A prompt is looked up by identity (the entry holds the list, so its ``id`` is not reused)
+    and length, for the owner only; ``forget_request_ranges`` drops them at the end of the
+    validation and at the start of the resolver, so nothing outlives one ``generate_request``
+    call (a client may send the same list object again, changed)."""
+    global _ranges_owner, _ranges
+    if owner is not _ranges_owner:
+        _ranges_owner, _ranges = owner, {}
+    hit = _ranges.get(id(seq))
+    if hit is not None and hit[0] is seq and hit[1] == len(seq):
+        return hit[2]
+    bounds = id_range(seq)
+    _ranges[id(seq)] = (seq, len(seq), bounds)
+    return bounds
+
+
+def forget_request_ranges() -> None:
+    """Drop the ranges ``request_id_range`` kept (see there)."""
+    global _ranges_owner, _ranges
+    _ranges_owner, _ranges = None, {}
+
+
 def validate_token_ids(
-    name: str, ids: Any, vocab_size: int, markers: frozenset[int] = frozenset()
+    name: str, ids: Any, vocab_size: int, markers: frozenset[int] = frozenset(),
+    owner: Any = None,
 ) -> None:
     """Raise ValueError unless every id of ``ids`` (flat or batched) is an int in
-    ``[0, vocab_size)`` or one of ``markers``."""
+    ``[0, vocab_size)`` or one of ``markers``. With ``owner`` (the request), a prompt's id range
+    already computed for it is reused (``request_id_range``)."""
     for seq in _id_lists(ids):
         if not seq:
             continue
-        bounds = id_range(seq)
+        bounds = id_range(seq) if owner is None else request_id_range(owner, seq)
         if bounds is not None and bounds[0] >= 0 and bounds[1] < vocab_size:
             continue
         for t in seq:
@@ -226,9 +265,11 @@ def check_generate_request(self, obj, *args, **kwargs) -> None:
     if not span_cache_enabled(self.server_args):
         refuse_span_markers("text", getattr(obj, "text", None))
     vocab_size = int(self.model_config.vocab_size)
-    validate_token_ids(
-        "input_ids", getattr(obj, "input_ids", None), vocab_size, accepted_marker_ids(self)
-    )
+    try:
+        validate_token_ids("input_ids", getattr(obj, "input_ids", None), vocab_size,
+                           accepted_marker_ids(self), owner=obj)
+    finally:
+        forget_request_ranges()
     validate_logprob_params(obj, vocab_size)
     key = constrained_field(params)
     if key is not None and not constrained_decoding_available(self.server_args):

@@ -79,7 +79,11 @@ class PositionFreeFlashInferBackend(AttentionBackend):
         from sglang_pic.server_flags import setting
 
         model_check.check_server_settings(model_runner)
-        self.dense = FlashInferAttnBackend(model_runner)
+        # built as SGLang's own "flashinfer" factory builds it (attention_registry), workspace
+        # choice included, so batches without moved keys run exactly vanilla's backend
+        self.dense = FlashInferAttnBackend(
+            model_runner, init_new_workspace=getattr(model_runner, "init_new_workspace", False)
+        )
         self.shifted = ShiftedTritonBackend(model_runner)
         self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
         self.span_graphs = bool(setting("--position-free-span-graphs"))

@@ -73,7 +73,24 @@ def current() -> bool:
 
 
 def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook for ``ForwardBatch.init_new(batch, model_runner, ...)``."""
+    """AFTER hook for ``ForwardBatch.init_new(batch, model_runner, ...)``.
+
+    It runs for every forward, decode steps included, outside the CUDA graph and on the
+    scheduler thread that SGLang's overlap scheduler needs free to prepare the next step, so a
+    batch without spans must cost what vanilla SGLang does plus as little as possible:
+
+    * the positions of its new keys are recorded (one scatter of ``batch`` entries, no sync):
+      kept for every batch, since a plain request's cached pages may later be read by a span
+      request, whose kernels and copier read the recorded positions;
+    * with the copier (``pic_flashinfer``'s default), which of its requests read moved keys
+      is answered by the copier's CPU counts (``reads_shared_anywhere``) while no request of
+      the process reads shared pages: no request of the batch is looked at, and ``retry``
+      returns at once. Only otherwise is each request asked (``reads_moved_keys``), which
+      gives the same answer for every request the copier has seen (all of a batch's span
+      requests by then: an extend prepares them just above).
+
+    No device-to-host read here, for any batch: the copier's one per new span request is in
+    ``prepare`` (an extend batch holding such a request)."""
     if stored_positions.table() is None:
         return
     stored_positions.record(result.out_cache_loc, result.positions)
@@ -87,7 +104,10 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
         else:  # a decode batch: requests that waited for room may be copied now
             copier.retry(reqs)
     global _current
-    shifted = any(reads_moved_keys(r) for r in reqs)
+    if copier is not None and not copier.reads_shared_anywhere():
+        shifted = False  # every span request reads its own turned copies (or moved nothing)
+    else:
+        shifted = any(reads_moved_keys(r) for r in reqs)
     setattr(result, ATTR, shifted)
     _current = shifted
     if shifted and _counters is not None:

@@ -44,19 +44,33 @@ TARGETS = {
 }
 
 
+_classes: tuple[type, type] | None = None  # (PositionFreeFlashInferBackend, DecodeCudaGraphRunner)
+
+
+def _types() -> tuple[type, type]:
+    """The two classes the hooks test, imported once: ``can_run_graph`` and ``_make_graph_key``
+    run at every decode step, where an import statement per call cost ~1 us each."""
+    global _classes
+    if _classes is None:
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+            DecodeCudaGraphRunner,
+        )
+
+        from .backends import PositionFreeFlashInferBackend
+
+        _classes = (PositionFreeFlashInferBackend, DecodeCudaGraphRunner)
+    return _classes
+
+
 def _flashinfer_twin(runner: Any):
     """The runner's backend if it is ``pic_flashinfer`` (graphs that hold dense kernels)."""
-    from .backends import PositionFreeFlashInferBackend
-
     model_runner = getattr(runner, "model_runner", None)
     backend = getattr(model_runner, "attn_backend", None)
-    return backend if isinstance(backend, PositionFreeFlashInferBackend) else None
+    return backend if isinstance(backend, _types()[0]) else None
 
 
 def _is_decode_runner(runner: Any) -> bool:
-    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-
-    return isinstance(runner, DecodeCudaGraphRunner)
+    return isinstance(runner, _types()[1])
 
 
 def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwargs: Any):
@@ -64,9 +78,10 @@ def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwarg
     if backend is None:
         return original(self, forward_batch, *args, **kwargs)
     shifted = shifted_batches.is_shifted(forward_batch)
-    if shifted and not (backend.span_graphs and _is_decode_runner(self)):
+    decode = _is_decode_runner(self)
+    if shifted and not (backend.span_graphs and decode):
         return False
-    if _is_decode_runner(self):
+    if decode:
         backend.replay_shifted = shifted
     return original(self, forward_batch, *args, **kwargs)
 

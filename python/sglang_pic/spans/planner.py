@@ -119,6 +119,9 @@ class SpanPlanner:
         self._draining = False
         pool = getattr(cache, "token_to_kv_pool_allocator", None)
         self.pin_budget = int(MAX_PINNED_FRACTION * getattr(pool, "size", 0)) or (1 << 62)
+        self.units_submitted = 0
+        """Units this planner ever handed to the scheduler: while none, no output the scheduler
+        streams can be a unit's, and ``spans._hide_span_prefills`` looks at no request."""
 
     # ---- scheduler hooks ------------------------------------------------------------------
     def on_generate_request(self, handle: Callable, scheduler: Any, recv_req: Any) -> Any:
@@ -331,6 +334,7 @@ class SpanPlanner:
             key, f"{UNIT_RID_PREFIX}{uuid.uuid4().hex}", segments, seg.key_end - seg.key_start
         )
         self.units[key] = unit
+        self.units_submitted += 1
         self.unit_by_rid[unit.rid] = unit
         recv = copy.copy(self._template)
         recv.rid = unit.rid

@@ -88,6 +88,9 @@ class SpanRequestResolver:
         self.pad_id = pad_token_id(self.tokenizer, self.cfg)
 
     def __call__(self, obj: Any) -> None:
+        from sglang_pic.request_validation import forget_request_ranges  # server side only
+
+        forget_request_ranges()  # nothing kept from an earlier request (request_id_range)
         params = obj.sampling_params
         for sp in params if isinstance(params, list) else [params]:
             if isinstance(sp, dict) and LAYOUT_KEY in (sp.get("custom_params") or {}):
@@ -101,7 +104,7 @@ class SpanRequestResolver:
         items = (text if isinstance(text, list) else input_ids) if batched else [text or input_ids]
         if items is None:
             return
-        resolved = [self._resolve_one(item) for item in items]
+        resolved = [self._resolve_one(item, owner=obj) for item in items]
         if all(r is None for r in resolved):
             return
         per_item = params if isinstance(params, list) else [params] * len(items)
@@ -152,14 +155,16 @@ class SpanRequestResolver:
     def _marker_set(self) -> frozenset[int]:
         return frozenset(self.marker_ids)
 
-    def _may_hold_markers(self, item: list) -> bool:
+    def _may_hold_markers(self, item: list, owner: Any = None) -> bool:
         """False when ``item`` surely holds no marker and no negative id: its smallest id is not
         negative and its largest is below every marker token (added to the tokenizer, they come
         after its vocabulary). ``id_range``'s C pass instead of Python loops per token: every
-        prompt on the server passes here, most of them plain."""
-        from sglang_pic.request_validation import id_range  # server side only (numpy)
+        prompt on the server passes here, most of them plain. With ``owner`` (the request) the
+        range is kept for ``check_generate_request``, which needs the same one right after
+        (``request_id_range``: one pass per prompt, not two)."""
+        from sglang_pic.request_validation import id_range, request_id_range  # server side only
 
-        bounds = id_range(item)
+        bounds = id_range(item) if owner is None else request_id_range(owner, item)
         if bounds is None:  # not all ints, or empty: the full checks decide
             return True
         markers = [t for t in self.marker_ids if t >= 0]
@@ -172,7 +177,7 @@ class SpanRequestResolver:
             return list(self.tokenizer(item)["input_ids"])
         return list(item)
 
-    def _resolve_one(self, item: Any) -> tuple[list[int], list[int]] | None:
+    def _resolve_one(self, item: Any, owner: Any = None) -> tuple[list[int], list[int]] | None:
         if isinstance(item, str):
             if not any(m in item for m in self.cfg.markers):
                 return None
@@ -182,7 +187,7 @@ class SpanRequestResolver:
         elif isinstance(item, list):
             # other negative ids are not markers: the span-enabled path refuses them in
             # layout_prompt, request_validation refuses them everywhere
-            if not self._may_hold_markers(item):
+            if not self._may_hold_markers(item, owner):
                 return None
             has_sentinel = SSEP_ID in item or PDEP_ID in item
             has_marker = self.enabled and not self._marker_set.isdisjoint(item)

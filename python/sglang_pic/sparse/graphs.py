@@ -33,12 +33,20 @@ def register() -> None:
     HookRegistry.register(f"{RUNNER}._make_graph_key", around_make_graph_key, HookType.AROUND)
 
 
-def _sparse_backend(runner):
-    from .backends import _GpuSparseMixin
+_mixin: type | None = None
 
+
+def _sparse_backend(runner):
+    """The runner's backend if it is one of ours with a sparse part. ``_make_graph_key`` runs at
+    every decode step of every server (sparse or not): the class is imported once."""
+    global _mixin
+    if _mixin is None:
+        from .backends import _GpuSparseMixin
+
+        _mixin = _GpuSparseMixin
     model_runner = getattr(runner, "model_runner", None)
     backend = getattr(model_runner, "attn_backend", None)
-    return backend if isinstance(backend, _GpuSparseMixin) else None
+    return backend if isinstance(backend, _mixin) else None
 
 
 def around_capture_one_stream(original, self, *args, **kwargs):
