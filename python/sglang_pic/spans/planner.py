@@ -7,10 +7,11 @@ arrives:
 
 1. looks each non-final segment up; a cached one is *pinned* (its node locked for this request, so
    eviction cannot take it before the request is admitted);
-2. turns each missing one into a **unit**: an internal request (rid ``pic-span-*``, one output
-   token, never streamed to the client) whose prompt is the span alone (independent: computed as if
-   it stood alone, at positions 0..L-1; with position-free keys its pages are valid at any offset)
-   or the prompt up to that segment (dependent: it attends to everything before it);
+2. turns each missing one into a **unit**: an internal request (rid ``pic-span-*``, prefill only:
+   ``max_new_tokens`` 0, never streamed to the client) whose prompt is the span alone
+   (independent: computed as if it stood alone, at positions 0..L-1; with position-free keys its
+   pages are valid at any offset) or the prompt up to that segment (dependent: it attends to
+   everything before it);
    units are shared: concurrent requests that need the same uncached span wait on one unit;
 3. holds the request until its units are cached, then puts it in SGLang's waiting queue, where
    ``SpanRadixCache.match_prefix`` finds every segment and only the final piece is computed.
@@ -63,9 +64,14 @@ MAX_PINNED_FRACTION = 0.5
 """Share of the KV pool that pinned spans plus pending span prefills may take before new requests
 wait in the backlog."""
 
-# SamplingParams fields reset for a unit (it produces one throw-away token, with no constraints).
+# SamplingParams fields reset for a unit: no output token, no constraints. ``max_new_tokens`` 0
+# makes it one of SGLang's prefill-only requests: it finishes with its prefill, and a batch of
+# units only is ``is_prefill_only``, which the overlap scheduler never follows with a decode step.
+# With 1 (one throw-away token), the step after a unit's last prefill chunk was a decode of the
+# unit alone (the scheduler learns that it finished only after launching the next batch), and
+# the request waiting on it ran behind that decode: a forward pass on every cold span prompt.
 _UNIT_SAMPLING = {
-    "max_new_tokens": 1,
+    "max_new_tokens": 0,
     "min_new_tokens": 0,
     "custom_params": None,
     "regex": None,
