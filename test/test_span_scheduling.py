@@ -59,3 +59,111 @@ def test_a_span_prefill_is_a_prefill_only_request(monkeypatch):
     unit.update_finish_state()
     assert unit.finished() and unit.finished_len == 0
     assert list(unit.output_ids_through_stop) == []  # no KV beyond the prompt is kept
+
+
+class _Cache:
+    """The planner's view of the span radix cache: which unit prompts hold pages, what was
+    stashed (``cache_unfinished_req``) and what went to PTStore."""
+
+    page_size = PAGE
+
+    def __init__(self) -> None:
+        self.cached: set[tuple[int, ...]] = set()
+        self.stashed: list = []
+        self.saved: list = []
+        self.locks = 0
+        self.store = SimpleNamespace(load=lambda *args: False,
+                                     save=lambda ids, ns, start, end: self.saved.append(
+                                         tuple(ids[start:end])))
+
+    def cache_unfinished_req(self, req, chunked=False):
+        self.stashed.append(req.rid)
+        self.cached.add(tuple(req.origin_input_ids))
+
+    def inc_lock_ref(self, node):
+        self.locks += 1
+
+    def dec_lock_ref(self, node, params=None):
+        self.locks -= 1
+
+
+def _waiting_request(monkeypatch):
+    """A planner holding a client request whose one span (tokens 4-7) is not cached: the unit
+    it submitted and its stand-in as SGLang's scheduler holds it."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang_pic.spans import config as span_config
+    from sglang_pic.spans.planner import SpanPlanner
+    from sglang_pic.spans.segments import Segment
+
+    cache = _Cache()
+    planner = SpanPlanner(cache, span_config.load())
+    monkeypatch.setattr(planner, "_cached_node", lambda ids, ns, start, end: (
+        ("node", tuple(ids[start:end])) if tuple(ids[start:end]) in cache.cached else None))
+    handled, enqueued = [], []
+    planner.scheduler = None
+    planner._handle = lambda scheduler, recv: handled.append(recv)
+    planner._enqueue = lambda scheduler, req: enqueued.append(req.rid)
+    planner._template = SimpleNamespace(rid=None, input_ids=None, input_text=None,
+                                        sampling_params=SamplingParams())
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    segments = [Segment(0, 4, None, 0, 4, False), Segment(4, 8, None, 4, 8, True),
+                Segment(8, None, "q", 8, None, False)]
+    cache.cached.add(tuple(ids[:4]))  # the leading piece is cached
+    client = SimpleNamespace(rid="client", origin_input_ids=ids, pic_segments=segments,
+                             cached_tokens=0, finished=lambda: False, to_finish=None)
+    assert planner._plan(client, segments)  # held
+    (recv,) = handled
+    unit = SimpleNamespace(rid=recv.rid, origin_input_ids=list(recv.input_ids), extra_key=None,
+                           req_pool_idx=3, is_retracted=False, to_finish=None,
+                           finished=lambda: False, finished_reason=None,
+                           extend_range=SimpleNamespace(end=len(recv.input_ids)))
+    return planner, cache, unit, enqueued
+
+
+def test_a_request_joins_the_batch_right_after_its_span_prefills(monkeypatch):
+    """With the overlap scheduler, SGLang forms a batch before it processes the previous one's
+    result. A request waiting on a unit whose prefill the previous batch completed joins the
+    batch being formed (the unit's pages stashed in the radix tree as SGLang stashes a chunked
+    request's), instead of the next scheduler step, after the unit's result."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    planner, cache, unit, enqueued = _waiting_request(monkeypatch)
+    last = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[unit], chunked_req=None)
+    # still being chunked (SGLang's chunked request): not done, not stashed by us
+    for chunked in ({"chunked_req": unit}, {}):
+        scheduler = SimpleNamespace(last_batch=SimpleNamespace(**{**vars(last), **chunked}),
+                                    chunked_req=unit if not chunked else None)
+        planner.release_launched_units(scheduler)
+        assert enqueued == [] and cache.stashed == []
+    # the last batch a decode, or none: nothing launched a unit's prefill
+    for batch in (None, SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=[unit])):
+        planner.release_launched_units(SimpleNamespace(last_batch=batch, chunked_req=None))
+        assert enqueued == []
+    scheduler = SimpleNamespace(last_batch=last, chunked_req=None)
+    planner.release_launched_units(scheduler)
+    assert cache.stashed == [unit.rid] and enqueued == ["client"]
+    assert planner.units == {} and planner.held == {}
+    assert cache.saved == []  # PTStore copies the pages only once they are computed
+    planner.release_launched_units(scheduler)  # the same batch again: nothing more
+    assert cache.stashed == [unit.rid] and enqueued == ["client"]
+    # the unit's result: it finishes as usual, its pages go to PTStore, nothing is released twice
+    unit.finished = lambda: True
+    planner.on_request_cached(unit)
+    assert enqueued == ["client"] and cache.saved == [(5, 6, 7, 8)]
+    assert planner._unsaved == {}
+
+
+def test_a_span_prefill_not_found_in_the_cache_is_left_to_its_result(monkeypatch):
+    """If the stash did not put the unit's pages in the tree, the waiting request stays held
+    (no failure now): the unit's own result decides, as without the overlap scheduler."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    planner, cache, unit, enqueued = _waiting_request(monkeypatch)
+    monkeypatch.setattr(cache, "cache_unfinished_req", lambda req, chunked=False: None)
+    last = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[unit], chunked_req=None)
+    planner.release_launched_units(SimpleNamespace(last_batch=last, chunked_req=None))
+    assert enqueued == [] and len(planner.units) == 1 and "client" in planner.held
+    cache.cached.add(tuple(unit.origin_input_ids))  # SGLang's cache_finished_req inserts it
+    unit.finished = lambda: True
+    planner.on_request_cached(unit)
+    assert enqueued == ["client"] and cache.saved == [(5, 6, 7, 8)]

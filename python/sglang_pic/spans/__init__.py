@@ -14,6 +14,7 @@ position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, 
 | HTTP server       | BEFORE ``http_server.launch_server``: middleware turning the ``spans`` field into a prompt | ``http`` |
 | scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
 | scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
+| scheduler         | AROUND ``Scheduler.get_new_batch_prefill``: requests whose sub-requests the last batch completed join this batch | ``planner`` |
 | scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held, cancel unneeded sub-requests | ``planner`` |
 | scheduler         | AROUND ``SchedulerOutputStreamer.stream_output``: internal span prefills are not streamed | here |
 | scheduler         | AROUND ``SchedulerOutputStreamer.get_cached_tokens_details``: the split of ``cached_tokens`` | ``planner`` |
@@ -68,6 +69,7 @@ def register() -> None:
         ),
         (f"{_SCHEDULER}.handle_generate_request", _on_generate_request, HookType.AROUND),
         (f"{_SCHEDULER}._add_request_to_queue", _on_add_to_queue, HookType.AROUND),
+        (f"{_SCHEDULER}.get_new_batch_prefill", _on_new_prefill_batch, HookType.AROUND),
         (f"{_SCHEDULER}.abort_request", _on_abort, HookType.AFTER),
         (f"{_STREAMER}.stream_output", _hide_span_prefills, HookType.AROUND),
         (f"{_STREAMER}.get_cached_tokens_details", _cached_details, HookType.AROUND),
@@ -95,6 +97,13 @@ def _on_add_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwar
     if planner is None:
         return original(scheduler, req, *args, **kwargs)
     return planner.on_add_to_queue(original, scheduler, req, *args, **kwargs)
+
+
+def _on_new_prefill_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    planner = _planner(scheduler)
+    if planner is not None and planner.units:  # no sub-request in flight: nothing to look at
+        planner.release_launched_units(scheduler)
+    return original(scheduler, *args, **kwargs)
 
 
 def _on_abort(result: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:

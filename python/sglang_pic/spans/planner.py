@@ -14,7 +14,9 @@ arrives:
    everything before it);
    units are shared: concurrent requests that need the same uncached span wait on one unit;
 3. holds the request until its units are cached, then puts it in SGLang's waiting queue, where
-   ``SpanRadixCache.match_prefix`` finds every segment and only the final piece is computed.
+   ``SpanRadixCache.match_prefix`` finds every segment and only the final piece is computed; with
+   the overlap scheduler, already when the batch that completes its last unit was launched
+   (``release_launched_units``), so it joins the next batch formed.
 
 Scheduling (``--span-schedule``): ``isps`` (interleaved span-prefill scheduling) releases a request
 as soon as its own units are done, and units enter the waiting queue like any request, so span
@@ -125,6 +127,9 @@ class SpanPlanner:
         self._draining = False
         pool = getattr(cache, "token_to_kv_pool_allocator", None)
         self.pin_budget = int(MAX_PINNED_FRACTION * getattr(pool, "size", 0)) or (1 << 62)
+        self._unsaved: dict[str, tuple[Any, int]] = {}
+        """Units finished early (``release_launched_units``) whose pages go to PTStore once their
+        batch's result is in: rid -> (namespace, start)."""
         self.units_submitted = 0
         """Units this planner ever handed to the scheduler: while none, no output the scheduler
         streams can be a unit's, and ``spans._hide_span_prefills`` looks at no request."""
@@ -365,6 +370,35 @@ class SpanPlanner:
         return self.units.get(key)
 
     # ---- completion -----------------------------------------------------------------------
+    def release_launched_units(self, scheduler: Any) -> None:
+        """Before SGLang forms a prefill batch (AROUND ``Scheduler.get_new_batch_prefill``):
+        finish the units whose prefill the previous batch ran to its end, so that the requests
+        waiting on them can join this batch.
+
+        SGLang's overlap scheduler forms a batch before it processes the previous one's result,
+        and a unit finishes (``on_request_cached``) only with that result: a request released
+        there joins the waiting queue after this batch was formed, so it ran one scheduler
+        step later, after an idle GPU gap (the result's processing, then the next step's
+        scheduling and launch). Here the unit's pages go into the radix tree the way SGLang
+        stashes a chunked request's pages between chunks (``cache_unfinished_req``, before the
+        chunk's result): the batch being formed runs after the unit's on the device, so it reads
+        them computed. The unit's own result later finishes it as usual (its pages found there,
+        no duplicates to free). Its pages go to PTStore only then (``_unsaved``): a copy made
+        now could read them before they are computed. Without the overlap scheduler the
+        previous batch's result is processed before this, and nothing is left to do here."""
+        last = getattr(scheduler, "last_batch", None)
+        if not self.units or last is None or not last.forward_mode.is_extend():
+            return
+        continuing = (getattr(scheduler, "chunked_req", None), getattr(last, "chunked_req", None))
+        for req in list(last.reqs):
+            unit = self.unit_by_rid.get(req.rid)
+            if (unit is None or any(req is c for c in continuing) or _ending(req)
+                    or req.req_pool_idx is None or getattr(req, "is_retracted", False)
+                    or req.extend_range.end < len(req.origin_input_ids)):
+                continue
+            self.cache.cache_unfinished_req(req, chunked=True)
+            self._finish_unit(unit, req=req, early=True)
+
     def on_request_cached(self, req: Req) -> None:
         """Called by SpanRadixCache after a request's KV went into the tree (or was dropped)."""
         if not _ending(req):
@@ -373,14 +407,21 @@ class SpanPlanner:
         if unit is not None:
             failed = _abort_message(req) if _is_abort(req) else None
             self._finish_unit(unit, failed=failed, req=req)
+        unsaved = self._unsaved.pop(req.rid, None)
+        if unsaved is not None and not _is_abort(req):
+            namespace, start = unsaved
+            ids = req.origin_input_ids
+            self.cache.store.save(ids, namespace, start, len(ids))
         if req.rid in self.pins:
             self._unpin(req.rid)
 
-    def _finish_unit(self, unit: Unit, failed: str | None = None, req: Req | None = None) -> None:
+    def _finish_unit(self, unit: Unit, failed: str | None = None, req: Req | None = None,
+                     early: bool = False) -> None:
+        """The unit is done (``failed``: it failed); ``early``: its prefill was launched but its
+        result is not in yet (``release_launched_units``): unless its pages are found in the
+        cache, nothing is done (its result decides)."""
         if self.units.get(unit.key) is not unit:
             return
-        del self.units[unit.key]
-        self.unit_by_rid.pop(unit.rid, None)
         node = None
         if failed is None and req is not None:
             # a plain unit is keyed from its first token in the request's namespace; a dependent
@@ -390,9 +431,16 @@ class SpanPlanner:
             ids = req.origin_input_ids
             node = self._cached_node(ids, namespace, start, len(ids))
             if node is None:
+                if early:
+                    return
                 failed = "span prefill finished but its pages are not in the cache"
             elif self.cache.store is not None:
-                self.cache.store.save(ids, namespace, start, len(ids))
+                if early:
+                    self._unsaved[req.rid] = (namespace, start)
+                else:
+                    self.cache.store.save(ids, namespace, start, len(ids))
+        del self.units[unit.key]
+        self.unit_by_rid.pop(unit.rid, None)
         for rid in unit.waiters:
             held = self.held.get(rid)
             if held is None:
