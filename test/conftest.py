@@ -7,14 +7,17 @@ scheduler fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,15 @@ if not has_cuda():
     # of them. The CPU engine sets the same for its servers (sglang_pic.cpu_support).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 START_TIMEOUT_S = 240
+"""Seconds from a server's launch (once it holds a start slot) to its first healthy answer."""
+START_SLOTS = int(os.environ.get("SGLANG_PIC_TEST_START_SLOTS", os.cpu_count() or 1))
+"""Servers of the whole test run (every xdist worker) that may be starting at once. A start is
+~20 s of CPU (three processes importing SGLang, then the model load and a warm-up request):
+started all at once on 2 cores, two workers' multi-server fixtures (3 sparse servers beside 2
+span servers) made 15 processes fight for the cores and ran past the start limit; queued, each
+start takes its own ~20 s and the limit measures the start, not the queue."""
+SLOT_WAIT_S = 1800
+_SLOT_DIR = Path(tempfile.gettempdir()) / f"sglang-pic-test-starts-{os.getuid()}"
 # HiCache on the CPU engine (see docs/cpu.md): a host tier of 4x the device pool (tens of MB, not
 # a fixed GB a busy machine may not have free), direct I/O, layer-first layout
 HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
@@ -38,7 +50,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
 
 
+HEAVY_FIRST = (
+    "test_sparse_decode_cpu.py", "test_spans_cpu.py", "test_eviction.py", "test_cli.py",
+    "test_store_hicache_cpu.py", "test_spans_store_cpu.py", "test_position_free_triton_cpu.py",
+    "test_lang.py", "test_hicache_cpu.py", "test_position_free_cpu.py", "test_docs.py",
+    "test_http_security.py", "test_config_flags.py",
+)
+"""Modules by their time on 2 cores, longest first (``--durations``): ``--dist loadfile`` hands
+out modules in collection order, so the long ones start first and the short ones fill in at the
+end, instead of one worker starting a 5-minute module when the other is nearly done."""
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -121,7 +146,37 @@ def start_servers(specs: dict[str, tuple[list[str], Path]],
     return started
 
 
+@contextmanager
+def start_slot() -> Iterator[None]:
+    """Hold one of ``START_SLOTS`` machine-wide start slots (``flock`` on a file per slot: freed
+    when the holder closes it or dies) while a server starts; waits at most ``SLOT_WAIT_S``."""
+    _SLOT_DIR.mkdir(exist_ok=True)
+    deadline = time.time() + SLOT_WAIT_S
+    while True:
+        for i in range(max(1, START_SLOTS)):
+            f = open(_SLOT_DIR / f"slot-{i}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            return
+        if time.time() > deadline:
+            raise RuntimeError(f"no server start slot free within {SLOT_WAIT_S} s")
+        time.sleep(0.5)
+
+
 def _start_server_once(args: list[str], log: Path, timeout_s: float) -> Server:
+    with start_slot():
+        return _launch(args, log, timeout_s)
+
+
+def _launch(args: list[str], log: Path, timeout_s: float) -> Server:
     """Start `sglang-pic serve` on a free port and wait until /health answers.
 
     Test servers run torch with one thread: the suite keeps two or three servers up at once on a
