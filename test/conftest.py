@@ -132,9 +132,9 @@ def start_server(args: list[str], log: Path, attempts: int = 3,
 
 def start_servers(specs: dict[str, tuple[list[str], Path]],
                   timeout_s: float = START_TIMEOUT_S) -> dict[str, Server]:
-    """Start several servers at once (``name -> (args, log)``): most of a start is waiting on
-    the model load and the warm-up request, so starts overlap well even on 2 cores. A failed
-    start stops the others and raises its error."""
+    """Start several servers together (``name -> (args, log)``), as many at once as start
+    slots are free (``start_slot``; the rest queue). A failed start stops the others and raises
+    its error."""
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {name: pool.submit(start_server, args, log, timeout_s=timeout_s)
                    for name, (args, log) in specs.items()}

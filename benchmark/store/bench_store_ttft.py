@@ -509,7 +509,7 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
         out[key] = {"gbps_median": statistics.median(rates), "gbps_samples": rates}
     ids = [f"bench-reference-{i}" for i in range(pages)]
     put = StoreClient(endpoints, token, timeout_ms=60_000)
-    put.batch_set([(t, mv[i * page:(i + 1) * page]) for i, t in enumerate(ids)])
+    put.batch_set(list(zip(ids, views_in, strict=True)))
     put.close()
     dest = np.zeros_like(data)
     dv = memoryview(dest).cast("B")

@@ -388,7 +388,7 @@ def _connect_blocking(host: str, port: int, seconds: float) -> socket.socket:
 
 
 def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float,
-                   on_whole: Callable[[int], None] | None = None) -> int:
+                   on_whole: Callable[[int], None]) -> int:
     """Receive ``views`` in order with ``MSG_WAITALL`` (the socket blocking, ``SO_RCVTIMEO``
     bounding each wait by the deadline); returns how many arrived whole. ``on_whole(i)`` runs as
     page ``i`` completes, between receives: a stream verifies its pages while the other streams
@@ -412,9 +412,8 @@ def _receive_plain(sock: socket.socket, views: list[memoryview], deadline: float
             room = len(views[page]) - offset
             if n >= room:
                 n -= room
+                on_whole(page)
                 page, offset = page + 1, 0
-                if on_whole is not None:
-                    on_whole(page - 1)
             else:
                 offset += n
                 n = 0
