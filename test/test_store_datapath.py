@@ -556,6 +556,11 @@ def test_the_ttft_benchmark_fits_prefixes_in_the_context_and_reads_its_load_trac
     trace = b.parse_trace(text)
     assert len(trace) == 3
     assert b.loads_in(trace, 9.95, 10.2) == (188, 80.5)
+    # where a request's TTFT went: asked the store at +2 ms, loaded from +10 to +100 ms
+    phases = b.phases_in(b.parse_trace(text, b.TRACE_EXISTS), trace, 9.998, 0.142)
+    assert phases == {"lookup_ms": 2.0, "to_load_ms": 12.0, "loading_ms": 90.0,
+                      "after_load_ms": 40.0}
+    assert b.phases_in([], trace, 50.0, 1.0) is None
     # what each reader asks of the backend
     base = {"servers": ["tcp://127.0.0.1:1"], "data_streams": 4}
     tcp = b.extra_config("sglang-pic-ptstore-tcp", base)

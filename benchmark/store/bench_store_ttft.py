@@ -75,6 +75,8 @@ LENGTHS = (1024, 2048, 4096, 8192)
 TRACE_ENV = "SGLANG_PIC_STORE_TRACE"  # the PTStore backend's per-call trace (stderr)
 TRACE_LOAD = re.compile(r"\[ptstore-trace\] batch_get_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
                         r"([0-9.]+) ms")
+TRACE_EXISTS = re.compile(r"\[ptstore-trace\] batch_exists at ([0-9.]+): (\d+) pages, (\d+) hits, "
+                          r"([0-9.]+) ms")
 TRACE_PUT = re.compile(r"\[ptstore-trace\] batch_set_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
                        r"([0-9.]+) ms")
 FLUSH_SLICE_S = 10.0  # a deferred flush waits this long per call; progress is printed in between
@@ -143,6 +145,26 @@ def loads_in(trace: list[tuple[float, int, int, float]], start: float, end: floa
     ``[start, end]`` (wall clock)."""
     hits = [(h, ms) for t, _, h, ms in trace if start <= t <= end]
     return sum(h for h, _ in hits), sum(ms for _, ms in hits)
+
+
+def phases_in(lookups: list[tuple[float, int, int, float]],
+              loads: list[tuple[float, int, int, float]], start: float, ttft_s: float
+              ) -> dict[str, float] | None:
+    """Where one timed request's TTFT went, from the backend trace (wall clock, ms from the
+    request's start): ``lookup`` (until SGLang's prefetch thread asked the store which pages it
+    holds), ``to_load`` (until the first load began: the scheduler's host allocation),
+    ``loading`` (first load's start to last load's end) and ``after_load`` (from there to the
+    first token: the host-to-GPU load-back and the question's prefill). None without loads."""
+    end = start + ttft_s
+    got = [(t, t + ms / 1000) for t, _, _, ms in loads if start <= t <= end]
+    asked = [t for t, _, _, _ in lookups if start <= t <= end]
+    if not got:
+        return None
+    first, last = min(a for a, _ in got), max(b for _, b in got)
+    return {"lookup_ms": round(1000 * ((min(asked) if asked else first) - start), 2),
+            "to_load_ms": round(1000 * (first - start), 2),
+            "loading_ms": round(1000 * (last - first), 2),
+            "after_load_ms": round(1000 * (end - last), 2)}
 
 
 def parse_trace(text: str, pattern: re.Pattern = TRACE_LOAD) -> list[tuple[float, int, int, float]]:
@@ -256,6 +278,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     result.update(puts)
     if trace_file is not None and not writer:
         trace = parse_trace(text)
+        lookups = parse_trace(text, TRACE_EXISTS)
         result["trace_loads"] = len(trace)
         for n in params["lengths"]:
             windows = result.pop(f"_windows_{n}", [])
@@ -266,6 +289,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 if hits and ms:
                     gbps.append(hits * pb / (ms / 1000) / 1e9)
             result[f"load_ms_{n}_all"] = ms_all
+            phases = [phases_in(lookups, trace, start + 0.05, end - start - 0.05)
+                      for start, end in windows]
+            phases = [p for p in phases if p is not None]
+            if phases:  # the median sample's split, and every sample's
+                result[f"phases_{n}"] = {k: statistics.median(p[k] for p in phases)
+                                         for k in phases[0]}
+                result[f"phases_{n}_all"] = phases
             if gbps:
                 result[f"load_gbps_{n}_all"] = [round(g, 3) for g in gbps]
                 result[f"load_gbps_{n}"] = statistics.median(gbps)
@@ -461,6 +491,11 @@ def print_table(report: dict) -> None:
         gbps = res.get("sglang-pic-ptstore-tcp", {}).get(f"load_gbps_{n}")
         load = f"{gbps:>15.2f}" if gbps else f"{'-':>15}"
         print(f"{n:>8}{cells}{ratio}{vs_tcp}{vs_file}{load}")
+    for n in lengths:  # where the TCP reader's TTFT went (backend trace, median sample)
+        ph = res.get("sglang-pic-ptstore-tcp", {}).get(f"phases_{n}")
+        if ph:
+            print(f"TCP {n}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms"
+                                           for k, v in ph.items()))
     for v, r in res.items():  # a prefix the store never saw, against recomputing it in vanilla
         for n in lengths:
             cold, rec = r.get(f"ttft_cold_{n}_ms"), res.get("vanilla", {}).get(f"ttft_{n}_ms")
