@@ -120,6 +120,9 @@ def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
     (["--sae-sample", "0"], "need --radix-eviction-policy sae"),
     (["--position-free-decode-config", "64,2,3"], "need --enable-position-free-kv"),
     (["--ptstore-trace"], "need --ptstore"),
+    (["--hicache-storage-idle-yield-us", "50"], "need --ptstore or --hicache-storage-backend"),
+    (["--ptstore", "tcp://a:1", "--hicache-storage-idle-yield-us", "9000"],
+     "--hicache-storage-idle-yield-us: 9000 is out of range (0-5000)"),
     # combinations the features refused only after the weights loaded
     (["--enable-span-cache", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     (["--enable-span-cache", "--radix-cache-backend", "radix"], "drop --radix-cache-backend radix"),
@@ -165,6 +168,7 @@ def test_what_can_be_served_passes_the_checks():
                  ["--sparse-decode", "pariskv", "--sparse-offload", "--sparse-topk", "32",
                   "--context-length", "65536"],
                  ["--radix-eviction-policy", "sae", "--sae-sample", "0", "--sae-predictor", "off"],
+                 ["--hicache-storage-backend", "file", "--hicache-storage-idle-yield-us", "0"],
                  ["--radix-cache-backend", "pic_span", "--attention-backend", "pic_triton",
                   "--span-markers", "[S],[D]"]):
         given, rest = server_flags.parse(args)

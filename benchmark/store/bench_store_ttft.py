@@ -55,6 +55,7 @@ Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -62,6 +63,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -549,7 +551,12 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
     dest = np.zeros_like(data)
     dv = memoryview(dest).cast("B")
     views = [dv[i * page:(i + 1) * page] for i in range(pages)]
-    for mode, k in (("tcp", 1), ("tcp", streams), ("tcp", min(64, 2 * streams)), ("zmq", 1)):
+    # beside: nothing; a thread looping in Python without pause (SGLang's scheduler while a
+    # request waits for its prefetch); the same loop napping as --hicache-storage-idle-yield-us
+    # makes it (store/idle_yield.py)
+    cases = [("tcp", 1, None), ("tcp", streams, None), ("tcp", min(64, 2 * streams), None),
+             ("zmq", 1, None), ("tcp", streams, 0.0), ("tcp", streams, 100e-6)]
+    for mode, k, nap in cases:
         client = StoreClient(endpoints, token, timeout_ms=60_000, data_plane=mode,
                              data_streams=k)
         try:
@@ -558,16 +565,44 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
             rates = []
             for _ in range(samples):
                 dest.fill(0)
-                t0 = time.perf_counter()
-                ok = client.batch_get_into(ids, views)
-                rates.append(pages * page / (time.perf_counter() - t0) / 1e9)
+                with _python_loop_beside(nap):
+                    t0 = time.perf_counter()
+                    ok = client.batch_get_into(ids, views)
+                    rates.append(pages * page / (time.perf_counter() - t0) / 1e9)
                 verified = verified and all(ok)
-            out[f"ptstore_tcp_{k}" if mode == "tcp" else "ptstore_zmq_curve"] = {
-                "gbps_median": statistics.median(rates), "gbps_samples": rates,
-                "verified": verified}
+            key = f"ptstore_tcp_{k}" if mode == "tcp" else "ptstore_zmq_curve"
+            key += "" if nap is None else "_spinning_yield" if nap else "_spinning"
+            out[key] = {"gbps_median": statistics.median(rates), "gbps_samples": rates,
+                        "verified": verified}
         finally:
             client.close()
     return out
+
+
+@contextlib.contextmanager
+def _python_loop_beside(nap_s: float | None):
+    """A thread running a Python loop (naps of ``nap_s`` per pass; 0: none) while the block
+    runs; None: no thread."""
+    if nap_s is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        work: dict[int, int] = {}
+        while not stop.is_set():
+            for j in range(200):  # about one idle pass of SGLang's scheduler in Python
+                work[j] = 2 * j
+            if nap_s:
+                time.sleep(nap_s)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def main() -> None:

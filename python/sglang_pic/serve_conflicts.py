@@ -90,6 +90,7 @@ def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
         "spans": spans,
         "position_free": spans or POSITION_FREE_FLAG in given or chosen.startswith("pic_"),
         "ptstore": "--ptstore" in given,
+        "hicache_storage": "--ptstore" in given or bool(value_of(argv, "--hicache-storage-backend")),
         "sparse": "--sparse-decode" in given,
         "sae": value_of(argv, "--radix-eviction-policy") == "sae",
         "tlru": value_of(argv, "--radix-eviction-policy") == "tlru",

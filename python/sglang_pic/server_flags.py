@@ -44,14 +44,15 @@ class UsageError(SystemExit):
 # ---- value parsers: str -> value, BadValue with the allowed range otherwise -------------------
 
 
-def integer(minimum: int = 0) -> Callable[[str], int]:
+def integer(minimum: int = 0, maximum: int | None = None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         try:
             value = int(raw.strip())
         except ValueError:
             raise BadValue(f"{raw!r} is not an integer") from None
-        if value < minimum:
-            raise BadValue(f"{value} is out of range (>= {minimum})")
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"{minimum}-{maximum}"
+            raise BadValue(f"{value} is out of range ({bounds})")
         return value
     return parse
 
@@ -176,6 +177,7 @@ FEATURES: dict[str, Feature] = {
                              "(or --enable-span-cache)"),
     "spans": Feature("span caching", "--enable-span-cache"),
     "ptstore": Feature("PTStore (HiCache L3 tier, span pages)", "--ptstore"),
+    "hicache_storage": Feature("HiCache storage I/O", "--ptstore or --hicache-storage-backend"),
     "sparse": Feature("sparse decoding (ParisKV)", "--sparse-decode pariskv"),
     "sae": Feature("SAE eviction", "--radix-eviction-policy sae"),
     "tlru": Feature("T-LRU eviction", "--radix-eviction-policy tlru"),
@@ -260,6 +262,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("--ptstore-trace", "ptstore",
          "one stderr line per PTStore lookup, load and store (wall clock, pages, hits, ms)",
          default=False, env="SGLANG_PIC_STORE_TRACE"),
+    Flag("--hicache-storage-idle-yield-us", "hicache_storage",
+         "while a HiCache storage load or write-back is in flight and nothing else runs, the "
+         "scheduler sleeps this long per idle pass so the storage threads get the GIL; 0: off",
+         parse=integer(0, 5000), default=100, range="0-5000", metavar="US",
+         env="SGLANG_PIC_STORAGE_IDLE_YIELD_US"),
     # refused with its reason (argv is visible to every user), not reported as unknown
     Flag("--ptstore-token", "ptstore", "", parse=text, hidden=True),
     Flag("--sparse-decode", "sparse", "sparse decoding of requests over --sparse-threshold tokens",
