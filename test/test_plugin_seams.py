@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env=None if env is None else {**os.environ, **env})
 
 
 def test_every_hook_of_the_plugin_applies():
     """All our hooks patch their targets in the pinned SGLang: the count printed is the number of
-    targets verified, and it matches the registry's own record."""
+    targets verified, and it matches the registry's own record. ``--ptstore-trace`` adds the
+    prefetch trace's hook."""
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
             "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
-            "print(sorted(t for t in H._hooks if t not in H._patched))")
-    out = _run(code)
+            "print(sorted(t for t in H._hooks if t not in H._patched)); "
+            "from sglang_pic.store.prefetch_trace import TARGET; print(TARGET in H._patched)")
+    out = _run(code, {"SGLANG_PIC_STORE_TRACE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]
     assert "hooks verified" in out.stderr
 
 

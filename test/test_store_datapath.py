@@ -561,6 +561,10 @@ def test_the_ttft_benchmark_fits_prefixes_in_the_context_and_reads_its_load_trac
     assert phases == {"lookup_ms": 2.0, "to_load_ms": 12.0, "loading_ms": 90.0,
                       "after_load_ms": 40.0}
     assert b.phases_in([], trace, 50.0, 1.0) is None
+    done = "[ptstore-trace] prefetch_done at 10.105: 8192 tokens\n"
+    taken = [float(t) for t, _ in b.TRACE_DONE.findall(text + done)]
+    split = b.phases_in(b.parse_trace(text, b.TRACE_EXISTS), trace, 9.998, 0.142, taken)
+    assert split["to_take_ms"] == 5.0 and split["after_take_ms"] == 35.0
     # what each reader asks of the backend
     base = {"servers": ["tcp://127.0.0.1:1"], "data_streams": 4}
     tcp = b.extra_config("sglang-pic-ptstore-tcp", base)

@@ -79,6 +79,7 @@ TRACE_LOAD = re.compile(r"\[ptstore-trace\] batch_get_v1 at ([0-9.]+): (\d+) pag
                         r"([0-9.]+) ms")
 TRACE_EXISTS = re.compile(r"\[ptstore-trace\] batch_exists at ([0-9.]+): (\d+) pages, (\d+) hits, "
                           r"([0-9.]+) ms")
+TRACE_DONE = re.compile(r"\[ptstore-trace\] prefetch_done at ([0-9.]+): (\d+) tokens")
 TRACE_PUT = re.compile(r"\[ptstore-trace\] batch_set_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
                        r"([0-9.]+) ms")
 FLUSH_SLICE_S = 10.0  # a deferred flush waits this long per call; progress is printed in between
@@ -150,23 +151,30 @@ def loads_in(trace: list[tuple[float, int, int, float]], start: float, end: floa
 
 
 def phases_in(lookups: list[tuple[float, int, int, float]],
-              loads: list[tuple[float, int, int, float]], start: float, ttft_s: float
-              ) -> dict[str, float] | None:
+              loads: list[tuple[float, int, int, float]], start: float, ttft_s: float,
+              taken: list[float] = ()) -> dict[str, float] | None:
     """Where one timed request's TTFT went, from the backend trace (wall clock, ms from the
     request's start): ``lookup`` (until SGLang's prefetch thread asked the store which pages it
     holds), ``to_load`` (until the first load began: the scheduler's host allocation),
     ``loading`` (first load's start to last load's end) and ``after_load`` (from there to the
-    first token: the host-to-GPU load-back and the question's prefill). None without loads."""
+    first token: the host-to-GPU load-back and the question's prefill). With the scheduler's
+    ``prefetch_done`` lines (``taken``, wall clock), ``after_load`` splits into ``to_take`` (until
+    the scheduler took the loaded pages) and ``after_take``. None without loads."""
     end = start + ttft_s
     got = [(t, t + ms / 1000) for t, _, _, ms in loads if start <= t <= end]
     asked = [t for t, _, _, _ in lookups if start <= t <= end]
     if not got:
         return None
     first, last = min(a for a, _ in got), max(b for _, b in got)
-    return {"lookup_ms": round(1000 * ((min(asked) if asked else first) - start), 2),
-            "to_load_ms": round(1000 * (first - start), 2),
-            "loading_ms": round(1000 * (last - first), 2),
-            "after_load_ms": round(1000 * (end - last), 2)}
+    out = {"lookup_ms": round(1000 * ((min(asked) if asked else first) - start), 2),
+           "to_load_ms": round(1000 * (first - start), 2),
+           "loading_ms": round(1000 * (last - first), 2),
+           "after_load_ms": round(1000 * (end - last), 2)}
+    took = [t for t in taken if last - 0.001 <= t <= end]  # the line has ms resolution
+    if took:
+        out.update(to_take_ms=round(1000 * (min(took) - last), 2),
+                   after_take_ms=round(1000 * (end - min(took)), 2))
+    return out
 
 
 def parse_trace(text: str, pattern: re.Pattern = TRACE_LOAD) -> list[tuple[float, int, int, float]]:
@@ -281,6 +289,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     if trace_file is not None and not writer:
         trace = parse_trace(text)
         lookups = parse_trace(text, TRACE_EXISTS)
+        taken = [float(t) for t, _ in TRACE_DONE.findall(text)]
         result["trace_loads"] = len(trace)
         for n in params["lengths"]:
             windows = result.pop(f"_windows_{n}", [])
@@ -291,12 +300,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 if hits and ms:
                     gbps.append(hits * pb / (ms / 1000) / 1e9)
             result[f"load_ms_{n}_all"] = ms_all
-            phases = [phases_in(lookups, trace, start + 0.05, end - start - 0.05)
+            phases = [phases_in(lookups, trace, start + 0.05, end - start - 0.05, taken)
                       for start, end in windows]
             phases = [p for p in phases if p is not None]
-            if phases:  # the median sample's split, and every sample's
+            if phases:  # each part's median over the samples, and every sample's split
+                keys = [k for k in phases[0] if all(k in p for p in phases)]
                 result[f"phases_{n}"] = {k: statistics.median(p[k] for p in phases)
-                                         for k in phases[0]}
+                                         for k in keys}
                 result[f"phases_{n}_all"] = phases
             if gbps:
                 result[f"load_gbps_{n}_all"] = [round(g, 3) for g in gbps]

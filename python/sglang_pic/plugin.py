@@ -19,7 +19,7 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests'; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides, its host-tier `evict_host`, device-to-host `_evict_backuped` and `write_back`'s `_drop_subtree_no_host`; our `SpanRadixCache`'s `match_prefix`, `cache_finished_req`, `cache_unfinished_req`, which bypass `RadixCache`'s for span requests, with `eviction.context.segment_at` around each segment's insert); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
 | sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_flashinfer`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` |
-| HiCache storage I/O (`store.idle_yield`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL |
+| HiCache storage I/O (`store.idle_yield`, `store.prefetch_trace`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL; with `--ptstore-trace`, AROUND `HiRadixCache.check_prefetch_progress` (a trace line when the scheduler takes a finished prefetch) |
 | CPU support (`cpu_support`, CPU only) | REPLACE hooks on the HiCache host pool's pinning, AFTER hook on `HostKVCache.__init__`; xgrammar on CPU (`cpu_grammar`): REPLACE `xgrammar_backend._allocate_token_bitmask`, AROUND `XGrammarGrammar.apply_vocab_mask` |
 
 Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists them and
@@ -77,7 +77,7 @@ def register() -> None:
         spans,
         sparse,
     )
-    from sglang_pic.store import idle_yield
+    from sglang_pic.store import idle_yield, prefetch_trace
 
     def validation() -> None:
         HookRegistry.register(request_validation.HOOK_TARGET,
@@ -87,6 +87,10 @@ def register() -> None:
         _CPU_TWINS.update(position_free.CPU_BACKENDS, sparse.CPU_BACKENDS)
         HookRegistry.register("sglang.srt.utils.common.support_triton", _support_triton,
                               HookType.AROUND)
+
+    def hicache_storage() -> None:
+        idle_yield.register()
+        prefetch_trace.register()
 
     def dsl() -> None:
         import sglang_pic.lang  # noqa: F401  (sgl.span for frontend programs in this process)
@@ -100,7 +104,7 @@ def register() -> None:
         ("frontend-dsl", dsl),
         ("eviction", eviction.register),
         ("sparse-decode", sparse.register),
-        ("storage-idle-yield", idle_yield.register),
+        ("hicache-storage", hicache_storage),
     ]
     from sglang_pic import cpu_support
 
