@@ -167,3 +167,43 @@ def test_a_span_prefill_not_found_in_the_cache_is_left_to_its_result(monkeypatch
     unit.finished = lambda: True
     planner.on_request_cached(unit)
     assert enqueued == ["client"] and cache.saved == [(5, 6, 7, 8)]
+
+
+def test_span_prefills_just_over_the_chunk_budget_go_in_one_pass(monkeypatch):
+    """A cold prompt's units (system prompt 256 + document 8192 tokens, chunk budget 8192) are
+    taken in one pass, not two with a 256-token tail, when nothing but units waits; any other
+    waiting request, a larger overshoot, a chunked request in flight or the prefill token cap
+    leaves SGLang's budget as it is. The hook sets the budget for that one batch."""
+    from sglang_pic import spans
+
+    planner, cache, unit, _ = _waiting_request(monkeypatch)
+
+    def req(rid, n):
+        return SimpleNamespace(rid=rid, origin_input_ids=[0] * n)
+
+    planner.unit_by_rid.update({"u-s": object(), "u-d": object()})
+    units = [req("u-s", 256), req("u-d", 8192)]
+
+    def sched(queue, **kw):
+        return SimpleNamespace(**{"chunked_prefill_size": 8192, "waiting_queue": queue,
+                                  "chunked_req": None, "max_prefill_tokens": 16384, **kw})
+
+    assert planner.unit_chunk_budget(sched(units)) == 8448
+    assert planner.unit_chunk_budget(sched([req("u-s", 250), req("u-d", 8192)])) == 8444  # pages
+    assert planner.unit_chunk_budget(sched([*units, req("client", 64)])) is None
+    assert planner.unit_chunk_budget(sched([req("u-s", 1025), req("u-d", 8192)])) is None
+    assert planner.unit_chunk_budget(sched([req("u-d", 8192)])) is None  # fits: nothing to do
+    assert planner.unit_chunk_budget(sched(units, **{"chunked_req": object()})) is None
+    s = sched(units)
+    s.max_prefill_tokens = 8192
+    assert planner.unit_chunk_budget(s) is None
+    s.max_prefill_tokens, s.chunked_prefill_size = 16384, None
+    assert planner.unit_chunk_budget(s) is None
+
+    seen = []
+    scheduler = sched(units, last_batch=None, tree_cache=SimpleNamespace(planner=planner))
+    spans._on_new_prefill_batch(lambda s: seen.append(s.chunked_prefill_size), scheduler)
+    assert seen == [8448] and scheduler.chunked_prefill_size == 8192
+    scheduler.waiting_queue = [*units, req("client", 64)]
+    spans._on_new_prefill_batch(lambda s: seen.append(s.chunked_prefill_size), scheduler)
+    assert seen == [8448, 8192]

@@ -87,6 +87,34 @@ def test_output_equals_block_attention_reference(span_server, hf, prefix, order)
     assert out["output_ids"] == reference(hf, ids)
 
 
+def test_span_prefills_just_over_the_chunk_budget_run_in_one_pass(span_server, hf):
+    """A cold prompt whose span prefills (system prompt + document) exceed the server's
+    ``--chunked-prefill-size`` 128 by at most 1/8 prefills them in one pass of more than 128
+    tokens (SGLang alone would chunk them, leaving a small tail pass before the question's), and
+    answers as the block-attention reference does."""
+    import re
+
+    tok, sentence = hf[0], " The ferry to Lindholm leaves at seven and returns at noon."
+    doc, chosen = "", None
+    for _ in range(40):  # the document grows until the span prefills total 129-144 tokens
+        doc += sentence
+        ids = span_ids(tok, "Cold chunk test.", [doc])
+        padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=PAGE,
+                                       pad_id=tok.eos_token_id)
+        units = decode_pieces(layout)[-1].start  # every piece but the question
+        if 128 < units <= 144:
+            chosen = ids
+            break
+    assert chosen is not None, "no document length gave span prefills of 129-144 tokens"
+    seen = span_server.log.stat().st_size
+    out = generate(span_server, input_ids=chosen)
+    assert out["output_ids"] == reference(hf, chosen)
+    with span_server.log.open() as f:
+        f.seek(seen)
+        batches = [int(n) for n in re.findall(r"Prefill batch.*?#new-token: (\d+)", f.read())]
+    assert any(n > 128 for n in batches), batches
+
+
 def test_text_markers_equal_token_markers(span_server, hf):
     tok = hf[0]
     text = PREFIXES[0] + "".join("<|ssep|> " + d for d in DOCS[:2]) + "<|pdep|>" + QUESTION

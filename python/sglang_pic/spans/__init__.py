@@ -14,7 +14,7 @@ position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, 
 | HTTP server       | BEFORE ``http_server.launch_server``: middleware turning the ``spans`` field into a prompt | ``http`` |
 | scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
 | scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
-| scheduler         | AROUND ``Scheduler.get_new_batch_prefill``: requests whose sub-requests the last batch completed join this batch | ``planner`` |
+| scheduler         | AROUND ``Scheduler.get_new_batch_prefill``: requests whose sub-requests the last batch completed join this batch; span prefills alone that overshoot the chunk budget by at most 1/8 go in one pass | ``planner`` |
 | scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held, cancel unneeded sub-requests | ``planner`` |
 | scheduler         | AROUND ``SchedulerOutputStreamer.stream_output``: internal span prefills are not streamed | here |
 | scheduler         | AROUND ``SchedulerOutputStreamer.get_cached_tokens_details``: the split of ``cached_tokens`` | ``planner`` |
@@ -101,9 +101,18 @@ def _on_add_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwar
 
 def _on_new_prefill_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     planner = _planner(scheduler)
-    if planner is not None and planner.units:  # no sub-request in flight: nothing to look at
-        planner.release_launched_units(scheduler)
-    return original(scheduler, *args, **kwargs)
+    if planner is None or not planner.units:  # no sub-request in flight: nothing to look at
+        return original(scheduler, *args, **kwargs)
+    planner.release_launched_units(scheduler)
+    budget = planner.unit_chunk_budget(scheduler)
+    if budget is None:
+        return original(scheduler, *args, **kwargs)
+    size = scheduler.chunked_prefill_size
+    scheduler.chunked_prefill_size = budget  # this batch only (read when it is formed)
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.chunked_prefill_size = size
 
 
 def _on_abort(result: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:

@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+UNIT_TAIL_FRACTION = 8
+"""Span prefills leave no last chunk under ``chunked_prefill_size // UNIT_TAIL_FRACTION`` tokens
+(``unit_chunk_budget``)."""
+
 MAX_PINNED_FRACTION = 0.5
 """Share of the KV pool that pinned spans plus pending span prefills may take before new requests
 wait in the backlog."""
@@ -368,6 +372,33 @@ class SpanPlanner:
                 setattr(recv, name, value)
         self._handle(self.scheduler, recv)
         return self.units.get(key)
+
+    # ---- batching ---------------------------------------------------------------------------
+    def unit_chunk_budget(self, scheduler: Any) -> int | None:
+        """The chunk budget for the prefill batch about to be formed, when only span prefills
+        wait and they fit it with a small overshoot; else None (SGLang's own budget).
+
+        A cold span prompt (system prompt S, document D, question Q) runs the units for S and D,
+        then Q. With S + D just over ``chunked_prefill_size`` C (an 8K document behind a short
+        system prompt on the H200, C = 8192), SGLang would prefill the units in two passes, the
+        second of only the last few hundred tokens, and Q in a third; vanilla SGLang prefills
+        S + D + Q in two. When every waiting request is a unit (no other request's batching
+        changes) and their prompts together exceed C by at most C / ``UNIT_TAIL_FRACTION``
+        (and fit ``max_prefill_tokens``), this pass takes them whole: Q follows in the next
+        pass, as in vanilla. The KV pool check (``PrefillAdder``) is SGLang's as always."""
+        size = getattr(scheduler, "chunked_prefill_size", None)
+        queue = getattr(scheduler, "waiting_queue", None)
+        if not size or size <= 0 or not queue or getattr(scheduler, "chunked_req", None):
+            return None
+        if not all(req.rid in self.unit_by_rid for req in queue):
+            return None
+        total = sum(len(req.origin_input_ids) for req in queue)
+        page = self.cache.page_size
+        budget = -(-total // page) * page
+        if size < total <= size + size // UNIT_TAIL_FRACTION \
+                and budget <= getattr(scheduler, "max_prefill_tokens", budget):
+            return budget
+        return None
 
     # ---- completion -----------------------------------------------------------------------
     def release_launched_units(self, scheduler: Any) -> None:
