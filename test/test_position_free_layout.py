@@ -400,3 +400,36 @@ def test_the_copier_logs_a_summary_of_its_counts(monkeypatch, caplog):
         copier.prepare([req], [12])
     assert "copied_requests 1, copied_tokens 8, reused_copy_tokens 0" in caplog.text
     assert "1 shared copies live" in caplog.text
+
+
+def test_a_batch_of_moved_span_requests_is_read_from_the_device_once(monkeypatch):
+    """The batch's lookup (which pages moved, and the slots and shifts the copies are keyed by)
+    is one device-to-host read for all new span requests; a read per request waited for the
+    previous request's copy kernel each time. The copies are the same as one at a time."""
+    from sglang_pic.position_free import moved_copies
+
+    copier, table, k, v, cache = _copier(pool_slots=64)
+    table[8:16] = torch.arange(8, dtype=torch.int32)  # a span computed alone from 0
+    table[4:8] = torch.arange(4, dtype=torch.int32)
+    table[0:4] = torch.arange(4, 8, dtype=torch.int32)  # a piece in place at 4-7
+    rows = copier.req_to_token
+    rows[0, :12] = torch.tensor([4, 5, 6, 7, *range(8, 16)], dtype=torch.int32)  # moved by 4
+    rows[1, :16] = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3, *range(8, 16)], dtype=torch.int32)  # 8
+    reqs = [SimpleNamespace(pic_segments=[object()], req_pool_idx=i, prefix_indices=rows[i])
+            for i in range(2)]
+    shared = [b[8:16].clone() for b in k]
+    reads = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: reads.append(t.numel())
+                        or real_cpu(t, *a, **kw))
+    copier.prepare(reqs, [12, 16])
+    assert len(reads) == 1
+    a, b = (getattr(r, moved_copies.ATTR) for r in reqs)
+    assert isinstance(a, moved_copies.MovedCopy) and isinstance(b, moved_copies.MovedCopy)
+    assert table[a.slots].tolist() == list(range(4, 12))
+    assert table[b.slots].tolist() == list(range(8, 16))
+    for layer in range(2):
+        torch.testing.assert_close(k[layer][a.slots], turn_keys_expected(shared[layer], cache))
+        torch.testing.assert_close(
+            k[layer][b.slots],
+            moved_copies.turn_keys(shared[layer], torch.full((8,), 8), cache))

@@ -188,8 +188,8 @@ class MovedPageCopier:
                 n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
                 new.append((req, int(n)))
         if new:
-            for (req, _), pages in zip(new, self._moved_pages(new), strict=True):
-                self._set_state(req, self._copy(req.req_pool_idx, pages))
+            for (req, _), (pages, host) in zip(new, self._moved_pages(new), strict=True):
+                self._set_state(req, self._copy(req.req_pool_idx, pages, host))
         self.retry(reqs)
 
     def retry(self, reqs: list) -> None:
@@ -210,30 +210,49 @@ class MovedPageCopier:
     def _has_room(self, count: int) -> bool:
         return self.allocator.available_size() - count >= self.reserve
 
-    def _moved_pages(self, reqs: list[tuple[Any, int]]) -> list[torch.Tensor | None]:
+    def _moved_pages(self, reqs: list[tuple[Any, int]]
+                     ) -> list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]:
         """Per request (and its prefix length ``n``): the pages (ascending, CPU int64) of its row's
-        first ``n`` slots holding a key stored at another position than its index; None when such
-        a key is in a partial last page (never seen: matches are whole pages; not copyable)."""
+        first ``n`` slots holding a key stored at another position than its index (None when such
+        a key is in a partial last page: never seen, matches are whole pages; not copyable), and
+        the row's ``n`` slots and shifts (position minus stored position) on the CPU, which
+        ``_copy`` keys its runs by. One device-to-host read for the whole batch: a read per
+        request waited for the previous request's copy kernel each time (a RAG batch of 128 new
+        span requests: 128 waits on the scheduler thread, one after the other)."""
         table = stored_positions.table()
         page = self.page_size
-        flags = []
+        flags, rows, shifts = [], [], []
         for req, n in reqs:
             row = self.req_to_token[req.req_pool_idx, :n].long()
-            moved = table[row].long() != torch.arange(n, device=row.device)
+            shift = torch.arange(n, device=row.device) - table[row].long()
+            moved = shift != 0
             full = n // page * page
-            flags.append(moved[:full].view(-1, page).any(dim=1))
-            flags.append(moved[full:].any().view(1))  # the partial page, if any
-        cpu = torch.cat(flags).cpu()  # the batch's device-to-host read (it waits for the GPU)
-        out, at = [], 0
+            flags.append(moved[:full].view(-1, page).any(dim=1).long())
+            flags.append(moved[full:].any().view(1).long())  # the partial page, if any
+            rows.append(row)
+            shifts.append(shift)
+        cpu = torch.cat(flags + rows + shifts).cpu()  # the batch's read (it waits for the GPU)
+        pages_of, at = [], 0
         for _, n in reqs:
             pages = cpu[at : at + n // page]
             partial = bool(cpu[at + n // page])
             at += n // page + 1
-            out.append(None if partial else torch.nonzero(pages).flatten())
+            pages_of.append(None if partial else torch.nonzero(pages).flatten())
+        slots_of = []
+        for _, n in reqs:
+            slots_of.append(cpu[at : at + n])
+            at += n
+        out = []
+        for (_, n), pages, slots in zip(reqs, pages_of, slots_of, strict=True):
+            out.append((pages, (slots, cpu[at : at + n])))
+            at += n
         return out
 
-    def _copy(self, pool_index: int, pages: torch.Tensor | None) -> MovedCopy | Waiting | str:
-        """Copy the row's moved ``pages`` (None: a moved key in a partial page, not copyable)."""
+    def _copy(self, pool_index: int, pages: torch.Tensor | None,
+              host: tuple[torch.Tensor, torch.Tensor] | None = None) -> MovedCopy | Waiting | str:
+        """Copy the row's moved ``pages`` (None: a moved key in a partial page, not copyable);
+        ``host``: the row's slots and shifts from the batch's read (``_moved_pages``), else they
+        are read here (a request that waited for room, copied at a later batch)."""
         if pages is None:
             self._count("shared_requests")
             return SHARED
@@ -241,11 +260,15 @@ class MovedPageCopier:
             return NOTHING_MOVED
         row = self.req_to_token[pool_index]
         within = torch.arange(self.page_size)
-        positions = (pages[:, None] * self.page_size + within).flatten().to(row.device)
+        positions_cpu = (pages[:, None] * self.page_size + within).flatten()
+        positions = positions_cpu.to(row.device)
         table = stored_positions.table()
         src = row[positions].long()
         shift = positions - table[src].long()
-        src_cpu, shift_cpu = src.cpu(), shift.cpu()  # the batch's device read already waited
+        if host is not None:
+            src_cpu, shift_cpu = host[0][positions_cpu], host[1][positions_cpu]
+        else:
+            src_cpu, shift_cpu = src.cpu(), shift.cpu()
         # runs of one shift, cut at page boundaries (padding starts every piece on a page, so a
         # run is a span); a run's key holds all its shifts and source slots, so a copy is reused
         # only for exactly the same turn of exactly the same slots
