@@ -231,7 +231,8 @@ class MovedPageCopier:
             flags.append(moved[full:].any().view(1).long())  # the partial page, if any
             rows.append(row)
             shifts.append(shift)
-        cpu = torch.cat(flags + rows + shifts).cpu()  # the batch's read (it waits for the GPU)
+        # the batch's read (it waits for the GPU); slots and shifts fit int32: half the bytes
+        cpu = torch.cat(flags + rows + shifts).to(torch.int32).cpu().long()
         pages_of, at = [], 0
         for _, n in reqs:
             pages = cpu[at : at + n // page]
