@@ -323,9 +323,13 @@ def register_cpu_hooks() -> None:
     import importlib
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang_pic_kernel._interpreter import fix_interpreter_scalar_index
+    from sglang_pic_kernel._interpreter import (
+        fix_interpreter_scalar_index,
+        skip_nested_lang_patching,
+    )
 
     fix_interpreter_scalar_index()  # Triton interpreter vs NumPy >= 2.4 (see that module)
+    skip_nested_lang_patching()  # and its repeated patching of triton.language (same module)
 
     common = "sglang.srt.mem_cache.pool_host.common"
     HookRegistry.register(f"{common}._cuda_host_register", _no_host_register, HookType.REPLACE)

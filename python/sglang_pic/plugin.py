@@ -32,7 +32,7 @@ Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists th
 | the token allocator's `free` wrapped per instance (`--sparse-offload`) | `sparse/offload.py` | instance attribute, wrapped when the offload state is built |
 | `sglang.span` set on import | `lang.py` | the frontend DSL's namespace, not a function to wrap |
 | CPU only: `torch.cpu.Stream.synchronize/query`, the paged allocator, `transfer_kv_direct` where a module lacks it | `cpu_support.py` | torch's and SGLang's names that do not exist on CPU (HookRegistry can only wrap existing names) |
-| CPU only: the Triton interpreter's scalar indexing | `sglang_pic_kernel._interpreter` | Triton, not SGLang |
+| CPU only: the Triton interpreter's scalar indexing and its re-patching of `triton.language` on every helper call | `sglang_pic_kernel._interpreter` | Triton, not SGLang |
 | CPU only: `sglang_pic_cpu.pth` import finder | `cpu_support.py` | stand-ins for `torchvision` / `sgl_kernel` must exist before SGLang's first import |
 | PTStore | HiCache `dynamic` storage backend, named in `--hicache-storage-backend-extra-config` | SGLang's own extension point (nothing to patch) |
 """

@@ -153,6 +153,47 @@ def test_shifted_decode_matches_reference(case, dtype):
     torch.testing.assert_close(o.float(), ref, atol=_tol(dtype), rtol=_tol(dtype))
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter only")
+def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """``sglang_pic_kernel._interpreter.skip_nested_lang_patching``: in an interpreted launch, the
+    helpers the kernel calls (ours and Triton's ``tl.max``, ``tl.cdiv``: many calls per program)
+    no longer patch ``triton.language`` again on every call, and the output is bit for bit the
+    one the interpreter computes with them patching (``__wrapped__``: its own functions)."""
+    from triton.runtime import interpreter
+
+    assert hasattr(interpreter._patch_lang, "__wrapped__"), "the shortcut is not installed"
+    patches = []
+    patch_builtin = interpreter._patch_builtin  # each _patch_lang patches 3-4 modules with it
+    monkeypatch.setattr(interpreter, "_patch_builtin",
+                        lambda *a: (patches.append(a[0]), patch_builtin(*a))[1])
+
+    def decode() -> torch.Tensor:
+        hq, hk, d, lens, page, rope_kind, moved = SHIFTED_DECODE[0]
+        torch.manual_seed(3)
+        table = _table(rope_kind, d, max_pos=max(lens) + 64)
+        slots = page * (sum(-(-n // page) for n in lens) + 4)
+        k0, v_buf = _pool(slots, hk, d, torch.float32)
+        kv_indptr, kv_indices = _scattered_slots(lens, slots, page)
+        k_buf, stored = _shifted_pool(k0, kv_indptr, kv_indices, table, moved)
+        q = torch.randn(len(lens), hq, d, device=DEVICE)
+        o = torch.empty_like(q)
+        rotating_decode_attention_fwd(q, k_buf, v_buf, o, kv_indptr, kv_indices,
+                                      *_decode_scratch(len(lens), hq, d, lens), d**-0.5,
+                                      rope=table, stored_positions=stored)
+        return o
+
+    fast = decode()
+    fast_patches = len(patches)
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.__wrapped__)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__",
+                        interpreter.GridExecutor.__call__.__wrapped__)
+    patches.clear()
+    assert torch.equal(decode(), fast)
+    # two launches (stage 1 and 2), each patching its modules once, not on every helper call
+    # (measured: 17 module patches against 1736)
+    assert fast_patches * 50 < len(patches), (fast_patches, len(patches))
+
+
 SHIFTED_EXTEND = [  # (q_heads, kv_heads, head_dim, prefix_lens, extend_lens, page, rope, moved)
     (4, 2, 32, [0, 30], [20, 9], 1, "llama3", 16),
     (4, 2, 32, [0, 7], [20, 9], 1, "llama3", 0),

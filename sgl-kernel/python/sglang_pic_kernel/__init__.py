@@ -7,8 +7,9 @@ for tests) and natively on CUDA. Planned contents, one module per kernel family:
 (sparse long-context decoding).
 """
 
-from ._interpreter import fix_interpreter_scalar_index
+from ._interpreter import fix_interpreter_scalar_index, skip_nested_lang_patching
 
 __version__ = "0.1.0"
 
 fix_interpreter_scalar_index()
+skip_nested_lang_patching()
