@@ -20,10 +20,11 @@ STORY = "Once upon a time, in a land far away, " * 3  # > 16 tokens: one cached 
 @pytest.fixture(scope="module")
 def triton_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("position_free_triton") / "server.log"
-    # one KV split: fewer Triton programs for the interpreter to run
+    # one KV split: fewer Triton programs for the interpreter to run; no warm-up request (8
+    # tokens, ~10 s of interpreted kernels: the start's health check runs a forward pass already)
     srv = start_server(["--max-total-tokens", "4096", "--page-size", "16",
                         "--enable-span-cache", "--attention-backend", "triton",
-                        "--triton-attention-num-kv-splits", "1"], log)
+                        "--triton-attention-num-kv-splits", "1", "--skip-server-warmup"], log)
     yield srv
     stop_server(srv)
 
