@@ -6,10 +6,13 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check python sgl-kernel benchmark test || exit 1
-# Two workers, each taking whole test files (a module's shared server stays in one worker); each
-# CPU server runs torch on one thread, so two workers keep both cores busy.
+# Two workers, each taking whole work units: a test file, or the group of files sharing a session
+# server (test/conftest.py gives each test its xdist_group), so a server is never started twice;
+# units go out in collection order, longest first (conftest's HEAVY_FIRST). Each CPU server runs
+# torch on one thread, so two workers keep both cores busy.
 workers="${PYTEST_WORKERS:-2}"
-"$VENV/bin/python" -m pytest test --durations=15 -n "$workers" --dist loadfile "$@"
+"$VENV/bin/python" -m pytest test --durations=15 -n "$workers" --dist loadgroup \
+  --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; treating as failure" >&2

@@ -1,8 +1,11 @@
-"""Shared fixtures: one real sglang-pic server (SmolLM2-135M on CPU) for the whole suite.
+"""Shared fixtures: real sglang-pic servers (SmolLM2-135M on CPU) shared across test modules.
 
-Starting a server costs ~25 s on 2 cores, so the suite shares one (session scope); modules that
-need other server flags start their own with `start_server`. Every wait is bounded, so a dead
-scheduler fails the test instead of hanging it.
+Starting a server costs ~26 s of CPU on 2 cores (three processes importing SGLang, the model load
+and a warm-up request), so the suite shares two (session scope): ``server`` (plain) and
+``span_server`` (span cache); modules that need other server flags start their own with
+`start_server`. The modules using a shared server run in one xdist group, on one worker, so each
+shared server starts once per run (``pytest_collection_modifyitems``). Every wait is bounded, so
+a dead scheduler fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ if not has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 START_TIMEOUT_S = 240
 """Seconds from a server's launch (once it holds a start slot) to its first healthy answer."""
+HEALTH_POLL_S = 0.5
+"""Pause between health checks while a server starts: SGLang answers 503 at once until its
+warm-up is done, then ``/health`` generates a token (about 1 s)."""
 START_SLOTS = int(os.environ.get("SGLANG_PIC_TEST_START_SLOTS", os.cpu_count() or 1))
 """Servers of the whole test run (every xdist worker) that may be starting at once. A start is
 ~20 s of CPU (three processes importing SGLang, then the model load and a warm-up request):
@@ -51,25 +57,97 @@ def pytest_configure(config):
 
 
 HEAVY_FIRST = (
-    "test_sparse_decode_cpu.py", "test_spans_cpu.py", "test_eviction.py", "test_cli.py",
-    "test_store_hicache_cpu.py", "test_spans_store_cpu.py", "test_position_free_triton_cpu.py",
-    "test_lang.py", "test_hicache_cpu.py", "test_position_free_cpu.py", "test_docs.py",
-    "test_http_security.py", "test_config_flags.py",
+    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_lang.py",
+    "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
+    "test_position_free_triton_cpu.py", "test_docs.py", "test_spans_store_cpu.py",
+    "test_position_free_cpu.py", "test_cli.py", "test_store_hicache_cpu.py",
+    "test_config_flags.py", "test_hicache_cpu.py", "test_span_scheduling.py",
+    "test_sparse_decode_state.py", "test_store_datapath.py", "test_pariskv.py",
+    "test_store_security.py", "test_plugin_seams.py", "test_request_validation.py",
 )
-"""Modules by their time on 2 cores, longest first (``--durations``): ``--dist loadfile`` hands
-out modules in collection order, so the long ones start first and the short ones fill in at the
-end, instead of one worker starting a 5-minute module when the other is nearly done."""
+"""Modules by their time on 2 cores, longest first (``--durations``). xdist hands out work units
+(a module, or the group of the modules sharing a session server) in collection order
+(``--no-loadscope-reorder``: its default order is by number of tests), so the long ones start
+first and the short ones fill in at the end, instead of one worker starting a 3-minute module
+when the other is nearly done. A group's modules run in this order too: ``SHARED_GROUP`` (the
+longest unit, ~8 min) runs ``span_server``'s users last and test_spans_cpu last of them, whose
+own servers start after its last test using a session server: each session server stops after
+its last user (``pytest_runtest_teardown``), so few servers are up at once (the HiCache tests'
+host reserve check waits for memory)."""
+SESSION_SERVERS = ("server", "span_server")
+"""Session-scoped server fixtures: the modules using one (directly or through another fixture)
+form the xdist group ``SHARED_GROUP``, so the server starts once per run, not once per worker."""
+SHARED_GROUP = "session-servers"
 
 
+def _session_servers_used(item) -> list[str]:
+    """The ``SESSION_SERVERS`` the test needs (directly or through other fixtures; not another
+    module's fixture or parameter of the same name). A test asking for one with
+    ``request.getfixturevalue`` must also name it as an argument of some fixture it uses."""
+    defs = getattr(item, "_fixtureinfo", None)
+    used = []
+    for name in SESSION_SERVERS:
+        fixturedefs = defs.name2fixturedefs.get(name, ()) if defs else ()
+        if fixturedefs and fixturedefs[-1].func.__module__ == __name__:
+            used.append(name)
+    return used
+
+
+def _xdist_group(module_items: list) -> str:
+    """A module's xdist group: ``SHARED_GROUP`` when it uses a session server, else its path (one
+    module, one worker: its module-scoped servers never start twice)."""
+    if any(_session_servers_used(item) for item in module_items):
+        return SHARED_GROUP
+    return module_items[0].path.relative_to(REPO).as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    by_module: dict[Path, list] = {}
+    for item in items:
+        by_module.setdefault(item.path, []).append(item)
+    group = {path: _xdist_group(module_items) for path, module_items in by_module.items()}
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable
+    module_rank = {path: rank.get(path.name, len(HEAVY_FIRST)) for path in by_module}
+    group_rank: dict[str, int] = {}
+    for path, g in group.items():
+        group_rank[g] = min(group_rank.get(g, len(HEAVY_FIRST)), module_rank[path])
+    # a group's modules together, groups longest first, then each group's modules; stable
+    items.sort(key=lambda item: (group_rank[group[item.path]], group[item.path],
+                                 module_rank[item.path]))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group[item.path]))
+        for name in _session_servers_used(item):
+            _last_users[name] = item
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _in_collection_order(config) -> bool:
+    """Whether this process runs its tests in collection order with each xdist group whole (no
+    xdist, or ``--dist loadgroup``), so a session server's last user in that order is the last
+    test of the run that needs it."""
+    return getattr(config.option, "dist", "no") in ("no", "loadgroup")
+
+
+_last_users: dict[str, pytest.Item] = {}
+"""Session server fixture name -> the last test (in the run's order) that uses it."""
+_session_servers: dict[str, Server] = {}
+"""The session servers started in this process (fixture name -> server)."""
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop a session server after the last test that uses it, not at the end of the run: the
+    memory it holds (~2.4 GB) is what the HiCache tests' 10 GiB host reserve check waits for."""
+    if not _in_collection_order(item.config):
+        return
+    for name, srv in _session_servers.items():
+        if _last_users.get(name) is item:
+            stop_server(srv)
 
 
 def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:
@@ -99,6 +177,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, proc: subprocess.Popen, url: str, log: Path):
         self.proc, self.url, self.log = proc, url, log
+        self.stopping = False  # SIGTERM sent (stop_server)
 
     def post(self, path: str, timeout: float = 120, **kwargs) -> requests.Response:
         return requests.post(self.url + path, timeout=timeout, **kwargs)
@@ -204,24 +283,74 @@ def _launch(args: list[str], log: Path, timeout_s: float) -> Server:
             raise RuntimeError(f"port {port}: address already in use")
         if server.healthy():
             return server
-        time.sleep(2)
+        time.sleep(HEALTH_POLL_S)
     stop_server(server)
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log:\n{log.read_text()[-4000:]}")
 
 
-def stop_server(server: Server) -> None:
+STOP_WAIT_S = 30
+"""Seconds a server may take to exit after SIGTERM before it is SIGKILLed (``wait_for_stops``)."""
+_stopping: list[Server] = []
+
+
+def stop_server(server: Server, wait: bool = False) -> None:
+    """SIGTERM the server (its launcher drains the requests in flight and exits: 4-15 s, most of
+    it SGLang's shutdown polls sleeping) and return without waiting, unless ``wait``: the servers
+    still stopping are waited for (and SIGKILLed after ``STOP_WAIT_S``) at the end of this
+    process's session (``wait_for_stops``), all at once. A second call does nothing."""
+    if server.stopping:
+        return
+    server.stopping = True
     if server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGTERM)
+        _stopping.append(server)
+    if wait:
+        wait_for_stops([server])
+
+
+def wait_for_stops(servers: list[Server] | None = None) -> None:
+    """Wait for stopping servers (default: all of this process's) to exit, STOP_WAIT_S each at
+    most from now, SIGKILLing their process group after that."""
+    servers = list(_stopping) if servers is None else servers
+    deadline = time.time() + STOP_WAIT_S
+    for srv in servers:
         try:
-            server.proc.wait(timeout=30)
+            srv.proc.wait(timeout=max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            srv.proc.wait(timeout=30)
+        if srv in _stopping:
+            _stopping.remove(srv)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    wait_for_stops()  # after the session fixtures' teardown: no server outlives the run
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Iterator[Server]:
+    """The plain server: SGLang's defaults on CPU, a 16K-token pool."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(["--max-total-tokens", "16384"], log)
+    srv = _session_servers["server"] = start_server(["--max-total-tokens", "16384"], log)
+    yield srv
+    stop_server(srv)
+
+
+SPAN_SERVER_FLAGS = ["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", "16",
+                     "--chunked-prefill-size", "128"]
+"""``span_server``: page size 16 (page padding of spans), 128-token chunks (long prompts and
+span units are prefilled in several chunks)."""
+
+
+@pytest.fixture(scope="session")
+def span_server(tmp_path_factory) -> Iterator[Server]:
+    """A span-cache server (``SPAN_SERVER_FLAGS``), shared by test_spans_cpu and
+    test_http_security (their tests use their own documents and prompts)."""
+    log = tmp_path_factory.mktemp("spans") / "server.log"
+    srv = _session_servers["span_server"] = start_server(SPAN_SERVER_FLAGS, log)
     yield srv
     stop_server(srv)
 

@@ -145,28 +145,34 @@ def test_plain_sglang_launcher_serves_on_cpu(model_dir, tmp_path):
     plugin selects SGLang's CPU engine and adds its flags, so SGLang's own launcher serves (it
     stopped with "No accelerator ... or platform plugin")."""
     import os
-    import signal
     import time
 
     import requests
-    from conftest import free_port
+    from conftest import HEALTH_POLL_S, START_TIMEOUT_S, Server, free_port, start_slot, stop_server
 
     port = free_port()
     log = tmp_path / "plain.log"
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
     env["OMP_NUM_THREADS"] = "1"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path",
-                                 str(model_dir), "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    url, healthy = f"http://127.0.0.1:{port}", False
+    with start_slot():  # queued machine-wide, as conftest's starts are
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path",
+                                     str(model_dir), "--port", str(port)], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        server = Server(proc, url, log)
+        try:
+            deadline = time.time() + START_TIMEOUT_S
+            while not healthy and time.time() < deadline and proc.poll() is None:
+                try:
+                    healthy = requests.get(url + "/health", timeout=30).status_code == 200
+                except requests.ConnectionError:
+                    pass
+                time.sleep(0 if healthy else HEALTH_POLL_S)
+        except BaseException:
+            stop_server(server)
+            raise
     try:
-        url, deadline, healthy = f"http://127.0.0.1:{port}", time.time() + 240, False
-        while not healthy and time.time() < deadline and proc.poll() is None:
-            try:
-                healthy = requests.get(url + "/health", timeout=30).status_code == 200
-            except requests.ConnectionError:
-                pass
-            time.sleep(0 if healthy else 2)
         assert healthy, log.read_text()[-3000:]
         r = requests.post(url + "/generate", timeout=120, json={
             "text": "The capital of France is",
@@ -174,5 +180,4 @@ def test_plain_sglang_launcher_serves_on_cpu(model_dir, tmp_path):
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["text"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop_server(server)  # SIGTERM to its process group; the session's end waits for it

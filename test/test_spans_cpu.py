@@ -3,8 +3,9 @@ other offsets, PDEP pages are not falsely shared, one physical copy serves concu
 and bad input gets a 400.
 
 The servers run `sglang-pic serve --enable-span-cache` (pic_torch_native, page size 16, so page
-padding is exercised); the reference is `sglang_pic.spans.reference` (one HF forward with an
-explicit block-attention mask and the same positions).
+padding is exercised; ``span_server`` is the suite's shared one, conftest's ``SPAN_SERVER_FLAGS``);
+the reference is `sglang_pic.spans.reference` (one HF forward with an explicit block-attention
+mask and the same positions).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import time
 
 import pytest
 import requests
-from conftest import start_server, start_servers, stop_server
+from conftest import SPAN_SERVER_FLAGS, start_servers, stop_server
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
 
-PAGE = 16
+PAGE = int(SPAN_SERVER_FLAGS[SPAN_SERVER_FLAGS.index("--page-size") + 1])  # 16
 NEW = 10
 SP = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 DOCS = [
@@ -28,15 +29,6 @@ DOCS = [
 ]
 PREFIXES = ["You are a helpful assistant.", "Read the documents below and answer the question briefly."]
 QUESTION = "\nQuestion: what is the secret code of the blue castle?\nAnswer:"
-
-
-@pytest.fixture(scope="module")
-def span_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("spans") / "server.log"
-    srv = start_server(["--enable-span-cache", "--max-total-tokens", "8192", "--page-size",
-                        str(PAGE), "--chunked-prefill-size", "128"], log)
-    yield srv
-    stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -269,10 +261,24 @@ def test_reserved_layout_field_and_logprobs_inside_spans_are_400(span_server, hf
     assert r.status_code == 200, r.text  # output logprobs only: fine
 
 
+def test_without_span_cache_spans_and_markers_are_refused(server):
+    """A server started without --enable-span-cache refuses the spans field and the markers (ids
+    and strings) instead of reading them as ordinary input (test_lang.py: OpenAI bodies too)."""
+    r = server.post("/generate", json={"spans": [{"text": "a"}], "sampling_params": SP})
+    assert r.status_code == 400 and "--enable-span-cache" in r.text
+    r = server.post("/generate", json={"input_ids": [1, 2, SSEP_ID, 3, PDEP_ID, 4],
+                                        "sampling_params": SP})
+    assert r.status_code == 400 and "--enable-span-cache" in r.text
+    r = server.post("/generate", json={"text": "Hello<|ssep|>world<|pdep|>!",
+                                        "sampling_params": SP})
+    assert r.status_code == 400 and "--enable-span-cache" in r.text
+
+
 @pytest.fixture(scope="module")
 def side_servers(tmp_path_factory):
     """The link-recompute server and the tight-pool server, started together when the first of
-    their tests runs (the module's last tests: they live only until its end)."""
+    their tests runs (the module's last tests, after the last one using a session server, which
+    has stopped by then: they live only until the module's end)."""
     logs = tmp_path_factory.mktemp("spans_side")
     servers = start_servers({
         "link": (["--enable-span-cache", "--span-recompute-tokens", "16",
@@ -303,19 +309,6 @@ def test_link_recompute_equals_reference(link_server, hf):
         ids = span_ids(hf[0], PREFIXES[prefix], [DOCS[i] for i in order])
         out = generate(link_server, input_ids=ids)
         assert out["output_ids"] == reference(hf, ids, recompute=16)
-
-
-def test_without_span_cache_spans_and_markers_are_refused(server):
-    """A server started without --enable-span-cache refuses the spans field and the markers (ids
-    and strings) instead of reading them as ordinary input (test_lang.py: OpenAI bodies too)."""
-    r = server.post("/generate", json={"spans": [{"text": "a"}], "sampling_params": SP})
-    assert r.status_code == 400 and "--enable-span-cache" in r.text
-    r = server.post("/generate", json={"input_ids": [1, 2, SSEP_ID, 3, PDEP_ID, 4],
-                                        "sampling_params": SP})
-    assert r.status_code == 400 and "--enable-span-cache" in r.text
-    r = server.post("/generate", json={"text": "Hello<|ssep|>world<|pdep|>!",
-                                        "sampling_params": SP})
-    assert r.status_code == 400 and "--enable-span-cache" in r.text
 
 
 def _pic_counters(server) -> dict[str, float]:

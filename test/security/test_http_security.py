@@ -9,7 +9,8 @@ string as the chat body) or slipped past the span middleware (a ``"\\u0073pans"`
 13 ``cached_tokens_details`` disagreed with ``cached_tokens`` on span requests.
 
 Every refusal must be a 400 with a message, and the server must answer the next request with the
-same greedy output as before. One plain server (the suite's ``server``) and one span server.
+same greedy output as before. The suite's shared plain server (``server``) and span server
+(``span_server``, which test_spans_cpu also uses: these tests use their own prompts).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import requests
-from conftest import Server, start_server, stop_server
+from conftest import Server
 from sglang.srt.managers.load_snapshot import LoadSnapshot
 from sglang_pic.spans.load import SpanLoad, with_span_load
 from sglang_pic.spans.planner import Held, SpanPlanner, Unit, cached_tokens_details
@@ -34,18 +35,9 @@ PROBE = {"text": "The capital of France is", "sampling_params": {"max_new_tokens
 _baselines: dict[str, list[int]] = {}
 
 
-@pytest.fixture(scope="module")
-def span_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("http_security") / "server.log"
-    srv = start_server(["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", "16",
-                        "--chunked-prefill-size", "128"], log)
-    yield srv
-    stop_server(srv)
-
-
 @pytest.fixture(params=["plain", "span"])
-def any_server(request):
-    return request.getfixturevalue("server" if request.param == "plain" else "span_server")
+def any_server(request, server, span_server):
+    return server if request.param == "plain" else span_server
 
 
 def probe(srv: Server) -> list[int]:
