@@ -35,22 +35,30 @@ def _instance_args(servers, token_file) -> list[str]:
             "--max-total-tokens", "2048", "--page-size", "16"]
 
 
-@pytest.fixture(scope="module")
-def two_instances(store_cluster, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("ptstore")
-    token_file = logs / "token"
+def _token_file(folder) -> str:
+    token_file = folder / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
+    return str(token_file)
+
+
+@pytest.fixture(scope="module")
+def instance_a(store_cluster, tmp_path_factory):
+    """The instance that computes the prefixes, for the module."""
+    logs = tmp_path_factory.mktemp("ptstore")
     wait_for_host_memory(0.5)  # SGLang checks each instance's host tier against its reserve
-    a = start_server(_instance_args(store_cluster, str(token_file)), logs / "a.log")
-    try:
-        wait_for_host_memory(0.5)  # again, with the first instance up
-        b = start_server(_instance_args(store_cluster, str(token_file)), logs / "b.log")
-    except BaseException:
-        stop_server(a)  # a failed second start must not leave the first server running
-        raise
-    yield a, b
+    a = start_server(_instance_args(store_cluster, _token_file(logs)), logs / "a.log")
+    yield a
     stop_server(a)
+
+
+@pytest.fixture
+def two_instances(store_cluster, instance_a, tmp_path):
+    """A, and B for one test: B stops before the next test starts its own reader (three HiCache
+    instances at once wait longer for SGLang's 10 GiB host reserve on a 24 GiB machine)."""
+    wait_for_host_memory(0.5)  # again, with the first instance up
+    b = start_server(_instance_args(store_cluster, _token_file(tmp_path)), tmp_path / "b.log")
+    yield instance_a, b
     stop_server(b)
 
 
@@ -87,19 +95,16 @@ def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, t
 
 
 def test_an_instance_reading_over_the_tcp_data_plane_loads_the_prefix(store_cluster,
-                                                                      two_instances, tmp_path):
+                                                                      instance_a, tmp_path):
     """A reader with ``"data_plane": "tcp"`` (what an instance on another node gets: no shared
     memory) loads a prefix instance A computed: pages over the data plane's streams, straight
     into its host pool, same output."""
-    a, _ = two_instances
+    a = instance_a
     prompt = "A survey of medieval trade routes across the Mediterranean sea. " * 32
     first = a.generate_text(prompt)
     before = sum(s.data.stats["stream_bytes"] for s in store_cluster)
     pools = sum(s.pool_pages for s in store_cluster)
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    args = _instance_args(store_cluster, str(token_file))
+    args = _instance_args(store_cluster, _token_file(tmp_path))
     args[args.index('{"timeout_ms": 10000}')] = '{"timeout_ms": 10000, "data_plane": "tcp"}'
     deadline = time.time() + 60  # A's write-through is asynchronous: wait for its pages
     while time.time() < deadline and sum(len(s.engine.owned.entries)
