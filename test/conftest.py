@@ -77,7 +77,9 @@ HEAVY_FIRST = (
 (a module, or the group of the modules sharing a session server) in collection order
 (``--no-loadscope-reorder``: its default order is by number of tests), so the long ones start
 first and the short ones fill in at the end, instead of one worker starting a 3-minute module
-when the other is nearly done. A group's modules run in this order too: ``SHARED_GROUP`` (the
+when the other is nearly done (the HiCache modules after the group's three-server phases:
+SGLang's 10 GiB host reserve leaves room for about four servers at once on a 24 GiB machine, and
+a HiCache start waits for it, ``wait_for_host_memory``). A group's modules run in this order too: ``SHARED_GROUP`` (the
 longest unit, ~8 min) runs ``span_server``'s users last and test_spans_cpu last of them, whose
 own servers start after its last test using a session server: each session server stops after
 its last user (``pytest_runtest_teardown``), so few servers are up at once (the HiCache tests'
