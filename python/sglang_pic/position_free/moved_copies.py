@@ -233,20 +233,13 @@ class MovedPageCopier:
             shifts.append(shift)
         # the batch's read (it waits for the GPU); slots and shifts fit int32: half the bytes
         cpu = torch.cat(flags + rows + shifts).to(torch.int32).cpu().long()
-        pages_of, at = [], 0
-        for _, n in reqs:
-            pages = cpu[at : at + n // page]
-            partial = bool(cpu[at + n // page])
-            at += n // page + 1
-            pages_of.append(None if partial else torch.nonzero(pages).flatten())
-        slots_of = []
-        for _, n in reqs:
-            slots_of.append(cpu[at : at + n])
-            at += n
+        k = len(reqs)
+        parts = cpu.split([n // page + 1 for _, n in reqs] + [n for _, n in reqs] * 2)
         out = []
-        for (_, n), pages, slots in zip(reqs, pages_of, slots_of, strict=True):
-            out.append((pages, (slots, cpu[at : at + n])))
-            at += n
+        for i in range(k):
+            moved_pages, partial = parts[i][:-1], bool(parts[i][-1])
+            pages = None if partial else torch.nonzero(moved_pages).flatten()
+            out.append((pages, (parts[k + i], parts[2 * k + i])))
         return out
 
     def _copy(self, pool_index: int, pages: torch.Tensor | None,
