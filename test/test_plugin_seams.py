@@ -21,7 +21,8 @@ def test_every_hook_of_the_plugin_applies():
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
             "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
             "print(sorted(t for t in H._hooks if t not in H._patched)); "
-            "from sglang_pic.store.prefetch_trace import TARGET; print(TARGET in H._patched)")
+            "from sglang_pic.store.prefetch_trace import TARGET, PREFILL_TARGET; "
+            "print(TARGET in H._patched and PREFILL_TARGET in H._patched)")
     out = _run(code, {"SGLANG_PIC_STORE_TRACE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]

@@ -43,3 +43,33 @@ def test_one_line_when_the_scheduler_takes_a_prefetch(capsys):
     bench = importlib.import_module("bench_store_ttft")
     assert [tokens for _, tokens in bench.TRACE_DONE.findall(err)] == ["8192"]
     assert err.count("[ptstore-trace]") == 1
+
+
+class _Batch:
+    def __init__(self, tokens: int, reqs: int) -> None:
+        self.extend_num_tokens = tokens
+        self.reqs = [object()] * reqs
+
+
+def test_prefill_batches_traced_and_a_cold_miss_split(capsys):
+    """A line per non-empty prefill batch, parsed back; a cold miss's phases come from the
+    lookup and prefill lines inside its window."""
+    after = prefetch_trace.after_new_prefill_batch
+    first, empty = _Batch(8192, 1), _Batch(0, 0)
+    assert after(first, object()) is first
+    assert after(None, object()) is None and after(empty, object()) is empty  # no line
+    after(_Batch(64, 1), object())
+    err = capsys.readouterr().err
+    for p in (str(BENCH), str(BENCH / "store")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    bench = importlib.import_module("bench_store_ttft")
+    got = [(int(k), int(n)) for _, k, n in bench.TRACE_PREFILL.findall(err)]
+    assert got == [(8192, 1), (64, 1)]
+    # request at 100.000 s, lookup 100.002-100.010, chunks formed at 100.012 and 100.250,
+    # first token at 100.300; a line outside the window is not counted
+    lookups = [(100.002, 128, 0, 8.0), (99.0, 128, 128, 1.0)]
+    prefills = [(100.012, 8192), (100.250, 64), (101.0, 8192)]
+    ph = bench.cold_phases_in(lookups, prefills, 100.0, 0.3)
+    assert ph == {"ttft_ms": 300.0, "prefill_batches": 2, "lookup_start_ms": 2.0,
+                  "lookup_end_ms": 10.0, "first_prefill_ms": 12.0, "last_prefill_ms": 250.0}

@@ -65,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,13 +81,23 @@ TRACE_LOAD = re.compile(r"\[ptstore-trace\] batch_get_v1 at ([0-9.]+): (\d+) pag
 TRACE_EXISTS = re.compile(r"\[ptstore-trace\] batch_exists at ([0-9.]+): (\d+) pages, (\d+) hits, "
                           r"([0-9.]+) ms")
 TRACE_DONE = re.compile(r"\[ptstore-trace\] prefetch_done at ([0-9.]+): (\d+) tokens")
+TRACE_PREFILL = re.compile(r"\[ptstore-trace\] prefill at ([0-9.]+): (\d+) tokens, (\d+) requests")
 TRACE_PUT = re.compile(r"\[ptstore-trace\] batch_set_v1 at ([0-9.]+): (\d+) pages, (\d+) hits, "
                        r"([0-9.]+) ms")
 FLUSH_SLICE_S = 10.0  # a deferred flush waits this long per call; progress is printed in between
 
 
+NO_NAP = "-nonap"  # a PTStore variant's suffix: --hicache-storage-idle-yield-us 0
+NAP_ENV = "SGLANG_PIC_STORAGE_IDLE_YIELD_US"  # that flag's hand-off to the scheduler process
+
+
 def _role() -> tuple[str, bool]:
+    """The variant's kind and whether it is the writer. ``-nonap`` turns the idle scheduler's
+    nap off (``store/idle_yield.py``) for this process and its schedulers, and is dropped."""
     variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
+    if variant.endswith(NO_NAP):
+        os.environ[NAP_ENV] = "0"
+        variant = variant.removesuffix(NO_NAP)
     return variant.removesuffix("-writer"), variant.endswith("-writer")
 
 
@@ -177,6 +188,27 @@ def phases_in(lookups: list[tuple[float, int, int, float]],
     return out
 
 
+def cold_phases_in(lookups: list[tuple[float, int, int, float]],
+                   prefills: list[tuple[float, int]], start: float, ttft_s: float
+                   ) -> dict[str, float]:
+    """Where a cold miss's TTFT went, from the trace (ms from the request's start): the
+    store's lookup (``lookup_start``, ``lookup_end``: SGLang's prefetch thread asking which
+    pages the store holds), the first and last prefill batch the scheduler formed
+    (``first_prefill``, ``last_prefill``: each chunk of a chunked prefill is one) and how many
+    (``prefill_batches``), and ``ttft``."""
+    end = start + ttft_s
+    asked = [(t, t + ms / 1000) for t, _, _, ms in lookups if start <= t <= end]
+    formed = [t for t, _ in prefills if start <= t <= end]
+    out = {"ttft_ms": round(1000 * ttft_s, 2), "prefill_batches": len(formed)}
+    if asked:
+        out.update(lookup_start_ms=round(1000 * (asked[0][0] - start), 2),
+                   lookup_end_ms=round(1000 * (max(b for _, b in asked) - start), 2))
+    if formed:
+        out.update(first_prefill_ms=round(1000 * (formed[0] - start), 2),
+                   last_prefill_ms=round(1000 * (formed[-1] - start), 2))
+    return out
+
+
 def parse_trace(text: str, pattern: re.Pattern = TRACE_LOAD) -> list[tuple[float, int, int, float]]:
     """``(wall clock, pages, hits, ms)`` of each traced call: loads (``TRACE_LOAD``), or stores
     (``TRACE_PUT``: hits are the pages the store took)."""
@@ -257,7 +289,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         kwargs.update(enable_hierarchical_cache=True, hicache_size=params["hicache_gb"],
                       hicache_write_policy="write_through",
                       hicache_storage_prefetch_policy="wait_complete")
-        if kind.endswith("file"):
+        if kind == "vanilla-hicache":  # SGLang's host tier alone: what HiCache costs a miss
+            pass
+        elif kind.endswith("file"):
             os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = params["file_dir"]
             kwargs["hicache_storage_backend"] = "file"
         else:
@@ -290,6 +324,15 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         trace = parse_trace(text)
         lookups = parse_trace(text, TRACE_EXISTS)
         taken = [float(t) for t, _ in TRACE_DONE.findall(text)]
+        prefills = [(float(t), int(k)) for t, k, _ in TRACE_PREFILL.findall(text)]
+        for n in params.get("cold_lengths", []):
+            cold = [cold_phases_in(lookups, prefills, a, b - a)
+                    for a, b in result.pop(f"_cold_windows_{n}", [])]
+            if cold:
+                result[f"cold_phases_{n}_all"] = cold
+                keys = [k for k in cold[0] if all(k in c for c in cold)]
+                result[f"cold_phases_{n}"] = {k: statistics.median(c[k] for c in cold)
+                                              for k in keys}
         result["trace_loads"] = len(trace)
         for n in params["lengths"]:
             windows = result.pop(f"_windows_{n}", [])
@@ -314,6 +357,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     else:
         for n in params["lengths"]:
             result.pop(f"_windows_{n}", None)
+    for n in params.get("cold_lengths", []):
+        result.pop(f"_cold_windows_{n}", None)
     return result
 
 
@@ -329,7 +374,10 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
     result: dict = {"engine_start_s": time.perf_counter() - t0,
                     "role": "writer" if writer else "reader",
                     "prefix_tokens": {str(n): prefix_tokens(n, params) for n in lengths}}
-    rng = np.random.default_rng(params["seed"] + (1 if writer else 2))
+    # questions and cold prefixes differ per reader: a reader's write-back of its cold prefixes
+    # must not turn the next reader's into hits
+    variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", kind)
+    rng = np.random.default_rng([params["seed"], 1 if writer else 2 + zlib.crc32(variant.encode())])
 
     def question() -> list[int]:
         return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]
@@ -417,14 +465,17 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
             result[f"_windows_{n}"] = [(w - 0.05, w + dt) for dt, _, w in rows[n]]
         # a cold miss: a prefix the store never saw, on an engine whose caches are empty
         for n in params.get("cold_lengths", []) if kind != "vanilla" else []:
-            cold = []
+            cold, windows = [], []
             for _ in range(params["samples"]):
                 if flush:
                     empty_caches(f"before a {n}-token cold miss")
                 fresh = [int(t) for t in rng.integers(1000, vocab, size=prefix_tokens(n, params))]
-                cold.append(ttft(fresh + question())[0])
+                dt, _, wall = ttft(fresh + question())
+                cold.append(dt)
+                windows.append((wall, wall + dt))
             result[f"ttft_cold_{n}_ms"] = 1000 * statistics.median(cold)
             result[f"ttft_cold_{n}_ms_all"] = [round(1000 * t, 2) for t in cold]
+            result[f"_cold_windows_{n}"] = windows
     finally:
         if waits:
             result.update(flush_wait_s_max=max(waits), flush_wait_s_all=waits)
@@ -443,13 +494,15 @@ SMOKE_KWARGS = {"device": "cpu", "skip_tokenizer_init": True, "attention_backend
 SMOKE_PARAMS = {"samples": 1, "question_tokens": 8, "hicache_gb": 1, "vocab": 49000,
                 "lengths": [320, 640], "page_size": 16, "model_context": 2048,
                 "hicache_kwargs": {"hicache_io_backend": "direct", "hicache_mem_layout": "layer_first"}}
-VARIANTS = ("vanilla", "vanilla-file-writer", "vanilla-file", "sglang-pic-ptstore-writer",
+VARIANTS = ("vanilla", "vanilla-hicache", "vanilla-file-writer", "vanilla-file",
+            "sglang-pic-ptstore-writer",
             "sglang-pic-ptstore", "sglang-pic-ptstore-tcp", "sglang-pic-ptstore-tcp-fastgil",
             "sglang-pic-ptstore-fastgil",
             "sglang-pic-ptstore-staging", "sglang-pic-ptstore-socket")
 
 
-COLUMNS = {"recompute": "vanilla", "file": "vanilla-file", "PTStore": "sglang-pic-ptstore",
+COLUMNS = {"recompute": "vanilla", "HiCache": "vanilla-hicache", "file": "vanilla-file",
+           "PTStore": "sglang-pic-ptstore",
            "PTStore/TCP": "sglang-pic-ptstore-tcp",
            "PTStore/TCP/fastgil": "sglang-pic-ptstore-tcp-fastgil",
            "PTStore/fastgil": "sglang-pic-ptstore-fastgil",
@@ -508,12 +561,22 @@ def print_table(report: dict) -> None:
         if ph:
             print(f"TCP {n}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms"
                                            for k, v in ph.items()))
+    for n in lengths:  # every side's samples, with the tokens each found in storage
+        for v, r in res.items():
+            if f"ttft_{n}_ms_all" in r:
+                got = r.get(f"storage_hit_{n}_all", [])
+                print(f"{v}, {n}: {r[f'ttft_{n}_ms']:.1f} ms (samples "
+                      f"{', '.join(f'{t:.1f}' for t in r[f'ttft_{n}_ms_all'])})"
+                      + (f", storage hits {got}" if any(got) else ""))
     for v, r in res.items():  # a prefix the store never saw, against recomputing it in vanilla
         for n in lengths:
             cold, rec = r.get(f"ttft_cold_{n}_ms"), res.get("vanilla", {}).get(f"ttft_{n}_ms")
             if cold and rec:
                 print(f"cold miss, {v}, {n}: {cold:.1f} ms vs {rec:.1f} ms recompute "
                       f"({100 * (cold / rec - 1):+.1f} %)")
+            if r.get(f"cold_phases_{n}"):
+                print(f"  cold {n}: " + ", ".join(
+                    f"{k.removesuffix('_ms')} {x:.1f}" for k, x in r[f"cold_phases_{n}"].items()))
     ref = report.get("transport_reference") or report.get("params", {}).get(
         "transport_reference")
     if ref:
@@ -647,6 +710,9 @@ def main() -> None:
                     help="GPU ids: the instances that compute (*-writer) on the first, every "
                          "other on the second (two instances on two GPUs of one host, stores "
                          "between them); default: every instance on the visible GPU")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="the engines' context length (default: room for the longest prefix "
+                         "and its question)")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny prefixes")
     args = ap.parse_args()
     if args.replot:
@@ -664,9 +730,11 @@ def main() -> None:
             ap.error("--gpus takes two GPU ids, WRITER,READER (e.g. 0,1)")
         gpus = {v: ids[0].strip() if v.endswith("-writer") else ids[1].strip()
                 for v in variants}
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v.removesuffix(NO_NAP) not in VARIANTS
+               or (v.endswith(NO_NAP) and not v.startswith("sglang-pic-ptstore"))]
     if unknown:
-        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)} (a PTStore "
+                 f"variant with {NO_NAP}: the idle scheduler's nap off)")
     kwargs, extra, name = dict(ENGINE_KWARGS), {}, "store_ttft_h200"
     page_mb = 4  # a K or V block of a Llama-3-8B page of 64 tokens
     if args.smoke:
@@ -693,7 +761,14 @@ def main() -> None:
     big = longest > 8192
     # beyond 8K: a host pool that takes the 128K prefix (17 GB) and, on the writer, all three
     params["hicache_gb"] = args.hicache_gb or (24 if big else params["hicache_gb"])
-    if not args.smoke:
+    if args.context_length is not None:
+        if not longest + params["question_tokens"] < args.context_length \
+                <= params["model_context"]:
+            ap.error(f"--context-length must exceed the longest prompt "
+                     f"({longest + params['question_tokens']} tokens) and be at most the "
+                     f"model's {params['model_context']}")
+        kwargs["context_length"] = args.context_length
+    elif not args.smoke:
         kwargs["context_length"] = min(params["model_context"], max(
             kwargs["context_length"], longest + params["question_tokens"] + params["page_size"]))
     store_gb = args.store_gb or (32 if big else 16)

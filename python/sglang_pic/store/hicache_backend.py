@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .auth import SERVE_TOKEN_ENV, client_token
 from .client import StoreClient
 from .shm import address_of
+from .trace import trace
 
 logger = logging.getLogger(__name__)
 TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup, load and store
@@ -74,8 +75,8 @@ def _traced(method):
         t0 = time.time()
         out = method(self, keys, *args, **kwargs)
         hits = out if isinstance(out, int) else sum(map(bool, out))
-        print(f"[ptstore-trace] {method.__name__} at {t0:.3f}: {len(keys)} pages, {hits} hits, "
-              f"{1000 * (time.time() - t0):.1f} ms", file=sys.stderr, flush=True)
+        trace(method.__name__, t0, f"{len(keys)} pages, {hits} hits, "
+              f"{1000 * (time.time() - t0):.1f} ms")
         return out
 
     return timed

@@ -1,4 +1,5 @@
-"""With ``--ptstore-trace``: one stderr line when SGLang's scheduler takes a finished prefetch.
+"""With ``--ptstore-trace``: stderr lines when SGLang's scheduler takes a finished prefetch,
+and when it forms a prefill batch.
 
 The backend's trace (``hicache_backend._traced``) says when a load from the storage tier ended;
 the benchmark knows when the first token came. Between the two, SGLang's scheduler must notice
@@ -8,16 +9,25 @@ GPU and run the prompt's uncached tail. This line splits that time in two: the w
 scheduler took the pages (``[ptstore-trace] prefetch_done at <wall clock>: <tokens> tokens``),
 and the rest (``benchmark/store/bench_store_ttft.py``'s ``phases_<n>``).
 
-Seam: an AROUND hook on ``HiRadixCache.check_prefetch_progress`` (listed in ``plugin.py``),
-registered only with ``--ptstore-trace``.
+A request whose prefix the store lacks waits for the lookup, then prefills it all: the cost of a
+cold miss over plain recompute lies in that wait and in what runs before its first prefill pass.
+``[ptstore-trace] prefill at <wall clock>: <tokens> tokens, <n> requests`` marks each prefill
+batch the scheduler forms (every chunk of a chunked prefill), so the benchmark's ``cold_phases``
+can say which.
+
+Seams: an AROUND hook on ``HiRadixCache.check_prefetch_progress`` and an AFTER hook on
+``Scheduler.get_new_batch_prefill`` (listed in ``plugin.py``), registered only with
+``--ptstore-trace``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
+from .trace import trace
+
 TARGET = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress"
+PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 
 
 def around_check_prefetch_progress(original, self, req_id: str, *args, **kwargs):
@@ -28,16 +38,26 @@ def around_check_prefetch_progress(original, self, req_id: str, *args, **kwargs)
     done = original(self, req_id, *args, **kwargs)
     if pending and done and req_id not in ongoing:
         tokens = getattr(self, "prefetch_loaded_tokens_by_reqid", {}).get(req_id, 0)
-        print(f"[ptstore-trace] prefetch_done at {time.time():.3f}: {tokens} tokens",
-              file=sys.stderr, flush=True)
+        trace("prefetch_done", time.time(), f"{tokens} tokens")
     return done
 
 
+def after_new_prefill_batch(batch, scheduler, *args, **kwargs):
+    """A trace line for each prefill batch formed: wall clock, tokens computed (the batch's
+    ``extend_num_tokens``) and requests."""
+    reqs = getattr(batch, "reqs", None)
+    if reqs:  # SGLang may return an empty batch
+        trace("prefill", time.time(), f"{int(getattr(batch, 'extend_num_tokens', 0) or 0)} "
+              f"tokens, {len(reqs)} requests")
+    return batch
+
+
 def register() -> None:
-    """Hook the check when ``--ptstore-trace`` is on."""
+    """Hook the check and the prefill batch when ``--ptstore-trace`` is on."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_pic.server_flags import setting
 
     if setting("--ptstore-trace"):
         HookRegistry.register(TARGET, around_check_prefetch_progress, HookType.AROUND)
+        HookRegistry.register(PREFILL_TARGET, after_new_prefill_batch, HookType.AFTER)
