@@ -671,3 +671,35 @@ def test_a_load_whose_pool_writer_does_not_answer_waits_until_it_may_not_write(t
     router.close(0)
     mm.close()
     os.close(fd)
+
+
+def test_a_put_is_freed_before_the_server_waits_for_the_next_request(tmp_path):
+    """A put's frames are its pages. The server lets go of them once it has replied: holding
+    them until the next request arrived made that request free them first (after a 1 GiB
+    write-back, a lookup of the next prompt waited ~5-20 ms for it)."""
+    import time
+    import weakref
+
+    srv = StoreServer(StoreEngine(64 * PAGE), f"ipc://{tmp_path}/free.sock", TOKEN)
+    received: list[weakref.ref] = []
+    recv = srv.sock.recv_multipart
+
+    def recording(*args, **kwargs):
+        frames = recv(*args, **kwargs)
+        received.extend(weakref.ref(f) for f in frames)
+        return frames
+
+    srv.sock.recv_multipart = recording
+    srv.start()
+    client = StoreClient([srv.endpoint], TOKEN)
+    try:
+        assert client.batch_set([(f"p{i}", bytes([i]) * PAGE) for i in range(8)]) == 8 * PAGE
+        assert received, "the server's receive was not recorded"
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in received) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(r() is None for r in received), "the put's frames outlive its reply"
+        assert client.batch_get([f"p{i}" for i in range(8)])[3] == bytes([3]) * PAGE
+    finally:
+        client.close()
+        srv.stop()

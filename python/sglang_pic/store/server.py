@@ -158,6 +158,9 @@ class StoreServer:
             tenant = frames[0].get("User-Id") if self.auth.secure else ""
             ident, body = frames[0], [f.buffer for f in frames[1:]]
             self.sock.send_multipart([ident, *self.handle(body, tenant)], copy=False)
+            # a put's frames are its pages: freed now, not when the next request rebinds
+            # these names (freeing 128 MB took ~5 ms, which the next lookup then waited for)
+            del frames, ident, body
 
     def handle(self, body: list, tenant: str = "") -> list[bytes]:
         """The reply to one request of ``tenant``."""
