@@ -51,14 +51,21 @@ class _Batch:
         self.reqs = [object()] * reqs
 
 
+class _Plan:
+    """Like SGLang's NextBatchPlan: what get_new_batch_prefill returns."""
+
+    def __init__(self, batch: _Batch | None) -> None:
+        self.batch_to_run = batch
+
+
 def test_prefill_batches_traced_and_a_cold_miss_split(capsys):
     """A line per non-empty prefill batch, parsed back; a cold miss's phases come from the
     lookup and prefill lines inside its window."""
     after = prefetch_trace.after_new_prefill_batch
-    first, empty = _Batch(8192, 1), _Batch(0, 0)
+    first, none, empty = _Plan(_Batch(8192, 1)), _Plan(None), _Plan(_Batch(0, 0))
     assert after(first, object()) is first
-    assert after(None, object()) is None and after(empty, object()) is empty  # no line
-    after(_Batch(64, 1), object())
+    assert after(none, object()) is none and after(empty, object()) is empty  # no line
+    after(_Plan(_Batch(64, 1)), object())
     err = capsys.readouterr().err
     for p in (str(BENCH), str(BENCH / "store")):
         if p not in sys.path:

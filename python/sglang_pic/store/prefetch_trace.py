@@ -42,14 +42,16 @@ def around_check_prefetch_progress(original, self, req_id: str, *args, **kwargs)
     return done
 
 
-def after_new_prefill_batch(batch, scheduler, *args, **kwargs):
+def after_new_prefill_batch(plan, scheduler, *args, **kwargs):
     """A trace line for each prefill batch formed: wall clock, tokens computed (the batch's
-    ``extend_num_tokens``) and requests."""
+    ``extend_num_tokens``) and requests. SGLang returns a ``NextBatchPlan`` whose
+    ``batch_to_run`` is the batch, or None when nothing could be formed."""
+    batch = getattr(plan, "batch_to_run", None)
     reqs = getattr(batch, "reqs", None)
-    if reqs:  # SGLang may return an empty batch
+    if reqs:
         trace("prefill", time.time(), f"{int(getattr(batch, 'extend_num_tokens', 0) or 0)} "
               f"tokens, {len(reqs)} requests")
-    return batch
+    return plan
 
 
 def register() -> None:
