@@ -519,18 +519,22 @@ def plot(report: dict, out: Path) -> Path:
     from harness import save_figure
 
     res, lengths = report["results"], report["params"]["lengths"]
-    shown = {c: v for c, v in COLUMNS.items() if f"ttft_{lengths[0]}_ms" in res.get(v, {})}
+    # (label, variant, metric): each side's loads, then each reader's cold misses where timed
+    shown = [(c, v, "ttft") for c, v in COLUMNS.items()
+             if all(f"ttft_{n}_ms" in res.get(v, {}) for n in lengths)]
+    shown += [(f"{c} cold miss", v, "ttft_cold") for c, v in COLUMNS.items()
+              if all(f"ttft_cold_{n}_ms" in res.get(v, {}) for n in lengths)]
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.8 / max(len(shown), 1)
-    for j, (label, v) in enumerate(shown.items()):
+    for j, (label, v, metric) in enumerate(shown):
         xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(lengths))]
-        med = [res[v][f"ttft_{n}_ms"] for n in lengths]
+        med = [res[v][f"{metric}_{n}_ms"] for n in lengths]
+        samples = [res[v][f"{metric}_{n}_ms_all"] for n in lengths]
         # the samples are rounded to 0.01 ms, the median is not: clamp the rounding away
-        lo = [max(0.0, m - min(res[v][f"ttft_{n}_ms_all"])) for m, n in zip(med, lengths,
-                                                                               strict=True)]
-        hi = [max(0.0, max(res[v][f"ttft_{n}_ms_all"]) - m) for m, n in zip(med, lengths,
-                                                                               strict=True)]
-        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label)
+        lo = [max(0.0, m - min(a)) for m, a in zip(med, samples, strict=True)]
+        hi = [max(0.0, max(a) - m) for m, a in zip(med, samples, strict=True)]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label,
+               hatch="//" if metric == "ttft_cold" else None)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
     ax.set_xlabel("prefix computed by the other instance (tokens)")
     ax.set_ylabel("TTFT (ms)")
@@ -584,7 +588,7 @@ def print_table(report: dict) -> None:
               "(GB/s, median):")
         for key, r in ref.items():
             if isinstance(r, dict):
-                print(f"  {key:<28}" + (f"{r['gbps_median']:.2f}" if "gbps_median" in r
+                print(f"  {key:<32}" + (f"{r['gbps_median']:.2f}" if "gbps_median" in r
                                           else r.get("error", "-")))
 
 
