@@ -109,10 +109,18 @@ def environment() -> dict[str, Any]:
 
 def _child(spec_path: str) -> None:
     """Runs inside the variant's process: `python harness.py --child SPEC.json`."""
+    t0 = time.perf_counter()
     spec = json.loads(Path(spec_path).read_text())
     sys.path.insert(0, str(REPO / "benchmark"))
     fn = getattr(importlib.import_module(spec["module"]), spec["func"])
+    t1 = time.perf_counter()
     result = fn(spec["engine_kwargs"], spec["params"])
+    # where a variant's wall time went beyond its engine (a fresh machine's first process
+    # compiles and loads more than the next ones)
+    result["child_import_s"] = round(t1 - t0, 2)
+    result["child_workload_s"] = round(time.perf_counter() - t1, 2)
+    print(f"[bench] variant process: imports {t1 - t0:.1f} s, workload "
+          f"{result['child_workload_s']:.1f} s", flush=True)
     try:
         import sglang_pic.plugin as plugin
 
