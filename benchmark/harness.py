@@ -170,6 +170,8 @@ def merge_rounds(runs: list[dict]) -> dict:
             metric = key.removesuffix("_all")
             samples = [x for r in runs for x in r.get(key, [])]
             merged[key] = samples
+            if not all(isinstance(x, (int, float)) for x in samples):
+                continue  # e.g. per-sample phase splits: pooled, no median of their own
             merged[metric] = statistics.median(samples)
             merged[f"{metric}_rounds"] = [  # a run may itself be pooled rounds (resume_from)
                 x for r in runs for x in (r.get(f"{metric}_rounds") or [r.get(metric)])]

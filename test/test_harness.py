@@ -58,6 +58,12 @@ def test_rounds_pool_samples_and_keep_each_rounds_median():
     assert merged["rounds"] == 2 and merged["engine_start_s"] == 40.0
     assert merge_rounds([a, {"error": "exit code 1"}]) == {"error": "exit code 1"}
     assert merge_rounds([a]) is a
+    # per-sample records that are not numbers (a store reader's phase splits) pool, no median
+    a["phases_8192_all"], b["phases_8192_all"] = [{"loading_ms": 70.0}], [{"loading_ms": 80.0}]
+    a["phases_8192"] = {"loading_ms": 70.0}
+    merged = merge_rounds([a, b])
+    assert merged["phases_8192_all"] == [{"loading_ms": 70.0}, {"loading_ms": 80.0}]
+    assert merged["phases_8192"] == {"loading_ms": 70.0}  # the first round's
 
 
 def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_path,

@@ -188,6 +188,13 @@ def phases_in(lookups: list[tuple[float, int, int, float]],
     return out
 
 
+def split_medians(splits: list[dict[str, float]]) -> dict[str, float]:
+    """Each part's median over the samples' splits (the parts every sample has); rounds of a
+    run pool their ``*_all`` splits, and the table recomputes these from them."""
+    keys = [k for k in splits[0] if all(k in s for s in splits)] if splits else []
+    return {k: statistics.median(s[k] for s in splits) for k in keys}
+
+
 def cold_phases_in(lookups: list[tuple[float, int, int, float]],
                    prefills: list[tuple[float, int]], start: float, ttft_s: float
                    ) -> dict[str, float]:
@@ -330,9 +337,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                     for a, b in result.pop(f"_cold_windows_{n}", [])]
             if cold:
                 result[f"cold_phases_{n}_all"] = cold
-                keys = [k for k in cold[0] if all(k in c for c in cold)]
-                result[f"cold_phases_{n}"] = {k: statistics.median(c[k] for c in cold)
-                                              for k in keys}
+                result[f"cold_phases_{n}"] = split_medians(cold)
         result["trace_loads"] = len(trace)
         for n in params["lengths"]:
             windows = result.pop(f"_windows_{n}", [])
@@ -347,9 +352,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                       for start, end in windows]
             phases = [p for p in phases if p is not None]
             if phases:  # each part's median over the samples, and every sample's split
-                keys = [k for k in phases[0] if all(k in p for p in phases)]
-                result[f"phases_{n}"] = {k: statistics.median(p[k] for p in phases)
-                                         for k in keys}
+                result[f"phases_{n}"] = split_medians(phases)
                 result[f"phases_{n}_all"] = phases
             if gbps:
                 result[f"load_gbps_{n}_all"] = [round(g, 3) for g in gbps]
@@ -572,7 +575,8 @@ def print_table(report: dict) -> None:
         load = f"{gbps:>15.2f}" if gbps else f"{'-':>15}"
         print(f"{n:>8}{cells}{ratio}{vs_tcp}{vs_file}{load}")
     for n in lengths:  # where the TCP reader's TTFT went (backend trace, median sample)
-        ph = res.get("sglang-pic-ptstore-tcp", {}).get(f"phases_{n}")
+        tcp = res.get("sglang-pic-ptstore-tcp", {})
+        ph = split_medians(tcp.get(f"phases_{n}_all") or []) or tcp.get(f"phases_{n}")
         if ph:
             print(f"TCP {n}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms"
                                            for k, v in ph.items()))
@@ -589,9 +593,11 @@ def print_table(report: dict) -> None:
             if cold and rec:
                 print(f"cold miss, {v}, {n}: {cold:.1f} ms vs {rec:.1f} ms recompute "
                       f"({100 * (cold / rec - 1):+.1f} %)")
-            if r.get(f"cold_phases_{n}"):
+            cold_ph = split_medians(r.get(f"cold_phases_{n}_all") or []) \
+                or r.get(f"cold_phases_{n}")
+            if cold_ph:
                 print(f"  cold {n}: " + ", ".join(
-                    f"{k.removesuffix('_ms')} {x:.1f}" for k, x in r[f"cold_phases_{n}"].items()))
+                    f"{k.removesuffix('_ms')} {x:.1f}" for k, x in cold_ph.items()))
     ref = report.get("transport_reference") or report.get("params", {}).get(
         "transport_reference")
     if ref:
@@ -725,6 +731,10 @@ def main() -> None:
                     help="GPU ids: the instances that compute (*-writer) on the first, every "
                          "other on the second (two instances on two GPUs of one host, stores "
                          "between them); default: every instance on the visible GPU")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, alternating the order (A B, B A, "
+                         "...); samples pool over the rounds (the cold-miss bound compares two "
+                         "processes run minutes apart: alternating spreads the drift)")
     ap.add_argument("--context-length", type=int, default=None,
                     help="the engines' context length (default: room for the longest prefix "
                          "and its question)")
@@ -737,6 +747,8 @@ def main() -> None:
         return
     if args.samples is not None and args.samples < 1:
         ap.error("--samples must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     variants = tuple(v for v in args.variants.split(",") if v)
     gpus = None
     if args.gpus is not None:
@@ -804,7 +816,7 @@ def main() -> None:
                 params["transport_reference"] = reference  # each variant carry it
             report = run_side_by_side(name, "store.bench_store_ttft", "workload", kwargs, params,
                                       variants=variants, out_dir=args.out, timeout_s=900,
-                                      variant_gpus=gpus)
+                                      variant_gpus=gpus, rounds=args.rounds)
         if reference is not None:
             report["transport_reference"] = reference
             print(f"[bench] wrote {_write_report(name, args.out, report)}")
