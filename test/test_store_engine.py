@@ -703,3 +703,58 @@ def test_a_put_is_freed_before_the_server_waits_for_the_next_request(tmp_path):
     finally:
         client.close()
         srv.stop()
+
+
+def test_byte_chunks_cut_in_order_within_the_limit():
+    from sglang_pic.store.client import byte_chunks
+
+    assert byte_chunks([0, 1, 2, 3, 4], [4, 4, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert byte_chunks([], [], 8) == []
+    assert byte_chunks([7], [100], 8) == [[7]]  # larger than the limit: alone
+
+
+def test_a_large_put_goes_in_chunks_and_a_failed_owner_fails_only_its_pages(tmp_path,
+                                                                             monkeypatch):
+    """A write-back larger than PUT_CHUNK_BYTES reaches its owner as several pipelined puts (the
+    server answers other clients between them), every page stored; an owner that refuses one
+    chunk fails that chunk's pages only (it answers the rest), and nothing of the other
+    owner's."""
+    import sglang_pic.store.client as client_mod
+
+    monkeypatch.setattr(client_mod, "PUT_CHUNK_BYTES", 4 * PAGE)
+    servers = [StoreServer(StoreEngine(256 * PAGE), f"ipc://{tmp_path}/c{i}.sock", TOKEN).start()
+               for i in range(2)]
+    client = StoreClient([s.endpoint for s in servers], TOKEN)
+    try:
+        items = [(f"k{i}", bytes([i]) * PAGE) for i in range(32)]
+        before = [s.requests for s in servers]
+        assert client.batch_set(items) == 32 * PAGE and client.last_failed == []
+        owners = [client.ring.owner(t) for t, _ in items]
+        for s, b in zip(servers, before, strict=True):
+            pages = owners.count(s.endpoint)
+            assert s.requests - b == -(-pages // 4)  # ceil: puts of at most 4 pages each
+        assert client.batch_get([t for t, _ in items]) == [p for _, p in items]
+
+        # the first owner refuses its second put: that put's pages and the rest of its own fail
+        bad = servers[0]
+        real, calls = bad._dispatch, []
+
+        def refuse_second_put(header, payloads, *args):
+            if header["op"] == "put":
+                calls.append(header["tids"])
+                if len(calls) == 2:
+                    raise client_mod.zmq.ZMQError("refused")  # any error: the server's reply
+            return real(header, payloads, *args)
+
+        bad._dispatch = refuse_second_put
+        more = [(f"m{i}", bytes([i]) * PAGE) for i in range(32)]
+        client.batch_set(more)
+        mine = [t for t, _ in more if client.ring.owner(t) == bad.endpoint]
+        assert len(mine) > 8, "the ring gave the first server too few pages for this test"
+        second = {t.split("\0", 1)[-1] for t in calls[1]}
+        assert set(client.last_failed) == second  # the refused chunk only: the server went on
+        assert not set(client.last_failed) & {t for t, _ in more if t not in mine}
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()

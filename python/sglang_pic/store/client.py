@@ -72,6 +72,25 @@ Sink = Callable[[int, memoryview, int], None]
 the sink verifies it (a mismatch is a miss)."""
 
 
+PUT_CHUNK_BYTES = 8 << 20
+"""The most one put request carries (whole pages; a larger page goes alone): the time another
+client's lookup can wait behind a write-back on a store server."""
+
+
+def byte_chunks(items: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``items`` in order, cut into runs whose ``sizes`` add up to at most ``limit`` (an item
+    larger than ``limit`` is a run of its own)."""
+    runs: list[list[int]] = []
+    total = limit + 1
+    for item, size in zip(items, sizes, strict=True):
+        if total + size > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(item)
+        total += size
+    return runs
+
+
 def _point(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
 
@@ -277,26 +296,41 @@ class StoreClient:
     def _round_trips(self, requests: dict[str, tuple[dict, list[Buffer] | None]],
                      nbytes: int, deadline: float | None = None
                      ) -> dict[str, tuple[dict, list] | None]:
-        """Send every request, then collect every reply against one deadline (``nbytes``: the
-        bytes the replies and requests carry; or ``deadline``, monotonic). A server whose request
-        could not be sent within the time-out, or whose reply was not collected - time out, or an
-        error while collecting - loses its socket and gets None."""
-        replies: dict[str, tuple[dict, list] | None] = {}
+        """One request per server: ``_pipelined`` keyed by server."""
+        servers = list(requests)
+        replies = self._pipelined([(s, *requests[s]) for s in servers], nbytes, deadline)
+        return dict(zip(servers, replies, strict=True))
+
+    def _pipelined(self, requests: list[tuple[str, dict, list[Buffer] | None]], nbytes: int,
+                   deadline: float | None = None) -> list[tuple[dict, list] | None]:
+        """Send every request (a server may get several: it answers them in order), then collect
+        every reply against one deadline (``nbytes``: the bytes the replies and requests carry;
+        or ``deadline``, monotonic). A server whose request could not be sent within the
+        time-out, or one of whose replies was not collected - time out, or an error while
+        collecting - loses its socket, and its requests from there on get None."""
+        replies: list[tuple[dict, list] | None] = [None] * len(requests)
+        failed: set[str] = set()
+        collected = 0
         try:
-            for server, (header, payloads) in requests.items():
+            for server, header, payloads in requests:
+                if server in failed:
+                    continue
                 try:
                     self._send(server, header, payloads)
                 except zmq.Again:  # no peer took it in time (SNDTIMEO): a miss, never a hang
                     self._drop(server)
-                    replies[server] = None
+                    failed.add(server)
             if deadline is None:
                 deadline = self._deadline(nbytes)
-            for server in requests:
-                if server not in replies:
-                    replies[server] = self._recv(server, deadline)
+            for i, (server, _, _) in enumerate(requests):
+                if server not in failed:
+                    replies[i] = self._recv(server, deadline)
+                    if replies[i] is None:  # _recv dropped the socket: later replies are lost
+                        failed.add(server)
+                collected = i + 1
         finally:
-            for server in requests:
-                if server not in replies:
+            for server, _, _ in requests[collected:]:
+                if server not in failed:
                     self._drop(server)
         return replies
 
@@ -326,29 +360,35 @@ class StoreClient:
     def batch_set(self, items: list[tuple[str, Buffer]], kind: str | None = None) -> int:
         """Store pages on their owners (``kind="replica"``: the replica cache of the local
         server); returns bytes the servers actually added (pages they already held add nothing).
-        Ids whose owner failed are in ``self.last_failed`` (per thread)."""
+        Ids whose owner failed are in ``self.last_failed`` (per thread).
+
+        A server handles one request at a time, so one put of a whole write-back (1 GiB for 8K
+        tokens of Llama-3-8B) would hold every other client's lookup behind it: each owner gets
+        its pages in puts of at most ``PUT_CHUNK_BYTES``, all sent before the first reply is
+        awaited (pipelined), and serves other clients between them."""
         tids = [t for t, _ in items]
         groups = ({self.local: list(range(len(items)))} if kind == "replica"
                   else self._by_owner(tids))
-        requests = {}
+        requests, chunks = [], []
         for server, idx in groups.items():
-            payloads = [items[i][1] for i in idx]
-            requests[server] = ({"op": "put", "tids": [tids[i] for i in idx],
-                                 "sums": [checksum(p) for p in payloads],
-                                 **({"kind": kind} if kind else {})}, payloads)
+            for chunk in byte_chunks(idx, [len(items[i][1]) for i in idx], PUT_CHUNK_BYTES):
+                payloads = [items[i][1] for i in chunk]
+                requests.append((server, {"op": "put", "tids": [tids[i] for i in chunk],
+                                          "sums": [checksum(p) for p in payloads],
+                                          **({"kind": kind} if kind else {})}, payloads))
+                chunks.append(chunk)
         nbytes = sum(len(p) for _, p in items)
         if items:
             self.page_bytes = max(self.page_bytes, max(len(p) for _, p in items))
-        replies = self._round_trips(requests, nbytes)
+        replies = self._pipelined(requests, nbytes)
         added, failed = 0, []
-        for server, idx in groups.items():
-            reply = replies.get(server)
+        for chunk, reply in zip(chunks, replies, strict=True):
             stored = reply[0].get("added_bytes") if reply is not None and reply[0].get("ok") \
                 else None
             if isinstance(stored, int):
                 added += stored
             else:
-                failed += [tids[i] for i in idx]
+                failed += [tids[i] for i in chunk]
         self._local.last_failed = failed
         return added
 
