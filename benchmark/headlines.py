@@ -161,6 +161,16 @@ def _two_metrics(baseline_metric: str, ours_metric: str, note: str):
     return extract
 
 
+def _design_pair(metric: str, baseline: str, ours: str, note: str):
+    """A design comparison inside our own code (no vanilla side): two variants of one run."""
+
+    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
+        res = report["results"]
+        return _samples(res[baseline], metric), _samples(res[ours], metric), note
+
+    return extract
+
+
 def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
     """Real weights: per prompt, 1 if the span server's greedy tokens equal vanilla-FlashInfer's
     (ours), against the same for vanilla-triton (baseline: how often two of SGLang's own kernels
@@ -195,6 +205,7 @@ SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.p
 STORE_TCP = "store_ttft_tcp_h200.json"  # 8K / 32K / 128K, before the idle scheduler's nap
 STORE_TCP_NAP = "store_ttft_tcp_h200_nap.json"  # 8K / 32K with it, and the same-node reader
 STORE_COLD = "store_cold_miss_h200.json"  # cold misses beside vanilla and SGLang's HiCache alone
+LOOKUPS = "store_lookup_beside_writes.json"  # store/bench_lookup_beside_writes.py (CPU)
 COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
@@ -263,6 +274,15 @@ CLAIMS: list[Claim] = [
           ours_variant="sglang-pic-ptstore-tcp", target=COLD_BOUND,
           extract=_cold_miss(8192, "sglang-pic-ptstore-tcp"),
           path="TCP reader, a prefix the store never saw; the run of the 128K TCP row"),
+    *[Claim(f"store.{claim}", LOOKUPS, metric, baseline_variant="one put per owner",
+            ours_variant="8 MiB puts", higher_is_better=better,
+            path="CPU (2 cores): one store server on loopback, a client storing 256 MB "
+            "write-backs in a loop beside another asking for 128 pages every 20 ms",
+            extract=_design_pair(metric, "one put per owner", "8 MiB puts",
+                                 "design comparison, no vanilla side: a whole write-back in "
+                                 "one put per owner against pipelined puts of at most 8 MiB"))
+      for claim, metric, better in (("lookup_p99_beside_writes", "lookup_p99_ms", False),
+                                    ("put_rate_chunked", "put_gbps", True))],
     Claim("store.shm_ttft_8k_triton", "store_ttft_h200_prefault.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
           "host pool through shared memory", note=LEGACY),

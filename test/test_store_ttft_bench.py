@@ -126,3 +126,18 @@ def test_the_writers_trace_counts_failed_and_slow_stores(bench):
     assert s["put_gbps"] == pytest.approx(129 * (8 << 20) / 6.1505 / 1e9)
     assert bench.put_summary([], 8 << 20) == {"trace_puts": 0, "put_pages": 0,
                                               "put_failed_pages": 0, "put_ms_max": 0.0}
+
+
+def test_lookup_bench_pools_samples_and_takes_each_samples_p99():
+    """``bench_lookup_beside_writes.summarize``: percentiles over the pooled lookups, one p99
+    per sample (what the headline row takes the median of), the median put rate."""
+    for p in (str(BENCH), str(BENCH / "store")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    mod = importlib.import_module("bench_lookup_beside_writes")
+    a = {"lookup_ms": [1.0] * 99 + [100.0], "put_gbps": 0.5}
+    b = {"lookup_ms": [2.0] * 100, "put_gbps": 0.7}
+    r = mod.summarize([a, b])
+    assert r["lookup_p50_ms"] == 2.0 and r["lookup_max_ms"] == 100.0  # 99 x 1, 100 x 2, 100
+    assert r["lookup_p99_ms_all"] == [1.0, 2.0]  # 99th of 100 sorted: index 98
+    assert r["put_gbps"] == pytest.approx(0.6) and r["put_gbps_all"] == [0.5, 0.7]

@@ -1,0 +1,171 @@
+"""Lookup latency of one PTStore reader while another client writes back: one put per owner
+against puts cut into chunks (``client.PUT_CHUNK_BYTES``).
+
+A store server handles one request at a time. SGLang's HiCache asks the store which pages it
+holds (``batch_exists``) before every prefetch, and with ``wait_complete`` the request waits for
+that answer before its prefill: a lookup queued behind a write-back of another instance delays
+the first token of a prompt the store may not even hold. This benchmark runs store servers in
+their own processes, a writer that stores ``--put-mb`` per call in a loop, and a reader that asks
+for ``--lookup-pages`` pages (all misses, as a cold prompt's) every ``--gap-ms``; per variant it
+reports the lookups' p50 / p99 / max and the writer's rate, variants alternating in ``--rounds``.
+
+    python3 benchmark/store/bench_lookup_beside_writes.py [--out DIR] [--rounds 3]
+    python3 benchmark/store/bench_lookup_beside_writes.py --smoke      # ~20 s, a temp folder
+
+Prints a table and writes ``store_lookup_beside_writes.json`` (machine, versions, config, every
+sample) and a plot (``docs/figures/store_lookup_beside_writes.png`` unless ``--smoke``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent.parent / "python"))
+from harness import environment, save_figure, start_store_servers  # noqa: E402
+
+REPO = HERE.parent.parent
+TOKEN = "bench-lookup-beside-writes-token"
+VARIANTS = {"one put per owner": 1 << 62, "8 MiB puts": 8 << 20}
+"""Variant name -> PUT_CHUNK_BYTES (the first: a whole write-back in one put per owner)."""
+
+
+def _ids(tag: str, n: int) -> list[str]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def one_sample(endpoints: list[str], chunk: int, args, tag: str) -> dict:
+    """The reader's lookup latencies (ms) while the writer stores, and the writer's GB/s."""
+    import sglang_pic.store.client as client_mod
+
+    client_mod.PUT_CHUNK_BYTES = chunk
+    reader = client_mod.StoreClient(endpoints, TOKEN, data_plane="tcp")
+    writer = client_mod.StoreClient(endpoints, TOKEN, data_plane="tcp")
+    page = os.urandom(args.page_mb << 20)
+    pages = max(1, args.put_mb // args.page_mb)
+    stop, written, busy = threading.Event(), [0], [0.0]
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            items = [(k, page) for k in _ids(f"{tag}-w{n}", pages)]
+            t = time.perf_counter()
+            written[0] += writer.batch_set(items)
+            busy[0] += time.perf_counter() - t
+            n += 1
+
+    try:
+        writer.batch_set([(k, page) for k in _ids(f"{tag}-warm", 2)])  # connections up
+        reader.batch_exists(_ids(f"{tag}-warm-r", 4))
+        th = threading.Thread(target=write, daemon=True)
+        th.start()
+        time.sleep(0.2)  # the first put under way
+        lat = []
+        for i in range(args.lookups):
+            t = time.perf_counter()
+            reader.batch_exists(_ids(f"{tag}-r{i}", args.lookup_pages))
+            lat.append(1000 * (time.perf_counter() - t))
+            time.sleep(args.gap_ms / 1000)
+        stop.set()
+        th.join(timeout=120)
+        return {"lookup_ms": lat, "put_gbps": written[0] / busy[0] / 1e9 if busy[0] else None}
+    finally:
+        reader.close()
+        writer.close()
+
+
+def summarize(samples: list[dict]) -> dict:
+    """Per variant: the pooled lookups' p50 / p99 / max, each sample's p99, the put rate."""
+    lat = sorted(x for s in samples for x in s["lookup_ms"])
+    p99s = [sorted(s["lookup_ms"])[int(0.99 * (len(s["lookup_ms"]) - 1))] for s in samples]
+    rates = [s["put_gbps"] for s in samples if s["put_gbps"]]
+    return {"lookup_p50_ms": statistics.median(lat), "lookup_p99_ms": lat[int(0.99 * (len(lat) - 1))],
+            "lookup_max_ms": lat[-1], "lookup_p99_ms_all": p99s,
+            "put_gbps": statistics.median(rates) if rates else None, "put_gbps_all": rates}
+
+
+def plot(report: dict, out: Path) -> Path:
+    """Each variant's lookup latencies as a CDF (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, samples in report["samples"].items():
+        lat = sorted(x for s in samples for x in s["lookup_ms"])
+        ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"lookup of {report['config']['lookup_pages']} pages (ms)")
+    ax.set_ylabel("share of lookups")
+    cfg = report["config"]
+    ax.set_title(f"PTStore lookups beside {cfg['put_mb']} MB write-backs, "
+                 f"{report['machine'].get('cpus')} CPUs", fontsize=9)
+    ax.legend(fontsize=8)
+    return save_figure(fig, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--put-mb", type=int, default=256, help="bytes of one write-back")
+    ap.add_argument("--page-mb", type=int, default=4)
+    ap.add_argument("--lookup-pages", type=int, default=128)
+    ap.add_argument("--lookups", type=int, default=60, help="per sample")
+    ap.add_argument("--gap-ms", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=3, help="samples per variant, alternating")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="small sizes, 1 round, a temp folder")
+    args = ap.parse_args()
+    if args.smoke:
+        args.put_mb, args.lookups, args.rounds = 32, 15, 1
+        args.out = args.out or tempfile.mkdtemp(prefix="sglang-pic-bench-")
+    for name in ("servers", "put_mb", "page_mb", "lookup_pages", "lookups", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    procs, endpoints = start_store_servers(args.servers, TOKEN,
+                                           memory_gb=max(1.0, 4 * args.put_mb / 1024))
+    samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    try:
+        for r in range(args.rounds):
+            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+            for name in order:
+                s = one_sample(endpoints, VARIANTS[name], args, f"{r}-{name}")
+                samples[name].append(s)
+                print(f"[bench] round {r + 1}/{args.rounds}, {name}: lookup p50 "
+                      f"{statistics.median(s['lookup_ms']):.2f} ms, max {max(s['lookup_ms']):.1f} "
+                      f"ms, puts {s['put_gbps'] or 0:.2f} GB/s", flush=True)
+    finally:
+        for p in procs:
+            p.terminate()
+    env = environment()
+    report = {"benchmark": "store_lookup_beside_writes", "environment": env,
+              "machine": {"cpus": os.cpu_count()},
+              "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "put_chunk_bytes": VARIANTS, "samples": samples,
+              "results": {v: summarize(s) for v, s in samples.items()}}
+    print(f"\n{'variant':<20}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'puts GB/s':>11}")
+    for v, r in report["results"].items():
+        print(f"{v:<20}{r['lookup_p50_ms']:>9.2f}{r['lookup_p99_ms']:>9.1f}"
+              f"{r['lookup_max_ms']:>9.1f}{r['put_gbps'] or 0:>11.2f}")
+    out = Path(args.out) if args.out else REPO / "benchmark" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "store_lookup_beside_writes.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"[bench] wrote {path}")
+    fig = (out if args.smoke else REPO / "docs" / "figures") / "store_lookup_beside_writes.png"
+    plot(report, fig)
+
+
+if __name__ == "__main__":
+    main()
