@@ -747,13 +747,48 @@ def test_a_large_put_goes_in_chunks_and_a_failed_owner_fails_only_its_pages(tmp_
             return real(header, payloads, *args)
 
         bad._dispatch = refuse_second_put
-        more = [(f"m{i}", bytes([i]) * PAGE) for i in range(32)]
+        # 12 pages on each owner (the ring's split depends on the endpoints' temporary paths):
+        # three puts to the first owner, the second of them refused
+        by_owner: dict[str, list[str]] = {s.endpoint: [] for s in servers}
+        i = 0
+        while min(len(v) for v in by_owner.values()) < 12:
+            tid = f"m{i}"
+            if len(by_owner[client.ring.owner(tid)]) < 12:
+                by_owner[client.ring.owner(tid)].append(tid)
+            i += 1
+        more = [(t, bytes([n]) * PAGE) for n, t in enumerate(sum(by_owner.values(), []))]
         client.batch_set(more)
-        mine = [t for t, _ in more if client.ring.owner(t) == bad.endpoint]
-        assert len(mine) > 8, "the ring gave the first server too few pages for this test"
+        mine = by_owner[bad.endpoint]
+        assert len(calls) == 3
         second = {t.split("\0", 1)[-1] for t in calls[1]}
+        assert len(second) == 4 and second <= set(mine)
         assert set(client.last_failed) == second  # the refused chunk only: the server went on
         assert not set(client.last_failed) & {t for t, _ in more if t not in mine}
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()
+
+
+def test_the_client_encrypts_on_its_own_io_threads_and_works_after_close(tmp_path):
+    """One ZMQ I/O thread per server (up to ZMQ_IO_THREADS_MAX), on a context of the client's
+    own (not the process-wide one, where one thread encrypted every server's puts); close ends
+    it, and the client makes a new one if used again."""
+    import zmq
+    from sglang_pic.store.client import ZMQ_IO_THREADS_MAX
+
+    servers = [StoreServer(StoreEngine(64 * PAGE), f"ipc://{tmp_path}/t{i}.sock", TOKEN).start()
+               for i in range(2)]
+    client = StoreClient([s.endpoint for s in servers], TOKEN)
+    try:
+        assert client.batch_set([("a", b"x" * PAGE), ("b", b"y" * PAGE)]) == 2 * PAGE
+        assert client.ctx is not zmq.Context.instance()
+        assert client.ctx.get(zmq.IO_THREADS) == min(2, ZMQ_IO_THREADS_MAX)
+        first = client.ctx
+        client.close()
+        assert first.closed
+        assert client.batch_exists(["a", "b", "c"]) == [True, True, False]
+        assert client.ctx is not first
     finally:
         client.close()
         for s in servers:

@@ -72,6 +72,7 @@ Sink = Callable[[int, memoryview, int], None]
 the sink verifies it (a mismatch is a miss)."""
 
 
+ZMQ_IO_THREADS_MAX = 4  # CURVE runs on these: one per server, so puts to each encrypt apart
 PUT_CHUNK_BYTES = 8 << 20
 """The most one put request carries (whole pages; a larger page goes alone): the time another
 client's lookup can wait behind a write-back on a store server."""
@@ -217,7 +218,7 @@ class StoreClient:
         self.page_bytes = 0  # the largest page seen: sizes the allowance of a get
         self.local = local
         self.replicate_after = replicate_after
-        self.ctx = zmq.Context.instance()
+        self._ctx: zmq.Context | None = None  # our own: ``ctx``
         self._local = threading.local()  # .socks: this thread's {server: socket}
         self._all_socks: list[zmq.Socket] = []
         # "tcp" and "zmq" move no page through shared memory
@@ -246,6 +247,17 @@ class StoreClient:
         if socks is None:
             socks = self._local.socks = {}
         return socks
+
+    @property
+    def ctx(self) -> zmq.Context:
+        """This client's ZMQ context, with one I/O thread per server up to
+        ``ZMQ_IO_THREADS_MAX``. ZMQ encrypts and decrypts (CURVE) a socket's messages on its
+        context's I/O thread: on the process-wide context, one thread encrypted every put to
+        every server. Made on first use, and again after ``close``."""
+        with self._socks_lock:
+            if self._ctx is None:
+                self._ctx = zmq.Context(io_threads=min(len(self.servers), ZMQ_IO_THREADS_MAX))
+            return self._ctx
 
     def _sock(self, server: str) -> zmq.Socket:
         s = self.socks.get(server)
@@ -754,4 +766,7 @@ class StoreClient:
                 seg.close()
             self._segments.clear()
             self._free_segments.clear()
+            ctx, self._ctx = self._ctx, None
         self._local = threading.local()
+        if ctx is not None:
+            ctx.term()  # every socket closed with linger 0: returns at once
