@@ -23,7 +23,12 @@ seen the prefixes and shares no GPU or host memory with the writer):
 * ``sglang-pic-ptstore-staging``: the PTStore reader with a private host pool: pages come
   through its shared-memory staging segment and are copied into the pool by the reader;
 * ``sglang-pic-ptstore-socket``: the PTStore reader with every page inside the CURVE replies of
-  the zmq socket (``"data_plane": "zmq"``, the path before the TCP data plane).
+  the zmq socket (``"data_plane": "zmq"``, the path before the TCP data plane);
+* ``vanilla-hicache``: vanilla SGLang with HiCache (write-through) and no storage tier: what
+  SGLang's host tier alone costs a cold miss;
+* any PTStore variant with ``-nonap``: the same with ``--hicache-storage-idle-yield-us 0``.
+
+``--rounds N`` runs every variant N times, alternating the order, and pools the samples.
 
 Every engine runs on FlashInfer (Llama-3-8B shape, dummy weights, bf16, page size 64; HiCache
 write-through and ``wait_complete`` prefetch). A prompt is a stored prefix + a fresh 64-token
