@@ -257,12 +257,11 @@ class MovedPageCopier:
         positions_cpu = (pages[:, None] * self.page_size + within).flatten()
         positions = positions_cpu.to(row.device)
         table = stored_positions.table()
-        src = row[positions].long()
-        shift = positions - table[src].long()
         if host is not None:
             src_cpu, shift_cpu = host[0][positions_cpu], host[1][positions_cpu]
-        else:
-            src_cpu, shift_cpu = src.cpu(), shift.cpu()
+        else:  # a request that waited for room: its own read
+            src = row[positions].long()
+            src_cpu, shift_cpu = src.cpu(), (positions - table[src].long()).cpu()
         # runs of one shift, cut at page boundaries (padding starts every piece on a page, so a
         # run is a span); a run's key holds all its shifts and source slots, so a copy is reused
         # only for exactly the same turn of exactly the same slots
@@ -290,9 +289,9 @@ class MovedPageCopier:
                         self.allocator.available_size(), self.reserve)
                 return Waiting(pages)
             slots = slots.to(device=row.device, dtype=torch.int64)
-            take = torch.cat([torch.arange(a, b) for a, b in missing.values()]).to(row.device)
-            self._turn_copy(src[take], slots, shift[take])
-            table[slots] = positions[take].to(table.dtype)
+            take = torch.cat([torch.arange(a, b) for a, b in missing.values()])
+            self._turn_copy(src_cpu[take].to(row.device), slots, shift_cpu[take].to(row.device))
+            table[slots] = positions_cpu[take].to(table.device, table.dtype)
             at = 0
             for key, (a, b) in missing.items():
                 self.runs[key] = TurnedRun(slots[at : at + b - a])
