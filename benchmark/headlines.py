@@ -136,39 +136,22 @@ def _better_vanilla(metric: str):
     return extract
 
 
-def _cold_miss(n: int, variant: str):
-    """A prefix the store never saw (``bench_store_ttft.py --cold-lengths``): vanilla's
-    recompute samples of that length against ``variant``'s cold-miss samples, one run."""
+def _metric_pair(baseline_metric: str, ours_metric: str, note: str, *,
+                 baseline: str = "vanilla", ours: str = "sglang-pic", vanilla_side: bool = True):
+    """One run, each side its own variant and metric (the side-by-side reader takes one metric
+    for both): e.g. vanilla's recompute against a store reader's cold miss, or vanilla's
+    one-pass floor against our cached span. ``vanilla_side`` False: a design comparison inside
+    our own code, no backend to name."""
 
-    def extract(report: dict) -> tuple[list[float], list[float], str | None, str]:
+    def extract(report: dict) -> tuple:
         res = report["results"]
-        return (_samples(res["vanilla"], f"ttft_{n}_ms"),
-                _samples(res[variant], f"ttft_cold_{n}_ms"),
-                "lookup, miss, then the whole prefill; ratio >= 0.952 is at most 5 % over "
-                "recompute", "vanilla")
+        out = (_samples(res[baseline], baseline_metric), _samples(res[ours], ours_metric), note)
+        return (*out, baseline) if vanilla_side else out
 
     return extract
 
 
-def _two_metrics(baseline_metric: str, ours_metric: str, note: str):
-    """One run, a different metric per side (e.g. vanilla's floor against our cached span)."""
-
-    def extract(report: dict) -> tuple[list[float], list[float], str | None, str]:
-        res = report["results"]
-        return (_samples(res["vanilla"], baseline_metric), _samples(res["sglang-pic"], ours_metric),
-                note, "vanilla")
-
-    return extract
-
-
-def _design_pair(metric: str, baseline: str, ours: str, note: str):
-    """A design comparison inside our own code (no vanilla side): two variants of one run."""
-
-    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
-        res = report["results"]
-        return _samples(res[baseline], metric), _samples(res[ours], metric), note
-
-    return extract
+COLD_NOTE = "lookup, miss, then the whole prefill; ratio >= 0.952 is at most 5 % over recompute"
 
 
 def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
@@ -227,7 +210,7 @@ CLAIMS: list[Claim] = [
           note="8K document cached after system prompt A, served after another system prompt: "
           "its pages are copied with turned keys (copy on reuse), then FlashInfer"),
     Claim("spans.cached_span_ttft_vs_floor", SPANS, "ttft_cached_prefix_ms",
-          path=SPAN_SERVER, extract=_two_metrics(
+          path=SPAN_SERVER, extract=_metric_pair(
               "ttft_same_prefix_ms", "ttft_cached_prefix_ms",
               "baseline: vanilla's one-pass floor, its own prompt again with a new question "
               "(system prompt and document cached as its prefix: only the question computed); "
@@ -264,23 +247,27 @@ CLAIMS: list[Claim] = [
           note="vanilla-FlashInfer recomputes the prefix", reruns=(STORE_TCP_NAP,)),
     Claim("store.tcp_cold_miss_8k", STORE_COLD, "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore-tcp", target=COLD_BOUND,
-          extract=_cold_miss(8192, "sglang-pic-ptstore-tcp"),
+          extract=_metric_pair("ttft_8192_ms", "ttft_cold_8192_ms", COLD_NOTE,
+                               ours="sglang-pic-ptstore-tcp"),
           path="TCP reader, a prefix the store never saw; run beside vanilla with HiCache alone"),
     Claim("store.tcp_cold_miss_8k.with_tcp_rows", STORE_TCP_NAP, "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore-tcp", target=COLD_BOUND,
-          extract=_cold_miss(8192, "sglang-pic-ptstore-tcp"),
+          extract=_metric_pair("ttft_8192_ms", "ttft_cold_8192_ms", COLD_NOTE,
+                               ours="sglang-pic-ptstore-tcp"),
           path="TCP reader, a prefix the store never saw; the run of the 8K / 32K TCP rows"),
     Claim("store.tcp_cold_miss_8k.before_nap", STORE_TCP, "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore-tcp", target=COLD_BOUND,
-          extract=_cold_miss(8192, "sglang-pic-ptstore-tcp"),
+          extract=_metric_pair("ttft_8192_ms", "ttft_cold_8192_ms", COLD_NOTE,
+                               ours="sglang-pic-ptstore-tcp"),
           path="TCP reader, a prefix the store never saw; the run of the 128K TCP row"),
     *[Claim(f"store.{claim}", LOOKUPS, metric, baseline_variant="one put per owner",
             ours_variant="8 MiB puts", higher_is_better=better,
             path="CPU (2 cores): one store server on loopback, a client storing 256 MB "
             "write-backs in a loop beside another asking for 128 pages every 20 ms",
-            extract=_design_pair(metric, "one put per owner", "8 MiB puts",
-                                 "design comparison, no vanilla side: a whole write-back in "
-                                 "one put per owner against pipelined puts of at most 8 MiB"))
+            extract=_metric_pair(metric, metric, "design comparison, no vanilla side: a whole "
+                                 "write-back in one put per owner against pipelined puts of at "
+                                 "most 8 MiB", baseline="one put per owner", ours="8 MiB puts",
+                                 vanilla_side=False))
       for claim, metric, better in (("lookup_p99_beside_writes", "lookup_p99_ms", False),
                                     ("put_rate_chunked", "put_gbps", True))],
     Claim("store.shm_ttft_8k_triton", "store_ttft_h200_prefault.json", "ttft_8192_ms",
