@@ -384,7 +384,7 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
                     "prefix_tokens": {str(n): prefix_tokens(n, params) for n in lengths}}
     print(f"[bench] {kind}{' (writer)' if writer else ''}: engine up in "
           f"{result['engine_start_s']:.1f} s", flush=True)
-    marks = {"start": time.perf_counter()}  # progress: where the variant's time goes
+    started = time.perf_counter()  # progress: where the variant's time goes
     # questions and cold prefixes differ per reader: a reader's write-back of its cold prefixes
     # must not turn the next reader's into hits
     variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", kind)
@@ -455,8 +455,7 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
             else:
                 size = prefix_tokens(n, params) + params["question_tokens"]
                 ttft([int(t) for t in rng.integers(1000, vocab, size=size)])
-        marks["warm_up"] = time.perf_counter()
-        print(f"[bench] {kind}: warm-up done in {marks['warm_up'] - marks['start']:.1f} s",
+        print(f"[bench] {kind}: warm-up done in {time.perf_counter() - started:.1f} s",
               flush=True)
         rows: dict[int, list] = {n: [] for n in lengths}
         for s in range(params["samples"]):  # round the lengths: drift spreads over all of them
@@ -496,7 +495,7 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
         t1 = time.perf_counter()
         engine.shutdown()
         result["engine_shutdown_s"] = round(time.perf_counter() - t1, 2)
-        result["requests_s"] = round(t1 - marks["start"], 2)
+        result["requests_s"] = round(t1 - started, 2)
         print(f"[bench] {kind}: requests and flushes {result['requests_s']:.1f} s, shutdown "
               f"{result['engine_shutdown_s']:.1f} s", flush=True)
     return result
