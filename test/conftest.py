@@ -206,13 +206,20 @@ class Server:
             return False
 
 
+SERVE = ("-m", "sglang_pic", "serve")
+"""The launcher tests start by default (``start_server``'s ``launcher``)."""
+
+
 def start_server(args: list[str], log: Path, attempts: int = 3,
-                 timeout_s: float = START_TIMEOUT_S) -> Server:
-    """Start `sglang-pic serve` on a free port and wait until /health answers; retried on a new
-    port when another process took the chosen one in between (free_port cannot reserve it)."""
+                 timeout_s: float = START_TIMEOUT_S, launcher: tuple[str, ...] = SERVE,
+                 env: dict[str, str] | None = None) -> Server:
+    """Start `sglang-pic serve` (or another ``launcher``: ``python <launcher> --port P
+    <args>``, in ``env``, default this process's) on a free port and wait until /health
+    answers; retried on a new port when another process took the chosen one in between
+    (free_port cannot reserve it)."""
     for attempt in range(attempts):
         try:
-            return _start_server_once(args, log, timeout_s)
+            return _start_server_once(args, log, timeout_s, launcher, env)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
@@ -260,22 +267,25 @@ def start_slot() -> Iterator[None]:
         time.sleep(0.5)
 
 
-def _start_server_once(args: list[str], log: Path, timeout_s: float) -> Server:
+def _start_server_once(args: list[str], log: Path, timeout_s: float,
+                       launcher: tuple[str, ...] = SERVE,
+                       env: dict[str, str] | None = None) -> Server:
     with start_slot():
-        return _launch(args, log, timeout_s)
+        return _launch(args, log, timeout_s, launcher, env)
 
 
-def _launch(args: list[str], log: Path, timeout_s: float) -> Server:
-    """Start `sglang-pic serve` on a free port and wait until /health answers.
+def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, ...] = SERVE,
+            env: dict[str, str] | None = None) -> Server:
+    """Start ``launcher`` (`sglang-pic serve`) on a free port and wait until /health answers.
 
     Test servers run torch with one thread: the suite keeps two or three servers up at once on a
     2-core machine, and SGLang's CPU scheduler polls a core while idle, so multi-threaded torch
     ops would fight them for cores (measured: ~15 s per short request instead of ~1 s).
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_pic", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, *launcher, "--port", str(port), *args]
     out = open(log, "w")
-    env = dict(os.environ, OMP_NUM_THREADS=TEST_THREADS)
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS=TEST_THREADS)
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env=env)
     server = Server(proc, f"http://127.0.0.1:{port}", log)

@@ -145,36 +145,14 @@ def test_plain_sglang_launcher_serves_on_cpu(model_dir, tmp_path):
     plugin selects SGLang's CPU engine and adds its flags, so SGLang's own launcher serves (it
     stopped with "No accelerator ... or platform plugin")."""
     import os
-    import time
 
-    import requests
-    from conftest import HEALTH_POLL_S, START_TIMEOUT_S, Server, free_port, start_slot, stop_server
+    from conftest import start_server, stop_server
 
-    port = free_port()
-    log = tmp_path / "plain.log"
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    env["OMP_NUM_THREADS"] = "1"
-    url, healthy = f"http://127.0.0.1:{port}", False
-    with start_slot():  # queued machine-wide, as conftest's starts are
-        with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path",
-                                     str(model_dir), "--port", str(port)], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        server = Server(proc, url, log)
-        try:
-            deadline = time.time() + START_TIMEOUT_S
-            while not healthy and time.time() < deadline and proc.poll() is None:
-                try:
-                    healthy = requests.get(url + "/health", timeout=30).status_code == 200
-                except requests.ConnectionError:
-                    pass
-                time.sleep(0 if healthy else HEALTH_POLL_S)
-        except BaseException:
-            stop_server(server)
-            raise
+    server = start_server(["--model-path", str(model_dir)], tmp_path / "plain.log",
+                          launcher=("-m", "sglang.launch_server"), env=env)
     try:
-        assert healthy, log.read_text()[-3000:]
-        r = requests.post(url + "/generate", timeout=120, json={
+        r = server.post("/generate", json={
             "text": "The capital of France is",
             "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert r.status_code == 200, r.text
