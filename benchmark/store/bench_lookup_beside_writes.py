@@ -133,6 +133,8 @@ def main() -> None:
     for name in ("servers", "put_mb", "page_mb", "lookup_pages", "lookups", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.gap_ms < 0:
+        ap.error("--gap-ms must be 0 or more")
     procs, endpoints = start_store_servers(args.servers, TOKEN,
                                            memory_gb=max(1.0, 4 * args.put_mb / 1024))
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
