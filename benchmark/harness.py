@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmark" / "results"
 MODELS = REPO / "benchmark" / "models"
 VARIANTS = ("vanilla", "sglang-pic")
+ROUND_ENV = "SGLANG_PIC_BENCH_ROUND"
+"""The round a variant's process runs (0-based): a workload that draws fresh prompts per process
+seeds with it, so that a later round's "new" prompts are not the ones an earlier round stored."""
 # The attention backend of each vanilla variant (``vanilla`` is the baseline of every headline).
 VANILLA_BACKENDS = {"vanilla": "flashinfer", "vanilla-triton": "triton"}
 # Llama-3.1-8B shape with dummy weights, token ids only, vanilla SGLang's FlashInfer backend: the
@@ -239,6 +242,7 @@ def run_side_by_side(
                 print(f"[bench] {name}: running {variant}{tag} ...", flush=True)
                 t0 = time.perf_counter()
                 env = variant_env(variant, site, (variant_gpus or {}).get(variant))
+                env[ROUND_ENV] = str(round_no)
                 proc = subprocess.run(
                     [sys.executable, __file__, "--child", str(spec)], env=env, timeout=timeout_s,
                 )

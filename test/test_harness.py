@@ -75,10 +75,12 @@ def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_p
     import pytest
 
     order: list[str] = []
+    rounds: list[int] = []  # the round each process was told (fresh prompts are seeded by it)
 
     def fake_run(cmd, env, timeout):  # the variant's process: one sample, its run number
         spec = json.loads(Path(cmd[-1]).read_text())
         order.append(env["SGLANG_PIC_BENCH_VARIANT"])
+        rounds.append(int(env[harness.ROUND_ENV]))
         Path(spec["out"]).write_text(json.dumps({"x": len(order), "x_all": [len(order)]}))
         return type("Done", (), {"returncode": 0})()
 
@@ -91,6 +93,7 @@ def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_p
     (tmp_path / "e2e.json").rename(earlier)
     second = harness.run_side_by_side(*args, rounds=2, resume_from=str(earlier), **kw)
     assert order == ["vanilla", "sglang-pic", "sglang-pic", "vanilla", "vanilla", "sglang-pic"]
+    assert rounds == [0, 0, 1, 1, 2, 2]
     assert (second["rounds"], second["calls"]) == (3, 2)
     assert second["results"]["vanilla"]["x_all"] == [1, 4, 5]
     assert second["results"]["sglang-pic"]["x_all"] == [2, 3, 6]

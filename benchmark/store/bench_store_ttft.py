@@ -76,7 +76,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from harness import LLAMA3_8B_DUMMY, store_totals  # noqa: E402
+from harness import LLAMA3_8B_DUMMY, ROUND_ENV, store_totals  # noqa: E402
 
 REPO = HERE.parent.parent
 LENGTHS = (1024, 2048, 4096, 8192)
@@ -387,8 +387,12 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
     started = time.perf_counter()  # progress: where the variant's time goes
     # questions and cold prefixes differ per reader: a reader's write-back of its cold prefixes
     # must not turn the next reader's into hits
+    # and per round: a round's write-back of its cold prefixes must not turn the next round's
+    # into hits either
     variant = os.environ.get("SGLANG_PIC_BENCH_VARIANT", kind)
-    rng = np.random.default_rng([params["seed"], 1 if writer else 2 + zlib.crc32(variant.encode())])
+    round_no = int(os.environ.get(ROUND_ENV, "0"))
+    rng = np.random.default_rng([params["seed"], round_no,
+                                 1 if writer else 2 + zlib.crc32(variant.encode())])
 
     def question() -> list[int]:
         return [int(t) for t in rng.integers(1000, vocab, size=params["question_tokens"])]

