@@ -56,19 +56,12 @@ LLAMA3_8B_DUMMY = {
 
 
 def plugin_site(root: Path) -> Path:
-    """A folder that makes our source tree an installed distribution for importlib.metadata."""
+    """A folder that makes our source tree an installed distribution for importlib.metadata
+    (``sglang_pic.plugin_site.write_site``)."""
     sys.path.insert(0, str(REPO / "python"))
-    from sglang_pic import __version__
+    from sglang_pic.plugin_site import write_site
 
-    dist = root / f"sglang_pic-{__version__}.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: sglang-pic\nVersion: {__version__}\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\nsglang_pic = sglang_pic.plugin:register\n"
-    )
-    return root
+    return write_site(root)
 
 
 def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:

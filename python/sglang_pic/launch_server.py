@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from sglang_pic import serve_conflicts, server_flags, sglang_flags
@@ -346,8 +347,16 @@ def supervise(argv: list[str]) -> int:
     asked for, the child's end is a clean exit (0), whether SGLang exited or, its drain done,
     SIGKILLed itself; otherwise its exit status is ours (128 + N for a signal N). If this process
     dies first, the kernel sends the child SIGTERM (``server_process``)."""
+    import shutil
+    import tempfile
+
+    from sglang_pic.plugin_site import plugin_env
+
     cmd = [sys.executable, "-m", "sglang_pic.server_process", *argv]
-    env = dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid()))
+    # run from a source tree (nothing installed): the entry point SGLang's processes load our
+    # plugin by, from a folder that lives as long as this launcher
+    site = Path(tempfile.mkdtemp(prefix="sglang-pic-site-"))
+    env = plugin_env(dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid())), site)
     stop: list[int] = []
 
     def pass_on(signum: int, _frame: Any) -> None:
@@ -359,13 +368,16 @@ def supervise(argv: list[str]) -> int:
 
     own_group = ({"process_group": 0} if sys.version_info >= (3, 11)
                  else {"preexec_fn": os.setpgrp})  # this process has no threads
-    child = subprocess.Popen(cmd, env=env, **own_group)
-    previous = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
     try:
-        code = child.wait()
+        child = subprocess.Popen(cmd, env=env, **own_group)
+        previous = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
+        try:
+            code = child.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        shutil.rmtree(site, ignore_errors=True)
     if stop:
         return 0
     return code if code >= 0 else 128 - code

@@ -60,6 +60,12 @@ class SeamError(SystemExit):
     from a plugin, and the server would start without the feature's patch."""
 
 
+def registered() -> bool:
+    """Whether ``register`` ran in this process (SGLang's ``load_plugins`` found our entry
+    point)."""
+    return _registered
+
+
 def register() -> None:
     """Entry point `sglang.srt.plugins: sglang_pic`. Idempotent."""
     global _registered

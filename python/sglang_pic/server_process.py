@@ -72,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang.srt.plugins import load_plugins
 
-    from sglang_pic import sglang_flags
+    from sglang_pic import plugin, plugin_site, sglang_flags
     from sglang_pic.server_flags import UsageError
 
     load_plugins()
+    if not plugin.registered():  # SGLang's processes would serve without our plugin
+        return usage_error(plugin_site.not_loaded_reason())
     parser = sglang_parser()
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
