@@ -235,12 +235,20 @@ def main() -> None:
     ap.add_argument("--rag-repeats", type=int, default=PARAMS["rag_repeats"])
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every variant this many times, alternating which goes first")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="every variant with SGLang's prefill CUDA graphs (its default; the "
+                         "benchmarks turn them off to start faster): small extends, as a "
+                         "cached document's question, run as one graph. Writes "
+                         "spans_rag_h200_prefill_graphs.json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     engine_kwargs = ENGINE_KWARGS
+    name = "spans_rag_h200"
+    if args.prefill_graphs:
+        engine_kwargs = {**ENGINE_KWARGS, "disable_prefill_cuda_graph": False}
+        name += "_prefill_graphs"
     params = dict(PARAMS, repeats=args.repeats, rag_requests=args.requests,
                   rag_repeats=args.rag_repeats)
-    name = "spans_rag_h200"
     if args.smoke:
         from sglang_pic.cpu_support import enable_cpu_engine
         from sglang_pic.default_model import ensure_default_model
