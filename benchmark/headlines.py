@@ -191,6 +191,7 @@ STORE_COLD = "store_cold_miss_h200.json"  # cold misses beside vanilla and SGLan
 STORE_COLD_ROUNDS = "store_cold_miss_rounds_h200.json"  # the same in alternating rounds
 STORE_TCP_COLD8K = "store_ttft_tcp_h200_cold8k.json"  # the 8K TCP row and cold misses, rerun
 LOOKUPS = "store_lookup_beside_writes.json"  # store/bench_lookup_beside_writes.py (CPU)
+LOOKUPS_SCHED = "store_lookup_beside_scheduler.json"  # store/bench_lookup_beside_scheduler.py
 COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
@@ -289,6 +290,15 @@ CLAIMS: list[Claim] = [
                                  vanilla_side=False))
       for claim, metric, better in (("lookup_p99_beside_writes", "lookup_p99_ms", False),
                                     ("put_rate_chunked", "put_gbps", True))],
+    Claim("store.lookup_p50_beside_idle_scheduler", LOOKUPS_SCHED, "lookup_p50_ms",
+          baseline_variant="nap", ours_variant="lookup watch",
+          path="CPU (2 cores): three store servers on loopback; in one process a thread "
+          "running SGLang's idle pass (1 ms of Python, storage I/O in flight) through "
+          "idle_yield.around_on_idle beside 128-page lookups every 5 ms",
+          extract=_metric_pair("lookup_p50_ms", "lookup_p50_ms", "design comparison, no "
+                               "vanilla side: the idle pass napping 100 us against also "
+                               "waiting for the lookup in flight; each sample a round's median",
+                               baseline="nap", ours="lookup watch", vanilla_side=False)),
     Claim("store.shm_ttft_8k_triton", "store_ttft_h200_prefault.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
           "host pool through shared memory", note=LEGACY),

@@ -62,3 +62,48 @@ def test_the_nap_hands_the_gil_to_a_storage_thread(nap):
     spinning = worker_rounds(_Scheduler())
     napping = worker_rounds(_Scheduler(prefetch={"r": object()}))
     assert napping > 3 * spinning, (spinning, napping)
+
+
+def test_an_idle_pass_waits_for_a_lookup_in_flight(nap):
+    """While a lookup runs (``LOOKUPS.running()``, as ``hicache_backend.batch_exists`` runs it)
+    an idle pass blocks until it ends, at most ``LOOKUP_WAIT_S``; with none it naps as before."""
+    watch = idle_yield.LOOKUPS
+    assert not watch.wait(1.0)  # none in flight: at once
+    sched = _Scheduler(prefetch={"r": object()})
+    started, release = threading.Event(), threading.Event()
+
+    def lookup() -> None:
+        with watch.running():
+            started.set()
+            release.wait(5)
+
+    t = threading.Thread(target=lookup)
+    t.start()
+    started.wait(5)
+    t0 = time.perf_counter()
+    idle_yield.around_on_idle(_Scheduler.on_idle, sched)  # the lookup outlasts the bound
+    waited = time.perf_counter() - t0
+    assert waited >= idle_yield.LOOKUP_WAIT_S * 0.9
+    threading.Timer(0.05, release.set).start()
+    t0 = time.perf_counter()
+    while t.is_alive() and time.perf_counter() - t0 < 5:
+        idle_yield.around_on_idle(_Scheduler.on_idle, sched)
+    t.join()
+    # passes during the 50 ms lookup: each waited ~LOOKUP_WAIT_S (2 ms), not the 2 ms nap plus
+    # a spin; then none is in flight again
+    assert sched.passes <= 1 + 0.06 / idle_yield.LOOKUP_WAIT_S
+    assert not watch.wait(1.0)
+
+
+def test_nested_and_concurrent_lookups_end_the_wait_only_when_the_last_ends():
+    watch = idle_yield.LookupWatch()
+    with watch.running():
+        with watch.running():
+            pass
+        t0 = time.perf_counter()
+        assert watch.wait(0.02)  # one still in flight: waited out the timeout
+        assert time.perf_counter() - t0 >= 0.015
+    assert not watch.wait(1.0)
+    with pytest.raises(RuntimeError), watch.running():
+        raise RuntimeError("a failed lookup")
+    assert not watch.wait(1.0)  # counted out even when it raised

@@ -264,7 +264,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          default=False, env="SGLANG_PIC_STORE_TRACE"),
     Flag("--hicache-storage-idle-yield-us", "hicache_storage",
          "while a HiCache storage load or write-back is in flight and nothing else runs, the "
-         "scheduler sleeps this long per idle pass so the storage threads get the GIL; 0: off",
+         "scheduler sleeps this long per idle pass so the storage threads get the GIL (during a "
+         "storage lookup it waits for the lookup's end instead, at most 2 ms); 0: off",
          parse=integer(0, 5000), default=100, range="0-5000", metavar="US",
          env="SGLANG_PIC_STORAGE_IDLE_YIELD_US"),
     # refused with its reason (argv is visible to every user), not reported as unknown
