@@ -96,14 +96,20 @@ def test_an_idle_pass_waits_for_a_lookup_in_flight(nap):
 
 
 def test_nested_and_concurrent_lookups_end_the_wait_only_when_the_last_ends():
+    import sys
+
     watch = idle_yield.LookupWatch()
+    before = sys.getswitchinterval()
     with watch.running():
         with watch.running():
-            pass
+            assert sys.getswitchinterval() == pytest.approx(idle_yield.LOOKUP_SWITCH_S)
+        assert sys.getswitchinterval() == pytest.approx(idle_yield.LOOKUP_SWITCH_S)
         t0 = time.perf_counter()
         assert watch.wait(0.02)  # one still in flight: waited out the timeout
         assert time.perf_counter() - t0 >= 0.015
     assert not watch.wait(1.0)
+    assert sys.getswitchinterval() == before  # restored when the last one ended
     with pytest.raises(RuntimeError), watch.running():
         raise RuntimeError("a failed lookup")
     assert not watch.wait(1.0)  # counted out even when it raised
+    assert sys.getswitchinterval() == before
