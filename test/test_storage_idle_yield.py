@@ -113,3 +113,33 @@ def test_nested_and_concurrent_lookups_end_the_wait_only_when_the_last_ends():
         raise RuntimeError("a failed lookup")
     assert not watch.wait(1.0)  # counted out even when it raised
     assert sys.getswitchinterval() == before
+
+
+def test_the_hit_query_is_a_lookup_in_flight_from_start_to_end():
+    """``around_hit_query`` wraps SGLang's whole storage hit query (page keys, then one
+    ``batch_exists`` per 128 pages): in flight from its first to its last step."""
+    seen = []
+
+    def hit_query(controller, operation):
+        seen.append(idle_yield.LOOKUPS.wait(0))  # True: one in flight (waited 0 s)
+        return ["k"], 64
+
+    assert idle_yield.around_hit_query(hit_query, object(), "op") == (["k"], 64)
+    assert seen == [True] and not idle_yield.LOOKUPS.wait(1.0)
+
+
+def test_the_switch_interval_is_lowered_only_while_a_lookup_runs_and_never_raised():
+    import sys
+
+    watch, saved = idle_yield.LookupWatch(), sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.0001)  # the user's, lower than ours: kept
+        with watch.running():
+            assert sys.getswitchinterval() == pytest.approx(0.0001)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        with watch.running():
+            sys.setswitchinterval(0.001)  # someone else's change meanwhile: kept at the end
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+    finally:
+        sys.setswitchinterval(saved)

@@ -13,7 +13,8 @@ in ``--rounds``:
 * ``alone``: no scheduler thread;
 * ``nap``: the scheduler naps 100 us after each pass (the lookup is not announced);
 * ``lookup watch``: the lookup runs inside ``idle_yield.LOOKUPS.running()``, as
-  ``hicache_backend.batch_exists`` runs it, and the idle pass waits for its end.
+  ``idle_yield.around_hit_query`` runs SGLang's storage hit query, and the idle pass waits for
+  its end (with the switch interval at ``LOOKUP_SWITCH_S`` meanwhile).
 
     python3 benchmark/store/bench_lookup_beside_scheduler.py [--out DIR] [--rounds 4]
     python3 benchmark/store/bench_lookup_beside_scheduler.py --smoke    # ~15 s, a temp folder
@@ -132,6 +133,8 @@ def main() -> None:
     finally:
         for p in procs:
             p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
     report = {"benchmark": "store_lookup_beside_scheduler", "environment": environment(),
               "machine": {"cpus": os.cpu_count()},
               "config": {**{k: v for k, v in vars(args).items() if k != "out"},

@@ -444,7 +444,10 @@ def _run(kind: str, writer: bool, kwargs: dict, params: dict) -> dict:
             got = stored()
             result.update(stored_bytes=got, stored_expected_bytes=expected,
                           store_wait_s=round(waited, 1))
-            if got < expected:
+            # a later round's writer finds the first round's prefixes stored (the servers outlive
+            # the rounds) and adds only its new questions' pages: the store must then hold at
+            # least what one writer stores
+            if got < expected and not (round_no > 0 and _stored_bytes(params, kind) >= expected):
                 raise RuntimeError(
                     f"the writer stored {got} of {expected} bytes ({got // pb} of "
                     f"{expected // pb} pages) with no write-back left in flight: stores failed "

@@ -356,7 +356,6 @@ def supervise(argv: list[str]) -> int:
     # run from a source tree (nothing installed): the entry point SGLang's processes load our
     # plugin by, from a folder that lives as long as this launcher
     site = Path(tempfile.mkdtemp(prefix="sglang-pic-site-"))
-    env = plugin_env(dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid())), site)
     stop: list[int] = []
 
     def pass_on(signum: int, _frame: Any) -> None:
@@ -369,6 +368,7 @@ def supervise(argv: list[str]) -> int:
     own_group = ({"process_group": 0} if sys.version_info >= (3, 11)
                  else {"preexec_fn": os.setpgrp})  # this process has no threads
     try:
+        env = plugin_env(dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid())), site)
         child = subprocess.Popen(cmd, env=env, **own_group)
         previous = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
         try:

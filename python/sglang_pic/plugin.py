@@ -19,7 +19,7 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests', and sub-requests alone just over the chunk budget go in one pass; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides, its host-tier `evict_host`, device-to-host `_evict_backuped` and `write_back`'s `_drop_subtree_no_host`; our `SpanRadixCache`'s `match_prefix`, `cache_finished_req`, `cache_unfinished_req`, which bypass `RadixCache`'s for span requests, with `eviction.context.segment_at` around each segment's insert); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
 | sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_flashinfer`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (a second graph set with the sparse part), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill` |
-| HiCache storage I/O (`store.idle_yield`, `store.prefetch_trace`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL; with `--ptstore-trace`, AROUND `HiRadixCache.check_prefetch_progress` (a trace line when the scheduler takes a finished prefetch) and AFTER `Scheduler.get_new_batch_prefill` (one per prefill batch formed) |
+| HiCache storage I/O (`store.idle_yield`, `store.prefetch_trace`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL, and AROUND `HiCacheController._storage_hit_query` (a storage lookup in flight: the idle pass waits for its end instead); with `--ptstore-trace`, AROUND `HiRadixCache.check_prefetch_progress` (a trace line when the scheduler takes a finished prefetch) and AFTER `Scheduler.get_new_batch_prefill` (one per prefill batch formed) |
 | CPU support (`cpu_support`, CPU only) | REPLACE hooks on the HiCache host pool's pinning, AFTER hook on `HostKVCache.__init__`; xgrammar on CPU (`cpu_grammar`): REPLACE `xgrammar_backend._allocate_token_bitmask`, AROUND `XGrammarGrammar.apply_vocab_mask` |
 
 Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists them and
@@ -50,7 +50,8 @@ from sglang_pic import __version__
 
 logger = logging.getLogger("sglang_pic")
 
-_registered = False
+_registered = False  # re-entry guard: set when register() starts
+_loaded = False  # set when it has finished
 
 
 class SeamError(SystemExit):
@@ -61,14 +62,15 @@ class SeamError(SystemExit):
 
 
 def registered() -> bool:
-    """Whether ``register`` ran in this process (SGLang's ``load_plugins`` found our entry
-    point)."""
-    return _registered
+    """Whether ``register`` ran to its end in this process: SGLang's ``load_plugins`` found our
+    entry point, and every feature's registration and seam check passed (``load_plugins`` logs
+    and swallows a plugin's exception, which would leave a feature out)."""
+    return _loaded
 
 
 def register() -> None:
     """Entry point `sglang.srt.plugins: sglang_pic`. Idempotent."""
-    global _registered
+    global _registered, _loaded
     if _registered:
         return
     _registered = True
@@ -131,6 +133,7 @@ def register() -> None:
                 needed.setdefault(t, []).append(feature)
     apply_and_verify(needed)
     check_seams()
+    _loaded = True
     _announce(f"sglang-pic {__version__} plugin active "
               f"(features: {', '.join(f for f, _ in steps)}; {len(needed)} hooks verified)")
 

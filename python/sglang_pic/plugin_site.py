@@ -62,14 +62,28 @@ def source_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def kernel_root() -> Path | None:
+    """The folder ``sglang_pic_kernel`` (our GPU kernels) is imported from, where importable."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang_pic_kernel")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parent.parent
+
+
 def plugin_env(env: dict[str, str], site_dir: Path) -> dict[str, str]:
     """``env`` for a process that starts SGLang: unchanged where our entry point is installed;
-    otherwise with ``write_site(site_dir)`` and ``source_root()`` first on ``PYTHONPATH``."""
+    otherwise with ``write_site(site_dir)``, ``source_root()`` and ``kernel_root()`` put before
+    the given ``PYTHONPATH`` (which is kept as it was)."""
     if declared():
         return env
     write_site(site_dir)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     ours = [str(site_dir), str(source_root())]
+    kernels = kernel_root()
+    if kernels is not None and str(kernels) not in ours:
+        ours.append(str(kernels))
     env = dict(env)
-    env["PYTHONPATH"] = os.pathsep.join([*ours, *(p for p in parts if p not in ours)])
+    given = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(ours + ([given] if given else []))
     return env

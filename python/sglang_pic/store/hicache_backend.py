@@ -56,7 +56,6 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from .auth import SERVE_TOKEN_ENV, client_token
 from .client import StoreClient
-from .idle_yield import LOOKUPS
 from .shm import address_of
 from .trace import trace
 
@@ -195,8 +194,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
     @_traced
     @_never_raise(lambda keys: 0)
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
-        with LOOKUPS.running():  # the idle scheduler lets go of the GIL until it ends
-            found = self._per_page(self.client.batch_exists(self._ids(keys)))
+        found = self._per_page(self.client.batch_exists(self._ids(keys)))
         for i, f in enumerate(found):
             if not f:
                 return i

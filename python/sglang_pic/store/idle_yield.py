@@ -17,8 +17,9 @@ scheduler does): 3.5-3.9 GB/s alone, 1.4-1.7 GB/s beside the loop, 3.3-3.6 GB/s 
 sleeps 100 us per pass (``benchmark/store/bench_store_ttft.py``'s copy-rate reference measures
 the same on the device: ``ptstore_tcp_<k>_spinning`` and ``_spinning_yield``).
 
-A storage *lookup* (``batch_exists``, which a ``wait_complete`` prefetch holds its request for,
-hit or miss) gets more: while one runs in this process the idle pass waits for its end, up to
+A storage *lookup* (``HiCacheController._storage_hit_query``: the pages' hash keys, then one
+``batch_exists`` per 128 pages, which a ``wait_complete`` prefetch holds its request for, hit or
+miss) gets more: while one runs in this process the idle pass waits for its end, up to
 ``LOOKUP_WAIT_S``, instead of napping, and the interpreter switches threads every
 ``LOOKUP_SWITCH_S``. A lookup is a handful of short GIL sections (building the
 request, one send and one receive per store server, parsing the replies); beside a scheduler
@@ -28,7 +29,8 @@ whose idle pass holds the GIL for ~1 ms between naps, each section waits for the
 lookup p50 4.27 ms with the nap alone, 2.53 ms with the wait and the shorter switch interval
 (``LOOKUP_SWITCH_S``) while the lookup runs.
 
-Seam: an AROUND hook on ``Scheduler.on_idle`` (listed in ``plugin.py``).
+Seams: AROUND hooks on ``Scheduler.on_idle`` and ``HiCacheController._storage_hit_query``
+(listed in ``plugin.py``), both only while the flag is not 0.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+HIT_QUERY = "sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query"
 _nap_s = 0.0
 
 LOOKUP_WAIT_S = 0.002
@@ -49,9 +52,9 @@ waits to be noticed (the scheduler is idle, so nothing else waits on it)."""
 
 
 LOOKUP_SWITCH_S = 0.0002
-"""The interpreter's switch interval while a lookup is in flight (5 ms otherwise): a scheduler
-pass that the lookup's thread interrupts hands the GIL back within this instead of running on to
-its end."""
+"""The interpreter's switch interval while a lookup is in flight (5 ms by default; a lower one
+set by the user stays): a scheduler pass that the lookup's thread interrupts hands the GIL back
+within this instead of running on to its end."""
 
 
 class LookupWatch:
@@ -64,6 +67,7 @@ class LookupWatch:
         self._idle = threading.Event()
         self._idle.set()
         self._saved_switch_s = sys.getswitchinterval()
+        self._set_switch_s: float | None = None  # what the first lookup set, if it changed it
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -72,7 +76,10 @@ class LookupWatch:
             self._running += 1
             if self._running == 1:
                 self._saved_switch_s = sys.getswitchinterval()
-                sys.setswitchinterval(LOOKUP_SWITCH_S)
+                self._set_switch_s = None
+                if LOOKUP_SWITCH_S < self._saved_switch_s:
+                    sys.setswitchinterval(LOOKUP_SWITCH_S)
+                    self._set_switch_s = sys.getswitchinterval()
             self._idle.clear()
         try:
             yield
@@ -80,7 +87,10 @@ class LookupWatch:
             with self._lock:
                 self._running -= 1
                 if self._running == 0:
-                    sys.setswitchinterval(self._saved_switch_s)
+                    # unless someone else changed it meanwhile: theirs stays
+                    if self._set_switch_s is not None \
+                            and sys.getswitchinterval() == self._set_switch_s:
+                        sys.setswitchinterval(self._saved_switch_s)
                     self._idle.set()
 
     def wait(self, timeout_s: float) -> bool:
@@ -93,7 +103,7 @@ class LookupWatch:
 
 
 LOOKUPS = LookupWatch()
-"""The lookups of this process's HiCache storage backend (``hicache_backend.batch_exists``)."""
+"""The storage lookups of this process's HiCache controller (``around_hit_query``)."""
 
 
 def storage_io_in_flight(tree_cache: Any) -> bool:
@@ -114,8 +124,15 @@ def around_on_idle(original, self, *args, **kwargs):
     return out
 
 
+def around_hit_query(original, self, *args, **kwargs):
+    """SGLang's storage hit query (page keys, then ``batch_exists`` per 128 pages), counted as a
+    lookup in flight from start to end."""
+    with LOOKUPS.running():
+        return original(self, *args, **kwargs)
+
+
 def register() -> None:
-    """Hook ``Scheduler.on_idle`` unless the flag is 0."""
+    """Hook ``Scheduler.on_idle`` and the storage hit query unless the flag is 0."""
     global _nap_s
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -124,3 +141,4 @@ def register() -> None:
     _nap_s = setting("--hicache-storage-idle-yield-us") / 1e6
     if _nap_s:
         HookRegistry.register(f"{SCHEDULER}.on_idle", around_on_idle, HookType.AROUND)
+        HookRegistry.register(HIT_QUERY, around_hit_query, HookType.AROUND)
