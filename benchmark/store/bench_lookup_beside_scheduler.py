@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,7 +38,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "python"))
-from bench_lookup_beside_writes import _ids, plot, summarize  # noqa: E402
+from bench_lookup_beside_writes import (  # noqa: E402
+    _ids,
+    alternate_rounds,
+    lookup_args,
+    save_report,
+    summarize,
+)
 from harness import environment, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
@@ -102,39 +105,16 @@ def one_sample(endpoints: list[str], variant: str, args, tag: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--servers", type=int, default=3)
-    ap.add_argument("--lookup-pages", type=int, default=128)
-    ap.add_argument("--lookups", type=int, default=100, help="per sample")
-    ap.add_argument("--pass-us", type=int, default=1000,
-                    help="Python work of one idle scheduler pass, in microseconds")
-    ap.add_argument("--gap-ms", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=4, help="samples per variant, alternating")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="small sizes, 1 round, a temp folder")
-    args = ap.parse_args()
+    def own(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--pass-us", type=int, default=1000,
+                        help="Python work of one idle scheduler pass, in microseconds")
+
+    args = lookup_args(__doc__, servers=3, lookups=100, gap_ms=5.0, rounds=4, add=own)
     if args.smoke:
         args.lookups, args.rounds = 20, 1
-        args.out = args.out or tempfile.mkdtemp(prefix="sglang-pic-bench-")
-    for name in ("servers", "lookup_pages", "lookups", "pass_us", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.gap_ms < 0:
-        ap.error("--gap-ms must be 0 or more")
     procs, endpoints = start_store_servers(args.servers, TOKEN, memory_gb=1.0)
-    samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    try:
-        for r in range(args.rounds):
-            for name in VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS)):
-                s = one_sample(endpoints, name, args, f"{r}-{name}")
-                samples[name].append(s)
-                print(f"[bench] round {r + 1}/{args.rounds}, {name}: lookup p50 "
-                      f"{statistics.median(s['lookup_ms']):.2f} ms", flush=True)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+    samples = alternate_rounds(list(VARIANTS), args.rounds, procs, lambda name, r: one_sample(
+        endpoints, name, args, f"{r}-{name}"))
     report = {"benchmark": "store_lookup_beside_scheduler", "environment": environment(),
               "machine": {"cpus": os.cpu_count()},
               "config": {**{k: v for k, v in vars(args).items() if k != "out"},
@@ -144,15 +124,8 @@ def main() -> None:
     for v, r in report["results"].items():
         print(f"{v:<16}{r['lookup_p50_ms']:>9.2f}{r['lookup_p99_ms']:>9.2f}"
               f"{r['lookup_max_ms']:>9.2f}")
-    out = Path(args.out) if args.out else REPO / "benchmark" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "store_lookup_beside_scheduler.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"[bench] wrote {path}")
-    fig = (out if args.smoke else REPO / "docs" / "figures") / "store_lookup_beside_scheduler.png"
-    plot(report, fig, title=f"PTStore lookups beside an idle scheduler ({args.pass_us} us "
-                            f"passes), {os.cpu_count()} CPUs")
-
+    save_report(report, args, title=f"PTStore lookups beside an idle scheduler ({args.pass_us} "
+                                    f"us passes), {os.cpu_count()} CPUs")
 
 if __name__ == "__main__":
     main()

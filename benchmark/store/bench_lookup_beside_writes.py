@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -117,41 +118,77 @@ def plot(report: dict, out: Path, title: str | None = None) -> Path:
     return save_figure(fig, out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--servers", type=int, default=1)
-    ap.add_argument("--put-mb", type=int, default=256, help="bytes of one write-back")
-    ap.add_argument("--page-mb", type=int, default=4)
-    ap.add_argument("--lookup-pages", type=int, default=128)
-    ap.add_argument("--lookups", type=int, default=60, help="per sample")
-    ap.add_argument("--gap-ms", type=float, default=20.0)
-    ap.add_argument("--rounds", type=int, default=3, help="samples per variant, alternating")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="small sizes, 1 round, a temp folder")
-    args = ap.parse_args()
-    if args.smoke:
-        args.put_mb, args.lookups, args.rounds = 32, 15, 1
-        args.out = args.out or tempfile.mkdtemp(prefix="sglang-pic-bench-")
-    for name in ("servers", "put_mb", "page_mb", "lookup_pages", "lookups", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.gap_ms < 0:
-        ap.error("--gap-ms must be 0 or more")
-    procs, endpoints = start_store_servers(args.servers, TOKEN,
-                                           memory_gb=max(1.0, 4 * args.put_mb / 1024))
-    samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+def alternate_rounds(variants: list[str], rounds: int, procs: list,
+                     sample: Callable[[str, int], dict]) -> dict[str, list[dict]]:
+    """``sample(variant, round)`` for every variant once per round, the order alternating, with
+    a progress line each; the store servers ``procs`` are stopped at the end."""
+    samples: dict[str, list[dict]] = {v: [] for v in variants}
     try:
-        for r in range(args.rounds):
-            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-            for name in order:
-                s = one_sample(endpoints, VARIANTS[name], args, f"{r}-{name}")
+        for r in range(rounds):
+            for name in variants if r % 2 == 0 else variants[::-1]:
+                s = sample(name, r)
                 samples[name].append(s)
-                print(f"[bench] round {r + 1}/{args.rounds}, {name}: lookup p50 "
+                puts = f", puts {s['put_gbps']:.2f} GB/s" if s.get("put_gbps") else ""
+                print(f"[bench] round {r + 1}/{rounds}, {name}: lookup p50 "
                       f"{statistics.median(s['lookup_ms']):.2f} ms, max {max(s['lookup_ms']):.1f} "
-                      f"ms, puts {s['put_gbps'] or 0:.2f} GB/s", flush=True)
+                      f"ms{puts}", flush=True)
     finally:
         for p in procs:
             p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    return samples
+
+
+def save_report(report: dict, args, title: str | None = None) -> None:
+    """``<benchmark>.json`` in ``--out`` (default benchmark/results) and its plot (in
+    docs/figures, or beside the JSON with ``--smoke``)."""
+    name = report["benchmark"]
+    out = Path(args.out) if args.out else REPO / "benchmark" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"[bench] wrote {path}")
+    plot(report, (out if args.smoke else REPO / "docs" / "figures") / f"{name}.png", title)
+
+
+def lookup_args(doc: str, servers: int, lookups: int, gap_ms: float, rounds: int,
+                add: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
+    """The lookup benchmarks' flags (``add`` adds a benchmark's own), parsed and checked: every
+    integer at least 1, ``--gap-ms`` at least 0; ``--smoke`` puts its results in a temp folder."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--servers", type=int, default=servers)
+    ap.add_argument("--lookup-pages", type=int, default=128)
+    ap.add_argument("--lookups", type=int, default=lookups, help="per sample")
+    ap.add_argument("--gap-ms", type=float, default=gap_ms)
+    ap.add_argument("--rounds", type=int, default=rounds,
+                    help="samples per variant, alternating")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="small sizes, 1 round, a temp folder")
+    add(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.out = args.out or tempfile.mkdtemp(prefix="sglang-pic-bench-")
+    for name, value in vars(args).items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.gap_ms < 0:
+        ap.error("--gap-ms must be 0 or more")
+    return args
+
+
+def main() -> None:
+    def own(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--put-mb", type=int, default=256, help="bytes of one write-back")
+        ap.add_argument("--page-mb", type=int, default=4)
+
+    args = lookup_args(__doc__, servers=1, lookups=60, gap_ms=20.0, rounds=3, add=own)
+    if args.smoke:
+        args.put_mb, args.lookups, args.rounds = 32, 15, 1
+    procs, endpoints = start_store_servers(args.servers, TOKEN,
+                                           memory_gb=max(1.0, 4 * args.put_mb / 1024))
+    samples = alternate_rounds(list(VARIANTS), args.rounds, procs, lambda name, r: one_sample(
+        endpoints, VARIANTS[name], args, f"{r}-{name}"))
     env = environment()
     report = {"benchmark": "store_lookup_beside_writes", "environment": env,
               "machine": {"cpus": os.cpu_count()},
@@ -162,14 +199,7 @@ def main() -> None:
     for v, r in report["results"].items():
         print(f"{v:<20}{r['lookup_p50_ms']:>9.2f}{r['lookup_p99_ms']:>9.1f}"
               f"{r['lookup_max_ms']:>9.1f}{r['put_gbps'] or 0:>11.2f}")
-    out = Path(args.out) if args.out else REPO / "benchmark" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "store_lookup_beside_writes.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"[bench] wrote {path}")
-    fig = (out if args.smoke else REPO / "docs" / "figures") / "store_lookup_beside_writes.png"
-    plot(report, fig)
-
+    save_report(report, args)
 
 if __name__ == "__main__":
     main()
