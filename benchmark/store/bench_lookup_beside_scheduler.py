@@ -39,9 +39,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "python"))
 from bench_lookup_beside_writes import (  # noqa: E402
-    _ids,
     alternate_rounds,
     lookup_args,
+    page_ids,
     save_report,
     summarize,
 )
@@ -83,12 +83,12 @@ def one_sample(endpoints: list[str], variant: str, args, tag: str) -> dict:
 
     th = threading.Thread(target=scheduler, daemon=True)
     try:
-        client.batch_exists(_ids(f"{tag}-warm", 4))  # connections up
+        client.batch_exists(page_ids(f"{tag}-warm", 4))  # connections up
         if variant != "alone":
             th.start()
         lat = []
         for i in range(args.lookups):
-            ids = _ids(f"{tag}-{i}", args.lookup_pages)
+            ids = page_ids(f"{tag}-{i}", args.lookup_pages)
             watch = idle_yield.LOOKUPS.running() if variant == "lookup watch" \
                 else contextlib.nullcontext()
             t = time.perf_counter()
@@ -126,6 +126,7 @@ def main() -> None:
               f"{r['lookup_max_ms']:>9.2f}")
     save_report(report, args, title=f"PTStore lookups beside an idle scheduler ({args.pass_us} "
                                     f"us passes), {os.cpu_count()} CPUs")
+
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,8 @@ VARIANTS = {"one put per owner": 1 << 62, "8 MiB puts": 8 << 20}
 """Variant name -> PUT_CHUNK_BYTES (the first: a whole write-back in one put per owner)."""
 
 
-def _ids(tag: str, n: int) -> list[str]:
+def page_ids(tag: str, n: int) -> list[str]:
+    """``n`` page ids no other sample uses (``tag`` names the sample)."""
     return [hashlib.sha256(f"{tag}-{i}".encode()).hexdigest() for i in range(n)]
 
 
@@ -59,22 +60,22 @@ def one_sample(endpoints: list[str], chunk: int, args, tag: str) -> dict:
     def write() -> None:
         n = 0
         while not stop.is_set():
-            items = [(k, page) for k in _ids(f"{tag}-w{n}", pages)]
+            items = [(k, page) for k in page_ids(f"{tag}-w{n}", pages)]
             t = time.perf_counter()
             written[0] += writer.batch_set(items)
             busy[0] += time.perf_counter() - t
             n += 1
 
     try:
-        writer.batch_set([(k, page) for k in _ids(f"{tag}-warm", 2)])  # connections up
-        reader.batch_exists(_ids(f"{tag}-warm-r", 4))
+        writer.batch_set([(k, page) for k in page_ids(f"{tag}-warm", 2)])  # connections up
+        reader.batch_exists(page_ids(f"{tag}-warm-r", 4))
         th = threading.Thread(target=write, daemon=True)
         th.start()
         time.sleep(0.2)  # the first put under way
         lat = []
         for i in range(args.lookups):
             t = time.perf_counter()
-            reader.batch_exists(_ids(f"{tag}-r{i}", args.lookup_pages))
+            reader.batch_exists(page_ids(f"{tag}-r{i}", args.lookup_pages))
             lat.append(1000 * (time.perf_counter() - t))
             time.sleep(args.gap_ms / 1000)
         stop.set()
@@ -200,6 +201,7 @@ def main() -> None:
         print(f"{v:<20}{r['lookup_p50_ms']:>9.2f}{r['lookup_p99_ms']:>9.1f}"
               f"{r['lookup_max_ms']:>9.1f}{r['put_gbps'] or 0:>11.2f}")
     save_report(report, args)
+
 
 if __name__ == "__main__":
     main()
