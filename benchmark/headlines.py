@@ -173,7 +173,8 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
             f"baseline from a second call on the same machine")
 
 
-SPANS = "spans_rag_h200.json"
+SPANS = "spans_rag_h200_prefill_graphs.json"  # both sides with SGLang's default prefill graphs
+SPANS_EAGER = "spans_rag_h200.json"  # both sides with --disable-prefill-cuda-graph
 SPANS_SHARED = "spans_rag_h200_with_shared_pages.json"  # the run before the one-launch copy
 NONSPAN = "nonspan_overhead_h200.json"
 NONSPAN_RERUN = "nonspan_overhead_rerun_h200.json"  # bench_nonspan_overhead.py --name ... subset
@@ -211,7 +212,15 @@ CLAIMS: list[Claim] = [
     Claim("spans.cached_span_ttft", SPANS, "ttft_cached_prefix_ms", target=10.0,
           path=SPAN_SERVER,
           note="8K document cached after system prompt A, served after another system prompt: "
-          "its pages are copied with turned keys (copy on reuse), then FlashInfer"),
+          "its pages are copied with turned keys (copy on reuse), then FlashInfer; both "
+          "sides with SGLang's default prefill CUDA graphs"),
+    Claim("spans.eager_prefill.cached_span_ttft", SPANS_EAGER, "ttft_cached_prefix_ms",
+          path=SPAN_SERVER,
+          note="the same with both sides' prefill CUDA graphs off (SGLang's "
+          "--disable-prefill-cuda-graph): ~640 launches per extend, eager, on both sides"),
+    Claim("spans.eager_prefill.rag_throughput", SPANS_EAGER, "rag_requests_per_s",
+          higher_is_better=True, path=SPAN_SERVER,
+          note="the same with both sides' prefill CUDA graphs off"),
     Claim("spans.cached_span_ttft_vs_floor", SPANS, "ttft_cached_prefix_ms",
           path=SPAN_SERVER, extract=_metric_pair(
               "ttft_same_prefix_ms", "ttft_cached_prefix_ms",
