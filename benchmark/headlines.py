@@ -299,6 +299,17 @@ CLAIMS: list[Claim] = [
                                  vanilla_side=False))
       for claim, metric, better in (("lookup_p99_beside_writes", "lookup_p99_ms", False),
                                     ("put_rate_chunked", "put_gbps", True))],
+    *[Claim(f"store.{claim}", LOOKUPS, metric, baseline_variant="8 MiB puts",
+            ours_variant="data-plane puts", higher_is_better=better,
+            path="CPU (2 cores): one store server on loopback, a client storing 256 MB "
+            "write-backs in a loop beside another asking for 128 pages every 20 ms",
+            extract=_metric_pair(metric, metric, "design comparison, no vanilla side: pipelined "
+                                 "CURVE puts of at most 8 MiB against puts whose pages go over "
+                                 "the TCP data plane (4 streams)", baseline="8 MiB puts",
+                                 ours="data-plane puts", vanilla_side=False))
+      for claim, metric, better in (("put_rate_data_plane", "put_gbps", True),
+                                    ("lookup_p99_beside_data_plane_puts", "lookup_p99_ms",
+                                     False))],
     Claim("store.lookup_p50_beside_idle_scheduler", LOOKUPS_SCHED, "lookup_p50_ms",
           baseline_variant="nap", ours_variant="lookup watch",
           path="CPU (2 cores): three store servers on loopback; in one process a thread "

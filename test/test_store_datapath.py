@@ -384,6 +384,156 @@ def test_a_server_over_its_pending_bytes_answers_misses():
         srv.stop()
 
 
+# ---- puts over the data plane ----------------------------------------------------------
+
+
+def test_puts_travel_over_the_streams_and_are_stored_verified(servers):
+    client = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp", data_streams=4)
+    pages = _pages("u", 120)  # 7.5 MiB: each owner's share is over TCP_PUT_MIN_BYTES
+    before = client.rpcs
+    assert client.batch_set(pages) == 120 * PAGE and client.last_failed == []
+    assert client.rpcs - before == 2  # one control message per owner, no page inside one
+    assert client.stats["tcp_put_pages"] == 120
+    assert [s.data.stats["uploads"] for s in servers] == [4, 4]
+    assert sum(s.data.stats["upload_bytes"] for s in servers) == 120 * PAGE
+    assert sum(s.engine.stats["bytes_in"] for s in servers) == 120 * PAGE
+    ok, got = _get_into(client, [t for t, _ in pages])
+    assert all(ok) and got == [d for _, d in pages]
+    # stored again: the servers add nothing, and say so
+    assert client.batch_set(pages) == 0 and client.last_failed == []
+    assert _eventually(lambda: not any(s.data._pending_bytes or s.data._connections
+                                       for s in servers))
+    # a small put goes inside one CURVE message
+    small = _pages("small", 3, 1024)
+    client.batch_set(small)
+    assert client.stats["tcp_put_pages"] == 240
+    assert client.batch_get([t for t, _ in small]) == [d for _, d in small]
+    client.close()
+
+
+def test_a_put_the_server_declines_goes_over_the_socket():
+    srv = _server(data_plane=DataPlaneConfig(max_pending_bytes=PAGE * 3))  # no room for 1 MiB
+    try:
+        client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
+        pages = _pages("d", 32)  # 2 MiB
+        assert client.batch_set(pages) == 32 * PAGE and client.last_failed == []
+        assert srv.data.stats["refused"] == 1 and srv.data.stats["uploads"] == 0
+        assert client.stats["tcp_put_pages"] == 0
+        assert client.batch_get([t for t, _ in pages[:2]]) == [d for _, d in pages[:2]]
+        client.close()
+    finally:
+        srv.stop()
+
+
+class _Stored:
+    """An upload offer's ``store`` callback that records what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], list[bytes]]] = []
+
+    def __call__(self, positions: list[int], pages: list[bytes]) -> int:
+        self.calls.append((positions, pages))
+        return sum(len(p) for p in pages)
+
+
+def _send_upload(port: int, ticket: bytes, data: bytes, ack_bytes: int,
+                 close_write: bool = True) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(ticket + data)
+        if close_write:
+            s.shutdown(socket.SHUT_WR)
+        out = bytearray()
+        while len(out) < ack_bytes and (chunk := s.recv(1 << 16)):
+            out += chunk
+        return bytes(out)
+
+
+def test_an_upload_page_corrupted_on_the_way_is_not_stored(data_server):
+    pages = [os.urandom(1000), os.urandom(3000), os.urandom(500)]
+    stored = _Stored()
+    offer = data_server.offer_upload("alice", [len(p) for p in pages],
+                                     [checksum(p) for p in pages], 1, stored)
+    bad = bytearray(pages[1])
+    bad[7] ^= 1
+    ack = _send_upload(offer["port"], _ticket_of(offer), pages[0] + bytes(bad) + pages[2], 8 + 3)
+    assert ack == (1500).to_bytes(8, "little") + bytes([1, 0, 1])
+    assert stored.calls == [([0, 2], [pages[0], pages[2]])]
+    assert data_server.stats["upload_bad_pages"] == 1
+    assert _eventually(lambda: data_server._pending_bytes == 0 == data_server._connections)
+
+
+def test_an_upload_cut_short_stores_only_its_whole_pages(data_server):
+    pages = [os.urandom(1000), os.urandom(3000)]
+    stored = _Stored()
+    offer = data_server.offer_upload("alice", [1000, 3000], [checksum(p) for p in pages], 1,
+                                     stored)
+    ack = _send_upload(offer["port"], _ticket_of(offer), pages[0] + pages[1][:100], 8 + 2)
+    assert ack == (1000).to_bytes(8, "little") + bytes([1, 0])
+    assert stored.calls == [([0], [pages[0]])]
+    # stalled instead of closed (io_timeout_s 2 s): the same, and the buffers are let go
+    stored2 = _Stored()
+    offer = data_server.offer_upload("alice", [1000, 3000], [checksum(p) for p in pages], 1,
+                                     stored2)
+    ack = _send_upload(offer["port"], _ticket_of(offer), pages[0][:10], 8 + 2, close_write=False)
+    assert ack == bytes(8) + bytes([0, 0]) and stored2.calls == []
+    assert _eventually(lambda: data_server._pending_bytes == 0 == data_server._connections)
+
+
+def test_upload_tickets_split_over_streams_and_open_one_connection_each(data_server):
+    pages = [os.urandom(2000) for _ in range(6)]
+    stored = _Stored()
+    offer = data_server.offer_upload("alice", [2000] * 6, [checksum(p) for p in pages], 3, stored)
+    assert len(offer["tickets"]) == 3
+    results = datapath.upload([datapath.Upload("127.0.0.1", offer, pages)],
+                              time.monotonic() + 10)
+    assert results == [(12000, [True] * 6)]
+    assert sorted(i for positions, _ in stored.calls for i in positions) == list(range(6))
+    # the tickets are spent: a second upload with the same offer stores nothing
+    assert datapath.upload([datapath.Upload("127.0.0.1", offer, pages)],
+                           time.monotonic() + 10) == [(0, [False] * 6)]
+    assert data_server.stats["uploads"] == 3 and data_server.stats["refused"] == 3
+
+
+def test_a_put_over_the_data_plane_is_checked_before_tickets_are_issued(servers):
+    from sglang_pic.store.protocol import encode
+
+    srv = servers[0]
+
+    def reply(header: dict, payloads=None) -> dict:
+        import json
+
+        return json.loads(srv.handle([memoryview(f) for f in encode(header, payloads)])[0])
+
+    put = {"op": "put", "tids": ["a", "b"], "sums": [1, 2],
+           "tcp": {"streams": 2, "lengths": [10, 20]}}
+    assert reply(put)["tcp"]["tickets"]
+    assert "no payload" in reply(put, [b"x" * 10, b"y" * 20])["error"]
+    assert "one length per tensor id" in reply({**put, "tcp": {"streams": 2,
+                                                               "lengths": [10]}})["error"]
+    big = srv.limits.max_tensor_bytes + 1
+    assert "too large" in reply({**put, "tcp": {"streams": 2, "lengths": [10, big]}})["error"]
+    assert "one checksum" in reply({**put, "sums": [1]})["error"]
+    # TLS asked of a plain listener: put over the socket
+    assert reply({**put, "tcp": {"streams": 2, "lengths": [10, 20], "tls": True}})["tcp"] is None
+
+
+def test_uploads_land_in_their_tenant_only():
+    other = "datapath-other-tenant-token-987654"
+    srv = StoreServer(StoreEngine(256 << 20), f"tcp://127.0.0.1:{free_port()}",
+                      {TOKEN: "alice", other: "bob"}).start()
+    try:
+        alice = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
+        bob = StoreClient([srv.endpoint], other, data_plane="tcp", server_key=srv.server_key)
+        pages = _pages("t", 20)  # 1.25 MiB: over the data plane
+        assert alice.batch_set(pages) == 20 * PAGE and alice.stats["tcp_put_pages"] == 20
+        assert bob.batch_get([t for t, _ in pages]) == [None] * 20
+        assert alice.batch_get([t for t, _ in pages]) == [d for _, d in pages]
+        alice.close()
+        bob.close()
+    finally:
+        srv.stop()
+
+
 def _self_signed(tmp_path) -> tuple[str, str] | None:
     if shutil.which("openssl") is None:
         return None
@@ -422,8 +572,10 @@ def test_tls_streams_with_a_pinned_certificate(tmp_path):
     srv = _server(data_plane=DataPlaneConfig(tls_cert=cert, tls_key=key))
     try:
         client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp", data_tls=True)
-        pages = _pages("t", 10)
-        client.batch_set(pages)
+        pages = _pages("t", 20)
+        client.batch_set(pages)  # 1.25 MiB: up over TLS streams too
+        assert client.stats["tcp_put_pages"] == 20 and srv.data.stats["uploads"] == 4
+        pages = pages[:10]
         ok, got = _get_into(client, [t for t, _ in pages])
         assert all(ok) and got == [d for _, d in pages]
         assert client.stats["tcp_pages"] == 10

@@ -1,5 +1,6 @@
 """Lookup latency of one PTStore reader while another client writes back: one put per owner
-against puts cut into chunks (``client.PUT_CHUNK_BYTES``).
+against puts cut into chunks (``client.PUT_CHUNK_BYTES``), both inside CURVE messages, and puts
+whose pages go over the TCP data plane (``datapath.upload``).
 
 A store server handles one request at a time. SGLang's HiCache asks the store which pages it
 holds (``batch_exists``) before every prefetch, and with ``wait_complete`` the request waits for
@@ -37,8 +38,12 @@ from harness import environment, save_figure, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
 TOKEN = "bench-lookup-beside-writes-token"
-VARIANTS = {"one put per owner": 1 << 62, "8 MiB puts": 8 << 20}
-"""Variant name -> PUT_CHUNK_BYTES (the first: a whole write-back in one put per owner)."""
+NEVER = 1 << 62
+VARIANTS = {"one put per owner": (NEVER, NEVER), "8 MiB puts": (8 << 20, NEVER),
+            "data-plane puts": (8 << 20, 1 << 20)}
+"""Variant name -> (``client.PUT_CHUNK_BYTES``, ``client.TCP_PUT_MIN_BYTES``): the first two
+put inside CURVE messages (a whole write-back in one put per owner, or in 8 MiB puts), the third
+over the data plane (the client's defaults)."""
 
 
 def page_ids(tag: str, n: int) -> list[str]:
@@ -46,11 +51,12 @@ def page_ids(tag: str, n: int) -> list[str]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).hexdigest() for i in range(n)]
 
 
-def one_sample(endpoints: list[str], chunk: int, args, tag: str) -> dict:
-    """The reader's lookup latencies (ms) while the writer stores, and the writer's GB/s."""
+def one_sample(endpoints: list[str], puts: tuple[int, int], args, tag: str) -> dict:
+    """The reader's lookup latencies (ms) while the writer stores, and the writer's GB/s;
+    ``puts``: ``(PUT_CHUNK_BYTES, TCP_PUT_MIN_BYTES)`` for the writer."""
     import sglang_pic.store.client as client_mod
 
-    client_mod.PUT_CHUNK_BYTES = chunk
+    client_mod.PUT_CHUNK_BYTES, client_mod.TCP_PUT_MIN_BYTES = puts
     reader = client_mod.StoreClient(endpoints, TOKEN, data_plane="tcp")
     writer = client_mod.StoreClient(endpoints, TOKEN, data_plane="tcp")
     page = os.urandom(args.page_mb << 20)
@@ -194,7 +200,8 @@ def main() -> None:
     report = {"benchmark": "store_lookup_beside_writes", "environment": env,
               "machine": {"cpus": os.cpu_count()},
               "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "put_chunk_bytes": VARIANTS, "samples": samples,
+              "put_chunk_bytes": {k: v[0] for k, v in VARIANTS.items()},
+              "tcp_put_min_bytes": {k: v[1] for k, v in VARIANTS.items()}, "samples": samples,
               "results": {v: summarize(s) for v, s in samples.items()}}
     print(f"\n{'variant':<20}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'puts GB/s':>11}")
     for v, r in report["results"].items():

@@ -26,7 +26,10 @@ with ``data_plane="tcp"``) travel over ``data_streams`` parallel TCP connections
 ``batch_get_into`` receives each page straight into its destination, then hashes it there. A
 server without a data listener (an ``ipc://`` endpoint, ``--no-data-plane``) answers over the
 socket as before. ``data_tls`` asks for TLS streams only (a server without a certificate then
-answers over the CURVE socket).
+answers over the CURVE socket). Puts of at least ``TCP_PUT_MIN_BYTES`` to such a server go
+the same way: the put over CURVE carries the pages' lengths and checksums, the server answers
+with upload tickets, and the pages go over the streams (``datapath.upload``); a server that
+declines (no listener, too much outstanding) gets them over the socket.
 
 **Authentication.** With a token, every socket is a CurveZMQ client with the key pair derived
 from it (``auth``), of the server whose public key is ``server_key`` (by default the one derived
@@ -76,6 +79,15 @@ ZMQ_IO_THREADS_MAX = 4  # CURVE runs on these: one per server, so puts to each e
 PUT_CHUNK_BYTES = 8 << 20
 """The most one put request carries (whole pages; a larger page goes alone): the time another
 client's lookup can wait behind a write-back on a store server."""
+
+
+TCP_PUT_MIN_BYTES = 1 << 20
+"""A put to one owner smaller than this goes over the CURVE socket even where the data plane
+could carry it: one round trip, against a control message, a connection per stream and its
+acknowledgement."""
+TCP_PUT_CHUNK_BYTES = 256 << 20
+"""The most one put over the data plane asks upload tickets for (the server reserves receive
+buffers for the whole of it)."""
 
 
 def byte_chunks(items: list[int], sizes: list[int], limit: int) -> list[list[int]]:
@@ -238,7 +250,7 @@ class StoreClient:
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
         self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0,
-                      "tcp_pages": 0, "tcp_misses": 0}
+                      "tcp_pages": 0, "tcp_misses": 0, "tcp_put_pages": 0}
 
     @property
     def socks(self) -> dict[str, zmq.Socket]:
@@ -374,26 +386,63 @@ class StoreClient:
         server); returns bytes the servers actually added (pages they already held add nothing).
         Ids whose owner failed are in ``self.last_failed`` (per thread).
 
-        A server handles one request at a time, so one put of a whole write-back (1 GiB for 8K
-        tokens of Llama-3-8B) would hold every other client's lookup behind it: each owner gets
-        its pages in puts of at most ``PUT_CHUNK_BYTES``, all sent before the first reply is
-        awaited (pipelined), and serves other clients between them."""
+        An owner with a data listener gets its pages over the data plane when they add up to
+        ``TCP_PUT_MIN_BYTES`` or more (a control message per ``TCP_PUT_CHUNK_BYTES``, then the
+        pages over its streams). Otherwise, and for what an owner declines to take that way, the
+        pages travel inside CURVE puts: a server handles one request at a time, so one put of a
+        whole write-back (1 GiB for 8K tokens of Llama-3-8B) would hold every other client's
+        lookup behind it, and each owner gets its pages in puts of at most ``PUT_CHUNK_BYTES``,
+        all sent before the first reply is awaited (pipelined)."""
         tids = [t for t, _ in items]
+        sizes = [len(p) for _, p in items]
         groups = ({self.local: list(range(len(items)))} if kind == "replica"
                   else self._by_owner(tids))
-        requests, chunks = [], []
-        for server, idx in groups.items():
-            for chunk in byte_chunks(idx, [len(items[i][1]) for i in idx], PUT_CHUNK_BYTES):
-                payloads = [items[i][1] for i in chunk]
-                requests.append((server, {"op": "put", "tids": [tids[i] for i in chunk],
-                                          "sums": [checksum(p) for p in payloads],
-                                          **({"kind": kind} if kind else {})}, payloads))
-                chunks.append(chunk)
-        nbytes = sum(len(p) for _, p in items)
         if items:
-            self.page_bytes = max(self.page_bytes, max(len(p) for _, p in items))
-        replies = self._pipelined(requests, nbytes)
+            self.page_bytes = max(self.page_bytes, max(sizes))
+        sums = _checksums([p for _, p in items])
+        extra = {"kind": kind} if kind else {}
+        over_tcp: list[tuple[str, list[int]]] = []
+        over_socket: list[tuple[str, list[int]]] = []
+        for server, idx in groups.items():
+            if self._tcp_host.get(server) is not None \
+                    and sum(sizes[i] for i in idx) >= TCP_PUT_MIN_BYTES:
+                over_tcp += [(server, c) for c in byte_chunks(idx, [sizes[i] for i in idx],
+                                                              TCP_PUT_CHUNK_BYTES)]
+            else:
+                over_socket.append((server, idx))
         added, failed = 0, []
+        uploads: list[tuple[datapath.Upload, list[int]]] = []
+        if over_tcp:
+            offers = self._pipelined([(server, {
+                "op": "put", "tids": [tids[i] for i in chunk], "sums": [sums[i] for i in chunk],
+                "tcp": {"streams": self.data_streams, "lengths": [sizes[i] for i in chunk],
+                        "tls": self.data_tls}, **extra}, None) for server, chunk in over_tcp], 0)
+            for (server, chunk), reply in zip(over_tcp, offers, strict=True):
+                offer = reply[0].get("tcp") if reply is not None and reply[0].get("ok") else None
+                if reply is None:
+                    failed += [tids[i] for i in chunk]
+                elif offer is None or datapath.check_offer(
+                        offer, [sizes[i] for i in chunk], self.data_streams) is not None:
+                    over_socket.append((server, chunk))  # declined: over the CURVE socket
+                else:
+                    uploads.append((datapath.Upload(self._tcp_host[server], offer,
+                                                    [items[i][1] for i in chunk]), chunk))
+        if uploads:  # every owner's streams at once
+            results = datapath.upload([u for u, _ in uploads], self._deadline(
+                sum(sizes[i] for _, c in uploads for i in c)))
+            for (_, chunk), (n, ok) in zip(uploads, results, strict=True):
+                added += n
+                failed += [tids[i] for i, stored in zip(chunk, ok, strict=True) if not stored]
+            self.stats["tcp_put_pages"] += sum(len(c) for _, c in uploads)
+        requests, chunks = [], []
+        for server, idx in over_socket:
+            for chunk in byte_chunks(idx, [sizes[i] for i in idx], PUT_CHUNK_BYTES):
+                requests.append((server, {"op": "put", "tids": [tids[i] for i in chunk],
+                                          "sums": [sums[i] for i in chunk], **extra},
+                                 [items[i][1] for i in chunk]))
+                chunks.append(chunk)
+        replies = self._pipelined(requests, sum(sizes[i] for c in chunks for i in c)) \
+            if requests else []
         for chunk, reply in zip(chunks, replies, strict=True):
             stored = reply[0].get("added_bytes") if reply is not None and reply[0].get("ok") \
                 else None

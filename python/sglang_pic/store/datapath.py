@@ -10,6 +10,14 @@ its pages, in the order ``split`` assigns them, so both sides know every byte's 
 reply header alone. The server sends each page from the bytes it stores (``sendall`` of the
 stored object, no copy in Python).
 
+**Puts** travel the same way in the other direction: a put that asks for the data plane
+(``"tcp": {"streams": K, "lengths": [...]}``, the pages' XXH3 checksums in its header) is answered
+with K upload tickets; the writer sends each stream's pages after its ticket, the server receives
+them into buffers reserved when it issued the tickets, stores each page that arrived whole and
+matches the checksum sent over CURVE, and answers on the stream with the bytes it added and one
+byte per page (1: stored). A page cut short or corrupted is not stored; the writer counts it as
+failed, as a put that got no reply.
+
 **Tickets.** 32 random bytes: an 8-byte slot that names the offer and a 24-byte secret compared
 with ``hmac.compare_digest``. A ticket exists only in the memory of the server process that
 issued it, opens exactly the pages of the request that issued it (pages of that request's
@@ -123,12 +131,25 @@ def split(lengths: Sequence[int], streams: int) -> list[tuple[int, int]]:
 
 
 @dataclass
+class _Upload:
+    """What an upload ticket lets its connection send: pages of ``lengths`` (positions
+    ``first ..`` of the put), each kept only if it matches its checksum in ``sums``, then given
+    to ``store(positions, pages)``, which returns the bytes the store added."""
+
+    first: int
+    lengths: list[int]
+    sums: list[int]
+    store: Callable[[list[int], list[bytes]], int]
+
+
+@dataclass
 class _Offer:
     secret: bytes
     tenant: str  # whose get issued it: the pages are that tenant's
-    pages: list  # the stream's pages (bytes), in wire order
-    nbytes: int
+    pages: list  # the stream's pages (bytes), in wire order; empty for an upload
+    nbytes: int  # bytes held for it: the pages sent, or the receive buffers of an upload
     expires: float  # monotonic
+    upload: _Upload | None = None
 
 
 class DataServer:
@@ -162,6 +183,9 @@ class DataServer:
             "refused": 0,
             "expired": 0,
             "dropped": 0,
+            "uploads": 0,  # upload streams received to their end
+            "upload_bytes": 0,  # bytes of pages received whole
+            "upload_bad_pages": 0,  # received whole but not matching their checksum
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ptstore-data", daemon=True)
@@ -194,6 +218,40 @@ class DataServer:
                 size = sum(lengths[first : first + count])
                 self._offers[slot] = _Offer(
                     secret, tenant, part, size, now + self.config.ticket_ttl_s
+                )
+                tickets.append((slot + secret).hex())
+            self._pending_bytes += nbytes
+            self.stats["offers"] += 1
+        return {"port": self.port, "tickets": tickets, "cert": self.cert_sha256}
+
+    def offer_upload(self, tenant: str, lengths: list[int], sums: list[int], streams: int,
+                     store: Callable[[list[int], list[bytes]], int]) -> dict | None:
+        """Upload tickets for a put of pages of ``lengths`` (checksums ``sums``) over at most
+        ``streams`` connections, in ``offer``'s reply form; ``store(positions, pages)`` keeps
+        the verified pages of each stream (positions in the put). None when the receive
+        buffers would take the server past ``max_pending_bytes`` (the writer then puts over the
+        socket)."""
+        ranges = split(lengths, min(streams, self.config.max_streams)) if lengths else []
+        nbytes = sum(lengths)
+        now = time.monotonic()
+        tickets = []
+        with self._lock:
+            self._expire(now)
+            if (
+                len(self._offers) + len(ranges) > self.config.max_offers
+                or self._pending_bytes + nbytes > self.config.max_pending_bytes
+            ):
+                self.stats["refused"] += 1
+                return None
+            for first, count in ranges:
+                slot = os.urandom(SLOT_BYTES)
+                while slot in self._offers:
+                    slot = os.urandom(SLOT_BYTES)
+                secret = os.urandom(TICKET_BYTES - SLOT_BYTES)
+                part = lengths[first : first + count]
+                upload = _Upload(first, part, sums[first : first + count], store)
+                self._offers[slot] = _Offer(
+                    secret, tenant, [], sum(part), now + self.config.ticket_ttl_s, upload
                 )
                 tickets.append((slot + secret).hex())
             self._pending_bytes += nbytes
@@ -279,6 +337,9 @@ class DataServer:
                 self._count("refused")
                 return  # closed without a byte sent
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if offer.upload is not None:
+                self._receive_upload(conn, offer.upload)
+                return
             for page in offer.pages:
                 conn.sendall(page)
                 sent += len(page)
@@ -296,6 +357,36 @@ class DataServer:
             except OSError:
                 pass
 
+    def _receive_upload(self, conn: socket.socket, up: _Upload) -> None:
+        """An upload stream: its pages into fresh buffers (within ``io_timeout_s`` per wait and
+        ``io_timeout_s`` plus the pages at ``UPLOAD_MIN_BPS`` in all, so a writer trickling
+        bytes cannot hold the buffers), the verified ones stored, then the acknowledgement."""
+        until = time.monotonic() + self.config.io_timeout_s + sum(up.lengths) / UPLOAD_MIN_BPS
+        good: list[int] = []
+        pages: list[bytes] = []
+        received = 0
+        try:
+            for i, n in enumerate(up.lengths):
+                buf = bytearray(n)
+                if not _recv_until(conn, memoryview(buf), until, self.config.io_timeout_s):
+                    break  # the writer closed or stalled: what arrived whole stays
+                received += n
+                if checksum(buf) == up.sums[i]:
+                    good.append(i)
+                    pages.append(bytes(buf))
+                else:
+                    self._count("upload_bad_pages")
+                del buf
+        finally:
+            added = up.store([up.first + i for i in good], pages) if good else 0
+            del pages
+            self._count("upload_bytes", received)
+        flags = bytearray(len(up.lengths))
+        for i in good:
+            flags[i] = 1
+        conn.sendall(struct.pack("<Q", added) + bytes(flags))
+        self._count("uploads")
+
     def close(self) -> None:
         self._stop.set()
         try:
@@ -306,6 +397,30 @@ class DataServer:
         with self._lock:
             self._offers.clear()
             self._pending_bytes = 0
+
+
+UPLOAD_MIN_BPS = 50e6
+"""The slowest an upload stream may send, on average, before the server gives up on the rest
+of its pages (and their buffers)."""
+
+
+def _recv_until(sock, mv: memoryview, until: float, wait_s: float) -> bool:
+    """Fill ``mv`` from ``sock`` by the monotonic ``until``, each wait at most ``wait_s``;
+    False if the peer closed or the time ran out."""
+    got = 0
+    while got < len(mv):
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        sock.settimeout(min(wait_s, left))
+        try:
+            n = sock.recv_into(mv[got:])
+        except TimeoutError:
+            return False
+        if not n:
+            return False
+        got += n
+    return True
 
 
 def recv_exact(sock, mv: memoryview) -> bool:
@@ -468,30 +583,12 @@ def _stream(
 
     sock = None
     try:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        sock = _open(host, port, ticket, cert, deadline)
+        if sock is None:
             return ok
-        if cert is None:
-            sock = _connect_blocking(host, port, left)
-        else:
-            sock = socket.create_connection((host, port), timeout=left)
         if cert is not None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE  # pinned by digest below, not by a CA
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock = ctx.wrap_socket(sock)
-            der = sock.getpeercert(binary_form=True) or b""
-            if not hmac.compare_digest(hashlib.sha256(der).hexdigest(), cert):
-                logger.warning(
-                    "PTStore data plane: %s:%d presented another certificate", host, port
-                )
-                return ok
-            sock.sendall(ticket)
             _receive_tls(sock, views, deadline, on_whole=verify)
         else:
-            sock.sendall(ticket)  # blocking, bounded by SO_SNDTIMEO: a single send
             _receive_plain(sock, views, deadline, on_whole=verify)
     except (OSError, ssl.SSLError):  # refused, reset, timed out: every page of it is a miss
         return [False] * len(views)
@@ -502,6 +599,89 @@ def _stream(
             except OSError:
                 pass
     return ok
+
+
+def _open(host: str, port: int, ticket: bytes, cert: str | None,
+          deadline: float) -> socket.socket | None:
+    """A data connection with ``ticket`` presented: plain TCP, or TLS 1.3 with the server's
+    certificate pinned to the digest ``cert``. None past the deadline or for another
+    certificate; raises ``OSError`` / ``ssl.SSLError`` when it cannot connect."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
+    if cert is None:
+        sock = _connect_blocking(host, port, left)
+        try:
+            sock.sendall(ticket)  # blocking, bounded by SO_SNDTIMEO: a single send
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((host, port), timeout=left)
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # pinned by digest below, not by a CA
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock = ctx.wrap_socket(sock)
+        der = sock.getpeercert(binary_form=True) or b""
+        if not hmac.compare_digest(hashlib.sha256(der).hexdigest(), cert):
+            logger.warning("PTStore data plane: %s:%d presented another certificate", host, port)
+            sock.close()
+            return None
+        sock.sendall(ticket)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _send_pages(sock: socket.socket, pages: list, deadline: float, tls: bool) -> None:
+    """Every page of an upload stream, each send bounded by the deadline (raises
+    ``TimeoutError`` / ``OSError`` when it cannot)."""
+    for page in pages:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("upload past its deadline")
+        if tls:
+            sock.settimeout(left)
+        else:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+        sock.sendall(page)
+
+
+def _upload_stream(host: str, port: int, ticket: bytes, cert: str | None, pages: list,
+                   deadline: float) -> tuple[int, list[bool]]:
+    """One upload connection: present the ticket, send the pages, read the server's answer
+    (bytes added, and which pages it stored). Nothing stored on any failure."""
+    failed = (0, [False] * len(pages))
+    sock = None
+    try:
+        sock = _open(host, port, ticket, cert, deadline)
+        if sock is None:
+            return failed
+        _send_pages(sock, pages, deadline, cert is not None)
+        ack = bytearray(8 + len(pages))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return failed
+        if cert is not None:
+            sock.settimeout(left)
+        else:
+            _set_rcvtimeo(sock, left)
+        if not recv_exact(sock, memoryview(ack)):
+            return failed
+        added = struct.unpack_from("<Q", ack)[0]
+        return added, [b == 1 for b in ack[8:]]
+    except (OSError, ssl.SSLError):  # refused, reset, timed out: no page counts as stored
+        return failed
+    finally:
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -515,6 +695,50 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ptstore-tcp")
         return _POOL
+
+
+@dataclass
+class Upload:
+    """The pages one server agreed to receive: where to connect, its offer, the pages."""
+
+    host: str
+    offer: dict
+    pages: list  # bytes-like, in the put's order
+
+
+def upload(uploads: list[Upload], deadline: float) -> list[tuple[int, list[bool]]]:
+    """Run every upload's streams at once; per upload, the bytes its server added and which
+    pages it stored. Returns once every stream has ended (each bounded by ``deadline``)."""
+    jobs = []
+    for k, u in enumerate(uploads):
+        lengths = [len(p) for p in u.pages]
+        tickets = [bytes.fromhex(x) for x in u.offer["tickets"]]
+        for (first, count), ticket in zip(split(lengths, len(tickets)), tickets, strict=True):
+            jobs.append((k, first, count, ticket))
+    out = [(0, [False] * len(u.pages)) for u in uploads]
+    if not jobs:
+        return out
+    pool = _pool()
+    futures = []
+    try:
+        for k, first, count, ticket in jobs:
+            u = uploads[k]
+            futures.append((k, first, pool.submit(
+                _upload_stream, u.host, u.offer["port"], ticket, u.offer.get("cert"),
+                u.pages[first : first + count], deadline)))
+    finally:
+        wait([f for _, _, f in futures])
+    added = [0] * len(uploads)
+    stored = [list(flags) for _, flags in out]
+    for k, first, fut in futures:
+        try:
+            n, ok = fut.result()
+        except Exception:  # a stream that failed oddly stored nothing, as far as we know
+            logger.exception("PTStore data plane: an upload stream failed")
+            continue
+        added[k] += n
+        stored[k][first : first + len(ok)] = ok
+    return list(zip(added, stored, strict=True))
 
 
 @dataclass

@@ -16,6 +16,11 @@ bool}``, see ``datapath``): the reply then carries no payload frames but the pag
 and ``sums`` and K one-time tickets, and the pages travel over K TCP connections. ``sizes``
 (optional) are the sizes the reader expects: a page of another size is a miss and is not sent.
 ``tls`` asks for TLS streams; a server without a certificate answers it over the socket instead.
+A put may ask for it too (``"tcp": {"streams": K, "lengths": [...], "tls": bool}``, one length
+and one checksum per tensor id, no payload frames): the reply carries upload tickets
+(``"tcp": {...}``), or ``"tcp": null`` when the server cannot take the pages that way (no data
+listener, TLS asked of a plain one, too much outstanding), and the writer then puts them over the
+socket.
 
 Frames are sent and received zero-copy by zmq. Every tensor carries a 64-bit XXH3 checksum so a
 reader never accepts a torn or corrupted page (measured on the 2-core CPU machine: 27 GB/s, ~4x
@@ -94,7 +99,13 @@ def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
         raise ProtocolError(f"an object key must be a string of at most {limits.max_id_chars} "
                             "characters without NUL")
     payloads = frames[1:]
-    if header["op"] == "put":
+    if header["op"] == "put" and "tcp" in header:
+        sums = header.get("sums")
+        if payloads or not isinstance(sums, list) or len(sums) != len(tids) \
+                or not all(map(_is_count, sums)):
+            raise ProtocolError("a put over the data plane carries one checksum per tensor id "
+                                "and no payload")
+    elif header["op"] == "put":
         sums = header.get("sums")
         if len(payloads) != len(tids) or not isinstance(sums, list) or len(sums) != len(tids):
             raise ProtocolError("put needs one payload frame and one checksum per tensor id")
@@ -113,7 +124,7 @@ def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
     if "shm" in header or header["op"] == "probe":
         _check_shm(header, tids)
     if "tcp" in header:
-        _check_tcp(header, tids)
+        _check_tcp(header, tids, limits)
     return header, payloads
 
 
@@ -124,10 +135,19 @@ def _is_count(x) -> bool:
 MAX_STREAMS = 64
 
 
-def _check_tcp(header: dict, tids: list) -> None:
+def _check_tcp(header: dict, tids: list, limits: Limits) -> None:
     tcp = header["tcp"]
-    if header["op"] != "get" or "shm" in header or not isinstance(tcp, dict):
-        raise ProtocolError("tcp: only a get without shm asks for the data plane")
+    if header["op"] not in ("get", "put") or "shm" in header or not isinstance(tcp, dict):
+        raise ProtocolError("tcp: only a get without shm, or a put, asks for the data plane")
+    if header["op"] == "put":
+        lengths = tcp.get("lengths")
+        if not (isinstance(lengths, list) and len(lengths) == len(tids)
+                and all(map(_is_count, lengths))):
+            raise ProtocolError("tcp: a put needs one length per tensor id")
+        if any(n > limits.max_tensor_bytes for n in lengths):
+            raise ProtocolError("tensor too large")
+        if sum(lengths) > limits.max_message_bytes:
+            raise ProtocolError("message too large")
     streams = tcp.get("streams")
     if not _is_count(streams) or not 1 <= streams <= MAX_STREAMS:
         raise ProtocolError(f"tcp: streams must be 1..{MAX_STREAMS}")

@@ -15,7 +15,9 @@ client of a token may overwrite what another client of the same token stored. Wi
 
 A server on a ``tcp://`` endpoint also runs a data listener (``datapath``) on the same host, on
 its own port: a get that asks for it is answered with checksums and one-time tickets, and its
-pages go over parallel TCP connections instead of inside the CURVE reply.
+pages go over parallel TCP connections instead of inside the CURVE reply. A put that asks for
+it is answered with upload tickets, and its pages arrive on the data listener's connections,
+which store them (the engine takes its own lock).
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class StoreServer:
         op = header["op"]
         tids = [ns + t for t in header.get("tids", [])]  # the tenant's namespace
         eng = self.engine
+        if op == "put" and "tcp" in header:
+            return self._put_over_tcp(tids, header, tenant)
         if op == "put":
             kind = REPLICA if header.get("kind") == REPLICA else OWNED
             # the checksums were verified on arrival (decode_request): kept with the bytes, so a
@@ -234,6 +238,22 @@ class StoreServer:
                            "busy": True})
         return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
                        "lengths": [len(d) for d, _ in pages], "tcp": offer})
+
+    def _put_over_tcp(self, tids: list[str], header: dict, tenant: str) -> list[bytes]:
+        """Upload tickets for a put's pages (``"tcp": null``: put them over the socket)."""
+        tcp = header["tcp"]
+        if self.data is None or (tcp.get("tls", False) and self.data.tls is None):
+            return encode({"ok": True, "tcp": None})
+        kind = REPLICA if header.get("kind") == REPLICA else OWNED
+        sums = header["sums"]
+
+        def store(positions: list[int], pages: list[bytes]) -> int:
+            # an upload stream's verified pages, from its connection's thread
+            return self.engine.put_tensors([(tids[i], p) for i, p in zip(
+                positions, pages, strict=True)], kind, [sums[i] for i in positions])
+
+        offer = self.data.offer_upload(tenant, tcp["lengths"], sums, tcp["streams"], store)
+        return encode({"ok": True, "tcp": offer})
 
     def _get_into_segment(self, tids: list[str], shm: dict) -> list[bytes]:
         """Copy each found page of the expected size to its offset in the reader's segment (or
