@@ -384,6 +384,7 @@ class DataServer:
         flags = bytearray(len(up.lengths))
         for i in good:
             flags[i] = 1
+        conn.settimeout(self.config.io_timeout_s)  # the last receive may have left it short
         conn.sendall(struct.pack("<Q", added) + bytes(flags))
         self._count("uploads")
 
