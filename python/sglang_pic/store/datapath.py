@@ -44,6 +44,7 @@ once ``fetch`` returns nothing writes there any more.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -54,7 +55,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -198,31 +199,9 @@ class DataServer:
         holds too much for outstanding transfers already (the reader then misses)."""
         lengths = [len(p) for p in pages]
         ranges = split(lengths, min(streams, self.config.max_streams)) if pages else []
-        nbytes = sum(lengths)
-        now = time.monotonic()
-        tickets = []
-        with self._lock:
-            self._expire(now)
-            if (
-                len(self._offers) + len(ranges) > self.config.max_offers
-                or self._pending_bytes + nbytes > self.config.max_pending_bytes
-            ):
-                self.stats["refused"] += 1
-                return None
-            for first, count in ranges:
-                slot = os.urandom(SLOT_BYTES)
-                while slot in self._offers:
-                    slot = os.urandom(SLOT_BYTES)
-                secret = os.urandom(TICKET_BYTES - SLOT_BYTES)
-                part = pages[first : first + count]
-                size = sum(lengths[first : first + count])
-                self._offers[slot] = _Offer(
-                    secret, tenant, part, size, now + self.config.ticket_ttl_s
-                )
-                tickets.append((slot + secret).hex())
-            self._pending_bytes += nbytes
-            self.stats["offers"] += 1
-        return {"port": self.port, "tickets": tickets, "cert": self.cert_sha256}
+        return self._issue(tenant, [(pages[first : first + count],
+                                     sum(lengths[first : first + count]), None)
+                                    for first, count in ranges])
 
     def offer_upload(self, tenant: str, lengths: list[int], sums: list[int], streams: int,
                      store: Callable[[list[int], list[bytes]], int]) -> dict | None:
@@ -232,26 +211,31 @@ class DataServer:
         buffers would take the server past ``max_pending_bytes`` (the writer then puts over the
         socket)."""
         ranges = split(lengths, min(streams, self.config.max_streams)) if lengths else []
-        nbytes = sum(lengths)
+        return self._issue(tenant, [([], sum(lengths[first : first + count]), _Upload(
+            first, lengths[first : first + count], sums[first : first + count], store))
+            for first, count in ranges])
+
+    def _issue(self, tenant: str, parts: list[tuple[list, int, _Upload | None]]) -> dict | None:
+        """One ticket per stream ``(pages to send, bytes held, upload)``, or None (counted as
+        refused) when they would take the server past its outstanding offers or bytes."""
+        nbytes = sum(size for _, size, _ in parts)
         now = time.monotonic()
         tickets = []
         with self._lock:
             self._expire(now)
             if (
-                len(self._offers) + len(ranges) > self.config.max_offers
+                len(self._offers) + len(parts) > self.config.max_offers
                 or self._pending_bytes + nbytes > self.config.max_pending_bytes
             ):
                 self.stats["refused"] += 1
                 return None
-            for first, count in ranges:
+            for pages, size, upload in parts:
                 slot = os.urandom(SLOT_BYTES)
                 while slot in self._offers:
                     slot = os.urandom(SLOT_BYTES)
                 secret = os.urandom(TICKET_BYTES - SLOT_BYTES)
-                part = lengths[first : first + count]
-                upload = _Upload(first, part, sums[first : first + count], store)
                 self._offers[slot] = _Offer(
-                    secret, tenant, [], sum(part), now + self.config.ticket_ttl_s, upload
+                    secret, tenant, pages, size, now + self.config.ticket_ttl_s, upload
                 )
                 tickets.append((slot + secret).hex())
             self._pending_bytes += nbytes
@@ -582,24 +566,30 @@ def _stream(
         # interval) twelve threads still hash at 4.3 GB/s one call per page, 3.3 in chunks.
         ok[i] = checksum(views[i]) == sums[i]
 
-    sock = None
     try:
-        sock = _open(host, port, ticket, cert, deadline)
-        if sock is None:
-            return ok
-        if cert is not None:
-            _receive_tls(sock, views, deadline, on_whole=verify)
-        else:
-            _receive_plain(sock, views, deadline, on_whole=verify)
+        with _connection(host, port, ticket, cert, deadline) as sock:
+            if sock is None:
+                return ok
+            if cert is not None:
+                _receive_tls(sock, views, deadline, on_whole=verify)
+            else:
+                _receive_plain(sock, views, deadline, on_whole=verify)
     except (OSError, ssl.SSLError):  # refused, reset, timed out: every page of it is a miss
         return [False] * len(views)
+    return ok
+
+
+@contextlib.contextmanager
+def _connection(host: str, port: int, ticket: bytes, cert: str | None,
+                deadline: float) -> Iterator[socket.socket | None]:
+    """``_open``'s connection (or None), closed when the block ends."""
+    sock = _open(host, port, ticket, cert, deadline)
+    try:
+        yield sock
     finally:
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:
-                pass
-    return ok
 
 
 def _open(host: str, port: int, ticket: bytes, cert: str | None,
@@ -657,32 +647,24 @@ def _upload_stream(host: str, port: int, ticket: bytes, cert: str | None, pages:
     """One upload connection: present the ticket, send the pages, read the server's answer
     (bytes added, and which pages it stored). Nothing stored on any failure."""
     failed = (0, [False] * len(pages))
-    sock = None
     try:
-        sock = _open(host, port, ticket, cert, deadline)
-        if sock is None:
-            return failed
-        _send_pages(sock, pages, deadline, cert is not None)
-        ack = bytearray(8 + len(pages))
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return failed
-        if cert is not None:
-            sock.settimeout(left)
-        else:
-            _set_rcvtimeo(sock, left)
-        if not recv_exact(sock, memoryview(ack)):
-            return failed
-        added = struct.unpack_from("<Q", ack)[0]
-        return added, [b == 1 for b in ack[8:]]
+        with _connection(host, port, ticket, cert, deadline) as sock:
+            if sock is None:
+                return failed
+            _send_pages(sock, pages, deadline, cert is not None)
+            ack = bytearray(8 + len(pages))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return failed
+            if cert is not None:
+                sock.settimeout(left)
+            else:
+                _set_rcvtimeo(sock, left)
+            if not recv_exact(sock, memoryview(ack)):
+                return failed
     except (OSError, ssl.SSLError):  # refused, reset, timed out: no page counts as stored
         return failed
-    finally:
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+    return struct.unpack_from("<Q", ack)[0], [b == 1 for b in ack[8:]]
 
 
 _POOL: ThreadPoolExecutor | None = None
