@@ -680,6 +680,14 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _stream_jobs(offer: dict, lengths: list[int]) -> list[tuple[int, int, bytes]]:
+    """``(first page, pages, ticket)`` per stream of ``offer`` over pages of ``lengths``: the
+    ranges ``split`` gives both sides, in ticket order."""
+    tickets = [bytes.fromhex(x) for x in offer["tickets"]]
+    return [(first, count, ticket) for (first, count), ticket
+            in zip(split(lengths, len(tickets)), tickets, strict=True)]
+
+
 @dataclass
 class Upload:
     """The pages one server agreed to receive: where to connect, its offer, the pages."""
@@ -692,12 +700,8 @@ class Upload:
 def upload(uploads: list[Upload], deadline: float) -> list[tuple[int, list[bool]]]:
     """Run every upload's streams at once; per upload, the bytes its server added and which
     pages it stored. Returns once every stream has ended (each bounded by ``deadline``)."""
-    jobs = []
-    for k, u in enumerate(uploads):
-        lengths = [len(p) for p in u.pages]
-        tickets = [bytes.fromhex(x) for x in u.offer["tickets"]]
-        for (first, count), ticket in zip(split(lengths, len(tickets)), tickets, strict=True):
-            jobs.append((k, first, count, ticket))
+    jobs = [(k, *job) for k, u in enumerate(uploads)
+            for job in _stream_jobs(u.offer, [len(p) for p in u.pages])]
     out = [(0, [False] * len(u.pages)) for u in uploads]
     if not jobs:
         return out
@@ -738,12 +742,8 @@ def fetch(transfers: list[Transfer], deadline: float) -> list[list[bool]]:
     """Run every transfer's streams at once (one connection per ticket); per transfer, which
     pages arrived whole and match their checksum. Returns by ``deadline`` plus the time a
     blocked system call takes to notice it (every wait is bounded by it)."""
-    jobs = []
-    for t in transfers:
-        lengths = [len(v) for v in t.views]
-        tickets = [bytes.fromhex(x) for x in t.offer["tickets"]]
-        for (first, count), ticket in zip(split(lengths, len(tickets)), tickets, strict=True):
-            jobs.append((t, first, count, ticket))
+    jobs = [(t, *job) for t in transfers
+            for job in _stream_jobs(t.offer, [len(v) for v in t.views])]
     out = [[False] * len(t.views) for t in transfers]
     index = {id(t): k for k, t in enumerate(transfers)}
     if not jobs:
