@@ -23,6 +23,20 @@ restore_cache() {
   fi
 }
 trap restore_cache EXIT
+# JIT caches saved from the device in parts (device_step.sh save-jit) survive the rebuild too
+saved_jit=.devkit-jit-parts
+rm -rf "$saved_jit" && mkdir -p "$saved_jit"
+for d in "$kit"/jit*/; do
+  [ -d "$d" ] && mv "$d" "$saved_jit/"
+done
+restore_all() {
+  restore_cache
+  for d in "$saved_jit"/*/; do
+    [ -d "$d" ] && mkdir -p "$kit" && mv "$d" "$kit/"
+  done
+  rm -rf "$saved_jit"
+}
+trap restore_all EXIT
 echo "[devkit] shared kit (parts a, b, c)"
 bash "$shared/build.sh" "$kit" >/dev/null
 
