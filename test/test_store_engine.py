@@ -104,6 +104,22 @@ def test_batched_puts_and_gets_one_rpc_per_owner(cluster):
     client.close()
 
 
+def test_a_prefix_lookup_asks_the_first_page_alone_first(cluster):
+    """``leading_found`` (HiCache's lookup before a prefetch): a prefix whose first page is
+    missing costs one RPC; otherwise the leading pages found, the first missing one ending it."""
+    client = StoreClient([s.endpoint for s in cluster], TOKEN)
+    pages = _pages("lead", 30)
+    client.batch_set(pages)
+    tids = [t for t, _ in pages]
+    before = client.rpcs
+    assert client.leading_found(["absent"] + tids) == 0
+    assert client.rpcs - before == 1  # a cold prompt's lookup: one small round trip
+    assert client.leading_found(tids) == 30
+    assert client.leading_found(tids[:12] + ["gap"] + tids[12:]) == 12
+    assert client.leading_found(tids[:1]) == 1 and client.leading_found([]) == 0
+    client.close()
+
+
 def test_bad_requests_are_rejected_and_the_server_keeps_serving(cluster):
     srv = cluster[0]
     ctx = zmq.Context.instance()

@@ -14,7 +14,10 @@ in ``--rounds``:
 * ``nap``: the scheduler naps 100 us after each pass (the lookup is not announced);
 * ``lookup watch``: the lookup runs inside ``idle_yield.LOOKUPS.running()``, as
   ``idle_yield.around_hit_query`` runs SGLang's storage hit query, and the idle pass waits for
-  its end (with the switch interval at ``LOOKUP_SWITCH_S`` meanwhile).
+  its end (with the switch interval at ``LOOKUP_SWITCH_S`` meanwhile);
+* ``first page alone``: the same, the lookup asking the first page alone first
+  (``client.leading_found``, what the HiCache backend's ``batch_exists`` runs): the pages are
+  all misses, as a cold prompt's, so that is the whole lookup.
 
     python3 benchmark/store/bench_lookup_beside_scheduler.py [--out DIR] [--rounds 4]
     python3 benchmark/store/bench_lookup_beside_scheduler.py --smoke    # ~15 s, a temp folder
@@ -49,7 +52,7 @@ from harness import environment, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
 TOKEN = "bench-lookup-beside-scheduler-token"
-VARIANTS = ("alone", "nap", "lookup watch")
+VARIANTS = ("alone", "nap", "lookup watch", "first page alone")
 NAP_S = 100e-6  # --hicache-storage-idle-yield-us's default
 
 
@@ -89,11 +92,15 @@ def one_sample(endpoints: list[str], variant: str, args, tag: str) -> dict:
         lat = []
         for i in range(args.lookups):
             ids = page_ids(f"{tag}-{i}", args.lookup_pages)
-            watch = idle_yield.LOOKUPS.running() if variant == "lookup watch" \
+            watch = idle_yield.LOOKUPS.running() if variant in ("lookup watch",
+                                                                "first page alone") \
                 else contextlib.nullcontext()
             t = time.perf_counter()
             with watch:
-                client.batch_exists(ids)
+                if variant == "first page alone":
+                    client.leading_found(ids)
+                else:
+                    client.batch_exists(ids)
             lat.append(1000 * (time.perf_counter() - t))
             time.sleep(args.gap_ms / 1000)
         return {"lookup_ms": lat, "put_gbps": None}

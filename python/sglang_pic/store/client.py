@@ -802,6 +802,18 @@ class StoreClient:
         self._local.last_failed = failed
         return out
 
+    def leading_found(self, tids: list[str]) -> int:
+        """How many of ``tids``, from the first, the store holds. SGLang's question before a
+        prefetch: its page ids are chained hashes, so a page can only be a hit when every page
+        before it is one. The first id is asked alone first: a prefix the store lacks (every
+        cold prompt) then costs one small round trip to one owner, instead of a round trip to
+        every owner carrying every id, while the request waits; a hit pays that round trip
+        more, before a load of megabytes."""
+        if not tids or not self.batch_exists(tids[:1])[0]:
+            return 0
+        rest = self.batch_exists(tids[1:]) if len(tids) > 1 else []
+        return 1 + next((i for i, f in enumerate(rest) if not f), len(rest))
+
     def status(self, server: str) -> dict | None:
         reply = self._call(server, {"op": "status"})
         return reply[0].get("status") if reply else None

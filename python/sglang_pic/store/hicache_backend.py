@@ -37,7 +37,8 @@ the host-pool slots and verified there (``datapath``); ``"tcp"`` - every server 
 shared memory; ``"shm"`` - shared memory on this node, the zmq socket otherwise; ``"zmq"`` - the
 socket only. ``"data_tls": true`` takes TLS streams only (servers without a certificate answer
 over the CURVE socket). SGLang asks ``batch_exists`` before it prefetches anything: a prefix the
-store lacks costs one small ``exists`` round trip per owner, and no page moves.
+store lacks costs one small ``exists`` round trip to the owner of its first page
+(``client.leading_found``), and no page moves.
 """
 
 from __future__ import annotations
@@ -194,11 +195,8 @@ class PTStoreHiCacheStorage(HiCacheStorage):
     @_traced
     @_never_raise(lambda keys: 0)
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
-        found = self._per_page(self.client.batch_exists(self._ids(keys)))
-        for i, f in enumerate(found):
-            if not f:
-                return i
-        return len(keys)
+        # a page's blocks are contiguous in _ids: whole pages are the leading ids // blocks
+        return self.client.leading_found(self._ids(keys)) // self.blocks
 
     @_never_raise(lambda keys: [None] * len(keys))
     def batch_get(self, keys: list[str], target_locations: Any = None,
