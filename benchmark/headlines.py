@@ -203,6 +203,22 @@ SPAN_SERVER_SHARED = ("pic_flashinfer + pic_span, --span-copy-on-reuse off: span
                       "the shared moved pages with our Triton kernels (eager), FlashInfer for the "
                       "rest")
 
+WRITES_PATH = ("CPU (2 cores): one store server on loopback, a client storing 256 MB write-backs "
+               "in a loop beside another asking for 128 pages every 20 ms")
+SCHED_PATH = ("CPU (2 cores): three store servers on loopback; in one process a thread running "
+              "SGLang's idle pass (1 ms of Python, storage I/O in flight) through "
+              "idle_yield.around_on_idle beside 128-page lookups every 5 ms")
+
+
+def _design_claim(claim: str, raw: str, metric: str, baseline: str, ours: str,
+                  higher_is_better: bool, path: str, why: str) -> Claim:
+    """A design comparison between two of our variants (no vanilla side) on ``metric``."""
+    return Claim(claim, raw, metric, baseline_variant=baseline, ours_variant=ours,
+                 higher_is_better=higher_is_better, path=path,
+                 extract=_metric_pair(metric, metric, f"design comparison, no vanilla side: {why}",
+                                      baseline=baseline, ours=ours, vanilla_side=False))
+
+
 CLAIMS: list[Claim] = [
     Claim("spans.rag_throughput", SPANS, "rag_requests_per_s", higher_is_better=True,
           target=2.5, path=SPAN_SERVER,
@@ -289,47 +305,26 @@ CLAIMS: list[Claim] = [
           ("with_8k_row", STORE_TCP_COLD8K, "the run of the 8K TCP row's rerun"),
           ("with_tcp_rows", STORE_TCP_NAP, "the run of the 8K / 32K TCP rows"),
           ("before_nap", STORE_TCP, "the run of the 128K TCP row"))],
-    *[Claim(f"store.{claim}", LOOKUPS, metric, baseline_variant="one put per owner",
-            ours_variant="8 MiB puts", higher_is_better=better,
-            path="CPU (2 cores): one store server on loopback, a client storing 256 MB "
-            "write-backs in a loop beside another asking for 128 pages every 20 ms",
-            extract=_metric_pair(metric, metric, "design comparison, no vanilla side: a whole "
-                                 "write-back in one put per owner against pipelined puts of at "
-                                 "most 8 MiB", baseline="one put per owner", ours="8 MiB puts",
-                                 vanilla_side=False))
-      for claim, metric, better in (("lookup_p99_beside_writes", "lookup_p99_ms", False),
-                                    ("put_rate_chunked", "put_gbps", True))],
-    *[Claim(f"store.{claim}", LOOKUPS, metric, baseline_variant="8 MiB puts",
-            ours_variant="data-plane puts", higher_is_better=better,
-            path="CPU (2 cores): one store server on loopback, a client storing 256 MB "
-            "write-backs in a loop beside another asking for 128 pages every 20 ms",
-            extract=_metric_pair(metric, metric, "design comparison, no vanilla side: pipelined "
-                                 "CURVE puts of at most 8 MiB against puts whose pages go over "
-                                 "the TCP data plane (4 streams)", baseline="8 MiB puts",
-                                 ours="data-plane puts", vanilla_side=False))
-      for claim, metric, better in (("put_rate_data_plane", "put_gbps", True),
-                                    ("lookup_p99_beside_data_plane_puts", "lookup_p99_ms",
-                                     False))],
-    Claim("store.lookup_p50_beside_idle_scheduler", LOOKUPS_SCHED, "lookup_p50_ms",
-          baseline_variant="nap", ours_variant="lookup watch",
-          path="CPU (2 cores): three store servers on loopback; in one process a thread "
-          "running SGLang's idle pass (1 ms of Python, storage I/O in flight) through "
-          "idle_yield.around_on_idle beside 128-page lookups every 5 ms",
-          extract=_metric_pair("lookup_p50_ms", "lookup_p50_ms", "design comparison, no "
-                               "vanilla side: the idle pass napping 100 us against also "
-                               "waiting for the lookup in flight; each sample a round's median",
-                               baseline="nap", ours="lookup watch", vanilla_side=False)),
-    Claim("store.lookup_p50_first_page_alone", LOOKUPS_SCHED, "lookup_p50_ms",
-          baseline_variant="lookup watch", ours_variant="first page alone",
-          path="CPU (2 cores): three store servers on loopback; in one process a thread "
-          "running SGLang's idle pass (1 ms of Python, storage I/O in flight) through "
-          "idle_yield.around_on_idle beside 128-page lookups (all misses) every 5 ms",
-          extract=_metric_pair("lookup_p50_ms", "lookup_p50_ms", "design comparison, no "
-                               "vanilla side: a cold prompt's lookup asking every page of its "
-                               "owners against asking its first page alone first "
-                               "(client.leading_found); each sample a round's median",
-                               baseline="lookup watch", ours="first page alone",
-                               vanilla_side=False)),
+    *[_design_claim(f"store.{claim}", LOOKUPS, metric, base, ours, better, WRITES_PATH, why)
+      for claim, metric, better, base, ours, why in (
+          ("lookup_p99_beside_writes", "lookup_p99_ms", False, "one put per owner", "8 MiB puts",
+           "a whole write-back in one put per owner against pipelined puts of at most 8 MiB"),
+          ("put_rate_chunked", "put_gbps", True, "one put per owner", "8 MiB puts",
+           "a whole write-back in one put per owner against pipelined puts of at most 8 MiB"),
+          ("put_rate_data_plane", "put_gbps", True, "8 MiB puts", "data-plane puts",
+           "pipelined CURVE puts of at most 8 MiB against puts whose pages go over the TCP "
+           "data plane (4 streams)"),
+          ("lookup_p99_beside_data_plane_puts", "lookup_p99_ms", False, "8 MiB puts",
+           "data-plane puts", "pipelined CURVE puts of at most 8 MiB against puts whose pages "
+           "go over the TCP data plane (4 streams)"))],
+    *[_design_claim(f"store.{claim}", LOOKUPS_SCHED, "lookup_p50_ms", base, ours, False,
+                    SCHED_PATH, why + "; each sample a round's median")
+      for claim, base, ours, why in (
+          ("lookup_p50_beside_idle_scheduler", "nap", "lookup watch",
+           "the idle pass napping 100 us against also waiting for the lookup in flight"),
+          ("lookup_p50_first_page_alone", "lookup watch", "first page alone",
+           "a cold prompt's lookup (all misses) asking every page of its owners against asking "
+           "its first page alone first (client.leading_found)"))],
     Claim("store.shm_ttft_8k_triton", "store_ttft_h200_prefault.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore", path="same node: store servers write into SGLang's "
           "host pool through shared memory", note=LEGACY),
