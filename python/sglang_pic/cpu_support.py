@@ -335,10 +335,14 @@ def _fork_children(result, server_args) -> None:
     with the modules (SGLang, torch, our plugin) this process has already imported instead of
     importing them again (a SmolLM2 server on 2 cores: 30-31 s to start against 46-48 s). Only
     where SGLang was imported knowing the CPU engine (``_selected_before_import``): a forked
-    child keeps its parent's import-time choices, a spawned one makes them again."""
+    child keeps its parent's import-time choices, a spawned one makes them again), and only
+    from a process with no other thread (an application running ``sgl.Engine`` in a thread
+    pool, say, keeps spawn)."""
     import multiprocessing as mp
+    import threading
 
-    if _selected_before_import:
+    # a thread of this process holding a lock at the fork would leave the child that lock held
+    if _selected_before_import and threading.active_count() == 1:
         mp.set_start_method("fork", force=True)
 
 
