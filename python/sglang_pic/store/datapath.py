@@ -700,32 +700,43 @@ class Upload:
 def upload(uploads: list[Upload], deadline: float) -> list[tuple[int, list[bool]]]:
     """Run every upload's streams at once; per upload, the bytes its server added and which
     pages it stored. Returns once every stream has ended (each bounded by ``deadline``)."""
-    jobs = [(k, *job) for k, u in enumerate(uploads)
+    jobs = [(k, u, *job) for k, u in enumerate(uploads)
             for job in _stream_jobs(u.offer, [len(p) for p in u.pages])]
-    out = [(0, [False] * len(u.pages)) for u in uploads]
-    if not jobs:
-        return out
+    added = [0] * len(uploads)
+    stored = [[False] * len(u.pages) for u in uploads]
+    results = _run_all([(_upload_stream, (
+        u.host, u.offer["port"], ticket, u.offer.get("cert"), u.pages[first : first + count],
+        deadline)) for _, u, first, count, ticket in jobs],
+        "an upload stream")  # one that failed oddly stored nothing, as far as we know
+    for (k, _, first, _, _), result in zip(jobs, results, strict=True):
+        if result is not None:
+            added[k] += result[0]
+            stored[k][first : first + len(result[1])] = result[1]
+    return list(zip(added, stored, strict=True))
+
+
+def _run_all(calls: list[tuple[Callable, tuple]], what: str) -> list:
+    """Every ``fn(*args)`` of ``calls`` at once on the data plane's threads; each one's result,
+    or None where it raised (logged as ``what`` failing). Returns only once every call has
+    ended, whatever happened: none may still be writing into destinations (or reading pages)
+    the caller is about to report on and SGLang to reuse."""
+    if not calls:
+        return []
     pool = _pool()
     futures = []
     try:
-        for k, first, count, ticket in jobs:
-            u = uploads[k]
-            futures.append((k, first, pool.submit(
-                _upload_stream, u.host, u.offer["port"], ticket, u.offer.get("cert"),
-                u.pages[first : first + count], deadline)))
+        for fn, args in calls:
+            futures.append(pool.submit(fn, *args))
     finally:
-        wait([f for _, _, f in futures])
-    added = [0] * len(uploads)
-    stored = [list(flags) for _, flags in out]
-    for k, first, fut in futures:
+        wait(futures)
+    results = []
+    for fut in futures:
         try:
-            n, ok = fut.result()
-        except Exception:  # a stream that failed oddly stored nothing, as far as we know
-            logger.exception("PTStore data plane: an upload stream failed")
-            continue
-        added[k] += n
-        stored[k][first : first + len(ok)] = ok
-    return list(zip(added, stored, strict=True))
+            results.append(fut.result())
+        except Exception:
+            logger.exception("PTStore data plane: %s failed", what)
+            results.append(None)
+    return results
 
 
 @dataclass
@@ -746,32 +757,11 @@ def fetch(transfers: list[Transfer], deadline: float) -> list[list[bool]]:
             for job in _stream_jobs(t.offer, [len(v) for v in t.views])]
     out = [[False] * len(t.views) for t in transfers]
     index = {id(t): k for k, t in enumerate(transfers)}
-    if not jobs:
-        return out
-    pool = _pool()
-    futures = []
-    try:
-        for t, first, count, ticket in jobs:
-            fut = pool.submit(
-                _stream,
-                t.host,
-                t.offer["port"],
-                ticket,
-                t.offer.get("cert"),
-                t.views[first : first + count],
-                t.sums[first : first + count],
-                deadline,
-            )
-            futures.append((t, first, fut))
-    finally:
-        # every stream has ended before this returns, whatever happened: none may still be
-        # writing into destinations the caller is about to report as misses (and SGLang reuse)
-        wait([f for _, _, f in futures])
-    for t, first, fut in futures:
-        try:
-            ok = fut.result()
-        except Exception:  # a stream that failed oddly is a miss, never an error of the load
-            logger.exception("PTStore data plane: a stream failed")
-            continue
-        out[index[id(t)]][first : first + len(ok)] = ok
+    results = _run_all([(_stream, (
+        t.host, t.offer["port"], ticket, t.offer.get("cert"), t.views[first : first + count],
+        t.sums[first : first + count], deadline)) for t, first, count, ticket in jobs],
+        "a stream")  # one that failed oddly is a miss, never an error of the load
+    for (t, first, _, _), ok in zip(jobs, results, strict=True):
+        if ok is not None:
+            out[index[id(t)]][first : first + len(ok)] = ok
     return out

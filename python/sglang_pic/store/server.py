@@ -182,10 +182,10 @@ class StoreServer:
         op = header["op"]
         tids = [ns + t for t in header.get("tids", [])]  # the tenant's namespace
         eng = self.engine
-        if op == "put" and "tcp" in header:
-            return self._put_over_tcp(tids, header, tenant)
         if op == "put":
             kind = REPLICA if header.get("kind") == REPLICA else OWNED
+            if "tcp" in header:
+                return self._put_over_tcp(tids, header, tenant, kind)
             # the checksums were verified on arrival (decode_request): kept with the bytes, so a
             # get does not hash them again
             added = eng.put_tensors([(t, bytes(p)) for t, p in zip(tids, payloads, strict=True)],
@@ -239,12 +239,12 @@ class StoreServer:
         return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
                        "lengths": [len(d) for d, _ in pages], "tcp": offer})
 
-    def _put_over_tcp(self, tids: list[str], header: dict, tenant: str) -> list[bytes]:
+    def _put_over_tcp(self, tids: list[str], header: dict, tenant: str,
+                      kind: str) -> list[bytes]:
         """Upload tickets for a put's pages (``"tcp": null``: put them over the socket)."""
         tcp = header["tcp"]
         if self.data is None or (tcp.get("tls", False) and self.data.tls is None):
             return encode({"ok": True, "tcp": None})
-        kind = REPLICA if header.get("kind") == REPLICA else OWNED
         sums = header["sums"]
 
         def store(positions: list[int], pages: list[bytes]) -> int:
