@@ -167,10 +167,28 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
     ours = report["comparison"]["nonspan_vs_vanilla"]
     base = control["comparison"]["vanilla_triton_vs_vanilla"]
     gaps = [d["ref_top2_gap"] for d in ours["diverged"] if d["ref_top2_gap"] is not None]
+    ties = (f"every divergence is at a bf16 near-tie (vanilla's top-2 logprob gap <= "
+            f"{max(gaps):.3g})" if gaps else "no divergence")
     return (per_prompt(base), per_prompt(ours),
-            f"means are the share of prompts with identical tokens; every divergence is at a "
-            f"bf16 near-tie (vanilla's top-2 logprob gap <= {max(gaps, default=0):.3g}); "
-            f"baseline from a second call on the same machine")
+            f"means are the share of prompts with identical tokens; {ties}; baseline: "
+            f"vanilla-triton against vanilla-FlashInfer, from a second call on the same machine")
+
+
+def _span_reference_agreement(report: dict) -> tuple[list[float], list[float], str | None]:
+    """Real weights, span prompts: per prompt, 1 if the span server's greedy tokens equal the
+    float32 HF block-attention reference's over the whole run (no baseline: vanilla cannot serve
+    span prompts), with where the first divergences fall and how close a call they were."""
+    c = report["comparison"]["spans_vs_reference"]
+    bad = {d["prompt"] for d in c["diverged"]}
+    gaps = [d.get("ours_top2_gap") for d in c["diverged"]]
+    steps = sorted(d["step"] for d in c["diverged"])
+    known = [g for g in gaps if g is not None]
+    where = (f"first divergences at steps {steps[0]}-{steps[-1]} of "
+             f"{report['params']['new_tokens']}; our top-2 logprob gap there <= "
+             f"{max(known):.3g} (0: an exact bf16 tie the float32 reference breaks the other "
+             f"way)" if known and len(known) == len(gaps) else "no divergence" if not gaps
+             else f"first divergences at steps {steps}")
+    return [], [0.0 if i in bad else 1.0 for i in range(c["prompts"])], where
 
 
 SPANS = "spans_rag_h200_prefill_graphs.json"  # both sides with SGLang's default prefill graphs
@@ -262,8 +280,13 @@ CLAIMS: list[Claim] = [
           baseline_variant="vanilla-triton vs vanilla", ours_variant="sglang-pic-spans vs vanilla",
           higher_is_better=True, path="SmolLM2-135M-Instruct, bf16, 24 prompts x 64 greedy tokens",
           same_run=False, center=statistics.mean, extract=_agreement,
-          note="measured with the earlier pic_triton server (keys stored un-rotated); "
-          "to re-measure with pic_flashinfer"),
+          note="the span-cache server on pic_flashinfer (its default backend on the GPU)"),
+    Claim("quality.real_weights.spans_vs_reference", "real_weights_h200.json",
+          "identical_tokens", baseline_variant=None,
+          ours_variant="sglang-pic-spans vs HF block attention (float32)",
+          higher_is_better=True, path="SmolLM2-135M-Instruct, bf16, 12 span prompts x 64 greedy "
+          "tokens, each document at another offset after another system prompt",
+          center=statistics.mean, extract=_span_reference_agreement),
     *[Claim(f"store.tcp_ttft_{n // 1024}k", STORE_TCP, f"ttft_{n}_ms",
             ours_variant="sglang-pic-ptstore-tcp", target=target,
             path="TCP: store servers in their own processes reached over TCP only (the data "
@@ -425,13 +448,16 @@ def _row(c: Claim) -> dict:
         base = _samples(results[c.baseline_variant], c.metric)
         ours = _samples(results[c.ours_variant], c.metric)
         row["baseline_backend"] = _backend(report, c.baseline_variant)
-    if not base or not ours:
+    if not ours or (not base and c.baseline_variant is not None):
         row["note"] = f"{c.metric} missing in {c.raw_file}"
         return row
-    b, o = c.center(base), c.center(ours)
+    # a row without a baseline (``baseline_variant`` None) quotes ours alone
+    b, o = (c.center(base) if base else None), c.center(ours)
     ratio = (o / b if c.higher_is_better else b / o) if b and o else None
-    row.update(baseline=b, ours=o, ratio=ratio, samples=min(len(base), len(ours)),
-               spread={"baseline": [min(base), max(base)], "ours": [min(ours), max(ours)]},
+    row.update(baseline=b, ours=o, ratio=ratio, samples=len(ours) if not base
+               else min(len(base), len(ours)),
+               spread={"baseline": [min(base), max(base)] if base else None,
+                       "ours": [min(ours), max(ours)]},
                same_run=not report.get("merged_from_earlier_call") if c.same_run is None
                else c.same_run)
     if c.target is not None and c.target_kind == "points":

@@ -104,15 +104,21 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     return result
 
 
+def _top2_gap(tops: list, step: int) -> float | None:
+    """The top-2 logprob gap at ``step`` (0 is an exact bf16 tie), or None without logprobs."""
+    top = sorted(tops[step], reverse=True) if tops else []
+    return top[0][0] - top[1][0] if len(top) > 1 else None
+
+
 def compare(ref: list, ours: list) -> dict:
-    """Identical prompts; for each divergence its step and the reference's top-2 gap there."""
+    """Identical prompts; for each divergence its step and the top-2 logprob gap there on each
+    side (the HF reference returns no logprobs: its gap is None)."""
     diverged = []
-    for i, ((rid, rtop), (oid, _)) in enumerate(zip(ref, ours, strict=True)):
+    for i, ((rid, rtop), (oid, otop)) in enumerate(zip(ref, ours, strict=True)):
         step = next((k for k, (a, b) in enumerate(zip(rid, oid, strict=True)) if a != b), None)
         if step is not None:
-            top = sorted(rtop[step], reverse=True) if rtop else []
-            gap = top[0][0] - top[1][0] if len(top) > 1 else None
-            diverged.append({"prompt": i, "step": step, "ref_top2_gap": gap})
+            diverged.append({"prompt": i, "step": step, "ref_top2_gap": _top2_gap(rtop, step),
+                             "ours_top2_gap": _top2_gap(otop, step)})
     return {"prompts": len(ref), "identical": len(ref) - len(diverged), "diverged": diverged}
 
 

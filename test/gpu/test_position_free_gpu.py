@@ -88,9 +88,17 @@ def prompts(model_dir):
     return build_prompts(AutoTokenizer.from_pretrained(model_dir), 8)
 
 
+TIE = 1 / 16
+"""A top-2 logprob gap this small is a bf16 tie: the logits are bf16, whose spacing is 1/16
+between 16 and 32 (where SmolLM2's top logits sit), so the two tokens' logits are equal or one
+step apart and any change of summation order may flip the greedy pick. The H200 runs of
+``quality/real_weights.py`` diverged from the float32 reference only where this server's own
+gap was 0 (benchmark/results/real_weights_h200.json)."""
+
+
 def _generate(server, input_ids: list[list[int]]) -> list[dict]:
     r = server.post("/generate", timeout=600, json={
-        "input_ids": input_ids, "return_logprob": True,
+        "input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2,
         # ignore_eos: the reference decodes NEW_TOKENS steps whatever it draws (the span prompts'
         # first greedy token is <|im_end|> on SmolLM2-Instruct, where the server would stop)
         "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
@@ -104,6 +112,29 @@ def _tokens(out: dict) -> list[int]:
 
 def _logprobs(out: dict) -> list[float]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+def _top2_gap(out: dict, step: int) -> float:
+    top = sorted((t[0] for t in out["meta_info"]["output_top_logprobs"][step]), reverse=True)
+    return top[0] - top[1]
+
+
+def _assert_same_up_to_ties(outs: list[dict], want: list[list[int]], *others: list[dict]):
+    """``outs``' tokens equal ``want`` per prompt, except that a prompt may part from it at a
+    step where ``outs`` (and each server output in ``others``, if given) had a bf16 tie: the
+    greedy pick there is the summation order's, not the attention's. A divergence at a step
+    with a clear winner fails, with its position and gaps."""
+    bad = []
+    for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
+        got = _tokens(out)
+        step = next((k for k, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
+        if step is None:
+            continue
+        gaps = [_top2_gap(o[i], step) for o in (outs, *others)]
+        if max(gaps) > TIE:
+            bad.append({"prompt": i, "step": step, "ours": got[step], "want": ref[step],
+                        "top2_gaps": gaps})
+    assert not bad, bad
 
 
 def test_requests_without_spans_are_served_as_vanilla_flashinfer_serves_them(servers, prompts):
@@ -137,14 +168,15 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     most reads are of span keys computed elsewhere and moved: turned once into the request's own
     copy (``spans``, FlashInfer) or turned while read from the shared pages (``spans_shared``,
     the shift-aware kernels). bf16 against the float32 reference: the first divergences on the
-    H200 came after 20 tokens (benchmark/results/real_weights_h200.json), so 16 must agree."""
+    H200 came only at bf16 ties (benchmark/results/real_weights_h200.json), so each divergence
+    must be at one."""
     _, spans = prompts
     srv = getattr(servers, server)
     outs = _generate(srv, spans)
-    assert [_tokens(o) for o in outs] == references
+    _assert_same_up_to_ties(outs, references)
     again = _generate(srv, spans)  # every document cached now, at other offsets
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-    assert [_tokens(o) for o in again] == [_tokens(o) for o in outs]
+    _assert_same_up_to_ties(again, [_tokens(o) for o in outs], outs)
 
 
 def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
@@ -163,9 +195,10 @@ def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
 def test_span_decode_graphs_and_pic_triton_give_the_same_tokens(servers, prompts):
     """The shift-aware kernels eager, in the second decode graph set, and on pic_triton."""
     _, spans = prompts
-    eager = [_tokens(o) for o in _generate(servers.spans_shared, spans)]
-    assert [_tokens(o) for o in _generate(servers.span_graphs, spans)] == eager
-    assert [_tokens(o) for o in _generate(servers.spans_triton, spans)] == eager
+    eager = _generate(servers.spans_shared, spans)
+    want = [_tokens(o) for o in eager]
+    _assert_same_up_to_ties(_generate(servers.span_graphs, spans), want, eager)
+    _assert_same_up_to_ties(_generate(servers.spans_triton, spans), want, eager)
 
 
 def test_the_servers_run_the_backends_named(servers):
