@@ -11,7 +11,7 @@
 #   source scripts/device_step.sh install      carry .devkit/b, .devkit/c, .devkit/extra
 #   bash scripts/device_step.sh jit-part       carry .devkit/jitN (a saved JIT cache, in parts)
 #   source scripts/device_step.sh env          every later call, before its command
-#   bash scripts/device_step.sh save-jit       the machine's JIT caches to $OUT in 18 MB parts
+#   bash scripts/device_step.sh save-jit       the machine's JIT caches to $OUT in 8 MB parts
 #
 # `install` and `env` set PYTHONPATH (the devkit's site, the model's package) and
 # SGLANG_PIC_CACHE for the rest of the call, so they are sourced, followed by the call's command.
@@ -52,7 +52,7 @@ _device_step() {
     save-jit)
       du -sh "$HOME"/.cache/* 2>/dev/null
       (cd "$HOME" && tar czf - .cache/flashinfer .cache/tvm-ffi .cache/torch_extensions .triton \
-        2>/dev/null) | split -b 18M -d - "${OUT:?}/jit.part."
+        2>/dev/null) | split -b 8M -d - "${OUT:?}/jit.part."
       ls -la "$OUT" ;;
     *)
       echo "usage: device_step.sh stage a|b0 | model 1|2 | install | jit-part | jit-unpack | env" \
