@@ -93,7 +93,7 @@ def _sweep(layer, q) -> list[dict]:
 
         def step(sel=sel):
             return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
-                       layer.n_ret)
+                       layer.n_ret, layer.bit_counts)
 
         step()
         us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)

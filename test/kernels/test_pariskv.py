@@ -44,17 +44,22 @@ def _encoded(keys: torch.Tensor):
     cent = torch.zeros(hk, n, d // 32, dtype=torch.int32, device=DEVICE)
     codes = torch.zeros(hk, n, d // 2, dtype=torch.uint8, device=DEVICE)
     w = torch.zeros(hk, n, d // 4, dtype=torch.float16, device=DEVICE)
-    encode_keys(keys, rt, edges, levels, cent, codes, w)
-    return rt, levels, cent, codes, w
+    counts = torch.full((hk, d), 7, dtype=torch.int32, device=DEVICE)  # reset at offset 0
+    encode_keys(keys, rt, edges, levels, cent, codes, w, bit_counts=counts)
+    return rt, levels, cent, codes, w, counts
 
 
 @pytest.mark.parametrize("hq,hk,d,n", SHAPES)
 def test_encode_matches_reference_index(hq, hk, d, n):
     torch.manual_seed(0)
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
-    _, _, cent, codes, w = _encoded(keys)
+    _, _, cent, codes, w, counts = _encoded(keys)
     ref = KeyIndex(keys.transpose(0, 1).float().cpu(), ParisConfig())
     assert torch.equal(unpack_centroids(cent).cpu(), ref.centroid)
+    # per head and rotated coordinate i (= 4b + j: bit j of subspace b's id), keys with it > 0
+    ids = ref.centroid  # [hk, n, B]
+    bits = torch.stack([(ids >> j) & 1 for j in range(4)], -1).flatten(-2)
+    assert torch.equal(counts.cpu(), bits.sum(1).int())
     unpacked = torch.stack([codes & 15, codes >> 4], -1).view(hk, n, d).cpu()
     # a coordinate within float rounding of a level edge may land on either side
     assert (unpacked != ref.codes).float().mean() < 1e-3
@@ -81,11 +86,11 @@ def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity):
     torch.manual_seed(1)
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
-    rt, levels, cent, codes, w = _encoded(keys)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
     k = 16
     sel = Selector(1, hq, hk, d, n, c=n, k=k, similarity=similarity, device=DEVICE)
     got = sel(q, rt, levels, cent[None], codes[None], w[None],
-              torch.tensor([n], dtype=torch.int32, device=DEVICE))
+              torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
     est = _group_estimate(keys, q[0], hk)
     for h in range(hk):
         want = set(est[h].topk(k).indices.tolist())
@@ -101,12 +106,12 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
     hq, hk, d, n, c = 4, 2, 64, 600, 40
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
-    rt, levels, cent, codes, w = _encoded(keys)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
     # spans of 256 keys in blocks of 128: each vote program adds up several blocks
     sel = Selector(1, hq, hk, d, n, c=c, k=8, similarity=similarity, device=DEVICE, block_n=128,
                    span=256)
     sel(q, rt, levels, cent[None], codes[None], w[None],
-        torch.tensor([n], dtype=torch.int32, device=DEVICE))
+        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
     bins, thresh = sel.bins[0].long().cpu(), sel.thresh[0].cpu()
     assert torch.equal(sel.hist[0].cpu(), torch.stack([torch.bincount(b, minlength=sel.nbins)
                                                       for b in bins]).int())
@@ -117,13 +122,20 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         signs = torch.stack([(ids >> j) & 1 for j in range(4)], -1).flatten(-2)  # coord 4b+j
         qt = sel.qt[0].cpu().view(hk, g, 4, d // 4).transpose(2, 3).flatten(-2)  # coord order
         exact = (signs.float() - 0.5) @ qt.sum(1)[..., None]  # [hk, n, 1]
-        zero, step, half, per_vote = sel.params[0].cpu().T
-        assert torch.allclose(half, qt.sum((1, 2)) / 2, atol=1e-5)
-        assert torch.allclose(per_vote, sel.nbins / (qt.sum(1).abs().sum(-1) / 2))
+        zero, step, floor, per_vote = sel.params[0].cpu().T
+        # the histogram spans [mean - 3 sd, mean + 6 sd] of the votes, from the bit counts alone
+        qs = qt.sum(1)  # [hk, D] the group's summed query
+        p = signs.float().mean(1)  # [hk, D] share of keys with each bit set
+        mean = (p * qs).sum(-1) - qs.sum(-1) / 2
+        sd = (p * (1 - p) * qs * qs).sum(-1).sqrt()
+        assert torch.allclose(floor, qs.sum(-1) / 2 + mean - 3 * sd, atol=1e-4)
+        assert torch.allclose(per_vote, sel.nbins / (9 * sd), rtol=1e-4)
+        assert torch.allclose(exact[..., 0].mean(1), mean, atol=1e-4)  # the mean is exact
+        above = exact[..., 0] - (floor - qs.sum(-1) / 2)[:, None]  # vote above bin 0's floor
         # quantised votes: each set bit's coordinate is off by at most half a step
         bound = step[:, None] / 2 * signs.sum(-1) + 1e-4
-        want_lo = ((exact[..., 0] - bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
-        want_hi = ((exact[..., 0] + bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
+        want_lo = ((above - bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
+        want_hi = ((above + bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
         assert ((bins >= want_lo) & (bins <= want_hi)).all()
         assert (step < (qt.sum(1).amax(-1) - qt.sum(1).amin(-1)) / 254).all()
     else:
@@ -141,6 +153,31 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         assert len(above) < c <= len(above) + len(at)
 
 
+def test_pruning_keeps_the_best_votes_of_keys_sharing_a_direction():
+    """Real keys share a direction, so a query's votes sit far from 0 (SmolLM2: every vote of
+    most heads below 0). The histogram is placed on the region's votes, so pruning still keeps
+    the keys with the best votes (the reference's), not the first ``C`` by position."""
+    torch.manual_seed(7)
+    hq, hk, d, n, c = 4, 2, 64, 1200, 150
+    mu = torch.randn(d, device=DEVICE)
+    mu = mu / mu.norm() * d**0.5
+    keys = (torch.randn(n, hk, d, device=DEVICE) + 2.5 * mu).to(torch.float16)
+    q = (torch.randn(1, hq, d, device=DEVICE) - 2.0 * mu).to(torch.float16)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    sel = Selector(1, hq, hk, d, n, c=c, k=16, device=DEVICE, block_n=128, sample_stride=1)
+    sel(q, rt, levels, cent[None], codes[None], w[None],
+        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
+    g = hq // hk
+    for h in range(hk):
+        index = KeyIndex(keys[:, h].float().cpu()[None], ParisConfig(vote="similarity"))
+        qh = q[0, h * g:(h + 1) * g].float().cpu()
+        votes = index.coarse_votes((qh / qh.norm(dim=-1, keepdim=True)).sum(0, keepdim=True))[0]
+        assert (votes < 0).all()  # the case that broke a histogram over [0, max vote]
+        best = set(votes.topk(c).indices.tolist())
+        got = set(sel.cand[0, h].cpu().tolist())
+        assert len(best & got) >= 0.9 * c  # only the threshold bin's order is arbitrary
+
+
 def _exact_and_sampled(similarity: bool, n: int, c: int, n_ret: list[int], stride: int = 4):
     """Both pruning modes on the same keys and query (2 sequences): the exact selector's bins
     are every key's bin, which the sampled selector computes the same way."""
@@ -148,9 +185,10 @@ def _exact_and_sampled(similarity: bool, n: int, c: int, n_ret: list[int], strid
     hq, hk, d = 4, 2, 64
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     q = torch.randn(2, hq, d, device=DEVICE).to(torch.float16)
-    rt, levels, cent, codes, w = _encoded(keys)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
     args = (rt, levels, cent[None].expand(2, -1, -1, -1), codes[None].expand(2, -1, -1, -1),
-            w[None].expand(2, -1, -1, -1), torch.tensor(n_ret, dtype=torch.int32, device=DEVICE))
+            w[None].expand(2, -1, -1, -1), torch.tensor(n_ret, dtype=torch.int32, device=DEVICE),
+            counts[None].expand(2, -1, -1).contiguous())
     kw = dict(k=8, similarity=similarity, device=DEVICE, block_n=128, span=128)
     exact = Selector(2, hq, hk, d, n, c=c, sample_stride=1, **kw)
     sampled = Selector(2, hq, hk, d, n, c=c, sample_stride=stride, **kw)
@@ -225,12 +263,12 @@ def test_sampled_and_exact_pruning_select_alike_on_planted_keys():
     for h in range(hk):
         keys[planted, h] = 3 * q[0, 2 * h] / q[0, 2 * h].norm() * d**0.5 + 0.1 * keys[planted, h]
     keys, q = keys.to(torch.float16), q.to(torch.float16)
-    rt, levels, cent, codes, w = _encoded(keys)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
     picks = []
     for stride in (1, 8):
         sel = Selector(1, hq, hk, d, n, c=c, k=k, device=DEVICE, block_n=128, sample_stride=stride)
         got = sel(q, rt, levels, cent[None], codes[None], w[None],
-                  torch.tensor([n], dtype=torch.int32, device=DEVICE))
+                  torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
         picks.append([set(got[0, h].tolist()) for h in range(hk)])
     for h in range(hk):
         assert picks[0][h] == picks[1][h] == set(planted.tolist())

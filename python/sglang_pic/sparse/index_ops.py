@@ -45,6 +45,8 @@ class KernelIndexOps:
         self.centroid = torch.zeros(*shape, d // 32, dtype=torch.int32, device=self.device)
         self.codes = torch.zeros(*shape, d // 2, dtype=torch.uint8, device=self.device)
         self.weights = torch.zeros(*shape, d // 4, dtype=torch.float16, device=self.device)
+        self.bit_counts = torch.zeros(layers, slots, kv_heads, d, dtype=torch.int32,
+                                      device=self.device)
         self.selector = Selector(slots, q_heads, kv_heads, d, capacity,
                                  min(candidates, capacity), topk, device=self.device)
         self.attention = SparseAttention(slots, q_heads, kv_heads, d, 0, attended,
@@ -63,11 +65,12 @@ class KernelIndexOps:
 
         encode_keys(keys.contiguous(), self.rt, self.edges, self.levels,
                     self.centroid[layer, slot], self.codes[layer, slot],
-                    self.weights[layer, slot], offset=offset)
+                    self.weights[layer, slot], offset=offset,
+                    bit_counts=self.bit_counts[layer, slot])
 
     def select(self, layer: int, q: torch.Tensor, n_ret: torch.Tensor) -> torch.Tensor:
         return self.selector(q, self.rt, self.levels, self.centroid[layer], self.codes[layer],
-                             self.weights[layer], n_ret)
+                             self.weights[layer], n_ret, self.bit_counts[layer])
 
     def attend(self, q, k_buf, v_buf, idx, out, scale: float) -> torch.Tensor:
         # the pool seen as one "host region" shared by every slot: stride 0 over slots

@@ -59,6 +59,7 @@ class ParisKVLayer:
                                  device=self.device)
         self.weights = torch.zeros(batch, kv_heads, capacity, B, dtype=torch.float16,
                                    device=self.device)
+        self.bit_counts = torch.zeros(batch, kv_heads, d, dtype=torch.int32, device=self.device)
         # lengths: device copies feed the kernels, host copies decide when to move tokens
         self.win_len = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.n_ret = torch.zeros(batch, dtype=torch.int32, device=self.device)
@@ -80,7 +81,7 @@ class ParisKVLayer:
         self.k_host[b, :, start:start + n].copy_(k.transpose(0, 1), non_blocking=True)
         self.v_host[b, :, start:start + n].copy_(v.transpose(0, 1), non_blocking=True)
         encode_keys(k, self.rt, self.edges, self.levels, self.centroid[b], self.codes[b],
-                    self.weights[b], offset=start)
+                    self.weights[b], offset=start, bit_counts=self.bit_counts[b])
         self.n_ret_host[b] += n
         self.n_ret[b] = self.n_ret_host[b]
 
@@ -123,7 +124,7 @@ class ParisKVLayer:
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """``[batch, kv_heads, k]`` selected rows of the retrieval regions for ``q``."""
         return self.selector(q, self.rt, self.levels, self.centroid, self.codes, self.weights,
-                             self.n_ret)
+                             self.n_ret, self.bit_counts)
 
     def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of ``q`` ``[batch, q_heads, D]`` over window + selected tokens."""

@@ -14,6 +14,10 @@ keys themselves live in host memory:
                                  byte 2b = code(4b) | code(4b+1) << 4, byte 2b+1 = code(4b+2) | ...
     weights   [kv_heads, N, B]   fp16: least-squares calibration ``<k_b, v_b> / <v_b, v_b>``
                                  (includes the key norm)
+    bit_counts [kv_heads, D]     int32, optional: per rotated coordinate, how many keys of the
+                                 region have its sign bit set (reset when ``offset`` is 0). The
+                                 selector centres and scales its vote histogram with them: the
+                                 mean vote over the region is linear in these counts.
 
 ``B = D / 4`` subspaces. The SRHT rotation ``R = H diag(s) / sqrt(D)`` is applied as a matmul
 with ``Rt = R^T`` (``[D, D]`` fp32): on tensor cores that is cheaper than a butterfly network and
@@ -57,8 +61,8 @@ def _encode_kernel(
     stride_kn, stride_kh,
     stride_ch, stride_cn,
     stride_oh, stride_on,
-    stride_wh, stride_wn,
-    D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_wh, stride_wn, Counts, stride_th,
+    D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr, COUNT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -77,6 +81,13 @@ def _encode_kernel(
     n0, n1, n2, n3 = r0 * inv, r1 * inv, r2 * inv, r3 * inv
     cent = ((n0 > 0).to(tl.int32) | ((n1 > 0).to(tl.int32) << 1)
             | ((n2 > 0).to(tl.int32) << 2) | ((n3 > 0).to(tl.int32) << 3))
+    if COUNT:  # set sign bits per coordinate 4b+J over this block's keys, one atomic each
+        m2f = mask[:, None]
+        counts = Counts + h * stride_th + offs_b * 4
+        tl.atomic_add(counts, tl.sum(((n0 > 0) & m2f).to(tl.int32), axis=0))
+        tl.atomic_add(counts + 1, tl.sum(((n1 > 0) & m2f).to(tl.int32), axis=0))
+        tl.atomic_add(counts + 2, tl.sum(((n2 > 0) & m2f).to(tl.int32), axis=0))
+        tl.atomic_add(counts + 3, tl.sum(((n3 > 0) & m2f).to(tl.int32), axis=0))
     c0, v0 = _code(n0, Edges, Levels)
     c1, v1 = _code(n1, Edges, Levels)
     c2, v2 = _code(n2, Edges, Levels)
@@ -106,9 +117,12 @@ def unpack_centroids(packed: torch.Tensor) -> torch.Tensor:
 
 def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, levels: torch.Tensor,
                 centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
-                offset: int = 0, block_n: int = 64) -> None:
+                offset: int = 0, block_n: int = 64,
+                bit_counts: torch.Tensor | None = None) -> None:
     """Encode ``keys`` ``[n, kv_heads, D]`` into rows ``offset .. offset + n`` of ``centroid`` /
-    ``codes`` / ``weights`` (``[kv_heads, N, ...]`` views of one sequence's metadata).
+    ``codes`` / ``weights`` (``[kv_heads, N, ...]`` views of one sequence's metadata), and add
+    their sign bits to ``bit_counts`` ``[kv_heads, D]`` int32 if given (zeroed first when
+    ``offset`` is 0: a new region).
 
     ``rt``: ``[D, D]`` fp32, ``R^T`` of the SRHT; ``edges`` ``[7]`` / ``levels`` ``[8]``: the
     Lloyd-Max magnitude quantiser (fp32)."""
@@ -119,6 +133,14 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
         raise ValueError(f"ParisKV kernels need a power-of-two head dim >= 64, got {d}")
     if keys.stride(-1) != 1:
         raise ValueError("keys need a contiguous last dim")
+    count = bit_counts is not None
+    if count:
+        if bit_counts.dtype != torch.int32 or tuple(bit_counts.shape) != (heads, d) \
+                or bit_counts.stride(-1) != 1:
+            raise ValueError(f"bit_counts must be int32 [{heads}, {d}] with a contiguous last "
+                             f"dim, got {bit_counts.dtype} {tuple(bit_counts.shape)}")
+        if offset == 0:
+            bit_counts.zero_()
     if n == 0:
         return
     grid = (triton.cdiv(n, block_n), heads)
@@ -126,5 +148,6 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
         keys, rt, edges, levels, centroid, codes, weights, n, offset,
         keys.stride(0), keys.stride(1), centroid.stride(0), centroid.stride(1),
         codes.stride(0), codes.stride(1), weights.stride(0), weights.stride(1),
-        D=d, B=d // SUBSPACE, BLOCK_N=block_n,
+        bit_counts if count else centroid, bit_counts.stride(0) if count else 0,
+        D=d, B=d // SUBSPACE, BLOCK_N=block_n, COUNT=count,
     )
