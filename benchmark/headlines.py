@@ -204,6 +204,21 @@ NONSPAN_CASES = {
        for b in (1, 32, 256) for c in (1024, 8192, 32768) if b * (c + 40) <= 700_000},
 }
 SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
+SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
+PRE_RECALL_FIX = ("measured at 1a0699c, before the selector's vote histogram was placed on the "
+                  "region's votes (it kept the first keys by position on real keys; "
+                  "sparse.selector_recall_* measure the fix); to re-run on the device")
+
+
+def _selection_recall(length: str):
+    """Sparse needle run: recall@topk of the server's selection per layer (``recall.by_layer``),
+    on its own side (dense has no selection to compare)."""
+
+    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
+        by_layer = report.get("recall", {}).get("by_layer", {}).get(length, [])
+        return [], list(by_layer), "samples are layers (mean over KV heads and prompts)"
+
+    return extract
 STORE_TCP = "store_ttft_tcp_h200.json"  # 8K / 32K / 128K, before the idle scheduler's nap
 STORE_TCP_NAP = "store_ttft_tcp_h200_nap.json"  # 8K / 32K with it, and the same-node reader
 STORE_COLD = "store_cold_miss_h200.json"  # cold misses beside vanilla and SGLang's HiCache alone
@@ -396,8 +411,22 @@ CLAIMS: list[Claim] = [
             path=f"SmolLM2-135M-Instruct, bf16, needle tasks at ~{length.upper()} tokens, "
             "ParisKV from 1024 tokens: sparse vs dense",
             note="% of the cases solved (each case a sample of 0 or 100); baseline: vanilla "
-            "SGLang dense on FlashInfer")
+            "SGLang dense on FlashInfer; " + PRE_RECALL_FIX)
       for length in ("2k", "4k", "8k")],
+    *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
+            ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
+            path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "
+            "prompts, the server's selector (Triton kernels on the GPU)",
+            note=PRE_RECALL_FIX, extract=_selection_recall(length))
+      for length in ("2k", "4k", "8k")],
+    *[Claim(f"sparse.selector_recall_{length}", SELECTOR_RECALL, f"recall_{length}",
+            baseline_variant="torch-reference", ours_variant="kernels", higher_is_better=True,
+            target=0.98, center=statistics.mean,
+            path="the same captured SmolLM2 keys (one needle prompt, 5 layers) through both "
+            "index implementations; CPU, the kernels under TRITON_INTERPRET=1",
+            note="samples are layers (recall@100, mean over KV heads); ratio: kernels / "
+            "reference")
+      for length in ("2k", "8k")],
 ]
 
 
