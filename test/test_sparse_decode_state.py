@@ -551,6 +551,41 @@ def test_sparse_flashinfer_twin_shares_the_gpu_sparse_path():
     assert graphs._sparse_backend(runner) is backend
 
 
+def test_the_sparse_flashinfer_capture_reuses_the_dense_captures_decode_wrappers():
+    """Both graph sets of a batch size must read the decode wrappers a replay plans: SGLang's
+    FlashInfer backend keeps the wrappers of the last capture per batch size and makes new ones
+    (each with its own device workspace) at every capture, so the second, sparse capture reuses
+    the first's. Driven as ``graphs.around_capture_one_stream`` captures: twice per size."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_pic.sparse import graphs
+    from sglang_pic.sparse.backends import ParisKVFlashInferBackend
+
+    backend = object.__new__(ParisKVFlashInferBackend)
+    backend.decode_cuda_graph_metadata = {}
+    backend.sparse = SimpleNamespace(deactivate=lambda: None)
+    made = []
+
+    def create(bs, num_tokens):
+        made.append([object()])  # a wrapper list with its own workspace
+        return made[-1]
+
+    backend._create_decode_wrappers = create
+    seen = []
+
+    def capture(runner):  # what SGLang's capture of one size does with the metadata
+        backend._prepare_cuda_graph_metadata(4, 4, ForwardMode.DECODE, None)
+        seen.append((backend.capture_sparse, backend.forward_metadata.decode_wrappers))
+
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+    graphs.around_capture_one_stream(capture, runner)
+    assert len(made) == 1  # the sparse capture made none
+    assert seen == [(False, made[0]), (True, made[0])]
+    assert backend.decode_cuda_graph_metadata[4] is made[0]  # what a replay plans
+    backend.capture_sparse = False  # a later dense capture (a recapture) makes new ones
+    backend._prepare_cuda_graph_metadata(4, 4, ForwardMode.DECODE, None)
+    assert len(made) == 2 and backend.decode_cuda_graph_metadata[4] is made[1]
+
+
 def test_the_sparse_dense_view_shrinks_the_sum_the_kernel_sizes_buffers_by():
     from sglang_pic.sparse.backends import _SparseDecodeMixin
 

@@ -107,6 +107,13 @@ def case_lengths(case: str) -> list[int]:
     return lengths
 
 
+LABELS = {"vanilla": "vanilla SGLang (dense FlashInfer)",
+          "vanilla-triton": "vanilla SGLang (dense triton)",
+          "sglang-pic": "sglang-pic pariskv_triton",
+          "sglang-pic-flashinfer": "sglang-pic pariskv_flashinfer"}
+SPARSE_VARIANTS = ("sglang-pic", "sglang-pic-flashinfer")
+
+
 def plot(report: dict, out_dir: Path) -> Path | None:
     import matplotlib
 
@@ -116,12 +123,12 @@ def plot(report: dict, out_dir: Path) -> Path | None:
     res = report["results"]
     cases = report["params"]["cases"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.38
-    for i, (variant, label) in enumerate((("vanilla", "vanilla SGLang (dense triton)"),
-                                           ("sglang-pic", "sglang-pic --sparse-decode pariskv"))):
-        ys = [res.get(variant, {}).get(f"tpot_ms_{c}", 0) for c in cases]
-        xs = [j + (i - 0.5) * width for j in range(len(cases))]
-        ax.bar(xs, ys, width, label=label)
+    shown = [v for v in LABELS if v in res and "error" not in res[v]]
+    width = 0.8 / max(len(shown), 1)
+    for i, variant in enumerate(shown):
+        ys = [res[variant].get(f"tpot_ms_{c}", 0) for c in cases]
+        xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(cases))]
+        ax.bar(xs, ys, width, label=LABELS[variant])
     ax.set_xticks(range(len(cases)), [c.replace("x", " x ") for c in cases])
     ax.set_xlabel("batch x context tokens")
     ax.set_ylabel("TPOT (ms)")
@@ -196,18 +203,20 @@ def main() -> None:
     out_dir = Path(args.out) if args.out else RESULTS
     report = _merge_earlier(report, out_dir / "sparse_e2e_decode.json.prev")
     res = report["results"]
-    print(f"\n{'case':>12} {'vanilla TPOT':>13} {'sparse TPOT':>12} {'speed-up':>9} "
-          f"{'same ids':>9}")
-    for c in cases:
-        v = res.get("vanilla", {}).get(f"tpot_ms_{c}")
-        s = res.get("sglang-pic", {}).get(f"tpot_ms_{c}")
-        iv = res.get("vanilla", {}).get(f"output_ids_{c}")
-        is_ = res.get("sglang-pic", {}).get(f"output_ids_{c}")
-        same = (sum(a == b for a, b in zip(iv, is_, strict=False)) / len(iv)
-                if iv and is_ else float("nan"))
-        speed = f"{v / s:.2f}x" if v and s else "-"
-        print(f"{c:>12} {v or float('nan'):>12.2f}  {s or float('nan'):>11.2f} {speed:>9} "
-              f"{same:>9.2f}")
+    # every sparse variant against vanilla (the ratio table above pairs vanilla with one)
+    print(f"\n{'variant':>22} {'case':>12} {'vanilla TPOT':>13} {'sparse TPOT':>12} "
+          f"{'speed-up':>9} {'same ids':>9}")
+    for variant in (v for v in SPARSE_VARIANTS if v in res):
+        for c in cases:
+            v = res.get("vanilla", {}).get(f"tpot_ms_{c}")
+            s = res[variant].get(f"tpot_ms_{c}")
+            iv = res.get("vanilla", {}).get(f"output_ids_{c}")
+            is_ = res[variant].get(f"output_ids_{c}")
+            same = (sum(a == b for a, b in zip(iv, is_, strict=False)) / len(iv)
+                    if iv and is_ else float("nan"))
+            speed = f"{v / s:.2f}x" if v and s else "-"
+            print(f"{variant:>22} {c:>12} {v or float('nan'):>12.2f}  "
+                  f"{s or float('nan'):>11.2f} {speed:>9} {same:>9.2f}")
     path = plot(report, out_dir)
     if path:
         print(f"[bench] wrote {path}")

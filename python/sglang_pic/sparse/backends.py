@@ -23,7 +23,7 @@ import contextlib
 import logging
 
 import torch
-from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
@@ -303,6 +303,21 @@ class ParisKVTritonBackend(_GpuSparseMixin, TritonAttnBackend):
 
 class ParisKVFlashInferBackend(_GpuSparseMixin, FlashInferAttnBackend):
     NAME = "pariskv_flashinfer"
+
+    def _prepare_cuda_graph_metadata(self, bs, num_tokens, forward_mode, spec_info):
+        """The sparse capture of a batch size reuses the decode wrappers its dense capture made.
+
+        SGLang's FlashInfer backend makes new wrappers at every decode capture and keeps the
+        last ones per batch size, the ones a replay plans. Each wrapper has its own device
+        workspace (plan tables, KV lengths), so with new wrappers for the second (sparse) set
+        the dense graphs would replay on the first set's workspace, never planned again, kept
+        alive by nothing: stale lengths, or freed memory. Shared, one plan per step serves the
+        graph that replays, whichever set it is from."""
+        wrappers = self.decode_cuda_graph_metadata.get(bs)
+        if self.capture_sparse and forward_mode.is_decode_or_idle() and wrappers is not None:
+            self.forward_metadata = DecodeMetadata(wrappers)
+            return
+        super()._prepare_cuda_graph_metadata(bs, num_tokens, forward_mode, spec_info)
 
 
 class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
