@@ -351,7 +351,9 @@ def create_pariskv_triton(model_runner):
 
 
 def create_pariskv_flashinfer(model_runner):
-    return ParisKVFlashInferBackend(model_runner)
+    # as SGLang's own "flashinfer" factory builds it
+    return ParisKVFlashInferBackend(
+        model_runner, init_new_workspace=getattr(model_runner, "init_new_workspace", False))
 
 
 def create_pariskv_torch_native(model_runner):
