@@ -61,6 +61,7 @@ class Claim:
     note: str | None = None
     same_run: bool | None = None  # overrides what the raw file says (a claim joining two files)
     void: str | None = None  # why the raw file's numbers must not be quoted (kept as a record)
+    superseded: bool = False  # measured before a fix of what it measures: quoted, flagged
     reruns: tuple[str, ...] = ()  # files re-measuring this row, first preferred (``_source``)
     center: Callable[[list[float]], float] = statistics.median  # of each side's samples
     # (baseline samples, ours, a note[, the baseline variant it chose])
@@ -167,8 +168,10 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
     ours = report["comparison"]["nonspan_vs_vanilla"]
     base = control["comparison"]["vanilla_triton_vs_vanilla"]
     gaps = [d["ref_top2_gap"] for d in ours["diverged"] if d["ref_top2_gap"] is not None]
-    ties = (f"every divergence is at a bf16 near-tie (vanilla's top-2 logprob gap <= "
-            f"{max(gaps):.3g})" if gaps else "no divergence")
+    ties = ("no divergence" if not ours["diverged"] else
+            f"every divergence is at a bf16 near-tie (vanilla's top-2 logprob gap <= "
+            f"{max(gaps):.3g})" if len(gaps) == len(ours["diverged"]) else
+            f"{len(ours['diverged'])} divergences, not all with a known gap")
     return (per_prompt(base), per_prompt(ours),
             f"means are the share of prompts with identical tokens; {ties}; baseline: "
             f"vanilla-triton against vanilla-FlashInfer, from a second call on the same machine")
@@ -411,13 +414,13 @@ CLAIMS: list[Claim] = [
             path=f"SmolLM2-135M-Instruct, bf16, needle tasks at ~{length.upper()} tokens, "
             "ParisKV from 1024 tokens: sparse vs dense",
             note="% of the cases solved (each case a sample of 0 or 100); baseline: vanilla "
-            "SGLang dense on FlashInfer; " + PRE_RECALL_FIX)
+            "SGLang dense on FlashInfer; " + PRE_RECALL_FIX, superseded=True)
       for length in ("2k", "4k", "8k")],
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
             path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "
             "prompts, the server's selector (Triton kernels on the GPU)",
-            note=PRE_RECALL_FIX, extract=_selection_recall(length))
+            note=PRE_RECALL_FIX, superseded=True, extract=_selection_recall(length))
       for length in ("2k", "4k", "8k")],
     *[Claim(f"sparse.selector_recall_{length}", SELECTOR_RECALL, f"recall_{length}",
             baseline_variant="torch-reference", ours_variant="kernels", higher_is_better=True,
@@ -451,7 +454,8 @@ def _row(c: Claim) -> dict:
            "ours_variant": c.ours_variant, "baseline": None, "ours": None, "ratio": None,
            "spread": None, "target": c.target, "target_kind": c.target_kind, "samples": 0,
            "same_run": False,
-           "meets_target": None, "path": c.path, "note": c.note}
+           "meets_target": None, "path": c.path, "note": c.note,
+           "superseded": c.superseded}
     raw = RESULTS / c.raw_file
     if not raw.exists():
         row["note"] = f"not measured yet: {c.raw_file} is missing"
@@ -507,6 +511,8 @@ def problems(row: dict) -> list[str]:
         out.append(f"{row['samples']} sample(s) per side")
     if not row["same_run"]:
         out.append("not one run")
+    if row.get("superseded"):
+        out.append("measured before a fix")
     return out
 
 

@@ -12,8 +12,9 @@ default model, converted once from its GGUF (``sglang_pic.default_model``), in b
   (``sglang_pic.spans.reference``) on the GPU in float32.
 
 Reported per comparison: prompts whose tokens are identical, and for each divergence its position
-and the top-2 logprob gap at that step on the reference side (a gap of a few hundredths is a bf16
-near-tie, not a bug).
+and the top-2 logprob gap at that step on each side that returns logprobs (``ref_top2_gap``: vanilla
+for non-span prompts, None for the HF reference; ``ours_top2_gap``): a gap of 0 or one bf16 step
+is a tie, not a bug.
 
     python3 benchmark/quality/real_weights.py --out DIR [--prompts 24] [--new-tokens 64]
     python3 benchmark/quality/real_weights.py --smoke     # CPU: 4 prompts, torch_native

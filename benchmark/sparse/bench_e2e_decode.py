@@ -1,9 +1,10 @@
 """End-to-end decode (TPOT) of SGLang with ParisKV sparse decoding vs vanilla SGLang, same run.
 
-Two engines one after the other, each in its own process (``harness.run_side_by_side``):
-``vanilla`` (SGLang 0.5.17, triton attention) and ``sglang-pic`` (``pariskv_triton``: SGLang's
-triton backend for prefill and short requests, ParisKV for the decode of requests over
-``--threshold`` tokens). Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on (SGLang's
+Engines one after the other, each in its own process (``harness.run_side_by_side``):
+``vanilla`` (SGLang 0.5.17 on FlashInfer, the baseline; ``vanilla-triton`` on its triton
+backend), ``sglang-pic`` (``pariskv_triton``: SGLang's triton backend for prefill and short
+requests, ParisKV for the decode of requests over ``--threshold`` tokens) and
+``sglang-pic-flashinfer`` (``pariskv_flashinfer``: the same on SGLang's FlashInfer backend). Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on (SGLang's
 default; the sparse part is captured in them).
 
 Per case (batch ``b`` prompts of ``n`` random tokens): the prompts are prefilled once (so the

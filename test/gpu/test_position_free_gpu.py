@@ -88,10 +88,11 @@ def prompts(model_dir):
     return build_prompts(AutoTokenizer.from_pretrained(model_dir), 8)
 
 
-TIE = 1 / 16
+TIE = 1 / 8 + 1e-3
 """A top-2 logprob gap this small is a bf16 tie: the logits are bf16, whose spacing is 1/16
-between 16 and 32 (where SmolLM2's top logits sit), so the two tokens' logits are equal or one
-step apart and any change of summation order may flip the greedy pick. The H200 runs of
+between 8 and 16 and 1/8 between 16 and 32 (where SmolLM2's top logits sit), so the two best
+tokens' logits are equal or one step apart and a change of summation order may flip the greedy
+pick (the margin covers the float32 rounding of the log-softmax). The H200 runs of
 ``quality/real_weights.py`` diverged from the float32 reference only where this server's own
 gap was 0 (benchmark/results/real_weights_h200.json)."""
 
@@ -114,26 +115,30 @@ def _logprobs(out: dict) -> list[float]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
 
 
-def _top2_gap(out: dict, step: int) -> float:
-    top = sorted((t[0] for t in out["meta_info"]["output_top_logprobs"][step]), reverse=True)
-    return top[0] - top[1]
+def _tied(out: dict, step: int) -> set[int]:
+    """The tokens within ``TIE`` of the best at ``step`` (of the top 2 the server returned)."""
+    top = sorted(((t[0], t[1]) for t in out["meta_info"]["output_top_logprobs"][step]),
+                 reverse=True)
+    return {tok for lp, tok in top if top[0][0] - lp <= TIE}
 
 
 def _assert_same_up_to_ties(outs: list[dict], want: list[list[int]], *others: list[dict]):
     """``outs``' tokens equal ``want`` per prompt, except that a prompt may part from it at a
-    step where ``outs`` (and each server output in ``others``, if given) had a bf16 tie: the
-    greedy pick there is the summation order's, not the attention's. A divergence at a step
-    with a clear winner fails, with its position and gaps."""
+    step where ``outs`` (and each server output in ``others``, if given) had the two tokens in
+    a bf16 tie: the greedy pick there is the summation order's, not the attention's. A
+    divergence to a token outside the tie, or at a step with a clear winner, fails with its
+    position and the tied tokens. (Past the first divergence the sequences are not compared:
+    each continues from another token.)"""
     bad = []
     for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
         got = _tokens(out)
         step = next((k for k, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
         if step is None:
             continue
-        gaps = [_top2_gap(o[i], step) for o in (outs, *others)]
-        if max(gaps) > TIE:
+        ties = [_tied(o[i], step) for o in (outs, *others)]
+        if not all({got[step], ref[step]} <= t for t in ties):
             bad.append({"prompt": i, "step": step, "ours": got[step], "want": ref[step],
-                        "top2_gaps": gaps})
+                        "tied": [sorted(t) for t in ties]})
     assert not bad, bad
 
 

@@ -123,13 +123,14 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         qt = sel.qt[0].cpu().view(hk, g, 4, d // 4).transpose(2, 3).flatten(-2)  # coord order
         exact = (signs.float() - 0.5) @ qt.sum(1)[..., None]  # [hk, n, 1]
         zero, step, floor, per_vote = sel.params[0].cpu().T
-        # the histogram spans [mean - 3 sd, mean + 6 sd] of the votes, from the bit counts alone
+        # the histogram spans [mean - 3 sd, the highest possible vote], from the bit counts
         qs = qt.sum(1)  # [hk, D] the group's summed query
         p = signs.float().mean(1)  # [hk, D] share of keys with each bit set
         mean = (p * qs).sum(-1) - qs.sum(-1) / 2
         sd = (p * (1 - p) * qs * qs).sum(-1).sqrt()
         assert torch.allclose(floor, qs.sum(-1) / 2 + mean - 3 * sd, atol=1e-4)
-        assert torch.allclose(per_vote, sel.nbins / (9 * sd), rtol=1e-4)
+        top = qs.abs().sum(-1) / 2
+        assert torch.allclose(per_vote, sel.nbins / (top - (mean - 3 * sd)), rtol=1e-4)
         assert torch.allclose(exact[..., 0].mean(1), mean, atol=1e-4)  # the mean is exact
         above = exact[..., 0] - (floor - qs.sum(-1) / 2)[:, None]  # vote above bin 0's floor
         # quantised votes: each set bit's coordinate is off by at most half a step
@@ -176,6 +177,33 @@ def test_pruning_keeps_the_best_votes_of_keys_sharing_a_direction():
         best = set(votes.topk(c).indices.tolist())
         got = set(sel.cand[0, h].cpu().tolist())
         assert len(best & got) >= 0.9 * c  # only the threshold bin's order is arbitrary
+
+
+def test_pruning_keeps_a_favoured_cluster_whose_votes_exceed_the_estimated_spread():
+    """Clustered keys spread their votes wider than the bit counts suggest: a small cluster the
+    query favours votes far above the mean. The histogram reaches up to the highest possible
+    vote, so those keys are not lumped into one top bin (where the budget would keep the first
+    ``C`` by position): pruning keeps the cluster's best."""
+    torch.manual_seed(8)
+    hq, hk, d, n, c = 4, 2, 64, 1500, 60
+    a, b = torch.randn(d, device=DEVICE), torch.randn(d, device=DEVICE)
+    keys = torch.randn(n, hk, d, device=DEVICE) + 2.0 * a
+    small = torch.randperm(n)[:150]  # 10 %: the cluster the query is aimed at
+    keys[small] += 2.0 * (b - a)
+    q = (torch.randn(1, hq, d, device=DEVICE) * 0.3 + b).to(torch.float16)
+    keys = keys.to(torch.float16)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    sel = Selector(1, hq, hk, d, n, c=c, k=16, device=DEVICE, block_n=128, sample_stride=1)
+    sel(q, rt, levels, cent[None], codes[None], w[None],
+        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
+    g = hq // hk
+    for h in range(hk):
+        index = KeyIndex(keys[:, h].float().cpu()[None], ParisConfig(vote="similarity"))
+        qh = q[0, h * g:(h + 1) * g].float().cpu()
+        votes = index.coarse_votes((qh / qh.norm(dim=-1, keepdim=True)).sum(0, keepdim=True))[0]
+        best = set(votes.topk(c).indices.tolist())
+        got = set(sel.cand[0, h].cpu().tolist())
+        assert len(best & got) >= 0.9 * c
 
 
 def _exact_and_sampled(similarity: bool, n: int, c: int, n_ret: list[int], stride: int = 4):
