@@ -154,6 +154,26 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         assert len(above) < c <= len(above) + len(at)
 
 
+def _kept_and_best_votes(keys: torch.Tensor, q: torch.Tensor, c: int):
+    """Exact pruning (budget ``c``) of ``keys`` ``[n, hk, D]`` for ``q`` ``[1, hq, D]``: per KV
+    head, the candidate set, the reference's top-``c`` by similarity vote, and its votes."""
+    n, hk, d = keys.shape
+    hq = q.shape[1]
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    sel = Selector(1, hq, hk, d, n, c=c, k=16, device=DEVICE, block_n=128, sample_stride=1)
+    sel(q, rt, levels, cent[None], codes[None], w[None],
+        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
+    g = hq // hk
+    out = []
+    for h in range(hk):
+        index = KeyIndex(keys[:, h].float().cpu()[None], ParisConfig(vote="similarity"))
+        qh = q[0, h * g:(h + 1) * g].float().cpu()
+        votes = index.coarse_votes((qh / qh.norm(dim=-1, keepdim=True)).sum(0, keepdim=True))[0]
+        out.append((set(sel.cand[0, h].cpu().tolist()), set(votes.topk(c).indices.tolist()),
+                    votes))
+    return out
+
+
 def test_pruning_keeps_the_best_votes_of_keys_sharing_a_direction():
     """Real keys share a direction, so a query's votes sit far from 0 (SmolLM2: every vote of
     most heads below 0). The histogram is placed on the region's votes, so pruning still keeps
@@ -164,18 +184,8 @@ def test_pruning_keeps_the_best_votes_of_keys_sharing_a_direction():
     mu = mu / mu.norm() * d**0.5
     keys = (torch.randn(n, hk, d, device=DEVICE) + 2.5 * mu).to(torch.float16)
     q = (torch.randn(1, hq, d, device=DEVICE) - 2.0 * mu).to(torch.float16)
-    rt, levels, cent, codes, w, counts = _encoded(keys)
-    sel = Selector(1, hq, hk, d, n, c=c, k=16, device=DEVICE, block_n=128, sample_stride=1)
-    sel(q, rt, levels, cent[None], codes[None], w[None],
-        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
-    g = hq // hk
-    for h in range(hk):
-        index = KeyIndex(keys[:, h].float().cpu()[None], ParisConfig(vote="similarity"))
-        qh = q[0, h * g:(h + 1) * g].float().cpu()
-        votes = index.coarse_votes((qh / qh.norm(dim=-1, keepdim=True)).sum(0, keepdim=True))[0]
+    for got, best, votes in _kept_and_best_votes(keys, q, c):
         assert (votes < 0).all()  # the case that broke a histogram over [0, max vote]
-        best = set(votes.topk(c).indices.tolist())
-        got = set(sel.cand[0, h].cpu().tolist())
         assert len(best & got) >= 0.9 * c  # only the threshold bin's order is arbitrary
 
 
@@ -191,18 +201,7 @@ def test_pruning_keeps_a_favoured_cluster_whose_votes_exceed_the_estimated_sprea
     small = torch.randperm(n)[:150]  # 10 %: the cluster the query is aimed at
     keys[small] += 2.0 * (b - a)
     q = (torch.randn(1, hq, d, device=DEVICE) * 0.3 + b).to(torch.float16)
-    keys = keys.to(torch.float16)
-    rt, levels, cent, codes, w, counts = _encoded(keys)
-    sel = Selector(1, hq, hk, d, n, c=c, k=16, device=DEVICE, block_n=128, sample_stride=1)
-    sel(q, rt, levels, cent[None], codes[None], w[None],
-        torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
-    g = hq // hk
-    for h in range(hk):
-        index = KeyIndex(keys[:, h].float().cpu()[None], ParisConfig(vote="similarity"))
-        qh = q[0, h * g:(h + 1) * g].float().cpu()
-        votes = index.coarse_votes((qh / qh.norm(dim=-1, keepdim=True)).sum(0, keepdim=True))[0]
-        best = set(votes.topk(c).indices.tolist())
-        got = set(sel.cand[0, h].cpu().tolist())
+    for got, best, _ in _kept_and_best_votes(keys.to(torch.float16), q, c):
         assert len(best & got) >= 0.9 * c
 
 
