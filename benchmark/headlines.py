@@ -168,10 +168,13 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
     ours = report["comparison"]["nonspan_vs_vanilla"]
     base = control["comparison"]["vanilla_triton_vs_vanilla"]
     gaps = [d["ref_top2_gap"] for d in ours["diverged"] if d["ref_top2_gap"] is not None]
-    ties = ("no divergence" if not ours["diverged"] else
-            f"every divergence is at a bf16 near-tie (vanilla's top-2 logprob gap <= "
-            f"{max(gaps):.3g})" if len(gaps) == len(ours["diverged"]) else
-            f"{len(ours['diverged'])} divergences, not all with a known gap")
+    if not ours["diverged"]:
+        ties = "no divergence"
+    elif len(gaps) == len(ours["diverged"]):
+        ties = (f"every divergence is at a bf16 near-tie (vanilla's top-2 logprob gap <= "
+                f"{max(gaps):.3g})")
+    else:
+        ties = f"{len(ours['diverged'])} divergences, not all with a known gap"
     return (per_prompt(base), per_prompt(ours),
             f"means are the share of prompts with identical tokens; {ties}; baseline: "
             f"vanilla-triton against vanilla-FlashInfer, from a second call on the same machine")
@@ -185,12 +188,15 @@ def _span_reference_agreement(report: dict) -> tuple[list[float], list[float], s
     bad = {d["prompt"] for d in c["diverged"]}
     gaps = [d.get("ours_top2_gap") for d in c["diverged"]]
     steps = sorted(d["step"] for d in c["diverged"])
-    known = [g for g in gaps if g is not None]
-    where = (f"first divergences at steps {steps[0]}-{steps[-1]} of "
-             f"{report['params']['new_tokens']}; our top-2 logprob gap there <= "
-             f"{max(known):.3g} (0: an exact bf16 tie the float32 reference breaks the other "
-             f"way)" if known and len(known) == len(gaps) else "no divergence" if not gaps
-             else f"first divergences at steps {steps}")
+    if not gaps:
+        where = "no divergence"
+    elif None in gaps:
+        where = f"first divergences at steps {steps}"
+    else:
+        where = (f"first divergences at steps {steps[0]}-{steps[-1]} of "
+                 f"{report['params']['new_tokens']}; our top-2 logprob gap there <= "
+                 f"{max(gaps):.3g} (0: an exact bf16 tie the float32 reference breaks the "
+                 f"other way)")
     return [], [0.0 if i in bad else 1.0 for i in range(c["prompts"])], where
 
 

@@ -4,8 +4,9 @@ Engines one after the other, each in its own process (``harness.run_side_by_side
 ``vanilla`` (SGLang 0.5.17 on FlashInfer, the baseline; ``vanilla-triton`` on its triton
 backend), ``sglang-pic`` (``pariskv_triton``: SGLang's triton backend for prefill and short
 requests, ParisKV for the decode of requests over ``--threshold`` tokens) and
-``sglang-pic-flashinfer`` (``pariskv_flashinfer``: the same on SGLang's FlashInfer backend). Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on (SGLang's
-default; the sparse part is captured in them).
+``sglang-pic-flashinfer`` (``pariskv_flashinfer``: the same on SGLang's FlashInfer backend).
+Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on (SGLang's default; the sparse part
+is captured in them).
 
 Per case (batch ``b`` prompts of ``n`` random tokens): the prompts are prefilled once (so the
 radix cache holds them), then generated again with 17 and with 145 new tokens (``ignore_eos``);

@@ -25,22 +25,23 @@ per key of head dim 128 instead of 128 multiply-adds (error below ``step / 2`` p
 Tiered votes (the paper's) look up each subspace's centroid in the query's tier table.
 
 Pruning keeps the ``need = min(C, n_ret)`` best keys by vote without sorting: votes are binned
-(tiered votes are small integers, their bin is the vote; similarity votes are binned over
-``[mean - 3 sd, sum|qs|/2]``: from 3 sd below the region's mean vote to the highest vote a key can
-have, both known before any key is read. The mean is ``sum_i p_i qs_i - sum(qs)/2`` with ``p_i``
-the share of keys whose coordinate ``i`` is positive (``bit_counts``, kept by the encoder), and
-``sd^2 ~ sum_i p_i (1 - p_i) qs_i^2`` as if the bits were independent (within 0.8-1.5x of the
-true spread on SmolLM2's keys; clustered keys can spread wider, so the top edge is the bound,
-not a multiple of ``sd``: a bin was 0.02-0.08 of the votes' spread on SmolLM2's heads at 2K
-tokens, median 0.06). Real keys share a
-direction, so their votes sit far from 0: on SmolLM2 at 2K tokens every vote of most heads was
-negative, and a histogram over ``[0, max vote]`` put all keys in bin 0 and kept the first ``C``
-by position - recall@100 0.47 where the torch reference's 0.79), a per-program histogram in
-registers is added up with atomics, one program per head finds the threshold bin from the
-cumulative histogram, and a compaction pass writes every key above it and the first keys at it
-(atomic counters; which keys *at* the threshold bin are kept is unspecified). Fewer bins make
-the in-register histogram cheaper (Triton's warp histogram costs ~``nbins / 32`` operations per
-key) at the price of a wider threshold bin.
+(tiered votes are small integers, their bin is the vote; similarity votes as below), a
+per-program histogram in registers is added up with atomics, one program per head finds the
+threshold bin from the cumulative histogram, and a compaction pass writes every key above it
+and the first keys at it (atomic counters; which keys *at* the threshold bin are kept is
+unspecified). Fewer bins make the in-register histogram cheaper (Triton's warp histogram costs
+~``nbins / 32`` operations per key) at the price of a wider threshold bin.
+
+Similarity votes are binned over ``[mean - 3 sd, sum|qs|/2]``: from 3 sd below the region's mean
+vote to the highest vote a key can have, both known before any key is read. The mean is
+``sum_i p_i qs_i - sum(qs)/2`` with ``p_i`` the share of keys whose coordinate ``i`` is positive
+(``bit_counts``, kept by the encoder), and ``sd^2 ~ sum_i p_i (1 - p_i) qs_i^2`` as if the bits
+were independent (within 0.8-1.5x of the true spread on SmolLM2's keys; clustered keys can spread
+wider, so the top edge is the bound, not a multiple of ``sd``: a bin was 0.02-0.08 of the votes'
+spread on SmolLM2's heads at 2K tokens, median 0.06). Real keys share a direction, so their votes
+sit far from 0: on SmolLM2 at 2K tokens every vote of most heads was negative, and a histogram
+over ``[0, max vote]`` put all keys in bin 0 and kept the first ``C`` by position (recall@100
+0.47 where the torch reference's was 0.79).
 """
 
 from __future__ import annotations
@@ -131,20 +132,20 @@ def _plane_kernel(Qt, Planes, Params, Counts, NRet, G: tl.constexpr, D: tl.const
         plane = tl.sum(((level >> p) & 1) << bit, axis=1).to(tl.int32)
         tl.store(Planes + (r * P + p) * (D // 32) + words, plane)
     half = 0.5 * tl.sum(qs, axis=0)
+    max_vote = 0.5 * tl.sum(tl.abs(qs), axis=0)  # the highest vote any key can have
     # clamped: counts of a longer region than n_ret (a slot being refilled) stay a share
     p = tl.minimum(tl.load(Counts + r * D + i).to(tl.float32)
                    / tl.maximum(tl.load(NRet + b), 1).to(tl.float32), 1.0)
     mean = tl.sum(p * qs, axis=0) - half
     # floor: a region of identical sign patterns has sd 0 (every vote equal: any scale works)
-    sd = tl.maximum(tl.sqrt(tl.sum(p * (1.0 - p) * qs * qs, axis=0)),
-                    1e-6 * tl.sum(tl.abs(qs), axis=0) + 1e-30)
+    sd = tl.maximum(tl.sqrt(tl.sum(p * (1.0 - p) * qs * qs, axis=0)), 2e-6 * max_vote + 1e-30)
     tl.store(Params + r * 4, lo)
     tl.store(Params + r * 4 + 1, step)
     floor = mean - FLOOR_SD * sd
     tl.store(Params + r * 4 + 2, half + floor)  # the vote at bin 0's floor
-    # the top edge is the highest vote any key can have: nothing clamps at the top, even when
-    # a cluster of keys the query favours votes far above the spread the counts suggest
-    tl.store(Params + r * 4 + 3, NB / (0.5 * tl.sum(tl.abs(qs), axis=0) - floor))
+    # the top edge is max_vote: nothing clamps at the top, even when a cluster of keys the
+    # query favours votes far above the spread the counts suggest
+    tl.store(Params + r * 4 + 3, NB / (max_vote - floor))
 
 
 @triton.jit
