@@ -160,6 +160,24 @@ def pytest_runtest_teardown(item, nextitem):
             stop_server(srv)
 
 
+HANDOFF_PREFIX = "SGLANG_PIC_"
+"""Our hand-off variables (``server_flags``) and the launcher's own (span store, store token)."""
+
+
+@pytest.fixture(autouse=True)
+def _handoff_variables_restored():
+    """Undo what a test's in-process ``build_argv`` wrote into ``os.environ``: the launcher sets
+    a variable per flag given, and a later test's server (a child of this worker) would inherit
+    it as if configured that way (``--sparse-threshold 700`` left behind made a
+    ``--sparse-max-context 4096`` server valid, and it started instead of being refused)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(HANDOFF_PREFIX)}
+    yield
+    for key in [k for k in os.environ if k.startswith(HANDOFF_PREFIX)]:
+        if key not in before:
+            del os.environ[key]
+    os.environ.update(before)
+
+
 def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:
     """Skip (with the numbers) unless SGLang's HiCache can allocate a ``gb`` host tier here.
 
