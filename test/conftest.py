@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from server_zygote import ZygoteClient
 from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
@@ -230,14 +231,14 @@ SERVE = ("-m", "sglang_pic", "serve")
 
 def start_server(args: list[str], log: Path, attempts: int = 3,
                  timeout_s: float = START_TIMEOUT_S, launcher: tuple[str, ...] = SERVE,
-                 env: dict[str, str] | None = None) -> Server:
+                 env: dict[str, str] | None = None, forked: bool = True) -> Server:
     """Start `sglang-pic serve` (or another ``launcher``: ``python <launcher> --port P
     <args>``, in ``env``, default this process's) on a free port and wait until /health
     answers; retried on a new port when another process took the chosen one in between
-    (free_port cannot reserve it)."""
+    (free_port cannot reserve it). ``forked``: see ``_launch``."""
     for attempt in range(attempts):
         try:
-            return _start_server_once(args, log, timeout_s, launcher, env)
+            return _start_server_once(args, log, timeout_s, launcher, env, forked)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
@@ -287,25 +288,34 @@ def start_slot() -> Iterator[None]:
 
 def _start_server_once(args: list[str], log: Path, timeout_s: float,
                        launcher: tuple[str, ...] = SERVE,
-                       env: dict[str, str] | None = None) -> Server:
+                       env: dict[str, str] | None = None, forked: bool = True) -> Server:
     with start_slot():
-        return _launch(args, log, timeout_s, launcher, env)
+        return _launch(args, log, timeout_s, launcher, env, forked)
 
 
 def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, ...] = SERVE,
-            env: dict[str, str] | None = None) -> Server:
+            env: dict[str, str] | None = None, forked: bool = True) -> Server:
     """Start ``launcher`` (`sglang-pic serve`) on a free port and wait until /health answers.
+
+    On a CPU machine a `sglang-pic serve` server in this process's environment is forked from
+    the worker's zygote (``server_zygote``: SGLang imported once, not once per server) unless
+    ``forked`` is False: the server process `sglang-pic serve` would start, without the launcher
+    that forwards its signals.
 
     Test servers run torch with one thread: the suite keeps two or three servers up at once on a
     2-core machine, and SGLang's CPU scheduler polls a core while idle, so multi-threaded torch
     ops would fight them for cores (measured: ~15 s per short request instead of ~1 s).
     """
     port = free_port()
-    cmd = [sys.executable, *launcher, "--port", str(port), *args]
-    out = open(log, "w")
+    argv = ["--port", str(port), *args]
+    forked = forked and launcher == SERVE and env is None and not has_cuda()
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS=TEST_THREADS)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
+    if forked:
+        proc = _zygote().start(argv, env, log)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, *launcher, *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -324,6 +334,18 @@ def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, .
         time.sleep(HEALTH_POLL_S)
     stop_server(server)
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log:\n{log.read_text()[-4000:]}")
+
+
+_zygote_client: ZygoteClient | None = None
+
+
+def _zygote() -> ZygoteClient:
+    """This worker's server zygote (started with the first forked server)."""
+    global _zygote_client
+    if _zygote_client is None:
+        log = Path(tempfile.gettempdir()) / f"sglang-pic-test-zygote-{os.getpid()}.log"
+        _zygote_client = ZygoteClient(dict(os.environ, OMP_NUM_THREADS=TEST_THREADS), log)
+    return _zygote_client
 
 
 STOP_WAIT_S = 30

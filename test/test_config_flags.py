@@ -239,7 +239,8 @@ def test_sglangs_own_launcher_takes_our_flags(model_dir):
 @pytest.fixture(scope="module")
 def cfg_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("cfg") / "server.log"
-    srv = start_server(["--max-total-tokens", "4096"], log)
+    # the launcher itself (not a forked server process): the SIGTERM test stops it
+    srv = start_server(["--max-total-tokens", "4096"], log, forked=False)
     yield srv
     stop_server(srv)
 
