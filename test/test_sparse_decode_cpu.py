@@ -20,7 +20,7 @@ from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
                 "128", "--sparse-update", "16", "--sparse-topk", "64", "--max-total-tokens",
-                "16384", "--enable-metrics"]
+                "16384", "--enable-metrics"]  # the offloading server replaces the last three
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back. "
 SP = {"max_new_tokens": 20, "temperature": 0}  # the window slides after 16 (CPU steps ~1 s)
 
@@ -36,11 +36,13 @@ def sparse_servers(tmp_path_factory):
     """The sparse server and the offloading one, started together."""
     logs = tmp_path_factory.mktemp("sparse")
     # the offloading server's host region holds 4096 tokens per request, below SmolLM2's 8192:
-    # longer requests are 400s
+    # longer requests are 400s; its pool (2048 tokens, 256-token chunks) is smaller than the
+    # longest prompt it serves
     servers = start_servers({
         "sparse": (SPARSE_FLAGS, logs / "server.log"),
-        "offload": ([*SPARSE_FLAGS, "--sparse-offload", "--sparse-max-context", "4096"],
-                    logs / "offload.log"),
+        "offload": ([*SPARSE_FLAGS[:-3], "--max-total-tokens", "2048", "--enable-metrics",
+                     "--sparse-offload", "--sparse-max-context", "4096",
+                     "--chunked-prefill-size", "256"], logs / "offload.log"),
     })
     yield servers
     for srv in servers.values():
@@ -109,7 +111,9 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
     assert [o["text"] for o in offloaded] == [dense(LONG[1])["text"], dense(SHORT)["text"]]
     assert str(KEYS[1]) in offloaded[0]["text"]
     log = offload_server.log.read_text()
-    assert "offloaded to" in log and log.count("decodes sparsely") == 1
+    # the long one takes its slot in its prefill (256-token chunks, past the threshold)
+    assert "offloaded to" in log and log.count("offloads its prefill after") == 1
+    assert log.count("decodes sparsely") == 0
     assert "memory leak" not in log and "double free" not in log and "use-after-free" not in log
     metrics = requests.get(f"{offload_server.url}/metrics", timeout=30).text
     values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
@@ -117,6 +121,21 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
     assert values["sglang_pic:sparse_offloaded_tokens_total"] > 1100 - 144 + 16
     assert values["sglang_pic:sparse_offloaded_tokens_total"] \
         == values["sglang_pic:sparse_encoded_tokens_total"]
+
+
+def test_a_prompt_longer_than_the_pool_prefills_with_its_chunks_in_host_memory(offload_server,
+                                                                              dense):
+    """Issue 27 item 4 at CPU scale: a 2.3K-token prompt on a 2048-token pool. Past the
+    threshold each chunk first moves the finished positions to host memory and attends them
+    from there (exactly), so SGLang admits a prompt its pool cannot hold, and the answer is
+    the plain server's."""
+    text = needle(100, 50, KEYS[0])
+    got = _generate(offload_server, text)
+    assert got["meta_info"]["prompt_tokens"] > 2048
+    assert got["text"] == dense(text)["text"]
+    assert str(KEYS[0]) in got["text"]
+    log = offload_server.log.read_text()
+    assert "offloads its prefill after" in log
 
 
 def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(offload_server):

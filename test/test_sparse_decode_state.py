@@ -596,3 +596,89 @@ def test_the_sparse_dense_view_shrinks_the_sum_the_kernel_sizes_buffers_by():
     with mixin._dense_view(fb, torch.tensor([5, 1])):
         assert fb.seq_lens_cpu.tolist() == [5, 1] and fb.seq_lens_sum == 6
     assert fb.seq_lens_cpu.tolist() == [5, 900] and fb.seq_lens_sum == 905
+
+
+def _causal_reference(pool: FakePool, layer: int, q: torch.Tensor, pool_index: int,
+                      start: int, end: int) -> torch.Tensor:
+    """Dense causal attention of positions ``start..end-1``'s queries ``q`` over the request's
+    keys in the pool (as SGLang's extend computes it)."""
+    out = []
+    for i in range(end - start):
+        out.append(pool.dense(layer, q[i], pool_index, start + i + 1))
+    return torch.stack(out)
+
+
+def test_a_chunked_prefill_offloads_its_prefix_and_attends_exactly():
+    """``--sparse-offload`` prefill: once the computed prefix is past the threshold, each chunk
+    first moves the finished positions (but the last ``local``) to host memory and frees their
+    pool slots; the chunk's attention over sink + host region + resident tail + itself equals
+    dense causal attention over the whole prefix, with another request in the batch; the dense
+    kernel is shown no prefix for that row; the first decode step continues from the region."""
+    pools = [FakePool(2) for _ in range(2)]  # the same KV: one stays whole as the reference
+    original = pools[0].req_to_token.clone()
+    state = make_state(pools[1], TorchIndexOps, topk=988, candidates=988, max_context=MAX_CTX)
+    alloc = offloaded(state, pools[1])
+    prompt, chunk, scale = 600, 96, 1 / math.sqrt(D)
+    g = torch.Generator().manual_seed(1)
+    for start in range(0, prompt, chunk):
+        e = min(chunk, prompt - start)
+        rows = [(0, start, e)] + ([(1, 0, 20)] if start == 384 else [])  # a short one alongside
+        state.note_extend([p for p, _, _ in rows], [f"r{p}" for p, _, _ in rows],
+                          [s for _, s, _ in rows], [n for _, _, n in rows])
+        offloading = start > 200
+        assert [r[:4] for r in state.prefill_rows] == ([(0, 0, start, e)] if offloading else [])
+        if not offloading:
+            continue
+        slot = state.slots[0]
+        assert slot.n_ret == start - 4 - 32 and slot.seq_len == start + e
+        view = state.extend_view([s for _, s, _ in rows], [s + n for _, s, n in rows])
+        assert view[0][0] == 0 and view[1][0] == e and view[0][1:] == [s for _, s, _ in rows[1:]]
+        tokens = sum(n for _, _, n in rows)
+        q = torch.randn(tokens, HQ, D, generator=g)
+        for layer in range(LAYERS):
+            new = original[0, start:start + e].long()  # the chunk's keys, as SGLang wrote them
+            k = torch.zeros(tokens, HKV, D)
+            v = torch.zeros(tokens, HKV, D)
+            k[:e], v[:e] = pools[0].k[layer][new], pools[0].v[layer][new]
+            o = torch.full((tokens, HQ, D), 7.0)
+            state.attend_prefill(layer, q, k, v, o, scale)
+            torch.testing.assert_close(o[:e], _causal_reference(pools[0], layer, q[:e], 0,
+                                                                start, start + e),
+                                       atol=2e-5, rtol=1e-4)
+            assert torch.equal(o[e:], torch.full((tokens - e, HQ, D), 7.0))  # not its row
+    n_ret = state.slots[0].n_ret
+    assert n_ret == 576 - 36
+    assert sorted(alloc.freed) == sorted(original[0, 4:4 + n_ret].tolist())
+    assert (pools[1].req_to_token[0, 4:4 + n_ret] == 0).all()
+    # the first decode step: the region as prefilled, the last chunk's excess slides in
+    assert step(state, [0], [prompt + 1]).tolist() == [1]
+    assert state.slots[0].n_ret == n_ret + 16  # a window of 57 > 32 + 16: one step of 16
+    q = torch.randn(1, HQ, D, generator=g)
+    for layer in range(LAYERS):
+        o = torch.zeros(1, HQ, D)
+        state.attend(layer, q, o, scale)
+        torch.testing.assert_close(o[0], pools[0].dense(layer, q[0], 0, prompt + 1),
+                                   atol=2e-5, rtol=1e-4)
+
+
+def test_the_extend_view_shows_no_prefix_for_offloaded_rows_and_restores_the_batch():
+    """What the GPU backends' metadata init sees of an extend batch whose row 1 attends an
+    offloaded prefix: prefix 0 and the chunk's own length for that row, the rest as it was."""
+    from sglang_pic.sparse.backends import _SparseDecodeMixin
+
+    mixin = object.__new__(_SparseDecodeMixin)
+    mixin.sparse = make_state(FakePool(2), TorchIndexOps)
+    mixin.sparse.prefill_rows = [(1, 0, 900, 64, 5)]
+    fb = SimpleNamespace(
+        forward_mode=SimpleNamespace(is_extend=lambda: True),
+        extend_prefix_lens=torch.tensor([0, 900]), extend_prefix_lens_cpu=[0, 900],
+        seq_lens=torch.tensor([5, 964]), seq_lens_cpu=torch.tensor([5, 964]), seq_lens_sum=969)
+    with mixin._extend_view(fb):
+        assert fb.extend_prefix_lens.tolist() == [0, 0] and fb.extend_prefix_lens_cpu == [0, 0]
+        assert fb.seq_lens.tolist() == fb.seq_lens_cpu.tolist() == [5, 64]
+        assert fb.seq_lens_sum == 69
+    assert fb.extend_prefix_lens_cpu == [0, 900] and fb.seq_lens.tolist() == [5, 964]
+    assert fb.seq_lens_sum == 969
+    mixin.sparse.prefill_rows = []
+    with mixin._extend_view(fb):
+        assert fb.seq_lens_sum == 969

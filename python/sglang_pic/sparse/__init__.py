@@ -51,7 +51,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import admission, backends, graphs, offload
+    from . import admission, backends, graphs, offload, prefill_offload
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_flashinfer")(backends.create_pariskv_flashinfer)
@@ -64,4 +64,11 @@ def register() -> None:
                           HookType.BEFORE)
     if os.environ.get("SGLANG_PIC_SPARSE_OFFLOAD") == "1":
         HookRegistry.register(offload.SCHEDULER_HOOK, offload.around_get_new_batch_prefill,
+                              HookType.AROUND)
+        # long prompts prefilled with their finished chunks in host memory (prefill_offload)
+        HookRegistry.register(prefill_offload.WORKER_INFO_HOOK, prefill_offload.raise_input_limit,
+                              HookType.AFTER)
+        HookRegistry.register(prefill_offload.ADMISSION_HOOK,
+                              prefill_offload.admit_offloaded_prompt, HookType.AROUND)
+        HookRegistry.register(prefill_offload.NEW_TOKENS_HOOK, prefill_offload.clip_new_tokens,
                               HookType.AROUND)

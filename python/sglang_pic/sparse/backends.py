@@ -27,6 +27,7 @@ from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, Flash
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
+from . import prefill_offload
 from .config import (
     HOST_MEMORY_SHARE,
     SparseDecodeConfig,
@@ -120,6 +121,23 @@ def check_offload_settings(model_runner) -> None:
         _refuse("--sparse-offload before SGLang created its token allocator")
 
 
+def _as_list(values) -> list[int] | None:
+    """SGLang's per-request CPU lengths (a list or a CPU tensor) as a list."""
+    if values is None:
+        return None
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def _tensor_like(like: torch.Tensor | None, values: list[int]) -> torch.Tensor | None:
+    """``values`` as a tensor of ``like``'s dtype and device; entries past ``values`` (rows of a
+    padded batch) kept from ``like``."""
+    if like is None:
+        return None
+    if len(values) < like.numel():
+        values = values + like.tolist()[len(values):]
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
 def attention_layers(model_runner) -> list:
     from sglang.srt.layers.radix_attention import RadixAttention
 
@@ -195,6 +213,7 @@ def _offload(state: SparseDecodeState, model_runner, layers: int, kv_heads: int,
     release = PoolSlotRelease(model_runner.token_to_kv_pool_allocator,
                               model_runner.req_to_token_pool.req_to_token)
     state.enable_offload(host, release, kv_dtype)
+    prefill_offload.bind(state)
     logger.info("sparse decode: retrieval regions offloaded to %s host memory (%.1f GiB for %d "
                 "slots of %d tokens); their GPU pool slots are freed", "pinned" if pin else "",
                 need / 2**30, cfg.max_requests, capacity)
@@ -224,9 +243,41 @@ class _SparseDecodeMixin:
                                               rids=getattr(fb, "rids", None))
         if mode.is_extend():
             self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
-                                    getattr(fb, "extend_prefix_lens_cpu", None),
-                                    getattr(fb, "extend_seq_lens_cpu", None))
+                                    _as_list(getattr(fb, "extend_prefix_lens_cpu", None)),
+                                    _as_list(getattr(fb, "extend_seq_lens_cpu", None)))
         return None
+
+    @contextlib.contextmanager
+    def _extend_view(self, fb):
+        """``fb`` as the dense extend kernel should see it while SGLang's metadata init reads it:
+        no prefix for the rows whose prefix is partly in host memory (``attend_prefill``
+        computes them)."""
+        prefix = _as_list(getattr(fb, "extend_prefix_lens_cpu", None))
+        view = None
+        if prefix is not None and fb.forward_mode.is_extend():
+            lens = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None \
+                else fb.seq_lens
+            view = self.sparse.extend_view(prefix, lens.tolist())
+        if view is None:
+            yield
+            return
+        names = ("extend_prefix_lens", "extend_prefix_lens_cpu", "seq_lens", "seq_lens_cpu",
+                 "seq_lens_sum")
+        saved = {n: getattr(fb, n, None) for n in names}
+        new_prefix, new_lens = view
+        fb.extend_prefix_lens = _tensor_like(saved["extend_prefix_lens"], new_prefix)
+        fb.extend_prefix_lens_cpu = new_prefix if isinstance(saved["extend_prefix_lens_cpu"],
+                                                             list) \
+            else _tensor_like(saved["extend_prefix_lens_cpu"], new_prefix)
+        fb.seq_lens = _tensor_like(saved["seq_lens"], new_lens)
+        fb.seq_lens_cpu = _tensor_like(saved["seq_lens_cpu"], new_lens)
+        if saved["seq_lens_sum"] is not None:
+            fb.seq_lens_sum = sum(new_lens)
+        try:
+            yield
+        finally:
+            for n, value in saved.items():
+                setattr(fb, n, value)
 
     @contextlib.contextmanager
     def _dense_view(self, fb, dense_lens: torch.Tensor | None):
@@ -254,6 +305,16 @@ class _SparseDecodeMixin:
         """Whether the decode graph to capture or replay is the one with the sparse part."""
         return self.capture_sparse if self.capturing else self.sparse.active
 
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """SGLang's extend, then the rows of prompts with an offloaded prefix overwritten."""
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if self.sparse.prefill_rows:
+            hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+            self.sparse.attend_prefill(layer.layer_id, q.reshape(-1, hq, d),
+                                       k.reshape(-1, hkv, d), v.reshape(-1, hkv, d),
+                                       o.view(-1, hq, d), layer.scaling)
+        return o
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """SGLang's decode (the backend this mixes into), then the sparse rows overwritten."""
         o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -280,7 +341,7 @@ class _GpuSparseMixin(_SparseDecodeMixin):
 
     def init_forward_metadata(self, forward_batch):
         dense = self._note_batch(forward_batch)
-        with self._dense_view(forward_batch, dense):
+        with self._dense_view(forward_batch, dense), self._extend_view(forward_batch):
             super().init_forward_metadata(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
@@ -337,6 +398,20 @@ class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch):
         self._dense_lens = self._note_batch(forward_batch)
         super().init_forward_metadata(forward_batch)
+
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token,
+                                 req_pool_indices, seq_lens, extend_prefix_lens,
+                                 extend_seq_lens, *args, **kwargs):
+        """SGLang's extend with the rows of offloaded prefixes seen without a prefix (it reads
+        the batch's lengths here, not in a metadata init)."""
+        view = self.sparse.extend_view(extend_prefix_lens.tolist(), seq_lens.tolist())
+        if view is not None:
+            extend_prefix_lens = torch.tensor(view[0], dtype=extend_prefix_lens.dtype,
+                                              device=extend_prefix_lens.device)
+            seq_lens = torch.tensor(view[1], dtype=seq_lens.dtype, device=seq_lens.device)
+        return super()._run_sdpa_forward_extend(query, output, k_cache, v_cache, req_to_token,
+                                                req_pool_indices, seq_lens, extend_prefix_lens,
+                                                extend_seq_lens, *args, **kwargs)
 
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token,
                                  req_pool_indices, seq_lens, *args, **kwargs):

@@ -28,6 +28,15 @@ Per layer, inside the graph when there is one (``attend``): select, write the se
 pool slots into ``idx``, attend, and overwrite the sparse rows of the dense output. Every tensor
 the graph touches is allocated once.
 
+With offloading, a long prompt's prefill leaves the pool too (``note_extend``): once a chunked
+prefill's computed prefix is over ``threshold`` the request takes a slot, and before each later
+chunk the finished positions up to the last ``local`` enter the retrieval region (encoded, moved to
+host memory, pool slots freed). That chunk's attention for the request is not the dense kernel's:
+its metadata sees no prefix for the request (``extend_view``), and ``attend_prefill`` overwrites
+its rows with exact attention over sink + host region + resident tail + the chunk
+(``prefill_offload.causal_attention``). The pool then holds, per such request, the sink, the
+window and at most two chunks, not the prompt.
+
 A slot belongs to the request that activated it until a batch shows its request-pool index
 holding another request - an extend (``note_extend``) or a decode step (``prepare_decode``: a
 different request id, or a length that is not the next step) - or a new long request needs the
@@ -83,6 +92,9 @@ class SparseDecodeState:
                       "offloaded_tokens": 0}
         self.metrics = None  # sglang_pic.metrics.Counters with --enable-metrics (set by the backend)
         self._warned_full = False
+        self.prefill_rows: list[tuple[int, int, int, int, int]] = []
+        """This extend batch's rows whose prefix is partly in host memory: (batch row, slot,
+        prefix length, extend length, first query token in the batch)."""
         self.host = None  # offload.HostKVRegion with --sparse-offload (enable_offload)
         self.pool_release = None  # offload.PoolSlotRelease, likewise
 
@@ -101,7 +113,10 @@ class SparseDecodeState:
     def note_extend(self, pool_indices: list[int], rids: list[str] | None,
                     prefix_lens: list[int] | None, extend_lens: list[int] | None) -> None:
         """An extend batch: a pool index now serving another request frees its slot; a sparse
-        request's own decode token processed in a mixed batch (dense) moves its length on."""
+        request's own decode token processed in a mixed batch (dense) moves its length on; with
+        offloading, a chunked prefill over ``threshold`` moves its finished positions to the
+        retrieval region (``_offload_prefix``) and its rows are listed in ``prefill_rows``."""
+        self.prefill_rows = []
         for i, p in enumerate(pool_indices):
             rid = rids[i] if rids is not None else None
             if rid is None or rid != self.rid_of_pool.get(p):
@@ -120,6 +135,46 @@ class SparseDecodeState:
                     slot.seq_len += extend_lens[i]
                 else:
                     self._release(s)
+        if self.host is not None and prefix_lens is not None and extend_lens is not None:
+            starts = [0]
+            for n in extend_lens[:-1]:
+                starts.append(starts[-1] + n)
+            for i, p in enumerate(pool_indices):
+                self._offload_prefix(i, p, prefix_lens[i], extend_lens[i], starts[i],
+                                     rids[i] if rids is not None else None)
+
+    def _offload_prefix(self, row: int, pool_index: int, prefix: int, extend: int, q_start: int,
+                        rid: str | None) -> None:
+        """Before a prefill chunk of ``extend`` tokens after ``prefix`` computed ones: past
+        ``threshold``, the computed positions up to the last ``local`` enter the request's
+        retrieval region (taking a free slot first), and the row is listed for
+        ``attend_prefill``."""
+        cfg = self.cfg
+        k = next((s for s, slot in enumerate(self.slots)
+                  if slot is not None and slot.pool_index == pool_index), None)
+        if k is None:
+            if prefix <= cfg.threshold or pool_index in self.too_long \
+                    or prefix + extend > self.capacity + cfg.sink + cfg.local:
+                return
+            k = next((s for s, slot in enumerate(self.slots) if slot is None), None)
+            if k is None:  # every slot holds a request (never one taken from a decoding one)
+                self._count("refused_full", 1)
+                return
+            n_ret = prefix - cfg.sink - cfg.local
+            if rid is not None:
+                self.rid_of_pool[pool_index] = rid
+            self._take_slot(k, pool_index, n_ret, prefix + extend)
+            logger.info("sparse decode: a prompt offloads its prefill after %d tokens (slot %d)",
+                        prefix, k)
+        else:
+            slot = self.slots[k]
+            end = prefix - cfg.local
+            if end > cfg.sink + slot.n_ret:
+                self._encode(k, pool_index, cfg.sink + slot.n_ret, end - cfg.sink - slot.n_ret,
+                             slot.n_ret)
+                slot.n_ret = end - cfg.sink
+                self.n_ret[k] = slot.n_ret
+        self.prefill_rows.append((row, k, prefix, extend, q_start))
 
     def skip_decode(self) -> None:
         """A decode step none of whose requests is long enough to be sparse."""
@@ -233,8 +288,18 @@ class SparseDecodeState:
     def _activate(self, k: int, pool_index: int, seq_len: int) -> None:
         cfg = self.cfg
         n_ret = seq_len - cfg.sink - cfg.local
+        self._take_slot(k, pool_index, n_ret, seq_len - 1)
+        logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
+                    "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
+                    self.stats["activated"])
+
+    def _take_slot(self, k: int, pool_index: int, n_ret: int, seq_len: int) -> None:
+        """Slot ``k`` for the request in row ``pool_index``: positions ``[sink, sink + n_ret)``
+        encoded (and offloaded), its sink listed; ``seq_len``: the context it has once the batch
+        being prepared ran."""
+        cfg = self.cfg
         self._encode(k, pool_index, cfg.sink, n_ret, 0)
-        self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), n_ret, seq_len - 1)
+        self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), n_ret, seq_len)
         self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
         # the sink's pool slots never change while the request holds the slot
@@ -243,18 +308,23 @@ class SparseDecodeState:
         if self.host is not None:
             self.win_idx[k, : cfg.sink] = sink
         self._count("activated", 1)
-        logger.info("sparse decode: a request of %d tokens decodes sparsely (slot %d, %d keys "
-                    "in its retrieval region; %d activated so far)", seq_len, k, n_ret,
-                    self.stats["activated"])
 
     def _slide(self, k: int) -> None:
+        """Move the window's oldest tokens into the retrieval region, ``update`` at a time,
+        until at most ``local + update`` are left (in one encode: after an offloaded prefill the
+        window holds the last chunk) or the region is full (the window then grows: attended
+        tokens are capped)."""
         cfg, slot = self.cfg, self.slots[k]
-        while slot.seq_len - cfg.sink - slot.n_ret > cfg.local + cfg.update:
-            if slot.n_ret + cfg.update > self.capacity:
-                break  # the window grows past local + update: attended tokens are capped
-            self._encode(k, slot.pool_index, cfg.sink + slot.n_ret, cfg.update, slot.n_ret)
-            slot.n_ret += cfg.update
-            self.n_ret[k] = slot.n_ret
+        excess = slot.seq_len - cfg.sink - slot.n_ret - (cfg.local + cfg.update)
+        if excess <= 0:
+            return
+        blocks = min(-(-excess // cfg.update), (self.capacity - slot.n_ret) // cfg.update)
+        if blocks <= 0:
+            return
+        count = blocks * cfg.update
+        self._encode(k, slot.pool_index, cfg.sink + slot.n_ret, count, slot.n_ret)
+        slot.n_ret += count
+        self.n_ret[k] = slot.n_ret
 
     def _fill_window(self, k: int, slot: _Slot) -> None:
         """This step's window part of ``idx`` (the selected part is written per layer)."""
@@ -314,6 +384,39 @@ class SparseDecodeState:
         self.ops.attend_split(qs, self.k_win.permute(0, 2, 1, 3), self.v_win.permute(0, 2, 1, 3),
                               self.win_len, self.host.keys(layer), self.host.values(layer), rows,
                               self.out, scale)
+
+    def extend_view(self, prefix_lens: list[int], seq_lens: list[int]
+                    ) -> tuple[list[int], list[int]] | None:
+        """The prefix and sequence lengths the dense extend kernel should see: no prefix for the
+        rows of ``prefill_rows`` (their pool positions are partly freed; ``attend_prefill``
+        computes them). None when the batch has none."""
+        if not self.prefill_rows:
+            return None
+        prefix_lens, seq_lens = list(prefix_lens), list(seq_lens)
+        for row, _, _, extend, _ in self.prefill_rows:
+            prefix_lens[row], seq_lens[row] = 0, extend
+        return prefix_lens, seq_lens
+
+    def attend_prefill(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, scale: float) -> None:
+        """Overwrite the ``prefill_rows`` of the extend output ``o`` ``[tokens, q_heads, D]``:
+        exact causal attention of their queries (``q``) over the sink and the resident tail from
+        the pool, the retrieval region from host memory, and their own new keys (``k``/``v``
+        ``[tokens, kv_heads, D]``)."""
+        from .prefill_offload import causal_attention, gather_prefix
+
+        cfg, layer = self.cfg, self.layer_index[layer_id]
+        k_buf, v_buf = self.key_buffer(layer_id), self.value_buffer(layer_id)
+        for _, slot_k, prefix, extend, start in self.prefill_rows:
+            slot = self.slots[slot_k]
+            sink = self._positions_to_slots(slot.pool_index, 0, cfg.sink)
+            tail = self._positions_to_slots(slot.pool_index, cfg.sink + slot.n_ret, prefix)
+            end = start + extend
+            keys = gather_prefix(k_buf, sink, self.host.k[layer, slot_k, : slot.n_ret], tail,
+                                 k[start:end])
+            values = gather_prefix(v_buf, sink, self.host.v[layer, slot_k, : slot.n_ret], tail,
+                                   v[start:end])
+            o[start:end] = causal_attention(q[start:end], keys, values, scale).to(o.dtype)
 
     def warm_up(self) -> None:
         """Run the per-layer sparse path and the encoder once, so their kernels compile at

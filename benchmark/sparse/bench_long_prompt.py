@@ -1,0 +1,178 @@
+"""One prompt longer than the GPU KV pool: prefill with its chunks in host memory, then decode.
+
+Issue 27 item 4. sglang-pic runs ``pariskv_flashinfer`` with ``--sparse-offload`` on a KV pool of
+``--pool-tokens`` (default 64K tokens, far below the prompts): past the threshold each prefill
+chunk first moves the finished positions to pinned host memory and attends them from there
+(``sglang_pic/sparse/prefill_offload.py``), and the decode reads the selected keys from host
+memory. Vanilla SGLang (FlashInfer) gets a pool as large as the GPU allows and runs the lengths
+that fit it; SGLang's refusal of the others is recorded (``skipped_<length>``).
+
+Per variant and length: prefill time (one request, ``max_new_tokens`` 1, so the time to the first
+token), TPOT from the difference of a ``--long`` and a ``--short`` generation (ignore_eos), and the
+GPU memory in use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads,
+half the KV per token), dummy weights, bf16.
+
+    python3 benchmark/sparse/bench_long_prompt.py [--lengths 131072,262144,524288]
+        [--pool-tokens 65536] [--shape llama3-8b] [--variants vanilla,sglang-pic] [--out DIR]
+
+Prints a table; writes ``sparse_long_prompt.json`` (machine, versions, config, raw samples) and
+a plot of prefill time and TPOT against length into ``--out`` (default ``benchmark/results``).
+``--smoke``: CPU engine, SmolLM2, a 2.9K-token prompt: sglang-pic on a 2048-token pool, vanilla
+on a 4096-token one (checks the script, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import harness  # noqa: E402
+from sparse.bench_e2e_decode import start_engine  # noqa: E402
+
+QWEN25_7B_SHAPE = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "hidden_size": 3584, "intermediate_size": 18944}
+"""Qwen2.5-7B's attention and MLP sizes over the Llama-3-8B checkpoint config (dummy weights)."""
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    """Runs in the variant's process: one Engine; per length, prefill then the two decodes."""
+    import numpy as np
+
+    engine, out = start_engine(engine_kwargs, params["sparse_env"])
+    rng = np.random.default_rng(params["seed"])
+    tag = engine_kwargs.get("attention_backend")
+    try:
+        warm = [int(t) for t in rng.integers(1000, params["vocab"], size=params["warm_tokens"])]
+        engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+        for n in params["lengths"]:
+            prompt = [int(t) for t in rng.integers(1000, params["vocab"], size=n)]
+            t = time.perf_counter()
+            try:
+                first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+            except ValueError as e:  # SGLang's length check
+                first = {"meta_info": {"finish_reason": str(e)}}
+            if not first.get("output_ids"):  # SGLang refused it (longer than its pool)
+                out[f"skipped_{n}"] = str(first.get("meta_info", {}).get("finish_reason"))[:300]
+                print(f"[bench] {tag}: {n} tokens not served: {out[f'skipped_{n}']}", flush=True)
+                continue
+            out[f"prefill_s_{n}"] = time.perf_counter() - t
+            times = {}
+            for new in (params["short"], params["long"]):
+                sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}
+                t = time.perf_counter()
+                res = engine.generate(input_ids=prompt, sampling_params=sp)
+                times[new] = time.perf_counter() - t
+                out[f"output_ids_{n}"] = res.get("output_ids", [])
+            out[f"tpot_ms_{n}"] = 1000 * (times[params["long"]] - times[params["short"]]) / (
+                params["long"] - params["short"])
+            print(f"[bench] {tag}: {n} tokens: prefill {out[f'prefill_s_{n}']:.1f} s, TPOT "
+                  f"{out[f'tpot_ms_{n}']:.2f} ms", flush=True)
+        try:
+            import torch
+
+            free, total = torch.cuda.mem_get_info()
+            out["gpu_used_gib"] = (total - free) / 2**30
+        except (RuntimeError, AssertionError):
+            pass
+    finally:
+        engine.shutdown()
+    return out
+
+
+def plot(report: dict, out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p, res = report["params"], report["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for variant, r in res.items():
+        xs = [n for n in p["lengths"] if f"prefill_s_{n}" in r]
+        axes[0].plot([n / 1024 for n in xs], [r[f"prefill_s_{n}"] for n in xs], "o-",
+                     label=variant)
+        axes[1].plot([n / 1024 for n in xs], [r[f"tpot_ms_{n}"] for n in xs], "o-",
+                     label=variant)
+    axes[0].set(xlabel="prompt (K tokens)", ylabel="prefill (s)")
+    axes[1].set(xlabel="prompt (K tokens)", ylabel="TPOT (ms)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"one prompt, KV pool of {p['pool_tokens']} tokens for sglang-pic "
+                 f"({p['shape']} shape)", fontsize=9)
+    fig.tight_layout()
+    return harness.save_figure(fig, out_dir / "sparse_long_prompt.png")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="131072,262144,524288")
+    ap.add_argument("--pool-tokens", type=int, default=65536)
+    ap.add_argument("--shape", choices=("llama3-8b", "qwen2.5-7b"), default="llama3-8b")
+    ap.add_argument("--short", type=int, default=16)
+    ap.add_argument("--long", type=int, default=80)
+    ap.add_argument("--chunk", type=int, default=16384, help="--chunked-prefill-size")
+    ap.add_argument("--variants", default="vanilla,sglang-pic")
+    ap.add_argument("--timeout", type=float, default=590)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU engine, SmolLM2, one 2.9K-token prompt on a 2048-token pool")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    context = max(lengths) + args.long + 64
+    name, backend = "sparse_long_prompt", "pariskv_flashinfer"
+    engine_kwargs = {**harness.LLAMA3_8B_DUMMY, "context_length": context,
+                     "disable_radix_cache": True, "chunked_prefill_size": args.chunk,
+                     "cuda_graph_max_bs_decode": 4, "max_running_requests": 4}
+    if args.shape == "qwen2.5-7b":
+        import json
+
+        engine_kwargs["json_model_override_args"] = json.dumps(QWEN25_7B_SHAPE)
+    sparse_env = {"SGLANG_PIC_SPARSE_MAX_REQUESTS": 1, "SGLANG_PIC_SPARSE_MAX_CONTEXT": context,
+                  "SGLANG_PIC_SPARSE_OFFLOAD": 1}
+    params = {"lengths": lengths, "pool_tokens": args.pool_tokens, "shape": args.shape,
+              "short": args.short, "long": args.long, "seed": 0, "vocab": 128000,
+              "warm_tokens": 40000, "sparse_env": sparse_env}
+    ours = {"attention_backend": backend, "max_total_tokens": args.pool_tokens}
+    if args.smoke:
+        sys.path.insert(0, str(HERE.parent.parent / "python"))
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        name, backend = "sparse_long_prompt_cpu_smoke", "pariskv_torch_native"
+        args.out = args.out or harness.smoke_dir()
+        engine_kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
+                         "skip_tokenizer_init": True, "attention_backend": "torch_native",
+                         "disable_radix_cache": True, "disable_cuda_graph": True,
+                         "context_length": 4096, "chunked_prefill_size": 256,
+                         "max_total_tokens": 4096, "log_level": "info"}
+        ours = {"attention_backend": backend, "max_total_tokens": 2048}
+        params.update(lengths=[2900], pool_tokens=2048, short=4, long=12, vocab=49000,
+                      warm_tokens=300, sparse_env={**sparse_env,
+                                                   "SGLANG_PIC_SPARSE_MAX_CONTEXT": 4096,
+                                                   "SGLANG_PIC_SPARSE_THRESHOLD": 700,
+                                                   "SGLANG_PIC_SPARSE_LOCAL": 128,
+                                                   "SGLANG_PIC_SPARSE_UPDATE": 16})
+    report = harness.run_side_by_side(
+        name, "sparse.bench_long_prompt", "workload", engine_kwargs, params,
+        variants=tuple(args.variants.split(",")), timeout_s=args.timeout, out_dir=args.out,
+        variant_kwargs={"sglang-pic": ours})
+    res = report["results"]
+    for n in params["lengths"]:
+        row = [f"{n:>8}"]
+        for variant in args.variants.split(","):
+            r = res.get(variant, {})
+            row.append(f"{variant}: " + (f"prefill {r[f'prefill_s_{n}']:.1f} s, TPOT "
+                                         f"{r[f'tpot_ms_{n}']:.2f} ms" if f"prefill_s_{n}" in r
+                                         else r.get(f"skipped_{n}", "no result")))
+        print(" | ".join(row))
+    path = plot(report, Path(args.out) if args.out else harness.RESULTS)
+    if path:
+        print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
