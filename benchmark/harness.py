@@ -367,6 +367,20 @@ def save_figure(fig, out: Path) -> Path:
     return out
 
 
+def cpu_smoke_engine(**overrides) -> dict:
+    """Engine arguments of a ``--smoke`` run: SGLang's CPU engine (selected here, before SGLang
+    is imported) on the embedded SmolLM2, no radix cache, no CUDA graphs; ``overrides`` win."""
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.cpu_support import enable_cpu_engine
+    from sglang_pic.default_model import ensure_default_model
+
+    enable_cpu_engine()
+    return {"model_path": str(ensure_default_model()), "device": "cpu",
+            "skip_tokenizer_init": True, "attention_backend": "torch_native",
+            "disable_radix_cache": True, "disable_cuda_graph": True, "log_level": "info",
+            **overrides}
+
+
 def smoke_dir() -> str:
     """Where ``--smoke`` / ``--quick`` runs write (never the tracked ``benchmark/results``)."""
     folder = Path(tempfile.gettempdir()) / "sglang-pic-bench"

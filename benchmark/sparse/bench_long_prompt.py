@@ -137,18 +137,10 @@ def main() -> None:
               "warm_tokens": 40000, "sparse_env": sparse_env}
     ours = {"attention_backend": backend, "max_total_tokens": args.pool_tokens}
     if args.smoke:
-        sys.path.insert(0, str(HERE.parent.parent / "python"))
-        from sglang_pic.cpu_support import enable_cpu_engine
-        from sglang_pic.default_model import ensure_default_model
-
-        enable_cpu_engine()
         name, backend = "sparse_long_prompt_cpu_smoke", "pariskv_torch_native"
         args.out = args.out or harness.smoke_dir()
-        engine_kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
-                         "skip_tokenizer_init": True, "attention_backend": "torch_native",
-                         "disable_radix_cache": True, "disable_cuda_graph": True,
-                         "context_length": 4096, "chunked_prefill_size": 256,
-                         "max_total_tokens": 4096, "log_level": "info"}
+        engine_kwargs = harness.cpu_smoke_engine(context_length=4096, chunked_prefill_size=256,
+                                                 max_total_tokens=4096)
         ours = {"attention_backend": backend, "max_total_tokens": 2048}
         params.update(lengths=[2900], pool_tokens=2048, short=4, long=12, vocab=49000,
                       warm_tokens=300, sparse_env={**sparse_env,

@@ -120,18 +120,9 @@ def main() -> None:
               "pool_tokens": args.pool_tokens, "seed": 0, "vocab": 128000,
               "warm_tokens": 40000, "sparse_env": sparse_env}
     if args.smoke:
-        sys.path.insert(0, str(HERE.parent.parent / "python"))
-        from sglang_pic.cpu_support import enable_cpu_engine
-        from sglang_pic.default_model import ensure_default_model
-
-        enable_cpu_engine()
         name, backend = "sparse_offload_cpu_smoke", "pariskv_torch_native"
         args.out = args.out or harness.smoke_dir()
-        engine_kwargs = {"model_path": str(ensure_default_model()), "device": "cpu",
-                         "skip_tokenizer_init": True, "attention_backend": "torch_native",
-                         "max_total_tokens": 1800, "disable_radix_cache": True,
-                         "disable_cuda_graph": True, "context_length": 2048,
-                         "log_level": "info"}
+        engine_kwargs = harness.cpu_smoke_engine(max_total_tokens=1800, context_length=2048)
         params.update(requests=2, tokens=1500, new=20, pool_tokens=1800, vocab=49000,
                       warm_tokens=800, sparse_env={**sparse_env, "SGLANG_PIC_SPARSE_MAX_CONTEXT":
                                                    2048, "SGLANG_PIC_SPARSE_THRESHOLD": 700,
