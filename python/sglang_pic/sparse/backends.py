@@ -406,9 +406,8 @@ class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
         the batch's lengths here, not in a metadata init)."""
         view = self.sparse.extend_view(extend_prefix_lens.tolist(), seq_lens.tolist())
         if view is not None:
-            extend_prefix_lens = torch.tensor(view[0], dtype=extend_prefix_lens.dtype,
-                                              device=extend_prefix_lens.device)
-            seq_lens = torch.tensor(view[1], dtype=seq_lens.dtype, device=seq_lens.device)
+            extend_prefix_lens = _tensor_like(extend_prefix_lens, view[0])
+            seq_lens = _tensor_like(seq_lens, view[1])
         return super()._run_sdpa_forward_extend(query, output, k_cache, v_cache, req_to_token,
                                                 req_pool_indices, seq_lens, extend_prefix_lens,
                                                 extend_seq_lens, *args, **kwargs)

@@ -45,12 +45,14 @@ slot of one no longer decoding.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from .config import SparseDecodeConfig
+from .prefill_offload import causal_attention, gather_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +138,7 @@ class SparseDecodeState:
                 else:
                     self._release(s)
         if self.host is not None and prefix_lens is not None and extend_lens is not None:
-            starts = [0]
-            for n in extend_lens[:-1]:
-                starts.append(starts[-1] + n)
+            starts = [0, *itertools.accumulate(extend_lens[:-1])]  # each row's first query
             for i, p in enumerate(pool_indices):
                 self._offload_prefix(i, p, prefix_lens[i], extend_lens[i], starts[i],
                                      rids[i] if rids is not None else None)
@@ -403,8 +403,6 @@ class SparseDecodeState:
         exact causal attention of their queries (``q``) over the sink and the resident tail from
         the pool, the retrieval region from host memory, and their own new keys (``k``/``v``
         ``[tokens, kv_heads, D]``)."""
-        from .prefill_offload import causal_attention, gather_prefix
-
         cfg, layer = self.cfg, self.layer_index[layer_id]
         k_buf, v_buf = self.key_buffer(layer_id), self.value_buffer(layer_id)
         for _, slot_k, prefix, extend, start in self.prefill_rows:

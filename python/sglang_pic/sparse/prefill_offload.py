@@ -116,11 +116,11 @@ def raise_input_limit(result, self, *args, **kwargs):
     """AFTER ``TpModelWorker.get_worker_info``: SGLang caps a request's input at the pool size
     (``max_req_len``, ``max_req_input_len``: items 4 and 5); offloaded prefill needs only the
     host region to hold it, so the cap is ``--sparse-max-context`` (or the context length)."""
-    cfg = SparseDecodeConfig.from_env()
-    if not cfg.offload or not _serves(self.server_args):
+    state = _state
+    if state is None or not _serves(self.server_args):
         return None
     context = int(self.model_config.context_len)
-    limit = min(context - 1, (cfg.max_context or context) - 1)
+    limit = min(context - 1, (state.cfg.max_context or context) - 1)
     if limit <= result[4]:
         return None
     out = list(result)
