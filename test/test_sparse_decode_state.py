@@ -394,13 +394,14 @@ def test_offload_refuses_settings_that_would_read_freed_slots(change, message):
         backends.check_offload_settings(runner)
 
 
-def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again():
+def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again(monkeypatch):
     """SGLang stops admitting once a waiting request did not fit, until a request finishes;
     slots offloading frees mid-request clear that mark (once per release)."""
     from types import SimpleNamespace
 
-    from sglang_pic.sparse import offload
+    from sglang_pic.sparse import offload, prefill_offload
 
+    monkeypatch.setattr(prefill_offload, "_state", None)  # no sparse slots in this process
     pool = FakePool(1)
     release = PoolSlotRelease(FakeAllocator(), pool.req_to_token)
     seen = []
@@ -408,7 +409,7 @@ def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again():
     def original(scheduler, running_batch):
         seen.append(running_batch.batch_is_full)
 
-    batch = SimpleNamespace(batch_is_full=True)
+    batch = SimpleNamespace(batch_is_full=True, reqs=[])
     offload._freed_since_admission = False
     offload.around_get_new_batch_prefill(original, None, batch)
     release.release(0, 4, 20)
@@ -682,3 +683,42 @@ def test_the_extend_view_shows_no_prefix_for_offloaded_rows_and_restores_the_bat
     mixin.sparse.prefill_rows = []
     with mixin._extend_view(fb):
         assert fb.seq_lens_sum == 969
+
+
+def test_a_prompt_that_finishes_during_its_offloaded_prefill_gives_its_slot_back(monkeypatch):
+    """A slot taken by an offloaded prefill is kept from the decode steps of other long requests
+    while the prefill goes on, and given back before the scheduler next admits requests once its
+    request has finished without decoding (``max_new_tokens`` 1): otherwise the next prompt
+    longer than the pool would wait for that slot for good (SGLang's "no room" mark set)."""
+    from sglang_pic.sparse import offload, prefill_offload
+
+    pool = FakePool(2)
+    state = make_state(pool, TorchIndexOps, max_requests=1, max_context=MAX_CTX)
+    offloaded(state, pool)
+    monkeypatch.setattr(prefill_offload, "_state", state)
+    for start in (0, 256):  # two chunks of prompt r0 in row 0: the second offloads
+        state.note_extend([0], ["r0"], [start], [256])
+    assert state.slots[0].pool_index == 0 and state.slots[0].prefilling
+    # a long request in row 1 decodes between r0's chunks: no free slot, and r0's is not taken
+    assert step(state, [1], [400]).tolist() == [400]
+    assert state.slots[0].pool_index == 0 and state.stats["refused_full"] == 1
+    monkeypatch.setattr(offload, "_freed_since_admission", False)  # r0's offload released some
+    seen = []
+
+    def admit(scheduler, running_batch):
+        seen.append(running_batch.batch_is_full)
+
+    row = SimpleNamespace
+    # r0 still the chunked request, or running: its slot stays
+    offload.around_get_new_batch_prefill(
+        admit, row(chunked_req=row(req_pool_idx=0)), row(batch_is_full=True, reqs=[]))
+    offload.around_get_new_batch_prefill(
+        admit, row(chunked_req=None), row(batch_is_full=True, reqs=[row(req_pool_idx=0)]))
+    assert state.slots[0] is not None and seen == [True, True]
+    # r0 finished with its prefill: before admitting, its slot is released and the mark cleared
+    offload.around_get_new_batch_prefill(
+        admit, row(chunked_req=None), row(batch_is_full=True, reqs=[row(req_pool_idx=1)]))
+    assert state.slots[0] is None and seen[-1] is False
+    # the next decode step of the long request takes it
+    assert step(state, [1], [401]).tolist() == [1] and state.slots[0].pool_index == 1
+    assert not state.slots[0].prefilling

@@ -63,6 +63,7 @@ class _Slot:
     rid: str | None
     n_ret: int  # keys in the retrieval region
     seq_len: int  # context length at the last step seen (the decoded token included)
+    prefilling: bool = False  # an offloaded prefill that has not decoded yet
 
 
 class SparseDecodeState:
@@ -164,6 +165,7 @@ class SparseDecodeState:
             if rid is not None:
                 self.rid_of_pool[pool_index] = rid
             self._take_slot(k, pool_index, n_ret, prefix + extend)
+            self.slots[k].prefilling = True
             logger.info("sparse decode: a prompt offloads its prefill after %d tokens (slot %d)",
                         prefix, k)
         else:
@@ -229,6 +231,7 @@ class SparseDecodeState:
             if row is None:
                 continue
             slot.seq_len = seq_lens[row]
+            slot.prefilling = False
             self._slide(k)
             self._fill_window(k, slot)
             rows.append(row)
@@ -258,7 +261,8 @@ class SparseDecodeState:
             if slot is None:
                 return k
         for k, slot in enumerate(self.slots):  # a slot whose request is not decoding any more
-            if slot.pool_index not in in_batch:
+            # (a prefill in progress is not in a decode batch: its slot holds its prefix)
+            if slot.pool_index not in in_batch and not slot.prefilling:
                 self._release(k)
                 return k
         self._count("refused_full", 1)
@@ -340,6 +344,17 @@ class SparseDecodeState:
             self.win_idx[k, cfg.sink : n] = window
             self.win_idx[k, n:] = 0
             self.win_len[k] = n
+
+    def release_finished(self, live_pool_indices: set[int]) -> int:
+        """Release the slots whose request row is not in ``live_pool_indices`` (the scheduler's
+        running and chunked requests): a request that finished, or was aborted, during its
+        offloaded prefill never reaches a decode step, where slots are otherwise reclaimed.
+        Returns how many were released."""
+        stale = [k for k, slot in enumerate(self.slots)
+                 if slot is not None and slot.pool_index not in live_pool_indices]
+        for k in stale:
+            self._release(k)
+        return len(stale)
 
     def _release(self, k: int) -> None:
         self.slots[k] = None

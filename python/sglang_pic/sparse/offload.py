@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from .prefill_offload import release_finished_slots
+
 PADDING_SLOT = 0  # SGLang's allocators never hand out slot 0 (padded tokens write there)
 SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 _freed_since_admission = False  # slots released since the scheduler last tried to admit
@@ -38,11 +40,13 @@ _freed_since_admission = False  # slots released since the scheduler last tried 
 
 def around_get_new_batch_prefill(original, self, *args, **kwargs):
     """``Scheduler.get_new_batch_prefill(running_batch)``, with SGLang's "no room" mark cleared
-    when pool slots were released since the last admission attempt (see module docstring)."""
+    when pool slots were released since the last admission attempt (see module docstring), or
+    when a sparse slot held by a request that finished during its prefill was given back
+    (``prefill_offload.release_finished_slots``)."""
     global _freed_since_admission
-    if _freed_since_admission:
+    running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0]
+    if release_finished_slots(self, running_batch) or _freed_since_admission:
         _freed_since_admission = False
-        running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0]
         running_batch.batch_is_full = False
     return original(self, *args, **kwargs)
 

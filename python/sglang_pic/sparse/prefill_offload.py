@@ -153,6 +153,23 @@ def pool_need(cfg: SparseDecodeConfig, chunk: int, prompt: int) -> int:
     return min(prompt, cfg.threshold + 2 * chunk + cfg.sink + cfg.local)
 
 
+def release_finished_slots(scheduler, running_batch) -> bool:
+    """Before the scheduler admits requests: sparse slots whose request is neither running nor
+    the chunked prefill are released (``SparseDecodeState.release_finished``). A prompt that
+    finishes during its offloaded prefill (``max_new_tokens`` 1, an abort) never decodes, where
+    slots are otherwise reclaimed, and its slot would keep the next long prompt out for good.
+    Returns whether any was released."""
+    state = _state
+    if state is None:
+        return False
+    live = {req.req_pool_idx for req in running_batch.reqs}
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        live.add(chunked.req_pool_idx)
+    live.discard(None)
+    return state.release_finished(live) > 0
+
+
 def admit_offloaded_prompt(original, self, req, *args, **kwargs):
     """AROUND ``PrefillAdder.add_one_req(req, ...)``: a prompt that will offload its prefill is
     charged ``pool_need`` tokens, not its length, while a sparse slot is free for it (each such
