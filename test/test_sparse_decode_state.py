@@ -722,3 +722,41 @@ def test_a_prompt_that_finishes_during_its_offloaded_prefill_gives_its_slot_back
     # the next decode step of the long request takes it
     assert step(state, [1], [401]).tolist() == [1] and state.slots[0].pool_index == 1
     assert not state.slots[0].prefilling
+
+
+def test_an_offloaded_prompt_is_admitted_on_a_credit_while_a_slot_is_free(monkeypatch):
+    """A prompt longer than the pool is charged its peak in the pool (``pool_need``) while a
+    sparse slot is free for it; a credited prompt keeps a slot for itself until it takes one,
+    and once it has finished (in its prefill, never taking one) the next prompt gets the slot."""
+    from sglang_pic.sparse import prefill_offload
+
+    state = make_state(FakePool(2), TorchIndexOps, max_requests=1, max_context=MAX_CTX)
+    monkeypatch.setattr(prefill_offload, "_state", state)
+    monkeypatch.setattr(prefill_offload, "_credited", __import__("weakref").WeakSet())
+    credits = []
+
+    def add_one_req(adder, req):  # SGLang's, as far as the offsets go: what it sees credited
+        credits.append(-adder.rem_total_token_offset)
+        adder.can_run_list.append(req)
+
+    class Req(SimpleNamespace):  # hashed by identity and weakly referenced, as SGLang's Req
+        __hash__ = object.__hash__
+        __slots__ = ("__weakref__",)
+
+    def request(rid, n, done=False):
+        return Req(rid=rid, origin_input_ids=[1] * n, prefix_indices=[], finished=lambda: done)
+
+    def admit(req):
+        adder = SimpleNamespace(rem_chunk_tokens=64, rem_total_token_offset=0,
+                                cur_rem_token_offset=0, can_run_list=[])
+        prefill_offload.admit_offloaded_prompt(add_one_req, adder, req)
+        assert adder.rem_total_token_offset == adder.cur_rem_token_offset == 0  # restored
+        return credits[-1]
+
+    need = 200 + 2 * 64 + 4 + 32  # threshold + 2 chunks + sink + local
+    r1 = request("r1", 900)
+    assert admit(r1) == 900 - need  # charged need tokens instead of 900
+    assert admit(request("r2", 900)) == 0  # r1 keeps the only slot for itself
+    assert admit(request("short", 150)) == 0  # below the threshold: never credited
+    r1.finished = lambda: True  # r1 ended in its prefill (one new token), no slot taken
+    assert admit(request("r3", 900)) == 900 - need

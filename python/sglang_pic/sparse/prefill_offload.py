@@ -173,7 +173,7 @@ def release_finished_slots(scheduler, running_batch) -> bool:
 def admit_offloaded_prompt(original, self, req, *args, **kwargs):
     """AROUND ``PrefillAdder.add_one_req(req, ...)``: a prompt that will offload its prefill is
     charged ``pool_need`` tokens, not its length, while a sparse slot is free for it (each such
-    prompt admitted holds a free slot until it takes one)."""
+    prompt admitted holds a free slot until it takes one, or finishes without taking one)."""
     state = _state
     credit = 0
     if state is not None:
@@ -181,8 +181,11 @@ def admit_offloaded_prompt(original, self, req, *args, **kwargs):
         chunk = self.rem_chunk_tokens
         prompt = len(req.origin_input_ids)
         held = {slot.rid for slot in state.slots if slot is not None}
-        waiting = [r for r in _credited if r.rid not in held and r is not req]
-        free = sum(slot is None for slot in state.slots) - len(waiting)
+        for r in list(_credited):  # a credit ends when its request holds a slot or finished
+            if r.rid in held or r.finished():
+                _credited.discard(r)
+        waiting = sum(r is not req for r in _credited)
+        free = sum(slot is None for slot in state.slots) - waiting
         if chunk and prompt > cfg.threshold and free > 0 and not len(req.prefix_indices):
             credit = max(0, prompt - pool_need(cfg, chunk, prompt))
     if not credit:
