@@ -214,9 +214,7 @@ NONSPAN_CASES = {
 }
 SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
 SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
-PRE_RECALL_FIX = ("measured at 1a0699c, before the selector's vote histogram was placed on the "
-                  "region's votes (it kept the first keys by position on real keys; "
-                  "sparse.selector_recall_* measure the fix); to re-run on the device")
+SPARSE_E2E = "sparse_e2e_decode_flashinfer_h200.json"  # sparse/bench_e2e_decode.py
 
 
 def _selection_recall(length: str):
@@ -409,8 +407,16 @@ CLAIMS: list[Claim] = [
             higher_is_better=True, path="same replay, hits of the last 40 % of the trace by time "
             "(nothing tuned on it)", extract=_trace_replay(f"{pct}pct", "heldout_hit_rate"))
       for pct in (5, 10, 20)],
-    Claim("sparse.tpot_128k", "sparse_e2e_decode_sampled_h200.json", "tpot_ms_1x131072",
-          target=1.3, note=LEGACY),
+    *[Claim(f"sparse.tpot_{n // 1024}k", SPARSE_E2E, f"tpot_ms_1x{n}",
+            ours_variant="sglang-pic-flashinfer", target=target,
+            path="one request, Llama-3-8B shape, dummy weights, decode CUDA graphs; "
+            "pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates) vs vanilla dense "
+            "FlashInfer decode",
+            note="samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
+            "generation); vanilla ran first")
+      for n, target in ((131072, 1.3), (262144, 2.0))],
+    Claim("sparse.tpot_128k.triton_baseline", "sparse_e2e_decode_sampled_h200.json",
+          "tpot_ms_1x131072", note=LEGACY + " (second column: vanilla triton decode)"),
     Claim("sparse.overmemory_throughput", "sparse_offload_h200.json", "output_tokens_per_s",
           higher_is_better=True, target=4.0,
           note=LEGACY + "; 4 x 64K requests from a 72K-token pool, not 16 x 128K"),
@@ -420,13 +426,13 @@ CLAIMS: list[Claim] = [
             path=f"SmolLM2-135M-Instruct, bf16, needle tasks at ~{length.upper()} tokens, "
             "ParisKV from 1024 tokens: sparse vs dense",
             note="% of the cases solved (each case a sample of 0 or 100); baseline: vanilla "
-            "SGLang dense on FlashInfer; " + PRE_RECALL_FIX, superseded=True)
+            "SGLang dense on FlashInfer; sparse: pariskv_triton, top-k 100, 800 candidates")
       for length in ("2k", "4k", "8k")],
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
             path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "
             "prompts, the server's selector (Triton kernels on the GPU)",
-            note=PRE_RECALL_FIX, superseded=True, extract=_selection_recall(length))
+            extract=_selection_recall(length))
       for length in ("2k", "4k", "8k")],
     *[Claim(f"sparse.selector_recall_{length}", SELECTOR_RECALL, f"recall_{length}",
             baseline_variant="torch-reference", ours_variant="kernels", higher_is_better=True,

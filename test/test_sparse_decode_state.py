@@ -394,6 +394,25 @@ def test_offload_refuses_settings_that_would_read_freed_slots(change, message):
         backends.check_offload_settings(runner)
 
 
+def test_a_pool_too_small_for_an_offloaded_prefill_is_refused_at_start():
+    """A prompt longer than the pool holds threshold + 2 chunks + sink + local pool tokens while
+    it is prefilled; a pool smaller than that would leave it waiting for good (as a 64K-token
+    pool with threshold 32K and 16K chunks did on the H200), so the server does not start."""
+    from sglang_pic.sparse import backends
+
+    cfg = SparseDecodeConfig(threshold=32768, sink=16, local=128)
+
+    def runner(pool, chunk=16384):
+        return SimpleNamespace(server_args=SimpleNamespace(chunked_prefill_size=chunk),
+                               max_total_num_tokens=pool)
+
+    with pytest.raises(SparseDecodeUnsupported, match=r"= 65680 pool tokens.*--sparse-threshold"):
+        backends.check_offloaded_prefill_fits(runner(65536), cfg, 1 << 20)
+    backends.check_offloaded_prefill_fits(runner(65536, chunk=8192), cfg, 1 << 20)
+    backends.check_offloaded_prefill_fits(runner(65680), cfg, 1 << 20)
+    backends.check_offloaded_prefill_fits(runner(65536), cfg, 65536)  # no prompt over the pool
+
+
 def test_a_release_lets_the_scheduler_try_to_admit_waiting_requests_again(monkeypatch):
     """SGLang stops admitting once a waiting request did not fit, until a request finishes;
     slots offloading frees mid-request clear that mark (once per release)."""

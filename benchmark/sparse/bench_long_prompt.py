@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=80)
     ap.add_argument("--chunk", type=int, default=16384, help="--chunked-prefill-size")
+    ap.add_argument("--threshold", type=int, default=16384, help="--sparse-threshold")
     ap.add_argument("--variants", default="vanilla,sglang-pic")
     ap.add_argument("--timeout", type=float, default=590)
     ap.add_argument("--out", default=None)
@@ -130,8 +131,10 @@ def main() -> None:
         import json
 
         engine_kwargs["json_model_override_args"] = json.dumps(QWEN25_7B_SHAPE)
+    # a prompt longer than the pool holds threshold + 2 chunks + sink + local pool tokens while
+    # it is prefilled (49K here: the server refuses a pool smaller than that)
     sparse_env = {"SGLANG_PIC_SPARSE_MAX_REQUESTS": 1, "SGLANG_PIC_SPARSE_MAX_CONTEXT": context,
-                  "SGLANG_PIC_SPARSE_OFFLOAD": 1}
+                  "SGLANG_PIC_SPARSE_OFFLOAD": 1, "SGLANG_PIC_SPARSE_THRESHOLD": args.threshold}
     params = {"lengths": lengths, "pool_tokens": args.pool_tokens, "shape": args.shape,
               "short": args.short, "long": args.long, "seed": 0, "vocab": 128000,
               "warm_tokens": 40000, "sparse_env": sparse_env}

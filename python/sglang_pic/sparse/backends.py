@@ -121,6 +121,23 @@ def check_offload_settings(model_runner) -> None:
         _refuse("--sparse-offload before SGLang created its token allocator")
 
 
+def check_offloaded_prefill_fits(model_runner, cfg: SparseDecodeConfig, max_context: int) -> None:
+    """A prompt longer than the GPU pool is admitted on a credit (``prefill_offload``): it holds
+    at most ``pool_need`` tokens of the pool while it is prefilled. A pool smaller than that
+    could never admit it, and the request would wait for good, so the server refuses to start."""
+    chunk = getattr(model_runner.server_args, "chunked_prefill_size", None)
+    pool = getattr(model_runner, "max_total_num_tokens", None)
+    if not chunk or chunk <= 0 or not pool or max_context <= pool:
+        return
+    peak = prefill_offload.pool_need(cfg, chunk, max_context)
+    if peak > pool:
+        _refuse(f"--sparse-offload with prompts of up to {max_context} tokens on a GPU pool of "
+                f"{pool}: a prompt longer than the pool holds --sparse-threshold {cfg.threshold}"
+                f" + 2 x --chunked-prefill-size {chunk} + sink {cfg.sink} + local {cfg.local} ="
+                f" {peak} pool tokens while it is prefilled (lower --sparse-threshold or "
+                "--chunked-prefill-size, or give the pool more memory)")
+
+
 def _as_list(values) -> list[int] | None:
     """SGLang's per-request CPU lengths (a list or a CPU tensor) as a list."""
     if values is None:
@@ -193,6 +210,7 @@ def _offload(state: SparseDecodeState, model_runner, layers: int, kv_heads: int,
              capacity: int, kv_dtype: torch.dtype) -> None:
     check_offload_settings(model_runner)
     cfg = state.cfg
+    check_offloaded_prefill_fits(model_runner, cfg, capacity + cfg.sink + cfg.local)
     need = HostKVRegion.bytes_needed(layers, cfg.max_requests, kv_heads, capacity, head_dim,
                                      kv_dtype)
     available = host_memory_available()
