@@ -779,3 +779,54 @@ def test_an_offloaded_prompt_is_admitted_on_a_credit_while_a_slot_is_free(monkey
     assert admit(request("short", 150)) == 0  # below the threshold: never credited
     r1.finished = lambda: True  # r1 ended in its prefill (one new token), no slot taken
     assert admit(request("r3", 900)) == 900 - need
+
+
+def test_a_decode_step_finds_its_requests_by_rid_without_reading_the_gpu():
+    """Per decode step the backend needs each row's request row (``req_to_token`` index). The
+    batch has it only as a GPU tensor, whose ``tolist`` waits for the previous step and costs the
+    overlap scheduler its overlap; the requests' extends showed their rows, so a step with known
+    rids (a graph runner's view: the rids its ``load_batch`` hook left) reads no GPU tensor. A
+    rid no extend showed falls back to the tensor."""
+    from sglang_pic.sparse import graphs
+    from sglang_pic.sparse.backends import _SparseDecodeMixin
+
+    class NoRead:  # a GPU tensor that must not be read on the CPU
+        def __getitem__(self, _):
+            return self
+
+        def tolist(self):
+            raise AssertionError("read the request rows from the GPU")
+
+    mixin = object.__new__(_SparseDecodeMixin)
+    mixin.sparse = state = make_state(FakePool(3), TorchIndexOps, topk=64, candidates=64)
+    state.note_extend([2, 0], ["a", "b"], [0, 0], [300, 40])
+    decode = SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False)
+
+    def view(rids, pools, lens):
+        return SimpleNamespace(forward_mode=decode, batch_size=len(lens), num_padding=0,
+                               req_pool_indices=pools, seq_lens_cpu=torch.tensor(lens),
+                               seq_lens=torch.tensor(lens), rids=rids)
+
+    dense = mixin._note_batch(view(["a", "b"], NoRead(), [301, 41]))
+    assert dense.tolist() == [1, 41] and state.slots[0].pool_index == 2
+    assert state.slot_of_row[:2].tolist() == [0, -1] and state.row_of_slot.tolist() == [0, 0]
+    # the graph runner's view has no rids: load_batch hands over the batch's
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=mixin))
+    seen = []
+
+    def load_batch(runner_self, forward_batch):
+        seen.append(mixin._note_batch(view(None, NoRead(), [41, 302])).tolist())
+
+    graphs._mixin = _SparseDecodeMixin
+    try:
+        graphs.around_load_batch(load_batch, runner, SimpleNamespace(rids=["b", "a"]))
+    finally:
+        graphs._mixin = None
+    assert seen == [[41, 1]] and mixin.replay_rids is None
+    assert state.slot_of_row[:2].tolist() == [-1, 0] and state.row_of_slot.tolist() == [1, 0]
+    # a request no extend showed (e.g. its KV came from elsewhere): the tensor is read
+    with pytest.raises(AssertionError, match="from the GPU"):
+        mixin._note_batch(view(["c", "a"], NoRead(), [500, 303]))
+    assert mixin._note_batch(view(["c", "a"], torch.tensor([1, 2]), [500, 303])).tolist() \
+        == [1, 1]  # both long: "c" (row 1) took the second slot
+    assert sorted(slot.pool_index for slot in state.slots) == [1, 2]

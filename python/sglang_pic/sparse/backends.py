@@ -256,9 +256,14 @@ class _SparseDecodeMixin:
                 # for the previous step and cost the overlap scheduler its overlap)
                 return self.sparse.skip_decode()
             lens = lens_cpu if lens_cpu is not None else fb.seq_lens
-            return self.sparse.prepare_decode(fb.req_pool_indices[:raw].tolist(),
-                                              lens[:raw].tolist(), fb.seq_lens,
-                                              rids=getattr(fb, "rids", None))
+            # a graph runner's view has no rids: its load_batch hook left the batch's here
+            rids = getattr(fb, "rids", None) or self.replay_rids
+            pools = self.sparse.pool_indices_of(rids[:raw]) \
+                if rids is not None and len(rids) >= raw else None
+            if pools is None:  # a request no extend showed: read the GPU tensor (waits for it)
+                pools = fb.req_pool_indices[:raw].tolist()
+            return self.sparse.prepare_decode(pools, lens[:raw].tolist(), fb.seq_lens,
+                                              rids=rids[:raw] if rids is not None else None)
         if mode.is_extend():
             self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
                                     _as_list(getattr(fb, "extend_prefix_lens_cpu", None)),
@@ -316,6 +321,7 @@ class _SparseDecodeMixin:
         finally:
             fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum = saved
 
+    replay_rids: list[str] | None = None  # set by graphs.py while a decode graph's batch loads
     capturing = False  # set by graphs.py while SGLang captures decode graphs
     capture_sparse = False  # ... and while it captures the set with the sparse part
 

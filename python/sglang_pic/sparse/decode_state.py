@@ -88,6 +88,15 @@ class SparseDecodeState:
         self.idx = torch.full((r, kv_heads, cfg.attended), -1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(r, q_heads, head_dim, dtype=torch.float32, device=dev)
         self.rid_of_pool: dict[int, str] = {}
+        self.pool_of_rid: dict[str, int] = {}  # its inverse: decode steps find rows by rid
+        # host staging of slot_of_row + row_of_slot, two buffers used in turn: copied without
+        # blocking, since a blocking copy from pageable memory waits for the GPU's previous step
+        # and would cost the overlap scheduler its overlap at every sparse step
+        pin = dev.type == "cuda"
+        self._staging = [torch.empty(max_batch + r, dtype=torch.int64, pin_memory=pin)
+                         for _ in range(2)]
+        self._staging_copied: list = [None, None]  # the CUDA event of each buffer's last copy
+        self._staging_turn = 0
         self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
         self.active = False
         self.rows: list[int] = []  # batch rows decoding sparsely this step
@@ -125,7 +134,7 @@ class SparseDecodeState:
             if rid is None or rid != self.rid_of_pool.get(p):
                 self.too_long.discard(p)  # another request: its length is its own
             if rid is not None:
-                self.rid_of_pool[p] = rid
+                self._note_rid(p, rid)
             for s, slot in enumerate(self.slots):
                 if slot is None or slot.pool_index != p:
                     continue
@@ -143,6 +152,19 @@ class SparseDecodeState:
             for i, p in enumerate(pool_indices):
                 self._offload_prefix(i, p, prefix_lens[i], extend_lens[i], starts[i],
                                      rids[i] if rids is not None else None)
+
+    def _note_rid(self, pool_index: int, rid: str) -> None:
+        old = self.rid_of_pool.get(pool_index)
+        if old is not None and old != rid:
+            self.pool_of_rid.pop(old, None)
+        self.rid_of_pool[pool_index] = rid
+        self.pool_of_rid[rid] = pool_index
+
+    def pool_indices_of(self, rids: list[str]) -> list[int] | None:
+        """The request rows (``req_to_token`` rows) of ``rids``, as their extends showed them;
+        None if one is unknown (the caller then reads the batch's GPU tensor)."""
+        pools = [self.pool_of_rid.get(rid) for rid in rids]
+        return None if None in pools else pools
 
     def _offload_prefix(self, row: int, pool_index: int, prefix: int, extend: int, q_start: int,
                         rid: str | None) -> None:
@@ -163,7 +185,7 @@ class SparseDecodeState:
                 return
             n_ret = prefix - cfg.sink - cfg.local
             if rid is not None:
-                self.rid_of_pool[pool_index] = rid
+                self._note_rid(pool_index, rid)
             self._take_slot(k, pool_index, n_ret, prefix + extend)
             self.slots[k].prefilling = True
             logger.info("sparse decode: a prompt offloads its prefill after %d tokens (slot %d)",
@@ -217,12 +239,11 @@ class SparseDecodeState:
                                "capacity (%d); it decodes densely", n, self.capacity)
                 continue
             if rids is not None:
-                self.rid_of_pool[p] = rids[row]
+                self._note_rid(p, rids[row])
             k = self._free_slot(in_batch)
             if k is not None:
                 self._activate(k, p, n)
                 slot_of_pool[p] = k
-        self.slot_of_row.fill_(-1)
         rows, slots = [], []
         for k, slot in enumerate(self.slots):
             if slot is None:
@@ -238,18 +259,33 @@ class SparseDecodeState:
             slots.append(k)
         self.active = bool(rows)
         self.rows = rows
-        dense_lens = seq_lens_dev
-        if rows:
-            self._count("sparse_steps", len(rows))
-            dev = self.slot_of_row.device
-            row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-            slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-            self.slot_of_row[row_t] = slot_t
-            self.row_of_slot.zero_()
-            self.row_of_slot[slot_t] = row_t
-            dense_lens = seq_lens_dev.clone()
-            dense_lens[row_t] = 1
-        return dense_lens
+        self._upload_rows(rows, slots)
+        if not rows:
+            return seq_lens_dev
+        self._count("sparse_steps", len(rows))
+        sparse_row = self.slot_of_row[: seq_lens_dev.shape[0]] >= 0
+        return torch.where(sparse_row, torch.ones_like(seq_lens_dev), seq_lens_dev)
+
+    def _upload_rows(self, rows: list[int], slots: list[int]) -> None:
+        """``slot_of_row`` (-1 for dense rows) and ``row_of_slot`` (0 for idle slots) of this
+        step, written in a host buffer and copied without blocking the CPU."""
+        turn = self._staging_turn
+        self._staging_turn ^= 1
+        buf = self._staging[turn]
+        if self._staging_copied[turn] is not None:
+            self._staging_copied[turn].synchronize()  # its copy two steps ago has read it
+        n = self.slot_of_row.numel()
+        buf[:n] = -1
+        buf[n:] = 0
+        for row, k in zip(rows, slots, strict=True):
+            buf[row] = k
+            buf[n + k] = row
+        self.slot_of_row.copy_(buf[:n], non_blocking=True)
+        self.row_of_slot.copy_(buf[n:], non_blocking=True)
+        if buf.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+            self._staging_copied[turn] = event
 
     def _count(self, name: str, n: int) -> None:
         self.stats[name] += n

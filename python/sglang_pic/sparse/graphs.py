@@ -16,7 +16,9 @@ backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
   ``capture_sparse`` set (``forward_decode`` then records the sparse part);
 - ``_make_graph_key``: adds ``pariskv`` to the variant label while capturing that second set,
   and at replay when the batch has sparse rows (``load_batch`` makes the key after the
-  backend's ``init_forward_metadata_out_graph``, which decided that).
+  backend's ``init_forward_metadata_out_graph``, which decided that);
+- ``load_batch``: hands the batch's request ids to the backend for that metadata init (the
+  padded view it gets has none), so it finds the requests' rows without reading the GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def register() -> None:
     HookRegistry.register(f"{RUNNER}._capture_one_stream", around_capture_one_stream,
                           HookType.AROUND)
     HookRegistry.register(f"{RUNNER}._make_graph_key", around_make_graph_key, HookType.AROUND)
+    HookRegistry.register(f"{RUNNER}.load_batch", around_load_batch, HookType.AROUND)
 
 
 _mixin: type | None = None
@@ -70,3 +73,17 @@ def around_make_graph_key(original, self, size, stream_idx=None, variant_label=N
     if backend is not None and backend.wants_sparse_graph():
         variant_label = f"{variant_label}+{LABEL}" if variant_label else LABEL
     return original(self, size, stream_idx, variant_label)
+
+
+def around_load_batch(original, self, forward_batch, *args, **kwargs):
+    """The batch's request ids, for the backend's replay-side metadata init: the view SGLang
+    hands it has the batch's tensors but not its rids, and without them the backend would read
+    the request rows from the GPU (``tolist``), waiting for the previous step to finish."""
+    backend = _sparse_backend(self)
+    if backend is None:
+        return original(self, forward_batch, *args, **kwargs)
+    backend.replay_rids = getattr(forward_batch, "rids", None)
+    try:
+        return original(self, forward_batch, *args, **kwargs)
+    finally:
+        backend.replay_rids = None
