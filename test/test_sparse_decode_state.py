@@ -781,14 +781,14 @@ def test_an_offloaded_prompt_is_admitted_on_a_credit_while_a_slot_is_free(monkey
     assert admit(request("r3", 900)) == 900 - need
 
 
-def test_a_decode_step_finds_its_requests_by_rid_without_reading_the_gpu():
+def test_a_decode_step_finds_its_request_rows_without_reading_the_gpu():
     """Per decode step the backend needs each row's request row (``req_to_token`` index). The
-    batch has it only as a GPU tensor, whose ``tolist`` waits for the previous step and costs the
-    overlap scheduler its overlap; the requests' extends showed their rows, so a step with known
-    rids (a graph runner's view: the rids its ``load_batch`` hook left) reads no GPU tensor. A
-    rid no extend showed falls back to the tensor."""
+    ForwardBatch has it as a GPU tensor, whose ``tolist`` waits for the previous step and costs
+    the overlap scheduler its overlap; the ``init_new`` hook copies it from the batch's requests
+    as host ints, and a graph replay's view (which lacks it) gets the batch from the
+    ``load_batch`` hook. A batch without it (no requests) falls back to the tensor."""
     from sglang_pic.sparse import graphs
-    from sglang_pic.sparse.backends import _SparseDecodeMixin
+    from sglang_pic.sparse.backends import REQUEST_ROWS, _SparseDecodeMixin, record_request_rows
 
     class NoRead:  # a GPU tensor that must not be read on the CPU
         def __getitem__(self, _):
@@ -799,34 +799,45 @@ def test_a_decode_step_finds_its_requests_by_rid_without_reading_the_gpu():
 
     mixin = object.__new__(_SparseDecodeMixin)
     mixin.sparse = state = make_state(FakePool(3), TorchIndexOps, topk=64, candidates=64)
-    state.note_extend([2, 0], ["a", "b"], [0, 0], [300, 40])
+    runner = SimpleNamespace(attn_backend=mixin)
     decode = SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False)
 
-    def view(rids, pools, lens):
-        return SimpleNamespace(forward_mode=decode, batch_size=len(lens), num_padding=0,
-                               req_pool_indices=pools, seq_lens_cpu=torch.tensor(lens),
-                               seq_lens=torch.tensor(lens), rids=rids)
+    def forward_batch(reqs, lens, pools=None):
+        """What ForwardBatch.init_new builds, through the AFTER hook."""
+        fb = SimpleNamespace(forward_mode=decode, batch_size=len(lens), num_padding=0,
+                             req_pool_indices=NoRead() if pools is None else pools,
+                             seq_lens_cpu=torch.tensor(lens), seq_lens=torch.tensor(lens),
+                             rids=[r.rid for r in reqs])
+        record_request_rows(fb, None, SimpleNamespace(reqs=reqs), runner)
+        return fb
 
-    dense = mixin._note_batch(view(["a", "b"], NoRead(), [301, 41]))
+    a, b = (SimpleNamespace(rid=rid, req_pool_idx=p) for rid, p in (("a", 2), ("b", 0)))
+    dense = mixin._note_batch(forward_batch([a, b], [301, 41]))
     assert dense.tolist() == [1, 41] and state.slots[0].pool_index == 2
     assert state.slot_of_row[:2].tolist() == [0, -1] and state.row_of_slot.tolist() == [0, 0]
-    # the graph runner's view has no rids: load_batch hands over the batch's
-    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=mixin))
+    # a graph replay: the backend sees a padded view without the batch's host-side fields
+    graph_runner = SimpleNamespace(model_runner=runner)
     seen = []
 
-    def load_batch(runner_self, forward_batch):
-        seen.append(mixin._note_batch(view(None, NoRead(), [41, 302])).tolist())
+    def load_batch(runner_self, fb):
+        padded = SimpleNamespace(forward_mode=decode, batch_size=4, num_padding=2,
+                                 req_pool_indices=NoRead(), seq_lens=torch.tensor([41, 302, 1, 1]),
+                                 seq_lens_cpu=torch.tensor([41, 302, 1, 1]))
+        seen.append(mixin._note_batch(padded).tolist())
 
     graphs._mixin = _SparseDecodeMixin
     try:
-        graphs.around_load_batch(load_batch, runner, SimpleNamespace(rids=["b", "a"]))
+        graphs.around_load_batch(load_batch, graph_runner, forward_batch([b, a], [41, 302]))
     finally:
         graphs._mixin = None
-    assert seen == [[41, 1]] and mixin.replay_rids is None
+    assert seen == [[41, 1, 1, 1]] and mixin.replay_batch is None
     assert state.slot_of_row[:2].tolist() == [-1, 0] and state.row_of_slot.tolist() == [1, 0]
-    # a request no extend showed (e.g. its KV came from elsewhere): the tensor is read
-    with pytest.raises(AssertionError, match="from the GPU"):
-        mixin._note_batch(view(["c", "a"], NoRead(), [500, 303]))
-    assert mixin._note_batch(view(["c", "a"], torch.tensor([1, 2]), [500, 303])).tolist() \
-        == [1, 1]  # both long: "c" (row 1) took the second slot
+    # not a sparse server: the hook leaves the batch alone
+    other = SimpleNamespace()
+    record_request_rows(other, None, SimpleNamespace(reqs=[a]), SimpleNamespace(attn_backend=1))
+    assert not hasattr(other, REQUEST_ROWS)
+    # a batch whose rows are unknown: the tensor is read
+    fb = forward_batch([], [500, 303], pools=torch.tensor([1, 2]))
+    fb.rids = ["c", "a"]
+    assert mixin._note_batch(fb).tolist() == [1, 1]  # both long: "c" (row 1) took a slot
     assert sorted(slot.pool_index for slot in state.slots) == [1, 2]

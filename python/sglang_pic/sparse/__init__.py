@@ -58,6 +58,7 @@ def register() -> None:
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
     graphs.register()
+    HookRegistry.register(backends.INIT_NEW_HOOK, backends.record_request_rows, HookType.AFTER)
     # always registered: it reads the variables per request (SGLang's own launcher sets them
     # after this ran) and returns at once without --sparse-offload
     HookRegistry.register(admission.HOOK_TARGET, admission.check_request_length,

@@ -138,6 +138,24 @@ def check_offloaded_prefill_fits(model_runner, cfg: SparseDecodeConfig, max_cont
                 "--chunked-prefill-size, or give the pool more memory)")
 
 
+INIT_NEW_HOOK = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+REQUEST_ROWS = "sparse_request_rows"
+"""The ForwardBatch attribute ``record_request_rows`` sets: each request's ``req_to_token`` row."""
+
+
+def record_request_rows(result, cls, batch, model_runner=None, *args, **kwargs) -> None:
+    """AFTER ``ForwardBatch.init_new(batch, model_runner)``: the batch's request rows as host
+    ints, from its requests. The ForwardBatch has them only as a GPU tensor, whose ``tolist``
+    in a decode step's bookkeeping waits for the previous step, costing SGLang's overlap
+    scheduler its overlap at every sparse step (servers without a sparse backend: nothing)."""
+    runner = model_runner if model_runner is not None else kwargs.get("model_runner")
+    if not isinstance(getattr(runner, "attn_backend", None), _SparseDecodeMixin):
+        return
+    reqs = getattr(batch, "reqs", None)
+    if reqs:
+        setattr(result, REQUEST_ROWS, [req.req_pool_idx for req in reqs])
+
+
 def _as_list(values) -> list[int] | None:
     """SGLang's per-request CPU lengths (a list or a CPU tensor) as a list."""
     if values is None:
@@ -256,13 +274,14 @@ class _SparseDecodeMixin:
                 # for the previous step and cost the overlap scheduler its overlap)
                 return self.sparse.skip_decode()
             lens = lens_cpu if lens_cpu is not None else fb.seq_lens
-            # a graph runner's view has no rids: its load_batch hook left the batch's here
-            rids = getattr(fb, "rids", None) or self.replay_rids
-            pools = self.sparse.pool_indices_of(rids[:raw]) \
-                if rids is not None and len(rids) >= raw else None
-            if pools is None:  # a request no extend showed: read the GPU tensor (waits for it)
-                pools = fb.req_pool_indices[:raw].tolist()
-            return self.sparse.prepare_decode(pools, lens[:raw].tolist(), fb.seq_lens,
+            # a graph runner's view lacks the batch's host-side fields: load_batch left it here
+            batch = fb if hasattr(fb, "rids") else (self.replay_batch or fb)
+            rids = getattr(batch, "rids", None)
+            pools = getattr(batch, REQUEST_ROWS, None)
+            if pools is None or len(pools) < raw or None in pools[:raw]:
+                pools = fb.req_pool_indices[:raw].tolist()  # waits for the previous step
+            return self.sparse.prepare_decode(list(pools[:raw]), lens[:raw].tolist(),
+                                              fb.seq_lens,
                                               rids=rids[:raw] if rids is not None else None)
         if mode.is_extend():
             self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
@@ -321,7 +340,7 @@ class _SparseDecodeMixin:
         finally:
             fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum = saved
 
-    replay_rids: list[str] | None = None  # set by graphs.py while a decode graph's batch loads
+    replay_batch = None  # the ForwardBatch a decode graph replays (graphs.around_load_batch)
     capturing = False  # set by graphs.py while SGLang captures decode graphs
     capture_sparse = False  # ... and while it captures the set with the sparse part
 

@@ -88,7 +88,6 @@ class SparseDecodeState:
         self.idx = torch.full((r, kv_heads, cfg.attended), -1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(r, q_heads, head_dim, dtype=torch.float32, device=dev)
         self.rid_of_pool: dict[int, str] = {}
-        self.pool_of_rid: dict[str, int] = {}  # its inverse: decode steps find rows by rid
         # host staging of slot_of_row + row_of_slot, two buffers used in turn: copied without
         # blocking, since a blocking copy from pageable memory waits for the GPU's previous step
         # and would cost the overlap scheduler its overlap at every sparse step
@@ -134,7 +133,7 @@ class SparseDecodeState:
             if rid is None or rid != self.rid_of_pool.get(p):
                 self.too_long.discard(p)  # another request: its length is its own
             if rid is not None:
-                self._note_rid(p, rid)
+                self.rid_of_pool[p] = rid
             for s, slot in enumerate(self.slots):
                 if slot is None or slot.pool_index != p:
                     continue
@@ -152,19 +151,6 @@ class SparseDecodeState:
             for i, p in enumerate(pool_indices):
                 self._offload_prefix(i, p, prefix_lens[i], extend_lens[i], starts[i],
                                      rids[i] if rids is not None else None)
-
-    def _note_rid(self, pool_index: int, rid: str) -> None:
-        old = self.rid_of_pool.get(pool_index)
-        if old is not None and old != rid:
-            self.pool_of_rid.pop(old, None)
-        self.rid_of_pool[pool_index] = rid
-        self.pool_of_rid[rid] = pool_index
-
-    def pool_indices_of(self, rids: list[str]) -> list[int] | None:
-        """The request rows (``req_to_token`` rows) of ``rids``, as their extends showed them;
-        None if one is unknown (the caller then reads the batch's GPU tensor)."""
-        pools = [self.pool_of_rid.get(rid) for rid in rids]
-        return None if None in pools else pools
 
     def _offload_prefix(self, row: int, pool_index: int, prefix: int, extend: int, q_start: int,
                         rid: str | None) -> None:
@@ -185,7 +171,7 @@ class SparseDecodeState:
                 return
             n_ret = prefix - cfg.sink - cfg.local
             if rid is not None:
-                self._note_rid(pool_index, rid)
+                self.rid_of_pool[pool_index] = rid
             self._take_slot(k, pool_index, n_ret, prefix + extend)
             self.slots[k].prefilling = True
             logger.info("sparse decode: a prompt offloads its prefill after %d tokens (slot %d)",
@@ -239,7 +225,7 @@ class SparseDecodeState:
                                "capacity (%d); it decodes densely", n, self.capacity)
                 continue
             if rids is not None:
-                self._note_rid(p, rids[row])
+                self.rid_of_pool[p] = rids[row]
             k = self._free_slot(in_batch)
             if k is not None:
                 self._activate(k, p, n)

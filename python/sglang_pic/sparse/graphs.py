@@ -17,8 +17,8 @@ backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
 - ``_make_graph_key``: adds ``pariskv`` to the variant label while capturing that second set,
   and at replay when the batch has sparse rows (``load_batch`` makes the key after the
   backend's ``init_forward_metadata_out_graph``, which decided that);
-- ``load_batch``: hands the batch's request ids to the backend for that metadata init (the
-  padded view it gets has none), so it finds the requests' rows without reading the GPU.
+- ``load_batch``: hands the batch to the backend for that metadata init (the padded view it
+  gets lacks the rids and request rows), so it finds the requests' rows without reading the GPU.
 """
 
 from __future__ import annotations
@@ -76,14 +76,15 @@ def around_make_graph_key(original, self, size, stream_idx=None, variant_label=N
 
 
 def around_load_batch(original, self, forward_batch, *args, **kwargs):
-    """The batch's request ids, for the backend's replay-side metadata init: the view SGLang
-    hands it has the batch's tensors but not its rids, and without them the backend would read
-    the request rows from the GPU (``tolist``), waiting for the previous step to finish."""
+    """The batch itself, for the backend's replay-side metadata init: the padded view SGLang
+    hands it has the batch's tensors but not its host-side fields (rids, the request rows
+    ``backends.record_request_rows`` left), and without them the backend would read the request
+    rows from the GPU (``tolist``), waiting for the previous step to finish."""
     backend = _sparse_backend(self)
     if backend is None:
         return original(self, forward_batch, *args, **kwargs)
-    backend.replay_rids = getattr(forward_batch, "rids", None)
+    backend.replay_batch = forward_batch
     try:
         return original(self, forward_batch, *args, **kwargs)
     finally:
-        backend.replay_rids = None
+        backend.replay_batch = None
