@@ -812,6 +812,10 @@ def test_a_decode_step_finds_its_request_rows_without_reading_the_gpu():
         return fb
 
     a, b = (SimpleNamespace(rid=rid, req_pool_idx=p) for rid, p in (("a", 2), ("b", 0)))
+    prefill = forward_batch([a, b], [300, 40])  # an extend batch: its rows the same way
+    prefill.forward_mode = SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True)
+    prefill.extend_prefix_lens_cpu, prefill.extend_seq_lens_cpu = [0, 0], [300, 40]
+    assert mixin._note_batch(prefill) is None and state.rid_of_pool == {2: "a", 0: "b"}
     dense = mixin._note_batch(forward_batch([a, b], [301, 41]))
     assert dense.tolist() == [1, 41] and state.slots[0].pool_index == 2
     assert state.slot_of_row[:2].tolist() == [0, -1] and state.row_of_slot.tolist() == [0, 0]

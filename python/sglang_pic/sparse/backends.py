@@ -277,17 +277,23 @@ class _SparseDecodeMixin:
             # a graph runner's view lacks the batch's host-side fields: load_batch left it here
             batch = fb if hasattr(fb, "rids") else (self.replay_batch or fb)
             rids = getattr(batch, "rids", None)
-            pools = getattr(batch, REQUEST_ROWS, None)
-            if pools is None or len(pools) < raw or None in pools[:raw]:
-                pools = fb.req_pool_indices[:raw].tolist()  # waits for the previous step
-            return self.sparse.prepare_decode(list(pools[:raw]), lens[:raw].tolist(),
-                                              fb.seq_lens,
+            return self.sparse.prepare_decode(self._request_rows(batch, fb, raw),
+                                              lens[:raw].tolist(), fb.seq_lens,
                                               rids=rids[:raw] if rids is not None else None)
         if mode.is_extend():
-            self.sparse.note_extend(fb.req_pool_indices[:raw].tolist(), getattr(fb, "rids", None),
+            self.sparse.note_extend(self._request_rows(fb, fb, raw), getattr(fb, "rids", None),
                                     _as_list(getattr(fb, "extend_prefix_lens_cpu", None)),
                                     _as_list(getattr(fb, "extend_seq_lens_cpu", None)))
         return None
+
+    @staticmethod
+    def _request_rows(batch, fb, raw: int) -> list[int]:
+        """The first ``raw`` rows' ``req_to_token`` rows: as ``record_request_rows`` left them
+        on ``batch``, else read from ``fb``'s GPU tensor (which waits for the previous step)."""
+        rows = getattr(batch, REQUEST_ROWS, None)
+        if rows is None or len(rows) < raw or None in rows[:raw]:
+            return fb.req_pool_indices[:raw].tolist()
+        return list(rows[:raw])
 
     @contextlib.contextmanager
     def _extend_view(self, fb):
