@@ -845,3 +845,27 @@ def test_a_decode_step_finds_its_request_rows_without_reading_the_gpu():
     fb.rids = ["c", "a"]
     assert mixin._note_batch(fb).tolist() == [1, 1]  # both long: "c" (row 1) took a slot
     assert sorted(slot.pool_index for slot in state.slots) == [1, 2]
+
+
+def test_a_batch_that_may_attend_an_offloaded_prefix_keeps_off_prefill_graphs(monkeypatch):
+    """SGLang's prefill graph runner builds the dense kernel's metadata from its own view of the
+    batch, which would read an offloaded prefix's freed slots: a batch with a row past the
+    threshold (or one that does not say its prefixes) runs eagerly; others ask SGLang."""
+    from sglang_pic.sparse import prefill_offload
+
+    state = make_state(FakePool(1), TorchIndexOps)  # threshold 200
+    asked = []
+
+    def can_run_graph(runner, fb):
+        asked.append(fb.extend_prefix_lens_cpu)
+        return True
+
+    def run(prefix):
+        fb = SimpleNamespace(extend_prefix_lens_cpu=prefix)
+        return prefill_offload.keep_offloaded_prefill_eager(can_run_graph, None, fb)
+
+    monkeypatch.setattr(prefill_offload, "_state", None)  # no offloading in this process
+    assert run([900]) is True
+    monkeypatch.setattr(prefill_offload, "_state", state)
+    assert run([0, 200]) is True and run([0, 201]) is False and run(None) is False
+    assert asked == [[900], [0, 200]]

@@ -73,3 +73,5 @@ def register() -> None:
                               prefill_offload.admit_offloaded_prompt, HookType.AROUND)
         HookRegistry.register(prefill_offload.NEW_TOKENS_HOOK, prefill_offload.clip_new_tokens,
                               HookType.AROUND)
+        HookRegistry.register(prefill_offload.PREFILL_GRAPH_HOOK,
+                              prefill_offload.keep_offloaded_prefill_eager, HookType.AROUND)

@@ -26,7 +26,9 @@ Three hooks, registered with ``--sparse-offload`` only, change that for prompts 
 region's ``--sparse-max-context``), ``clip_new_tokens`` (AROUND
 ``Scheduler.init_req_max_new_tokens``: SGLang would leave such a prompt no new tokens) and
 ``admit_offloaded_prompt`` (AROUND ``PrefillAdder.add_one_req``: such a prompt is charged
-``threshold + 2 chunks``, its peak in the pool, while a sparse slot is free for it).
+``threshold + 2 chunks``, its peak in the pool, while a sparse slot is free for it). A fourth,
+``keep_offloaded_prefill_eager`` (AROUND ``PrefillCudaGraphRunner.can_run_graph``), keeps the
+batches that may attend an offloaded prefix off SGLang's prefill CUDA graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from .config import SparseDecodeConfig
 WORKER_INFO_HOOK = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
 ADMISSION_HOOK = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 NEW_TOKENS_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
+PREFILL_GRAPH_HOOK = ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
+                      "PrefillCudaGraphRunner.can_run_graph")
 _SCORE_ELEMENTS = 1 << 26
 """fp32 scores per block of the fallback attention (256 MiB)."""
 
@@ -200,3 +204,19 @@ def admit_offloaded_prompt(original, self, req, *args, **kwargs):
     if req in self.can_run_list:
         _credited.add(req)
     return result
+
+
+def keep_offloaded_prefill_eager(original, self, forward_batch, *args, **kwargs):
+    """AROUND ``PrefillCudaGraphRunner.can_run_graph(forward_batch)``: an extend batch with a
+    row whose computed prefix is past the threshold may attend a prefix in host memory. That
+    row's attention is set up per batch on the eager path (``attend_prefill``, and the dense
+    kernel's metadata built without that prefix: ``backends._extend_view``); SGLang's prefill
+    graph runner builds the metadata from its own padded view, where the dense kernel would read
+    the prefix's freed pool slots. Such batches run eagerly; a batch that does not say its
+    prefixes is not sent to a graph either."""
+    state = _state
+    if state is not None:
+        prefix = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        if prefix is None or any(int(n) > state.cfg.threshold for n in prefix):
+            return False
+    return original(self, forward_batch, *args, **kwargs)
