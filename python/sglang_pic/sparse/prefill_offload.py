@@ -164,8 +164,8 @@ def release_finished_slots(scheduler, running_batch) -> bool:
     slots are otherwise reclaimed, and its slot would keep the next long prompt out for good.
     Returns whether any was released."""
     state = _state
-    if state is None:
-        return False
+    if state is None or all(slot is None for slot in state.slots):
+        return False  # nothing to release: the running batch is not read (every iteration)
     live = {req.req_pool_idx for req in running_batch.reqs}
     chunked = getattr(scheduler, "chunked_req", None)
     if chunked is not None:
