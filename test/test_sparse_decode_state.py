@@ -60,7 +60,7 @@ def make_state(pool: FakePool, ops_cls, **cfg) -> SparseDecodeState:
 
 
 def step(state, pool_indices, lens):
-    return state.prepare_decode(pool_indices, lens, torch.tensor(lens, device=state.idx.device))
+    return state.prepare_decode(pool_indices, lens, torch.tensor(lens, device=state.n_ret.device))
 
 
 @pytest.mark.parametrize("ops_cls,device", OPS)
@@ -69,7 +69,7 @@ def test_sparse_rows_equal_dense_when_every_key_is_selectable(ops_cls, device):
     # topk and candidates cover the whole retrieval region: the selection is everything
     state = make_state(pool, ops_cls, topk=512, candidates=512, max_context=MAX_CTX)
     state.warm_up()  # what the GPU backend runs before CUDA-graph capture: no slot, no effect
-    assert not state.active and (state.idx == -1).all()
+    assert not state.active and not state.win_len.any() and (state.row_of_slot == -1).all()
     lens = [300, 40, 420]  # rows 0 and 2 are long, row 1 short
     dense_lens = step(state, [0, 1, 2], lens)
     assert dense_lens.tolist() == [1, 40, 1] and state.active
@@ -103,7 +103,7 @@ def test_retrieval_finds_planted_keys_and_attention_tracks_dense(ops_cls, device
     step(state, [0], [n])
     o = torch.zeros(1, HQ, D, device=device)
     state.attend(0, q[None], o, 1 / math.sqrt(D))
-    picked = state.idx[0, :, 4 : 4 + 8]
+    picked = pool.req_to_token[0][state.selected[0].long() + 4]  # selected rows' pool slots
     want = pool.req_to_token[0, planted].int()
     for h in range(HKV):
         assert set(want.tolist()) <= set(picked[h].tolist())
@@ -185,10 +185,10 @@ def test_window_slides_in_update_steps_and_idx_lists_sink_selected_window():
         step(state, [0], [n + t])
     assert slot.n_ret == n - 4 - 32 + 2 * 16
     assert state.stats["encoded_tokens"] == (n - 36) + 2 * 16
-    idx = state.idx[0, 0].tolist()
+    idx = state.win_idx[0, : int(state.win_len[0])].tolist()
     r2t = pool.req_to_token[0].tolist()
     assert idx[:4] == r2t[:4]  # sink
-    window = [s for s in idx[4 + 8 :] if s >= 0]
+    window = idx[4:]
     assert window == r2t[4 + slot.n_ret : n + 39]  # the window: what the region does not hold
     assert len(window) == n + 39 - 4 - slot.n_ret <= 32 + 16
     assert state.ops.index[0][0].n == slot.n_ret  # each layer's index grew with the region
@@ -209,7 +209,7 @@ def test_slots_follow_requests():
     step(state, [0], [304])
     # request a finished; its pool index is prefilled for request b: the slot is released
     state.note_extend([0], ["b"], [0], [350])
-    assert state.slots[0] is None and not state.n_ret.any() and (state.idx == -1).all()
+    assert state.slots[0] is None and not state.n_ret.any() and not state.win_len.any()
     # a long request takes the slot of one that is no longer decoding
     step(state, [2], [500])
     assert state.slots[0].pool_index == 2
@@ -818,7 +818,7 @@ def test_a_decode_step_finds_its_request_rows_without_reading_the_gpu():
     assert mixin._note_batch(prefill) is None and state.rid_of_pool == {2: "a", 0: "b"}
     dense = mixin._note_batch(forward_batch([a, b], [301, 41]))
     assert dense.tolist() == [1, 41] and state.slots[0].pool_index == 2
-    assert state.slot_of_row[:2].tolist() == [0, -1] and state.row_of_slot.tolist() == [0, 0]
+    assert state.slot_of_row[:2].tolist() == [0, -1] and state.row_of_slot.tolist() == [0, -1]
     # a graph replay: the backend sees a padded view without the batch's host-side fields
     graph_runner = SimpleNamespace(model_runner=runner)
     seen = []
@@ -835,7 +835,7 @@ def test_a_decode_step_finds_its_request_rows_without_reading_the_gpu():
     finally:
         graphs._mixin = None
     assert seen == [[41, 1, 1, 1]] and mixin.replay_batch is None
-    assert state.slot_of_row[:2].tolist() == [-1, 0] and state.row_of_slot.tolist() == [1, 0]
+    assert state.slot_of_row[:2].tolist() == [-1, 0] and state.row_of_slot.tolist() == [1, -1]
     # not a sparse server: the hook leaves the batch alone
     other = SimpleNamespace()
     record_request_rows(other, None, SimpleNamespace(reqs=[a]), SimpleNamespace(attn_backend=1))

@@ -175,7 +175,8 @@ def selection_recall(ops, per_layer: list[tuple], knobs: dict, device: str) -> l
         region = k[sink : sink + n_ret]  # [n_ret, kv_heads, D]
         ops.encode(layer, 0, region.to(dtype).contiguous(), 0)
         n_ret_t = torch.tensor([n_ret], dtype=torch.int32, device=device)
-        rows = ops.select(layer, q[None].to(dtype), n_ret_t)[0]  # [kv_heads, topk]
+        slot_row = torch.zeros(1, dtype=torch.int64, device=device)
+        rows = ops.select(layer, q[None].to(dtype), slot_row, n_ret_t)[0]  # [kv_heads, topk]
         qg = q.float().view(hkv, -1, d)
         exact = torch.einsum("hgd,nhd->hgn", qg, region.float()).amax(1).topk(topk, -1).indices
         hits = [len(set(rows[h].tolist()) & set(exact[h].tolist())) / topk for h in range(hkv)]

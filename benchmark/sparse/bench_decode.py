@@ -78,7 +78,9 @@ def _dense(batch: int, ctx: int, q, ks, vs):
 
 
 def _sweep(layer, q) -> list[dict]:
-    """Selection time of other vote-kernel tilings and histogram sizes, on the same keys."""
+    """Selection time of other vote-kernel tilings (keys per block, keys per program: fewer
+    keys per program means more programs, for a batch of one too few to fill the GPU), on the
+    same keys."""
     import itertools
 
     import torch
@@ -86,10 +88,12 @@ def _sweep(layer, q) -> list[dict]:
     from sglang_pic_kernel.pariskv import Selector
 
     out = []
-    for block_n, nbins in itertools.product((128, 256, 512), (128, 256)):
+    for block_n, span in itertools.product((128, 256, 512), (None, 512, 1024, 2048)):
+        if span is not None and span < block_n:
+            continue
         sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
-                       layer.selector.C, layer.selector.k, block_n=block_n, nbins=nbins,
-                       device=layer.device)
+                       layer.selector.C, layer.selector.k, block_n=block_n, span=span,
+                       device=layer.device, sample_stride=layer.selector.stride)
 
         def step(sel=sel):
             return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
@@ -98,9 +102,9 @@ def _sweep(layer, q) -> list[dict]:
         step()
         us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
         same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
-        out.append({"block_n": block_n, "nbins": nbins, "select_us": us,
+        out.append({"block_n": block_n, "span": sel.span, "nbins": sel.nbins, "select_us": us,
                     "same_selection": same.float().mean().item()})
-        print(f"  sweep block_n={block_n:>4} nbins={nbins:>5}: select {us:7.1f} us "
+        print(f"  sweep block_n={block_n:>4} span={sel.span:>6}: select {us:7.1f} us "
               f"(same picks {out[-1]['same_selection']:.3f})", flush=True)
     return out
 
@@ -163,7 +167,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                     for _ in range(5):
                         layer.attend(q, out)
                     torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
             sweep_rows = _sweep(layer, q) if sweep else None
             # recall@k of the host-region selection vs the exact top-k (max over the group)
             sel = layer.select(q)

@@ -7,9 +7,8 @@ chunk first moves the finished positions to pinned host memory and attends them 
 memory. Vanilla SGLang (FlashInfer) gets a pool as large as the GPU allows and runs the lengths
 that fit it; SGLang's refusal of the others is recorded (``skipped_<length>``).
 
-Per variant and length: prefill time (one request, ``max_new_tokens`` 1, so the time to the first
-token), TPOT from the difference of a ``--long`` and a ``--short`` generation (ignore_eos), and the
-GPU memory in use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads,
+Per variant and length, one streamed generation of ``--long`` tokens (ignore_eos): the prefill
+time is the time to its first token, TPOT the time per token after it; and the GPU memory in use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads,
 half the KV per token), dummy weights, bf16.
 
     python3 benchmark/sparse/bench_long_prompt.py [--lengths 131072,262144,524288]
@@ -50,25 +49,17 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
         for n in params["lengths"]:
             prompt = [int(t) for t in rng.integers(1000, params["vocab"], size=n)]
-            t = time.perf_counter()
             try:
-                first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+                res = _streamed(engine, prompt, params["long"])
             except ValueError as e:  # SGLang's length check
-                first = {"meta_info": {"finish_reason": str(e)}}
-            if not first.get("output_ids"):  # SGLang refused it (longer than its pool)
-                out[f"skipped_{n}"] = str(first.get("meta_info", {}).get("finish_reason"))[:300]
+                res = {"finish_reason": str(e)}
+            if "prefill_s" not in res:  # SGLang refused it (longer than its pool)
+                out[f"skipped_{n}"] = str(res.get("finish_reason"))[:300]
                 print(f"[bench] {tag}: {n} tokens not served: {out[f'skipped_{n}']}", flush=True)
                 continue
-            out[f"prefill_s_{n}"] = time.perf_counter() - t
-            times = {}
-            for new in (params["short"], params["long"]):
-                sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}
-                t = time.perf_counter()
-                res = engine.generate(input_ids=prompt, sampling_params=sp)
-                times[new] = time.perf_counter() - t
-                out[f"output_ids_{n}"] = res.get("output_ids", [])
-            out[f"tpot_ms_{n}"] = 1000 * (times[params["long"]] - times[params["short"]]) / (
-                params["long"] - params["short"])
+            out[f"prefill_s_{n}"] = res["prefill_s"]
+            out[f"tpot_ms_{n}"] = res["tpot_ms"]
+            out[f"output_ids_{n}"] = res["output_ids"]
             print(f"[bench] {tag}: {n} tokens: prefill {out[f'prefill_s_{n}']:.1f} s, TPOT "
                   f"{out[f'tpot_ms_{n}']:.2f} ms", flush=True)
         try:
@@ -81,6 +72,30 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     finally:
         engine.shutdown()
     return out
+
+
+def _streamed(engine, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed generation: the prefill is the time to the first token, TPOT the time per
+    token after it (one prefill per length: a 512K-token prefill takes minutes, and with
+    ``--sparse-offload`` the radix cache is off, so a second generation would prefill again)."""
+    sp = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
+    t0 = time.perf_counter()
+    first = last = None  # (time, tokens so far)
+    ids: list[int] = []
+    finish = None
+    for chunk in engine.generate(input_ids=prompt, sampling_params=sp, stream=True):
+        meta = chunk.get("meta_info", {})
+        tokens = int(meta.get("completion_tokens", 0))
+        finish = meta.get("finish_reason") or finish
+        ids = chunk.get("output_ids", ids)
+        if tokens:
+            last = (time.perf_counter(), tokens)
+            first = first or last
+    if first is None:
+        return {"finish_reason": finish}
+    steps = last[1] - first[1]
+    return {"prefill_s": first[0] - t0, "output_ids": ids, "finish_reason": finish,
+            "tpot_ms": 1000 * (last[0] - first[0]) / steps if steps else float("nan")}
 
 
 def plot(report: dict, out_dir: Path) -> Path | None:
@@ -111,8 +126,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="131072,262144,524288")
     ap.add_argument("--pool-tokens", type=int, default=65536)
     ap.add_argument("--shape", choices=("llama3-8b", "qwen2.5-7b"), default="llama3-8b")
-    ap.add_argument("--short", type=int, default=16)
-    ap.add_argument("--long", type=int, default=80)
+    ap.add_argument("--long", type=int, default=80,
+                    help="new tokens per prompt; TPOT is measured over those after the first")
     ap.add_argument("--chunk", type=int, default=16384, help="--chunked-prefill-size")
     ap.add_argument("--threshold", type=int, default=16384, help="--sparse-threshold")
     ap.add_argument("--variants", default="vanilla,sglang-pic")
@@ -136,7 +151,7 @@ def main() -> None:
     sparse_env = {"SGLANG_PIC_SPARSE_MAX_REQUESTS": 1, "SGLANG_PIC_SPARSE_MAX_CONTEXT": context,
                   "SGLANG_PIC_SPARSE_OFFLOAD": 1, "SGLANG_PIC_SPARSE_THRESHOLD": args.threshold}
     params = {"lengths": lengths, "pool_tokens": args.pool_tokens, "shape": args.shape,
-              "short": args.short, "long": args.long, "seed": 0, "vocab": 128000,
+              "long": args.long, "seed": 0, "vocab": 128000,
               "warm_tokens": 40000, "sparse_env": sparse_env}
     ours = {"attention_backend": backend, "max_total_tokens": args.pool_tokens}
     if args.smoke:
@@ -145,7 +160,7 @@ def main() -> None:
         engine_kwargs = harness.cpu_smoke_engine(context_length=4096, chunked_prefill_size=256,
                                                  max_total_tokens=4096)
         ours = {"attention_backend": backend, "max_total_tokens": 2048}
-        params.update(lengths=[2900], pool_tokens=2048, short=4, long=12, vocab=49000,
+        params.update(lengths=[2900], pool_tokens=2048, long=12, vocab=49000,
                       warm_tokens=300, sparse_env={**sparse_env,
                                                    "SGLANG_PIC_SPARSE_MAX_CONTEXT": 4096,
                                                    "SGLANG_PIC_SPARSE_THRESHOLD": 700,

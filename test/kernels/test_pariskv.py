@@ -25,7 +25,7 @@ from sglang_pic_kernel.pariskv import (  # noqa: E402
     encode_keys,
     unpack_centroids,
 )
-from sglang_pic_kernel.pariskv.select import _popc  # noqa: E402
+from sglang_pic_kernel.pariskv.select import _popc, _topk_kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the model-sized shape runs on the device (``make test-gpu``) and is skipped on CPU machines
@@ -339,6 +339,89 @@ def test_sparse_attention_equals_dense_over_the_chosen_keys():
             vals = torch.cat([vw[b, kv, :win_len[b]].cpu(), vh[b, kv, rows]]).float()
             p = torch.softmax(keys @ q[b, h].float().cpu() / math.sqrt(d), 0)
             torch.testing.assert_close(out[b, h].float().cpu(), p @ vals, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("c,k", [(64, 8), (100, 16), (4096, 100)])
+def test_topk_kernel_returns_the_best_valid_candidates(c, k):
+    """The fused top-k against ``torch.topk``: negative and positive estimates, ties across the
+    k-th place, -inf and NaN estimates and empty candidates (-1) never selected, fewer valid
+    candidates than k padded with -1, and a head with none."""
+    torch.manual_seed(c)
+    heads = 4
+    est = torch.randn(1, heads, c, device=DEVICE) * 3
+    est[0, 1] = torch.randint(-3, 3, (c,), device=DEVICE).float()  # many ties at every value
+    est[0, 2, c // 3 :] = float("-inf")
+    est[0, 2, 0] = float("nan")
+    cand = torch.randperm(10 * c, device=DEVICE)[: heads * c].view(1, heads, c).int()
+    cand[0, 2, 1:4] = -1
+    est[0, 3] = float("-inf")  # nothing valid
+    sel = torch.full((1, heads, k), 7, dtype=torch.int32, device=DEVICE)
+    _topk_kernel[(1, heads, 1)](est, cand, sel, c, k, CP=triton.next_power_of_2(c),
+                                KP=triton.next_power_of_2(k))
+    for h in range(heads):
+        valid = torch.isfinite(est[0, h]) & (cand[0, h] >= 0)
+        ids, vals = cand[0, h][valid], est[0, h][valid]
+        n = min(k, ids.numel())
+        got = sel[0, h].tolist()
+        assert got[n:] == [-1] * (k - n) and -1 not in got[:n]
+        if n == 0:
+            continue
+        kth = vals.topk(n).values[-1]
+        got_vals = {float(est[0, h][cand[0, h] == i][0]) for i in got[:n]}
+        assert len(set(got[:n])) == n and min(got_vals) >= kth  # the k best, no duplicate
+        assert set(ids[vals > kth].tolist()) <= set(got[:n])  # all strictly above the k-th
+
+
+def test_pool_attention_reads_batch_rows_and_writes_only_active_slots():
+    """``attend_pool`` against the torch reference: slot queries read from the decode batch's
+    rows, the selected rows turned into pool slots through ``req_to_token`` inside the kernel,
+    window slots listed per sequence; an idle slot (row -1) writes nothing."""
+    torch.manual_seed(5)
+    hq, hk, d, sink, w, k, pool_size, ctx = 4, 2, 64, 4, 24, 16, 512, 200
+    dt = torch.float16
+    k_buf, v_buf = (torch.randn(pool_size, hk, d, device=DEVICE).to(dt) for _ in range(2))
+    req_to_token = torch.stack([torch.randperm(pool_size - 1)[:ctx] + 1
+                                for _ in range(3)]).int().to(DEVICE)
+    slots = 3
+    row_of_slot = torch.tensor([2, -1, 0], device=DEVICE)  # slot 1 idle
+    pool_of_slot = torch.tensor([1, 0, 2], device=DEVICE)
+    win_len = torch.tensor([w, 9, 13], dtype=torch.int32, device=DEVICE)
+    win_idx = torch.randint(1, pool_size, (slots, w), device=DEVICE)
+    sel = torch.randint(0, ctx - sink, (slots, hk, k), dtype=torch.int32, device=DEVICE)
+    sel[2, :, k - 5 :] = -1
+    q = torch.randn(4, hq, d, device=DEVICE).to(dt)  # batch of 4: rows 1 and 3 dense
+    out = torch.full((4, hq, d), 7.0, device=DEVICE).to(dt)
+    SparseAttention(slots, hq, hk, d, w, k, device=DEVICE, chunk=16, block_t=16).attend_pool(
+        q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token, pool_of_slot, sink,
+        out, 1 / math.sqrt(d))
+    for r, row in ((0, 2), (2, 0)):
+        for h in range(hq):
+            kv = h // (hq // hk)
+            picked = sel[r, kv][sel[r, kv] >= 0].long() + sink
+            locs = torch.cat([win_idx[r, : win_len[r]],
+                              req_to_token[pool_of_slot[r], picked].long()])
+            keys, vals = k_buf[locs, kv].float(), v_buf[locs, kv].float()
+            p = torch.softmax(keys @ q[row, h].float() / math.sqrt(d), 0)
+            torch.testing.assert_close(out[row, h].float(), p @ vals, rtol=2e-2, atol=2e-3)
+    assert (out[1] == 7).all() and (out[3] == 7).all()  # dense rows and the idle slot's
+
+
+def test_selector_reads_each_slot_query_from_its_batch_row():
+    """The same selection whether each slot's query is passed alone or read from the decode
+    batch through ``row_of_slot`` (an idle slot, -1, reads row 0)."""
+    torch.manual_seed(6)
+    hq, hk, d, n = 4, 2, 64, 300
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    batch = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
+    row_of_slot = torch.tensor([2, -1], device=DEVICE)
+    n_ret = torch.tensor([n, n], dtype=torch.int32, device=DEVICE)
+    two = [t.expand(2, *t.shape).contiguous() for t in (cent, codes, w, counts)]
+    sel = Selector(2, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128)
+    got = sel(batch, rt, levels, *two[:3], n_ret, two[3], row_of_slot=row_of_slot).clone()
+    want = sel(batch[[2, 0]].contiguous(), rt, levels, *two[:3], n_ret, two[3])
+    assert [sorted(x) for x in got.tolist()[0]] == [sorted(x) for x in want.tolist()[0]]
+    assert [sorted(x) for x in got.tolist()[1]] == [sorted(x) for x in want.tolist()[1]]
 
 
 def test_layer_slides_tokens_to_host_and_full_selection_is_dense_attention():

@@ -11,8 +11,9 @@ what a long request *attends*, not where its KV lives. Per sparse request ("slot
                                           always attended; its oldest ``update`` tokens enter
                                           the retrieval region when it is full
 
-so each step attends ``sink + topk + window`` pool slots, listed per slot and KV head in
-``idx [R, kv_heads, attended]`` (int32 pool slots, -1 = none).
+so each step attends ``sink + topk + window`` tokens: the sink and the window as pool slots in
+``win_idx [R, sink + local + update]`` (the first ``win_len[r]``), the selected ones as retrieval
+rows, turned into pool slots inside the attention kernel (``req_to_token``).
 
 With ``--sparse-offload`` (``enable_offload``) the retrieval region leaves the pool: tokens
 entering it are copied to pinned host memory (``offload.HostKVRegion``) and their pool slots
@@ -21,12 +22,13 @@ freed (``offload.PoolSlotRelease``); each step gathers sink + window from the po
 
 Per step, outside any CUDA graph (``prepare_decode``, from the backend's metadata init):
 activate requests whose context exceeds ``threshold`` (their region is encoded from the pool,
-every layer, and their sink listed in ``idx``), slide windows, rebuild the window part of
-``idx`` and the batch-row <-> slot maps, and give the dense kernel a length of 1 for sparse rows
-so it does no real work for them.
-Per layer, inside the graph when there is one (``attend``): select, write the selected rows'
-pool slots into ``idx``, attend, and overwrite the sparse rows of the dense output. Every tensor
-the graph touches is allocated once.
+every layer, and their sink listed in ``win_idx``), slide windows, rebuild the window part of
+``win_idx`` and the batch-row <-> slot maps, and give the dense kernel a length of 1 for sparse
+rows so it does no real work for them.
+Per layer, inside the graph when there is one (``attend``): select, then attend, with the
+queries read from and the outputs written to the dense output's sparse rows by the kernels
+themselves (two selection-and-attention launch chains, no gather or scatter around them). Every
+tensor the graph touches is allocated once.
 
 With offloading, a long prompt's prefill leaves the pool too (``note_extend``): once a chunked
 prefill's computed prefix is over ``threshold`` the request takes a slot, and before each later
@@ -83,10 +85,12 @@ class SparseDecodeState:
         self.slots: list[_Slot | None] = [None] * r
         self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)
         self.pool_of_slot = torch.zeros(r, **i64)
-        self.row_of_slot = torch.zeros(r, **i64)
+        self.row_of_slot = torch.full((r,), -1, **i64)  # -1: not in this step's batch
         self.slot_of_row = torch.full((max_batch,), -1, **i64)
-        self.idx = torch.full((r, kv_heads, cfg.attended), -1, dtype=torch.int32, device=dev)
-        self.out = torch.zeros(r, q_heads, head_dim, dtype=torch.float32, device=dev)
+        # sink + window of each slot: pool slots (padding slot 0 past win_len)
+        self.win_idx = torch.zeros(r, cfg.sink + cfg.local + cfg.update, **i64)
+        self.win_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.selected: torch.Tensor | None = None  # the last layer's selection (inspection)
         self.rid_of_pool: dict[int, str] = {}
         # host staging of slot_of_row + row_of_slot, two buffers used in turn: copied without
         # blocking, since a blocking copy from pageable memory waits for the GPU's previous step
@@ -111,13 +115,11 @@ class SparseDecodeState:
 
     def enable_offload(self, host, pool_release, kv_dtype: torch.dtype) -> None:
         """Keep retrieval regions in ``host`` and give their pool slots back (see module doc)."""
-        r, w = self.cfg.max_requests, self.cfg.sink + self.cfg.local + self.cfg.update
-        dev = self.idx.device
+        r, w = self.win_idx.shape
         self.host, self.pool_release = host, pool_release
-        # sink + window of each slot: pool slots (padding slot 0 past win_len) and their K/V
-        self.win_idx = torch.zeros(r, w, dtype=torch.int64, device=dev)
-        self.win_len = torch.zeros(r, dtype=torch.int32, device=dev)
-        self.k_win = torch.zeros(r, w, self.kv_heads, self.d, dtype=kv_dtype, device=dev)
+        # the K/V of each slot's sink + window, gathered from the pool every layer
+        self.k_win = torch.zeros(r, w, self.kv_heads, self.d, dtype=kv_dtype,
+                                 device=self.win_idx.device)
         self.v_win = torch.zeros_like(self.k_win)
 
     # ---- per step, eager ------------------------------------------------------------------
@@ -253,7 +255,7 @@ class SparseDecodeState:
         return torch.where(sparse_row, torch.ones_like(seq_lens_dev), seq_lens_dev)
 
     def _upload_rows(self, rows: list[int], slots: list[int]) -> None:
-        """``slot_of_row`` (-1 for dense rows) and ``row_of_slot`` (0 for idle slots) of this
+        """``slot_of_row`` (-1 for dense rows) and ``row_of_slot`` (-1 for idle slots) of this
         step, written in a host buffer and copied without blocking the CPU."""
         turn = self._staging_turn
         self._staging_turn ^= 1
@@ -262,7 +264,7 @@ class SparseDecodeState:
             self._staging_copied[turn].synchronize()  # its copy two steps ago has read it
         n = self.slot_of_row.numel()
         buf[:n] = -1
-        buf[n:] = 0
+        buf[n:] = -1
         for row, k in zip(rows, slots, strict=True):
             buf[row] = k
             buf[n + k] = row
@@ -329,10 +331,7 @@ class SparseDecodeState:
         self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
         # the sink's pool slots never change while the request holds the slot
-        sink = self._positions_to_slots(pool_index, 0, cfg.sink)
-        self.idx[k, :, : cfg.sink] = sink.int()
-        if self.host is not None:
-            self.win_idx[k, : cfg.sink] = sink
+        self.win_idx[k, : cfg.sink] = self._positions_to_slots(pool_index, 0, cfg.sink)
         self._count("activated", 1)
 
     def _slide(self, k: int) -> None:
@@ -353,19 +352,15 @@ class SparseDecodeState:
         self.n_ret[k] = slot.n_ret
 
     def _fill_window(self, k: int, slot: _Slot) -> None:
-        """This step's window part of ``idx`` (the selected part is written per layer)."""
+        """This step's window part of ``win_idx`` (its sink part is written at activation)."""
         cfg = self.cfg
         win_start = cfg.sink + slot.n_ret
         window = self._positions_to_slots(slot.pool_index, win_start, slot.seq_len)
         window = window[-(cfg.local + cfg.update):]  # capped when the region is full
-        w0 = cfg.sink + cfg.topk
-        self.idx[k, :, w0:] = -1
-        self.idx[k, :, w0 : w0 + window.numel()] = window.int()
-        if self.host is not None:  # its sink part is written at activation
-            n = cfg.sink + window.numel()
-            self.win_idx[k, cfg.sink : n] = window
-            self.win_idx[k, n:] = 0
-            self.win_len[k] = n
+        n = cfg.sink + window.numel()
+        self.win_idx[k, cfg.sink : n] = window
+        self.win_idx[k, n:] = 0
+        self.win_len[k] = n
 
     def release_finished(self, live_pool_indices: set[int]) -> int:
         """Release the slots whose request row is not in ``live_pool_indices`` (the scheduler's
@@ -381,46 +376,29 @@ class SparseDecodeState:
     def _release(self, k: int) -> None:
         self.slots[k] = None
         self.n_ret[k] = 0
-        self.idx[k] = -1
         self.pool_of_slot[k] = 0
-        self.row_of_slot[k] = 0
-        if self.host is not None:
-            self.win_len[k] = 0
+        self.row_of_slot[k] = -1
+        self.win_len[k] = 0
 
     # ---- per layer, graph-safe -----------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, o: torch.Tensor, scale: float) -> None:
-        """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention."""
+        """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention of
+        their queries in ``q`` ``[bs, q_heads, D]``."""
         layer = self.layer_index[layer_id]
-        qs = q.index_select(0, self.row_of_slot.clamp(max=q.shape[0] - 1))
-        rows = self.ops.select(layer, qs, self.n_ret)  # [R, kvh, k]
+        rows = self.ops.select(layer, q, self.row_of_slot, self.n_ret)  # [R, kvh, k]
+        self.selected = rows
         if self.host is not None:
-            self._attend_offloaded(layer, layer_id, qs, rows, scale)
+            flat = self.win_idx.view(-1)
+            for buf, win in ((self.key_buffer(layer_id), self.k_win),
+                             (self.value_buffer(layer_id), self.v_win)):
+                torch.index_select(buf, 0, flat, out=win.view(-1, *win.shape[2:]))
+            self.ops.attend_split(q, self.row_of_slot, self.k_win.permute(0, 2, 1, 3),
+                                  self.v_win.permute(0, 2, 1, 3), self.win_len,
+                                  self.host.keys(layer), self.host.values(layer), rows, o, scale)
         else:
-            self._attend_in_pool(layer_id, qs, rows, scale)
-        slot_of_row = self.slot_of_row[: o.shape[0]]
-        sparse = self.out.index_select(0, slot_of_row.clamp_min(0)).to(o.dtype)
-        o.copy_(torch.where((slot_of_row >= 0)[:, None, None], sparse, o))
-
-    def _attend_in_pool(self, layer_id: int, qs: torch.Tensor, rows: torch.Tensor,
-                        scale: float) -> None:
-        cfg = self.cfg
-        k = rows.shape[-1]
-        pos = (rows.long() + cfg.sink).clamp(max=self.req_to_token.shape[1] - 1)
-        locs = self.req_to_token[self.pool_of_slot[:, None, None], pos]
-        self.idx[:, :, cfg.sink : cfg.sink + k] = torch.where(rows >= 0, locs, -1)
-        k_buf = self.key_buffer(layer_id)
-        v_buf = self.value_buffer(layer_id)
-        self.ops.attend(qs, k_buf, v_buf, self.idx, self.out, scale)
-
-    def _attend_offloaded(self, layer: int, layer_id: int, qs: torch.Tensor, rows: torch.Tensor,
-                          scale: float) -> None:
-        flat = self.win_idx.view(-1)
-        for buf, win in ((self.key_buffer(layer_id), self.k_win),
-                         (self.value_buffer(layer_id), self.v_win)):
-            torch.index_select(buf, 0, flat, out=win.view(-1, *win.shape[2:]))
-        self.ops.attend_split(qs, self.k_win.permute(0, 2, 1, 3), self.v_win.permute(0, 2, 1, 3),
-                              self.win_len, self.host.keys(layer), self.host.values(layer), rows,
-                              self.out, scale)
+            self.ops.attend_pool(q, self.row_of_slot, self.key_buffer(layer_id),
+                                 self.value_buffer(layer_id), self.win_idx, self.win_len, rows,
+                                 self.req_to_token, self.pool_of_slot, self.cfg.sink, o, scale)
 
     def extend_view(self, prefix_lens: list[int], seq_lens: list[int]
                     ) -> tuple[list[int], list[int]] | None:
@@ -456,12 +434,11 @@ class SparseDecodeState:
     def warm_up(self) -> None:
         """Run the per-layer sparse path and the encoder once, so their kernels compile at
         start-up and not in the first long request's decode step (a multi-second stall of every
-        request batched with it). No slot is active; slot 0's rows written here are rewritten
-        by its first activation."""
-        q = torch.zeros(1, self.q_heads, self.d, dtype=self.dtype, device=self.idx.device)
+        request batched with it). No slot is active, so nothing is written."""
+        dev = self.win_idx.device
+        q = torch.zeros(1, self.q_heads, self.d, dtype=self.dtype, device=dev)
         self.attend(self.layer_ids[0], q, q.clone(), 1.0)
-        keys = torch.zeros(self.cfg.update, self.kv_heads, self.d, dtype=self.dtype,
-                           device=self.idx.device)
+        keys = torch.zeros(self.cfg.update, self.kv_heads, self.d, dtype=self.dtype, device=dev)
         self.ops.encode(0, 0, keys, 0)
 
     # the KV pool, bound by the backend (get_key_buffer / get_value_buffer of SGLang's pool)

@@ -1,16 +1,21 @@
-"""The three operations sparse decoding needs, on the GPU (Triton kernels) or on CPU (torch).
+"""The operations sparse decoding needs, on the GPU (Triton kernels) or on CPU (torch).
 
 Both implementations share one interface so that ``decode_state.SparseDecodeState`` (what moves
-where, per request and step) is the same code on every device:
+where, per request and step) is the same code on every device. ``q`` is the layer's decode batch
+``[bs, q_heads, D]``; slot ``r`` is the request in row ``row_of_slot[r]`` (-1: idle this step):
 
     encode(layer, slot, keys [n, kv_heads, D], offset)     keys enter a slot's retrieval region
-    select(layer, q [R, q_heads, D], n_ret [R]) -> [R, kv_heads, k] int32 rows (-1: none)
-    attend(q [R, q_heads, D], k_buf, v_buf [S, kv_heads, D], idx [R, kv_heads, K] int32 pool
-           slots (-1: none), out [R, q_heads, D], scale)   softmax attention over those slots
-    attend_split(q, k_win, v_win [R, kv_heads, W, D], win_len [R], k_host, v_host
+    select(layer, q, row_of_slot [R], n_ret [R]) -> [R, kv_heads, k] int32 rows (-1: none)
+    attend_pool(q, row_of_slot, k_buf, v_buf [S, kv_heads, D], win_idx [R, W] pool slots,
+           win_len [R], rows [R, kv_heads, k], req_to_token, pool_of_slot [R], sink, out, scale)
+                                    softmax attention over each slot's first win_len window
+                                    slots and the pool slots of its selected positions
+                                    ``sink + rows``, written into ``out`` ``[bs, q_heads, D]`` at
+                                    the slots' rows (other rows untouched)
+    attend_split(q, row_of_slot, k_win, v_win [R, kv_heads, W, D], win_len [R], k_host, v_host
            [R, kv_heads, N, D], rows [R, kv_heads, k] (-1: none), out, scale)
-                                    the same over each slot's first win_len window rows and its
-                                    selected host rows (``--sparse-offload``)
+                                    the same over window rows and selected host rows
+                                    (``--sparse-offload``)
 
 ``R`` is the number of sparse slots (``max_requests``), ``k`` the retrieved keys per KV head.
 Selection is per KV head: a group's query heads vote together and rerank by the best estimate
@@ -49,11 +54,8 @@ class KernelIndexOps:
                                       device=self.device)
         self.selector = Selector(slots, q_heads, kv_heads, d, capacity,
                                  min(candidates, capacity), topk, device=self.device)
-        self.attention = SparseAttention(slots, q_heads, kv_heads, d, 0, attended,
+        self.attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk, topk,
                                          device=self.device)
-        self.no_window = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        self.split_attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk,
-                                               topk, device=self.device)
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int) -> int:
@@ -68,18 +70,21 @@ class KernelIndexOps:
                     self.weights[layer, slot], offset=offset,
                     bit_counts=self.bit_counts[layer, slot])
 
-    def select(self, layer: int, q: torch.Tensor, n_ret: torch.Tensor) -> torch.Tensor:
+    def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
+               n_ret: torch.Tensor) -> torch.Tensor:
         return self.selector(q, self.rt, self.levels, self.centroid[layer], self.codes[layer],
-                             self.weights[layer], n_ret, self.bit_counts[layer])
+                             self.weights[layer], n_ret, self.bit_counts[layer],
+                             row_of_slot=row_of_slot)
 
-    def attend(self, q, k_buf, v_buf, idx, out, scale: float) -> torch.Tensor:
-        # the pool seen as one "host region" shared by every slot: stride 0 over slots
-        slots, kv_heads = idx.shape[:2]
-        kv = [b.permute(1, 0, 2).unsqueeze(0).expand(slots, -1, -1, -1) for b in (k_buf, v_buf)]
-        return self.attention(q, kv[0], kv[1], self.no_window, kv[0], kv[1], idx, out, scale)
+    def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows, req_to_token,
+                    pool_of_slot, sink: int, out, scale: float) -> torch.Tensor:
+        return self.attention.attend_pool(q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows,
+                                          req_to_token, pool_of_slot, sink, out, scale)
 
-    def attend_split(self, q, k_win, v_win, win_len, k_host, v_host, rows, out, scale: float):
-        return self.split_attention(q, k_win, v_win, win_len, k_host, v_host, rows, out, scale)
+    def attend_split(self, q, row_of_slot, k_win, v_win, win_len, k_host, v_host, rows, out,
+                     scale: float) -> torch.Tensor:
+        return self.attention(q, k_win, v_win, win_len, k_host, v_host, rows, out, scale,
+                              row_of_slot=row_of_slot)
 
 
 class TorchIndexOps:
@@ -101,7 +106,9 @@ class TorchIndexOps:
             raise RuntimeError(f"retrieval region holds {index.n} keys, appending at {offset}")
         index.append(keys)
 
-    def select(self, layer: int, q: torch.Tensor, n_ret: torch.Tensor) -> torch.Tensor:
+    def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
+               n_ret: torch.Tensor) -> torch.Tensor:
+        q = _slot_queries(q, row_of_slot)
         slots, hq, d = q.shape
         kv_heads = hq // self.G
         out = torch.full((slots, kv_heads, self.k), -1, dtype=torch.int32, device=q.device)
@@ -118,13 +125,34 @@ class TorchIndexOps:
             out[s, :, :k] = cand.gather(1, est.topk(k, dim=-1).indices).int()
         return out
 
-    def attend(self, q, k_buf, v_buf, idx, out, scale: float) -> torch.Tensor:
-        out.copy_(indexed_attention(q, k_buf, v_buf, idx, scale))
-        return out
+    def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows, req_to_token,
+                    pool_of_slot, sink: int, out, scale: float) -> torch.Tensor:
+        kv_heads = rows.shape[1]
+        at = torch.arange(win_idx.shape[1], device=win_idx.device)
+        window = torch.where(at[None, :] < win_len[:, None].long(), win_idx, -1)
+        pos = (rows.long() + sink).clamp(max=req_to_token.shape[1] - 1)
+        selected = torch.where(rows >= 0, req_to_token[pool_of_slot[:, None, None], pos], -1)
+        idx = torch.cat([window[:, None, :].expand(-1, kv_heads, -1).int(), selected.int()], 2)
+        res = indexed_attention(_slot_queries(q, row_of_slot), k_buf, v_buf, idx, scale)
+        return _write_rows(out, row_of_slot, res)
 
-    def attend_split(self, q, k_win, v_win, win_len, k_host, v_host, rows, out, scale: float):
-        out.copy_(split_attention(q, k_win, v_win, win_len, k_host, v_host, rows, scale))
-        return out
+    def attend_split(self, q, row_of_slot, k_win, v_win, win_len, k_host, v_host, rows, out,
+                     scale: float) -> torch.Tensor:
+        res = split_attention(_slot_queries(q, row_of_slot), k_win, v_win, win_len, k_host,
+                              v_host, rows, scale)
+        return _write_rows(out, row_of_slot, res)
+
+
+def _slot_queries(q: torch.Tensor, row_of_slot: torch.Tensor) -> torch.Tensor:
+    """``[R, q_heads, D]``: each slot's query row of the batch (row 0 for an idle slot)."""
+    return q.index_select(0, row_of_slot.clamp(0, q.shape[0] - 1))
+
+
+def _write_rows(out: torch.Tensor, row_of_slot: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """``out[row_of_slot[r]] = res[r]`` for the slots with a row."""
+    active = row_of_slot >= 0
+    out[row_of_slot[active]] = res[active].to(out.dtype)
+    return out
 
 
 def indexed_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -1,13 +1,21 @@
-"""Sparse decode attention: sink + local window (GPU) and the retrieved keys (host memory).
+"""Sparse decode attention: sink + local window, and the selected keys of the retrieval region.
 
-    q          [batch, q_heads, D]
-    k_win/v_win [batch, kv_heads, W, D]  GPU: the sink tokens and the local window (any order:
-                                        keys are post-RoPE), ``win_len[batch]`` valid rows
-    k_host/v_host [batch, kv_heads, N, D] the retrieval region, in **pinned host memory**: the
-                                        kernel reads the selected rows itself over PCIe (mapped
-                                        memory, no copy orchestrated by the CPU)
-    sel        [batch, kv_heads, k] int32 selected rows of the retrieval region (-1: none)
-    out        [batch, q_heads, D]
+    q          [rows, q_heads, D]           one row per slot, or (``row_of_slot``) the layer's
+                                            whole decode batch, of which slot ``r`` reads row
+                                            ``row_of_slot[r]`` (-1: the slot is idle this step)
+    k_win/v_win [batch, kv_heads, W, D]     the sink tokens and the local window (any order: keys
+                                            are post-RoPE), ``win_len[batch]`` valid rows
+    k_host/v_host [batch, kv_heads, N, D]   the retrieval region, in **pinned host memory**: the
+                                            kernel reads the selected rows itself over PCIe
+                                            (mapped memory, no copy orchestrated by the CPU)
+    sel        [batch, kv_heads, k] int32   selected rows of the retrieval region (-1: none)
+    out        [rows, q_heads, D]           written at the slots' rows only with ``row_of_slot``
+
+``attend_pool`` is the same attention with every key in SGLang's KV pool ``[S, kv_heads, D]``:
+the window is a list of pool slots per sequence (``win_idx [batch, W]``), and a selected row
+``j`` is the pool slot ``req_to_token[pool_of_slot[b], sink + j]``, looked up inside the kernel.
+Reading the batch's queries through ``row_of_slot`` and writing its output rows in place saves
+the gather, scatter and index arithmetic around the kernel (13 launches a layer in the server).
 
 Stage 1 (grid ``batch x kv_heads x splits``): the first ``ceil(W / CHUNK)`` splits attend over
 window chunks, the rest over chunks of the selected rows; each writes a partial output and its
@@ -26,13 +34,15 @@ BLOCK_H = 16
 
 
 @triton.jit
-def _partial_kernel(Q, KW, VW, WinLen, KH, VH, Sel, MidO, MidL, sm_scale,
+def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToken, PoolOfSlot,
+                    MidO, MidL, sm_scale,
                     stride_qb, stride_qh,
-                    stride_wb, stride_wh, stride_wt,
-                    stride_hb, stride_hh, stride_ht,
-                    K_SEL, S_WIN,
+                    stride_wb, stride_wh, stride_wt, stride_widx,
+                    stride_hb, stride_hh, stride_ht, stride_r2t,
+                    K_SEL, S_WIN, SINK, N_ROWS,
                     G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, Q_ROWS: tl.constexpr,
+                    POOL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -42,7 +52,11 @@ def _partial_kernel(Q, KW, VW, WinLen, KH, VH, Sel, MidO, MidL, sm_scale,
     mask_h = lane < G
     heads = h * G + lane
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+    q_row = b
+    if Q_ROWS:
+        # an idle slot (-1) reads row 0 and writes nothing; a row past the batch is never read
+        q_row = tl.minimum(tl.maximum(tl.load(RowOfSlot + b), 0), N_ROWS - 1)
+    q = tl.load(Q + q_row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -63,11 +77,18 @@ def _partial_kernel(Q, KW, VW, WinLen, KH, VH, Sel, MidO, MidL, sm_scale,
         offs_t = t0 + tl.arange(0, BLOCK_T)
         valid = offs_t < end
         if s < S_WIN:
-            rows = offs_t.to(tl.int64)
+            if POOL:
+                rows = tl.load(WinIdx + b * stride_widx + offs_t, mask=valid, other=0)
+            else:
+                rows = offs_t
         else:
             rows = tl.load(Sel + (b * kv_heads + h) * K_SEL + offs_t, mask=valid, other=-1)
             valid = valid & (rows >= 0)
-            rows = tl.maximum(rows, 0).to(tl.int64)
+            rows = tl.maximum(rows, 0)
+            if POOL:  # retrieval row -> position -> pool slot
+                rows = tl.load(ReqToToken + tl.load(PoolOfSlot + b) * stride_r2t + SINK + rows,
+                               mask=valid, other=0)
+        rows = rows.to(tl.int64)
         k = tl.load(kbase + rows[None, :] * stride_t + offs_d[:, None], mask=valid[None, :],
                     other=0.0)  # [D, BLOCK_T]
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale  # [BLOCK_H, BLOCK_T]
@@ -89,21 +110,27 @@ def _partial_kernel(Q, KW, VW, WinLen, KH, VH, Sel, MidO, MidL, sm_scale,
 
 
 @triton.jit
-def _merge_kernel(MidO, MidL, Out, stride_ob, stride_oh, SPLITS: tl.constexpr,
-                  SPLITS_P: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(MidO, MidL, RowOfSlot, Out, stride_ob, stride_oh, N_ROWS,
+                  SPLITS: tl.constexpr,
+                  SPLITS_P: tl.constexpr, D: tl.constexpr, Q_ROWS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
-    row = b * heads + h
-    offs_s = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, D)
-    lse = tl.load(MidL + row * SPLITS + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-    o = tl.load(MidO + (row * SPLITS + offs_s[:, None]) * D + offs_d[None, :],
-                mask=offs_s[:, None] < SPLITS, other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    out_row = b
+    if Q_ROWS:
+        out_row = tl.load(RowOfSlot + b)
+    if (out_row >= 0) & (out_row < N_ROWS):
+        row = b * heads + h
+        offs_s = tl.arange(0, SPLITS_P)
+        offs_d = tl.arange(0, D)
+        lse = tl.load(MidL + row * SPLITS + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
+        o = tl.load(MidO + (row * SPLITS + offs_s[:, None]) * D + offs_d[None, :],
+                    mask=offs_s[:, None] < SPLITS, other=0.0)
+        out = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+        tl.store(Out + out_row * stride_ob + h * stride_oh + offs_d,
+                 out.to(Out.dtype.element_ty))
 
 
 class SparseAttention:
@@ -121,17 +148,48 @@ class SparseAttention:
                                  device=device)
         self.mid_l = torch.empty(batch, q_heads, self.splits, dtype=torch.float32, device=device)
 
-    def __call__(self, q, k_win, v_win, win_len, k_host, v_host, sel, out, sm_scale: float):
-        bsz, hq, d = q.shape
-        kv_heads = k_win.shape[1]
+    def __call__(self, q, k_win, v_win, win_len, k_host, v_host, sel, out, sm_scale: float,
+                 row_of_slot: torch.Tensor | None = None):
+        """Attention over each sequence's window rows and selected host rows (module doc)."""
         if k_win.stride() != v_win.stride() or k_host.stride() != v_host.stride():
             raise ValueError("K and V buffers need the same layout")
-        _partial_kernel[(bsz, kv_heads, self.splits)](
-            q, k_win, v_win, win_len, k_host, v_host, sel, self.mid_o, self.mid_l, sm_scale,
-            q.stride(0), q.stride(1), k_win.stride(0), k_win.stride(1), k_win.stride(2),
-            k_host.stride(0), k_host.stride(1), k_host.stride(2), sel.shape[-1], self.s_win,
-            G=self.G, D=d, CHUNK=self.chunk, BLOCK_T=self.block_t, BLOCK_H=BLOCK_H)
-        sp = self.splits
-        _merge_kernel[(bsz, hq)](self.mid_o, self.mid_l, out, out.stride(0), out.stride(1),
-                                 SPLITS=sp, SPLITS_P=triton.next_power_of_2(sp), D=d)
+        bsz, kv_heads = sel.shape[:2]
+        self._launch(q, row_of_slot, k_win, v_win, win_len, None, k_host, v_host, sel, None,
+                     None, 0, out, sm_scale, bsz, kv_heads,
+                     (k_win.stride(0), k_win.stride(1), k_win.stride(2)),
+                     (k_host.stride(0), k_host.stride(1), k_host.stride(2)))
         return out
+
+    def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token,
+                    pool_of_slot, sink: int, out, sm_scale: float):
+        """Attention over pool slots: ``win_idx[b, :win_len[b]]`` and the slots of the
+        selected positions ``sink + sel`` of request row ``pool_of_slot[b]`` of
+        ``req_to_token``; ``k_buf/v_buf`` ``[S, kv_heads, D]``. Writes ``out`` at
+        ``row_of_slot`` (module doc)."""
+        if k_buf.stride() != v_buf.stride():
+            raise ValueError("K and V buffers need the same layout")
+        bsz, kv_heads = sel.shape[:2]
+        pool = (0, k_buf.stride(1), k_buf.stride(0))
+        self._launch(q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel,
+                     req_to_token, pool_of_slot, sink, out, sm_scale, bsz, kv_heads, pool, pool)
+        return out
+
+    def _launch(self, q, row_of_slot, kw, vw, win_len, win_idx, kh, vh, sel, req_to_token,
+                pool_of_slot, sink, out, sm_scale, bsz, kv_heads, win_strides, sel_strides):
+        q_rows = row_of_slot is not None
+        is_pool = win_idx is not None
+        _partial_kernel[(bsz, kv_heads, self.splits)](
+            q, row_of_slot if q_rows else win_len, kw, vw, win_len,
+            win_idx if is_pool else win_len, kh, vh, sel,
+            req_to_token if is_pool else sel, pool_of_slot if is_pool else win_len,
+            self.mid_o, self.mid_l, sm_scale, q.stride(0), q.stride(1), *win_strides,
+            win_idx.stride(0) if is_pool else 0, *sel_strides,
+            req_to_token.stride(0) if is_pool else 0, sel.shape[-1], self.s_win, sink,
+            q.shape[0],
+            G=self.G, D=self.d, CHUNK=self.chunk, BLOCK_T=self.block_t, BLOCK_H=BLOCK_H,
+            Q_ROWS=q_rows, POOL=is_pool)
+        sp = self.splits
+        _merge_kernel[(bsz, kv_heads * self.G)](
+            self.mid_o, self.mid_l, row_of_slot if q_rows else win_len, out, out.stride(0),
+            out.stride(1), out.shape[0], SPLITS=sp, SPLITS_P=triton.next_power_of_2(sp), D=self.d,
+            Q_ROWS=q_rows)

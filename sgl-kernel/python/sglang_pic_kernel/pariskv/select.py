@@ -73,15 +73,19 @@ def _centroid_sim(qj, c, J: tl.constexpr):
 
 
 @triton.jit
-def _query_kernel(Q, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
-                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr):
+def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
+                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
+                  Q_ROWS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
     offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, B)
     c = tl.arange(0, 16)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d).to(tl.float32)
+    q_row = b
+    if Q_ROWS:  # the slot's row of the decode batch (an idle slot, -1, reads row 0)
+        q_row = tl.minimum(tl.maximum(tl.load(RowOfSlot + b), 0), N_ROWS - 1)
+    q = tl.load(Q + q_row * stride_qb + h * stride_qh + offs_d).to(tl.float32)
     row = b * heads + h
     q0 = _rotated_part(q, Rt, offs_d, offs_b, 0, D)
     q1 = _rotated_part(q, Rt, offs_d, offs_b, 1, D)
@@ -108,15 +112,17 @@ def _query_kernel(Q, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
 
 
 @triton.jit
-def _plane_kernel(Qt, Planes, Params, Counts, NRet, G: tl.constexpr, D: tl.constexpr,
+def _plane_kernel(Qt, Planes, Params, Counts, NRet, Hist, G: tl.constexpr, D: tl.constexpr,
                    B: tl.constexpr, NB: tl.constexpr, P: tl.constexpr, FLOOR_SD: tl.constexpr):
     """Bit planes of one KV head's summed query ``qs`` (coordinate order: bit ``i % 32`` of word
     ``i // 32`` of plane ``p`` is bit ``p`` of coordinate ``i``'s 8-bit level), and the vote
-    histogram's range from the region's sign-bit counts."""
+    histogram's range from the region's sign-bit counts; the head's histogram is zeroed here
+    (one launch fewer than a memset)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kv_heads = tl.num_programs(1)
     r = b * kv_heads + h
+    tl.store(Hist + r * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
     i = tl.arange(0, D)
     src = (i % 4) * B + i // 4  # qt keeps coordinate 4b+j at j*B+b
     qs = tl.zeros([D], dtype=tl.float32)
@@ -360,6 +366,11 @@ def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
         j = j0 + tl.arange(0, BLOCK)
         ids = tl.load(bottom - j, mask=j < my_e)
         tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
+    if p == 0:  # the list's unfilled tail: no key (instead of a memset before the merge)
+        filled = kept_a + tl.minimum(tl.sum(ce, axis=0), tl.maximum(C - kept_a, 0))
+        for j0 in tl.range(filled, C, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            tl.store(Cand + r * C + j, tl.full([BLOCK], -1, tl.int32), mask=j < C)
 
 
 @triton.jit
@@ -421,6 +432,38 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
         est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
         best = tl.maximum(best, est)
     tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
+
+
+@triton.jit
+def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
+    """The ids of the ``K`` best candidates of one KV head by rerank estimate (in candidate
+    order; -1 past the valid ones), replacing ``torch.topk`` + ``gather`` + the validity mask
+    (4-5 launches). The ``K``-th best estimate is found by bisection over the estimates' bit
+    patterns, mapped to integers that order like the floats; ties at it are kept by position."""
+    _, h, b, r = _program_head()
+    i = tl.arange(0, CP)
+    est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
+    ids = tl.load(Cand + r * C + i, mask=i < C, other=-1)
+    valid = (est > float("-inf")) & (ids >= 0)  # NaN compares false: never selected
+    bits = est.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # negatives: reversed
+    need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
+    lo = tl.min(tl.where(valid, key, 2**31), axis=0)  # count(key >= lo) >= need
+    hi = tl.max(tl.where(valid, key, -(2**31) - 1), axis=0)
+    while lo < hi:  # the largest t with count(valid & key >= t) >= need
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = valid & (key > lo)
+    equal = valid & (key == lo)
+    n_above = tl.sum(above.to(tl.int32), axis=0)
+    pos_a = tl.cumsum(above.to(tl.int32), axis=0) - 1
+    pos_e = n_above + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+    tl.store(Sel + r * K + pos_a, ids, mask=above)
+    tl.store(Sel + r * K + pos_e, ids, mask=equal & (pos_e < need))
+    j = tl.arange(0, KP)
+    tl.store(Sel + r * K + j, tl.full([KP], -1, tl.int32), mask=(j >= need) & (j < K))
 
 
 class Selector:
@@ -494,28 +537,36 @@ class Selector:
         self.counters = torch.empty(batch, kv_heads, 2, **i32)
         self.cand = torch.empty(batch, kv_heads, c, **i32)
         self.est = torch.empty(batch, kv_heads, c, **f32)
+        self.sel = torch.empty(batch, kv_heads, self.k, **i32)
 
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
-                 n_ret: torch.Tensor, bit_counts: torch.Tensor | None = None) -> torch.Tensor:
+                 n_ret: torch.Tensor, bit_counts: torch.Tensor | None = None,
+                 row_of_slot: torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, kv_heads, k]`` int32 ids of the selected keys in each sequence's retrieval
-        region (-1 where it holds fewer than ``k`` keys). ``centroid``: packed int32 ids
-        ``[batch, kv_heads, N, D / 32]``, ``bit_counts`` ``[batch, kv_heads, D]`` int32 (both
-        from ``encode_keys``; the counts are needed by similarity votes)."""
-        bsz, hq, d = q.shape
+        region (-1 where it holds fewer than ``k`` keys; a view of a buffer rewritten by the
+        next call). ``centroid``: packed int32 ids ``[batch, kv_heads, N, D / 32]``,
+        ``bit_counts`` ``[batch, kv_heads, D]`` int32 (both from ``encode_keys``; the counts are
+        needed by similarity votes). ``q``: ``[batch, q_heads, D]``, or with ``row_of_slot``
+        (``[batch]``, -1 for an idle sequence) a decode batch whose row ``row_of_slot[b]`` is
+        sequence ``b``'s query."""
+        bsz = self.batch if row_of_slot is not None else q.shape[0]
+        hq, d = q.shape[1:]
         if self.similarity and (bit_counts is None or tuple(bit_counts.shape) != (
                 bsz, self.kv_heads, d) or not bit_counts.is_contiguous()):
             raise ValueError(f"similarity votes need bit_counts, int32 [{bsz}, {self.kv_heads}, "
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
-        _query_kernel[(bsz, hq)](q, rt, self.tiers, self.table, self.qt, self.qnorm,
-                                 q.stride(0), q.stride(1), D=d, B=B,
-                                 SIMILARITY=self.similarity)
+        q_rows = row_of_slot is not None
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, rt, self.tiers,
+                                 self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
+                                 q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
             _plane_kernel[(bsz, self.kv_heads)](self.qt, self.planes, self.params, bit_counts,
-                                                n_ret, G=G, D=d, B=B, NB=NB, P=PLANES,
-                                                FLOOR_SD=VOTE_FLOOR_SD)
-        self.hist.zero_()
+                                                n_ret, self.hist, G=G, D=d, B=B, NB=NB,
+                                                P=PLANES, FLOOR_SD=VOTE_FLOOR_SD)
+        else:
+            self.hist.zero_()
         cent_strides = (centroid.stride(0), centroid.stride(1), centroid.stride(2))
         if self.stride == 1:
             _vote_kernel[(self.programs, self.kv_heads, bsz)](
@@ -543,7 +594,6 @@ class Selector:
                 self.count_above, self.count_at, *cent_strides, N, self.span,
                 B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm)
-            self.cand.fill_(-1)
             _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, N, C,
                                   self.span, NPROG=triton.next_power_of_2(self.programs),
                                   BLOCK=256)
@@ -552,6 +602,8 @@ class Selector:
             codes.stride(0), codes.stride(1), codes.stride(2),
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
-        top = self.est.topk(self.k, dim=-1)
-        sel = self.cand.gather(2, top.indices)
-        return torch.where(torch.isfinite(top.values), sel, -1)
+        sel = self.sel[:bsz]
+        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k,
+                                              CP=triton.next_power_of_2(C),
+                                              KP=triton.next_power_of_2(self.k))
+        return sel
