@@ -869,3 +869,18 @@ def test_a_batch_that_may_attend_an_offloaded_prefix_keeps_off_prefill_graphs(mo
     monkeypatch.setattr(prefill_offload, "_state", state)
     assert run([0, 200]) is True and run([0, 201]) is False and run(None) is False
     assert asked == [[900], [0, 200]]
+
+
+def test_a_held_slot_whose_request_is_not_in_the_step_is_not_selected_for():
+    """A slot kept for a request absent from this decode step (finished, or waiting) costs the
+    selection nothing: its row is -1 and the keys the kernels read for it are 0, while the slot
+    and its retrieval region are kept for the request's return."""
+    pool = FakePool(2)
+    state = make_state(pool, TorchIndexOps)
+    step(state, [0, 1], [300, 400])
+    assert state.n_ret.tolist() == [300 - 36, 400 - 36] and state.row_of_slot.tolist() == [0, 1]
+    step(state, [1], [401])
+    assert state.slots[0] is not None and state.slots[0].n_ret == 300 - 36
+    assert state.n_ret.tolist() == [0, 400 - 36] and state.row_of_slot.tolist() == [-1, 0]
+    step(state, [0, 1], [301, 402])  # it returns: selected over its whole region again
+    assert state.n_ret.tolist() == [300 - 36, 400 - 36]

@@ -83,10 +83,14 @@ class SparseDecodeState:
         r = cfg.max_requests
         i64 = dict(dtype=torch.int64, device=dev)
         self.slots: list[_Slot | None] = [None] * r
-        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)
+        # what each decode step uploads in one copy: slot_of_row [max_batch], row_of_slot [R]
+        # (-1: not in this step's batch) and n_ret [R] (0 for a slot not in the batch: its
+        # selection passes then skip the slot's keys)
+        self._step_rows = torch.full((max_batch + 2 * r,), -1, **i64)
+        self.slot_of_row = self._step_rows[:max_batch]
+        self.row_of_slot = self._step_rows[max_batch : max_batch + r]
+        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)  # keys the selection reads
         self.pool_of_slot = torch.zeros(r, **i64)
-        self.row_of_slot = torch.full((r,), -1, **i64)  # -1: not in this step's batch
-        self.slot_of_row = torch.full((max_batch,), -1, **i64)
         # sink + window of each slot: pool slots (padding slot 0 past win_len)
         self.win_idx = torch.zeros(r, cfg.sink + cfg.local + cfg.update, **i64)
         self.win_len = torch.zeros(r, dtype=torch.int32, device=dev)
@@ -96,7 +100,7 @@ class SparseDecodeState:
         # blocking, since a blocking copy from pageable memory waits for the GPU's previous step
         # and would cost the overlap scheduler its overlap at every sparse step
         pin = dev.type == "cuda"
-        self._staging = [torch.empty(max_batch + r, dtype=torch.int64, pin_memory=pin)
+        self._staging = [torch.empty(max_batch + 2 * r, dtype=torch.int64, pin_memory=pin)
                          for _ in range(2)]
         self._staging_copied: list = [None, None]  # the CUDA event of each buffer's last copy
         self._staging_turn = 0
@@ -255,21 +259,23 @@ class SparseDecodeState:
         return torch.where(sparse_row, torch.ones_like(seq_lens_dev), seq_lens_dev)
 
     def _upload_rows(self, rows: list[int], slots: list[int]) -> None:
-        """``slot_of_row`` (-1 for dense rows) and ``row_of_slot`` (-1 for idle slots) of this
-        step, written in a host buffer and copied without blocking the CPU."""
+        """``slot_of_row`` (-1 for dense rows), ``row_of_slot`` (-1 for idle slots) and ``n_ret``
+        (0 for idle slots) of this step, written in a host buffer and copied without blocking
+        the CPU."""
         turn = self._staging_turn
         self._staging_turn ^= 1
         buf = self._staging[turn]
         if self._staging_copied[turn] is not None:
             self._staging_copied[turn].synchronize()  # its copy two steps ago has read it
-        n = self.slot_of_row.numel()
-        buf[:n] = -1
-        buf[n:] = -1
+        n, r = self.slot_of_row.numel(), len(self.slots)
+        buf[: n + r] = -1
+        buf[n + r :] = 0
         for row, k in zip(rows, slots, strict=True):
             buf[row] = k
             buf[n + k] = row
-        self.slot_of_row.copy_(buf[:n], non_blocking=True)
-        self.row_of_slot.copy_(buf[n:], non_blocking=True)
+            buf[n + r + k] = self.slots[k].n_ret
+        self._step_rows.copy_(buf, non_blocking=True)
+        self.n_ret.copy_(self._step_rows[n + r :])
         if buf.is_pinned():
             event = torch.cuda.Event()
             event.record()

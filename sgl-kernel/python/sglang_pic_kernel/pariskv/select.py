@@ -450,11 +450,11 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
     need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
     lo = tl.min(tl.where(valid, key, 2**31), axis=0)  # count(key >= lo) >= need
     hi = tl.max(tl.where(valid, key, -(2**31) - 1), axis=0)
-    while lo < hi:  # the largest t with count(valid & key >= t) >= need
+    while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+        count = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0)
+        lo = tl.where(count >= need, mid, lo)
+        hi = tl.where(count > need, hi, tl.where(count == need, mid, mid - 1))
     above = valid & (key > lo)
     equal = valid & (key == lo)
     n_above = tl.sum(above.to(tl.int32), axis=0)
@@ -501,8 +501,10 @@ class Selector:
             raise ValueError(f"block_n must be >= 128, got {block_n}")
         if self.nbins & (self.nbins - 1) or not 32 <= self.nbins <= 32768:
             raise ValueError(f"nbins must be a power of two in [32, 32768], got {self.nbins}")
-        # keys per vote program: about 64 programs per KV head and sequence, whatever N is
-        self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 64)))
+        # keys per vote program: about 256 programs per KV head and sequence, whatever N is, so
+        # that one sequence's 128K keys are spread over the GPU (with 64, a program walked 32
+        # blocks in turn at a 262K capacity: latency, not bandwidth, at batch 1)
+        self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 256)))
         self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
         self.stride = (16 if n >= 65536 else 1) if sample_stride is None else sample_stride
         if self.stride < 1:
