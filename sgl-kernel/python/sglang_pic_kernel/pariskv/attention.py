@@ -76,11 +76,13 @@ def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToke
     for t0 in tl.range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         valid = offs_t < end
+        # (both branches leave ``rows`` int64: a runtime branch must not change its type)
         if s < S_WIN:
             if POOL:
                 rows = tl.load(WinIdx + b * stride_widx + offs_t, mask=valid, other=0)
+                rows = rows.to(tl.int64)
             else:
-                rows = offs_t
+                rows = offs_t.to(tl.int64)
         else:
             rows = tl.load(Sel + (b * kv_heads + h) * K_SEL + offs_t, mask=valid, other=-1)
             valid = valid & (rows >= 0)
@@ -88,7 +90,7 @@ def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToke
             if POOL:  # retrieval row -> position -> pool slot
                 rows = tl.load(ReqToToken + tl.load(PoolOfSlot + b) * stride_r2t + SINK + rows,
                                mask=valid, other=0)
-        rows = rows.to(tl.int64)
+            rows = rows.to(tl.int64)
         k = tl.load(kbase + rows[None, :] * stride_t + offs_d[:, None], mask=valid[None, :],
                     other=0.0)  # [D, BLOCK_T]
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale  # [BLOCK_H, BLOCK_T]
