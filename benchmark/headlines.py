@@ -215,6 +215,7 @@ NONSPAN_CASES = {
 SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
 SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
 SPARSE_E2E = "sparse_e2e_decode_flashinfer_h200.json"  # sparse/bench_e2e_decode.py
+SPARSE_LONG = "sparse_long_prompt_h200.json"
 
 
 def _selection_recall(length: str):
@@ -413,8 +414,20 @@ CLAIMS: list[Claim] = [
             "pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates) vs vanilla dense "
             "FlashInfer decode",
             note="samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
-            "generation); vanilla ran first")
+            "generation); vanilla ran first; the sparse layer as 10 launches (fused query "
+            "gather, positions-to-slots, top-k and output scatter)")
       for n, target in ((131072, 1.3), (262144, 2.0))],
+    Claim("sparse.tpot_512k", SPARSE_LONG, "tpot_ms_524288", target=3.0, same_run=False,
+          path="one 512K-token prompt, Llama-3-8B shape, dummy weights; pariskv_flashinfer with "
+          "--sparse-offload on a 64K-token pool (prefill and retrieval region in host memory) "
+          "vs vanilla FlashInfer with the whole KV in a pool that holds it",
+          note="one streamed generation per side (TPOT over 63 tokens), each variant in its own "
+          "device call of the same machine lease (a 512K prefill takes minutes)"),
+    Claim("sparse.prefill_512k", SPARSE_LONG, "prefill_s_524288", same_run=False,
+          path="the same 512K-token prompt: time to the first token; ours prefills with at most "
+          "threshold + 2 chunks + sink + local tokens in the GPU pool (16K + 2 x 16K + 528), the "
+          "finished chunks attended from host memory",
+          note="one sample per side, separate calls of the same machine lease"),
     Claim("sparse.tpot_128k.triton_baseline", "sparse_e2e_decode_sampled_h200.json",
           "tpot_ms_1x131072", note=LEGACY + " (second column: vanilla triton decode)"),
     Claim("sparse.overmemory_throughput", "sparse_offload_h200.json", "output_tokens_per_s",
