@@ -110,12 +110,12 @@ def _sweep(layer, q) -> list[dict]:
 
 
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
-         profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16)
-         ) -> list[dict]:
+         profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16),
+         chunks: tuple[int, ...] = ()) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
-    from sglang_pic_kernel.pariskv import Selector
+    from sglang_pic_kernel.pariskv import Selector, SparseAttention
 
     gen = torch.Generator(device="cuda").manual_seed(ctx + batch)
     q_dir = torch.nn.functional.normalize(torch.randn(KV_HEADS, HEAD_DIM, device="cuda",
@@ -168,6 +168,16 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                         layer.attend(q, out)
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+            by_chunk = {}
+            for chunk in chunks:  # the attention's keys per program (its default: 256)
+                default = layer.attention
+                layer.attention = SparseAttention(batch, Q_HEADS, KV_HEADS, HEAD_DIM,
+                                                  SINK + LOCAL + UPDATE, layer.selector.k,
+                                                  device=layer.device, chunk=chunk)
+                layer.attend(q, out)
+                by_chunk[chunk] = 1000 * bench(partial(layer.attend, q, out), rep=100)
+                print(f"  attention chunk {chunk:>4}: layer {by_chunk[chunk]:7.1f} us", flush=True)
+                layer.attention = default
             sweep_rows = _sweep(layer, q) if sweep else None
             # recall@k of the host-region selection vs the exact top-k (max over the group)
             sel = layer.select(q)
@@ -194,6 +204,8 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
             row["same_picks_as_first"] = (picks == exact_picks).float().mean().item()
             if sweep_rows:
                 row["sweep"] = sweep_rows
+            if by_chunk:
+                row["sparse_us_by_attention_chunk"] = by_chunk
             if ref is not None:
                 err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
                 row["rel_err_mean"] = err.mean().item()
@@ -224,6 +236,9 @@ def main() -> None:
                     help="pruning modes per case: 1 = exact histogram, s > 1 = threshold from "
                          "every s-th key (Selector's sample_stride); the first is the reference "
                          "of same_picks_as_first")
+    ap.add_argument("--attention-chunks", type=int, nargs="*", default=[],
+                    help="also time the layer with the attention split into chunks of this many "
+                         "keys per program (with --case)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
@@ -241,7 +256,8 @@ def main() -> None:
     if args.case:  # one case in this process (spawned below): rows as JSON on the last line
         batch, ctx = args.case
         rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
-                    sweep=args.sweep, strides=tuple(args.strides))
+                    sweep=args.sweep, strides=tuple(args.strides),
+                    chunks=tuple(args.attention_chunks))
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:
