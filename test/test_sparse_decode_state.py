@@ -68,8 +68,12 @@ def test_sparse_rows_equal_dense_when_every_key_is_selectable(ops_cls, device):
     pool = FakePool(3, device=device)
     # topk and candidates cover the whole retrieval region: the selection is everything
     state = make_state(pool, ops_cls, topk=512, candidates=512, max_context=MAX_CTX)
-    state.warm_up()  # what the GPU backend runs before CUDA-graph capture: no slot, no effect
-    assert not state.active and not state.win_len.any() and (state.row_of_slot == -1).all()
+    # what the GPU backend runs before CUDA-graph capture: no slot, so no output row is written
+    q0 = torch.randn(1, HQ, D, device=device)
+    o0 = q0.clone()
+    state.attend(0, q0, o0, 1.0)
+    assert torch.equal(o0, q0) and not state.active
+    state.warm_up()
     lens = [300, 40, 420]  # rows 0 and 2 are long, row 1 short
     dense_lens = step(state, [0, 1, 2], lens)
     assert dense_lens.tolist() == [1, 40, 1] and state.active

@@ -8,8 +8,9 @@ memory. Vanilla SGLang (FlashInfer) gets a pool as large as the GPU allows and r
 that fit it; SGLang's refusal of the others is recorded (``skipped_<length>``).
 
 Per variant and length, one streamed generation of ``--long`` tokens (ignore_eos): the prefill
-time is the time to its first token, TPOT the time per token after it; and the GPU memory in use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads,
-half the KV per token), dummy weights, bf16.
+time is the time to its first token, TPOT the time per token after it; and the GPU memory in
+use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads, half the KV
+per token), dummy weights, bf16.
 
     python3 benchmark/sparse/bench_long_prompt.py [--lengths 131072,262144,524288]
         [--pool-tokens 65536] [--shape llama3-8b] [--variants vanilla,sglang-pic] [--out DIR]

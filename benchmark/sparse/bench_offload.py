@@ -2,16 +2,17 @@
 
 ``B`` requests of ``N`` random tokens arrive together and each generates ``M`` tokens; the KV
 pool holds ``--pool-tokens`` tokens, enough for one of them (prompt + generation) but not two.
-Vanilla SGLang (triton attention) must then run them one after another: a request keeps its
+Vanilla SGLang (FlashInfer attention) must then run them one after another: a request keeps its
 whole context in the pool until it finishes. With ParisKV and ``--sparse-offload`` a request's
 retrieval region moves to pinned host memory at its first decode step and its pool slots are
 freed, so the next request prefills while the first decodes, and all of them decode together
 from a pool that holds ~``sink + local + update`` tokens of each.
 
-Both variants run with ``--disable-radix-cache`` (offload needs it; vanilla gets the same),
+sglang-pic runs ``pariskv_flashinfer`` (FlashInfer for prefill and the dense parts). Both
+variants run with ``--disable-radix-cache`` (offload needs it; vanilla gets the same),
 Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on. Reported per variant: makespan,
-output tokens/s, TTFT and finish time per request, and the most requests decoding at once
-(from each request's first and last token).
+output tokens/s, TTFT (per request, p50 and p99) and finish time per request, and the most
+requests decoding at once (from each request's first and last token).
 
     python3 benchmark/sparse/bench_offload.py [--requests 4] [--tokens 65536] [--new 512]
                                               [--pool-tokens 73728] [--out DIR]
@@ -67,6 +68,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     out["ttft_s"] = [round(a, 3) for a, _ in spans]
     out["finish_s"] = [round(b, 3) for _, b in spans]
     out["ttft_mean_s"] = sum(a for a, _ in spans) / len(spans)
+    out["ttft_p50_s"] = float(np.percentile([a for a, _ in spans], 50))
+    out["ttft_p99_s"] = float(np.percentile([a for a, _ in spans], 99))
     out["output_ids"] = [r["output_ids"] for r in reqs]
     return out
 
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU engine, SmolLM2, 2 x 1500 tokens (checks the script, not speed)")
     args = ap.parse_args()
-    name, backend = "sparse_offload", "pariskv_triton"
+    name, backend = "sparse_offload", "pariskv_flashinfer"
     context = args.tokens + args.new + 64
     engine_kwargs = {**harness.LLAMA3_8B_DUMMY, "context_length": context,
                      "max_total_tokens": args.pool_tokens, "disable_radix_cache": True,

@@ -68,6 +68,11 @@ KERNELS = {
                         {"MidO": "*fp32", "MidL": "*fp32", "RowOfSlot": "*i64", "Out": "*bf16"},
                         {"SPLITS": 4, "SPLITS_P": 4, "D": 128, "Q_ROWS": True}),
 }
+# the variants the kernel benchmark's layer (``kv_layout.ParisKVLayer``) launches: one query
+# row per sequence, no row table
+for _name in ("query", "attention_host", "attention_merge"):
+    _fn, _pointers, _consts = KERNELS[_name]
+    KERNELS[f"{_name}_own_rows"] = (_fn, _pointers, {**_consts, "Q_ROWS": False})
 
 
 def compile_for_hopper(name: str) -> str:

@@ -96,9 +96,9 @@ class SparseDecodeState:
         self.win_len = torch.zeros(r, dtype=torch.int32, device=dev)
         self.selected: torch.Tensor | None = None  # the last layer's selection (inspection)
         self.rid_of_pool: dict[int, str] = {}
-        # host staging of slot_of_row + row_of_slot, two buffers used in turn: copied without
-        # blocking, since a blocking copy from pageable memory waits for the GPU's previous step
-        # and would cost the overlap scheduler its overlap at every sparse step
+        # host staging of _step_rows (slot_of_row, row_of_slot, n_ret), two buffers used in turn:
+        # copied without blocking, since a blocking copy from pageable memory waits for the
+        # GPU's previous step and would cost the overlap scheduler its overlap at every step
         pin = dev.type == "cuda"
         self._staging = [torch.empty(max_batch + 2 * r, dtype=torch.int64, pin_memory=pin)
                          for _ in range(2)]

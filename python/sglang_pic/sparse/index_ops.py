@@ -149,8 +149,9 @@ def _slot_queries(q: torch.Tensor, row_of_slot: torch.Tensor) -> torch.Tensor:
 
 
 def _write_rows(out: torch.Tensor, row_of_slot: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-    """``out[row_of_slot[r]] = res[r]`` for the slots with a row."""
-    active = row_of_slot >= 0
+    """``out[row_of_slot[r]] = res[r]`` for the slots with a row in ``out`` (as the kernels:
+    -1 and rows past the batch are skipped)."""
+    active = (row_of_slot >= 0) & (row_of_slot < out.shape[0])
     out[row_of_slot[active]] = res[active].to(out.dtype)
     return out
 

@@ -33,7 +33,7 @@ import triton.language as tl
 BLOCK_H = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
 def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToken, PoolOfSlot,
                     MidO, MidL, sm_scale,
                     stride_qb, stride_qh,
@@ -111,7 +111,7 @@ def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToke
     tl.store(MidL + row, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS"])
 def _merge_kernel(MidO, MidL, RowOfSlot, Out, stride_ob, stride_oh, N_ROWS,
                   SPLITS: tl.constexpr,
                   SPLITS_P: tl.constexpr, D: tl.constexpr, Q_ROWS: tl.constexpr):
@@ -156,6 +156,8 @@ class SparseAttention:
         if k_win.stride() != v_win.stride() or k_host.stride() != v_host.stride():
             raise ValueError("K and V buffers need the same layout")
         bsz, kv_heads = sel.shape[:2]
+        if row_of_slot is None and q.shape[0] < bsz:
+            raise ValueError(f"q has {q.shape[0]} rows for {bsz} sequences")
         self._launch(q, row_of_slot, k_win, v_win, win_len, None, k_host, v_host, sel, None,
                      None, 0, out, sm_scale, bsz, kv_heads,
                      (k_win.stride(0), k_win.stride(1), k_win.stride(2)),

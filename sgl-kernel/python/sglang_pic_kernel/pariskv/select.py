@@ -72,7 +72,7 @@ def _centroid_sim(qj, c, J: tl.constexpr):
     return 0.5 * qj[:, None] * sign[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
 def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
                   D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
                   Q_ROWS: tl.constexpr):
@@ -436,10 +436,13 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
 
 @triton.jit
 def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
-    """The ids of the ``K`` best candidates of one KV head by rerank estimate (in candidate
-    order; -1 past the valid ones), replacing ``torch.topk`` + ``gather`` + the validity mask
-    (4-5 launches). The ``K``-th best estimate is found by bisection over the estimates' bit
-    patterns, mapped to integers that order like the floats; ties at it are kept by position."""
+    """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
+    ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
+    found by bisection over the estimates' bit patterns, mapped to integers that order like the
+    floats. Output order: the candidates above it in candidate order, then the ties at it (the
+    first by position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk``
+    was: attention does not care). NaN and -inf estimates and empty candidates (-1) are never
+    selected."""
     _, h, b, r = _program_head()
     i = tl.arange(0, CP)
     est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
@@ -605,7 +608,9 @@ class Selector:
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
-        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k,
-                                              CP=triton.next_power_of_2(C),
-                                              KP=triton.next_power_of_2(self.k))
+        cp = triton.next_power_of_2(C)
+        # one program holds the head's C candidates: more warps for more of them (no spills)
+        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
+                                              KP=triton.next_power_of_2(self.k),
+                                              num_warps=min(16, max(4, cp // 1024)))
         return sel
