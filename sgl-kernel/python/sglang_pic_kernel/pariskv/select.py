@@ -342,7 +342,8 @@ def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
     """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
     keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
-    ``floor(count * C / total)``, so what is dropped is spread over the whole context."""
+    ``floor(count * C / total)``, plus one for the first programs that have more until the
+    budget is full, so what is dropped is spread over the whole context."""
     p, h, b, r = _program_head()
     nprog = tl.num_programs(0)
     i = tl.arange(0, NPROG)
@@ -350,6 +351,11 @@ def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
     ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
     total_a = tl.sum(ca, axis=0)
     qa = tl.where(total_a > C, (ca.to(tl.int64) * C // tl.maximum(total_a, 1)).to(tl.int32), ca)
+    # the shares' rounding left C - sum(qa) places (fewer than the programs with a remainder):
+    # one more key each for the first of those, in program order
+    short = qa < ca
+    rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
+    qa += (short & (rank < C - tl.sum(qa, axis=0))).to(tl.int32)
     kept_a = tl.sum(qa, axis=0)
     pre_a = tl.sum(tl.where(i < p, qa, 0), axis=0)
     my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
