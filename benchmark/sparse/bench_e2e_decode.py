@@ -89,7 +89,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 ids = res[0]["output_ids"]
                 tpots.append((times[LONG] - times[SHORT]) / (LONG - SHORT) * 1e3)
             out[f"tpot_ms_{case}"] = statistics.median(tpots)
-            out[f"tpot_ms_{case}_samples"] = [round(x, 3) for x in tpots]
+            # ``_all``: the harness pools these over rounds (``merge_rounds``)
+            out[f"tpot_ms_{case}_all"] = [round(x, 3) for x in tpots]
             out[f"tokens_per_s_{case}"] = len(prompts) * 1e3 / out[f"tpot_ms_{case}"]
             out[f"output_ids_{case}"] = ids
             print(f"[bench] {case}: TPOT {out[f'tpot_ms_{case}']:.2f} ms "
@@ -175,10 +176,18 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--candidates", type=int, default=4096)
     ap.add_argument("--max-requests", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="TPOT samples per case and round")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, alternating which goes first; "
+                         "samples are pooled over rounds")
+    ap.add_argument("--resume-from", default=None, metavar="REPORT",
+                    help="an earlier call's report of the same cases and settings: this call's "
+                         "rounds continue its alternation and pool their samples with it")
     ap.add_argument("--mem-fraction", type=float, default=0.55)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1 or args.rounds < 1:
+        ap.error("--repeats and --rounds must be at least 1")
     cases = args.cases.split(",")
     out_dir = Path(args.out) if args.out else RESULTS
     earlier = out_dir / "sparse_e2e_decode.json"
@@ -200,6 +209,7 @@ def main() -> None:
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
         higher_is_better={f"tokens_per_s_{c}" for c in cases},
         variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
+        rounds=args.rounds, resume_from=args.resume_from,
         variant_kwargs={"sglang-pic": {"attention_backend": "pariskv_triton"},
                         "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}})
     out_dir = Path(args.out) if args.out else RESULTS
