@@ -1,0 +1,114 @@
+"""The ParisKV kernels built for the H200 (sm_90) on a machine without a GPU.
+
+Triton compiles a kernel from its argument types and compile-time constants alone: with
+``GPUTarget("cuda", 90, 32)`` its whole pipeline (TTIR, TTGIR, LLVM, PTX, then the ptxas Triton
+ships to a cubin) runs on a CPU machine. ``LAUNCHES`` lists each kernel as the server launches
+it (Llama-3-8B's attention shape: 4 query heads per KV head, head dim 128; 4096 candidates; 256
+histogram bins), which serves two uses:
+
+- ``test/kernels/test_pariskv_compiles_for_hopper.py``: every kernel compiles (the interpreter,
+  which runs the kernel tests on CPU, accepts code the compiler refuses);
+- ``benchmark/kernels/pariskv_resources.py``: registers, spills and shared memory per kernel
+  (``ptxas -v``), the first thing to read when a kernel is slow on the device.
+
+The kernels must be Triton JIT functions, not the interpreter's: import this module in a process
+started with ``TRITON_INTERPRET=0`` (the test session sets 1 on CPU machines).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import attention, select
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+_VOTE = {"Cent": "*i32", "Table": "*fp32", "Planes": "*i32", "Params": "*fp32", "NRet": "*i32"}
+_VOTE_CONSTS = {"B": 32, "G": 4, "NB": 256, "P": 8, "BLOCK_N": 256, "SIMILARITY": True,
+                "ASM": True}
+_ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLen": "*i32",
+         "WinIdx": "*i64", "KH": "*bf16", "VH": "*bf16", "Sel": "*i32", "ReqToToken": "*i32",
+         "PoolOfSlot": "*i64", "MidO": "*fp32", "MidL": "*fp32", "sm_scale": "fp32"}
+_ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "BLOCK_T": 32, "BLOCK_H": 16, "Q_ROWS": True}
+
+LAUNCHES: dict[str, tuple] = {
+    "query": (select._query_kernel,
+              {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Tiers": "*fp32",
+               "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
+              {"D": 128, "B": 32, "SIMILARITY": True, "Q_ROWS": True}),
+    "plane": (select._plane_kernel,
+              {"Qt": "*fp32", "Planes": "*i32", "Params": "*fp32", "Counts": "*i32",
+               "NRet": "*i32", "Hist": "*i32"},
+              {"G": 4, "D": 128, "B": 32, "NB": 256, "P": 8, "FLOOR_SD": 3.0}),
+    "sampled_vote": (select._vote_kernel, {**_VOTE, "Bins": "*i32", "Hist": "*i32"},
+                     {**_VOTE_CONSTS, "STRIDE": 16, "STORE_BINS": False}),
+    "sampled_threshold": (select._sampled_threshold_kernel,
+                          {"Hist": "*i32", "NRet": "*i32", "Thresh": "*i32", "Need": "*i32"},
+                          {"NB": 256}),
+    "vote_select": (select._vote_select_kernel,
+                    {**_VOTE, "Thresh": "*i32", "Kept": "*i32", "CountA": "*i32",
+                     "CountE": "*i32"}, _VOTE_CONSTS),
+    "merge_candidates": (select._merge_kernel,
+                         {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32"},
+                         {"NPROG": 256, "BLOCK": 256}),
+    "rerank": (select._rerank_kernel,
+               {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
+                "Qnorm": "*fp32", "Levels": "*fp32", "Est": "*fp32"},
+               {"B": 32, "G": 4, "BLOCK_C": 64}),
+    "topk": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
+             {"CP": 4096, "KP": 128}),
+    "attention_pool": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": True}),
+    "attention_host": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": False}),
+    "attention_merge": (attention._merge_kernel,
+                        {"MidO": "*fp32", "MidL": "*fp32", "RowOfSlot": "*i64", "Out": "*bf16"},
+                        {"SPLITS": 4, "SPLITS_P": 4, "D": 128, "Q_ROWS": True}),
+}
+# the variants the kernel benchmark's layer (``kv_layout.ParisKVLayer``) launches: one query
+# row per sequence, no row table
+for _name in ("query", "attention_host", "attention_merge"):
+    _fn, _pointers, _consts = LAUNCHES[_name]
+    LAUNCHES[f"{_name}_own_rows"] = (_fn, _pointers, {**_consts, "Q_ROWS": False})
+
+
+def compile_for_hopper(name: str, num_warps: int = 4):
+    """Kernel ``name`` of ``LAUNCHES`` compiled for sm_90 (a ``CompiledKernel``: ``asm`` holds
+    its TTIR ... PTX and cubin). Every argument the table does not type is an int32 (sizes,
+    strides, counts). Raises what the compiler raises."""
+    fn, pointers, consts = LAUNCHES[name]
+    names = fn.arg_names
+    unknown = (set(pointers) | set(consts)) - set(names)
+    if unknown:
+        raise KeyError(f"{name}: the table names arguments the kernel lacks: {sorted(unknown)}")
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps})
+
+
+def ptxas_resources(compiled) -> dict:
+    """Registers per thread, spill bytes, stack frame and shared memory of a compiled kernel,
+    from ``ptxas -v`` (the ptxas Triton ships) on its PTX."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, out)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_stores_bytes": number(r"(\d+) bytes spill stores"),
+            "spill_loads_bytes": number(r"(\d+) bytes spill loads"),
+            "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
+            "shared_bytes": int(compiled.metadata.shared),
+            "num_warps": int(compiled.metadata.num_warps)}
