@@ -89,7 +89,8 @@ class SparseDecodeState:
         self._step_rows = torch.full((max_batch + 2 * r,), -1, **i64)
         self.slot_of_row = self._step_rows[:max_batch]
         self.row_of_slot = self._step_rows[max_batch : max_batch + r]
-        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)  # keys the selection reads
+        # keys the selection reads: written by each step's upload only (a release zeroes it)
+        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)
         self.pool_of_slot = torch.zeros(r, **i64)
         # sink + window of each slot: pool slots (padding slot 0 past win_len)
         self.win_idx = torch.zeros(r, cfg.sink + cfg.local + cfg.update, **i64)
@@ -189,7 +190,6 @@ class SparseDecodeState:
                 self._encode(k, pool_index, cfg.sink + slot.n_ret, end - cfg.sink - slot.n_ret,
                              slot.n_ret)
                 slot.n_ret = end - cfg.sink
-                self.n_ret[k] = slot.n_ret
         self.prefill_rows.append((row, k, prefix, extend, q_start))
 
     def skip_decode(self) -> None:
@@ -334,7 +334,6 @@ class SparseDecodeState:
         cfg = self.cfg
         self._encode(k, pool_index, cfg.sink, n_ret, 0)
         self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), n_ret, seq_len)
-        self.n_ret[k] = n_ret
         self.pool_of_slot[k] = pool_index
         # the sink's pool slots never change while the request holds the slot
         self.win_idx[k, : cfg.sink] = self._positions_to_slots(pool_index, 0, cfg.sink)
@@ -355,7 +354,6 @@ class SparseDecodeState:
         count = blocks * cfg.update
         self._encode(k, slot.pool_index, cfg.sink + slot.n_ret, count, slot.n_ret)
         slot.n_ret += count
-        self.n_ret[k] = slot.n_ret
 
     def _fill_window(self, k: int, slot: _Slot) -> None:
         """This step's window part of ``win_idx`` (its sink part is written at activation)."""
