@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -76,27 +75,20 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
 
 
 def _streamed(engine, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed generation: the prefill is the time to the first token, TPOT the time per
-    token after it (one prefill per length: a 512K-token prefill takes minutes, and with
-    ``--sparse-offload`` the radix cache is off, so a second generation would prefill again)."""
+    """One streamed generation (``harness.stream_generate``): the prefill is the time to the
+    first token, TPOT the time per token after it (one prefill per length: a 512K-token prefill
+    takes minutes, and with ``--sparse-offload`` the radix cache is off, so a second generation
+    would prefill again)."""
     sp = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
-    t0 = time.perf_counter()
-    first = last = None  # (time, tokens so far)
-    ids: list[int] = []
-    finish = None
-    for chunk in engine.generate(input_ids=prompt, sampling_params=sp, stream=True):
-        meta = chunk.get("meta_info", {})
-        tokens = int(meta.get("completion_tokens", 0))
-        finish = meta.get("finish_reason") or finish
-        ids = chunk.get("output_ids", ids)
-        if tokens:
-            last = (time.perf_counter(), tokens)
-            first = first or last
-    if first is None:
-        return {"finish_reason": finish}
-    steps = last[1] - first[1]
-    return {"prefill_s": first[0] - t0, "output_ids": ids, "finish_reason": finish,
-            "tpot_ms": 1000 * (last[0] - first[0]) / steps if steps else float("nan")}
+    first, finish, last = engine.loop.run_until_complete(
+        harness.stream_generate(engine, prompt, sp))
+    meta = last.get("meta_info", {})
+    tokens = int(meta.get("completion_tokens", 0))
+    if not tokens:  # refused: no token came
+        return {"finish_reason": meta.get("finish_reason")}
+    return {"prefill_s": first, "output_ids": last.get("output_ids", []),
+            "finish_reason": meta.get("finish_reason"),
+            "tpot_ms": 1000 * (finish - first) / (tokens - 1) if tokens > 1 else float("nan")}
 
 
 def plot(report: dict, out_dir: Path) -> Path | None:
