@@ -20,14 +20,23 @@ threshold measures what the sparse backend costs requests that stay dense.
 
 Prints a table; writes ``sparse_e2e_decode.json`` (machine, versions, config, ratios) and a plot
 into ``--out`` (default ``benchmark/results``).
+
+``--profile-steps N`` ends each case with N decode steps under SGLang's torch profiler (GPU
+activity; kernels inside CUDA graphs are recorded one by one) and stores, per variant and case,
+the GPU time per step by kernel and the step's GPU-idle time (wall per step minus the union of
+kernel intervals): where a step's time goes that the TPOT alone does not show. The traces stay
+in ``--profile-dir`` (default: a temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,9 +104,76 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             out[f"output_ids_{case}"] = ids
             print(f"[bench] {case}: TPOT {out[f'tpot_ms_{case}']:.2f} ms "
                   f"(samples {', '.join(f'{x:.2f}' for x in tpots)})", flush=True)
+            if params.get("profile_steps"):
+                out[f"profile_{case}"] = profile_decode(
+                    engine, prompts, f"{engine_kwargs['attention_backend']}_{case}", params)
     finally:
         engine.shutdown()
     return out
+
+
+def profile_decode(engine, prompts: list, tag: str, params: dict) -> dict:
+    """``params["profile_steps"]`` decode steps of ``prompts`` under SGLang's profiler (the
+    case ran before: nothing compiles); returns ``kernel_summary`` of the trace it writes into
+    a folder named ``tag``."""
+    steps = params["profile_steps"]
+    out_dir = Path(params["profile_dir"]) / tag
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # by stage: the prompt's extend (one token, the prompt is cached) gets a trace of its own,
+    # the decode steps theirs; the first decode step holds the sparse activation (encoding the
+    # retrieval region), which ``steps`` spreads thin and the kernel names show
+    engine.start_profile(output_dir=str(out_dir), num_steps=steps, activities=["GPU"],
+                         profile_id=tag.replace("+", "_"), profile_by_stage=True,
+                         with_stack=False, record_shapes=False)
+    t = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 8,
+                                                        "ignore_eos": True, "temperature": 0})
+    wall = time.perf_counter() - t
+    deadline = time.time() + 120  # the scheduler writes the trace after its last step
+    while time.time() < deadline and not list(out_dir.glob("*DECODE*.trace.json.gz")):
+        time.sleep(0.5)
+    traces = sorted(out_dir.glob("*DECODE*.trace.json.gz"))
+    if not traces:
+        return {"error": f"no trace in {out_dir} after 120 s", "wall_s": wall}
+    summary = kernel_summary(traces[-1], steps)
+    summary["trace"] = str(traces[-1])
+    top = sorted(summary["us_per_step_by_kernel"].items(), key=lambda kv: -kv[1])[:12]
+    print(f"[bench] {tag} profile: {summary['kernel_us_per_step']:.0f} us of kernels and "
+          f"{summary['gpu_idle_us_per_step']:.0f} us GPU idle per step; top kernels: "
+          + ", ".join(f"{k[:40]} {v:.0f}" for k, v in top), flush=True)
+    return summary
+
+
+def kernel_summary(trace: Path, steps: int) -> dict:
+    """GPU kernels of a chrome trace (``cat`` "kernel"): microseconds per step by kernel name
+    (names cut at 80 characters), in total, and the time within the kernels' overall span
+    when no kernel ran (launch gaps, waits on the CPU), each divided by ``steps``."""
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        return {"error": "no kernel events in the trace", "steps": steps}
+    by_name: dict[str, float] = {}
+    busy, end = 0.0, None
+    for e in kernels:
+        name = e["name"][:80]
+        by_name[name] = by_name.get(name, 0.0) + e["dur"]
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if end is None or s >= end:
+            busy += e["dur"]
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    span = end - kernels[0]["ts"]
+    return {"steps": steps, "kernels": len(kernels),
+            "kernel_us_per_step": sum(by_name.values()) / steps,
+            "busy_us_per_step": busy / steps, "span_us_per_step": span / steps,
+            "gpu_idle_us_per_step": (span - busy) / steps,
+            "us_per_step_by_kernel": {k: round(v / steps, 2) for k, v in
+                                      sorted(by_name.items(), key=lambda kv: -kv[1])}}
 
 
 def case_lengths(case: str) -> list[int]:
@@ -184,10 +260,16 @@ def main() -> None:
                     help="an earlier call's report of the same cases and settings: this call's "
                          "rounds continue its alternation and pool their samples with it")
     ap.add_argument("--mem-fraction", type=float, default=0.55)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after each case's samples, profile this many decode steps (0: none)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="where the traces go (default: a temporary folder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1 or args.rounds < 1:
         ap.error("--repeats and --rounds must be at least 1")
+    if not 0 <= args.profile_steps <= 256:
+        ap.error("--profile-steps must be in [0, 256]")
     cases = args.cases.split(",")
     out_dir = Path(args.out) if args.out else RESULTS
     earlier = out_dir / "sparse_e2e_decode.json"
@@ -204,7 +286,8 @@ def main() -> None:
                   "SGLANG_PIC_SPARSE_MAX_REQUESTS": args.max_requests,
                   "SGLANG_PIC_SPARSE_MAX_CONTEXT": context}
     params = {"cases": cases, "seed": 0, "vocab": 128000, "repeats": args.repeats,
-              "sparse_env": sparse_env}
+              "sparse_env": sparse_env, "profile_steps": args.profile_steps,
+              "profile_dir": args.profile_dir or tempfile.mkdtemp(prefix="sparse_profile_")}
     report = run_side_by_side(
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
         higher_is_better={f"tokens_per_s_{c}" for c in cases},

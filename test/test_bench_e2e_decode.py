@@ -1,0 +1,45 @@
+"""The decode benchmark's profile summary (``bench_e2e_decode.kernel_summary``) on a written
+chrome trace: per-step kernel time by name, and the GPU-idle time between overlapping and
+separate kernels."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmark" / "sparse"))
+
+import bench_e2e_decode  # noqa: E402
+
+
+def _trace(tmp_path: Path, events: list[dict]) -> Path:
+    path = tmp_path / "x-DECODE.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_kernel_summary_splits_kernel_time_and_idle_time(tmp_path):
+    kernels = [  # us: [0, 10) a, [5, 12) b overlapping, gap, [20, 30) a, [30, 31) c
+        {"cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "b", "ts": 5, "dur": 7},
+        {"cat": "kernel", "name": "a", "ts": 20, "dur": 10},
+        {"cat": "kernel", "name": "c", "ts": 30, "dur": 1},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # not a kernel
+    ]
+    s = bench_e2e_decode.kernel_summary(_trace(tmp_path, kernels), steps=2)
+    assert s["kernels"] == 4
+    assert s["us_per_step_by_kernel"] == {"a": 10.0, "b": 3.5, "c": 0.5}
+    assert s["kernel_us_per_step"] == 14.0
+    assert s["busy_us_per_step"] == 11.5  # [0, 12) and [20, 31)
+    assert s["span_us_per_step"] == 15.5
+    assert s["gpu_idle_us_per_step"] == 4.0  # the gap [12, 20)
+
+
+def test_kernel_summary_of_a_trace_without_kernels_says_so(tmp_path):
+    s = bench_e2e_decode.kernel_summary(_trace(tmp_path, [{"cat": "cpu_op", "ts": 0,
+                                                           "dur": 1, "name": "x"}]), steps=3)
+    assert "error" in s
