@@ -257,8 +257,8 @@ def main() -> None:
     ap.add_argument(
         "--candidates",
         type=int,
-        default=800,
-        help="kept by voting (the torch reference's 8 per retrieved key)",
+        default=4096,
+        help="kept by voting for the rerank (the server's default)",
     )
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--local", type=int, default=128)
