@@ -29,6 +29,8 @@ def test_kernel_summary_splits_kernel_time_and_idle_time(tmp_path):
         {"cat": "kernel", "name": "a", "ts": 20, "dur": 10},
         {"cat": "kernel", "name": "c", "ts": 30, "dur": 1},
         {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # not a kernel
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 6},
+        {"cat": "cuda_driver", "name": "cudaGraphLaunch", "ts": 20, "dur": 4},
     ]
     s = bench_e2e_decode.kernel_summary(_trace(tmp_path, kernels), steps=2)
     assert s["kernels"] == 4
@@ -37,6 +39,8 @@ def test_kernel_summary_splits_kernel_time_and_idle_time(tmp_path):
     assert s["busy_us_per_step"] == 11.5  # [0, 12) and [20, 31)
     assert s["span_us_per_step"] == 15.5
     assert s["gpu_idle_us_per_step"] == 4.0  # the gap [12, 20)
+    assert s["cuda_runtime_us_per_step"] == {"cudaGraphLaunch": 5.0}
+    assert s["cpu_op_us_per_step"] == {"aten::mm": 50.0}
 
 
 def test_kernel_summary_of_a_trace_without_kernels_says_so(tmp_path):

@@ -78,21 +78,22 @@ def _dense(batch: int, ctx: int, q, ks, vs):
 
 
 def _sweep(layer, q) -> list[dict]:
-    """Selection time with other warps per program for one kernel at a time (query tables,
-    vote passes, candidate merge with rerank, top-k: at batch 1 each is a chain of dependent
-    loads and reductions over a few programs, where more warps can shorten the chain), on the
-    same keys; each against the same picks as the default."""
+    """Selection time of other vote-kernel tilings (keys per block, keys per program: fewer
+    keys per program means more programs, for a batch of one too few to fill the GPU), on the
+    same keys."""
+    import itertools
+
     import torch
     import triton
     from sglang_pic_kernel.pariskv import Selector
 
     out = []
-    configs = [{}] + [{kernel: w} for kernel in ("query", "vote", "merge", "topk")
-                      for w in (2, 8, 16)]
-    for warps in configs:
+    for block_n, span in itertools.product((128, 256, 512), (None, 512, 1024, 2048)):
+        if span is not None and span < block_n:
+            continue
         sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
-                       layer.selector.C, layer.selector.k, block_n=layer.selector.block_n,
-                       device=layer.device, sample_stride=layer.selector.stride, warps=warps)
+                       layer.selector.C, layer.selector.k, block_n=block_n, span=span,
+                       device=layer.device, sample_stride=layer.selector.stride)
 
         def step(sel=sel):
             return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
@@ -101,10 +102,9 @@ def _sweep(layer, q) -> list[dict]:
         step()
         us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
         same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
-        out.append({"warps": sel.warps, "select_us": us,
+        out.append({"block_n": block_n, "span": sel.span, "nbins": sel.nbins, "select_us": us,
                     "same_selection": same.float().mean().item()})
-        label = ", ".join(f"{k} {v}" for k, v in warps.items()) or "default"
-        print(f"  sweep warps {label:>10}: select {us:7.1f} us "
+        print(f"  sweep block_n={block_n:>4} span={sel.span:>6}: select {us:7.1f} us "
               f"(same picks {out[-1]['same_selection']:.3f})", flush=True)
     return out
 
@@ -242,8 +242,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the selection with other warps per program, one kernel at "
-                         "a time (with --case)")
+                    help="also time other vote tilings / histogram sizes (with --case)")
     ap.add_argument("--case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None,

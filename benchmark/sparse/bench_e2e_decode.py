@@ -122,7 +122,8 @@ def profile_decode(engine, prompts: list, tag: str, params: dict) -> dict:
     # by stage: the prompt's extend (one token, the prompt is cached) gets a trace of its own,
     # the decode steps theirs; the first decode step holds the sparse activation (encoding the
     # retrieval region), which ``steps`` spreads thin and the kernel names show
-    engine.start_profile(output_dir=str(out_dir), num_steps=steps, activities=["GPU"],
+    activities = ["CPU", "GPU"] if params.get("profile_cpu") else ["GPU"]
+    engine.start_profile(output_dir=str(out_dir), num_steps=steps, activities=activities,
                          profile_id=tag.replace("+", "_"), profile_by_stage=True,
                          with_stack=False, record_shapes=False)
     t = time.perf_counter()
@@ -168,7 +169,17 @@ def kernel_summary(trace: Path, steps: int) -> dict:
             busy += t - end
             end = t
     span = end - kernels[0]["ts"]
-    return {"steps": steps, "kernels": len(kernels),
+    # with CPU activity: CUDA runtime calls (launches, copies, waits) and operators, per step
+    host: dict[str, dict[str, float]] = {"cuda_runtime": {}, "cpu_op": {}}
+    for e in events:
+        cat = "cuda_runtime" if e.get("cat") in ("cuda_runtime", "cuda_driver") else e.get("cat")
+        if cat in host and "dur" in e:
+            name = e.get("name", "?")[:80]
+            host[cat][name] = host[cat].get(name, 0.0) + e["dur"]
+    host_top = {f"{cat}_us_per_step": {k: round(v / steps, 2) for k, v in
+                                       sorted(d.items(), key=lambda kv: -kv[1])[:25]}
+                for cat, d in host.items() if d}
+    return {"steps": steps, "kernels": len(kernels), **host_top,
             "kernel_us_per_step": sum(by_name.values()) / steps,
             "busy_us_per_step": busy / steps, "span_us_per_step": span / steps,
             "gpu_idle_us_per_step": (span - busy) / steps,
@@ -262,6 +273,8 @@ def main() -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.55)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each case's samples, profile this many decode steps (0: none)")
+    ap.add_argument("--profile-cpu", action="store_true",
+                    help="profile CPU activity too (runtime calls, operators per step)")
     ap.add_argument("--profile-dir", default=None,
                     help="where the traces go (default: a temporary folder)")
     ap.add_argument("--out", default=None)
@@ -287,6 +300,7 @@ def main() -> None:
                   "SGLANG_PIC_SPARSE_MAX_CONTEXT": context}
     params = {"cases": cases, "seed": 0, "vocab": 128000, "repeats": args.repeats,
               "sparse_env": sparse_env, "profile_steps": args.profile_steps,
+              "profile_cpu": args.profile_cpu,
               "profile_dir": args.profile_dir or tempfile.mkdtemp(prefix="sparse_profile_")}
     report = run_side_by_side(
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,

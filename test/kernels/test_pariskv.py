@@ -79,34 +79,22 @@ def _group_estimate(keys: torch.Tensor, q: torch.Tensor, hk: int) -> torch.Tenso
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("stride", [1, 4])
 @pytest.mark.parametrize("similarity", [True, False])
 @pytest.mark.parametrize("hq,hk,d,n", SHAPES)
-def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity, stride):
-    """With every key a candidate, the selection is the top-k of the reference estimate, and
-    each candidate's estimate is the reference's. ``stride`` 1: the rerank kernel after the
-    exact pruning; 4: the estimates written by the candidates' merge, over several vote
-    programs' regions."""
+def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity):
+    """With every key a candidate, the selection is the top-k of the reference estimate."""
     torch.manual_seed(1)
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     q = torch.randn(1, hq, d, device=DEVICE).to(torch.float16)
     rt, levels, cent, codes, w, counts = _encoded(keys)
     k = 16
-    sel = Selector(1, hq, hk, d, n, c=n, k=k, similarity=similarity, device=DEVICE,
-                   sample_stride=stride, block_n=128, span=128)
+    sel = Selector(1, hq, hk, d, n, c=n, k=k, similarity=similarity, device=DEVICE)
     got = sel(q, rt, levels, cent[None], codes[None], w[None],
               torch.tensor([n], dtype=torch.int32, device=DEVICE), counts[None])
     est = _group_estimate(keys, q[0], hk)
-    if stride > 1:
-        assert sel.programs > 1
     for h in range(hk):
         want = set(est[h].topk(k).indices.tolist())
         assert len(want & set(got[0, h].tolist())) >= k - 1  # one near-tie may swap
-        cand = sel.cand[0, h].long().cpu()
-        assert sorted(cand.tolist()) == list(range(n))  # every key is a candidate
-        # a key with one code across a level edge (see the encode test) estimates differently
-        close = torch.isclose(sel.est[0, h].cpu(), est[h][cand].float(), rtol=1e-3, atol=1e-3)
-        assert close.float().mean() > 0.9
 
 
 @pytest.mark.parametrize("similarity", [True, False])

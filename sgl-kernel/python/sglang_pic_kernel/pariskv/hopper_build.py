@@ -33,24 +33,20 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _VOTE = {"Cent": "*i32", "Table": "*fp32", "Planes": "*i32", "Params": "*fp32", "NRet": "*i32"}
 _VOTE_CONSTS = {"B": 32, "G": 4, "NB": 256, "P": 8, "BLOCK_N": 256, "SIMILARITY": True,
                 "ASM": True}
-_RERANK = {"Codes": "*u8", "W": "*fp16", "Qt": "*fp32", "Qnorm": "*fp32", "Levels": "*fp32",
-           "Est": "*fp32"}
 _ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLen": "*i32",
          "WinIdx": "*i64", "KH": "*bf16", "VH": "*bf16", "Sel": "*i32", "ReqToToken": "*i32",
          "PoolOfSlot": "*i64", "MidO": "*fp32", "MidL": "*fp32", "sm_scale": "fp32"}
 _ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "BLOCK_T": 32, "BLOCK_H": 16, "Q_ROWS": True}
 
 LAUNCHES: dict[str, tuple] = {
-    "query_plane": (select._query_plane_kernel,
-                    {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Qt": "*fp32",
-                     "Qnorm": "*fp32", "Planes": "*i32", "Params": "*fp32", "Counts": "*i32",
-                     "NRet": "*i32", "Hist": "*i32"},
-                    {"G": 4, "D": 128, "B": 32, "NB": 256, "P": 8, "FLOOR_SD": 3.0,
-                     "BLOCK_G": 16, "BLOCK_K": 32, "Q_ROWS": True}),
-    "query_tiered": (select._query_kernel,
-                     {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Tiers": "*fp32",
-                      "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
-                     {"D": 128, "B": 32, "Q_ROWS": True}),
+    "query": (select._query_kernel,
+              {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Tiers": "*fp32",
+               "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
+              {"D": 128, "B": 32, "SIMILARITY": True, "Q_ROWS": True}),
+    "plane": (select._plane_kernel,
+              {"Qt": "*fp32", "Planes": "*i32", "Params": "*fp32", "Counts": "*i32",
+               "NRet": "*i32", "Hist": "*i32"},
+              {"G": 4, "D": 128, "B": 32, "NB": 256, "P": 8, "FLOOR_SD": 3.0}),
     "sampled_vote": (select._vote_kernel, {**_VOTE, "Bins": "*i32", "Hist": "*i32"},
                      {**_VOTE_CONSTS, "STRIDE": 16, "STORE_BINS": False}),
     "sampled_threshold": (select._sampled_threshold_kernel,
@@ -60,10 +56,11 @@ LAUNCHES: dict[str, tuple] = {
                     {**_VOTE, "Thresh": "*i32", "Kept": "*i32", "CountA": "*i32",
                      "CountE": "*i32"}, _VOTE_CONSTS),
     "merge_candidates": (select._merge_kernel,
-                         {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
-                          **_RERANK},
-                         {"NPROG": 256, "BLOCK": 64, "TAIL": 1024, "B": 32, "G": 4}),
-    "rerank": (select._rerank_kernel, {"Cand": "*i32", "Need": "*i32", **_RERANK},
+                         {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32"},
+                         {"NPROG": 256, "BLOCK": 256}),
+    "rerank": (select._rerank_kernel,
+               {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
+                "Qnorm": "*fp32", "Levels": "*fp32", "Est": "*fp32"},
                {"B": 32, "G": 4, "BLOCK_C": 64}),
     "topk": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
              {"CP": 4096, "KP": 128}),
@@ -75,7 +72,7 @@ LAUNCHES: dict[str, tuple] = {
 }
 # the variants the kernel benchmark's layer (``kv_layout.ParisKVLayer``) launches: one query
 # row per sequence, no row table
-for _name in ("query_plane", "attention_host", "attention_merge"):
+for _name in ("query", "attention_host", "attention_merge"):
     _fn, _pointers, _consts = LAUNCHES[_name]
     LAUNCHES[f"{_name}_own_rows"] = (_fn, _pointers, {**_consts, "Q_ROWS": False})
 

@@ -74,9 +74,8 @@ def _centroid_sim(qj, c, J: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
 def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
-                  D: tl.constexpr, B: tl.constexpr, Q_ROWS: tl.constexpr):
-    """Tiered votes: each query head's rotated normalised query and its centroid tier table
-    (grid ``[batch, q_heads]``)."""
+                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
+                  Q_ROWS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -100,72 +99,48 @@ def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_q
     tl.store(out + B, q1)
     tl.store(out + 2 * B, q2)
     tl.store(out + 3 * B, q3)
-    sim = (_centroid_sim(q0, c, 0) + _centroid_sim(q1, c, 1) + _centroid_sim(q2, c, 2)
-           + _centroid_sim(q3, c, 3))
-    # rank of each centroid among the 16 of its subspace (ties: lower id first)
-    other = sim[:, None, :]
-    mine = sim[:, :, None]
-    beats = (other > mine) | ((other == mine) & (c[None, None, :] < c[None, :, None]))
-    rank = tl.sum(beats.to(tl.int32), axis=2)
-    table = tl.load(Tiers + rank)
-    tl.store(Table + row * B * 16 + offs_b[:, None] * 16 + c[None, :], table)
+    if not SIMILARITY:
+        sim = (_centroid_sim(q0, c, 0) + _centroid_sim(q1, c, 1) + _centroid_sim(q2, c, 2)
+               + _centroid_sim(q3, c, 3))
+        # rank of each centroid among the 16 of its subspace (ties: lower id first)
+        other = sim[:, None, :]
+        mine = sim[:, :, None]
+        beats = (other > mine) | ((other == mine) & (c[None, None, :] < c[None, :, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=2)
+        table = tl.load(Tiers + rank)
+        tl.store(Table + row * B * 16 + offs_b[:, None] * 16 + c[None, :], table)
 
 
-@triton.jit(do_not_specialize=["N_ROWS"])
-def _query_plane_kernel(Q, RowOfSlot, Rt, Qt, Qnorm, Planes, Params, Counts, NRet, Hist,
-                        stride_qb, stride_qh, N_ROWS,
-                        G: tl.constexpr, D: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
-                        P: tl.constexpr, FLOOR_SD: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_K: tl.constexpr, Q_ROWS: tl.constexpr):
-    """Similarity votes, one program per KV head (grid ``[batch, kv_heads]``): the rotated
-    normalised query of its ``G`` heads, their sum ``qs`` quantised to ``P`` bit planes (bit
-    ``i % 32`` of word ``i // 32`` of plane ``p`` is bit ``p`` of coordinate ``i``'s level),
-    the vote histogram's range from the region's sign-bit counts, and the head's histogram
-    zeroed - one launch where there were two (per query head, then per KV head).
-
-    The rotation is one ``[BLOCK_G, D] x [D, D]`` product (rows past ``G`` zero) over chunks
-    of ``BLOCK_K`` of the head dim, whose columns are read in ``qt``'s order: output column
-    ``o = j * B + b`` is rotated coordinate ``i = 4b + j``."""
+@triton.jit
+def _plane_kernel(Qt, Planes, Params, Counts, NRet, Hist, G: tl.constexpr, D: tl.constexpr,
+                   B: tl.constexpr, NB: tl.constexpr, P: tl.constexpr, FLOOR_SD: tl.constexpr):
+    """Bit planes of one KV head's summed query ``qs`` (coordinate order: bit ``i % 32`` of word
+    ``i // 32`` of plane ``p`` is bit ``p`` of coordinate ``i``'s 8-bit level), and the vote
+    histogram's range from the region's sign-bit counts; the head's histogram is zeroed here
+    (one launch fewer than a memset)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kv_heads = tl.num_programs(1)
     r = b * kv_heads + h
     tl.store(Hist + r * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
-    lane = tl.arange(0, BLOCK_G)
-    mask_g = lane < G
-    o = tl.arange(0, D)
-    coord = 4 * (o % B) + o // B  # rotated coordinate of output column o
-    q_row = b
-    if Q_ROWS:  # the slot's row of the decode batch (an idle slot, -1, reads row 0)
-        q_row = tl.minimum(tl.maximum(tl.load(RowOfSlot + b), 0), N_ROWS - 1)
-    q_base = Q + q_row * stride_qb + (h * G + lane)[:, None] * stride_qh
-    rot = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    for k0 in tl.range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        q = tl.load(q_base + k[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
-        rt = tl.load(Rt + k[:, None] * D + coord[None, :])
-        rot = tl.dot(q, rt, rot, input_precision="ieee")
-    norm = tl.sqrt(tl.maximum(tl.sum(rot * rot, axis=1), 1e-24))
-    qrow = r * G + lane  # rows of qt / qnorm
-    tl.store(Qnorm + qrow, norm, mask=mask_g)
-    rot = rot / norm[:, None]  # padding rows stay 0
-    tl.store(Qt + qrow[:, None] * D + o[None, :], rot, mask=mask_g[:, None])
-    qs = tl.sum(rot, axis=0)  # [D] in qt's column order
+    i = tl.arange(0, D)
+    src = (i % 4) * B + i // 4  # qt keeps coordinate 4b+j at j*B+b
+    qs = tl.zeros([D], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qs += tl.load(Qt + (r * G + g) * D + src)
     lo = tl.min(qs, axis=0)
     step = tl.maximum((tl.max(qs, axis=0) - lo) / (2**P - 1), 1e-30)
     level = tl.minimum(tl.maximum(((qs - lo) / step + 0.5).to(tl.int32), 0), 2**P - 1)
-    # column j * B + 8w + c is coordinate 4 (8w + c) + j: bit 4c + j of word w
-    level = tl.reshape(level.to(tl.int64), [4, B // 8, 8])
-    shift = (4 * tl.arange(0, 8)[None, None, :] + tl.arange(0, 4)[:, None, None]).to(tl.int64)
-    words = tl.arange(0, B // 8)
+    level = tl.reshape(level, [D // 32, 32]).to(tl.int64)
+    bit = tl.arange(0, 32).to(tl.int64)[None, :]
+    words = tl.arange(0, D // 32)
     for p in tl.static_range(P):
-        plane = tl.sum(tl.sum(((level >> p) & 1) << shift, axis=2), axis=0)
-        tl.store(Planes + (r * P + p) * (B // 8) + words, plane.to(tl.int32))
+        plane = tl.sum(((level >> p) & 1) << bit, axis=1).to(tl.int32)
+        tl.store(Planes + (r * P + p) * (D // 32) + words, plane)
     half = 0.5 * tl.sum(qs, axis=0)
     max_vote = 0.5 * tl.sum(tl.abs(qs), axis=0)  # the highest vote any key can have
-    # share of the region's keys with each coordinate positive, clamped: counts of a longer
-    # region than n_ret (a slot being refilled) stay a share
-    p = tl.minimum(tl.load(Counts + r * D + coord).to(tl.float32)
+    # clamped: counts of a longer region than n_ret (a slot being refilled) stay a share
+    p = tl.minimum(tl.load(Counts + r * D + i).to(tl.float32)
                    / tl.maximum(tl.load(NRet + b), 1).to(tl.float32), 1.0)
     mean = tl.sum(p * qs, axis=0) - half
     # floor: a region of identical sign patterns has sd 0 (every vote equal: any scale works)
@@ -362,19 +337,13 @@ def _sampled_threshold_kernel(Hist, NRet, Thresh, Need, C, TARGET, NB: tl.conste
 
 
 @triton.jit
-def _merge_kernel(Kept, CountA, CountE, Cand, Codes, W, Qt, Qnorm, Levels, Est, N, C, SPAN,
-                  stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
-                  NPROG: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                  B: tl.constexpr, G: tl.constexpr):
+def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
+                  NPROG: tl.constexpr, BLOCK: tl.constexpr):
     """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
     keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
     ``floor(count * C / total)``, plus one for the first programs that have more until the
-    budget is full, so what is dropped is spread over the whole context.
-
-    Each placed candidate's rerank estimate is written beside it (``Est``), so the rerank
-    needs no launch of its own and reads ids the program has just loaded; a place past the
-    list's end keeps no id (-1) and its estimate is never read."""
+    budget is full, so what is dropped is spread over the whole context."""
     p, h, b, r = _program_head()
     nprog = tl.num_programs(0)
     i = tl.arange(0, NPROG)
@@ -397,25 +366,17 @@ def _merge_kernel(Kept, CountA, CountE, Cand, Codes, W, Qt, Qnorm, Levels, Est, 
     bottom = Kept + r * N + tl.minimum(p * SPAN + SPAN, N) - 1
     for j0 in tl.range(0, my_a, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        ids = tl.load(top + j, mask=j < my_a, other=-1)
-        est = _rerank_estimates(ids.to(tl.int64), j < my_a, Codes, W, Qt, Qnorm, Levels,
-                                b, h, r, stride_ob, stride_oh, stride_on, stride_wb, stride_wh,
-                                stride_wn, B, G, BLOCK)
+        ids = tl.load(top + j, mask=j < my_a)
         tl.store(Cand + r * C + pre_a + j, ids, mask=j < my_a)
-        tl.store(Est + r * C + pre_a + j, est, mask=j < my_a)
     for j0 in tl.range(0, my_e, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        ids = tl.load(bottom - j, mask=j < my_e, other=-1)
-        est = _rerank_estimates(ids.to(tl.int64), j < my_e, Codes, W, Qt, Qnorm, Levels,
-                                b, h, r, stride_ob, stride_oh, stride_on, stride_wb, stride_wh,
-                                stride_wn, B, G, BLOCK)
+        ids = tl.load(bottom - j, mask=j < my_e)
         tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
-        tl.store(Est + r * C + kept_a + pre_e + j, est, mask=j < my_e)
     if p == 0:  # the list's unfilled tail: no key (instead of a memset before the merge)
         filled = kept_a + tl.minimum(tl.sum(ce, axis=0), tl.maximum(C - kept_a, 0))
-        for j0 in tl.range(filled, C, TAIL):
-            j = j0 + tl.arange(0, TAIL)
-            tl.store(Cand + r * C + j, tl.full([TAIL], -1, tl.int32), mask=j < C)
+        for j0 in tl.range(filled, C, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            tl.store(Cand + r * C + j, tl.full([BLOCK], -1, tl.int32), mask=j < C)
 
 
 @triton.jit
@@ -450,12 +411,14 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
 
 
 @triton.jit
-def _rerank_estimates(idx, valid, Codes, W, Qt, Qnorm, Levels, b, h, r,
-                      stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
-                      B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``[BLOCK_C]`` RSQ-IP estimates of ``q.k`` (the max over the ``G`` query heads of KV
-    head ``h``) for keys ``idx`` (int64) of sequence ``b``, -inf where not ``valid`` (never
-    read through)."""
+def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
+                   stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
+                   B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid, h, b, r = _program_head()
+    slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    need = tl.load(Need + r)
+    idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
+    valid = idx >= 0  # an unfilled slot is never read through
     offs_b = tl.arange(0, B)
     base = Codes + b * stride_ob + h * stride_oh + idx[:, None] * stride_on + 2 * offs_b[None, :]
     byte0 = tl.load(base, mask=valid[:, None], other=0).to(tl.int32)
@@ -474,23 +437,7 @@ def _rerank_estimates(idx, valid, Codes, W, Qt, Qnorm, Levels, b, h, r,
                  + v2 * tl.load(q_base + 2 * B)[None, :] + v3 * tl.load(q_base + 3 * B)[None, :])
         est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
         best = tl.maximum(best, est)
-    return tl.where(valid, best, float("-inf"))
-
-
-@triton.jit
-def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
-                   stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
-                   B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Estimates of every candidate of the exact pruning (``sample_stride = 1``); the sampled
-    pruning computes them in ``_merge_kernel`` as it places the candidates."""
-    pid, h, b, r = _program_head()
-    slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    need = tl.load(Need + r)
-    idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
-    best = _rerank_estimates(idx, idx >= 0, Codes, W, Qt, Qnorm, Levels, b, h, r,
-                             stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
-                             B, G, BLOCK_C)
-    tl.store(Est + r * C + slots, best, mask=slots < C)
+    tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
 
 
 @triton.jit
@@ -542,16 +489,13 @@ class Selector:
     key and compacts inside the vote pass itself (``_vote_select_kernel``), which saves the
     full pass's histogram, the bins' round trip through memory and the compaction launch, at
     the price of a candidate set that holds about ``SAMPLE_FILL * C`` keys above the threshold
-    plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1.
-
-    ``warps``: warps per program of the ``query``, ``vote`` (both vote passes), ``merge`` and
-    ``topk`` launches (defaults 4, 4, 4 and 4-16 growing with ``C``), for tuning sweeps."""
+    plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1."""
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, n: int, c: int, k: int,
                  tiers: tuple[int, ...] = (4, 3, 3, 2, 2, 2, 1, 1), similarity: bool = True,
                  device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64,
                  span: int | None = None, nbins: int | None = None,
-                 sample_stride: int | None = None, warps: dict[str, int] | None = None):
+                 sample_stride: int | None = None):
         if q_heads % kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if len(tiers) > 16:
@@ -576,14 +520,6 @@ class Selector:
             raise ValueError(f"sample_stride must be >= 1, got {sample_stride}")
         self.span_sample = max(block_n, triton.next_power_of_2(triton.cdiv(n, 64 * self.stride)))
         self.programs = triton.cdiv(n, self.span)  # vote programs per KV head and sequence
-        # one top-k program holds a head's C candidates: more warps for more of them (no spills)
-        self.warps = {"query": 4, "vote": 4, "merge": 4,
-                      "topk": min(16, max(4, triton.next_power_of_2(c) // 1024))}
-        unknown = set(warps or {}) - set(self.warps)
-        if unknown or any(w not in (1, 2, 4, 8, 16, 32) for w in (warps or {}).values()):
-            raise ValueError(f"warps: keys of {sorted(self.warps)}, values powers of two "
-                             f"up to 32; got {warps}")
-        self.warps.update(warps or {})
         self.target = max(1, int(SAMPLE_FILL * c / self.stride))
         dev = torch.device(device)
         # inline PTX popcount on NVIDIA GPUs; the interpreter and other targets use bit tricks
@@ -633,21 +569,16 @@ class Selector:
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         q_rows = row_of_slot is not None
-        q_args = (q, row_of_slot if q_rows else n_ret, rt)
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, rt, self.tiers,
+                                 self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
+                                 q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
-            _query_plane_kernel[(bsz, self.kv_heads)](
-                *q_args, self.qt, self.qnorm, self.planes, self.params, bit_counts, n_ret,
-                self.hist, q.stride(0), q.stride(1), q.shape[0], G=G, D=d, B=B, NB=NB,
-                P=PLANES, FLOOR_SD=VOTE_FLOOR_SD, BLOCK_G=max(16, triton.next_power_of_2(G)),
-                BLOCK_K=min(32, d), Q_ROWS=q_rows, num_warps=self.warps["query"])
+            _plane_kernel[(bsz, self.kv_heads)](self.qt, self.planes, self.params, bit_counts,
+                                                n_ret, self.hist, G=G, D=d, B=B, NB=NB,
+                                                P=PLANES, FLOOR_SD=VOTE_FLOOR_SD)
         else:
-            _query_kernel[(bsz, hq)](*q_args, self.tiers, self.table, self.qt, self.qnorm,
-                                     q.stride(0), q.stride(1), q.shape[0], D=d, B=B,
-                                     Q_ROWS=q_rows)
             self.hist.zero_()
         cent_strides = (centroid.stride(0), centroid.stride(1), centroid.stride(2))
-        code_strides = (codes.stride(0), codes.stride(1), codes.stride(2),
-                        weights.stride(0), weights.stride(1), weights.stride(2))
         if self.stride == 1:
             _vote_kernel[(self.programs, self.kv_heads, bsz)](
                 centroid, self.table, self.planes, self.params, n_ret, self.bins, self.hist,
@@ -659,16 +590,13 @@ class Selector:
             self.cand.fill_(-1)
             _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
                                     self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
-            _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
-                self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
-                *code_strides, C, B=B, G=G, BLOCK_C=self.block_c)
         else:
             rows = triton.cdiv(N, self.stride)
             _vote_kernel[(triton.cdiv(rows, self.span_sample), self.kv_heads, bsz)](
                 centroid, self.table, self.planes, self.params, n_ret, self.hist, self.hist,
                 *cent_strides, N, self.span_sample, B=B, G=G, NB=NB, P=PLANES,
                 BLOCK_N=self.block_n, SIMILARITY=self.similarity, ASM=self.asm,
-                STRIDE=self.stride, STORE_BINS=False, num_warps=self.warps["vote"])
+                STRIDE=self.stride, STORE_BINS=False)
             _sampled_threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh,
                                                             self.need, C, self.target, NB=NB)
             grid_n = (self.programs, self.kv_heads, bsz)
@@ -676,16 +604,19 @@ class Selector:
                 centroid, self.table, self.planes, self.params, n_ret, self.thresh, self.kept,
                 self.count_above, self.count_at, *cent_strides, N, self.span,
                 B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
-                SIMILARITY=self.similarity, ASM=self.asm, num_warps=self.warps["vote"])
-            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand,
-                                  codes, weights, self.qt, self.qnorm, levels, self.est, N, C,
-                                  self.span, *code_strides,
-                                  NPROG=triton.next_power_of_2(self.programs),
-                                  BLOCK=self.block_c, TAIL=1024, B=B, G=G,
-                                  num_warps=self.warps["merge"])
+                SIMILARITY=self.similarity, ASM=self.asm)
+            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, N, C,
+                                  self.span, NPROG=triton.next_power_of_2(self.programs),
+                                  BLOCK=256)
+        _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
+            self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
+            codes.stride(0), codes.stride(1), codes.stride(2),
+            weights.stride(0), weights.stride(1), weights.stride(2), C,
+            B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
+        # one program holds the head's C candidates: more warps for more of them (no spills)
         _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
                                               KP=triton.next_power_of_2(self.k),
-                                              num_warps=self.warps["topk"])
+                                              num_warps=min(16, max(4, cp // 1024)))
         return sel
