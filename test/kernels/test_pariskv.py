@@ -429,6 +429,27 @@ def test_selector_reads_each_slot_query_from_its_batch_row():
     assert [sorted(x) for x in got.tolist()[1]] == [sorted(x) for x in want.tolist()[1]]
 
 
+@pytest.mark.parametrize("stride", [1, 4])
+def test_a_sequence_without_keys_selects_nothing_beside_one_with_keys(stride):
+    """An idle slot has no keys this step (``n_ret`` 0): its selection is empty (-1) and its
+    rerank blocks read nothing, while the other sequence's selection is what it is alone."""
+    torch.manual_seed(9)
+    hq, hk, d, n, c = 4, 2, 64, 300, 200  # C spans several rerank blocks of 64
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    q = torch.randn(2, hq, d, device=DEVICE).to(torch.float16)
+    two = [t.expand(2, *t.shape).contiguous() for t in (cent, codes, w, counts)]
+    kw = dict(k=8, device=DEVICE, block_n=128, span=128, sample_stride=stride)
+    pair = Selector(2, hq, hk, d, n, c=c, **kw)
+    got = pair(q, rt, levels, *two[:3], torch.tensor([n, 0], dtype=torch.int32, device=DEVICE),
+               two[3]).clone()
+    alone = Selector(1, hq, hk, d, n, c=c, **kw)
+    want = alone(q[:1], rt, levels, *(t[:1] for t in two[:3]),
+                 torch.tensor([n], dtype=torch.int32, device=DEVICE), two[3][:1])
+    assert (got[1] == -1).all()
+    assert [sorted(x) for x in got[0].tolist()] == [sorted(x) for x in want[0].tolist()]
+
+
 def test_layer_slides_tokens_to_host_and_full_selection_is_dense_attention():
     """Prefill + decode through the window: tokens leave the window for the host region in
     ``update`` chunks; selecting every host token makes sparse attention exact."""

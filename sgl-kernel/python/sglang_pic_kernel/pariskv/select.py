@@ -417,27 +417,35 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
     pid, h, b, r = _program_head()
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
-    idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
-    valid = idx >= 0  # an unfilled slot is never read through
-    offs_b = tl.arange(0, B)
-    base = Codes + b * stride_ob + h * stride_oh + idx[:, None] * stride_on + 2 * offs_b[None, :]
-    byte0 = tl.load(base, mask=valid[:, None], other=0).to(tl.int32)
-    byte1 = tl.load(base + 1, mask=valid[:, None], other=0).to(tl.int32)
-    w = tl.load(W + b * stride_wb + h * stride_wh + idx[:, None] * stride_wn + offs_b[None, :],
-                mask=valid[:, None], other=0.0).to(tl.float32)
-    v0 = (1.0 - 2.0 * ((byte0 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte0 & 7))
-    v1 = (1.0 - 2.0 * ((byte0 >> 7) & 1).to(tl.float32)) * tl.load(Levels + ((byte0 >> 4) & 7))
-    v2 = (1.0 - 2.0 * ((byte1 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte1 & 7))
-    v3 = (1.0 - 2.0 * ((byte1 >> 7) & 1).to(tl.float32)) * tl.load(Levels + ((byte1 >> 4) & 7))
-    best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-    for g in tl.static_range(G):
-        qrow = r * G + g
-        q_base = Qt + qrow * 4 * B + offs_b
-        inner = (v0 * tl.load(q_base)[None, :] + v1 * tl.load(q_base + B)[None, :]
-                 + v2 * tl.load(q_base + 2 * B)[None, :] + v3 * tl.load(q_base + 3 * B)[None, :])
-        est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
-        best = tl.maximum(best, est)
-    tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
+    # a block past the list's end holds no candidate (-1: never selected), so nothing is read
+    # or written: most blocks of an idle slot (no keys this step) or of a short region
+    if pid * BLOCK_C < need:
+        idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
+        valid = idx >= 0  # an unfilled slot is never read through
+        offs_b = tl.arange(0, B)
+        codes = Codes + b * stride_ob + h * stride_oh + 2 * offs_b[None, :]
+        base = codes + idx[:, None] * stride_on
+        byte0 = tl.load(base, mask=valid[:, None], other=0).to(tl.int32)
+        byte1 = tl.load(base + 1, mask=valid[:, None], other=0).to(tl.int32)
+        weights = W + b * stride_wb + h * stride_wh + offs_b[None, :]
+        w = tl.load(weights + idx[:, None] * stride_wn, mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        v0 = (1.0 - 2.0 * ((byte0 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte0 & 7))
+        v1 = ((1.0 - 2.0 * ((byte0 >> 7) & 1).to(tl.float32))
+              * tl.load(Levels + ((byte0 >> 4) & 7)))
+        v2 = (1.0 - 2.0 * ((byte1 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte1 & 7))
+        v3 = ((1.0 - 2.0 * ((byte1 >> 7) & 1).to(tl.float32))
+              * tl.load(Levels + ((byte1 >> 4) & 7)))
+        best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(G):
+            qrow = r * G + g
+            q_base = Qt + qrow * 4 * B + offs_b
+            inner = (v0 * tl.load(q_base)[None, :] + v1 * tl.load(q_base + B)[None, :]
+                     + v2 * tl.load(q_base + 2 * B)[None, :]
+                     + v3 * tl.load(q_base + 3 * B)[None, :])
+            est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
+            best = tl.maximum(best, est)
+        tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
 
 
 @triton.jit
