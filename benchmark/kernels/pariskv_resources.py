@@ -31,8 +31,8 @@ sys.path[:0] = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python"),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8],
-                    help="num_warps to build each kernel with (the server's launches use 4, "
-                         "top-k more for more than 4096 candidates)")
+                    help="num_warps to build each kernel with (the server's launches use 4; "
+                         "the encode 8, top-k more for more than 4096 candidates)")
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results"))
     args = ap.parse_args()
     if any(w not in (1, 2, 4, 8, 16, 32) for w in args.warps):

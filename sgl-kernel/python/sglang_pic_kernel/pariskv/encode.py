@@ -34,12 +34,15 @@ import triton
 import triton.language as tl
 
 SUBSPACE = 4
+ENCODE_BLOCK_K = 32  # head-dim rows of the rotation per step of the encode's product
 
 
 @triton.jit
-def _rotate_part(x, Rt, offs_d, offs_b, J: tl.constexpr, D: tl.constexpr):
-    r = tl.load(Rt + offs_d[:, None] * D + (offs_b * 4 + J)[None, :])  # [D, B]: Rt[:, 4b+J]
-    return tl.dot(x, r, input_precision="ieee")
+def _rotate_chunk(x, acc, Rt, k, offs_b, J: tl.constexpr, D: tl.constexpr):
+    """``acc + x @ Rt[k, 4b+J]``: rows ``k`` (a chunk of the head dim) of the columns of
+    rotated coordinates ``4b + J``."""
+    r = tl.load(Rt + k[:, None] * D + (offs_b * 4 + J)[None, :])  # [BLOCK_K, B]
+    return tl.dot(x, r, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -62,20 +65,28 @@ def _encode_kernel(
     stride_ch, stride_cn,
     stride_oh, stride_on,
     stride_wh, stride_wn, Counts, stride_th,
-    D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr, COUNT: tl.constexpr,
+    D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = rows < n
-    offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, B)
-    x = tl.load(K + rows[:, None].to(tl.int64) * stride_kn + h * stride_kh + offs_d[None, :],
-                mask=mask[:, None], other=0.0).to(tl.float32)
-    r0 = _rotate_part(x, Rt, offs_d, offs_b, 0, D)  # [BLOCK_N, B]: coordinate 4b
-    r1 = _rotate_part(x, Rt, offs_d, offs_b, 1, D)
-    r2 = _rotate_part(x, Rt, offs_d, offs_b, 2, D)
-    r3 = _rotate_part(x, Rt, offs_d, offs_b, 3, D)
+    key_rows = K + rows[:, None].to(tl.int64) * stride_kn + h * stride_kh
+    # the rotation over chunks of the head dim: [BLOCK_N, D] keys and [D, D] of Rt at once
+    # spilled ~19 KB a thread (sm_90, ptxas), which made the encode ~60x slower than its FMAs
+    r0 = tl.zeros([BLOCK_N, B], dtype=tl.float32)  # coordinate 4b
+    r1 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+    r2 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+    r3 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+    for k0 in tl.range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(key_rows + k[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        r0 = _rotate_chunk(x, r0, Rt, k, offs_b, 0, D)
+        r1 = _rotate_chunk(x, r1, Rt, k, offs_b, 1, D)
+        r2 = _rotate_chunk(x, r2, Rt, k, offs_b, 2, D)
+        r3 = _rotate_chunk(x, r3, Rt, k, offs_b, 3, D)
     norm2 = tl.sum(r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3, axis=1)
     inv = 1.0 / tl.sqrt(tl.maximum(norm2, 1e-24))[:, None]
     n0, n1, n2, n3 = r0 * inv, r1 * inv, r2 * inv, r3 * inv
@@ -117,7 +128,7 @@ def unpack_centroids(packed: torch.Tensor) -> torch.Tensor:
 
 def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, levels: torch.Tensor,
                 centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
-                offset: int = 0, block_n: int = 64,
+                offset: int = 0, block_n: int = 32,
                 bit_counts: torch.Tensor | None = None) -> None:
     """Encode ``keys`` ``[n, kv_heads, D]`` into rows ``offset .. offset + n`` of ``centroid`` /
     ``codes`` / ``weights`` (``[kv_heads, N, ...]`` views of one sequence's metadata), and add
@@ -149,5 +160,6 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
         keys.stride(0), keys.stride(1), centroid.stride(0), centroid.stride(1),
         codes.stride(0), codes.stride(1), weights.stride(0), weights.stride(1),
         bit_counts if count else centroid, bit_counts.stride(0) if count else 0,
-        D=d, B=d // SUBSPACE, BLOCK_N=block_n, COUNT=count,
+        D=d, B=d // SUBSPACE, BLOCK_N=block_n, BLOCK_K=ENCODE_BLOCK_K, COUNT=count,
+        num_warps=8,  # sm_90, head dim 128: 128 registers a thread and no spills (4 warps: 255)
     )

@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import attention, select
+from . import attention, encode, select
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -39,6 +39,11 @@ _ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLe
 _ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "BLOCK_T": 32, "BLOCK_H": 16, "Q_ROWS": True}
 
 LAUNCHES: dict[str, tuple] = {
+    "encode": (encode._encode_kernel,
+               {"K": "*bf16", "Rt": "*fp32", "Edges": "*fp32", "Levels": "*fp32", "Cent": "*i32",
+                "Codes": "*u8", "W": "*fp16", "Counts": "*i32"},
+               {"D": 128, "B": 32, "BLOCK_N": 32, "BLOCK_K": encode.ENCODE_BLOCK_K,
+                "COUNT": True}),
     "query": (select._query_kernel,
               {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Tiers": "*fp32",
                "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
