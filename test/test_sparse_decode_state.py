@@ -361,6 +361,94 @@ def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_
     assert keys == [key(4)]
 
 
+def test_batches_of_only_sparse_rows_replay_a_set_without_the_dense_decode():
+    """On a backend that can write the new K/V itself (FlashInfer), a third set is captured,
+    ``pariskv-all``, for the batch sizes a batch of at most ``max_requests`` sparse rows is
+    padded to; a step replays it when every request row is sparse, else the sparse set."""
+    import inspect
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+        ShapeKey,
+    )
+    from sglang_pic.sparse import graphs
+    from sglang_pic.sparse.backends import ParisKVFlashInferBackend
+
+    backend = object.__new__(ParisKVFlashInferBackend)
+    backend.sparse = SimpleNamespace(active=False, all_rows=False, deactivate=lambda: None,
+                                     cfg=SimpleNamespace(max_requests=3))
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend),
+                             capture_bs=[1, 2, 4, 8, 16])
+    make_key = inspect.unwrap(DecodeCudaGraphRunner._make_graph_key)
+    keys = []
+
+    def capture(self):  # SGLang's loop over the sizes it captures
+        keys.extend(graphs.around_make_graph_key(make_key, self, bs) for bs in self.capture_bs)
+
+    graphs.around_capture_one_stream(capture, runner)
+    labels = {}
+    for k in keys:
+        labels.setdefault(k.variant_label, []).append(k.size)
+    assert labels == {None: [1, 2, 4, 8, 16], "pariskv": [1, 2, 4, 8, 16],
+                      "pariskv-all": [1, 2, 4]}  # 3 rows at most: padded to 4 at most
+    assert runner.capture_bs == [1, 2, 4, 8, 16] and not backend.capture_only_sparse
+
+    def replay_key(size, active, all_rows):
+        backend.sparse.active, backend.sparse.all_rows = active, all_rows
+        return graphs.around_make_graph_key(make_key, runner, size)
+
+    assert replay_key(2, True, True) == ShapeKey(size=2, stream_idx=None,
+                                                 variant_label="pariskv-all")
+    assert replay_key(2, True, False).variant_label == "pariskv"  # a dense row beside
+    assert replay_key(8, True, True).variant_label == "pariskv"  # not captured that large
+    assert replay_key(2, False, False).variant_label is None
+    # the triton backend cannot skip its decode: no third set
+    assert graphs._sparse_backend(runner) is backend
+    backend.skips_dense = False
+    keys.clear()
+    graphs.around_capture_one_stream(capture, runner)
+    assert "pariskv-all" not in {k.variant_label for k in keys}
+    assert replay_key(2, True, True).variant_label == "pariskv"
+
+
+def test_a_decode_of_only_sparse_rows_writes_the_kv_and_skips_the_dense_kernel(monkeypatch):
+    """``forward_decode`` with every request row sparse: the new K/V go into the pool as the
+    backend's decode writes them, its dense attention is not run, and every row's output is the
+    sparse attention's. With a dense row beside, the dense decode runs as before."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang_pic.sparse.backends import ParisKVTorchNativeBackend
+
+    pool = FakePool(2)
+    backend = object.__new__(ParisKVTorchNativeBackend)
+    backend.sparse = state = make_state(pool, TorchIndexOps, max_context=MAX_CTX)
+    backend.swa_out_cache_loc = None
+    writes = []
+    backend.token_to_kv_pool = SimpleNamespace(
+        set_kv_buffer=lambda layer, loc, k, v: writes.append((loc.loc, k, v)))
+    dense_calls = []
+
+    def dense(self, q, k, v, layer, fb, save_kv_cache=True):
+        dense_calls.append(q.shape[0])
+        return torch.zeros(q.shape[0], HQ * D)
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "forward_decode", dense)
+    layer = SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, layer_id=0,
+                            scaling=1 / math.sqrt(D))
+    q, k, v = torch.randn(2, HQ * D), torch.randn(2, HKV * D), torch.randn(2, HKV * D)
+    fb = SimpleNamespace(out_cache_loc=torch.tensor([7, 9]))
+    step(state, [0, 1], [300, 400])  # both rows long: all sparse
+    assert state.all_rows
+    o = backend.forward_decode(q, k, v, layer, fb)
+    assert dense_calls == [] and len(writes) == 1 and writes[0][0].tolist() == [7, 9]
+    want = torch.zeros(2, HQ, D)
+    state.attend(0, q.view(2, HQ, D), want, layer.scaling)
+    assert torch.equal(o.view(2, HQ, D), want)
+    step(state, [0, 1], [301, 40])  # request 1 is short now: a dense row
+    assert state.active and not state.all_rows
+    backend.forward_decode(q, k, v, layer, fb)
+    assert dense_calls == [2] and len(writes) == 1  # the dense decode wrote the K/V itself
+
+
 def test_a_batch_with_no_long_request_reads_nothing_from_the_gpu():
     """The backend's per-step bookkeeping: a batch whose lengths (known on the CPU) are all
     within the threshold skips the pool-index read that would wait for the previous step."""
@@ -628,14 +716,16 @@ def test_the_sparse_flashinfer_capture_reuses_the_dense_captures_decode_wrappers
     """Both graph sets of a batch size must read the decode wrappers a replay plans: SGLang's
     FlashInfer backend keeps the wrappers of the last capture per batch size and makes new ones
     (each with its own device workspace) at every capture, so the second, sparse capture reuses
-    the first's. Driven as ``graphs.around_capture_one_stream`` captures: twice per size."""
+    the first's, and so does the third (only-sparse) capture of the small sizes. Driven as
+    ``graphs.around_capture_one_stream`` captures: three times for size 4."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_pic.sparse import graphs
     from sglang_pic.sparse.backends import ParisKVFlashInferBackend
 
     backend = object.__new__(ParisKVFlashInferBackend)
     backend.decode_cuda_graph_metadata = {}
-    backend.sparse = SimpleNamespace(deactivate=lambda: None)
+    backend.sparse = SimpleNamespace(deactivate=lambda: None,
+                                     cfg=SimpleNamespace(max_requests=4))
     made = []
 
     def create(bs, num_tokens):
@@ -649,10 +739,10 @@ def test_the_sparse_flashinfer_capture_reuses_the_dense_captures_decode_wrappers
         backend._prepare_cuda_graph_metadata(4, 4, ForwardMode.DECODE, None)
         seen.append((backend.capture_sparse, backend.forward_metadata.decode_wrappers))
 
-    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend), capture_bs=[4])
     graphs.around_capture_one_stream(capture, runner)
-    assert len(made) == 1  # the sparse capture made none
-    assert seen == [(False, made[0]), (True, made[0])]
+    assert len(made) == 1  # the sparse captures made none
+    assert seen == [(False, made[0]), (True, made[0]), (True, made[0])]
     assert backend.decode_cuda_graph_metadata[4] is made[0]  # what a replay plans
     backend.capture_sparse = False  # a later dense capture (a recapture) makes new ones
     backend._prepare_cuda_graph_metadata(4, 4, ForwardMode.DECODE, None)

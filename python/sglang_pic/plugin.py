@@ -18,7 +18,7 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests', and sub-requests alone just over the chunk budget go in one pass; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides, its host-tier `evict_host`, device-to-host `_evict_backuped` and `write_back`'s `_drop_subtree_no_host`; our `SpanRadixCache`'s `match_prefix`, `cache_finished_req`, `cache_unfinished_req`, which bypass `RadixCache`'s for span requests, with `eviction.context.segment_at` around each segment's insert); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
-| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_flashinfer`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (`_capture_one_stream` / `_make_graph_key`: a second graph set with the sparse part; `load_batch`: the batch for the replay-side metadata) + an AFTER hook on `ForwardBatch.init_new` (each request's row as host ints: a sparse step's bookkeeping reads no GPU tensor), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill`, and for prompts longer than the pool (`sparse/prefill_offload.py`) AFTER `TpModelWorker.get_worker_info` (the input cap), AROUND `Scheduler.init_req_max_new_tokens`, AROUND `PrefillAdder.add_one_req` (admission) and AROUND `PrefillCudaGraphRunner.can_run_graph` (batches that may attend an offloaded prefix run eagerly) |
+| sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_flashinfer`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (`_capture_one_stream` / `_make_graph_key`: a second graph set with the sparse part, and on `pariskv_flashinfer` a third for batches of only sparse rows, without the dense decode; `load_batch`: the batch for the replay-side metadata) + an AFTER hook on `ForwardBatch.init_new` (each request's row as host ints: a sparse step's bookkeeping reads no GPU tensor), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill`, and for prompts longer than the pool (`sparse/prefill_offload.py`) AFTER `TpModelWorker.get_worker_info` (the input cap), AROUND `Scheduler.init_req_max_new_tokens`, AROUND `PrefillAdder.add_one_req` (admission) and AROUND `PrefillCudaGraphRunner.can_run_graph` (batches that may attend an offloaded prefix run eagerly) |
 | HiCache storage I/O (`store.idle_yield`, `store.prefetch_trace`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL, and AROUND `HiCacheController._storage_hit_query` (a storage lookup in flight: the idle pass waits for its end instead); with `--ptstore-trace`, AROUND `HiRadixCache.check_prefetch_progress` (a trace line when the scheduler takes a finished prefetch) and AFTER `Scheduler.get_new_batch_prefill` (one per prefill batch formed) |
 | CPU support (`cpu_support`, CPU only) | REPLACE hooks on the HiCache host pool's pinning, AFTER hook on `HostKVCache.__init__`; AFTER hook on `engine._set_envs_and_config` (the scheduler and detokenizer processes are forked, not spawned: they start with what is already imported); xgrammar on CPU (`cpu_grammar`): REPLACE `xgrammar_backend._allocate_token_bitmask`, AROUND `XGrammarGrammar.apply_vocab_mask` |
 
@@ -31,6 +31,7 @@ Seams outside the HookRegistry (SGLang offers no hook for them; `SEAMS` lists th
 | `RadixCache.evictable_leaves` swapped for a sample during one `evict` | `eviction/hooks.py` | per-instance state, inside our AROUND hook on `evict` |
 | the token allocator's `free` wrapped per instance (`--sparse-offload`) | `sparse/offload.py` | instance attribute, wrapped when the offload state is built |
 | `sglang.span` set on import | `lang.py` | the frontend DSL's namespace, not a function to wrap |
+| the dense decode's K/V write (`KVWriteLoc`, `FlashInferAttnBackend._kv_write_scales`) called by the only-sparse decode | `sparse/backends.py` | a call into SGLang's pool API, not a patch: checked to exist |
 | CPU only: `torch.cpu.Stream.synchronize/query`, the paged allocator, `transfer_kv_direct` where a module lacks it | `cpu_support.py` | torch's and SGLang's names that do not exist on CPU (HookRegistry can only wrap existing names) |
 | CPU only: the Triton interpreter's scalar indexing and its re-patching of `triton.language` on every helper call | `sglang_pic_kernel._interpreter` | Triton, not SGLang |
 | CPU only: `sglang_pic_cpu.pth` import finder | `cpu_support.py` | stand-ins for `torchvision` / `sgl_kernel` must exist before SGLang's first import |
@@ -171,6 +172,18 @@ def _policies_registered() -> bool:
     from sglang_pic.eviction import POLICIES
 
     return all(p in cache_utils._EVICTION_POLICY_FACTORIES for p in POLICIES)
+
+
+@_seam("FlashInferAttnBackend._kv_write_scales + KVWriteLoc(loc, swa_loc)", "sparse")
+def _decode_kv_write_exists() -> bool:
+    import dataclasses
+
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    fields = [f.name for f in dataclasses.fields(KVWriteLoc)]
+    return callable(getattr(FlashInferAttnBackend, "_kv_write_scales", None)) \
+        and fields[:2] == ["loc", "swa_loc"]
 
 
 @_seam("sglang.span", "frontend-dsl")

@@ -26,6 +26,7 @@ import torch
 from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from . import prefill_offload
 from .config import (
@@ -348,11 +349,35 @@ class _SparseDecodeMixin:
 
     replay_batch = None  # the ForwardBatch a decode graph replays (graphs.around_load_batch)
     capturing = False  # set by graphs.py while SGLang captures decode graphs
-    capture_sparse = False  # ... and while it captures the set with the sparse part
+    capture_sparse = False  # ... and while it captures the sets with the sparse part
+    capture_only_sparse = False  # ... and the set without the dense attention
+    only_sparse_sizes: frozenset[int] = frozenset()  # batch sizes captured in that set
+    skips_dense = False  # the backend can write the new K/V without its dense decode
 
     def wants_sparse_graph(self) -> bool:
-        """Whether the decode graph to capture or replay is the one with the sparse part."""
+        """Whether the decode graph to capture or replay is one with the sparse part."""
         return self.capture_sparse if self.capturing else self.sparse.active
+
+    def wants_only_sparse_graph(self, size: int) -> bool:
+        """Whether the decode graph of batch size ``size`` to capture or replay is the one
+        without the dense attention (every request row sparse)."""
+        if self.capturing:
+            return self.capture_only_sparse
+        return size in self.only_sparse_sizes and self.sparse.all_rows
+
+    def only_sparse_capture_sizes(self, capture_bs: list[int]) -> list[int]:
+        """The batch sizes of ``capture_bs`` a batch whose rows are all sparse can be padded
+        to: at most ``max_requests`` rows are sparse, so the sizes up to the first that holds
+        them (none where the backend cannot skip its dense decode)."""
+        if not self.skips_dense:
+            return []
+        limit = min((b for b in capture_bs if b >= self.sparse.cfg.max_requests),
+                    default=max(capture_bs, default=0))
+        return sorted(b for b in capture_bs if b <= limit)
+
+    def _save_decode_kv(self, layer, forward_batch, k, v) -> None:
+        """The new tokens' K/V into the pool, as the backend's dense decode writes them."""
+        raise NotImplementedError
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """SGLang's extend, then the rows of prompts with an offloaded prefix overwritten."""
@@ -365,11 +390,23 @@ class _SparseDecodeMixin:
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """SGLang's decode (the backend this mixes into), then the sparse rows overwritten."""
-        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        """SGLang's decode (the backend this mixes into), then the sparse rows overwritten.
+        When every request row is sparse, the dense decode has nothing to compute (its sparse
+        rows see a length of 1, a launch of ~10 µs a layer on the H200): a backend that
+        ``skips_dense`` only writes the new K/V, and the sparse part writes every row."""
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.capture_sparse if capturing else self.sparse.active:
-            hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        sparse = self.capture_sparse if capturing else self.sparse.active
+        only_sparse = self.skips_dense and (
+            self.capture_only_sparse if capturing else self.sparse.all_rows)
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        if only_sparse and k is not None and layer.v_head_dim == d:
+            if save_kv_cache:
+                self._save_decode_kv(layer, forward_batch, k, v)
+            # graph padding rows are left unwritten: their outputs are never read
+            o = q.new_empty(q.numel() // (hq * d), hq * d)
+        else:
+            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if sparse:
             self.sparse.attend(layer.layer_id, q.reshape(-1, hq, d), o.view(-1, hq, d),
                                layer.scaling)
         return o
@@ -413,6 +450,13 @@ class ParisKVTritonBackend(_GpuSparseMixin, TritonAttnBackend):
 
 class ParisKVFlashInferBackend(_GpuSparseMixin, FlashInferAttnBackend):
     NAME = "pariskv_flashinfer"
+    skips_dense = True
+
+    def _save_decode_kv(self, layer, forward_batch, k, v) -> None:
+        """What ``FlashInferAttnBackend.forward_decode`` writes before attending."""
+        self.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc),
+            k, v, *self._kv_write_scales(layer))
 
     def _prepare_cuda_graph_metadata(self, bs, num_tokens, forward_mode, spec_info):
         """The sparse capture of a batch size reuses the decode wrappers its dense capture made.
@@ -432,6 +476,12 @@ class ParisKVFlashInferBackend(_GpuSparseMixin, FlashInferAttnBackend):
 
 class ParisKVTorchNativeBackend(_SparseDecodeMixin, TorchNativeAttnBackend):
     NAME = "pariskv_torch_native"
+    skips_dense = True
+
+    def _save_decode_kv(self, layer, forward_batch, k, v) -> None:
+        """What ``TorchNativeAttnBackend.forward_decode`` writes before attending."""
+        self.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
 
     def __init__(self, model_runner):
         cfg = SparseDecodeConfig.from_env()

@@ -117,6 +117,7 @@ class SparseDecodeState:
         self.too_long: set[int] = set()  # pool indices whose context outgrew the capacity
         self.active = False
         self.rows: list[int] = []  # batch rows decoding sparsely this step
+        self.batch_rows = 0  # request rows of this step's batch (graph padding excluded)
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0,
                       "offloaded_tokens": 0}
         self.metrics = None  # sglang_pic.metrics.Counters with --enable-metrics (set by the backend)
@@ -207,6 +208,12 @@ class SparseDecodeState:
             self.deactivate()
         return None
 
+    @property
+    def all_rows(self) -> bool:
+        """Whether every request row of this step decodes sparsely: the dense attention then
+        has nothing to compute (``backends`` skips it where the backend allows)."""
+        return self.active and len(self.rows) == self.batch_rows
+
     def deactivate(self) -> None:
         self.active = False
         self.rows = []
@@ -260,6 +267,7 @@ class SparseDecodeState:
             slots.append(k)
         self.active = bool(rows)
         self.rows = rows
+        self.batch_rows = len(pool_indices)
         self._upload_rows(rows, slots)
         if not rows:
             return seq_lens_dev

@@ -1,4 +1,4 @@
-"""Two sets of decode CUDA graphs: with and without the sparse part.
+"""Sets of decode CUDA graphs: without the sparse part, with it, and with it alone.
 
 A CUDA graph replays what was captured, so a decode graph that contains the sparse part pays
 for it on every step, sparse requests in the batch or not: measured on the H200 (Llama-3-8B
@@ -6,17 +6,22 @@ shape, 4 slots), 5.8 ms per step on top of a 5.7 ms dense step. So the decode gr
 captures every batch size twice - once as SGLang does (dense only), once with the sparse part
 under the graph-key label ``pariskv`` - and a step replays the sparse graph only when a sparse
 request is in its batch. SGLang's runner already keys graphs by a variant label (its LoRA /
-no-LoRA graphs); we add ours to that label.
+no-LoRA graphs); we add ours to that label. A third set, ``pariskv-all``, serves batches whose request rows are
+all sparse, on backends that can write the new K/V without their dense decode (FlashInfer): it
+leaves that decode out (at length 1 for sparse rows it only cost its launch, ~10 µs a layer on
+the H200). Such a batch holds at most ``--sparse-max-requests`` rows, so this set is captured
+only for the batch sizes it can be padded to.
 
 What this patches, with AROUND hooks on ``DecodeCudaGraphRunner``
 (``sglang.srt.model_executor.runner.decode_cuda_graph_runner``), only when the runner's attention
 backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
 
 - ``_capture_one_stream``: runs the original twice, the second time with the backend's
-  ``capture_sparse`` set (``forward_decode`` then records the sparse part);
-- ``_make_graph_key``: adds ``pariskv`` to the variant label while capturing that second set,
-  and at replay when the batch has sparse rows (``load_batch`` makes the key after the
-  backend's ``init_forward_metadata_out_graph``, which decided that);
+  ``capture_sparse`` set (``forward_decode`` then records the sparse part), and a third time
+  over the small batch sizes with ``capture_only_sparse`` set too;
+- ``_make_graph_key``: adds ``pariskv`` (``pariskv-all``) to the variant label while capturing
+  those sets, and at replay when the batch has sparse rows (only sparse rows) (``load_batch``
+  makes the key after the backend's ``init_forward_metadata_out_graph``, which decided that);
 - ``load_batch``: hands the batch to the backend for that metadata init (the padded view it
   gets lacks the rids and request rows), so it finds the requests' rows without reading the GPU.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 LABEL = "pariskv"
+LABEL_ONLY_SPARSE = "pariskv-all"
 
 
 def register() -> None:
@@ -63,15 +69,28 @@ def around_capture_one_stream(original, self, *args, **kwargs):
     try:
         original(self, *args, **kwargs)
         backend.capture_sparse = True
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        sizes = backend.only_sparse_capture_sizes(list(self.capture_bs)) \
+            if backend.skips_dense else []
+        backend.only_sparse_sizes = frozenset(sizes)
+        if sizes:
+            backend.capture_only_sparse = True
+            every = self.capture_bs
+            self.capture_bs = sizes  # what SGLang's capture loop walks
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                self.capture_bs = every
+        return out
     finally:
-        backend.capturing = backend.capture_sparse = False
+        backend.capturing = backend.capture_sparse = backend.capture_only_sparse = False
 
 
 def around_make_graph_key(original, self, size, stream_idx=None, variant_label=None):
     backend = _sparse_backend(self)
     if backend is not None and backend.wants_sparse_graph():
-        variant_label = f"{variant_label}+{LABEL}" if variant_label else LABEL
+        label = LABEL_ONLY_SPARSE if backend.wants_only_sparse_graph(size) else LABEL
+        variant_label = f"{variant_label}+{label}" if variant_label else label
     return original(self, size, stream_idx, variant_label)
 
 
