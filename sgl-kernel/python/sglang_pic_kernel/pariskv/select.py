@@ -337,7 +337,7 @@ def _sampled_threshold_kernel(Hist, NRet, Thresh, Need, C, TARGET, NB: tl.conste
 
 
 @triton.jit
-def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
+def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
                   NPROG: tl.constexpr, BLOCK: tl.constexpr):
     """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
@@ -345,38 +345,42 @@ def _merge_kernel(Kept, CountA, CountE, Cand, N, C, SPAN,
     ``floor(count * C / total)``, plus one for the first programs that have more until the
     budget is full, so what is dropped is spread over the whole context."""
     p, h, b, r = _program_head()
-    nprog = tl.num_programs(0)
-    i = tl.arange(0, NPROG)
-    ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
-    ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
-    total_a = tl.sum(ca, axis=0)
-    qa = tl.where(total_a > C, (ca.to(tl.int64) * C // tl.maximum(total_a, 1)).to(tl.int32), ca)
-    # the shares' rounding left C - sum(qa) places (fewer than the programs with a remainder):
-    # one more key each for the first of those, in program order
-    short = qa < ca
-    rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
-    qa += (short & (rank < C - tl.sum(qa, axis=0))).to(tl.int32)
-    kept_a = tl.sum(qa, axis=0)
-    pre_a = tl.sum(tl.where(i < p, qa, 0), axis=0)
-    my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
-    pre_e = tl.sum(tl.where(i < p, ce, 0), axis=0)
-    my_e = tl.minimum(tl.sum(tl.where(i == p, ce, 0), axis=0),
-                      tl.maximum(C - kept_a - pre_e, 0))
-    top = Kept + r * N + p * SPAN
-    bottom = Kept + r * N + tl.minimum(p * SPAN + SPAN, N) - 1
-    for j0 in tl.range(0, my_a, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        ids = tl.load(top + j, mask=j < my_a)
-        tl.store(Cand + r * C + pre_a + j, ids, mask=j < my_a)
-    for j0 in tl.range(0, my_e, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        ids = tl.load(bottom - j, mask=j < my_e)
-        tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
-    if p == 0:  # the list's unfilled tail: no key (instead of a memset before the merge)
-        filled = kept_a + tl.minimum(tl.sum(ce, axis=0), tl.maximum(C - kept_a, 0))
-        for j0 in tl.range(filled, C, BLOCK):
+    # programs past the region hold no keys; an idle slot (no keys this step) keeps only
+    # program 0, which writes its empty list (-1), so the top-k selects nothing there
+    if (p == 0) | (p * SPAN < tl.load(NRet + b)):
+        nprog = tl.num_programs(0)
+        i = tl.arange(0, NPROG)
+        ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
+        ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
+        total_a = tl.sum(ca, axis=0)
+        share = (ca.to(tl.int64) * C // tl.maximum(total_a, 1)).to(tl.int32)
+        qa = tl.where(total_a > C, share, ca)
+        # the shares' rounding left C - sum(qa) places (fewer than the programs with a
+        # remainder): one more key each for the first of those, in program order
+        short = qa < ca
+        rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
+        qa += (short & (rank < C - tl.sum(qa, axis=0))).to(tl.int32)
+        kept_a = tl.sum(qa, axis=0)
+        pre_a = tl.sum(tl.where(i < p, qa, 0), axis=0)
+        my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
+        pre_e = tl.sum(tl.where(i < p, ce, 0), axis=0)
+        my_e = tl.minimum(tl.sum(tl.where(i == p, ce, 0), axis=0),
+                          tl.maximum(C - kept_a - pre_e, 0))
+        top = Kept + r * N + p * SPAN
+        bottom = Kept + r * N + tl.minimum(p * SPAN + SPAN, N) - 1
+        for j0 in tl.range(0, my_a, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            tl.store(Cand + r * C + j, tl.full([BLOCK], -1, tl.int32), mask=j < C)
+            ids = tl.load(top + j, mask=j < my_a)
+            tl.store(Cand + r * C + pre_a + j, ids, mask=j < my_a)
+        for j0 in tl.range(0, my_e, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            ids = tl.load(bottom - j, mask=j < my_e)
+            tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
+        if p == 0:  # the list's unfilled tail: no key (instead of a memset before the merge)
+            filled = kept_a + tl.minimum(tl.sum(ce, axis=0), tl.maximum(C - kept_a, 0))
+            for j0 in tl.range(filled, C, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                tl.store(Cand + r * C + j, tl.full([BLOCK], -1, tl.int32), mask=j < C)
 
 
 @triton.jit
@@ -613,8 +617,8 @@ class Selector:
                 self.count_above, self.count_at, *cent_strides, N, self.span,
                 B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm)
-            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, N, C,
-                                  self.span, NPROG=triton.next_power_of_2(self.programs),
+            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, n_ret,
+                                  N, C, self.span, NPROG=triton.next_power_of_2(self.programs),
                                   BLOCK=256)
         _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
             self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
