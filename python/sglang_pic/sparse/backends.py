@@ -368,9 +368,7 @@ class _SparseDecodeMixin:
     def only_sparse_capture_sizes(self, capture_bs: list[int]) -> list[int]:
         """The batch sizes of ``capture_bs`` a batch whose rows are all sparse can be padded
         to: at most ``max_requests`` rows are sparse, so the sizes up to the first that holds
-        them (none where the backend cannot skip its dense decode)."""
-        if not self.skips_dense:
-            return []
+        them."""
         limit = min((b for b in capture_bs if b >= self.sparse.cfg.max_requests),
                     default=max(capture_bs, default=0))
         return sorted(b for b in capture_bs if b <= limit)

@@ -6,11 +6,11 @@ shape, 4 slots), 5.8 ms per step on top of a 5.7 ms dense step. So the decode gr
 captures every batch size twice - once as SGLang does (dense only), once with the sparse part
 under the graph-key label ``pariskv`` - and a step replays the sparse graph only when a sparse
 request is in its batch. SGLang's runner already keys graphs by a variant label (its LoRA /
-no-LoRA graphs); we add ours to that label. A third set, ``pariskv-all``, serves batches whose request rows are
-all sparse, on backends that can write the new K/V without their dense decode (FlashInfer): it
-leaves that decode out (at length 1 for sparse rows it only cost its launch, ~10 µs a layer on
-the H200). Such a batch holds at most ``--sparse-max-requests`` rows, so this set is captured
-only for the batch sizes it can be padded to.
+no-LoRA graphs); we add ours to that label. A third set, ``pariskv-all``, serves batches whose
+request rows are all sparse, on backends that can write the new K/V without their dense decode
+(FlashInfer): it leaves that decode out (at length 1 for sparse rows it only cost its launch,
+~10 µs a layer on the H200). Such a batch holds at most ``--sparse-max-requests`` rows, so this
+set is captured only for the batch sizes it can be padded to.
 
 What this patches, with AROUND hooks on ``DecodeCudaGraphRunner``
 (``sglang.srt.model_executor.runner.decode_cuda_graph_runner``), only when the runner's attention
@@ -70,10 +70,10 @@ def around_capture_one_stream(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
         backend.capture_sparse = True
         out = original(self, *args, **kwargs)
-        sizes = backend.only_sparse_capture_sizes(list(self.capture_bs)) \
-            if backend.skips_dense else []
-        backend.only_sparse_sizes = frozenset(sizes)
-        if sizes:
+        backend.only_sparse_sizes = frozenset()  # a recapture may drop the set
+        if backend.skips_dense:
+            sizes = backend.only_sparse_capture_sizes(list(self.capture_bs))
+            backend.only_sparse_sizes = frozenset(sizes)
             backend.capture_only_sparse = True
             every = self.capture_bs
             self.capture_bs = sizes  # what SGLang's capture loop walks
