@@ -24,8 +24,9 @@ into ``--out`` (default ``benchmark/results``).
 ``--profile-steps N`` ends each case with N decode steps under SGLang's torch profiler (GPU
 activity; kernels inside CUDA graphs are recorded one by one) and stores, per variant and case,
 the GPU time per step by kernel and the step's GPU-idle time (wall per step minus the union of
-kernel intervals): where a step's time goes that the TPOT alone does not show. The traces stay
-in ``--profile-dir`` (default: a temporary folder).
+kernel intervals): where a step's time goes that the TPOT alone does not show. With
+``--profile-cpu`` the CPU side too: CUDA runtime calls (launches, copies, synchronisations)
+and operators per step. The traces stay in ``--profile-dir`` (default: a temporary folder).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def profile_decode(engine, prompts: list, tag: str, params: dict) -> dict:
         return {"error": f"no trace in {out_dir} after 120 s", "wall_s": wall}
     summary = kernel_summary(traces[-1], steps)
     summary["trace"] = str(traces[-1])
-    top = sorted(summary["us_per_step_by_kernel"].items(), key=lambda kv: -kv[1])[:12]
+    top = list(summary["us_per_step_by_kernel"].items())[:12]  # sorted, longest first
     print(f"[bench] {tag} profile: {summary['kernel_us_per_step']:.0f} us of kernels and "
           f"{summary['gpu_idle_us_per_step']:.0f} us GPU idle per step; top kernels: "
           + ", ".join(f"{k[:40]} {v:.0f}" for k, v in top), flush=True)

@@ -20,11 +20,11 @@ keys themselves live in host memory:
                                  mean vote over the region is linear in these counts.
 
 ``B = D / 4`` subspaces. The SRHT rotation ``R = H diag(s) / sqrt(D)`` is applied as a matmul
-with ``Rt = R^T`` (``[D, D]`` fp32): on tensor cores that is cheaper than a butterfly network and
-exact enough for 4-bit codes (``input_precision="ieee"`` keeps it bit-stable against the torch
-reference). Each program encodes ``BLOCK_N`` keys of one KV head; the four strided column sets
-``Rt[:, j::4]`` give the coordinates ``4b + j`` of all subspaces at once, so centroid ids and
-packed codes come out without reshapes.
+with ``Rt = R^T`` (``[D, D]`` fp32, ``input_precision="ieee"``: full fp32 products, so the signs
+and codes match the torch reference's), accumulated over ``ENCODE_BLOCK_K`` rows of the head
+dim at a time so that nothing spills. Each program encodes ``BLOCK_N`` keys of one KV head; the
+four strided column sets ``Rt[:, j::4]`` give the coordinates ``4b + j`` of all subspaces at
+once, so centroid ids and packed codes come out without reshapes.
 """
 
 from __future__ import annotations
