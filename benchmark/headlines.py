@@ -214,7 +214,14 @@ NONSPAN_CASES = {
 }
 SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.py
 SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
-SPARSE_E2E = "sparse_e2e_decode_flashinfer_h200.json"  # sparse/bench_e2e_decode.py
+# sparse/bench_e2e_decode.py, one call per case (`--cases 1x131072`, `1x262144`, `4x131072`)
+SPARSE_E2E = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k.json",
+              "1x262144": "sparse_e2e_decode_flashinfer_h200_256k.json",
+              "4x131072": "sparse_e2e_decode_flashinfer_h200_b4_128k.json"}
+SPARSE_E2E_NOTE = ("samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
+                   "generation); vanilla ran first; the sparse step with per-slot tables written "
+                   "without a synchronising copy and batches of only sparse rows skipping the "
+                   "dense decode (`pariskv-all` graphs)")
 SPARSE_LONG = "sparse_long_prompt_h200.json"
 
 
@@ -408,15 +415,16 @@ CLAIMS: list[Claim] = [
             higher_is_better=True, path="same replay, hits of the last 40 % of the trace by time "
             "(nothing tuned on it)", extract=_trace_replay(f"{pct}pct", "heldout_hit_rate"))
       for pct in (5, 10, 20)],
-    *[Claim(f"sparse.tpot_{n // 1024}k", SPARSE_E2E, f"tpot_ms_1x{n}",
+    *[Claim(f"sparse.tpot_{name}", SPARSE_E2E[case], f"tpot_ms_{case}",
             ours_variant="sglang-pic-flashinfer", target=target,
-            path="one request, Llama-3-8B shape, dummy weights, decode CUDA graphs; "
+            path=f"{requests}, Llama-3-8B shape, dummy weights, decode CUDA graphs; "
             "pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates) vs vanilla dense "
-            "FlashInfer decode",
-            note="samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
-            "generation); vanilla ran first; the sparse layer as 10 launches (fused query "
-            "gather, positions-to-slots, top-k and output scatter)")
-      for n, target in ((131072, 1.3), (262144, 2.0))],
+            "FlashInfer decode" + extra, note=SPARSE_E2E_NOTE)
+      for name, case, target, requests, extra in (
+          ("128k", "1x131072", 1.3, "one request", ""),
+          ("256k", "1x262144", 2.0, "one request", ""),
+          ("b4_128k", "4x131072", 1.5, "4 requests of 128K decoding together",
+           "; both sides at --mem-fraction 0.75 (64 GB of KV: it fits vanilla's pool)"))],
     Claim("sparse.tpot_512k", SPARSE_LONG, "tpot_ms_524288", target=3.0, same_run=False,
           path="one 512K-token prompt, Llama-3-8B shape, dummy weights; pariskv_flashinfer with "
           "--sparse-offload on a 64K-token pool (prefill and retrieval region in host memory) "

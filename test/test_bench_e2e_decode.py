@@ -47,3 +47,35 @@ def test_kernel_summary_of_a_trace_without_kernels_says_so(tmp_path):
     s = bench_e2e_decode.kernel_summary(_trace(tmp_path, [{"cat": "cpu_op", "ts": 0,
                                                            "dur": 1, "name": "x"}]), steps=3)
     assert "error" in s
+
+
+def test_kernel_summary_splits_off_the_first_decode_step(tmp_path):
+    """The first step (the sparse activation's encode) is reported apart; ``steady`` holds
+    only the later steps' kernels and host calls."""
+    step = "gpu_user_annotation"
+    events = [
+        {"cat": step, "name": "step[DECODE bs=1]", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "encode", "ts": 0, "dur": 90},
+        {"cat": "kernel", "name": "a", "ts": 95, "dur": 5},
+        {"cat": step, "name": "step[DECODE bs=1]", "ts": 100, "dur": 10},
+        {"cat": "kernel", "name": "a", "ts": 100, "dur": 5},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 101, "dur": 2},
+        {"cat": step, "name": "copy_result_to_cpu", "ts": 106, "dur": 1},  # not a step
+        {"cat": step, "name": "step[DECODE bs=1]", "ts": 110, "dur": 10},
+        {"cat": "kernel", "name": "a", "ts": 112, "dur": 6},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 50, "dur": 4},  # first step
+    ]
+    s = bench_e2e_decode.kernel_summary(_trace(tmp_path, events), steps=3)
+    assert s["kernel_us_per_step"] == 106 / 3  # the totals keep every step
+    assert s["first_step_us"] == 100
+    steady = s["steady"]
+    assert steady["steps"] == 2 and steady["kernels"] == 2
+    assert steady["us_per_step_by_kernel"] == {"a": 5.5}
+    assert steady["gpu_idle_us_per_step"] == 3.5  # the gap [105, 112) over 2 steps
+    assert steady["cuda_runtime_us_per_step"] == {"cudaGraphLaunch": 1.0}
+
+
+def test_kernel_summary_without_step_marks_has_no_steady_part(tmp_path):
+    s = bench_e2e_decode.kernel_summary(
+        _trace(tmp_path, [{"cat": "kernel", "name": "a", "ts": 0, "dur": 3}]), steps=1)
+    assert "steady" not in s and "first_step_us" not in s
