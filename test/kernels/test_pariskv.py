@@ -360,7 +360,7 @@ def test_topk_kernel_returns_the_best_valid_candidates(c, k):
     est[0, 4, k // 2 :] = float("-inf")  # fewer valid than k
     est[0, 4, 1] = float("inf")
     sel = torch.full((1, heads, k), 7, dtype=torch.int32, device=DEVICE)
-    _topk_kernel[(1, heads, 1)](est, cand, sel, c, k, CP=triton.next_power_of_2(c),
+    _topk_kernel[(1, heads, 1)](est, cand, sel, c, k, CP=max(128, triton.next_power_of_2(c)),
                                 KP=triton.next_power_of_2(k))
     for h in range(heads):
         valid = (est[0, h] > float("-inf")) & (cand[0, h] >= 0)  # NaN compares false

@@ -45,7 +45,7 @@ LAUNCHES: dict[str, tuple] = {
                {"D": 128, "B": 32, "BLOCK_N": 32, "BLOCK_K": encode.ENCODE_BLOCK_K,
                 "COUNT": True}),
     "query": (select._query_kernel,
-              {"Q": "*bf16", "RowOfSlot": "*i64", "Rt": "*fp32", "Tiers": "*fp32",
+              {"Q": "*bf16", "RowOfSlot": "*i64", "RtJ": "*fp32", "Tiers": "*fp32",
                "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
               {"D": 128, "B": 32, "SIMILARITY": True, "Q_ROWS": True}),
     "plane": (select._plane_kernel,

@@ -60,9 +60,18 @@ SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by 
 
 
 @triton.jit
-def _rotated_part(q, Rt, offs_d, offs_b, J: tl.constexpr, D: tl.constexpr):
-    r = tl.load(Rt + offs_d[:, None] * D + (offs_b * 4 + J)[None, :])
+def _rotated_part(q, RtJ, offs_d, offs_b, J: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    # RtJ (``part_major_rotation``) holds column 4b+J of the rotation at J*B+b: part J's [D, B]
+    # block is read in whole cache lines (the rotation's own columns 4b+J are 16 bytes apart)
+    r = tl.load(RtJ + offs_d[:, None] * D + (J * B + offs_b)[None, :])
     return tl.sum(q[:, None] * r, axis=0)  # [B]: rotated coordinate 4b+J
+
+
+def part_major_rotation(rt: torch.Tensor) -> torch.Tensor:
+    """``[D, D]`` rotation with column ``4b + j`` moved to ``j * B + b`` (``B = D / 4``): the
+    layout of ``qt``, so that ``_query_kernel`` reads each part's columns contiguously."""
+    d = rt.shape[0]
+    return rt.view(d, d // 4, 4).transpose(1, 2).reshape(d, d).contiguous()
 
 
 @triton.jit
@@ -73,7 +82,7 @@ def _centroid_sim(qj, c, J: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
-def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
+def _query_kernel(Q, RowOfSlot, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
                   D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
                   Q_ROWS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -87,10 +96,10 @@ def _query_kernel(Q, RowOfSlot, Rt, Tiers, Table, Qt, Qnorm, stride_qb, stride_q
         q_row = tl.minimum(tl.maximum(tl.load(RowOfSlot + b), 0), N_ROWS - 1)
     q = tl.load(Q + q_row * stride_qb + h * stride_qh + offs_d).to(tl.float32)
     row = b * heads + h
-    q0 = _rotated_part(q, Rt, offs_d, offs_b, 0, D)
-    q1 = _rotated_part(q, Rt, offs_d, offs_b, 1, D)
-    q2 = _rotated_part(q, Rt, offs_d, offs_b, 2, D)
-    q3 = _rotated_part(q, Rt, offs_d, offs_b, 3, D)
+    q0 = _rotated_part(q, RtJ, offs_d, offs_b, 0, D, B)
+    q1 = _rotated_part(q, RtJ, offs_d, offs_b, 1, D, B)
+    q2 = _rotated_part(q, RtJ, offs_d, offs_b, 2, D, B)
+    q3 = _rotated_part(q, RtJ, offs_d, offs_b, 3, D, B)
     norm = tl.sqrt(tl.maximum(tl.sum(q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3, axis=0), 1e-24))
     tl.store(Qnorm + row, norm)
     q0, q1, q2, q3 = q0 / norm, q1 / norm, q2 / norm, q3 / norm
@@ -456,11 +465,14 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
 def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
     """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
     ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
-    found by bisection over the estimates' bit patterns, mapped to integers that order like the
-    floats. Output order: the candidates above it in candidate order, then the ties at it (the
-    first by position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk``
-    was: attention does not care). NaN and -inf estimates and empty candidates (-1) are never
-    selected."""
+    found by a radix select over the estimates' bit patterns, mapped to unsigned 32-bit integers
+    that order like the floats: four passes, each a 256-bin histogram of the next 8 bits of the
+    keys that match the bits chosen so far (a bisection took ~30 block-wide counts). Output
+    order: the candidates above it in candidate order, then the ties at it (the first by
+    position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk`` was:
+    attention does not care). NaN and -inf estimates and empty candidates (-1) are never
+    selected. ``CP >= 128``: the histogram needs an element per thread (fewer faulted on the
+    H200 in the vote pass)."""
     _, h, b, r = _program_head()
     i = tl.arange(0, CP)
     est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
@@ -469,13 +481,22 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
     bits = est.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # negatives: reversed
     need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    lo = tl.min(tl.where(valid, key, 2**31), axis=0)  # count(key >= lo) >= need
-    hi = tl.max(tl.where(valid, key, -(2**31) - 1), axis=0)
-    while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0)
-        lo = tl.where(count >= need, mid, lo)
-        hi = tl.where(count > need, hi, tl.where(count == need, mid, mid - 1))
+    u = key + 2**31  # [0, 2^32), same order
+    digits = tl.arange(0, 256)
+    match = valid  # the keys whose bits above this pass's equal the prefix chosen so far
+    rest = need  # how many of the best are still to be found among them
+    prefix = tl.zeros([], dtype=tl.int64)
+    for p in tl.static_range(4):
+        digit = ((u >> (24 - 8 * p)) & 255).to(tl.int32)
+        hist = tl.histogram(tl.where(match, digit, 0), 256)
+        hist -= tl.where(digits == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digit >= d
+        # the largest digit with enough keys at or above it (255 once none are needed)
+        d = tl.max(tl.where(at_least >= rest, digits, 0), axis=0)
+        rest -= tl.sum(tl.where(digits == d, at_least - hist, 0), axis=0)  # those above d
+        prefix = prefix * 256 + d
+        match = match & (digit == d)
+    lo = prefix - 2**31  # the need-th best key: fewer than need above it, need at or above
     above = valid & (key > lo)
     equal = valid & (key == lo)
     n_above = tl.sum(above.to(tl.int32), axis=0)
@@ -561,6 +582,8 @@ class Selector:
         self.cand = torch.empty(batch, kv_heads, c, **i32)
         self.est = torch.empty(batch, kv_heads, c, **f32)
         self.sel = torch.empty(batch, kv_heads, self.k, **i32)
+        self._rt: torch.Tensor | None = None  # the rotation ``_rtj`` was permuted from
+        self._rtj: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
@@ -581,7 +604,9 @@ class Selector:
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         q_rows = row_of_slot is not None
-        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, rt, self.tiers,
+        if self._rt is not rt:  # the index's rotation is fixed: permuted once, before capture
+            self._rt, self._rtj = rt, part_major_rotation(rt)
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, self._rtj, self.tiers,
                                  self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
                                  q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
@@ -626,7 +651,7 @@ class Selector:
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
-        cp = triton.next_power_of_2(C)
+        cp = max(128, triton.next_power_of_2(C))
         # one program holds the head's C candidates: more warps for more of them (no spills)
         _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
                                               KP=triton.next_power_of_2(self.k),
