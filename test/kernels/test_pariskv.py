@@ -22,6 +22,7 @@ from sglang_pic.sparse.retrieval import SRHT, KeyIndex, ParisConfig, lloyd_max_l
 from sglang_pic_kernel.pariskv import (  # noqa: E402
     Selector,
     SparseAttention,
+    encode,  # noqa: E402
     encode_keys,
     unpack_centroids,
 )
@@ -38,22 +39,30 @@ def _quantiser(d: int):
     return rt, levels, ((levels[1:] + levels[:-1]) / 2).contiguous()
 
 
-def _encoded(keys: torch.Tensor):
+def _encoded(keys: torch.Tensor, prerotate_from: int = encode.PREROTATE_FROM):
     n, hk, d = keys.shape
     rt, levels, edges = _quantiser(d)
     cent = torch.zeros(hk, n, d // 32, dtype=torch.int32, device=DEVICE)
     codes = torch.zeros(hk, n, d // 2, dtype=torch.uint8, device=DEVICE)
     w = torch.zeros(hk, n, d // 4, dtype=torch.float16, device=DEVICE)
     counts = torch.full((hk, d), 7, dtype=torch.int32, device=DEVICE)  # reset at offset 0
-    encode_keys(keys, rt, edges, levels, cent, codes, w, bit_counts=counts)
+    encode_keys(keys, rt, edges, levels, cent, codes, w, bit_counts=counts,
+                prerotate_from=prerotate_from)
     return rt, levels, cent, codes, w, counts
 
 
+@pytest.mark.parametrize("rotation", ["in kernel", "cuBLAS first, in chunks"])
 @pytest.mark.parametrize("hq,hk,d,n", SHAPES)
-def test_encode_matches_reference_index(hq, hk, d, n):
+def test_encode_matches_reference_index(hq, hk, d, n, rotation, monkeypatch):
+    """Both ways of rotating (``encode`` module doc) against the torch reference; the
+    pre-rotated one over chunks of a third of the keys (each launch at its own offset)."""
     torch.manual_seed(0)
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
-    _, _, cent, codes, w, counts = _encoded(keys)
+    if rotation == "in kernel":
+        _, _, cent, codes, w, counts = _encoded(keys, prerotate_from=n + 1)
+    else:
+        monkeypatch.setattr(encode, "PREROTATE_CHUNK_BYTES", (n // 3) * hk * d * 4)
+        _, _, cent, codes, w, counts = _encoded(keys, prerotate_from=1)
     ref = KeyIndex(keys.transpose(0, 1).float().cpu(), ParisConfig())
     assert torch.equal(unpack_centroids(cent).cpu(), ref.centroid)
     # per head and rotated coordinate i (= 4b + j: bit j of subspace b's id), keys with it > 0

@@ -19,12 +19,22 @@ keys themselves live in host memory:
                                  selector centres and scales its vote histogram with them: the
                                  mean vote over the region is linear in these counts.
 
-``B = D / 4`` subspaces. The SRHT rotation ``R = H diag(s) / sqrt(D)`` is applied as a matmul
-with ``Rt = R^T`` (``[D, D]`` fp32, ``input_precision="ieee"``: full fp32 products, so the signs
-and codes match the torch reference's), accumulated over ``ENCODE_BLOCK_K`` rows of the head
-dim at a time so that nothing spills. Each program encodes ``BLOCK_N`` keys of one KV head; the
-four strided column sets ``Rt[:, j::4]`` give the coordinates ``4b + j`` of all subspaces at
-once, so centroid ids and packed codes come out without reshapes.
+``B = D / 4`` subspaces. The SRHT rotation ``R = H diag(s) / sqrt(D)`` is a matmul with
+``Rt = R^T`` (``[D, D]`` fp32) in full fp32 products, so the signs and codes match the torch
+reference's. Two ways, one kernel:
+
+- a few keys (each decode step's key leaving the local window, inside CUDA graphs): in the
+  kernel (``input_precision="ieee"``), accumulated over ``ENCODE_BLOCK_K`` rows of the head dim
+  at a time so that nothing spills; the four strided column sets ``Rt[:, j::4]`` give the
+  coordinates ``4b + j`` of all subspaces at once;
+- a region (``n >= PREROTATE_FROM``: a request's activation, 128K keys x kv_heads per layer):
+  rotated first by cuBLAS in chunks of ``PREROTATE_CHUNK_BYTES`` of fp32 (TF32 off), into the
+  part-major column order (``select.part_major_rotation``), and the kernel reads the
+  coordinates. The in-kernel product runs on CUDA cores through Triton's FMA path: 12 ms a layer
+  at 128K x 8 heads on the H200, ~1.4 TFLOP/s, which made each request's activation 389 ms.
+
+Each program encodes ``BLOCK_N`` keys of one KV head, so centroid ids and packed codes come out
+without reshapes.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ import triton.language as tl
 
 SUBSPACE = 4
 ENCODE_BLOCK_K = 32  # head-dim rows of the rotation per step of the encode's product
+PREROTATE_FROM = 1024  # keys from which the rotation runs as a cuBLAS matmul before the kernel
+PREROTATE_CHUNK_BYTES = 64 << 20  # fp32 rotated coordinates per chunk (a scratch buffer)
 
 
 @triton.jit
@@ -66,27 +78,38 @@ def _encode_kernel(
     stride_oh, stride_on,
     stride_wh, stride_wn, Counts, stride_th,
     D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, ROTATED: tl.constexpr,
 ):
+    """``K``: the keys (``[n, kv_heads, D]`` fp16/bf16, any row/head strides), or with
+    ``ROTATED`` their rotated coordinates in part-major order (fp32, coordinate ``4b + j`` at
+    column ``j * B + b``; ``Rt`` is not read)."""
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = rows < n
     offs_b = tl.arange(0, B)
     key_rows = K + rows[:, None].to(tl.int64) * stride_kn + h * stride_kh
-    # the rotation over chunks of the head dim: [BLOCK_N, D] keys and [D, D] of Rt at once
-    # spilled ~19 KB a thread (sm_90, ptxas), which made the encode ~60x slower than its FMAs
-    r0 = tl.zeros([BLOCK_N, B], dtype=tl.float32)  # coordinate 4b
-    r1 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
-    r2 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
-    r3 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
-    for k0 in tl.range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(key_rows + k[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        r0 = _rotate_chunk(x, r0, Rt, k, offs_b, 0, D)
-        r1 = _rotate_chunk(x, r1, Rt, k, offs_b, 1, D)
-        r2 = _rotate_chunk(x, r2, Rt, k, offs_b, 2, D)
-        r3 = _rotate_chunk(x, r3, Rt, k, offs_b, 3, D)
+    if ROTATED:
+        m2k = mask[:, None]
+        r0 = tl.load(key_rows + offs_b[None, :], mask=m2k, other=0.0)  # coordinate 4b
+        r1 = tl.load(key_rows + B + offs_b[None, :], mask=m2k, other=0.0)
+        r2 = tl.load(key_rows + 2 * B + offs_b[None, :], mask=m2k, other=0.0)
+        r3 = tl.load(key_rows + 3 * B + offs_b[None, :], mask=m2k, other=0.0)
+    else:
+        # the rotation over chunks of the head dim: [BLOCK_N, D] keys and [D, D] of Rt at once
+        # spilled ~19 KB a thread (sm_90, ptxas), which made the encode ~60x slower than its
+        # FMAs
+        r0 = tl.zeros([BLOCK_N, B], dtype=tl.float32)  # coordinate 4b
+        r1 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+        r2 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+        r3 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
+        for k0 in tl.range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(key_rows + k[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+            r0 = _rotate_chunk(x, r0, Rt, k, offs_b, 0, D)
+            r1 = _rotate_chunk(x, r1, Rt, k, offs_b, 1, D)
+            r2 = _rotate_chunk(x, r2, Rt, k, offs_b, 2, D)
+            r3 = _rotate_chunk(x, r3, Rt, k, offs_b, 3, D)
     norm2 = tl.sum(r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3, axis=1)
     inv = 1.0 / tl.sqrt(tl.maximum(norm2, 1e-24))[:, None]
     n0, n1, n2, n3 = r0 * inv, r1 * inv, r2 * inv, r3 * inv
@@ -129,14 +152,17 @@ def unpack_centroids(packed: torch.Tensor) -> torch.Tensor:
 def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, levels: torch.Tensor,
                 centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
                 offset: int = 0, block_n: int = 32,
-                bit_counts: torch.Tensor | None = None) -> None:
+                bit_counts: torch.Tensor | None = None,
+                prerotate_from: int = PREROTATE_FROM) -> None:
     """Encode ``keys`` ``[n, kv_heads, D]`` into rows ``offset .. offset + n`` of ``centroid`` /
     ``codes`` / ``weights`` (``[kv_heads, N, ...]`` views of one sequence's metadata), and add
     their sign bits to ``bit_counts`` ``[kv_heads, D]`` int32 if given (zeroed first when
     ``offset`` is 0: a new region).
 
     ``rt``: ``[D, D]`` fp32, ``R^T`` of the SRHT; ``edges`` ``[7]`` / ``levels`` ``[8]``: the
-    Lloyd-Max magnitude quantiser (fp32)."""
+    Lloyd-Max magnitude quantiser (fp32). From ``prerotate_from`` keys on, the rotation is a
+    chunked cuBLAS matmul before the kernel (module doc); fewer keys are rotated in the kernel,
+    which allocates nothing (CUDA-graph safe)."""
     if centroid.dtype != torch.int32 or centroid.shape[-1] != keys.shape[-1] // 32:
         raise ValueError("centroid ids are packed: int32 [kv_heads, N, D / 32]")
     n, heads, d = keys.shape
@@ -154,12 +180,31 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
             bit_counts.zero_()
     if n == 0:
         return
-    grid = (triton.cdiv(n, block_n), heads)
-    _encode_kernel[grid](
-        keys, rt, edges, levels, centroid, codes, weights, n, offset,
-        keys.stride(0), keys.stride(1), centroid.stride(0), centroid.stride(1),
-        codes.stride(0), codes.stride(1), weights.stride(0), weights.stride(1),
-        bit_counts if count else centroid, bit_counts.stride(0) if count else 0,
-        D=d, B=d // SUBSPACE, BLOCK_N=block_n, BLOCK_K=ENCODE_BLOCK_K, COUNT=count,
-        num_warps=8,  # sm_90, head dim 128: 128 registers a thread and no spills (4 warps: 255)
-    )
+
+    def launch(src: torch.Tensor, rows: int, at: int, rotated: bool) -> None:
+        _encode_kernel[(triton.cdiv(rows, block_n), heads)](
+            src, rt, edges, levels, centroid, codes, weights, rows, at,
+            src.stride(0), src.stride(1), centroid.stride(0), centroid.stride(1),
+            codes.stride(0), codes.stride(1), weights.stride(0), weights.stride(1),
+            bit_counts if count else centroid, bit_counts.stride(0) if count else 0,
+            D=d, B=d // SUBSPACE, BLOCK_N=block_n, BLOCK_K=ENCODE_BLOCK_K, COUNT=count,
+            ROTATED=rotated,
+            num_warps=8,  # sm_90, head dim 128: 128 registers and no spills (4 warps: 255)
+        )
+
+    if n < prerotate_from:
+        launch(keys, n, offset, False)
+        return
+    rtj = rt.view(d, d // SUBSPACE, SUBSPACE).transpose(1, 2).reshape(d, d)  # part-major
+    chunk = max(1, PREROTATE_CHUNK_BYTES // (heads * d * 4))
+    rotated = torch.empty(min(chunk, n), heads, d, dtype=torch.float32, device=keys.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 products: the reference's signs
+    try:
+        for start in range(0, n, chunk):
+            rows = min(chunk, n - start)
+            out = rotated[:rows]
+            torch.matmul(keys[start:start + rows].float(), rtj, out=out)
+            launch(out, rows, offset + start, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
