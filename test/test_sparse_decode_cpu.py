@@ -98,6 +98,31 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
     assert values["sglang_pic:sparse_encoded_tokens_total"] > 2 * (1100 - 144 + 16)
 
 
+def _sparse_counters(server) -> dict[str, float]:
+    metrics = requests.get(f"{server.url}/metrics", timeout=30).text
+    return {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("sglang_pic:sparse_")}
+
+
+def test_the_next_turn_encodes_only_its_new_tokens_and_answers_like_dense(sparse_server,
+                                                                           dense):
+    """A conversation's second turn, whose prompt is the first turn's prompt and answer (the
+    radix cache holds them), finds the first turn's retrieval region encoded in the slot it
+    left and encodes only the rest; it still answers like dense."""
+    first = _generate(sparse_server, LONG[0])
+    before = _sparse_counters(sparse_server)
+    follow = LONG[0] + first["text"] + "\nOnce more: what is the special magic number? It is"
+    second = _generate(sparse_server, follow)
+    after = _sparse_counters(sparse_server)
+    reused = after["sglang_pic:sparse_reused_tokens_total"] \
+        - before["sglang_pic:sparse_reused_tokens_total"]
+    encoded = after["sglang_pic:sparse_encoded_tokens_total"] \
+        - before["sglang_pic:sparse_encoded_tokens_total"]
+    assert reused > 900  # the first turn's region: ~1.1K prompt tokens less sink and window
+    assert 0 < encoded < reused / 4  # its own new tokens, and the window's slides
+    assert second["text"] == dense(follow)["text"] and str(KEYS[0]) in second["text"]
+
+
 @pytest.fixture(scope="module")
 def offload_server(sparse_servers):
     return sparse_servers["offload"]

@@ -247,6 +247,64 @@ def test_decode_bookkeeping_never_waits_for_the_gpu(ops_cls, device):
     assert stores.seen == []
 
 
+def _sparse_output(state, q: torch.Tensor, row_of: dict[int, int]) -> list[torch.Tensor]:
+    """Each layer's sparse output rows and selected retrieval rows for the batch ``q``."""
+    out = []
+    for layer in range(LAYERS):
+        o = torch.zeros_like(q)
+        state.attend(layer, q, o, 1 / math.sqrt(D))
+        sel = state.selected.clone()
+        out.append((o, {row: set(sel[k].flatten().tolist()) for row, k in row_of.items()}))
+    return out
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_the_next_turn_on_a_cached_prefix_encodes_only_its_new_tokens(ops_cls, device):
+    """A request whose first positions are a finished request's (the radix cache's pool slots:
+    the next turn of a conversation) takes that request's slot and encodes only its new region
+    rows; it then selects and attends exactly as a state that encoded it from scratch."""
+    pool = FakePool(3, device=device)
+    state = make_state(pool, ops_cls, max_context=MAX_CTX)
+    step(state, [0], [300])  # turn 1: region rows 300 - 4 - 32
+    assert state.stats["encoded_tokens"] == 264
+    pool.req_to_token[1, :300] = pool.req_to_token[0, :300]  # turn 2 shares its prefix
+    step(state, [1], [420])  # turn 1 has finished: its slot is not decoding
+    assert state.stats["reused_tokens"] == 264
+    assert state.stats["encoded_tokens"] == 264 + (420 - 36 - 264)
+    assert state.slots[0].pool_index == 1 and state.slots[0].n_ret == 384
+    fresh = make_state(pool, ops_cls, max_context=MAX_CTX)
+    step(fresh, [1], [420])
+    assert fresh.stats["reused_tokens"] == 0 and fresh.slots[0].n_ret == 384
+    q = torch.randn(1, HQ, D, device=device)
+    for (o, sel), (o_ref, sel_ref) in zip(_sparse_output(state, q, {0: 0}),
+                                          _sparse_output(fresh, q, {0: 0}), strict=True):
+        assert sel == sel_ref
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_a_region_is_not_reused_over_other_keys_or_from_a_decoding_request(ops_cls, device):
+    """The same pool slots holding other keys since (freed and rewritten) are not the same
+    prefix; nor is a slot whose request still decodes taken from it."""
+    pool = FakePool(3, device=device)
+    state = make_state(pool, ops_cls, max_context=MAX_CTX)
+    step(state, [0], [300])
+    pool.req_to_token[1, :300] = pool.req_to_token[0, :300]
+    step(state, [0, 1], [301, 420])  # turn 1 still decodes: the new request takes slot 1
+    assert state.stats["reused_tokens"] == 0 and state.slots[1].n_ret == 384
+    state = make_state(pool, ops_cls, max_context=MAX_CTX)
+    step(state, [0], [300])
+    layer0 = pool.k[0]
+    saved = layer0[pool.req_to_token[0, 200]].clone()
+    layer0[pool.req_to_token[0, 200]] += 1.0  # one position's slot rewritten by another token
+    try:
+        step(state, [1], [420])
+    finally:
+        layer0[pool.req_to_token[0, 200]] = saved
+    assert state.stats["reused_tokens"] == 0
+    assert state.stats["encoded_tokens"] == 264 + 384
+
+
 def test_slots_follow_requests():
     pool = FakePool(3)
     state = make_state(pool, TorchIndexOps, max_requests=1)

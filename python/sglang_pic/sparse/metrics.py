@@ -13,6 +13,9 @@ COUNTERS = {  # SparseDecodeState.stats key -> (metric name, help)
                        "Tokens encoded into retrieval regions (all layers count once)."),
     "refused_full": ("sglang_pic:sparse_refused_full",
                      "Long requests decoded densely because every sparse slot was busy."),
+    "reused_tokens": ("sglang_pic:sparse_reused_tokens",
+                      "Retrieval-region tokens a request found encoded by an earlier request "
+                      "with the same prefix (not encoded again)."),
     "offloaded_tokens": ("sglang_pic:sparse_offloaded_tokens",
                          "Tokens whose KV moved to host memory, their GPU pool slots freed "
                          "(--sparse-offload)."),
