@@ -45,14 +45,18 @@ different request id, or a length that is not the next step) - or a new long req
 slot of one no longer decoding.
 
 A released slot keeps its encoded region, and a new request whose prefix is the same reuses it
-(``_slot_for``): the next turn of a conversation over a long document, whose prefix the radix
+(``_slot_for``; as much of it as the new request's region holds): the next turn of a conversation over a long document, whose prefix the radix
 cache holds, encodes only its new tokens instead of the whole region again (at 128K the
-activation took 389 ms on the H200, paid by every turn). "The same" is checked on content, not
-on pool slots, which may have been freed and rewritten since: each slot records a fingerprint of
-its positions' layer-0 keys (``FINGERPRINT_DIMS`` values of KV head 0 per position; layer-0 keys
-are a function of token and position alone, so equal fingerprints over the whole prefix mean the
-same tokens), compared exactly with the new request's. Not with ``--sparse-offload``, whose
-regions left the pool.
+activation took 389 ms on the H200, paid by every turn); requests that share only the first
+part of a region (a system prompt and a document, then different questions) reuse that part.
+"The same" is checked on content, not on pool slots, which may have been freed and rewritten
+since: each slot records a fingerprint of its positions' keys in the first and the last layer
+(``FINGERPRINT_DIMS`` values of KV head 0 per position and layer: first-layer keys are a
+function of token and position, so equal ones mean the same tokens; last-layer keys depend on
+everything before them, so a prefix computed another way - a span prefilled alone, a recompute -
+differs there), compared exactly with the new request's up to the first position that differs.
+The comparison's result is read on the host: a reuse check waits for the GPU once. Not with
+``--sparse-offload``, whose regions left the pool.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from .prefill_offload import causal_attention, gather_prefix
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_DIMS = 4  # layer-0 key values (KV head 0) per position a slot's reuse compares
+FINGERPRINT_DIMS = 4  # key values (KV head 0) per position and fingerprinted layer
 
 
 def _put(t: torch.Tensor, i: int, value: int) -> None:
@@ -338,25 +342,34 @@ class SparseDecodeState:
     def _slot_for(self, pool_index: int, n_ret: int, in_batch: dict[int, int]
                   ) -> tuple[int | None, int]:
         """A slot for the request in ``pool_index`` about to decode sparsely with ``n_ret``
-        region rows, and how many of them the slot holds encoded already: first a slot no
-        decoding request holds whose region is a prefix of this request's (module doc), else
-        ``_free_slot``'s with none."""
+        region rows, and how many of them the slot holds encoded already: the slot no decoding
+        request holds whose region shares the most leading rows with this request's (module
+        doc; its rows past them are dropped), else ``_free_slot``'s with none."""
+        best, best_rows = None, 0
         if self.host is None:
             for k, slot in enumerate(self.slots):
                 if slot is not None and (slot.pool_index in in_batch or slot.prefilling):
                     continue  # its request is decoding (or prefilling) now
-                rows = self.kept_rows[k] if slot is None else slot.n_ret
-                if 0 < rows <= n_ret and self._same_prefix(k, pool_index, rows):
-                    if slot is not None:
-                        self._release(k)
-                    return k, rows
-        return self._free_slot(in_batch), 0
+                held = self.kept_rows[k] if slot is None else slot.n_ret
+                rows = self._shared_rows(k, pool_index, min(held, n_ret)) if held else 0
+                if rows > best_rows:
+                    best, best_rows = k, rows
+        if best is None:
+            return self._free_slot(in_batch), 0
+        held = self.kept_rows[best] if self.slots[best] is None else self.slots[best].n_ret
+        if self.slots[best] is not None:
+            self._release(best)
+        if held > best_rows:
+            for layer in range(len(self.layer_ids)):
+                self.ops.truncate(layer, best, best_rows, held)
+        return best, best_rows
 
     def _keys_fingerprint(self, pool_index: int, start: int, end: int) -> torch.Tensor:
-        """``[end - start, FINGERPRINT_DIMS]``: layer-0 key values of positions ``[start, end)``
-        of the request in ``pool_index`` (KV head 0)."""
+        """``[end - start, 2 * FINGERPRINT_DIMS]``: first- and last-layer key values of
+        positions ``[start, end)`` of the request in ``pool_index`` (KV head 0)."""
         locs = self._positions_to_slots(pool_index, start, end)
-        return self.key_buffer(self.layer_ids[0])[locs, 0, :FINGERPRINT_DIMS]
+        return torch.cat([self.key_buffer(layer_id)[locs, 0, :FINGERPRINT_DIMS]
+                          for layer_id in (self.layer_ids[0], self.layer_ids[-1])], -1)
 
     def _record_fingerprint(self, k: int, pool_index: int, start: int, end: int) -> None:
         fp = self._keys_fingerprint(pool_index, start, end)
@@ -365,14 +378,18 @@ class SparseDecodeState:
                                             fp.shape[1], dtype=fp.dtype, device=fp.device)
         self._fingerprint[k, start:end] = fp
 
-    def _same_prefix(self, k: int, pool_index: int, rows: int) -> bool:
-        """Whether positions ``[0, sink + rows)`` of the request in ``pool_index`` hold the keys
-        slot ``k`` encoded (exact comparison of their fingerprints; one read of the result)."""
-        if self._fingerprint is None:
-            return False
+    def _shared_rows(self, k: int, pool_index: int, rows: int) -> int:
+        """How many of the first ``rows`` region rows of slot ``k`` the request in
+        ``pool_index`` shares, with the sink: positions up to the first whose fingerprint
+        differs (exact comparison; one read of the result, a wait for the GPU)."""
+        if self._fingerprint is None or rows <= 0:
+            return 0
         end = self.cfg.sink + rows
-        return bool(torch.equal(self._keys_fingerprint(pool_index, 0, end),
-                                self._fingerprint[k, :end]))
+        same = (self._keys_fingerprint(pool_index, 0, end)
+                == self._fingerprint[k, :end]).all(-1)
+        # the first position that differs (argmin of a bool: its first False), else all
+        first = int(torch.where(same.all(), end, torch.argmin(same.to(torch.int8))))
+        return max(0, first - self.cfg.sink)
 
     def _positions_to_slots(self, pool_index: int, start: int, end: int) -> torch.Tensor:
         return self.req_to_token[pool_index, start:end].long()

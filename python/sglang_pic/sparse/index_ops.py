@@ -5,6 +5,7 @@ where, per request and step) is the same code on every device. ``q`` is the laye
 ``[bs, q_heads, D]``; slot ``r`` is the request in row ``row_of_slot[r]`` (-1: idle this step):
 
     encode(layer, slot, keys [n, kv_heads, D], offset)     keys enter a slot's retrieval region
+    truncate(layer, slot, keep, held)      a region of ``held`` rows keeps its first ``keep``
     select(layer, q, row_of_slot [R], n_ret [R]) -> [R, kv_heads, k] int32 rows (-1: none)
     attend_pool(q, row_of_slot, k_buf, v_buf [S, kv_heads, D], win_idx [R, W] pool slots,
            win_len [R], rows [R, kv_heads, k], req_to_token, pool_of_slot [R], sink, out, scale)
@@ -70,6 +71,18 @@ class KernelIndexOps:
                     self.weights[layer, slot], offset=offset,
                     bit_counts=self.bit_counts[layer, slot])
 
+    def truncate(self, layer: int, slot: int, keep: int, held: int) -> None:
+        """Rows past ``keep`` are never read (the selection reads ``n_ret`` rows) and later
+        encodes overwrite them; only the sign-bit counts, which the votes' histogram range is
+        set from, lose the dropped rows' bits (bit ``i % 32`` of word ``i // 32`` is
+        coordinate ``i``)."""
+        if held <= keep:
+            return
+        words = self.centroid[layer, slot, :, keep:held]  # [kv_heads, m, D / 32] int32
+        shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+        bits = (words[..., None] >> shifts) & 1  # [kv_heads, m, D / 32, 32]
+        self.bit_counts[layer, slot] -= bits.sum(1, dtype=torch.int32).flatten(1)
+
     def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
                n_ret: torch.Tensor) -> torch.Tensor:
         return self.selector(q, self.rt, self.levels, self.centroid[layer], self.codes[layer],
@@ -105,6 +118,11 @@ class TorchIndexOps:
         if index.n != offset:
             raise RuntimeError(f"retrieval region holds {index.n} keys, appending at {offset}")
         index.append(keys)
+
+    def truncate(self, layer: int, slot: int, keep: int, held: int) -> None:
+        index = self.index[layer][slot]
+        if index is not None and index.n > keep:
+            index.truncate(keep)
 
     def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
                n_ret: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,11 @@ class KeyIndex:
         self.codes = torch.cat([self.codes, codes], 1)
         self.weights = torch.cat([self.weights, w], 1)
 
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` keys (a region reused by a request whose own is shorter)."""
+        self.centroid, self.codes = self.centroid[:, :n], self.codes[:, :n]
+        self.weights = self.weights[:, :n]
+
     def _dequant(self, codes: torch.Tensor) -> torch.Tensor:
         sign = 1.0 - 2.0 * (codes >> 3).float()
         return sign * self.levels[(codes & 7).long()]
