@@ -354,6 +354,8 @@ class SparseDecodeState:
                 rows = self._shared_rows(k, pool_index, min(held, n_ret)) if held else 0
                 if rows > best_rows:
                     best, best_rows = k, rows
+                    if rows == n_ret:  # the whole region: no slot can offer more
+                        break
         if best is None:
             return self._free_slot(in_batch), 0
         held = self.kept_rows[best] if self.slots[best] is None else self.slots[best].n_ret
