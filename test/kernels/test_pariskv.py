@@ -385,7 +385,8 @@ def test_topk_kernel_returns_the_best_valid_candidates(c, k):
         assert set(ids[vals > kth].tolist()) <= set(got[:n])  # all strictly above the k-th
 
 
-def test_pool_attention_reads_batch_rows_and_writes_only_active_slots():
+@pytest.mark.parametrize("window", ["in one launch", "launched first", "on a side stream"])
+def test_pool_attention_reads_batch_rows_and_writes_only_active_slots(window):
     """``attend_pool`` against the torch reference: slot queries read from the decode batch's
     rows, the selected rows turned into pool slots through ``req_to_token`` inside the kernel,
     window slots listed per sequence; an idle slot (row -1) writes nothing."""
@@ -404,9 +405,20 @@ def test_pool_attention_reads_batch_rows_and_writes_only_active_slots():
     sel[2, :, k - 5 :] = -1
     q = torch.randn(4, hq, d, device=DEVICE).to(dt)  # batch of 4: rows 1 and 3 dense
     out = torch.full((4, hq, d), 7.0, device=DEVICE).to(dt)
-    SparseAttention(slots, hq, hk, d, w, k, device=DEVICE, chunk=16, block_t=16).attend_pool(
-        q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token, pool_of_slot, sink,
-        out, 1 / math.sqrt(d))
+    attention = SparseAttention(slots, hq, hk, d, w, k, device=DEVICE, chunk=16, block_t=16)
+    begun = None  # the window's splits launched before (as beside the selection), or not
+    if window == "on a side stream":
+        if DEVICE != "cuda":
+            pytest.skip("streams need a GPU")
+        begun = attention.attend_pool_window(q, row_of_slot, k_buf, v_buf, win_idx, win_len,
+                                             sel, req_to_token, pool_of_slot, sink,
+                                             1 / math.sqrt(d), torch.cuda.Stream())
+    elif window == "launched first":
+        begun = attention.attend_pool_window(q, row_of_slot, k_buf, v_buf, win_idx, win_len,
+                                             sel, req_to_token, pool_of_slot, sink,
+                                             1 / math.sqrt(d))
+    attention.attend_pool(q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token,
+                          pool_of_slot, sink, out, 1 / math.sqrt(d), window=begun)
     for r, row in ((0, 2), (2, 0)):
         for h in range(hq):
             kv = h // (hq // hk)

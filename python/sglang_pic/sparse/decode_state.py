@@ -493,6 +493,12 @@ class SparseDecodeState:
         """Overwrite the sparse rows of ``o`` ``[bs, q_heads, D]`` with sparse attention of
         their queries in ``q`` ``[bs, q_heads, D]``."""
         layer = self.layer_index[layer_id]
+        window = None
+        if self.host is None:  # the window's part first, beside the selection where it can
+            window = self.ops.start_window(q, self.row_of_slot, self.key_buffer(layer_id),
+                                           self.value_buffer(layer_id), self.win_idx,
+                                           self.win_len, self.req_to_token, self.pool_of_slot,
+                                           self.cfg.sink, scale)
         rows = self.ops.select(layer, q, self.row_of_slot, self.n_ret)  # [R, kvh, k]
         self.selected = rows
         if self.host is not None:
@@ -506,7 +512,8 @@ class SparseDecodeState:
         else:
             self.ops.attend_pool(q, self.row_of_slot, self.key_buffer(layer_id),
                                  self.value_buffer(layer_id), self.win_idx, self.win_len, rows,
-                                 self.req_to_token, self.pool_of_slot, self.cfg.sink, o, scale)
+                                 self.req_to_token, self.pool_of_slot, self.cfg.sink, o, scale,
+                                 window=window)
 
     def extend_view(self, prefix_lens: list[int], seq_lens: list[int]
                     ) -> tuple[list[int], list[int]] | None:

@@ -13,6 +13,11 @@ where, per request and step) is the same code on every device. ``q`` is the laye
                                     slots and the pool slots of its selected positions
                                     ``sink + rows``, written into ``out`` ``[bs, q_heads, D]`` at
                                     the slots' rows (other rows untouched)
+    start_window(q, row_of_slot, k_buf, v_buf, win_idx, win_len, req_to_token, pool_of_slot,
+           sink, scale) -> handle | None
+                                    the window's part of ``attend_pool`` begun before the
+                                    selection (a side stream on a GPU; None: nothing begun),
+                                    passed to ``attend_pool(..., window=handle)``
     attend_split(q, row_of_slot, k_win, v_win [R, kv_heads, W, D], win_len [R], k_host, v_host
            [R, kv_heads, N, D], rows [R, kv_heads, k] (-1: none), out, scale)
                                     the same over window rows and selected host rows
@@ -57,6 +62,7 @@ class KernelIndexOps:
                                  min(candidates, capacity), topk, device=self.device)
         self.attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk, topk,
                                          device=self.device)
+        self._side_stream = None  # start_window's, made on first use
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int) -> int:
@@ -89,10 +95,23 @@ class KernelIndexOps:
                              self.weights[layer], n_ret, self.bit_counts[layer],
                              row_of_slot=row_of_slot)
 
+    def start_window(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, req_to_token,
+                     pool_of_slot, sink: int, scale: float):
+        """On a GPU, the window's attention partials on a side stream, overlapping the
+        selection (``SparseAttention.attend_pool_window``); elsewhere None."""
+        if not q.is_cuda:
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=q.device)
+        return self.attention.attend_pool_window(
+            q, row_of_slot, k_buf, v_buf, win_idx, win_len, self.selector.sel, req_to_token,
+            pool_of_slot, sink, scale, self._side_stream)
+
     def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows, req_to_token,
-                    pool_of_slot, sink: int, out, scale: float) -> torch.Tensor:
+                    pool_of_slot, sink: int, out, scale: float, window=None) -> torch.Tensor:
         return self.attention.attend_pool(q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows,
-                                          req_to_token, pool_of_slot, sink, out, scale)
+                                          req_to_token, pool_of_slot, sink, out, scale,
+                                          window=window)
 
     def attend_split(self, q, row_of_slot, k_win, v_win, win_len, k_host, v_host, rows, out,
                      scale: float) -> torch.Tensor:
@@ -143,8 +162,11 @@ class TorchIndexOps:
             out[s, :, :k] = cand.gather(1, est.topk(k, dim=-1).indices).int()
         return out
 
+    def start_window(self, *args, **kwargs) -> None:
+        return None  # one exact attention over window and selection in ``attend_pool``
+
     def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, rows, req_to_token,
-                    pool_of_slot, sink: int, out, scale: float) -> torch.Tensor:
+                    pool_of_slot, sink: int, out, scale: float, window=None) -> torch.Tensor:
         kv_heads = rows.shape[1]
         at = torch.arange(win_idx.shape[1], device=win_idx.device)
         window = torch.where(at[None, :] < win_len[:, None].long(), win_idx, -1)

@@ -22,6 +22,12 @@ window chunks, the rest over chunks of the selected rows; each writes a partial 
 log-sum-exp for the ``G`` query heads of its KV head (padded to 16 rows for ``tl.dot``).
 Stage 2 merges the partials by log-sum-exp, which is exact: softmax over the union of disjoint
 key sets.
+
+The window's partials do not depend on the selection, so ``attend_pool_window`` can launch them
+on a side stream before the selection runs (``window=`` of ``attend_pool`` then launches only
+the selected rows' splits and joins the side stream before the merge): at batch 1 the selection
+kernels use a few SMs, and the window's chunks, the longest programs of stage 1, leave the
+critical path. Inside a CUDA graph the fork and the join become the graph's branches.
 """
 
 from __future__ import annotations
@@ -39,15 +45,17 @@ def _partial_kernel(Q, RowOfSlot, KW, VW, WinLen, WinIdx, KH, VH, Sel, ReqToToke
                     stride_qb, stride_qh,
                     stride_wb, stride_wh, stride_wt, stride_widx,
                     stride_hb, stride_hh, stride_ht, stride_r2t,
-                    K_SEL, S_WIN, SINK, N_ROWS,
+                    K_SEL, S_WIN, SINK, N_ROWS, SPLIT0, SPLITS,
                     G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, Q_ROWS: tl.constexpr,
                     POOL: tl.constexpr):
+    """Split ``SPLIT0 + program_id(2)`` of ``SPLITS`` (a launch may cover only the window's
+    splits, or only the selected rows')."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.program_id(2)
+    s = tl.program_id(2) + SPLIT0
     kv_heads = tl.num_programs(1)
-    splits = tl.num_programs(2)
+    splits = SPLITS
     lane = tl.arange(0, BLOCK_H)
     mask_h = lane < G
     heads = h * G + lane
@@ -165,33 +173,74 @@ class SparseAttention:
         return out
 
     def attend_pool(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token,
-                    pool_of_slot, sink: int, out, sm_scale: float):
+                    pool_of_slot, sink: int, out, sm_scale: float, window=None):
         """Attention over pool slots: ``win_idx[b, :win_len[b]]`` and the slots of the
         selected positions ``sink + sel`` of request row ``pool_of_slot[b]`` of
         ``req_to_token``; ``k_buf/v_buf`` ``[S, kv_heads, D]``. Writes ``out`` at
-        ``row_of_slot`` (module doc)."""
+        ``row_of_slot`` (module doc). ``window``: what ``attend_pool_window`` returned (its
+        window splits are done or under way; only the selected rows' are launched here)."""
         if k_buf.stride() != v_buf.stride():
             raise ValueError("K and V buffers need the same layout")
         bsz, kv_heads = sel.shape[:2]
         pool = (0, k_buf.stride(1), k_buf.stride(0))
-        self._launch(q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel,
-                     req_to_token, pool_of_slot, sink, out, sm_scale, bsz, kv_heads, pool, pool)
+        args = (q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel, req_to_token,
+                pool_of_slot, sink, sm_scale, bsz, kv_heads, pool, pool)
+        if window is None:
+            self._partials(*args, 0, self.splits)
+        else:
+            self._partials(*args, self.s_win, self.splits - self.s_win)
+            if isinstance(window, torch.cuda.Stream):
+                torch.cuda.current_stream().wait_stream(window)
+        self._merge(row_of_slot, win_len, out, bsz, kv_heads)
         return out
+
+    def attend_pool_window(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel,
+                           req_to_token, pool_of_slot, sink: int, sm_scale: float,
+                           stream: torch.cuda.Stream | None = None):
+        """The window's splits of ``attend_pool`` on ``stream``, after what the current stream
+        has queued (the query, the step's new K/V), or on the current stream without one;
+        ``sel`` is only read for its shape. Returns what ``attend_pool(..., window=)`` takes:
+        the stream to join, or True."""
+        bsz, kv_heads = sel.shape[:2]
+        pool = (0, k_buf.stride(1), k_buf.stride(0))
+        args = (q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel, req_to_token,
+                pool_of_slot, sink, sm_scale, bsz, kv_heads, pool, pool, 0, self.s_win)
+        if stream is None:
+            self._partials(*args)
+            return True
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._partials(*args)
+        return stream
 
     def _launch(self, q, row_of_slot, kw, vw, win_len, win_idx, kh, vh, sel, req_to_token,
                 pool_of_slot, sink, out, sm_scale, bsz, kv_heads, win_strides, sel_strides):
+        self._partials(q, row_of_slot, kw, vw, win_len, win_idx, kh, vh, sel, req_to_token,
+                       pool_of_slot, sink, sm_scale, bsz, kv_heads, win_strides, sel_strides,
+                       0, self.splits)
+        self._merge(row_of_slot, win_len, out, bsz, kv_heads)
+
+    def _partials(self, q, row_of_slot, kw, vw, win_len, win_idx, kh, vh, sel, req_to_token,
+                  pool_of_slot, sink, sm_scale, bsz, kv_heads, win_strides, sel_strides,
+                  first: int, count: int):
+        """Stage 1 for splits ``first .. first + count``."""
+        if count <= 0:
+            return
         q_rows = row_of_slot is not None
         is_pool = win_idx is not None
-        _partial_kernel[(bsz, kv_heads, self.splits)](
+        _partial_kernel[(bsz, kv_heads, count)](
             q, row_of_slot if q_rows else win_len, kw, vw, win_len,
             win_idx if is_pool else win_len, kh, vh, sel,
             req_to_token if is_pool else sel, pool_of_slot if is_pool else win_len,
             self.mid_o, self.mid_l, sm_scale, q.stride(0), q.stride(1), *win_strides,
             win_idx.stride(0) if is_pool else 0, *sel_strides,
             req_to_token.stride(0) if is_pool else 0, sel.shape[-1], self.s_win, sink,
-            q.shape[0],
+            q.shape[0], first, self.splits,
             G=self.G, D=self.d, CHUNK=self.chunk, BLOCK_T=self.block_t, BLOCK_H=BLOCK_H,
             Q_ROWS=q_rows, POOL=is_pool)
+
+    def _merge(self, row_of_slot, win_len, out, bsz, kv_heads):
+        q_rows = row_of_slot is not None
         sp = self.splits
         _merge_kernel[(bsz, kv_heads * self.G)](
             self.mid_o, self.mid_l, row_of_slot if q_rows else win_len, out, out.stride(0),
