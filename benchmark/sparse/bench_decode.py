@@ -16,6 +16,12 @@ compared with dense attention over every token.
 
     python3 benchmark/sparse/bench_decode.py [--contexts 32768 131072 524288 1048576]
         [--batches 1 8] [--candidates 2048 16384] [--quick]
+    python3 benchmark/sparse/bench_decode.py --case 1 131072 --candidates 4096 --strides 16 \
+        --profile --server     # one case: per-kernel times, and the server's path (below)
+
+``--server`` also times the layer as the server runs it (``SparseDecodeState`` and
+``KernelIndexOps`` over a KV pool laid out as SGLang's, the window's attention on a side stream
+beside the selection) and the activation that encodes each region, cold and reused.
 
 Writes ``benchmark/results/sparse_decode_<gpu>.json`` and prints a table. Memory per token and
 layer (8 KV heads): dense 4 KiB of GPU memory; ParisKV 1.125 KiB on the GPU (per KV head 64 B
@@ -109,9 +115,68 @@ def _sweep(layer, q) -> list[dict]:
     return out
 
 
+def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
+    """The server's sparse path for one layer, as ``pariskv_flashinfer`` runs it: a
+    ``SparseDecodeState`` over a KV pool laid out as SGLang's (``[slots, kv_heads, D]``, slot 0
+    the padding slot, ``req_to_token`` rows), ``KernelIndexOps`` (selection; attention over
+    window and selected pool slots, the window's part on a side stream beside the selection).
+    Times the activation (encoding each region: cold, then again as a released slot's reuse)
+    and one layer's ``attend`` as a CUDA graph."""
+    import torch
+    import triton
+    from sglang_pic.sparse.config import SparseDecodeConfig
+    from sglang_pic.sparse.decode_state import SparseDecodeState
+    from sglang_pic.sparse.index_ops import KernelIndexOps
+
+    pad_k = torch.zeros(1, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    pool_k, pool_v = torch.cat([pad_k, *ks]), torch.cat([pad_k, *vs])
+    req_to_token = (torch.arange(batch * ctx, device="cuda").view(batch, ctx) + 1).int()
+    cfg = SparseDecodeConfig(threshold=min(32768, ctx - 1), topk=TOPK, candidates=c, sink=SINK,
+                             local=LOCAL, update=UPDATE, max_requests=batch)
+    cfg.validate()
+    capacity = ctx - SINK - LOCAL
+    ops = KernelIndexOps(1, batch, Q_HEADS, KV_HEADS, HEAD_DIM, capacity, TOPK, c,
+                         cfg.attended, "cuda")
+    state = SparseDecodeState(cfg, ops, layer_ids=[0], q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                              head_dim=HEAD_DIM, capacity=capacity, max_batch=batch,
+                              req_to_token=req_to_token, device="cuda", dtype=torch.bfloat16)
+    state.key_buffer = lambda layer: pool_k
+    state.value_buffer = lambda layer: pool_v
+    state.warm_up()
+    rows, lens = list(range(batch)), [ctx] * batch
+    lens_dev = torch.tensor(lens, device="cuda")
+    activation_s = []
+    for _ in range(2):  # cold, then the released slots' regions found again
+        for k in range(batch):
+            if state.slots[k] is not None:
+                state._release(k)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        state.prepare_decode(rows, lens, lens_dev)
+        torch.cuda.synchronize()
+        activation_s.append(time.perf_counter() - t)
+    out = torch.zeros_like(q)
+
+    def step():
+        state.attend(0, q, out, HEAD_DIM**-0.5)
+
+    step()
+    us = 1000 * triton.testing.do_bench_cudagraph(step, rep=100)
+    row = {"server_layer_us": us, "activation_cold_s_per_layer": activation_s[0],
+           "activation_reused_s_per_layer": activation_s[1],
+           "reused_tokens": state.stats["reused_tokens"]}
+    if ref is not None:
+        err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+        row["server_rel_err_mean"] = err.mean().item()
+    print(f"  server path: layer {us:7.1f} us (window beside the selection); activation "
+          f"{activation_s[0] * 1e3:.1f} ms cold, {activation_s[1] * 1e3:.1f} ms reused, per "
+          f"layer; rel.err {row.get('server_rel_err_mean', math.nan):.4f}", flush=True)
+    return row
+
+
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
          profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16),
-         chunks: tuple[int, ...] = ()) -> list[dict]:
+         chunks: tuple[int, ...] = (), server: bool = False) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
@@ -210,6 +275,12 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                 err = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
                 row["rel_err_mean"] = err.mean().item()
                 row["speedup"] = dense_us / sparse_us
+            if server and stride == strides[-1]:  # the server's default sampling
+                try:  # its own failure must not cost the case's other numbers
+                    row.update(_server_layer(batch, ctx, c, q, ks, vs, ref))
+                except Exception as e:  # noqa: BLE001 - recorded in the row, printed
+                    row["server_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  server path failed: {row['server_error']}", flush=True)
             rows.append(row)
             print(f"b={batch} ctx={ctx:>8} C={c:>6} s={stride:>2}: "
                   f"dense {dense_us or float('nan'):9.1f} us  "
@@ -243,6 +314,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time other vote tilings / histogram sizes (with --case)")
+    ap.add_argument("--server", action="store_true",
+                    help="also time the server's path for one layer: KV in a pool as SGLang's, "
+                         "the window's attention beside the selection, and the activation "
+                         "(with --case)")
     ap.add_argument("--case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None,
@@ -257,7 +332,7 @@ def main() -> None:
         batch, ctx = args.case
         rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
                     sweep=args.sweep, strides=tuple(args.strides),
-                    chunks=tuple(args.attention_chunks))
+                    chunks=tuple(args.attention_chunks), server=args.server)
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:
