@@ -45,10 +45,11 @@ different request id, or a length that is not the next step) - or a new long req
 slot of one no longer decoding.
 
 A released slot keeps its encoded region, and a new request whose prefix is the same reuses it
-(``_slot_for``; as much of it as the new request's region holds): the next turn of a conversation over a long document, whose prefix the radix
-cache holds, encodes only its new tokens instead of the whole region again (at 128K the
-activation took 389 ms on the H200, paid by every turn); requests that share only the first
-part of a region (a system prompt and a document, then different questions) reuse that part.
+(``_slot_for``; as much of it as the new request's region holds): the next turn of a
+conversation over a long document, whose prefix the radix cache holds, encodes only its new
+tokens instead of the whole region again (at 128K the activation took 389 ms on the H200, paid
+by every turn); requests that share only the first part of a region (a system prompt and a
+document, then different questions) reuse that part.
 "The same" is checked on content, not on pool slots, which may have been freed and rewritten
 since: each slot records a fingerprint of its positions' keys in the first and the last layer
 (``FINGERPRINT_DIMS`` values of KV head 0 per position and layer: first-layer keys are a
@@ -137,9 +138,10 @@ class SparseDecodeState:
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0,
                       "offloaded_tokens": 0, "reused_tokens": 0}
         # a released slot's encoded rows, reusable by a request with the same prefix (module
-        # doc), and per slot and position [0, sink + region) its layer-0 key fingerprint
+        # doc), and per slot and position [0, sink + region) its keys' fingerprint
         self.kept_rows = [0] * r
-        self._fingerprint: torch.Tensor | None = None  # [R, sink + capacity, FINGERPRINT_DIMS]
+        # [R, sink + capacity, 2 * FINGERPRINT_DIMS], made at the first encode (the KV dtype)
+        self._fingerprint: torch.Tensor | None = None
         self.metrics = None  # sglang_pic.metrics.Counters with --enable-metrics (set by the backend)
         self._warned_full = False
         self.prefill_rows: list[tuple[int, int, int, int, int]] = []
