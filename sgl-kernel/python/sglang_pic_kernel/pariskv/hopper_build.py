@@ -72,7 +72,7 @@ LAUNCHES: dict[str, tuple] = {
                          {"NPROG": 256, "BLOCK": 256}),
     "rerank": (select._rerank_kernel,
                {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
-                "Qnorm": "*fp32", "Levels": "*fp32", "Est": "*fp32"},
+                "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32"},
                {"B": 32, "G": 4, "BLOCK_C": 64}),
     "topk": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
              {"CP": 4096, "KP": 128}),

@@ -67,6 +67,12 @@ def _rotated_part(q, RtJ, offs_d, offs_b, J: tl.constexpr, D: tl.constexpr, B: t
     return tl.sum(q[:, None] * r, axis=0)  # [B]: rotated coordinate 4b+J
 
 
+def signed_levels(levels: torch.Tensor) -> torch.Tensor:
+    """``[16]`` fp32: the value of each 4-bit code (``sign << 3 | magnitude level``) for the
+    magnitude ``levels`` ``[8]``."""
+    return torch.cat([levels, -levels]).float().contiguous()
+
+
 def part_major_rotation(rt: torch.Tensor) -> torch.Tensor:
     """``[D, D]`` rotation with column ``4b + j`` moved to ``j * B + b`` (``B = D / 4``): the
     layout of ``qt``, so that ``_query_kernel`` reads each part's columns contiguously."""
@@ -424,9 +430,13 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
 
 
 @triton.jit
-def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
+def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
                    stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
                    B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """RSQ-IP estimates of the candidates in a block of one KV head's list. A key's codes are
+    read as ``B`` 16-bit pairs (the two bytes of subspace ``b``: four 4-bit codes) in one
+    contiguous load per row; ``SignedLevels[c]`` is code ``c``'s dequantised value, sign
+    included (``signed_levels``). ``stride_on`` is the codes' row stride in bytes (even)."""
     pid, h, b, r = _program_head()
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
@@ -436,19 +446,16 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, Levels, Est,
         idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
         valid = idx >= 0  # an unfilled slot is never read through
         offs_b = tl.arange(0, B)
-        codes = Codes + b * stride_ob + h * stride_oh + 2 * offs_b[None, :]
-        base = codes + idx[:, None] * stride_on
-        byte0 = tl.load(base, mask=valid[:, None], other=0).to(tl.int32)
-        byte1 = tl.load(base + 1, mask=valid[:, None], other=0).to(tl.int32)
+        pairs = (Codes + b * stride_ob + h * stride_oh).to(tl.pointer_type(tl.uint16))
+        pair = tl.load(pairs + idx[:, None] * (stride_on // 2) + offs_b[None, :],
+                       mask=valid[:, None], other=0).to(tl.int32)  # byte 2b | byte 2b+1 << 8
         weights = W + b * stride_wb + h * stride_wh + offs_b[None, :]
         w = tl.load(weights + idx[:, None] * stride_wn, mask=valid[:, None],
                     other=0.0).to(tl.float32)
-        v0 = (1.0 - 2.0 * ((byte0 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte0 & 7))
-        v1 = ((1.0 - 2.0 * ((byte0 >> 7) & 1).to(tl.float32))
-              * tl.load(Levels + ((byte0 >> 4) & 7)))
-        v2 = (1.0 - 2.0 * ((byte1 >> 3) & 1).to(tl.float32)) * tl.load(Levels + (byte1 & 7))
-        v3 = ((1.0 - 2.0 * ((byte1 >> 7) & 1).to(tl.float32))
-              * tl.load(Levels + ((byte1 >> 4) & 7)))
+        v0 = tl.load(SignedLevels + (pair & 15))  # coordinate 4b
+        v1 = tl.load(SignedLevels + ((pair >> 4) & 15))
+        v2 = tl.load(SignedLevels + ((pair >> 8) & 15))
+        v3 = tl.load(SignedLevels + ((pair >> 12) & 15))
         best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
         for g in tl.static_range(G):
             qrow = r * G + g
@@ -584,6 +591,8 @@ class Selector:
         self.sel = torch.empty(batch, kv_heads, self.k, **i32)
         self._rt: torch.Tensor | None = None  # the rotation ``_rtj`` was permuted from
         self._rtj: torch.Tensor | None = None
+        self._levels: torch.Tensor | None = None  # the levels ``_signed_levels`` came from
+        self._signed_levels: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
@@ -645,8 +654,13 @@ class Selector:
             _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, n_ret,
                                   N, C, self.span, NPROG=triton.next_power_of_2(self.programs),
                                   BLOCK=256)
+        if self._levels is not levels:  # the index's quantiser is fixed: once, before capture
+            self._levels, self._signed_levels = levels, signed_levels(levels)
+        if codes.stride(2) % 2 or codes.storage_offset() % 2:
+            raise ValueError("codes rows must start at even bytes (read as 16-bit pairs)")
         _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
-            self.cand, self.need, codes, weights, self.qt, self.qnorm, levels, self.est,
+            self.cand, self.need, codes, weights, self.qt, self.qnorm, self._signed_levels,
+            self.est,
             codes.stride(0), codes.stride(1), codes.stride(2),
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
