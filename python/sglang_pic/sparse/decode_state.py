@@ -346,7 +346,11 @@ class SparseDecodeState:
         """A slot for the request in ``pool_index`` about to decode sparsely with ``n_ret``
         region rows, and how many of them the slot holds encoded already: the slot no decoding
         request holds whose region shares the most leading rows with this request's (module
-        doc; its rows past them are dropped), else ``_free_slot``'s with none."""
+        doc; its rows past them are dropped), else ``_free_slot``'s with none. A held slot whose
+        request is not in this step counts as free, as in ``_free_slot``: without
+        ``--sparse-offload`` nothing releases a finished request's slot before its request-pool
+        row serves another request (a request absent from a decode step while it lives - retracted,
+        say - re-encodes its region when it decodes again)."""
         best, best_rows = None, 0
         if self.host is None:
             for k, slot in enumerate(self.slots):
