@@ -13,8 +13,9 @@ radix cache holds them), then generated again with 17 and with 145 new tokens (`
 TPOT = (t145 - t17) / 128, so prefill (one token: the prompt is cached), the sparse activation
 (both generations find the region encoded by the case's first decode) and the scheduler's
 start-up cost cancel out. ``first_decode_extra_s_<case>``: that first decode's time less a later
-17-token generation's, i.e. the cold activation (encoding every region) plus first-use compiles. A case below the
-threshold measures what the sparse backend costs requests that stay dense.
+17-token generation's, i.e. the cold activation (encoding every region) plus first-use
+compiles. A case below the threshold measures what the sparse backend costs requests that stay
+dense.
 
     python3 benchmark/sparse/bench_e2e_decode.py [--cases 1x4096,1x131072,1x262144,4x65536]
                                                  (a case "1x131072+7x4096" mixes lengths)
@@ -131,8 +132,8 @@ def profile_decode(engine, prompts: list, tag: str, params: dict) -> dict:
     out_dir = Path(params["profile_dir"]) / tag
     out_dir.mkdir(parents=True, exist_ok=True)
     # by stage: the prompt's extend (one token, the prompt is cached) gets a trace of its own,
-    # the decode steps theirs; the first decode step holds the sparse activation (encoding the
-    # retrieval region), which ``steps`` spreads thin and the kernel names show
+    # the decode steps theirs; the first decode step holds the sparse activation (the region
+    # found encoded, or encoded again), which ``kernel_summary`` reports apart
     activities = ["CPU", "GPU"] if params.get("profile_cpu") else ["GPU"]
     engine.start_profile(output_dir=str(out_dir), num_steps=steps, activities=activities,
                          profile_id=tag.replace("+", "_"), profile_by_stage=True,
@@ -149,8 +150,8 @@ def profile_decode(engine, prompts: list, tag: str, params: dict) -> dict:
         return {"error": f"no trace in {out_dir} after 120 s", "wall_s": wall}
     summary = kernel_summary(traces[-1], steps)
     summary["trace"] = str(traces[-1])
-    shown = summary.get("steady", summary)
-    shown = summary if "error" in shown else shown
+    steady = summary.get("steady")
+    shown = steady if steady and "error" not in steady else summary
     top = list(shown["us_per_step_by_kernel"].items())[:12]  # sorted, longest first
     first = (f" after a first step of {summary['first_step_us'] / 1e3:.1f} ms"
              if shown is not summary else "")

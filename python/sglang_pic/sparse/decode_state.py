@@ -348,10 +348,10 @@ class SparseDecodeState:
         request holds whose region shares the most leading rows with this request's (module
         doc; its rows past them are dropped), else ``_free_slot``'s with none. A held slot whose
         request is not in this step counts as free, as in ``_free_slot``: without
-        ``--sparse-offload`` nothing releases a finished request's slot before its request-pool
-        row serves another request (a request absent from a decode step while it lives - retracted,
-        say - re-encodes its region when it decodes again)."""
-        best, best_rows = None, 0
+        ``--sparse-offload`` nothing releases a finished request's slot before its
+        request-pool row serves another request (a request absent from a decode step while it
+        lives - retracted, say - re-encodes its region when it decodes again)."""
+        best, best_rows, best_held = None, 0, 0
         if self.host is None:
             for k, slot in enumerate(self.slots):
                 if slot is not None and (slot.pool_index in in_batch or slot.prefilling):
@@ -359,32 +359,31 @@ class SparseDecodeState:
                 held = self.kept_rows[k] if slot is None else slot.n_ret
                 rows = self._shared_rows(k, pool_index, min(held, n_ret)) if held else 0
                 if rows > best_rows:
-                    best, best_rows = k, rows
+                    best, best_rows, best_held = k, rows, held
                     if rows == n_ret:  # the whole region: no slot can offer more
                         break
         if best is None:
             return self._free_slot(in_batch), 0
-        held = self.kept_rows[best] if self.slots[best] is None else self.slots[best].n_ret
         if self.slots[best] is not None:
             self._release(best)
-        if held > best_rows:
+        if best_held > best_rows:
             for layer in range(len(self.layer_ids)):
-                self.ops.truncate(layer, best, best_rows, held)
+                self.ops.truncate(layer, best, best_rows, best_held)
         return best, best_rows
 
-    def _keys_fingerprint(self, pool_index: int, start: int, end: int) -> torch.Tensor:
-        """``[end - start, 2 * FINGERPRINT_DIMS]``: first- and last-layer key values of
-        positions ``[start, end)`` of the request in ``pool_index`` (KV head 0)."""
-        locs = self._positions_to_slots(pool_index, start, end)
+    def _keys_fingerprint(self, locs: torch.Tensor) -> torch.Tensor:
+        """``[len(locs), 2 * FINGERPRINT_DIMS]``: first- and last-layer key values of the pool
+        slots ``locs`` (KV head 0)."""
         return torch.cat([self.key_buffer(layer_id)[locs, 0, :FINGERPRINT_DIMS]
                           for layer_id in (self.layer_ids[0], self.layer_ids[-1])], -1)
 
-    def _record_fingerprint(self, k: int, pool_index: int, start: int, end: int) -> None:
-        fp = self._keys_fingerprint(pool_index, start, end)
+    def _record_fingerprint(self, k: int, start: int, locs: torch.Tensor) -> None:
+        """Slot ``k``'s fingerprint of positions ``start ..``, held in pool slots ``locs``."""
+        fp = self._keys_fingerprint(locs)
         if self._fingerprint is None or self._fingerprint.dtype != fp.dtype:
             self._fingerprint = torch.zeros(len(self.slots), self.cfg.sink + self.capacity,
                                             fp.shape[1], dtype=fp.dtype, device=fp.device)
-        self._fingerprint[k, start:end] = fp
+        self._fingerprint[k, start:start + len(locs)] = fp
 
     def _shared_rows(self, k: int, pool_index: int, rows: int) -> int:
         """How many of the first ``rows`` region rows of slot ``k`` the request in
@@ -393,7 +392,7 @@ class SparseDecodeState:
         if self._fingerprint is None or rows <= 0:
             return 0
         end = self.cfg.sink + rows
-        same = (self._keys_fingerprint(pool_index, 0, end)
+        same = (self._keys_fingerprint(self._positions_to_slots(pool_index, 0, end))
                 == self._fingerprint[k, :end]).all(-1)
         # the first position that differs (argmin of a bool: its first False), else all
         first = int(torch.where(same.all(), end, torch.argmin(same.to(torch.int8))))
@@ -407,7 +406,7 @@ class SparseDecodeState:
         layers); with offload, also move their K/V to host memory and free their pool slots."""
         locs = self._positions_to_slots(pool_index, start, start + count)
         if self.host is None:  # offloaded regions are never reused: no fingerprint
-            self._record_fingerprint(k, pool_index, start, start + count)
+            self._record_fingerprint(k, start, locs)
         for layer, layer_id in enumerate(self.layer_ids):
             keys = self.key_buffer(layer_id)[locs]
             self.ops.encode(layer, k, keys, offset)
@@ -437,7 +436,7 @@ class SparseDecodeState:
         if reused:
             self._count("reused_tokens", reused)
         elif self.host is None:
-            self._record_fingerprint(k, pool_index, 0, cfg.sink)
+            self._record_fingerprint(k, 0, self._positions_to_slots(pool_index, 0, cfg.sink))
         if n_ret > reused or not reused:  # (a new region's encode at 0 resets its counts)
             self._encode(k, pool_index, cfg.sink + reused, n_ret - reused, reused)
         self.slots[k] = _Slot(pool_index, self.rid_of_pool.get(pool_index), n_ret, seq_len)

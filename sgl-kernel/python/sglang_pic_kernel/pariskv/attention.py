@@ -179,12 +179,9 @@ class SparseAttention:
         ``req_to_token``; ``k_buf/v_buf`` ``[S, kv_heads, D]``. Writes ``out`` at
         ``row_of_slot`` (module doc). ``window``: what ``attend_pool_window`` returned (its
         window splits are done or under way; only the selected rows' are launched here)."""
-        if k_buf.stride() != v_buf.stride():
-            raise ValueError("K and V buffers need the same layout")
+        args = self._pool_args(q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel,
+                               req_to_token, pool_of_slot, sink, sm_scale)
         bsz, kv_heads = sel.shape[:2]
-        pool = (0, k_buf.stride(1), k_buf.stride(0))
-        args = (q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel, req_to_token,
-                pool_of_slot, sink, sm_scale, bsz, kv_heads, pool, pool)
         if window is None:
             self._partials(*args, 0, self.splits)
         else:
@@ -201,10 +198,8 @@ class SparseAttention:
         has queued (the query, the step's new K/V), or on the current stream without one;
         ``sel`` is only read for its shape. Returns what ``attend_pool(..., window=)`` takes:
         the stream to join, or True."""
-        bsz, kv_heads = sel.shape[:2]
-        pool = (0, k_buf.stride(1), k_buf.stride(0))
-        args = (q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel, req_to_token,
-                pool_of_slot, sink, sm_scale, bsz, kv_heads, pool, pool, 0, self.s_win)
+        args = (*self._pool_args(q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel,
+                                 req_to_token, pool_of_slot, sink, sm_scale), 0, self.s_win)
         if stream is None:
             self._partials(*args)
             return True
@@ -212,6 +207,18 @@ class SparseAttention:
         with torch.cuda.stream(stream):
             self._partials(*args)
         return stream
+
+    @staticmethod
+    def _pool_args(q, row_of_slot, k_buf, v_buf, win_idx, win_len, sel, req_to_token,
+                   pool_of_slot, sink, sm_scale) -> tuple:
+        """``_partials``' arguments (but the splits) for attention over pool slots: window and
+        selected rows both read ``k_buf``/``v_buf`` ``[S, kv_heads, D]``."""
+        if k_buf.stride() != v_buf.stride():
+            raise ValueError("K and V buffers need the same layout")
+        bsz, kv_heads = sel.shape[:2]
+        pool = (0, k_buf.stride(1), k_buf.stride(0))
+        return (q, row_of_slot, k_buf, v_buf, win_len, win_idx, k_buf, v_buf, sel, req_to_token,
+                pool_of_slot, sink, sm_scale, bsz, kv_heads, pool, pool)
 
     def _launch(self, q, row_of_slot, kw, vw, win_len, win_idx, kh, vh, sel, req_to_token,
                 pool_of_slot, sink, out, sm_scale, bsz, kv_heads, win_strides, sel_strides):

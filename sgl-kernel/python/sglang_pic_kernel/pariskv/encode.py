@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .select import part_major_rotation
+
 SUBSPACE = 4
 ENCODE_BLOCK_K = 32  # head-dim rows of the rotation per step of the encode's product
 PREROTATE_FROM = 1024  # keys from which the rotation runs as a cuBLAS matmul before the kernel
@@ -195,7 +197,7 @@ def encode_keys(keys: torch.Tensor, rt: torch.Tensor, edges: torch.Tensor, level
     if n < prerotate_from:
         launch(keys, n, offset, False)
         return
-    rtj = rt.view(d, d // SUBSPACE, SUBSPACE).transpose(1, 2).reshape(d, d)  # part-major
+    rtj = part_major_rotation(rt)
     chunk = max(1, PREROTATE_CHUNK_BYTES // (heads * d * 4))
     rotated = torch.empty(min(chunk, n), heads, d, dtype=torch.float32, device=keys.device)
     tf32 = torch.backends.cuda.matmul.allow_tf32
