@@ -472,14 +472,11 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
 def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
     """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
     ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
-    found by a radix select over the estimates' bit patterns, mapped to unsigned 32-bit integers
-    that order like the floats: four passes, each a 256-bin histogram of the next 8 bits of the
-    keys that match the bits chosen so far (a bisection took ~30 block-wide counts). Output
-    order: the candidates above it in candidate order, then the ties at it (the first by
-    position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk`` was:
-    attention does not care). NaN and -inf estimates and empty candidates (-1) are never
-    selected. ``CP >= 128``: the histogram needs an element per thread (fewer faulted on the
-    H200 in the vote pass)."""
+    found by bisection over the estimates' bit patterns, mapped to integers that order like the
+    floats. Output order: the candidates above it in candidate order, then the ties at it (the
+    first by position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk``
+    was: attention does not care). NaN and -inf estimates and empty candidates (-1) are never
+    selected."""
     _, h, b, r = _program_head()
     i = tl.arange(0, CP)
     est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
@@ -488,22 +485,13 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
     bits = est.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # negatives: reversed
     need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    u = key + 2**31  # [0, 2^32), same order
-    digits = tl.arange(0, 256)
-    match = valid  # the keys whose bits above this pass's equal the prefix chosen so far
-    rest = need  # how many of the best are still to be found among them
-    prefix = tl.zeros([], dtype=tl.int64)
-    for p in tl.static_range(4):
-        digit = ((u >> (24 - 8 * p)) & 255).to(tl.int32)
-        hist = tl.histogram(tl.where(match, digit, 0), 256)
-        hist -= tl.where(digits == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digit >= d
-        # the largest digit with enough keys at or above it (255 once none are needed)
-        d = tl.max(tl.where(at_least >= rest, digits, 0), axis=0)
-        rest -= tl.sum(tl.where(digits == d, at_least - hist, 0), axis=0)  # those above d
-        prefix = prefix * 256 + d
-        match = match & (digit == d)
-    lo = prefix - 2**31  # the need-th best key: fewer than need above it, need at or above
+    lo = tl.min(tl.where(valid, key, 2**31), axis=0)  # count(key >= lo) >= need
+    hi = tl.max(tl.where(valid, key, -(2**31) - 1), axis=0)
+    while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0)
+        lo = tl.where(count >= need, mid, lo)
+        hi = tl.where(count > need, hi, tl.where(count == need, mid, mid - 1))
     above = valid & (key > lo)
     equal = valid & (key == lo)
     n_above = tl.sum(above.to(tl.int32), axis=0)
@@ -665,7 +653,7 @@ class Selector:
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
-        cp = max(128, triton.next_power_of_2(C))
+        cp = triton.next_power_of_2(C)
         # one program holds the head's C candidates: more warps for more of them (no spills)
         _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
                                               KP=triton.next_power_of_2(self.k),
