@@ -352,14 +352,19 @@ def test_sparse_attention_equals_dense_over_the_chosen_keys():
             torch.testing.assert_close(out[b, h].float().cpu(), p @ vals, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("c,k", [(64, 8), (100, 16), (4096, 100)])
-def test_topk_kernel_returns_the_best_valid_candidates(c, k):
-    """The fused top-k against ``torch.topk``: negative and positive estimates, ties across the
-    k-th place, -inf and NaN estimates and empty candidates (-1) never selected, fewer valid
-    candidates than k padded with -1 (with a +inf among them), and a head with none."""
-    torch.manual_seed(c)
-    heads = 5
+@pytest.mark.parametrize("c,k,t", [(64, 8, 1), (100, 16, 1), (4096, 100, 1), (64, 8, 3),
+                                   (4096, 100, 4)])
+def test_topk_kernel_returns_the_best_valid_candidates(c, k, t):
+    """The fused top-k against ``torch.topk``, with ``t`` thresholds per search round:
+    negative and positive estimates, ties across the k-th place, -inf and NaN estimates and
+    empty candidates (-1) never selected, fewer valid candidates than k padded with -1 (with a
+    +inf among them), a head with none, and one spanning the float range (the search's widest
+    interval)."""
+    torch.manual_seed(c + t)
+    heads = 6
     est = torch.randn(1, heads, c, device=DEVICE) * 3
+    est[0, 5] = torch.randn(c, device=DEVICE).sign() * 10.0 ** torch.randint(-37, 38, (c,),
+                                                                              device=DEVICE)
     est[0, 1] = torch.randint(-3, 3, (c,), device=DEVICE).float()  # many ties at every value
     est[0, 2, c // 3 :] = float("-inf")
     est[0, 2, 0] = float("nan")
@@ -370,7 +375,7 @@ def test_topk_kernel_returns_the_best_valid_candidates(c, k):
     est[0, 4, 1] = float("inf")
     sel = torch.full((1, heads, k), 7, dtype=torch.int32, device=DEVICE)
     _topk_kernel[(1, heads, 1)](est, cand, sel, c, k, CP=max(128, triton.next_power_of_2(c)),
-                                KP=triton.next_power_of_2(k))
+                                KP=triton.next_power_of_2(k), T=t)
     for h in range(heads):
         valid = (est[0, h] > float("-inf")) & (cand[0, h] >= 0)  # NaN compares false
         ids, vals = cand[0, h][valid], est[0, h][valid]

@@ -75,7 +75,9 @@ LAUNCHES: dict[str, tuple] = {
                 "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32"},
                {"B": 32, "G": 4, "BLOCK_C": 64}),
     "topk": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
-             {"CP": 4096, "KP": 128}),
+             {"CP": 4096, "KP": 128, "T": 1}),
+    "topk_t4": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
+                {"CP": 4096, "KP": 128, "T": 4}),  # bench_topk.py's alternative search
     "attention_pool": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": True}),
     "attention_host": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": False}),
     "attention_merge": (attention._merge_kernel,

@@ -47,6 +47,7 @@ over ``[0, max vote]`` put all keys in bin 0 and kept the first ``C`` by positio
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -57,6 +58,9 @@ SIMILARITY_BINS = 256
 PLANES = 8  # bits per coordinate of the quantised group query
 VOTE_FLOOR_SD = 3.0  # similarity votes: the histogram spans [mean - 3 sd, max vote]
 SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by keys above it
+# the top-k's search: thresholds counted per reduction (1 = bisection); set from
+# benchmark/kernels/bench_topk.py's table, as is ``topk_warps``
+TOPK_THRESHOLDS = 1
 
 
 @triton.jit
@@ -468,32 +472,59 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
         tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
 
 
+def topk_warps(cp: int) -> int:
+    """Warps of the top-k program holding ``cp`` candidates: more for more of them (no spills;
+    ``benchmark/kernels/bench_topk.py`` times the alternatives)."""
+    return min(16, max(4, cp // 1024))
+
+
 @triton.jit
-def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr):
+def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
+                 T: tl.constexpr = 1):
     """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
     ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
-    found by bisection over the estimates' bit patterns, mapped to integers that order like the
-    floats. Output order: the candidates above it in candidate order, then the ties at it (the
-    first by position), then -1 past the valid ones (not sorted by estimate, as ``torch.topk``
-    was: attention does not care). NaN and -inf estimates and empty candidates (-1) are never
-    selected."""
+    found by a search over the estimates' bit patterns, mapped to int32 keys that order like the
+    floats: each round counts the keys at or above ``T`` thresholds spread over the interval
+    left (``T = 1``: a bisection), the ``T`` counts packed 16 bits apart into one int64 sum, so
+    a round is one block-wide reduction that narrows the interval ``T + 1``-fold (``CP <=
+    32768`` for ``T > 1``: a count must fit 16 bits). Output order: the candidates above it in
+    candidate order, then the ties at it (the first by position), then -1 past the valid ones
+    (not sorted by estimate, as ``torch.topk`` was: attention does not care). NaN and -inf
+    estimates and empty candidates (-1) are never selected."""
+    tl.static_assert(T == 1 or CP <= 32768)
     _, h, b, r = _program_head()
     i = tl.arange(0, CP)
     est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
     ids = tl.load(Cand + r * C + i, mask=i < C, other=-1)
     valid = (est > float("-inf")) & (ids >= 0)  # NaN compares false: never selected
     bits = est.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # negatives: reversed
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32; negatives reversed
     need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    lo = tl.min(tl.where(valid, key, 2**31), axis=0)  # count(key >= lo) >= need
-    hi = tl.max(tl.where(valid, key, -(2**31) - 1), axis=0)
+    # int64 scalars (the interval's width needs 33 bits); each threshold fits int32
+    lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)  # count(>= lo) >= need
+    hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
     while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0)
-        lo = tl.where(count >= need, mid, lo)
-        hi = tl.where(count > need, hi, tl.where(count == need, mid, mid - 1))
-    above = valid & (key > lo)
-    equal = valid & (key == lo)
+        width = hi - lo + 1  # >= 2, so the last threshold is above lo and none above hi
+        packed = tl.zeros([CP], dtype=tl.int64)
+        for j in tl.static_range(T):
+            t = (lo + width * (j + 1) // (T + 1)).to(tl.int32)
+            packed += (valid & (key >= t)).to(tl.int64) << (16 * j)
+        counts = tl.sum(packed, axis=0)
+        new_lo, new_hi, at_lo = lo, hi, need + 1
+        for j in tl.static_range(T):  # thresholds ascend, their counts descend
+            t = lo + width * (j + 1) // (T + 1)
+            count = ((counts >> (16 * j)) & 0xFFFF).to(tl.int32)
+            new_lo = tl.where(count >= need, t, new_lo)  # the highest with enough at or above
+            at_lo = tl.where(count >= need, count, at_lo)
+        for j in tl.static_range(T):  # descending: the lowest threshold with too few wins
+            t = lo + width * (T - j) // (T + 1)
+            count = ((counts >> (16 * (T - 1 - j))) & 0xFFFF).to(tl.int32)
+            new_hi = tl.where(count < need, t - 1, new_hi)
+        lo = new_lo
+        hi = tl.where(at_lo == need, new_lo, new_hi)
+    lo32 = lo.to(tl.int32)
+    above = valid & (key > lo32)
+    equal = valid & (key == lo32)
     n_above = tl.sum(above.to(tl.int32), axis=0)
     pos_a = tl.cumsum(above.to(tl.int32), axis=0) - 1
     pos_e = n_above + tl.cumsum(equal.to(tl.int32), axis=0) - 1
@@ -577,10 +608,18 @@ class Selector:
         self.cand = torch.empty(batch, kv_heads, c, **i32)
         self.est = torch.empty(batch, kv_heads, c, **f32)
         self.sel = torch.empty(batch, kv_heads, self.k, **i32)
-        self._rt: torch.Tensor | None = None  # the rotation ``_rtj`` was permuted from
-        self._rtj: torch.Tensor | None = None
-        self._levels: torch.Tensor | None = None  # the levels ``_signed_levels`` came from
-        self._signed_levels: torch.Tensor | None = None
+        # fn -> (source tensor, fn(source)): see ``_derived``
+        self._derived_cache: dict[Callable, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _derived(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                 source: torch.Tensor) -> torch.Tensor:
+        """``fn(source)``, computed again only for another ``source`` tensor: the index's
+        rotation and quantiser levels are fixed, so their kernel layouts are made once, before
+        graph capture (no allocation inside a graph)."""
+        hit = self._derived_cache.get(fn)
+        if hit is None or hit[0] is not source:
+            hit = self._derived_cache[fn] = (source, fn(source))
+        return hit[1]
 
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
@@ -601,9 +640,8 @@ class Selector:
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         q_rows = row_of_slot is not None
-        if self._rt is not rt:  # the index's rotation is fixed: permuted once, before capture
-            self._rt, self._rtj = rt, part_major_rotation(rt)
-        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, self._rtj, self.tiers,
+        rtj = self._derived(part_major_rotation, rt)
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, rtj, self.tiers,
                                  self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
                                  q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
@@ -642,20 +680,19 @@ class Selector:
             _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, n_ret,
                                   N, C, self.span, NPROG=triton.next_power_of_2(self.programs),
                                   BLOCK=256)
-        if self._levels is not levels:  # the index's quantiser is fixed: once, before capture
-            self._levels, self._signed_levels = levels, signed_levels(levels)
         if codes.stride(2) % 2 or codes.storage_offset() % 2:
             raise ValueError("codes rows must start at even bytes (read as 16-bit pairs)")
         _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
-            self.cand, self.need, codes, weights, self.qt, self.qnorm, self._signed_levels,
+            self.cand, self.need, codes, weights, self.qt, self.qnorm,
+            self._derived(signed_levels, levels),
             self.est,
             codes.stride(0), codes.stride(1), codes.stride(2),
             weights.stride(0), weights.stride(1), weights.stride(2), C,
             B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
-        # one program holds the head's C candidates: more warps for more of them (no spills)
         _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
                                               KP=triton.next_power_of_2(self.k),
-                                              num_warps=min(16, max(4, cp // 1024)))
+                                              T=TOPK_THRESHOLDS if cp <= 32768 else 1,
+                                              num_warps=topk_warps(cp))
         return sel
