@@ -371,20 +371,27 @@ def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
         i = tl.arange(0, NPROG)
         ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
         ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
-        total_a = tl.sum(ca, axis=0)
-        share = (ca.to(tl.int64) * C // tl.maximum(total_a, 1)).to(tl.int32)
-        qa = tl.where(total_a > C, share, ca)
-        # the shares' rounding left C - sum(qa) places (fewer than the programs with a
-        # remainder): one more key each for the first of those, in program order
-        short = qa < ca
-        rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
-        qa += (short & (rank < C - tl.sum(qa, axis=0))).to(tl.int32)
-        kept_a = tl.sum(qa, axis=0)
-        pre_a = tl.sum(tl.where(i < p, qa, 0), axis=0)
-        my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
-        pre_e = tl.sum(tl.where(i < p, ce, 0), axis=0)
-        my_e = tl.minimum(tl.sum(tl.where(i == p, ce, 0), axis=0),
-                          tl.maximum(C - kept_a - pre_e, 0))
+        # block-wide sums are the kernel's latency: pairs of counts go through one int64 sum
+        # (keys above in the low 32 bits, keys at the threshold in the high ones)
+        totals = tl.sum(ca.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
+        total_a = (totals & 0xFFFFFFFF).to(tl.int32)
+        total_e = (totals >> 32).to(tl.int32)
+        qa = ca
+        my_a = tl.load(CountA + r * nprog + p)
+        if total_a > C:
+            share = (ca.to(tl.int64) * C // total_a).to(tl.int32)
+            # the shares' rounding left C - sum(share) places (fewer than the programs with a
+            # remainder): one more key each for the first of those, in program order; the
+            # shares then add up to exactly C
+            short = share < ca
+            rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
+            qa = share + (short & (rank < C - tl.sum(share, axis=0))).to(tl.int32)
+            my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
+        kept_a = tl.minimum(total_a, C)
+        before = tl.sum(tl.where(i < p, qa.to(tl.int64) + (ce.to(tl.int64) << 32), 0), axis=0)
+        pre_a = (before & 0xFFFFFFFF).to(tl.int32)
+        pre_e = (before >> 32).to(tl.int32)
+        my_e = tl.minimum(tl.load(CountE + r * nprog + p), tl.maximum(C - kept_a - pre_e, 0))
         top = Kept + r * N + p * SPAN
         bottom = Kept + r * N + tl.minimum(p * SPAN + SPAN, N) - 1
         for j0 in tl.range(0, my_a, BLOCK):
@@ -396,7 +403,7 @@ def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
             ids = tl.load(bottom - j, mask=j < my_e)
             tl.store(Cand + r * C + kept_a + pre_e + j, ids, mask=j < my_e)
         if p == 0:  # the list's unfilled tail: no key (instead of a memset before the merge)
-            filled = kept_a + tl.minimum(tl.sum(ce, axis=0), tl.maximum(C - kept_a, 0))
+            filled = kept_a + tl.minimum(total_e, tl.maximum(C - kept_a, 0))
             for j0 in tl.range(filled, C, BLOCK):
                 j = j0 + tl.arange(0, BLOCK)
                 tl.store(Cand + r * C + j, tl.full([BLOCK], -1, tl.int32), mask=j < C)
