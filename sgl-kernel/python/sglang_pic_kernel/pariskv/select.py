@@ -8,7 +8,7 @@ Shapes (``G = q_heads / kv_heads`` query heads share one KV head and vote togeth
     qt         [batch, q_heads, 4 * B]  fp32  rotated normalised query, coordinate 4b+j at j*B+b
     qnorm      [batch, q_heads]         fp32
     planes     [batch, kv_heads, 8, W]  int32 bit planes of the group's summed query, quantised
-    params     [batch, kv_heads, 4]     fp32  (zero point, step, half sum + histogram floor,
+    params     [batch, kv_heads, 3]     fp32  (step, half sum + histogram floor,
                                               bins per vote unit)
     centroid / codes / weights: [batch, kv_heads, N, ...]  (``encode``; ids packed, D bits/key)
     bit_counts [batch, kv_heads, D]     int32 keys with each rotated coordinate's sign bit set
@@ -19,9 +19,11 @@ Shapes (``G = q_heads / kv_heads`` query heads share one KV head and vote togeth
 
 Similarity votes (the default) give each key the sum over the group of its centroids'
 similarity to the query, which is linear in the key's D sign bits: ``sum_i bit_i qs_i - sum(qs)/2``
-with ``qs`` the group's summed rotated query. ``qs`` is quantised to 8 bits per coordinate, so
-the vote is ``zero * popc(K) + step * sum_p 2^p popc(K & plane_p) - sum(qs)/2``: 36 popcounts
-per key of head dim 128 instead of 128 multiply-adds (error below ``step / 2`` per set bit).
+with ``qs`` the group's summed rotated query. ``qs`` is quantised to signed 8-bit levels
+(``step = max|qs| / 127``, two's complement planes), so the vote is ``step * (sum_{p<7} 2^p
+popc(K & plane_p) - 2^7 popc(K & plane_7)) - sum(qs)/2``: 32 popcounts per key of head dim 128
+instead of 128 multiply-adds (error below ``step / 2`` per set bit; an unsigned level with a
+zero point needed the key's own popcount too, 36).
 Tiered votes (the paper's) look up each subspace's centroid in the query's tier table.
 
 Pruning keeps the ``need = min(C, n_ret)`` best keys by vote without sorting: votes are binned
@@ -147,9 +149,11 @@ def _plane_kernel(Qt, Planes, Params, Counts, NRet, Hist, G: tl.constexpr, D: tl
     qs = tl.zeros([D], dtype=tl.float32)
     for g in tl.static_range(G):
         qs += tl.load(Qt + (r * G + g) * D + src)
-    lo = tl.min(qs, axis=0)
-    step = tl.maximum((tl.max(qs, axis=0) - lo) / (2**P - 1), 1e-30)
-    level = tl.minimum(tl.maximum(((qs - lo) / step + 0.5).to(tl.int32), 0), 2**P - 1)
+    # signed levels in [-(2^(P-1) - 1), 2^(P-1) - 1], as P-bit two's complement: a vote needs
+    # no zero-point term (the key's popcount: 4 of 36 popcounts a key at D = 128)
+    step = tl.maximum(tl.max(tl.abs(qs), axis=0) / (2 ** (P - 1) - 1), 1e-30)
+    level = tl.floor(qs / step + 0.5).to(tl.int32)
+    level = tl.minimum(tl.maximum(level, -(2 ** (P - 1) - 1)), 2 ** (P - 1) - 1) & (2**P - 1)
     level = tl.reshape(level, [D // 32, 32]).to(tl.int64)
     bit = tl.arange(0, 32).to(tl.int64)[None, :]
     words = tl.arange(0, D // 32)
@@ -164,13 +168,12 @@ def _plane_kernel(Qt, Planes, Params, Counts, NRet, Hist, G: tl.constexpr, D: tl
     mean = tl.sum(p * qs, axis=0) - half
     # floor: a region of identical sign patterns has sd 0 (every vote equal: any scale works)
     sd = tl.maximum(tl.sqrt(tl.sum(p * (1.0 - p) * qs * qs, axis=0)), 2e-6 * max_vote + 1e-30)
-    tl.store(Params + r * 4, lo)
-    tl.store(Params + r * 4 + 1, step)
+    tl.store(Params + r * 3, step)
     floor = mean - FLOOR_SD * sd
-    tl.store(Params + r * 4 + 2, half + floor)  # the vote at bin 0's floor
+    tl.store(Params + r * 3 + 1, half + floor)  # the vote at bin 0's floor
     # the top edge is max_vote: nothing clamps at the top, even when a cluster of keys the
     # query favours votes far above the spread the counts suggest
-    tl.store(Params + r * 4 + 3, NB / (max_vote - floor))
+    tl.store(Params + r * 3 + 2, NB / (max_vote - floor))
 
 
 @triton.jit
@@ -199,7 +202,7 @@ def _popc(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half, scale,
+def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, step, half, scale,
               B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
               BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
     """``[BLOCK_N]`` histogram bins of the votes of keys ``rows`` of one KV head (``r``).
@@ -210,16 +213,17 @@ def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half, sca
     `sparse_decode_h200_sweep_by_word.json`)."""
     if SIMILARITY:
         row_ptr = base + rows.to(tl.int64) * stride_cn
-        ones = tl.zeros([BLOCK_N], dtype=tl.int32)
         dot = tl.zeros([BLOCK_N], dtype=tl.int32)
         for w in tl.static_range(B // 8):
             word = tl.load(row_ptr + w, mask=mask, other=0)
-            ones += _popc(word, ASM)
-            for j in tl.static_range(P):  # bit plane j
+            for j in tl.static_range(P):  # bit plane j; the top one weighs -2^(P-1)
                 plane = tl.load(Planes + (r * P + j) * (B // 8) + w)
-                dot += _popc(word & plane, ASM) << j
+                if j == P - 1:
+                    dot -= _popc(word & plane, ASM) << j
+                else:
+                    dot += _popc(word & plane, ASM) << j
         # ``half`` holds sum(qs)/2 plus the histogram's floor: the score is the vote above it
-        score = lo * ones.to(tl.float32) + step * dot.to(tl.float32) - half
+        score = step * dot.to(tl.float32) - half
         bins = (score * scale).to(tl.int32)
     else:
         offs_b = tl.arange(0, B)
@@ -238,10 +242,10 @@ def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half, sca
 @triton.jit
 def _vote_params(Params, r, SIMILARITY: tl.constexpr):
     if SIMILARITY:
-        return (tl.load(Params + r * 4), tl.load(Params + r * 4 + 1),
-                tl.load(Params + r * 4 + 2), tl.load(Params + r * 4 + 3))
+        return (tl.load(Params + r * 3), tl.load(Params + r * 3 + 1),
+                tl.load(Params + r * 3 + 2))
     else:
-        return 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0
 
 
 @triton.jit
@@ -262,11 +266,11 @@ def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
         local = tl.zeros([NB], dtype=tl.int32)
         pad = 0
         base = Cent + b * stride_cb + h * stride_ch
-        lo, step, half, scale = _vote_params(Params, r, SIMILARITY)
+        step, half, scale = _vote_params(Params, r, SIMILARITY)
         for n0 in tl.range(start, end, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             mask = rows < end
-            bins = _key_bins(base, rows * STRIDE, mask, stride_cn, Table, Planes, r, lo, step,
+            bins = _key_bins(base, rows * STRIDE, mask, stride_cn, Table, Planes, r, step,
                              half, scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
             if STORE_BINS:
                 tl.store(Bins + r * N + rows, bins.to(tl.int16), mask=mask)
@@ -298,12 +302,12 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Thresh, Kept, CountA,
         top = Kept + r * N + start  # above: top[0], top[1], ...
         bottom = Kept + r * N + tl.minimum(start + SPAN, N) - 1  # at: bottom[0], bottom[-1], ...
         base = Cent + b * stride_cb + h * stride_ch
-        lo, step, half, scale = _vote_params(Params, r, SIMILARITY)
+        step, half, scale = _vote_params(Params, r, SIMILARITY)
         t = tl.load(Thresh + r)
         for n0 in tl.range(start, end, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
             mask = rows < end
-            bins = _key_bins(base, rows, mask, stride_cn, Table, Planes, r, lo, step, half,
+            bins = _key_bins(base, rows, mask, stride_cn, Table, Planes, r, step, half,
                              scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
             above = (bins > t) & mask
             equal = (bins == t) & mask
@@ -600,7 +604,7 @@ class Selector:
         self.qt = torch.empty(batch, q_heads, d, **f32)
         self.qnorm = torch.empty(batch, q_heads, **f32)
         self.planes = torch.empty(batch, kv_heads, PLANES, d // 32, **i32)
-        self.params = torch.empty(batch, kv_heads, 4, **f32)
+        self.params = torch.empty(batch, kv_heads, 3, **f32)
         if self.stride == 1:
             self.bins = torch.empty(batch, kv_heads, n, dtype=torch.int16, device=dev)
         else:  # each vote program's kept ids, in its own span of keys; kept per program
