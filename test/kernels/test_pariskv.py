@@ -391,6 +391,21 @@ def test_topk_kernel_returns_the_best_valid_candidates(c, k, t):
         assert set(ids[vals > kth].tolist()) <= set(got[:n])  # all strictly above the k-th
 
 
+def test_topk_kernel_bisects_past_65535_candidates():
+    """More than 65535 valid candidates: the server runs the bisection (``T = 1``) there, whose
+    count is the whole sum, not a 16-bit field of it (a field wrapped at 65536 and the kernel
+    wrote past its ``K`` places)."""
+    torch.manual_seed(0)
+    c, k = 65636, 100
+    est = 1.0 + torch.rand(1, 1, c, device=DEVICE)
+    est[0, 0, :50] = -3e38
+    cand = torch.arange(c, dtype=torch.int32, device=DEVICE).view(1, 1, c)
+    sel = torch.full((1, 1, k + 64), 7, dtype=torch.int32, device=DEVICE)  # 64 guard places
+    _topk_kernel[(1, 1, 1)](est, cand, sel, c, k, CP=triton.next_power_of_2(c), KP=128, T=1)
+    assert set(sel[0, 0, :k].tolist()) == set(est[0, 0].topk(k).indices.tolist())
+    assert sel[0, 0, k:].tolist() == [7] * 64  # nothing written past the K places
+
+
 @pytest.mark.parametrize("window", ["in one launch", "launched first", "on a side stream"])
 def test_pool_attention_reads_batch_rows_and_writes_only_active_slots(window):
     """``attend_pool`` against the torch reference: slot queries read from the decode batch's

@@ -483,6 +483,16 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
         tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
 
 
+@triton.jit
+def _packed_count(counts, J: tl.constexpr, T: tl.constexpr):
+    """Count ``J`` of a top-k round's int64 sum: 16 bits each when ``T > 1``, the whole sum
+    for a bisection (more than 65535 candidates run ``T = 1``)."""
+    if T == 1:
+        return counts.to(tl.int32)
+    else:
+        return ((counts >> (16 * J)) & 0xFFFF).to(tl.int32)
+
+
 def topk_warps(cp: int) -> int:
     """Warps of the top-k program holding ``cp`` candidates: more for more of them (no spills;
     ``benchmark/kernels/bench_topk.py`` times the alternatives)."""
@@ -524,12 +534,12 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
         new_lo, new_hi, at_lo = lo, hi, need + 1
         for j in tl.static_range(T):  # thresholds ascend, their counts descend
             t = lo + width * (j + 1) // (T + 1)
-            count = ((counts >> (16 * j)) & 0xFFFF).to(tl.int32)
+            count = _packed_count(counts, j, T)
             new_lo = tl.where(count >= need, t, new_lo)  # the highest with enough at or above
             at_lo = tl.where(count >= need, count, at_lo)
         for j in tl.static_range(T):  # descending: the lowest threshold with too few wins
             t = lo + width * (T - j) // (T + 1)
-            count = ((counts >> (16 * (T - 1 - j))) & 0xFFFF).to(tl.int32)
+            count = _packed_count(counts, T - 1 - j, T)
             new_hi = tl.where(count < need, t - 1, new_hi)
         lo = new_lo
         hi = tl.where(at_lo == need, new_lo, new_hi)
@@ -539,7 +549,7 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
     n_above = tl.sum(above.to(tl.int32), axis=0)
     pos_a = tl.cumsum(above.to(tl.int32), axis=0) - 1
     pos_e = n_above + tl.cumsum(equal.to(tl.int32), axis=0) - 1
-    tl.store(Sel + r * K + pos_a, ids, mask=above)
+    tl.store(Sel + r * K + pos_a, ids, mask=above & (pos_a < need))
     tl.store(Sel + r * K + pos_e, ids, mask=equal & (pos_e < need))
     j = tl.arange(0, KP)
     tl.store(Sel + r * K + j, tl.full([KP], -1, tl.int32), mask=(j >= need) & (j < K))
