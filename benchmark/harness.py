@@ -381,6 +381,18 @@ def cpu_smoke_engine(**overrides) -> dict:
             **overrides}
 
 
+def gpu_tag(device=None) -> str:
+    """A result file's machine suffix: the GPU model's last word (``h200``), or ``cpu`` when
+    ``device`` (a ``torch.device``; default: the first GPU if any) is not a GPU."""
+    import torch
+
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).split()[-1].lower()
+
+
 def smoke_dir() -> str:
     """Where ``--smoke`` / ``--quick`` runs write (never the tracked ``benchmark/results``)."""
     folder = Path(tempfile.gettempdir()) / "sglang-pic-bench"

@@ -52,7 +52,7 @@ def main() -> None:
         ap.error("--head-dim must be a power of two >= 64")
 
     import torch
-    from harness import environment, smoke_dir
+    from harness import _write_report, environment, gpu_tag, smoke_dir
     from sglang_pic.sparse.retrieval import SRHT, lloyd_max_levels
     from sglang_pic_kernel.pariskv import encode_keys
 
@@ -104,17 +104,13 @@ def main() -> None:
         print(f"{r['way']:>14} {r['ms_per_layer']:9.3f} {r['min']:8.3f} {r['max']:8.3f} "
               f"{base / r['ms_per_layer']:8.2f}x")
     print("agreement:", json.dumps(agree))
-    env = environment()
-    gpu = (torch.cuda.get_device_name().split()[-1].lower() if dev.type == "cuda" else "cpu")
-    out = Path(args.out or (smoke_dir() if args.smoke else REPO / "benchmark" / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pariskv_encode_{gpu}.json"
-    path.write_text(json.dumps({
-        "benchmark": "pariskv_encode", "environment": env,
+    path = _write_report(f"pariskv_encode_{gpu_tag(dev)}",
+                         args.out or (smoke_dir() if args.smoke else None), {
+        "benchmark": "pariskv_encode", "environment": environment(),
         "config": {"tokens": n, "kv_heads": hk, "head_dim": d, "samples": args.samples,
                    "keys": "randn, bf16", "order": "alternating, in kernel first on even samples",
                    "smoke": args.smoke},
-        "results": rows, "agreement": agree}, indent=2))
+        "results": rows, "agreement": agree})
     print(f"[encode] wrote {path}")
 
 

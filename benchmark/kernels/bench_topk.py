@@ -23,7 +23,6 @@ Prints a table; writes ``pariskv_topk_<gpu>.json`` (machine, versions, config, r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -68,16 +67,17 @@ def main() -> None:
 
     import torch
     import triton
-    from harness import environment, smoke_dir
-    from sglang_pic_kernel.pariskv.select import _topk_kernel
+    from harness import _write_report, environment, gpu_tag, smoke_dir
+    from sglang_pic_kernel.pariskv.select import TOPK_PACKED_MAX_CP, _topk_kernel
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_topk: needs a CUDA GPU (or --smoke on a CPU)")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     c, k, hk, slots = args.candidates, args.topk, args.kv_heads, args.slots
     cp = max(128, triton.next_power_of_2(c))
-    if cp > 32768 and max(args.thresholds) > 1:
-        ap.error("more than 32768 candidates: counts no longer fit 16 bits, use --thresholds 1")
+    if cp > TOPK_PACKED_MAX_CP and max(args.thresholds) > 1:
+        ap.error(f"more than {TOPK_PACKED_MAX_CP} candidates: counts no longer fit 16 bits, "
+                 "use --thresholds 1")
     torch.manual_seed(0)
     est = torch.full((slots, hk, c), float("-inf"), device=dev)
     est[: args.active] = torch.randn(args.active, hk, c, device=dev) * 2  # rerank-like spread
@@ -133,17 +133,14 @@ def main() -> None:
     if timed:
         best = min(timed, key=lambda r: r["us_per_launch"])
         print(f"fastest: T={best['thresholds']}, {best['warps']} warps")
-    gpu = (torch.cuda.get_device_name().split()[-1].lower() if dev.type == "cuda" else "cpu")
-    out = Path(args.out or (smoke_dir() if args.smoke else REPO / "benchmark" / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pariskv_topk_{gpu}.json"
-    path.write_text(json.dumps({
+    path = _write_report(f"pariskv_topk_{gpu_tag(dev)}",
+                         args.out or (smoke_dir() if args.smoke else None), {
         "benchmark": "pariskv_topk", "environment": environment(),
         "config": {"candidates": c, "topk": k, "kv_heads": hk, "slots": slots,
                    "active": args.active, "launches_per_graph": args.launches,
                    "rounds": args.rounds, "estimates": "randn * 2, fp32; idle slots -inf",
                    "order": "settings alternate direction each round", "smoke": args.smoke},
-        "results": rows}, indent=2))
+        "results": rows})
     print(f"[topk] wrote {path}")
 
 

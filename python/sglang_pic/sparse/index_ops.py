@@ -169,10 +169,11 @@ class TorchIndexOps:
                     pool_of_slot, sink: int, out, scale: float, window=None) -> torch.Tensor:
         kv_heads = rows.shape[1]
         at = torch.arange(win_idx.shape[1], device=win_idx.device)
-        window = torch.where(at[None, :] < win_len[:, None].long(), win_idx, -1)
+        window_slots = torch.where(at[None, :] < win_len[:, None].long(), win_idx, -1)
         pos = (rows.long() + sink).clamp(max=req_to_token.shape[1] - 1)
         selected = torch.where(rows >= 0, req_to_token[pool_of_slot[:, None, None], pos], -1)
-        idx = torch.cat([window[:, None, :].expand(-1, kv_heads, -1).int(), selected.int()], 2)
+        idx = torch.cat([window_slots[:, None, :].expand(-1, kv_heads, -1).int(),
+                         selected.int()], 2)
         res = indexed_attention(_slot_queries(q, row_of_slot), k_buf, v_buf, idx, scale)
         return _write_rows(out, row_of_slot, res)
 

@@ -63,6 +63,10 @@ SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by 
 # the top-k's search: thresholds counted per reduction (1 = bisection); set from
 # benchmark/kernels/bench_topk.py's table, as is ``topk_warps``
 TOPK_THRESHOLDS = 1
+# the largest candidate block whose counts fit a 16-bit field (T > 1 packs them); the kernel
+# reads it as a constexpr global
+TOPK_PACKED_MAX_CP = 32768
+_TOPK_PACKED_MAX_CP = tl.constexpr(TOPK_PACKED_MAX_CP)
 
 
 @triton.jit
@@ -508,11 +512,11 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
     floats: each round counts the keys at or above ``T`` thresholds spread over the interval
     left (``T = 1``: a bisection), the ``T`` counts packed 16 bits apart into one int64 sum, so
     a round is one block-wide reduction that narrows the interval ``T + 1``-fold (``CP <=
-    32768`` for ``T > 1``: a count must fit 16 bits). Output order: the candidates above it in
-    candidate order, then the ties at it (the first by position), then -1 past the valid ones
-    (not sorted by estimate, as ``torch.topk`` was: attention does not care). NaN and -inf
-    estimates and empty candidates (-1) are never selected."""
-    tl.static_assert(T == 1 or CP <= 32768)
+    TOPK_PACKED_MAX_CP`` for ``T > 1``: a count must fit 16 bits). Output order: the
+    candidates above it in candidate order, then the ties at it (the first by position), then
+    -1 past the valid ones (not sorted by estimate, as ``torch.topk`` was: attention does not
+    care). NaN and -inf estimates and empty candidates (-1) are never selected."""
+    tl.static_assert(T == 1 or CP <= _TOPK_PACKED_MAX_CP)
     _, h, b, r = _program_head()
     i = tl.arange(0, CP)
     est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
@@ -712,8 +716,8 @@ class Selector:
             B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
+        t = TOPK_THRESHOLDS if cp <= TOPK_PACKED_MAX_CP else 1
         _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
-                                              KP=triton.next_power_of_2(self.k),
-                                              T=TOPK_THRESHOLDS if cp <= 32768 else 1,
+                                              KP=triton.next_power_of_2(self.k), T=t,
                                               num_warps=topk_warps(cp))
         return sel
