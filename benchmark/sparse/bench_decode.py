@@ -360,7 +360,7 @@ def main() -> None:
 
 def _write(out_dir: str, rows: list[dict]) -> None:
     import torch
-    from harness import environment
+    from harness import environment, gpu_tag
 
     props = torch.cuda.get_device_properties(0)
     report = {"benchmark": "sparse_decode", "environment": environment(),
@@ -369,7 +369,7 @@ def _write(out_dir: str, rows: list[dict]) -> None:
               "gpu_memory_bytes": props.total_memory, "rows": rows}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = "sparse_decode_" + torch.cuda.get_device_name(0).split()[-1].lower() + ".json"
+    name = f"sparse_decode_{gpu_tag()}.json"
     (out / name).write_text(json.dumps(report, indent=2))
     print(f"wrote {out / name}", flush=True)
 
