@@ -216,12 +216,17 @@ SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.p
 SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
 # sparse/bench_e2e_decode.py, one call per case (`--cases 1x131072`, `1x262144`, `4x131072`)
 SPARSE_E2E = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k.json",
-              "1x262144": "sparse_e2e_decode_flashinfer_h200_256k.json",
+              "1x262144": "sparse_e2e_decode_flashinfer_h200_128k_256k.json",
               "4x131072": "sparse_e2e_decode_flashinfer_h200_b4_128k.json"}
 SPARSE_E2E_NOTE = ("samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
-                   "generation); vanilla ran first; the sparse step with per-slot tables written "
-                   "without a synchronising copy and batches of only sparse rows skipping the "
-                   "dense decode (`pariskv-all` graphs)")
+                   "generation); vanilla ran first; the sparse step with the bisection top-k "
+                   "at 8 warps, packed-sum merges, 8-bit vote planes and the window on a side "
+                   "stream (2026-12-03)")
+# the same step's 1x131072 case again, in the run that measured 1x262144
+SPARSE_E2E_128K_SECOND = "sparse_e2e_decode_flashinfer_h200_128k_256k.json"
+# the rows before the 2026-12-03 kernel changes (per-slot tables, `pariskv-all` graphs)
+SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
+                         "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
 SPARSE_LONG = "sparse_long_prompt_h200.json"
 # the 1x131072 case again after the kernel changes of 2026-12-03 (radix top-k, reverted since)
 SPARSE_E2E_RADIX_TOPK = "sparse_e2e_decode_flashinfer_h200_128k_radix_topk.json"
@@ -240,6 +245,8 @@ STORE_TCP = "store_ttft_tcp_h200.json"  # 8K / 32K / 128K, before the idle sched
 STORE_TCP_NAP = "store_ttft_tcp_h200_nap.json"  # 8K / 32K with it, and the same-node reader
 STORE_COLD = "store_cold_miss_h200.json"  # cold misses beside vanilla and SGLang's HiCache alone
 STORE_COLD_ROUNDS = "store_cold_miss_rounds_h200.json"  # the same in alternating rounds
+# the same before the write-backs went over the data plane
+STORE_COLD_ROUNDS_BEFORE = "store_cold_miss_rounds_h200_control_loop_writes.json"
 STORE_TCP_COLD8K = "store_ttft_tcp_h200_cold8k.json"  # the 8K TCP row and cold misses, rerun
 LOOKUPS = "store_lookup_beside_writes.json"  # store/bench_lookup_beside_writes.py (CPU)
 LOOKUPS_SCHED = "store_lookup_beside_scheduler.json"  # store/bench_lookup_beside_scheduler.py
@@ -333,9 +340,9 @@ CLAIMS: list[Claim] = [
           ours_variant="sglang-pic-ptstore-tcp", target=COLD_BOUND,
           extract=_metric_pair("ttft_8192_ms", "ttft_cold_8192_ms", COLD_NOTE,
                                ours="sglang-pic-ptstore-tcp"),
-          path="TCP reader, a prefix the store never saw; 2 alternating rounds of 5 samples "
-          "beside vanilla with HiCache alone (vanilla's second round cut off by the call limit: "
-          "5 samples)"),
+          path="TCP reader, a prefix the store never saw; alternating rounds of 5 samples "
+          "beside vanilla with HiCache alone: 3 rounds of vanilla and HiCache, 2 of ours (its "
+          "third round cut off by the call limit)"),
     Claim("store.hicache_cold_miss_8k", STORE_COLD_ROUNDS, "ttft_8192_ms",
           ours_variant="vanilla-hicache", target=COLD_BOUND,
           extract=_metric_pair("ttft_8192_ms", "ttft_cold_8192_ms", COLD_NOTE,
@@ -357,6 +364,9 @@ CLAIMS: list[Claim] = [
             path=f"TCP reader, a prefix the store never saw; {where}")
       for tag, raw, where in (
           ("one_round", STORE_COLD, "one round beside vanilla with HiCache alone"),
+          ("control_loop_writes", STORE_COLD_ROUNDS_BEFORE, "2 alternating rounds before "
+           "write-backs moved to the data plane (the store servers' control loops wrote the "
+           "pages; vanilla's second round cut off: 5 samples)"),
           ("with_8k_row", STORE_TCP_COLD8K, "the run of the 8K TCP row's rerun"),
           ("with_tcp_rows", STORE_TCP_NAP, "the run of the 8K / 32K TCP rows"),
           ("before_nap", STORE_TCP, "the run of the 128K TCP row"))],
@@ -427,14 +437,27 @@ CLAIMS: list[Claim] = [
           ("256k", "1x262144", 2.0, "one request", ""),
           ("b4_128k", "4x131072", 1.5, "4 requests of 128K decoding together",
            "; both sides at --mem-fraction 0.75 (64 GB of KV: it fits vanilla's pool)"))],
-    Claim("sparse.first_decode_extra_128k", SPARSE_E2E_RADIX_TOPK,
+    Claim("sparse.tpot_128k.second_run", SPARSE_E2E_128K_SECOND, "tpot_ms_1x131072",
+          ours_variant="sglang-pic-flashinfer", target=1.3,
+          path="the same case and code in the run that measured sparse.tpot_256k (one engine "
+          "per side serving 128K, then 256K)", note=SPARSE_E2E_NOTE),
+    *[Claim(f"sparse.tpot_{name}.step_fixes", SPARSE_E2E_STEP_FIXES[case], f"tpot_ms_{case}",
+            ours_variant="sglang-pic-flashinfer", target=target, superseded=True,
+            path="the sparse step before the 2026-12-03 kernel changes (per-slot tables "
+            "written without a synchronising copy, `pariskv-all` graphs)",
+            note="3 samples per side, same run, vanilla first")
+      for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
+    Claim("sparse.first_decode_extra_128k", SPARSE_E2E["1x131072"],
           "first_decode_extra_s_1x131072", ours_variant="sglang-pic-flashinfer",
           path="one 128K request, Llama-3-8B shape, dummy weights: the first decode (a 17-token "
           "generation right after the prefill) less a later 17-token generation, in seconds; "
           "ours includes the request's activation (its region encoded with the cuBLAS "
           "rotation) and first-use compiles, vanilla its own first-decode costs",
-          note="one first decode per side, same run (vanilla first); the run's top-k was the "
-          "radix select since reverted, which does not touch the activation"),
+          note="one first decode per side, same run as sparse.tpot_128k (vanilla first)"),
+    Claim("sparse.first_decode_extra_128k.radix_topk", SPARSE_E2E_RADIX_TOPK,
+          "first_decode_extra_s_1x131072", ours_variant="sglang-pic-flashinfer",
+          superseded=True, path="the same, in the run with the radix top-k (reverted since)",
+          note="one first decode per side, same run (vanilla first)"),
     Claim("sparse.tpot_512k", SPARSE_LONG, "tpot_ms_524288", target=3.0, same_run=False,
           path="one 512K-token prompt, Llama-3-8B shape, dummy weights; pariskv_flashinfer with "
           "--sparse-offload on a 64K-token pool (prefill and retrieval region in host memory) "

@@ -500,7 +500,7 @@ def _packed_count(counts, J: tl.constexpr, T: tl.constexpr):
 def topk_warps(cp: int) -> int:
     """Warps of the top-k program holding ``cp`` candidates: more for more of them (no spills;
     ``benchmark/kernels/bench_topk.py`` times the alternatives)."""
-    return min(16, max(4, cp // 1024))
+    return min(16, max(8, cp // 1024))
 
 
 @triton.jit
