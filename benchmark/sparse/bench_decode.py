@@ -174,7 +174,8 @@ def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
 
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
          profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16),
-         chunks: tuple[int, ...] = (), server: bool = False) -> list[dict]:
+         chunks: tuple[int, ...] = (), server: bool = False,
+         sel_chunks: tuple[int, ...] = ()) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
@@ -232,14 +233,20 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
             by_chunk = {}
-            for chunk in chunks:  # the attention's keys per program (its default: 256)
+            # the attention's rows per program: window chunks (default 256), selected-row
+            # chunks (default one 32-row tile)
+            for kind, chunk in [("window", c) for c in chunks] + [("selected", c)
+                                                                   for c in sel_chunks]:
                 default = layer.attention
+                size = {"chunk": chunk} if kind == "window" else {"sel_chunk": chunk}
                 layer.attention = SparseAttention(batch, Q_HEADS, KV_HEADS, HEAD_DIM,
                                                   SINK + LOCAL + UPDATE, layer.selector.k,
-                                                  device=layer.device, chunk=chunk)
+                                                  device=layer.device, **size)
                 layer.attend(q, out)
-                by_chunk[chunk] = 1000 * bench(partial(layer.attend, q, out), rep=100)
-                print(f"  attention chunk {chunk:>4}: layer {by_chunk[chunk]:7.1f} us", flush=True)
+                by_chunk[f"{kind}_{chunk}"] = 1000 * bench(partial(layer.attend, q, out),
+                                                           rep=100)
+                print(f"  attention {kind} chunk {chunk:>4}: layer "
+                      f"{by_chunk[f'{kind}_{chunk}']:7.1f} us", flush=True)
                 layer.attention = default
             sweep_rows = _sweep(layer, q) if sweep else None
             # recall@k of the host-region selection vs the exact top-k (max over the group)
@@ -308,6 +315,9 @@ def main() -> None:
     ap.add_argument("--attention-chunks", type=int, nargs="*", default=[],
                     help="also time the layer with the attention split into chunks of this many "
                          "keys per program (with --case)")
+    ap.add_argument("--selected-chunks", type=int, nargs="*", default=[],
+                    help="also time the layer with the selected rows split into chunks of this "
+                         "many rows per program (with --case; default one 32-row tile)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
@@ -330,7 +340,8 @@ def main() -> None:
         batch, ctx = args.case
         rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
                     sweep=args.sweep, strides=tuple(args.strides),
-                    chunks=tuple(args.attention_chunks), server=args.server)
+                    chunks=tuple(args.attention_chunks), server=args.server,
+                    sel_chunks=tuple(args.selected_chunks))
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:
