@@ -36,7 +36,8 @@ _VOTE_CONSTS = {"B": 32, "G": 4, "NB": 256, "P": 8, "BLOCK_N": 256, "SIMILARITY"
 _ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLen": "*i32",
          "WinIdx": "*i64", "KH": "*bf16", "VH": "*bf16", "Sel": "*i32", "ReqToToken": "*i32",
          "PoolOfSlot": "*i64", "MidO": "*fp32", "MidL": "*fp32", "sm_scale": "fp32"}
-_ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "BLOCK_T": 32, "BLOCK_H": 16, "Q_ROWS": True}
+_ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "SEL_CHUNK": 32, "BLOCK_T": 32, "BLOCK_H": 16,
+                "Q_ROWS": True}
 
 LAUNCHES: dict[str, tuple] = {
     "encode": (encode._encode_kernel,
@@ -60,12 +61,9 @@ LAUNCHES: dict[str, tuple] = {
               {"G": 4, "D": 128, "B": 32, "NB": 256, "P": 8, "FLOOR_SD": 3.0}),
     "sampled_vote": (select._vote_kernel, {**_VOTE, "Bins": "*i32", "Hist": "*i32"},
                      {**_VOTE_CONSTS, "STRIDE": 16, "STORE_BINS": False}),
-    "sampled_threshold": (select._sampled_threshold_kernel,
-                          {"Hist": "*i32", "NRet": "*i32", "Thresh": "*i32", "Need": "*i32"},
-                          {"NB": 256}),
     "vote_select": (select._vote_select_kernel,
-                    {**_VOTE, "Thresh": "*i32", "Kept": "*i32", "CountA": "*i32",
-                     "CountE": "*i32"}, _VOTE_CONSTS),
+                    {**_VOTE, "Hist": "*i32", "Thresh": "*i32", "Need": "*i32", "Kept": "*i32",
+                     "CountA": "*i32", "CountE": "*i32"}, _VOTE_CONSTS),
     "merge_candidates": (select._merge_kernel,
                          {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
                           "NRet": "*i32"},

@@ -286,41 +286,52 @@ def _vote_kernel(Cent, Table, Planes, Params, NRet, Bins, Hist,
 
 
 @triton.jit
-def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Thresh, Kept, CountA, CountE,
-                        stride_cb, stride_ch, stride_cn, N, SPAN,
+def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Hist, Thresh, Need, Kept, CountA,
+                        CountE, stride_cb, stride_ch, stride_cn, N, SPAN, C, TARGET,
                         B: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, P: tl.constexpr,
                         BLOCK_N: tl.constexpr, SIMILARITY: tl.constexpr, ASM: tl.constexpr):
     """Votes of the keys ``[pid * SPAN, (pid + 1) * SPAN)`` of one KV head, compared with the
-    head's (sampled) threshold bin as they are computed: ids of keys above it are written from
+    head's sampled threshold bin as they are computed: ids of keys above it are written from
     the start of the program's own region of ``Kept`` (``[pid * SPAN, min((pid+1) * SPAN, N))``),
     ids of keys at it from the region's end, with counters kept in registers - no atomics and no
     bins written. A block's two positions come from one prefix sum (above in the low 16 bits,
-    at the threshold in the high ones)."""
+    at the threshold in the high ones).
+
+    Each program reads the threshold from the sampled histogram itself (``_sampled_threshold``:
+    one 256-bin prefix sum, its load overlapping the first keys' loads) instead of a kernel of
+    its own before this one: at batch 1 that kernel was 1.4 µs plus a launch gap on the
+    step's critical path, every layer. Program 0 of each head stores the threshold and the
+    head's budget ``Need = min(n_ret, C)`` for the kernels after it."""
     pid, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
     start = pid * SPAN
     cnt_a = 0
     cnt_e = 0
-    if start < n_ret:
-        end = tl.minimum(start + SPAN, n_ret)
-        top = Kept + r * N + start  # above: top[0], top[1], ...
-        bottom = Kept + r * N + tl.minimum(start + SPAN, N) - 1  # at: bottom[0], bottom[-1], ...
-        base = Cent + b * stride_cb + h * stride_ch
-        step, half, scale = _vote_params(Params, r, SIMILARITY)
-        t = tl.load(Thresh + r)
-        for n0 in tl.range(start, end, BLOCK_N):
-            rows = n0 + tl.arange(0, BLOCK_N)
-            mask = rows < end
-            bins = _key_bins(base, rows, mask, stride_cn, Table, Planes, r, step, half,
-                             scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
-            above = (bins > t) & mask
-            equal = (bins == t) & mask
-            packed = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
-            tl.store(top + cnt_a + (packed & 0xFFFF) - 1, rows, mask=above)
-            tl.store(bottom - cnt_e - (packed >> 16) + 1, rows, mask=equal)
-            last = tl.max(packed, axis=0)  # the prefix sums only grow: the block's totals
-            cnt_a += last & 0xFFFF
-            cnt_e += last >> 16
+    if (pid == 0) | (start < n_ret):
+        t = _sampled_threshold(Hist, r, n_ret, C, TARGET, NB)
+        if pid == 0:
+            tl.store(Thresh + r, t)
+            tl.store(Need + r, tl.minimum(n_ret, C))
+        if start < n_ret:
+            end = tl.minimum(start + SPAN, n_ret)
+            top = Kept + r * N + start  # above: top[0], top[1], ...
+            # at: bottom[0], bottom[-1], ...
+            bottom = Kept + r * N + tl.minimum(start + SPAN, N) - 1
+            base = Cent + b * stride_cb + h * stride_ch
+            step, half, scale = _vote_params(Params, r, SIMILARITY)
+            for n0 in tl.range(start, end, BLOCK_N):
+                rows = n0 + tl.arange(0, BLOCK_N)
+                mask = rows < end
+                bins = _key_bins(base, rows, mask, stride_cn, Table, Planes, r, step, half,
+                                 scale, B, G, NB, P, BLOCK_N, SIMILARITY, ASM)
+                above = (bins > t) & mask
+                equal = (bins == t) & mask
+                packed = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), axis=0)
+                tl.store(top + cnt_a + (packed & 0xFFFF) - 1, rows, mask=above)
+                tl.store(bottom - cnt_e - (packed >> 16) + 1, rows, mask=equal)
+                last = tl.max(packed, axis=0)  # the prefix sums only grow: the block's totals
+                cnt_a += last & 0xFFFF
+                cnt_e += last >> 16
     tl.store(CountA + r * tl.num_programs(0) + pid, cnt_a)
     tl.store(CountE + r * tl.num_programs(0) + pid, cnt_e)
 
@@ -352,15 +363,15 @@ def _threshold_kernel(Hist, NRet, Thresh, Quota, Need, Counters, C,
 
 
 @triton.jit
-def _sampled_threshold_kernel(Hist, NRet, Thresh, Need, C, TARGET, NB: tl.constexpr):
-    """Threshold bin from the strided sample's histogram: the highest bin with at least
-    ``TARGET`` sampled keys at or above it (``TARGET ~ SAMPLE_FILL * C / stride``, so the keys
-    above it are expected to fill less than the budget and keys at it fill the rest); -1 (every
-    key) when the region holds at most ``C`` keys."""
-    n_ret, r, i, _, cum = _threshold_bin(Hist, NRet, NB)
+def _sampled_threshold(Hist, r, n_ret, C, TARGET, NB: tl.constexpr):
+    """Threshold bin of head row ``r`` from the strided sample's histogram: the highest bin with
+    at least ``TARGET`` sampled keys at or above it (``TARGET ~ SAMPLE_FILL * C / stride``, so
+    the keys above it are expected to fill less than the budget and keys at it fill the rest);
+    -1 (every key) when the region holds at most ``C`` keys."""
+    i = tl.arange(0, NB)
+    cum = tl.cumsum(tl.load(Hist + r * NB + NB - 1 - i), axis=0)  # keys in bins >= NB-1-i
     first = tl.min(tl.where(cum >= TARGET, i, NB - 1), axis=0)
-    tl.store(Thresh + r, tl.where(n_ret <= C, -1, NB - 1 - first))
-    tl.store(Need + r, tl.minimum(n_ret, C))
+    return tl.where(n_ret <= C, -1, NB - 1 - first)
 
 
 @triton.jit
@@ -694,13 +705,11 @@ class Selector:
                 *cent_strides, N, self.span_sample, B=B, G=G, NB=NB, P=PLANES,
                 BLOCK_N=self.block_n, SIMILARITY=self.similarity, ASM=self.asm,
                 STRIDE=self.stride, STORE_BINS=False)
-            _sampled_threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh,
-                                                            self.need, C, self.target, NB=NB)
             grid_n = (self.programs, self.kv_heads, bsz)
             _vote_select_kernel[grid_n](
-                centroid, self.table, self.planes, self.params, n_ret, self.thresh, self.kept,
-                self.count_above, self.count_at, *cent_strides, N, self.span,
-                B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
+                centroid, self.table, self.planes, self.params, n_ret, self.hist, self.thresh,
+                self.need, self.kept, self.count_above, self.count_at, *cent_strides, N,
+                self.span, C, self.target, B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm)
             _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, n_ret,
                                   N, C, self.span, NPROG=triton.next_power_of_2(self.programs),
