@@ -387,6 +387,7 @@ def test_a_context_beyond_the_capacity_decodes_densely_without_taking_a_slot():
     (dict(threshold=100), "threshold"),
     (dict(topk=0), "topk"),
     (dict(candidates=4, topk=8), "candidates"),
+    (dict(candidates=32769), "candidates must be <= 32768"),
     (dict(sink=-1), "sink"),
 ])
 def test_bad_settings_are_refused(bad, message):
@@ -395,6 +396,16 @@ def test_bad_settings_are_refused(bad, message):
     env = {"SGLANG_PIC_SPARSE_TOPK": "many"}
     with pytest.raises(SparseDecodeUnsupported, match="not an integer"):
         SparseDecodeConfig.from_env(env)
+
+
+def test_the_candidates_bound_is_the_top_k_kernels():
+    """The launcher (standard library only) bounds ``--sparse-candidates`` by the top-k kernel's
+    packing bound without importing the kernels: the two constants agree."""
+    from sglang_pic.sparse.config import MAX_CANDIDATES
+    from sglang_pic_kernel.pariskv.select import TOPK_PACKED_MAX_CP
+
+    assert MAX_CANDIDATES == TOPK_PACKED_MAX_CP
+    SparseDecodeConfig(candidates=MAX_CANDIDATES).validate()
 
 
 def test_decode_graphs_are_captured_twice_and_the_sparse_set_replayed_only_when_needed():

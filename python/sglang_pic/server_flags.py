@@ -193,7 +193,7 @@ _SPARSE_HELP = {
     "max_requests": "requests decoding sparsely at once (their metadata is allocated at start)",
     "max_context": "longest sparse context; 0: the model's",
 }
-_SPARSE_RANGE = {"threshold": ">= sink + local + update", "candidates": ">= topk",
+_SPARSE_RANGE = {"threshold": ">= sink + local + update", "candidates": ">= topk, <= 32768",
                  "max_context": "0, or over the threshold"}
 
 

@@ -19,6 +19,10 @@ left to the processes around it)."""
 MINIMUM = {"threshold": 0, "topk": 1, "candidates": 1, "sink": 0, "local": 1, "update": 1,
            "max_requests": 1, "max_context": 0, "offload": 0}
 """The smallest value of each integer knob; the cross-knob ranges are in ``validate``."""
+MAX_CANDIDATES = 32768
+"""Most candidates a KV head may keep: the top-k kernel holds one head's candidates in one
+program's registers and packs their counts 16 bits apart (``TOPK_PACKED_MAX_CP`` of
+``sglang_pic_kernel.pariskv.select``; beyond it the kernel's compile alone takes minutes)."""
 
 
 class SparseDecodeUnsupported(ValueError):
@@ -74,6 +78,9 @@ class SparseDecodeConfig:
                     f"{self.flag(name)} must be >= {lowest}, got {getattr(self, name)}")
         if self.offload not in (0, 1):
             raise SparseDecodeUnsupported(f"sparse offload must be 0 or 1, got {self.offload}")
+        if self.candidates > MAX_CANDIDATES:
+            raise SparseDecodeUnsupported(
+                f"{self.flag('candidates')} must be <= {MAX_CANDIDATES}, got {self.candidates}")
         if self.candidates < self.topk:
             raise SparseDecodeUnsupported(
                 f"{self.flag('candidates')} ({self.candidates}) must be >= "
