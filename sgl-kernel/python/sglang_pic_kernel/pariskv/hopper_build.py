@@ -80,7 +80,7 @@ LAUNCHES: dict[str, tuple] = {
     "attention_host": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": False}),
     "attention_merge": (attention._merge_kernel,
                         {"MidO": "*fp32", "MidL": "*fp32", "RowOfSlot": "*i64", "Out": "*bf16"},
-                        {"SPLITS": 4, "SPLITS_P": 4, "D": 128, "Q_ROWS": True}),
+                        {"SPLITS": 7, "SPLITS_P": 8, "D": 128, "Q_ROWS": True}),
 }
 # the variants the kernel benchmark's layer (``kv_layout.ParisKVLayer``) launches: one query
 # row per sequence, no row table
