@@ -26,7 +26,7 @@ from sglang_pic_kernel.pariskv import (  # noqa: E402
     encode_keys,
     unpack_centroids,
 )
-from sglang_pic_kernel.pariskv.select import _popc, _topk_kernel  # noqa: E402
+from sglang_pic_kernel.pariskv.select import PLANES, _popc, _topk_kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the model-sized shape runs on the device (``make test-gpu``) and is skipped on CPU machines
@@ -108,7 +108,7 @@ def test_rerank_selects_the_reference_top_k(hq, hk, d, n, similarity):
 
 @pytest.mark.parametrize("similarity", [True, False])
 def test_votes_and_pruning_follow_the_histogram(similarity):
-    """Similarity votes equal the group's centroid similarities up to the 8-bit query
+    """Similarity votes equal the group's centroid similarities up to the ``PLANES``-bit query
     quantisation, tiered votes equal the reference's integer votes; pruning keeps every key
     binned above the threshold and fills the budget from the threshold bin, never below it."""
     torch.manual_seed(2)
@@ -147,8 +147,8 @@ def test_votes_and_pruning_follow_the_histogram(similarity):
         want_lo = ((above - bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
         want_hi = ((above + bound) * per_vote[:, None]).floor().clamp(0, sel.nbins - 1)
         assert ((bins >= want_lo) & (bins <= want_hi)).all()
-        # signed 8-bit levels: the largest coordinate at level 127
-        torch.testing.assert_close(step, qs.abs().amax(-1) / 127)
+        # signed PLANES-bit levels: the largest coordinate at the top level, 2^(PLANES-1) - 1
+        torch.testing.assert_close(step, qs.abs().amax(-1) / (2 ** (PLANES - 1) - 1))
     else:
         for h in range(hk):
             index = KeyIndex(keys[:, h].float().cpu()[None].expand(g, n, d).contiguous(),

@@ -31,8 +31,8 @@ from . import attention, encode, select
 HOPPER = GPUTarget("cuda", 90, 32)
 
 _VOTE = {"Cent": "*i32", "Table": "*fp32", "Planes": "*i32", "Params": "*fp32", "NRet": "*i32"}
-_VOTE_CONSTS = {"B": 32, "G": 4, "NB": 256, "P": 8, "BLOCK_N": 256, "SIMILARITY": True,
-                "ASM": True}
+_VOTE_CONSTS = {"B": 32, "G": 4, "NB": 256, "P": select.PLANES, "BLOCK_N": 256,
+                "SIMILARITY": True, "ASM": True}
 _ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLen": "*i32",
          "WinIdx": "*i64", "KH": "*bf16", "VH": "*bf16", "Sel": "*i32", "ReqToToken": "*i32",
          "PoolOfSlot": "*i64", "MidO": "*fp32", "MidL": "*fp32", "sm_scale": "fp32"}
@@ -58,7 +58,8 @@ LAUNCHES: dict[str, tuple] = {
     "plane": (select._plane_kernel,
               {"Qt": "*fp32", "Planes": "*i32", "Params": "*fp32", "Counts": "*i32",
                "NRet": "*i32", "Hist": "*i32"},
-              {"G": 4, "D": 128, "B": 32, "NB": 256, "P": 8, "FLOOR_SD": 3.0}),
+              {"G": 4, "D": 128, "B": 32, "NB": 256, "P": select.PLANES,
+               "FLOOR_SD": select.VOTE_FLOOR_SD}),
     "sampled_vote": (select._vote_kernel, {**_VOTE, "Bins": "*i32", "Hist": "*i32"},
                      {**_VOTE_CONSTS, "STRIDE": 16, "STORE_BINS": False}),
     "vote_select": (select._vote_select_kernel,
