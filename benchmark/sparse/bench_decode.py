@@ -115,6 +115,40 @@ def _sweep(layer, q) -> list[dict]:
     return out
 
 
+def _gather_alternatives(layer, q, rounds: int = 5) -> dict:
+    """Selection with the candidates' merge as its own launch before the rerank against the
+    rerank's programs placing the kept keys themselves (``Selector(gather_in_rerank=)``), as
+    CUDA graphs on the same keys, ``rounds`` rounds alternating which goes first; both must
+    select the same keys."""
+    import torch
+    import triton
+    from sglang_pic_kernel.pariskv import Selector
+
+    steps = {}
+    for name, gather in (("merge_then_rerank", False), ("gather_in_rerank", True)):
+        sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
+                       layer.selector.C, layer.selector.k, device=layer.device,
+                       sample_stride=layer.selector.stride, gather_in_rerank=gather)
+
+        def step(sel=sel):
+            return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
+                       layer.n_ret, layer.bit_counts)
+
+        step()
+        steps[name] = step
+    a, b = (torch.sort(steps[n](), -1).values for n in steps)
+    out = {"same_selection": (a == b).float().mean().item(), **{f"{n}_us": [] for n in steps}}
+    for i in range(rounds):
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            out[f"{name}_us"].append(1000 * triton.testing.do_bench_cudagraph(steps[name],
+                                                                             rep=50))
+    med = {n: sorted(out[f"{n}_us"])[rounds // 2] for n in steps}
+    print(f"  select: merge then rerank {med['merge_then_rerank']:7.1f} us, gather in rerank "
+          f"{med['gather_in_rerank']:7.1f} us (medians of {rounds} alternating rounds; same "
+          f"picks {out['same_selection']:.3f})", flush=True)
+    return out
+
+
 def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
     """The server's sparse path for one layer, as ``pariskv_flashinfer`` runs it: a
     ``SparseDecodeState`` over a KV pool laid out as SGLang's (``[slots, kv_heads, D]``, slot 0
@@ -175,7 +209,7 @@ def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,
          profile: bool = False, sweep: bool = False, strides: tuple[int, ...] = (1, 16),
          chunks: tuple[int, ...] = (), server: bool = False,
-         sel_chunks: tuple[int, ...] = ()) -> list[dict]:
+         sel_chunks: tuple[int, ...] = (), gather: bool = False) -> list[dict]:
     import torch
     import triton
     from sglang_pic.sparse.kv_layout import ParisKVLayer
@@ -249,6 +283,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                       f"{by_chunk[f'{kind}_{chunk}']:7.1f} us", flush=True)
                 layer.attention = default
             sweep_rows = _sweep(layer, q) if sweep else None
+            gather_rows = _gather_alternatives(layer, q) if gather else None
             # recall@k of the host-region selection vs the exact top-k (max over the group)
             sel = layer.select(q)
             recall = []
@@ -274,6 +309,8 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
             row["same_picks_as_first"] = (picks == exact_picks).float().mean().item()
             if sweep_rows:
                 row["sweep"] = sweep_rows
+            if gather_rows:
+                row["gather_alternatives"] = gather_rows
             if by_chunk:
                 row["sparse_us_by_attention_chunk"] = by_chunk
             if ref is not None:
@@ -318,6 +355,9 @@ def main() -> None:
     ap.add_argument("--selected-chunks", type=int, nargs="*", default=[],
                     help="also time the layer with the selected rows split into chunks of this "
                          "many rows per program (with --case; default one 32-row tile)")
+    ap.add_argument("--gather-in-rerank", action="store_true",
+                    help="also time the selection with the rerank placing the kept keys itself "
+                         "against the merge launch before it (with --case; alternating rounds)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times (with --case)")
     ap.add_argument("--sweep", action="store_true",
@@ -341,7 +381,7 @@ def main() -> None:
         rows = case(batch, ctx, args.candidates, dense=True, profile=args.profile,
                     sweep=args.sweep, strides=tuple(args.strides),
                     chunks=tuple(args.attention_chunks), server=args.server,
-                    sel_chunks=tuple(args.selected_chunks))
+                    sel_chunks=tuple(args.selected_chunks), gather=args.gather_in_rerank)
         print("ROWS " + json.dumps(rows), flush=True)
         return
     for batch in args.batches:

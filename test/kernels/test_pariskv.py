@@ -285,6 +285,33 @@ def test_sampled_threshold_overflow_drops_keys_evenly_over_the_context():
     assert len(want) == c and got.tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("case", ["filled by keys at the threshold", "overflow", "idle slot"])
+def test_rerank_gathering_the_kept_keys_equals_merge_then_rerank(case):
+    """``gather_in_rerank``: the rerank's programs place the vote programs' kept keys
+    themselves. Every place of the candidate list (ids, -1 past the filled ones) and every
+    estimate equal the merge launch's followed by the rerank's, after a call on other lengths
+    left the buffers stale; the overflowing budget's shares too."""
+    n, c = 700, 60
+    n_ret = {"filled by keys at the threshold": [n, 50], "overflow": [n, n],
+             "idle slot": [n, 0]}[case]
+    _, merged, q, args = _exact_and_sampled(True, n, c, n_ret)
+    _, gathered, _, _ = _exact_and_sampled(True, n, c, n_ret)
+    gathered.gather_in_rerank = True
+    if case == "overflow":
+        merged.target = gathered.target = 10 * c // 4  # a threshold too low (as above)
+    stale = (*args[:5], torch.tensor([n // 3, n], dtype=torch.int32, device=DEVICE), args[6])
+    gathered(q, *stale)
+    want = merged(q, *args).clone()
+    got = gathered(q, *args)
+    assert merged.programs > 1 and not merged.gather_in_rerank
+    assert torch.equal(gathered.cand, merged.cand)
+    valid = merged.cand >= 0
+    assert valid[0].sum() > c // 2 and (case != "idle slot" or not valid[1].any())
+    torch.testing.assert_close(gathered.est[valid], merged.est[valid], rtol=0, atol=0)
+    assert (gathered.est[~valid] == float("-inf")).all()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("stride", [0, -4])
 def test_sample_stride_below_one_is_refused(stride):
     with pytest.raises(ValueError, match="sample_stride must be >= 1"):

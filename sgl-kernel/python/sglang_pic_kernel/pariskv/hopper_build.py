@@ -69,6 +69,12 @@ LAUNCHES: dict[str, tuple] = {
                          {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
                           "NRet": "*i32"},
                          {"NPROG": 256, "BLOCK": 256}),
+    # the rerank placing the vote programs' kept keys itself (``GATHER_IN_RERANK``)
+    "gather_rerank": (select._gather_rerank_kernel,
+                      {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
+                       "Est": "*fp32", "NRet": "*i32", "Codes": "*u8", "W": "*fp16",
+                       "Qt": "*fp32", "Qnorm": "*fp32", "SignedLevels": "*fp32"},
+                      {"B": 32, "G": 4, "NPROG": 256, "STEPS": 9, "BLOCK_C": 64}),
     "rerank": (select._rerank_kernel,
                {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
                 "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32"},

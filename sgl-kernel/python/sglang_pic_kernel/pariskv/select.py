@@ -62,6 +62,10 @@ SIMILARITY_BINS = 256
 PLANES = 6  # bits per coordinate of the quantised group query (module doc)
 VOTE_FLOOR_SD = 3.0  # similarity votes: the histogram spans [mean - 3 sd, max vote]
 SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by keys above it
+# the sampled path's merge done by the rerank's programs (``_gather_rerank_kernel``, one launch
+# fewer a layer) or by a launch of its own: off until ``bench_decode.py --gather-in-rerank``
+# times both on the device
+GATHER_IN_RERANK = False
 # the top-k's search: thresholds counted per reduction (1 = bisection); set from
 # benchmark/kernels/bench_topk.py's table, as is ``topk_warps``
 TOPK_THRESHOLDS = 1
@@ -462,13 +466,43 @@ def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
 
 
 @triton.jit
+def _estimates(idx, valid, Codes, W, Qt, Qnorm, SignedLevels, b, h, r,
+               stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
+               B: tl.constexpr, G: tl.constexpr):
+    """RSQ-IP estimates ``[BLOCK]`` of keys ``idx`` (int64; rows with ``valid`` false read
+    nothing and get -inf) of KV head ``h`` of sequence ``b``: the best over the head's ``G``
+    query heads. A key's codes are read as ``B`` 16-bit pairs (the two bytes of subspace ``b``:
+    four 4-bit codes) in one contiguous load per row; ``SignedLevels[c]`` is code ``c``'s
+    dequantised value, sign included (``signed_levels``). ``stride_on`` is the codes' row stride
+    in bytes (even)."""
+    offs_b = tl.arange(0, B)
+    pairs = (Codes + b * stride_ob + h * stride_oh).to(tl.pointer_type(tl.uint16))
+    pair = tl.load(pairs + idx[:, None] * (stride_on // 2) + offs_b[None, :],
+                   mask=valid[:, None], other=0).to(tl.int32)  # byte 2b | byte 2b+1 << 8
+    weights = W + b * stride_wb + h * stride_wh + offs_b[None, :]
+    w = tl.load(weights + idx[:, None] * stride_wn, mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    v0 = tl.load(SignedLevels + (pair & 15))  # coordinate 4b
+    v1 = tl.load(SignedLevels + ((pair >> 4) & 15))
+    v2 = tl.load(SignedLevels + ((pair >> 8) & 15))
+    v3 = tl.load(SignedLevels + ((pair >> 12) & 15))
+    best = tl.full(idx.shape, float("-inf"), dtype=tl.float32)
+    for g in tl.static_range(G):
+        qrow = r * G + g
+        q_base = Qt + qrow * 4 * B + offs_b
+        inner = (v0 * tl.load(q_base)[None, :] + v1 * tl.load(q_base + B)[None, :]
+                 + v2 * tl.load(q_base + 2 * B)[None, :]
+                 + v3 * tl.load(q_base + 3 * B)[None, :])
+        est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
+        best = tl.maximum(best, est)
+    return tl.where(valid, best, float("-inf"))
+
+
+@triton.jit
 def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
                    stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
                    B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
-    """RSQ-IP estimates of the candidates in a block of one KV head's list. A key's codes are
-    read as ``B`` 16-bit pairs (the two bytes of subspace ``b``: four 4-bit codes) in one
-    contiguous load per row; ``SignedLevels[c]`` is code ``c``'s dequantised value, sign
-    included (``signed_levels``). ``stride_on`` is the codes' row stride in bytes (even)."""
+    """RSQ-IP estimates (``_estimates``) of the candidates in a block of one KV head's list."""
     pid, h, b, r = _program_head()
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
@@ -477,27 +511,80 @@ def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
     if pid * BLOCK_C < need:
         idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
         valid = idx >= 0  # an unfilled slot is never read through
-        offs_b = tl.arange(0, B)
-        pairs = (Codes + b * stride_ob + h * stride_oh).to(tl.pointer_type(tl.uint16))
-        pair = tl.load(pairs + idx[:, None] * (stride_on // 2) + offs_b[None, :],
-                       mask=valid[:, None], other=0).to(tl.int32)  # byte 2b | byte 2b+1 << 8
-        weights = W + b * stride_wb + h * stride_wh + offs_b[None, :]
-        w = tl.load(weights + idx[:, None] * stride_wn, mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        v0 = tl.load(SignedLevels + (pair & 15))  # coordinate 4b
-        v1 = tl.load(SignedLevels + ((pair >> 4) & 15))
-        v2 = tl.load(SignedLevels + ((pair >> 8) & 15))
-        v3 = tl.load(SignedLevels + ((pair >> 12) & 15))
-        best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(G):
-            qrow = r * G + g
-            q_base = Qt + qrow * 4 * B + offs_b
-            inner = (v0 * tl.load(q_base)[None, :] + v1 * tl.load(q_base + B)[None, :]
-                     + v2 * tl.load(q_base + 2 * B)[None, :]
-                     + v3 * tl.load(q_base + 3 * B)[None, :])
-            est = tl.load(Qnorm + qrow) * tl.sum(w * inner, axis=1)
-            best = tl.maximum(best, est)
-        tl.store(Est + r * C + slots, tl.where(valid, best, float("-inf")), mask=slots < C)
+        best = _estimates(idx, valid, Codes, W, Qt, Qnorm, SignedLevels, b, h, r,
+                          stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
+                          B, G)
+        tl.store(Est + r * C + slots, best, mask=slots < C)
+
+
+@triton.jit
+def _upper_bound(sorted_vals, x, N: tl.constexpr, STEPS: tl.constexpr):
+    """For each ``x``, the first index of the nondecreasing ``sorted_vals [N]`` whose value is
+    above it (``N`` if none): a bisection of ``STEPS = log2(N) + 1`` rounds, each one
+    ``tl.gather`` from the register tensor (a ``[len(x), N]`` comparison spilled ~6 KB a thread
+    on sm_90)."""
+    lo = tl.zeros(x.shape, dtype=tl.int32)
+    hi = tl.full(x.shape, N, dtype=tl.int32)
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        v = tl.gather(sorted_vals, tl.minimum(mid, N - 1), 0)
+        open_ = lo < hi
+        lo = tl.where(open_ & (v <= x), mid + 1, lo)
+        hi = tl.where(open_ & (v > x), mid, hi)
+    return lo
+
+
+@triton.jit
+def _gather_rerank_kernel(Kept, CountA, CountE, Cand, Est, NRet, Codes, W, Qt, Qnorm,
+                          SignedLevels, stride_ob, stride_oh, stride_on, stride_wb, stride_wh,
+                          stride_wn, N, C, SPAN, NPROGS, B: tl.constexpr, G: tl.constexpr,
+                          NPROG: tl.constexpr, STEPS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The candidates' merge and the rerank in one launch, with the rerank's even spread of
+    work (``GATHER_IN_RERANK``): each program takes ``BLOCK_C`` places of its head's list, finds
+    which vote program's kept key lands at each (``_merge_kernel``'s layout, from the
+    ``NPROGS`` programs' counts and their prefix sums), reads those ids from ``Kept``, writes
+    them to ``Cand`` and their estimates to ``Est`` (-1 and -inf past the filled places). An
+    earlier fusion let each merge program rerank its own keys, and the uneven counts made it
+    slower (see ``docs/sparse-decode.md``)."""
+    pid, h, b, r = _program_head()
+    x = pid * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's places in the list
+    idx = tl.full([BLOCK_C], -1, dtype=tl.int32)
+    if pid * BLOCK_C < tl.minimum(tl.load(NRet + b), C):
+        i = tl.arange(0, NPROG)
+        ca = tl.load(CountA + r * NPROGS + i, mask=i < NPROGS, other=0)
+        ce = tl.load(CountE + r * NPROGS + i, mask=i < NPROGS, other=0)
+        totals = tl.sum(ca.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
+        total_a = (totals & 0xFFFFFFFF).to(tl.int32)
+        total_e = (totals >> 32).to(tl.int32)
+        qa = ca
+        if total_a > C:  # the shares of an overflowing budget, as _merge_kernel computes them
+            share = (ca.to(tl.int64) * C // total_a).to(tl.int32)
+            short = share < ca
+            rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
+            qa = share + (short & (rank < C - tl.sum(share, axis=0))).to(tl.int32)
+        kept_a = tl.minimum(total_a, C)
+        filled = kept_a + tl.minimum(total_e, tl.maximum(C - kept_a, 0))
+        # inclusive prefix sums of the kept counts above and at the threshold, as pairs
+        incl = tl.cumsum(qa.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
+        incl_a = (incl & 0xFFFFFFFF).to(tl.int32)
+        incl_e = (incl >> 32).to(tl.int32)
+        # place x holds key j of vote program p: p is the first program whose prefix sum
+        # passes x, and its keys start at the prefix sum before it
+        y = x - kept_a  # place among the keys at the threshold
+        is_a = x < kept_a
+        p_a = _upper_bound(incl_a, x, NPROG, STEPS)
+        p_e = _upper_bound(incl_e, y, NPROG, STEPS)
+        j_a = x - tl.where(p_a > 0, tl.gather(incl_a, tl.maximum(p_a - 1, 0), 0), 0)
+        j_e = y - tl.where(p_e > 0, tl.gather(incl_e, tl.maximum(p_e - 1, 0), 0), 0)
+        region = Kept + r * N
+        src = tl.where(is_a, region + p_a.to(tl.int64) * SPAN + j_a,
+                       region + tl.minimum(p_e.to(tl.int64) * SPAN + SPAN, N) - 1 - j_e)
+        idx = tl.load(src, mask=x < filled, other=-1)
+    valid = idx >= 0
+    est = _estimates(idx.to(tl.int64), valid, Codes, W, Qt, Qnorm, SignedLevels, b, h, r,
+                     stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, B, G)
+    tl.store(Cand + r * C + x, idx, mask=x < C)
+    tl.store(Est + r * C + x, est, mask=x < C)
 
 
 @triton.jit
@@ -586,13 +673,17 @@ class Selector:
     key and compacts inside the vote pass itself (``_vote_select_kernel``), which saves the
     full pass's histogram, the bins' round trip through memory and the compaction launch, at
     the price of a candidate set that holds about ``SAMPLE_FILL * C`` keys above the threshold
-    plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1."""
+    plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1.
+
+    ``gather_in_rerank`` (sampled path; default ``GATHER_IN_RERANK``): the rerank's programs
+    read the kept ids from the vote programs' regions themselves (``_gather_rerank_kernel``)
+    instead of a merge launch before them."""
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, n: int, c: int, k: int,
                  tiers: tuple[int, ...] = (4, 3, 3, 2, 2, 2, 1, 1), similarity: bool = True,
                  device: torch.device | str = "cuda", block_n: int = 256, block_c: int = 64,
                  span: int | None = None, nbins: int | None = None,
-                 sample_stride: int | None = None):
+                 sample_stride: int | None = None, gather_in_rerank: bool | None = None):
         if q_heads % kv_heads:
             raise ValueError("q_heads must be a multiple of kv_heads")
         if len(tiers) > 16:
@@ -600,6 +691,8 @@ class Selector:
         self.batch, self.q_heads, self.kv_heads, self.d = batch, q_heads, kv_heads, d
         self.B, self.G, self.N, self.C, self.k = d // 4, q_heads // kv_heads, n, c, min(k, c)
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
+        self.gather_in_rerank = (GATHER_IN_RERANK if gather_in_rerank is None
+                                 else gather_in_rerank)
         self.nbins = nbins or (SIMILARITY_BINS if similarity else NBINS)
         if block_n < 128:
             # measured: the vote pass hit illegal addresses on the H200 with 64-key blocks (fewer
@@ -713,18 +806,26 @@ class Selector:
                 self.need, self.kept, self.count_above, self.count_at, *cent_strides, N,
                 self.span, C, self.target, B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm)
-            _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand, n_ret,
-                                  N, C, self.span, NPROG=triton.next_power_of_2(self.programs),
-                                  BLOCK=256)
+            if not self.gather_in_rerank:
+                _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand,
+                                      n_ret, N, C, self.span,
+                                      NPROG=triton.next_power_of_2(self.programs), BLOCK=256)
         if codes.stride(2) % 2 or codes.storage_offset() % 2:
             raise ValueError("codes rows must start at even bytes (read as 16-bit pairs)")
-        _rerank_kernel[(triton.cdiv(C, self.block_c), self.kv_heads, bsz)](
-            self.cand, self.need, codes, weights, self.qt, self.qnorm,
-            self._derived(signed_levels, levels),
-            self.est,
-            codes.stride(0), codes.stride(1), codes.stride(2),
-            weights.stride(0), weights.stride(1), weights.stride(2), C,
-            B=B, G=G, BLOCK_C=self.block_c)
+        code_strides = (codes.stride(0), codes.stride(1), codes.stride(2),
+                        weights.stride(0), weights.stride(1), weights.stride(2))
+        grid_c = (triton.cdiv(C, self.block_c), self.kv_heads, bsz)
+        nprog = triton.next_power_of_2(self.programs)
+        if self.stride != 1 and self.gather_in_rerank:
+            _gather_rerank_kernel[grid_c](
+                self.kept, self.count_above, self.count_at, self.cand, self.est, n_ret, codes,
+                weights, self.qt, self.qnorm, self._derived(signed_levels, levels),
+                *code_strides, N, C, self.span, self.programs, B=B, G=G, NPROG=nprog,
+                STEPS=nprog.bit_length(), BLOCK_C=self.block_c)
+        else:
+            _rerank_kernel[grid_c](self.cand, self.need, codes, weights, self.qt, self.qnorm,
+                                   self._derived(signed_levels, levels), self.est,
+                                   *code_strides, C, B=B, G=G, BLOCK_C=self.block_c)
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
         t = TOPK_THRESHOLDS if cp <= TOPK_PACKED_MAX_CP else 1
