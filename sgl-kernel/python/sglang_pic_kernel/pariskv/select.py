@@ -381,36 +381,49 @@ def _sampled_threshold(Hist, r, n_ret, C, TARGET, NB: tl.constexpr):
 
 
 @triton.jit
+def _kept_counts(CountA, CountE, r, nprog, C, NPROG: tl.constexpr):
+    """The vote programs' kept counts of head row ``r`` as the candidate list takes them:
+    ``(i, qa, ce, total_a, total_e)`` with ``i`` the programs (``NPROG`` lanes, ``nprog``
+    real), ``ce`` their keys at the threshold and ``qa`` their keys above it that the list
+    keeps. If the keys above overflow ``C`` (the sampled threshold was too low), each program
+    keeps its share ``floor(count * C / total)``, plus one for the first programs that have
+    more until the budget is full, so what is dropped is spread over the whole context."""
+    i = tl.arange(0, NPROG)
+    ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
+    ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
+    # block-wide sums are the latency here: pairs of counts go through one int64 sum (keys
+    # above in the low 32 bits, keys at the threshold in the high ones)
+    totals = tl.sum(ca.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
+    total_a = (totals & 0xFFFFFFFF).to(tl.int32)
+    total_e = (totals >> 32).to(tl.int32)
+    qa = ca
+    if total_a > C:
+        share = (ca.to(tl.int64) * C // total_a).to(tl.int32)
+        # the shares' rounding left C - sum(share) places (fewer than the programs with a
+        # remainder): one more key each for the first of those, in program order; the shares
+        # then add up to exactly C
+        short = share < ca
+        rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
+        qa = share + (short & (rank < C - tl.sum(share, axis=0))).to(tl.int32)
+    return i, qa, ce, total_a, total_e
+
+
+@triton.jit
 def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
                   NPROG: tl.constexpr, BLOCK: tl.constexpr):
     """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
     keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
     ``floor(count * C / total)``, plus one for the first programs that have more until the
-    budget is full, so what is dropped is spread over the whole context."""
+    budget is full, so what is dropped is spread over the whole context (``_kept_counts``)."""
     p, h, b, r = _program_head()
     # programs past the region hold no keys; an idle slot (no keys this step) keeps only
     # program 0, which writes its empty list (-1), so the top-k selects nothing there
     if (p == 0) | (p * SPAN < tl.load(NRet + b)):
         nprog = tl.num_programs(0)
-        i = tl.arange(0, NPROG)
-        ca = tl.load(CountA + r * nprog + i, mask=i < nprog, other=0)
-        ce = tl.load(CountE + r * nprog + i, mask=i < nprog, other=0)
-        # block-wide sums are the kernel's latency: pairs of counts go through one int64 sum
-        # (keys above in the low 32 bits, keys at the threshold in the high ones)
-        totals = tl.sum(ca.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
-        total_a = (totals & 0xFFFFFFFF).to(tl.int32)
-        total_e = (totals >> 32).to(tl.int32)
-        qa = ca
-        my_a = tl.load(CountA + r * nprog + p)
+        i, qa, ce, total_a, total_e = _kept_counts(CountA, CountE, r, nprog, C, NPROG)
+        my_a = tl.load(CountA + r * nprog + p)  # its own count, unless the budget overflows
         if total_a > C:
-            share = (ca.to(tl.int64) * C // total_a).to(tl.int32)
-            # the shares' rounding left C - sum(share) places (fewer than the programs with a
-            # remainder): one more key each for the first of those, in program order; the
-            # shares then add up to exactly C
-            short = share < ca
-            rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
-            qa = share + (short & (rank < C - tl.sum(share, axis=0))).to(tl.int32)
             my_a = tl.sum(tl.where(i == p, qa, 0), axis=0)
         kept_a = tl.minimum(total_a, C)
         before = tl.sum(tl.where(i < p, qa.to(tl.int64) + (ce.to(tl.int64) << 32), 0), axis=0)
@@ -550,18 +563,7 @@ def _gather_rerank_kernel(Kept, CountA, CountE, Cand, Est, NRet, Codes, W, Qt, Q
     x = pid * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's places in the list
     idx = tl.full([BLOCK_C], -1, dtype=tl.int32)
     if pid * BLOCK_C < tl.minimum(tl.load(NRet + b), C):
-        i = tl.arange(0, NPROG)
-        ca = tl.load(CountA + r * NPROGS + i, mask=i < NPROGS, other=0)
-        ce = tl.load(CountE + r * NPROGS + i, mask=i < NPROGS, other=0)
-        totals = tl.sum(ca.to(tl.int64) + (ce.to(tl.int64) << 32), axis=0)
-        total_a = (totals & 0xFFFFFFFF).to(tl.int32)
-        total_e = (totals >> 32).to(tl.int32)
-        qa = ca
-        if total_a > C:  # the shares of an overflowing budget, as _merge_kernel computes them
-            share = (ca.to(tl.int64) * C // total_a).to(tl.int32)
-            short = share < ca
-            rank = tl.cumsum(short.to(tl.int32), axis=0) - 1
-            qa = share + (short & (rank < C - tl.sum(share, axis=0))).to(tl.int32)
+        _, qa, ce, total_a, total_e = _kept_counts(CountA, CountE, r, NPROGS, C, NPROG)
         kept_a = tl.minimum(total_a, C)
         filled = kept_a + tl.minimum(total_e, tl.maximum(C - kept_a, 0))
         # inclusive prefix sums of the kept counts above and at the threshold, as pairs
