@@ -283,7 +283,9 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
                       f"{by_chunk[f'{kind}_{chunk}']:7.1f} us", flush=True)
                 layer.attention = default
             sweep_rows = _sweep(layer, q) if sweep else None
-            gather_rows = _gather_alternatives(layer, q) if gather else None
+            # (exact pruning, stride 1, always merges by compaction: nothing to compare)
+            gather_rows = (_gather_alternatives(layer, q)
+                           if gather and layer.selector.stride > 1 else None)
             # recall@k of the host-region selection vs the exact top-k (max over the group)
             sel = layer.select(q)
             recall = []

@@ -297,6 +297,8 @@ def test_rerank_gathering_the_kept_keys_equals_merge_then_rerank(case):
     _, merged, q, args = _exact_and_sampled(True, n, c, n_ret)
     _, gathered, _, _ = _exact_and_sampled(True, n, c, n_ret)
     gathered.gather_in_rerank = True
+    merged.block_c = gathered.block_c = 16  # 4 rerank programs a head: later ones, and ones
+    # past a short list, place keys too
     if case == "overflow":
         merged.target = gathered.target = 10 * c // 4  # a threshold too low (as above)
     stale = (*args[:5], torch.tensor([n // 3, n], dtype=torch.int32, device=DEVICE), args[6])
@@ -440,6 +442,14 @@ def test_topk_kernel_bisects_past_65535_candidates():
     _topk_kernel[(1, 1, 1)](est, cand, sel, c, k, CP=triton.next_power_of_2(c), KP=128, T=1)
     assert set(sel[0, 0, :k].tolist()) == set(est[0, 0].topk(k).indices.tolist())
     assert sel[0, 0, k:].tolist() == [7] * 64  # nothing written past the K places
+
+
+@pytest.mark.parametrize("k,sel_chunk", [(100, 32), (2048, 32), (4096, 64), (32768, 512)])
+def test_selected_rows_split_one_tile_a_program_up_to_64_splits(k, sel_chunk):
+    """The selected rows' splits: one 32-row tile each, and no more than 64 of them for a large
+    top-k (the merge's one program holds every split's partial)."""
+    att = SparseAttention(1, 4, 2, 64, 656, k, device=DEVICE)
+    assert att.sel_chunk == sel_chunk and att.splits - att.s_win == -(-k // sel_chunk) <= 64
 
 
 @pytest.mark.parametrize("window", ["in one launch", "launched first", "on a side stream"])

@@ -152,7 +152,9 @@ def _merge_kernel(MidO, MidL, RowOfSlot, Out, stride_ob, stride_oh, N_ROWS,
 class SparseAttention:
     """Scratch buffers and launches for fixed ``(batch, q_heads, kv_heads, D)``, window
     capacity ``W`` and ``k`` selected keys. ``chunk``: window rows per split; ``sel_chunk``:
-    selected rows per split (default ``block_t``: one tile, see the module doc)."""
+    selected rows per split (default one ``block_t`` tile, see the module doc, and more for a
+    top-k over 2048 rows: at most 64 selected splits, so the merge's program, which holds every
+    split's partial, stays small)."""
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, d: int, w: int, k: int,
                  device: torch.device | str = "cuda", chunk: int = 256, block_t: int = 32,
@@ -160,7 +162,8 @@ class SparseAttention:
         if q_heads // kv_heads > BLOCK_H:
             raise ValueError(f"at most {BLOCK_H} query heads per KV head")
         self.G, self.d, self.k, self.chunk, self.block_t = q_heads // kv_heads, d, k, chunk, block_t
-        self.sel_chunk = block_t if sel_chunk is None else sel_chunk
+        self.sel_chunk = (max(block_t, triton.next_power_of_2(triton.cdiv(k, 64)))
+                          if sel_chunk is None else sel_chunk)
         self.s_win = triton.cdiv(w, chunk)
         self.splits = self.s_win + triton.cdiv(k, self.sel_chunk)
         self.mid_o = torch.empty(batch, q_heads, self.splits, d, dtype=torch.float32,

@@ -96,10 +96,17 @@ for _name in ("query", "attention_host", "attention_merge"):
     LAUNCHES[f"{_name}_own_rows"] = (_fn, _pointers, {**_consts, "Q_ROWS": False})
 
 
-def compile_for_hopper(name: str, num_warps: int = 4):
+# warps the server launches a kernel with, where it is not Triton's default of 4
+SERVER_WARPS = {name: select.topk_warps(LAUNCHES[name][2]["CP"]) for name in ("topk", "topk_t4")}
+
+
+def compile_for_hopper(name: str, num_warps: int | None = None):
     """Kernel ``name`` of ``LAUNCHES`` compiled for sm_90 (a ``CompiledKernel``: ``asm`` holds
-    its TTIR ... PTX and cubin). Every argument the table does not type is an int32 (sizes,
-    strides, counts). Raises what the compiler raises."""
+    its TTIR ... PTX and cubin) at ``num_warps`` (default: the server's, ``SERVER_WARPS`` or
+    4). Every argument the table does not type is an int32 (sizes, strides, counts). Raises what
+    the compiler raises."""
+    if num_warps is None:
+        num_warps = SERVER_WARPS.get(name, 4)
     fn, pointers, consts = LAUNCHES[name]
     names = fn.arg_names
     unknown = (set(pointers) | set(consts)) - set(names)

@@ -7,7 +7,7 @@ Shapes (``G = q_heads / kv_heads`` query heads share one KV head and vote togeth
     table      [batch, q_heads, B, 16]  fp32  tiered vote of each of the 16 centroids per subspace
     qt         [batch, q_heads, 4 * B]  fp32  rotated normalised query, coordinate 4b+j at j*B+b
     qnorm      [batch, q_heads]         fp32
-    planes     [batch, kv_heads, 8, W]  int32 bit planes of the group's summed query, quantised
+    planes     [batch, kv_heads, P, W]  int32 bit planes of the group's summed query, quantised
     params     [batch, kv_heads, 3]     fp32  (step, half sum + histogram floor,
                                               bins per vote unit)
     centroid / codes / weights: [batch, kv_heads, N, ...]  (``encode``; ids packed, D bits/key)
@@ -304,7 +304,8 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Hist, Thresh, Need, K
     at the threshold in the high ones).
 
     Each program reads the threshold from the sampled histogram itself (``_sampled_threshold``:
-    one 256-bin prefix sum, its load overlapping the first keys' loads) instead of a kernel of
+    one prefix sum over the histogram's bins, its load overlapping the first keys' loads)
+    instead of a kernel of
     its own before this one: at batch 1 that kernel was 1.4 µs plus a launch gap on the
     step's critical path, every layer. Program 0 of each head stores the threshold and the
     head's budget ``Need = min(n_ret, C)`` for the kernels after it."""
@@ -600,9 +601,10 @@ def _packed_count(counts, J: tl.constexpr, T: tl.constexpr):
 
 
 def topk_warps(cp: int) -> int:
-    """Warps of the top-k program holding ``cp`` candidates: more for more of them (no spills;
-    ``benchmark/kernels/bench_topk.py`` times the alternatives)."""
-    return min(16, max(8, cp // 1024))
+    """Warps of the top-k program holding ``cp`` candidates: 8 from 4096 on (12 % faster than 4
+    at 4096 in ``benchmark/kernels/bench_topk.py`` on the H200), 16 from 16384 (no spills), 4
+    for smaller lists (not timed)."""
+    return 4 if cp < 4096 else min(16, max(8, cp // 1024))
 
 
 @triton.jit
