@@ -500,21 +500,27 @@ def test_pool_attention_reads_batch_rows_and_writes_only_active_slots(window):
 
 def test_selector_reads_each_slot_query_from_its_batch_row():
     """The same selection whether each slot's query is passed alone or read from the decode
-    batch through ``row_of_slot`` (an idle slot, -1, reads row 0)."""
+    batch through ``row_of_slot``; an idle slot (row -1, no keys this step, as the server gives
+    it) selects nothing and its query tables and bit planes are not computed at all."""
     torch.manual_seed(6)
     hq, hk, d, n = 4, 2, 64, 300
     keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
     rt, levels, cent, codes, w, counts = _encoded(keys)
     batch = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
-    row_of_slot = torch.tensor([2, -1], device=DEVICE)
-    n_ret = torch.tensor([n, n], dtype=torch.int32, device=DEVICE)
     two = [t.expand(2, *t.shape).contiguous() for t in (cent, codes, w, counts)]
     # the sampled path: which keys at the threshold are kept does not depend on atomics' order
     sel = Selector(2, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128, sample_stride=16)
-    got = sel(batch, rt, levels, *two[:3], n_ret, two[3], row_of_slot=row_of_slot).clone()
-    want = sel(batch[[2, 0]].contiguous(), rt, levels, *two[:3], n_ret, two[3])
+    want = sel(batch[[2, 0]].contiguous(), rt, levels, *two[:3],
+               torch.tensor([n, n], dtype=torch.int32, device=DEVICE), two[3]).clone()
+    for buf in (sel.qt, sel.qnorm, sel.planes, sel.params):
+        buf[1] = 7  # the idle slot's: left as they are
+    got = sel(batch, rt, levels, *two[:3], torch.tensor([n, 0], dtype=torch.int32,
+                                                          device=DEVICE),
+              two[3], row_of_slot=torch.tensor([2, -1], device=DEVICE))
     assert [sorted(x) for x in got.tolist()[0]] == [sorted(x) for x in want.tolist()[0]]
-    assert [sorted(x) for x in got.tolist()[1]] == [sorted(x) for x in want.tolist()[1]]
+    assert (got[1] == -1).all()
+    for buf in (sel.qt, sel.qnorm, sel.planes, sel.params):
+        assert (buf[1] == 7).all()
 
 
 @pytest.mark.parametrize("stride", [1, 4])

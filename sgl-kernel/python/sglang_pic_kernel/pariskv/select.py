@@ -103,19 +103,15 @@ def _centroid_sim(qj, c, J: tl.constexpr):
     return 0.5 * qj[:, None] * sign[None, :]
 
 
-@triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
-def _query_kernel(Q, RowOfSlot, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
-                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
-                  Q_ROWS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _query_one(Q, q_row, b, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
+               D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr):
+    """Query tables of query head ``program_id(1)`` of slot ``b`` from row ``q_row`` of ``Q``."""
     h = tl.program_id(1)
     heads = tl.num_programs(1)
     offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, B)
     c = tl.arange(0, 16)
-    q_row = b
-    if Q_ROWS:  # the slot's row of the decode batch (an idle slot, -1, reads row 0)
-        q_row = tl.minimum(tl.maximum(tl.load(RowOfSlot + b), 0), N_ROWS - 1)
     q = tl.load(Q + q_row * stride_qb + h * stride_qh + offs_d).to(tl.float32)
     row = b * heads + h
     q0 = _rotated_part(q, RtJ, offs_d, offs_b, 0, D, B)
@@ -142,48 +138,69 @@ def _query_kernel(Q, RowOfSlot, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_
         tl.store(Table + row * B * 16 + offs_b[:, None] * 16 + c[None, :], table)
 
 
+@triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
+def _query_kernel(Q, RowOfSlot, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
+                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
+                  Q_ROWS: tl.constexpr):
+    """Query tables of slot ``program_id(0)``: with ``Q_ROWS`` from its row of the decode batch,
+    and nothing for an idle slot (row -1, whose region the caller gives ``n_ret`` 0: nothing
+    after this kernel reads its tables). At batch 1 of 4 slots that is 3/4 of the programs, each
+    reading the 64 KB rotation, beside the window's attention on the other graph branch."""
+    b = tl.program_id(0).to(tl.int64)
+    if Q_ROWS:
+        slot_row = tl.load(RowOfSlot + b)
+        if slot_row >= 0:
+            _query_one(Q, tl.minimum(slot_row, N_ROWS - 1), b, RtJ, Tiers, Table, Qt, Qnorm,
+                       stride_qb, stride_qh, D, B, SIMILARITY)
+    else:
+        _query_one(Q, b, b, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, D, B,
+                   SIMILARITY)
+
+
 @triton.jit
 def _plane_kernel(Qt, Planes, Params, Counts, NRet, Hist, G: tl.constexpr, D: tl.constexpr,
                    B: tl.constexpr, NB: tl.constexpr, P: tl.constexpr, FLOOR_SD: tl.constexpr):
     """Bit planes of one KV head's summed query ``qs`` (coordinate order: bit ``i % 32`` of word
     ``i // 32`` of plane ``p`` is bit ``p`` of coordinate ``i``'s ``P``-bit level), and the vote
     histogram's range from the region's sign-bit counts; the head's histogram is zeroed here
-    (one launch fewer than a memset)."""
+    (one launch fewer than a memset). A slot with no keys this step is skipped: nothing reads
+    its planes or histogram."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kv_heads = tl.num_programs(1)
     r = b * kv_heads + h
-    tl.store(Hist + r * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
-    i = tl.arange(0, D)
-    src = (i % 4) * B + i // 4  # qt keeps coordinate 4b+j at j*B+b
-    qs = tl.zeros([D], dtype=tl.float32)
-    for g in tl.static_range(G):
-        qs += tl.load(Qt + (r * G + g) * D + src)
-    # signed levels in [-(2^(P-1) - 1), 2^(P-1) - 1], as P-bit two's complement: a vote needs
-    # no zero-point term (the key's own popcount)
-    step = tl.maximum(tl.max(tl.abs(qs), axis=0) / (2 ** (P - 1) - 1), 1e-30)
-    level = tl.floor(qs / step + 0.5).to(tl.int32)
-    level = tl.minimum(tl.maximum(level, -(2 ** (P - 1) - 1)), 2 ** (P - 1) - 1) & (2**P - 1)
-    level = tl.reshape(level, [D // 32, 32]).to(tl.int64)
-    bit = tl.arange(0, 32).to(tl.int64)[None, :]
-    words = tl.arange(0, D // 32)
-    for p in tl.static_range(P):
-        plane = tl.sum(((level >> p) & 1) << bit, axis=1).to(tl.int32)
-        tl.store(Planes + (r * P + p) * (D // 32) + words, plane)
-    half = 0.5 * tl.sum(qs, axis=0)
-    max_vote = 0.5 * tl.sum(tl.abs(qs), axis=0)  # the highest vote any key can have
-    # clamped: counts of a longer region than n_ret (a slot being refilled) stay a share
-    p = tl.minimum(tl.load(Counts + r * D + i).to(tl.float32)
-                   / tl.maximum(tl.load(NRet + b), 1).to(tl.float32), 1.0)
-    mean = tl.sum(p * qs, axis=0) - half
-    # floor: a region of identical sign patterns has sd 0 (every vote equal: any scale works)
-    sd = tl.maximum(tl.sqrt(tl.sum(p * (1.0 - p) * qs * qs, axis=0)), 2e-6 * max_vote + 1e-30)
-    tl.store(Params + r * 3, step)
-    floor = mean - FLOOR_SD * sd
-    tl.store(Params + r * 3 + 1, half + floor)  # the vote at bin 0's floor
-    # the top edge is max_vote: nothing clamps at the top, even when a cluster of keys the
-    # query favours votes far above the spread the counts suggest
-    tl.store(Params + r * 3 + 2, NB / (max_vote - floor))
+    if tl.load(NRet + b) > 0:  # an idle slot (no keys this step) votes on nothing
+        tl.store(Hist + r * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
+        i = tl.arange(0, D)
+        src = (i % 4) * B + i // 4  # qt keeps coordinate 4b+j at j*B+b
+        qs = tl.zeros([D], dtype=tl.float32)
+        for g in tl.static_range(G):
+            qs += tl.load(Qt + (r * G + g) * D + src)
+        # signed levels in [-(2^(P-1) - 1), 2^(P-1) - 1], as P-bit two's complement: a vote needs
+        # no zero-point term (the key's own popcount)
+        step = tl.maximum(tl.max(tl.abs(qs), axis=0) / (2 ** (P - 1) - 1), 1e-30)
+        level = tl.floor(qs / step + 0.5).to(tl.int32)
+        level = tl.minimum(tl.maximum(level, -(2 ** (P - 1) - 1)), 2 ** (P - 1) - 1) & (2**P - 1)
+        level = tl.reshape(level, [D // 32, 32]).to(tl.int64)
+        bit = tl.arange(0, 32).to(tl.int64)[None, :]
+        words = tl.arange(0, D // 32)
+        for p in tl.static_range(P):
+            plane = tl.sum(((level >> p) & 1) << bit, axis=1).to(tl.int32)
+            tl.store(Planes + (r * P + p) * (D // 32) + words, plane)
+        half = 0.5 * tl.sum(qs, axis=0)
+        max_vote = 0.5 * tl.sum(tl.abs(qs), axis=0)  # the highest vote any key can have
+        # clamped: counts of a longer region than n_ret (a slot being refilled) stay a share
+        p = tl.minimum(tl.load(Counts + r * D + i).to(tl.float32)
+                       / tl.maximum(tl.load(NRet + b), 1).to(tl.float32), 1.0)
+        mean = tl.sum(p * qs, axis=0) - half
+        # floor: a region of identical sign patterns has sd 0 (every vote equal: any scale works)
+        sd = tl.maximum(tl.sqrt(tl.sum(p * (1.0 - p) * qs * qs, axis=0)), 2e-6 * max_vote + 1e-30)
+        tl.store(Params + r * 3, step)
+        floor = mean - FLOOR_SD * sd
+        tl.store(Params + r * 3 + 1, half + floor)  # the vote at bin 0's floor
+        # the top edge is max_vote: nothing clamps at the top, even when a cluster of keys the
+        # query favours votes far above the spread the counts suggest
+        tl.store(Params + r * 3 + 2, NB / (max_vote - floor))
 
 
 @triton.jit
@@ -765,8 +782,8 @@ class Selector:
         next call). ``centroid``: packed int32 ids ``[batch, kv_heads, N, D / 32]``,
         ``bit_counts`` ``[batch, kv_heads, D]`` int32 (both from ``encode_keys``; the counts are
         needed by similarity votes). ``q``: ``[batch, q_heads, D]``, or with ``row_of_slot``
-        (``[batch]``, -1 for an idle sequence) a decode batch whose row ``row_of_slot[b]`` is
-        sequence ``b``'s query."""
+        (``[batch]``, -1 for an idle sequence, whose ``n_ret`` must be 0: nothing is computed
+        for it) a decode batch whose row ``row_of_slot[b]`` is sequence ``b``'s query."""
         bsz = self.batch if row_of_slot is not None else q.shape[0]
         hq, d = q.shape[1:]
         if self.similarity and (bit_counts is None or tuple(bit_counts.shape) != (
