@@ -361,21 +361,21 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Hist, Thresh, Need, K
 
 
 @triton.jit
-def _threshold_bin(Hist, NRet, NB: tl.constexpr):
-    """For a program of a ``[batch, kv_heads]`` grid: its sequence's ``n_ret``, its head's row,
-    and a function of the head's histogram read from the top bin down: ``rev[i]`` keys in bin
-    ``NB-1-i`` and ``cum[i]`` keys in bins ``>= NB-1-i``."""
-    b = tl.program_id(0).to(tl.int64)
-    r = b * tl.num_programs(1) + tl.program_id(1)
+def _bins_from_top(Hist, r, NB: tl.constexpr):
+    """Head row ``r``'s histogram read from the top bin down: ``(i, rev, cum)`` with ``rev[i]``
+    keys in bin ``NB-1-i`` and ``cum[i]`` keys in bins ``>= NB-1-i``."""
     i = tl.arange(0, NB)
     rev = tl.load(Hist + r * NB + NB - 1 - i)
-    return tl.load(NRet + b), r, i, rev, tl.cumsum(rev, axis=0)
+    return i, rev, tl.cumsum(rev, axis=0)
 
 
 @triton.jit
 def _threshold_kernel(Hist, NRet, Thresh, Quota, Need, Counters, C,
                       NB: tl.constexpr):
-    n_ret, r, i, rev, cum = _threshold_bin(Hist, NRet, NB)
+    b = tl.program_id(0).to(tl.int64)  # a [batch, kv_heads] grid
+    r = b * tl.num_programs(1) + tl.program_id(1)
+    n_ret = tl.load(NRet + b)
+    i, rev, cum = _bins_from_top(Hist, r, NB)
     need = tl.minimum(n_ret, C)
     first = tl.min(tl.where(cum >= need, i, NB - 1), axis=0)
     above = tl.sum(tl.where(i < first, rev, 0), axis=0)
@@ -392,8 +392,7 @@ def _sampled_threshold(Hist, r, n_ret, C, TARGET, NB: tl.constexpr):
     at least ``TARGET`` sampled keys at or above it (``TARGET ~ SAMPLE_FILL * C / stride``, so
     the keys above it are expected to fill less than the budget and keys at it fill the rest);
     -1 (every key) when the region holds at most ``C`` keys."""
-    i = tl.arange(0, NB)
-    cum = tl.cumsum(tl.load(Hist + r * NB + NB - 1 - i), axis=0)  # keys in bins >= NB-1-i
+    i, _, cum = _bins_from_top(Hist, r, NB)
     first = tl.min(tl.where(cum >= TARGET, i, NB - 1), axis=0)
     return tl.where(n_ret <= C, -1, NB - 1 - first)
 
