@@ -695,7 +695,7 @@ class Selector:
     the price of a candidate set that holds about ``SAMPLE_FILL * C`` keys above the threshold
     plus keys at it. Default: 16 for ``N >= 65536`` keys, else 1.
 
-    ``gather_in_rerank`` (sampled path; default ``GATHER_IN_RERANK``): the rerank's programs
+    ``gather_in_rerank`` (sampled path only; default ``GATHER_IN_RERANK``): the rerank's programs
     read the kept ids from the vote programs' regions themselves (``_gather_rerank_kernel``)
     instead of a merge launch before them."""
 
@@ -711,8 +711,6 @@ class Selector:
         self.batch, self.q_heads, self.kv_heads, self.d = batch, q_heads, kv_heads, d
         self.B, self.G, self.N, self.C, self.k = d // 4, q_heads // kv_heads, n, c, min(k, c)
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
-        self.gather_in_rerank = (GATHER_IN_RERANK if gather_in_rerank is None
-                                 else gather_in_rerank)
         self.nbins = nbins or (SIMILARITY_BINS if similarity else NBINS)
         if block_n < 128:
             # measured: the vote pass hit illegal addresses on the H200 with 64-key blocks (fewer
@@ -730,6 +728,10 @@ class Selector:
             raise ValueError(f"sample_stride must be >= 1, got {sample_stride}")
         self.span_sample = max(block_n, triton.next_power_of_2(triton.cdiv(n, 64 * self.stride)))
         self.programs = triton.cdiv(n, self.span)  # vote programs per KV head and sequence
+        self.nprog = triton.next_power_of_2(self.programs)  # their counts' vector width
+        # exact pruning (stride 1) compacts into the list directly: no merge to fold in
+        self.gather_in_rerank = self.stride > 1 and (GATHER_IN_RERANK if gather_in_rerank is None
+                                                     else gather_in_rerank)
         self.target = max(1, int(SAMPLE_FILL * c / self.stride))
         dev = torch.device(device)
         # inline PTX popcount on NVIDIA GPUs; the interpreter and other targets use bit tricks
@@ -828,20 +830,18 @@ class Selector:
                 SIMILARITY=self.similarity, ASM=self.asm)
             if not self.gather_in_rerank:
                 _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand,
-                                      n_ret, N, C, self.span,
-                                      NPROG=triton.next_power_of_2(self.programs), BLOCK=256)
+                                      n_ret, N, C, self.span, NPROG=self.nprog, BLOCK=256)
         if codes.stride(2) % 2 or codes.storage_offset() % 2:
             raise ValueError("codes rows must start at even bytes (read as 16-bit pairs)")
         code_strides = (codes.stride(0), codes.stride(1), codes.stride(2),
                         weights.stride(0), weights.stride(1), weights.stride(2))
         grid_c = (triton.cdiv(C, self.block_c), self.kv_heads, bsz)
-        nprog = triton.next_power_of_2(self.programs)
-        if self.stride != 1 and self.gather_in_rerank:
+        if self.gather_in_rerank:
             _gather_rerank_kernel[grid_c](
                 self.kept, self.count_above, self.count_at, self.cand, self.est, n_ret, codes,
                 weights, self.qt, self.qnorm, self._derived(signed_levels, levels),
-                *code_strides, N, C, self.span, self.programs, B=B, G=G, NPROG=nprog,
-                STEPS=nprog.bit_length(), BLOCK_C=self.block_c)
+                *code_strides, N, C, self.span, self.programs, B=B, G=G, NPROG=self.nprog,
+                STEPS=self.nprog.bit_length(), BLOCK_C=self.block_c)
         else:
             _rerank_kernel[grid_c](self.cand, self.need, codes, weights, self.qt, self.qnorm,
                                    self._derived(signed_levels, levels), self.est,
