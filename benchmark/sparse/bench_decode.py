@@ -83,6 +83,23 @@ def _dense(batch: int, ctx: int, q, ks, vs):
     return step, out
 
 
+def _selection_step(layer, q, **selector_kw):
+    """``(selector, step)``: a ``Selector`` of ``layer``'s shape built with ``selector_kw``, and
+    one selection over ``layer``'s keys by it (a callable for ``do_bench_cudagraph``), called
+    once (compiles)."""
+    from sglang_pic_kernel.pariskv import Selector
+
+    sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
+                   layer.selector.C, layer.selector.k, device=layer.device, **selector_kw)
+
+    def step():
+        return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
+                   layer.n_ret, layer.bit_counts)
+
+    step()
+    return sel, step
+
+
 def _sweep(layer, q) -> list[dict]:
     """Selection time of other vote-kernel tilings (keys per block, keys per program: fewer
     keys per program means more programs, for a batch of one too few to fill the GPU), on the
@@ -91,21 +108,13 @@ def _sweep(layer, q) -> list[dict]:
 
     import torch
     import triton
-    from sglang_pic_kernel.pariskv import Selector
 
     out = []
     for block_n, span in itertools.product((128, 256, 512), (None, 512, 1024, 2048)):
         if span is not None and span < block_n:
             continue
-        sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
-                       layer.selector.C, layer.selector.k, block_n=block_n, span=span,
-                       device=layer.device, sample_stride=layer.selector.stride)
-
-        def step(sel=sel):
-            return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
-                       layer.n_ret, layer.bit_counts)
-
-        step()
+        sel, step = _selection_step(layer, q, block_n=block_n, span=span,
+                                    sample_stride=layer.selector.stride)
         us = 1000 * triton.testing.do_bench_cudagraph(step, rep=50)
         same = (torch.sort(step(), -1).values == torch.sort(layer.select(q), -1).values)
         out.append({"block_n": block_n, "span": sel.span, "nbins": sel.nbins, "select_us": us,
@@ -122,20 +131,10 @@ def _gather_alternatives(layer, q, rounds: int = 5) -> dict:
     select the same keys."""
     import torch
     import triton
-    from sglang_pic_kernel.pariskv import Selector
 
-    steps = {}
-    for name, gather in (("merge_then_rerank", False), ("gather_in_rerank", True)):
-        sel = Selector(layer.batch, layer.q_heads, layer.kv_heads, layer.d, layer.capacity,
-                       layer.selector.C, layer.selector.k, device=layer.device,
-                       sample_stride=layer.selector.stride, gather_in_rerank=gather)
-
-        def step(sel=sel):
-            return sel(q, layer.rt, layer.levels, layer.centroid, layer.codes, layer.weights,
-                       layer.n_ret, layer.bit_counts)
-
-        step()
-        steps[name] = step
+    steps = {name: _selection_step(layer, q, sample_stride=layer.selector.stride,
+                                   gather_in_rerank=gather)[1]
+             for name, gather in (("merge_then_rerank", False), ("gather_in_rerank", True))}
     a, b = (torch.sort(steps[n](), -1).values for n in steps)
     out = {"same_selection": (a == b).float().mean().item(), **{f"{n}_us": [] for n in steps}}
     for i in range(rounds):
