@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_pic.sparse.config import MAX_CANDIDATES as SPARSE_MAX_CANDIDATES
 from sglang_pic.sparse.config import MINIMUM as SPARSE_MINIMUM
 from sglang_pic.sparse.config import SparseDecodeConfig
 
@@ -193,7 +194,8 @@ _SPARSE_HELP = {
     "max_requests": "requests decoding sparsely at once (their metadata is allocated at start)",
     "max_context": "longest sparse context; 0: the model's",
 }
-_SPARSE_RANGE = {"threshold": ">= sink + local + update", "candidates": ">= topk, <= 32768",
+_SPARSE_RANGE = {"threshold": ">= sink + local + update",
+                 "candidates": f">= topk, <= {SPARSE_MAX_CANDIDATES}",
                  "max_context": "0, or over the threshold"}
 
 
