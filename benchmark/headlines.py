@@ -222,8 +222,6 @@ SPARSE_E2E_NOTE = ("samples: 3 TPOT measurements per side (each from a 145- and 
                    "generation); vanilla ran first; the sparse step with the bisection top-k "
                    "at 8 warps, packed-sum merges, 8-bit vote planes and the window on a side "
                    "stream (2026-12-03)")
-# the same step's 1x131072 case again, in the run that measured 1x262144
-SPARSE_E2E_128K_SECOND = "sparse_e2e_decode_flashinfer_h200_128k_256k.json"
 # the rows before the 2026-12-03 kernel changes (per-slot tables, `pariskv-all` graphs)
 SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
                          "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
@@ -443,7 +441,8 @@ CLAIMS: list[Claim] = [
           "fits vanilla's pool)",
           note="3 samples per side, same run, vanilla first; the fourth session's step (per-slot "
           "tables, `pariskv-all` graphs), before the kernel changes of the sixth"),
-    Claim("sparse.tpot_128k.second_run", SPARSE_E2E_128K_SECOND, "tpot_ms_1x131072",
+    # the same step's 1x131072 case again, in the run that measured 1x262144
+    Claim("sparse.tpot_128k.second_run", SPARSE_E2E["1x262144"], "tpot_ms_1x131072",
           ours_variant="sglang-pic-flashinfer", target=1.3,
           path="the same case and code in the run that measured sparse.tpot_256k (one engine "
           "per side serving 128K, then 256K)", note=SPARSE_E2E_NOTE),
