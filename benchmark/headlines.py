@@ -216,12 +216,20 @@ SPARSE_QUALITY = "sparse_quality_h200.json"  # benchmark/quality/sparse_needle.p
 SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_recall.py
 # sparse/bench_e2e_decode.py, one call per case (`--cases 1x131072`, `1x262144`, `4x131072`)
 SPARSE_E2E = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k.json",
-              "1x262144": "sparse_e2e_decode_flashinfer_h200_128k_256k.json",
+              "1x262144": "sparse_e2e_decode_flashinfer_h200_256k.json",
               "4x131072": "sparse_e2e_decode_flashinfer_h200_b4_128k.json"}
-SPARSE_E2E_NOTE = ("samples: 3 TPOT measurements per side (each from a 145- and a 17-token "
-                   "generation); vanilla ran first; the sparse step with the bisection top-k "
-                   "at 8 warps, packed-sum merges, 8-bit vote planes and the window on a side "
-                   "stream (2026-12-03)")
+SPARSE_E2E_NOTE = ("TPOT samples per side (each from a 145- and a 17-token generation): 5 at "
+                   "128K, 3 at 256K, each case its own call on one machine; vanilla ran "
+                   "first; the sparse step with 6-bit vote planes, the sampled threshold read "
+                   "by the votes, one-tile selected-row splits and idle slots skipped "
+                   "(2026-12-03, seventh session)")
+# the sixth session's step (8-bit planes, separate threshold launch, 256-row selected chunks):
+# 128K alone, and 128K then 256K in one engine per side
+SPARSE_E2E_PACKED_SUMS = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_packed_sums.json",
+                          "1x262144":
+                              "sparse_e2e_decode_flashinfer_h200_128k_256k_packed_sums.json"}
+# the seventh session's step with the opt-in gather-in-rerank on (slower in the server: off)
+SPARSE_E2E_GATHER = "sparse_e2e_decode_flashinfer_h200_128k_256k_gather_in_rerank.json"
 # the rows before the 2026-12-03 kernel changes (per-slot tables, `pariskv-all` graphs)
 SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
                          "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
@@ -441,11 +449,23 @@ CLAIMS: list[Claim] = [
           "fits vanilla's pool)",
           note="3 samples per side, same run, vanilla first; the fourth session's step (per-slot "
           "tables, `pariskv-all` graphs), before the kernel changes of the sixth"),
-    # the same step's 1x131072 case again, in the run that measured 1x262144
-    Claim("sparse.tpot_128k.second_run", SPARSE_E2E["1x262144"], "tpot_ms_1x131072",
-          ours_variant="sglang-pic-flashinfer", target=1.3,
-          path="the same case and code in the run that measured sparse.tpot_256k (one engine "
-          "per side serving 128K, then 256K)", note=SPARSE_E2E_NOTE),
+    *[Claim(f"sparse.tpot_{name}.packed_sums", SPARSE_E2E_PACKED_SUMS[file_case],
+            f"tpot_ms_{case}", ours_variant="sglang-pic-flashinfer", target=target,
+            superseded=True, path="the sixth session's sparse step (8-bit vote planes, the "
+            "sampled threshold in its own launch, the selected rows in 256-row chunks)" + extra,
+            note="3 samples per side, same run, vanilla first")
+      for name, file_case, case, target, extra in (
+          ("128k", "1x131072", "1x131072", 1.3, ""),
+          ("128k.second_run", "1x262144", "1x131072", 1.3,
+           "; one engine per side serving 128K, then 256K"),
+          ("256k", "1x262144", "1x262144", 2.0, "; one engine per side serving 128K, then 256K"))],
+    *[Claim(f"sparse.tpot_{name}.gather_in_rerank", SPARSE_E2E_GATHER, f"tpot_ms_{case}",
+            ours_variant="sglang-pic-flashinfer", target=target, superseded=True,
+            path="this session's step with GATHER_IN_RERANK on (the rerank's programs placing "
+            "the kept keys): 24.8 us a layer in the server's graph against 14 for the merge and "
+            "rerank it replaces, so it is off; one engine per side serving 128K, then 256K",
+            note="3 samples per side, same run, vanilla first")
+      for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
     *[Claim(f"sparse.tpot_{name}.step_fixes", SPARSE_E2E_STEP_FIXES[case], f"tpot_ms_{case}",
             ours_variant="sglang-pic-flashinfer", target=target, superseded=True,
             path="the sparse step before the 2026-12-03 kernel changes (per-slot tables "
@@ -458,7 +478,9 @@ CLAIMS: list[Claim] = [
           "generation right after the prefill) less a later 17-token generation, in seconds; "
           "ours includes the request's activation (its region encoded with the cuBLAS "
           "rotation) and first-use compiles, vanilla its own first-decode costs",
-          note="one first decode per side, same run as sparse.tpot_128k (vanilla first)"),
+          note="one first decode per side, same run as sparse.tpot_128k (vanilla first); "
+          "vanilla's was 0.012 s in this call and 0.16-0.19 s in the 256K and gather calls of "
+          "the same day, so the ratio is noise on its side"),
     Claim("sparse.first_decode_extra_128k.radix_topk", SPARSE_E2E_RADIX_TOPK,
           "first_decode_extra_s_1x131072", ours_variant="sglang-pic-flashinfer",
           superseded=True, path="the same, in the run with the radix top-k (reverted since)",

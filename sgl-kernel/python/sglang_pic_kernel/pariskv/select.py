@@ -63,8 +63,9 @@ PLANES = 6  # bits per coordinate of the quantised group query (module doc)
 VOTE_FLOOR_SD = 3.0  # similarity votes: the histogram spans [mean - 3 sd, max vote]
 SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by keys above it
 # the sampled path's merge done by the rerank's programs (``_gather_rerank_kernel``, one launch
-# fewer a layer) or by a launch of its own: off until ``bench_decode.py --gather-in-rerank``
-# times both on the device
+# fewer a layer) or by a launch of its own. Off: on the H200 the gathering rerank was 2.8 us
+# faster in ``bench_decode.py --gather-in-rerank`` (a 128K-key selector) but 24.8 us a layer
+# against 13.9 for merge + rerank in the server's graph (docs/sparse-decode.md)
 GATHER_IN_RERANK = False
 # the top-k's search: thresholds counted per reduction (1 = bisection); set from
 # benchmark/kernels/bench_topk.py's table, as is ``topk_warps``
