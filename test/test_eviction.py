@@ -389,6 +389,30 @@ def test_mooncake_and_bailian_loaders(tmp_path):
     assert reqs[1].app_type == "chat"
 
 
+def test_mooncake_slice_samples_whole_conversations_and_keeps_bad_lines(tmp_path):
+    """The end-to-end replay's slice: one conversation in K keeps every turn of a picked
+    conversation (the requests sharing the block after the system block) and none of the
+    others; prompts past the engine's limit are left out; a malformed line is passed on for
+    the loader to report with its line number; ``requests`` takes the head instead."""
+    from bench_e2e import conversation_key, mooncake_slice
+
+    recs = [{"timestamp": 100 * i, "input_length": 600 * (1 + i % 3), "output_length": 4,
+             "hash_ids": [0, 10 + i % 7] + [1000 + i] * (i % 3)} for i in range(70)]
+    recs.append({"timestamp": 7100, "input_length": 50_000, "output_length": 4,
+                 "hash_ids": [0, 10]})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\nnot json\n")
+    picked = mooncake_slice(str(path), sample=3, requests=None, max_prompt_tokens=24_000)
+    keys = {conversation_key(json.loads(line)["hash_ids"]) for line in picked[:-1]}
+    assert picked[-1].strip() == "not json"
+    assert 0 < len(keys) < 7  # some conversations, not all of them
+    for r in recs[:70]:  # a picked conversation is replayed whole, the others not at all
+        assert (json.dumps(r) + "\n" in picked) == (conversation_key(r["hash_ids"]) in keys)
+    assert all(json.loads(line)["input_length"] <= 24_000 for line in picked[:-1])
+    head = mooncake_slice(str(path), sample=None, requests=5, max_prompt_tokens=24_000)
+    assert [json.loads(line)["timestamp"] for line in head] == [0, 100, 200, 300, 400]
+
+
 @pytest.fixture(scope="module")
 def sae_server(tmp_path_factory):
     from conftest import start_server, stop_server

@@ -5,7 +5,13 @@ requests; content-faithful token ids) or, with ``--trace mooncake``, the first `
 requests of the Mooncake conversation trace (each 512-token block hash becomes 512 fixed token
 ids, ``traces.load_mooncake``), replayed open-loop through ``Engine.async_generate`` at its
 arrival times compressed by ``--speedup``, with a KV budget (``max_total_tokens``) well below the
-trace's unique tokens so the prefix cache has to evict. The open-loop schedule moves the hit rate
+trace's unique tokens so the prefix cache has to evict. The Mooncake trace is an hour of a
+cluster's traffic (~46K prompt tokens/s), more than one GPU serves: ``--sample-conversations K``
+replays one conversation in K (a conversation: the requests sharing the block after the common
+system block, picked by a hash of that block's id) over the whole hour, compressed by
+``--speedup`` (60: ~59 s), with the KV pool 10 % of the sample's unique tokens (the replay's
+10 % column). ``--requests N`` instead replays the trace's first N requests, which share little
+(4 % of their tokens at N=200: the conversations have only begun). The open-loop schedule moves the hit rate
 between runs, so ``--rounds N`` runs every variant N times, alternating which goes first; the
 per-run values are kept (``<metric>_all``) and the headline rows take their mean. Each request generates a few tokens
 (``ignore_eos``); the next turn's prompt carries the trace's recorded answer, as a client resending
@@ -51,8 +57,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     if not Path(kwargs["model_path"]).is_absolute():
         kwargs["model_path"] = str(repo / kwargs["model_path"])
     if params.get("trace") == "mooncake":
-        trace = _mooncake_head(traces, os.environ["SGLANG_PIC_BENCH_TRACE_FILE"],
-                               params["requests"])
+        trace = traces.load_mooncake(os.environ["SGLANG_PIC_BENCH_TRACE_FILE"])
     else:
         trace = traces.generate("mix", scale=params["scale"], seed=params["seed"])
     limit = params["max_prompt_tokens"]
@@ -94,8 +99,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         return await asyncio.gather(*(one(r, start) for r in trace))
 
     try:
-        # warm-up outside the trace's token range (JIT compile); then flush, so both start empty
-        engine.generate(input_ids=[7] * 512, sampling_params={"max_new_tokens": 2})
+        # warm-up outside the trace's token range, through every kernel path the replay takes
+        # (a cold prompt, a prefix hit extended, a batch of prompts), so that first-use compiles
+        # land here and not in the timed replay; then flush, so every variant starts empty
+        warm = {"max_new_tokens": 2, "ignore_eos": True}
+        engine.generate(input_ids=[7] * 512, sampling_params=warm)
+        engine.generate(input_ids=[7] * 512 + [8] * 1024, sampling_params=warm)
+        engine.generate(input_ids=[[9, j] + [7] * 700 for j in range(4)], sampling_params=warm)
         engine.flush_cache()
         t = time.perf_counter()
         outs = engine.loop.run_until_complete(replay())
@@ -121,24 +131,40 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     }
 
 
-def _mooncake_head(traces, path: str, n: int) -> list:
-    """The first ``n`` records of a Mooncake trace file (by line; the file is in time order),
-    loaded by ``traces.load_mooncake`` (which reports and skips malformed lines)."""
-    import tempfile
+def conversation_key(hash_ids: list[int]) -> int:
+    """A Mooncake request's conversation: the id of its block after the system block that every
+    request shares (the trace has no session ids; a later turn resends the earlier turns, so it
+    starts with the same blocks)."""
+    return hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
 
-    lines = []
+
+def mooncake_slice(path: str, *, sample: int | None, requests: int | None,
+                   max_prompt_tokens: int) -> list[str]:
+    """The trace lines to replay: one conversation in ``sample`` (by a multiplicative hash of
+    its key, so the pick does not follow the ids' order of first appearance) over the whole
+    trace, or the first ``requests`` lines; prompts above ``max_prompt_tokens`` are left out
+    (the engine's context). Malformed lines are kept: the loader reports and skips them."""
+    import json
+
+    out = []
     with open(path) as f:
         for line in f:
-            if line.strip():
-                lines.append(line)
-            if len(lines) >= n:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                key, n_in = conversation_key(rec["hash_ids"]), int(rec["input_length"])
+            except (ValueError, KeyError, IndexError, TypeError):
+                out.append(line)
+                continue
+            if n_in > max_prompt_tokens:
+                continue
+            if sample is not None and (key * 2654435761) % 2**32 % sample:
+                continue
+            out.append(line)
+            if requests is not None and len(out) >= requests:
                 break
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as tmp:
-        tmp.writelines(lines)
-    try:
-        return traces.load_mooncake(tmp.name)
-    finally:
-        os.unlink(tmp.name)
+    return out
 
 
 def _policy_profile(path: Path) -> dict:
@@ -169,7 +195,9 @@ ENGINE_KWARGS = {**LLAMA3_8B_DUMMY, "context_length": 32768, "max_total_tokens":
                  "mem_fraction_static": 0.80, "cuda_graph_max_bs_decode": 64}
 PARAMS = {"scale": 60, "seed": 0, "speedup": 8.0, "output_tokens": 16, "vocab": 120000,
           "max_prompt_tokens": 24000, "trace": "mix"}
-MOONCAKE_KV_TOKENS = 262144
+MOONCAKE_SAMPLE = 40  # one conversation in 40: 241 requests, 1.84M prompt tokens
+MOONCAKE_SPEEDUP = 60.0  # the trace's hour in ~59 s: ~60 % of an H200's 8B prefill
+MOONCAKE_POOL_FRACTION = 0.10
 MOONCAKE_TRACE = HERE.parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
@@ -182,11 +210,11 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=PARAMS["scale"])
     ap.add_argument("--kv-tokens", type=int, default=None,
                     help=f"KV pool tokens (default {ENGINE_KWARGS['max_total_tokens']}; "
-                         f"--trace mooncake: {MOONCAKE_KV_TOKENS}, ~10 %% of the unique tokens of "
-                         "its first 400 requests)")
+                         f"--trace mooncake: {100 * MOONCAKE_POOL_FRACTION:.0f} %% of the replayed "
+                         "requests' unique tokens)")
     ap.add_argument("--speedup", type=float, default=None,
                     help=f"arrival-time compression (default {PARAMS['speedup']}; --trace "
-                         "mooncake: 1, real time: its requests carry ~9K-token prompts)")
+                         f"mooncake: {MOONCAKE_SPEEDUP:g})")
     ap.add_argument("--seed", type=int, default=PARAMS["seed"], help="trace generator seed")
     ap.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny trace")
     ap.add_argument("--no-cuda-graph", action="store_true",
@@ -199,8 +227,11 @@ def main() -> None:
                     help="generated mixed traffic, or the head of the Mooncake conversation trace")
     ap.add_argument("--trace-file", default=str(MOONCAKE_TRACE),
                     help="the Mooncake JSONL (--trace mooncake)")
-    ap.add_argument("--requests", type=int, default=400,
-                    help="--trace mooncake: how many of its first requests to replay")
+    ap.add_argument("--sample-conversations", type=int, default=MOONCAKE_SAMPLE, metavar="K",
+                    help="--trace mooncake: replay one conversation in K over the whole trace "
+                         f"(default {MOONCAKE_SAMPLE})")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="--trace mooncake: replay the trace's first N requests instead")
     ap.add_argument("--resume-from", default=None, metavar="REPORT",
                     help="an earlier call's report of this run (same settings; e.g. "
                          "benchmark/results/eviction_e2e_mooncake_h200.json): this call's rounds "
@@ -209,15 +240,38 @@ def main() -> None:
                     help="runs per variant, alternating which goes first (hit rate and TTFT "
                          "are reported per run and as their mean)")
     args = ap.parse_args()
-    if args.requests < 1 or args.rounds < 1:
-        ap.error("--requests and --rounds must be at least 1")
+    if (args.requests is not None and args.requests < 1) or args.rounds < 1 \
+            or args.sample_conversations < 1:
+        ap.error("--requests, --sample-conversations and --rounds must be at least 1")
     if args.trace == "mooncake" and not Path(args.trace_file).is_file():
         ap.error(f"--trace-file {args.trace_file}: no such file")
     mooncake = args.trace == "mooncake"
-    if args.kv_tokens is None:
-        args.kv_tokens = MOONCAKE_KV_TOKENS if mooncake else ENGINE_KWARGS["max_total_tokens"]
     if args.speedup is None:
-        args.speedup = 1.0 if mooncake else PARAMS["speedup"]
+        args.speedup = MOONCAKE_SPEEDUP if mooncake else PARAMS["speedup"]
+    if mooncake:
+        import tempfile
+
+        import traces
+
+        lines = mooncake_slice(args.trace_file,
+                               sample=None if args.requests else args.sample_conversations,
+                               requests=args.requests,
+                               max_prompt_tokens=PARAMS["max_prompt_tokens"])
+        # the variants' processes read the slice from here (the run's own copy)
+        slice_file = Path(tempfile.mkdtemp()) / "mooncake_slice.jsonl"
+        slice_file.write_text("".join(lines))
+        sliced = traces.load_mooncake(slice_file)
+        unique = traces.unique_tokens(sliced)
+        if not sliced:
+            ap.error(f"--trace-file {args.trace_file}: no request to replay")
+        if args.kv_tokens is None:
+            args.kv_tokens = max(int(MOONCAKE_POOL_FRACTION * unique),
+                                 PARAMS["max_prompt_tokens"] + 2 * PARAMS["output_tokens"])
+        print(f"mooncake slice: {len(sliced)} requests, "
+              f"{sum(len(r.prompt) for r in sliced)} prompt tokens, {unique} unique; "
+              f"KV pool {args.kv_tokens} tokens; {sliced[-1].t / args.speedup:.0f} s of arrivals")
+    if args.kv_tokens is None:
+        args.kv_tokens = ENGINE_KWARGS["max_total_tokens"]
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": args.kv_tokens}
     if args.no_cuda_graph:
         kwargs["disable_cuda_graph"] = True
@@ -228,8 +282,10 @@ def main() -> None:
         # the trace's bytes name it (a later call's --resume-from may find it elsewhere); the
         # variants' processes read it from where it is now
         params.update(trace_sha256=hashlib.sha256(Path(args.trace_file).read_bytes()).hexdigest(),
-                      requests=args.requests)
-        os.environ["SGLANG_PIC_BENCH_TRACE_FILE"] = str(Path(args.trace_file).resolve())
+                      requests=len(sliced), first_requests=args.requests,
+                      sample_conversations=None if args.requests else args.sample_conversations,
+                      unique_tokens=unique)
+        os.environ["SGLANG_PIC_BENCH_TRACE_FILE"] = str(slice_file)
         name = "eviction_e2e_mooncake_h200"
     if args.pic_first:
         name += "_pic_first"
