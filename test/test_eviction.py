@@ -413,6 +413,22 @@ def test_mooncake_slice_samples_whole_conversations_and_keeps_bad_lines(tmp_path
     assert [json.loads(line)["timestamp"] for line in head] == [0, 100, 200, 300, 400]
 
 
+def test_e2e_figure_draws_per_request_cdfs_and_older_reports(tmp_path):
+    """``bench_e2e.py``'s figure from a report with every request's TTFT (two runs a variant)
+    and from an older one that kept only p50 / p99."""
+    from bench_e2e import plot_e2e
+
+    run = {"policy": "lru", "requests": 3, "token_hit_rate": 0.2,
+           "token_hit_rate_all": [0.2, 0.22], "ttft_p50_ms": 5.0, "ttft_p99_ms": 9.0,
+           "request_ttft_ms_all": [[1.0, 5.0, 9.0], [2.0, 4.0, 8.0]]}
+    older = {k: v for k, v in run.items() if k != "request_ttft_ms_all"}
+    for name, result in (("new", run), ("older", older)):
+        report = {"benchmark": name, "rounds": 2, "params": {},
+                  "results": {"vanilla": result, "sglang-pic": {**result, "policy": "sae"}}}
+        out = plot_e2e(report, tmp_path / f"{name}.png")
+        assert out.stat().st_size > 10_000  # a drawn figure, not an empty file
+
+
 @pytest.fixture(scope="module")
 def sae_server(tmp_path_factory):
     from conftest import start_server, stop_server

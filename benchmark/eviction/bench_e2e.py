@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import sys
 import time
@@ -118,6 +119,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     per_run = {"token_hit_rate": cached / prompt, "ttft_p50_ms": 1000 * _percentile(ttft, 50),
                "ttft_p99_ms": 1000 * _percentile(ttft, 99)}
     return {**profile, **{f"{k}_all": [v] for k, v in per_run.items()},
+        # every request's TTFT in arrival order, one list per run (the plot's CDFs)
+        "request_ttft_ms_all": [[round(1000 * t, 3) for t in ttft]],
         "engine_start_s": start_s,
         "requests": len(outs),
         "prompt_tokens": prompt,
@@ -144,8 +147,6 @@ def mooncake_slice(path: str, *, sample: int | None, requests: int | None,
     its key, so the pick does not follow the ids' order of first appearance) over the whole
     trace, or the first ``requests`` lines; prompts above ``max_prompt_tokens`` are left out
     (the engine's context). Malformed lines are kept: the loader reports and skips them."""
-    import json
-
     out = []
     with open(path) as f:
         for line in f:
@@ -171,8 +172,6 @@ def _policy_profile(path: Path) -> dict:
     """The scheduler's own account (``SGLANG_PIC_SAE_STATS``, dumped after every evict pass) of
     the policy's time against its busy time: whole evict passes (SGLang's heap and frees plus
     our scoring) and the callbacks outside them (requests, inserts, splits, hits)."""
-    import json
-
     if not path.exists():
         return {"policy_profile": "no evict pass"}
     s = json.loads(path.read_text())
@@ -201,9 +200,55 @@ MOONCAKE_POOL_FRACTION = 0.10
 MOONCAKE_TRACE = HERE.parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
+def plot_e2e(report: dict, out: Path) -> Path:
+    """Each variant's TTFT distribution (one line per run; from ``request_ttft_ms_all``) beside
+    its token hit rate per run: the figure of a ``bench_e2e.py`` report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from harness import save_figure
+
+    results = {v: r for v, r in report["results"].items() if "token_hit_rate" in r}
+    fig, (ax_cdf, ax_hit) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (variant, r) in enumerate(results.items()):
+        label = f"{variant} ({r.get('policy', '?')})"
+        for j, ttft in enumerate(r.get("request_ttft_ms_all", [])):
+            xs = sorted(ttft)
+            ys = [(k + 1) / len(xs) for k in range(len(xs))]
+            ax_cdf.step(xs, ys, where="post", color=colors[i % len(colors)], alpha=0.8,
+                        label=label if j == 0 else None)
+        if "request_ttft_ms_all" not in r:  # an older report: its p50 and p99, points of the CDF
+            p50s = r.get("ttft_p50_ms_all", [r["ttft_p50_ms"]])
+            p99s = r.get("ttft_p99_ms_all", [r["ttft_p99_ms"]])
+            for j, (p50, p99) in enumerate(zip(p50s, p99s, strict=True)):
+                ax_cdf.plot([p50, p99], [0.5, 0.99], "o--", color=colors[i % len(colors)],
+                            label=f"{label}: p50, p99" if j == 0 else None)
+        hits = r.get("token_hit_rate_all", [r["token_hit_rate"]])
+        ax_hit.bar(i, sum(hits) / len(hits), color=colors[i % len(colors)], alpha=0.6)
+        ax_hit.plot([i] * len(hits), hits, "k.", ms=6)
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_xlabel("TTFT (ms, log)")
+    ax_cdf.set_ylabel("share of requests")
+    ax_cdf.set_ylim(0, 1.02)
+    ax_cdf.grid(alpha=0.3)
+    if ax_cdf.get_legend_handles_labels()[0]:
+        ax_cdf.legend(loc="upper left", fontsize=8)
+    ax_hit.set_xticks(range(len(results)), [r.get("policy", v) for v, r in results.items()])
+    ax_hit.set_ylabel("token hit rate (bar: mean; dots: runs)")
+    rounds = report.get("rounds", 1)
+    fig.suptitle(f"{report['benchmark']}: {rounds} run(s) per variant, "
+                 f"{next(iter(results.values()), {}).get('requests', '?')} requests",
+                 fontsize=10)
+    fig_path = save_figure(fig, out)
+    plt.close(fig)
+    return fig_path
+
+
 def main() -> None:
     from bench_eviction import SGLANG_POLICIES
-    from harness import run_side_by_side, smoke_dir
+    from harness import RESULTS, run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -236,10 +281,18 @@ def main() -> None:
                     help="an earlier call's report of this run (same settings; e.g. "
                          "benchmark/results/eviction_e2e_mooncake_h200.json): this call's rounds "
                          "continue its alternation and pool with its runs")
+    ap.add_argument("--plot", default=None, metavar="REPORT",
+                    help="only draw the figure of an earlier report (next to it, .png)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per variant, alternating which goes first (hit rate and TTFT "
                          "are reported per run and as their mean)")
     args = ap.parse_args()
+    if args.plot:
+        report_path = Path(args.plot)
+        if not report_path.is_file():
+            ap.error(f"--plot {args.plot}: no such file")
+        plot_e2e(json.loads(report_path.read_text()), report_path.with_suffix(".png"))
+        return
     if (args.requests is not None and args.requests < 1) or args.rounds < 1 \
             or args.sample_conversations < 1:
         ap.error("--requests, --sample-conversations and --rounds must be at least 1")
@@ -323,6 +376,7 @@ def main() -> None:
                               out_dir=args.out, variant_kwargs=variant_kwargs, timeout_s=1800,
                               variants=variants, rounds=args.rounds,
                               resume_from=args.resume_from)
+    plot_e2e(report, Path(args.out or RESULTS) / f"{name}.png")
     print(f"\n{'variant':<16}{'policy':<8}{'hit rate':>10}{'TTFT p50 ms':>13}{'p99 ms':>10}")
     for v, r in report["results"].items():
         if "token_hit_rate" in r:
