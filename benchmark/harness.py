@@ -161,8 +161,10 @@ def merge_rounds(runs: list[dict]) -> dict:
     if failed or len(runs) == 1:
         return failed[0] if failed else runs[0]
     merged = dict(runs[0])
-    for key, value in runs[0].items():
-        if key.endswith("_all") and isinstance(value, list):
+    # every round's sample lists, also one the first round did not record (a resumed run whose
+    # earlier rounds predate a new list keeps the new rounds' samples)
+    for key in dict.fromkeys(k for r in runs for k in r):
+        if key.endswith("_all") and all(isinstance(r.get(key, []), list) for r in runs):
             metric = key.removesuffix("_all")
             samples = [x for r in runs for x in r.get(key, [])]
             merged[key] = samples
@@ -170,7 +172,8 @@ def merge_rounds(runs: list[dict]) -> dict:
                 continue  # e.g. per-sample phase splits: pooled, no median of their own
             merged[metric] = statistics.median(samples)
             merged[f"{metric}_rounds"] = [  # a run may itself be pooled rounds (resume_from)
-                x for r in runs for x in (r.get(f"{metric}_rounds") or [r.get(metric)])]
+                x for r in runs for x in (r.get(f"{metric}_rounds") or [r.get(metric)])
+                if x is not None]
     merged["rounds"] = sum(int(r.get("rounds", 1)) for r in runs)
     return merged
 

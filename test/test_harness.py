@@ -64,6 +64,10 @@ def test_rounds_pool_samples_and_keep_each_rounds_median():
     merged = merge_rounds([a, b])
     assert merged["phases_8192_all"] == [{"loading_ms": 70.0}, {"loading_ms": 80.0}]
     assert merged["phases_8192"] == {"loading_ms": 70.0}  # the first round's
+    # a list the first round did not record yet (its report predates it) keeps the later ones'
+    b["request_ttft_ms_all"] = [[1.0, 9.0]]
+    merged = merge_rounds([a, b])
+    assert merged["request_ttft_ms_all"] == [[1.0, 9.0]]
 
 
 def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_path,
