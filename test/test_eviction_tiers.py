@@ -353,3 +353,50 @@ def test_hicache_write_back_drop_without_host_room_is_reported(clock, monkeypatc
     assert len(top.children) == 2 and sae.events["evictions"] == 0
     cache._drop_subtree_no_host(top)
     assert not cache.root_node.children and sae.events["evictions"] == 3
+
+
+def _hicache_insert(cache, rid: str, ids: list[int], segments, *, match: bool = True) -> None:
+    """One insert of a request's tokens typed by ``segments`` (after its match, the first
+    time), with the host writes it started acknowledged."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+
+    if match:
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(list(ids)), req=SimpleNamespace(rid=rid)))
+    ctx = RequestContext(segments=segments, prompt_len=segments[-1][0], rid=rid)
+    with using(ctx):
+        cache.insert(InsertParams(key=RadixKey(list(ids)), value=torch.arange(len(ids))))
+    for ack in list(cache.ongoing_write_through):
+        cache._finish_write_through_ack(ack, release_lock=True)
+
+
+@pytest.mark.parametrize("policy", ["sae", "lru"])
+def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
+        clock, monkeypatch, policy):
+    """A request's prompt and its chain-of-thought reach HiCache's write-through. ``sae`` copies
+    the prompt to the host tier and defers the chain-of-thought (its ``evict_first`` queue: the
+    first the device gives up), also at the same request's second insert; another request that
+    reuses it copies it, and its own tokens below it. SGLang's own policies copy everything at
+    once."""
+    cache = _hicache(policy, clock, monkeypatch)
+    prompt, cot = list(range(100, 132)), list(range(500, 516))
+    typed = [(0, "user"), (32, "cot")]
+    _hicache_insert(cache, "r0", prompt, [(0, "user"), (32, "cot")])  # the prompt, cached
+    _hicache_insert(cache, "r0", prompt + cot, typed, match=False)  # and its output
+    top = cache.root_node.children[100]
+    (out,) = top.children.values()
+    assert top.backuped and list(out.key.token_ids) == cot
+    if policy == "lru":
+        assert out.backuped
+        return
+    sae = cache.eviction_strategy
+    assert out.sae.queue == "evict_first" and not out.backuped
+    assert sae.events["host_writes_deferred"] == 1
+    _hicache_insert(cache, "r0", prompt + cot, typed, match=False)  # r0 again: still deferred
+    assert not out.backuped and sae.events["host_writes_deferred"] == 2
+    clock.now += 5.0
+    _hicache_insert(cache, "r1", prompt + cot + [7, 7], [(0, "user"), (48, "decode")])
+    (tail,) = out.children.values()  # r1's own tokens, below the reused block
+    assert out.backuped and out.sae.last_hit is not None and tail.backuped
+    assert sae.events["host_writes_deferred"] == 2

@@ -29,6 +29,9 @@ tier - is ``on_demote`` for a policy that has it (the block is still cached), el
 ``evict_host`` (ordered by SGLang with the policy's ``get_priority``) is one evict pass for the
 policy and reports ``on_evict`` for every block it removes from the tree, as does
 ``_drop_subtree_no_host`` (``write_back`` finding no host room drops a subtree from both tiers).
+What write-through copies to the host tier is the policy's too: ``write_backup`` asks a policy
+with ``worth_host_copy(node)`` first (``sae`` defers the blocks it would evict first until they
+are reused); ``write_back``'s copies, of blocks the device evict has chosen, are not asked.
 
 With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_prefix`` runs
 ``RadixCache.match_prefix`` once per segment and whose ``cache_finished_req`` /
@@ -329,6 +332,26 @@ def around_drop_subtree(original, self, root, *args, **kwargs):
     return result
 
 
+def around_write_backup(original, self, node, *args, **kwargs):
+    """HiCache copies a block to the host tier: on insert or reuse with ``write_through`` (and
+    ``write_through_selective`` past its hit count), or as the device tier evicts it with
+    ``write_back``. A write-through copy of a block the policy finds not worth it
+    (``worth_host_copy``) is skipped, as SGLang skips one whose parent has no copy (0 tokens
+    written; SGLang asks again at the block's next insert). A ``write_back`` copy is not asked:
+    the device evict has chosen the block, and without a copy SGLang drops its subtree."""
+    write_back = kwargs.get("write_back", args[0] if args else False)
+    strategy = _learner(self)
+    worth = getattr(strategy, "worth_host_copy", None)
+    if not write_back and worth is not None:
+        offset, up = 0, node.parent  # the block's depth, for one not typed yet (a new block)
+        while up is not None and up is not self.root_node:
+            offset += len(up.key)
+            up = up.parent
+        if not worth(node, ctxmod.current(), offset):
+            return 0
+    return original(self, node, *args, **kwargs)
+
+
 def around_evict_host(original, self, num_tokens, *args, **kwargs):
     """HiCache's host-tier eviction. SGLang orders it by the same ``get_priority`` as the
     device tier; this makes it one pass for the policy (one clock reading) and reports each
@@ -446,6 +469,7 @@ def register() -> None:
     HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}.evict_host", around_evict_host, HookType.AROUND)
+    HookRegistry.register(f"{HIRADIX}.write_backup", around_write_backup, HookType.AROUND)
     HookRegistry.register(f"{HIRADIX}._drop_subtree_no_host", around_drop_subtree,
                           HookType.AROUND)
     # the span cache matches per segment and caches segmented requests itself

@@ -243,6 +243,29 @@ class SAEStrategy(EvictionStrategy):
         request still sees the branch as the session's."""
         return info.turn < self.session_turn.get(info.session_id, 0)
 
+    def worth_host_copy(self, node, ctx: RequestContext | None = None, offset: int = 0) -> bool:
+        """Whether HiCache's write-through copies this block to the host tier now.
+
+        A block of the ``evict_first`` queue - a chain-of-thought, a single-turn request's own
+        tokens - is the first the device tier gives up and the least likely to be asked for
+        again: copying it spends PCIe bandwidth and host room that the host tier's eviction
+        then has to win back. It gets no copy until it is reused (a hit, ``on_hit``): SGLang
+        asks again at every insert through the block (``HiRadixCache._inc_hit_count``), and a
+        request that matched it reports the hit before its insert. A reused block is copied
+        whatever its queue: write-through keeps the host copies a prefix of the tree, so a
+        block without one also holds back every block below it. The rule reads the block's
+        queue and whether it was hit, which follow the request stream alone, so the
+        tensor-parallel ranks' caches decide alike (no clock or learned rate in it). SGLang
+        writes a new block inside ``insert``, before ``on_insert`` has typed it: then the
+        inserting request's context ``ctx`` and the block's depth ``offset`` say what it is."""
+        info: BlockInfo | None = getattr(node, "sae", None)
+        if info is None and ctx is not None:
+            info = self._new_info(ctx, offset, len(node.key))
+        if info is None or info.queue != "evict_first" or info.last_hit is not None:
+            return True
+        self.events["host_writes_deferred"] += 1
+        return False
+
     def begin_evict(self) -> None:
         """Called by the hooks when SGLang starts an evict pass: one clock reading per pass."""
         self._pass_now = self.now_fn()
@@ -465,18 +488,9 @@ class SAEStrategy(EvictionStrategy):
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
-        # ``offset`` is the block's depth in its tree (a span segment's tree starts at the
-        # segment); its token type is that of where it sits in the request
-        ttype = ctx.token_type_at(ctx.key_start + offset)
-        # a span prefill caches blocks for the requests waiting on it: no requester yet
-        seen, requester = (0, None) if ctx.on_behalf else (1, ctx.requester)
-        info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
-                         max(ctx.prompt_len, offset + len(node.key)), seen, requester, ctx,
-                         turn=self.session_turn.get(ctx.session_id, 0), key_start=ctx.key_start)
-        info.queue = self.route(info)
-        node.sae = info
+        info = node.sae = self._new_info(ctx, offset, len(node.key))
         if _in_w(info):
-            self.w[ttype, info.app_type].add(len(node.key), now)
+            self.w[info.token_type, info.app_type].add(len(node.key), now)
         self.resident[info.queue] += len(node.key)
         ghost_key = block_key(node)
         if ghost_key in self.ghost:  # asked for again after we evicted it: a mistake
@@ -484,6 +498,20 @@ class SAEStrategy(EvictionStrategy):
             if kind is not None:
                 self.w[kind].hit(tokens, now)
             self.events["miss_after_eviction"] += 1
+
+    def _new_info(self, ctx: RequestContext, offset: int, tokens: int) -> BlockInfo:
+        """What a block of ``tokens`` tokens that ``ctx`` caches ``offset`` tokens deep in its
+        tree is, routed to its queue."""
+        # ``offset`` is the block's depth in its tree (a span segment's tree starts at the
+        # segment); its token type is that of where it sits in the request
+        ttype = ctx.token_type_at(ctx.key_start + offset)
+        # a span prefill caches blocks for the requests waiting on it: no requester yet
+        seen, requester = (0, None) if ctx.on_behalf else (1, ctx.requester)
+        info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
+                         max(ctx.prompt_len, offset + tokens), seen, requester, ctx,
+                         turn=self.session_turn.get(ctx.session_id, 0), key_start=ctx.key_start)
+        info.queue = self.route(info)
+        return info
 
     def on_split(self, head, tail) -> None:
         """SGLang split ``tail`` into ``head`` (its first part, a new node) + ``tail``."""
