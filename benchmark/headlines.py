@@ -262,6 +262,7 @@ LOOKUPS = "store_lookup_beside_writes.json"  # store/bench_lookup_beside_writes.
 LOOKUPS_SCHED = "store_lookup_beside_scheduler.json"  # store/bench_lookup_beside_scheduler.py
 COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
+TWO_TIER = "eviction_replay_mooncake_two_tier.json"  # eviction/two_tier.py
 E2E_MOONCAKE_PATH = ("open-loop replay on the H200 of one conversation in 40 of the Mooncake "
                      "conversation trace (241 requests, 1.84M prompt tokens), its hour compressed "
                      "60x, KV pool 10 % of the sample's unique tokens; FlashInfer, no CUDA graphs "
@@ -447,6 +448,15 @@ CLAIMS: list[Claim] = [
             higher_is_better=True, path="same replay, hits of the last 40 % of the trace by time "
             "(nothing tuned on it)", extract=_trace_replay(f"{pct}pct", "heldout_hit_rate"))
       for pct in (5, 10, 20)],
+    *[Claim(f"eviction.replay.mooncake_conv.hicache_{part}", TWO_TIER, metric,
+            baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
+            path="replay of the Mooncake conversation trace through SGLang's HiRadixCache "
+            "(CPU): a 0.5M-token device tier (an H200's pool for an 8B model) and a 4M-token "
+            "write-through host tier; hits on either tier" + where,
+            extract=_trace_replay("500000+4000000", metric))
+      for part, metric, where in (("whole", "token_hit_rate", ""),
+                                  ("heldout", "heldout_hit_rate",
+                                   ", requests of the last 40 % by time"))],
     *[Claim(f"sparse.tpot_{name}", SPARSE_E2E[case], f"tpot_ms_{case}",
             ours_variant="sglang-pic-flashinfer", target=target,
             path=f"{requests}, Llama-3-8B shape, dummy weights, decode CUDA graphs; "

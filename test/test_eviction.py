@@ -276,6 +276,27 @@ def test_replay_under_pressure_stays_within_capacity(policy):
 
 
 
+@pytest.mark.parametrize("policy", ["lru", "sae"])
+def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
+    """The HiCache replay (SGLang's ``HiRadixCache`` on a counting controller) against the
+    one-tier replay: with no host room it makes the same decisions as a ``RadixCache`` of the
+    device tier's size; with an unbounded host tier every reuse is a hit, as in an unbounded
+    ``RadixCache``, and the host tier serves what the device tier could not hold."""
+    from simulator import replay
+    from traces import generate
+    from two_tier import replay_two_tier
+
+    trace = generate("mix", scale=12, seed=3)  # its largest request: 16K tokens with output
+    one = replay(trace, policy, capacity=20_000).summary()
+    two = replay_two_tier(trace, policy, device_tokens=20_000, host_tokens=0)
+    assert two["token_hit_rate"] == one["token_hit_rate"] and two["host_hit_rate"] == 0
+    unbounded = replay(trace, policy, capacity=10**9).summary()["token_hit_rate"]
+    both = replay_two_tier(trace, policy, device_tokens=20_000, host_tokens=10**9)
+    assert both["token_hit_rate"] == pytest.approx(unbounded, abs=1e-12)
+    assert both["host_hit_rate"] > 0 and both["host_loaded_tokens"] > 0
+    assert both["token_hit_rate"] > one["token_hit_rate"]
+
+
 def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkeypatch):
     """``SGLANG_PIC_SAE_STATS`` times the policy's callbacks and evict passes (how the server's
     overhead is measured) and must not change what it evicts."""

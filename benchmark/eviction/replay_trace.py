@@ -8,7 +8,8 @@ Sizes: 5 / 10 / 20 / 40 % of the trace's unique tokens (``--fractions``) and abs
 budgets (``--tokens``; default 0.5M, an H200's KV pool for an 8B model after weights, and
 4.5M, that pool plus a ~4M-token HiCache host tier replayed as *one* tier: the simulator has a
 single ``RadixCache`` and does not model HiCache's two tiers, its write-through or load-back
-cost, so 4.5M is an upper bound for that deployment).
+cost, so 4.5M is an upper bound for that deployment; ``two_tier.py`` replays the two tiers
+through SGLang's ``HiRadixCache``).
 
 Held-out: nothing is tuned on the last ``--heldout`` (40 %) of the trace *by time*. Every
 replay runs the whole trace; hits are counted for the whole trace, for requests before the

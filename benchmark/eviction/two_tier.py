@@ -1,0 +1,279 @@
+"""Replay a trace through SGLang's own ``HiRadixCache``: a device tier and a HiCache host tier.
+
+``simulator.replay`` drives one ``RadixCache``; a deployment with HiCache has two tiers with
+their own rules: write-through copies every block to the host tier (unless the policy defers it,
+``sae.worth_host_copy``), the device tier demotes a block that has a host copy and deletes one
+that has none, the host tier evicts when a write finds it full (in the policy's order), and a
+prefix found on the host tier is loaded back before the request runs. This replays a trace
+through SGLang 0.5.17's ``HiRadixCache`` itself, with a stand-in for its cache controller that
+counts tokens instead of moving them (``_TokenCountingController``), so every one of those
+decisions is SGLang's and the policy's, as in a server with ``--enable-hierarchical-cache``.
+
+Per request, as the scheduler does: match (device part, host part), load the host part back
+(``init_load_back``: room is made on the device tier by its own eviction), cache the prompt and
+output (device eviction first if the tier is full), then acknowledge the write-through copies
+at once (on the H200 they take milliseconds; a request arriving within them would find its
+blocks not yet on the host, which this does not model). A hit is a token the request did not
+recompute: found on the device, or loaded back from the host (``host_hit_tokens``, the part
+that cost a PCIe copy instead).
+
+    .venv/bin/python benchmark/eviction/two_tier.py [--device-tokens 500000]
+        [--host-tokens 4000000] [--policies lru,fifo,...,sae] [--limit N] [--workers 2]
+
+writes ``benchmark/results/eviction_replay_mooncake_two_tier.json`` (one row per policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
+
+from simulator import (  # noqa: E402
+    CountingAllocator,
+    _Clock,
+    _node_hash,
+    _patched,
+    _slots,
+    _TimeProxy,
+    policy_spec,
+)
+
+OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake_two_tier.json"
+DEVICE_TOKENS = 500_000  # an H200's KV pool for an 8B model after its weights
+HOST_TOKENS = 4_000_000  # a HiCache host tier of ~0.5 TB of host memory at 128 KB a token
+
+
+class _TokenCountingController:
+    """What ``HiRadixCache`` asks of its cache controller, on token counts: write-through copies
+    into a host tier of ``host_tokens`` (``None`` when it is full: ``HiRadixCache`` evicts from
+    the host tier and asks again), loads back into the device tier while it has room (``None``
+    otherwise: it evicts on the device and asks again), and frees. Index values are views of
+    one shared range (``simulator._slots``): no decision depends on them."""
+
+    write_policy = "write_through"
+
+    def __init__(self, device_tokens: int, host_tokens: int) -> None:
+        self.mem_pool_device_allocator = CountingAllocator()
+        self.device_tokens, self.host_tokens = device_tokens, host_tokens
+        self.host_used = 0
+        self.written = self.loaded = 0
+        self.cache = None  # the HiRadixCache, for the device tier's occupancy
+
+    def reset(self) -> None:
+        pass
+
+    def device_used(self) -> int:
+        return self.cache.evictable_size() + self.cache.protected_size()
+
+    def write(self, device_indices, node_id, **kwargs):
+        n = len(device_indices)
+        if self.host_used + n > self.host_tokens:
+            return None
+        self.host_used += n
+        self.written += n
+        return _slots(n)
+
+    def load(self, host_indices, node_id, **kwargs):
+        n = len(host_indices)
+        if self.device_used() + n > self.device_tokens:
+            return None
+        self.loaded += n
+        return _slots(n)
+
+    def evict_device(self, device_indices) -> None:
+        pass
+
+    def evict_host(self, host_value) -> int:
+        self.host_used -= len(host_value)
+        return len(host_value)
+
+
+def make_two_tier_cache(policy: str, device_tokens: int, host_tokens: int):
+    """A ``HiRadixCache`` (write-through, page size 1) on ``_TokenCountingController``, built
+    without its transfer threads and storage machinery, with ``policy`` (a name of
+    ``simulator.policy_spec``) as its eviction strategy."""
+    from sglang.srt.mem_cache import hiradix_cache as hc
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    base, attrs = policy_spec(policy)
+    controller = _TokenCountingController(device_tokens, host_tokens)
+    cache = hc.HiRadixCache.__new__(hc.HiRadixCache)
+    cache.cache_controller = controller
+    cache.token_to_kv_pool_host = SimpleNamespace(clear=lambda: None)
+    cache.prefetch_loaded_tokens_by_reqid = {}
+    cache.evictable_host_leaves = set()
+    cache.ongoing_write_through, cache.ongoing_load_back = {}, {}
+    cache.ongoing_prefetch, cache.ongoing_backup = {}, {}
+    cache.write_through_threshold, cache.load_back_threshold = 1, 10  # SGLang's, write_through
+    cache.enable_storage = False
+    RadixCache.__init__(cache, CacheInitParams(
+        disable=False, req_to_token_pool=None,
+        token_to_kv_pool_allocator=CountingAllocator(), page_size=1, eviction_policy=base))
+    for k, v in attrs.items():
+        setattr(cache.eviction_strategy, k, v)
+    controller.cache = cache
+    return cache, controller
+
+
+def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: int,
+                    split_t: float | None = None) -> dict:
+    """Replay ``trace`` (``traces.Request``s in time order) through a two-tier HiCache of
+    ``device_tokens`` + ``host_tokens``; returns the token hit rates (whole trace, and before /
+    from ``split_t``) with the device / host split, and the host tier's traffic."""
+    from sglang.srt.mem_cache import hiradix_cache as hc
+    from sglang.srt.mem_cache import radix_cache as rc
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+
+    rc.TreeNode.counter = 0
+    cache, ctl = make_two_tier_cache(policy, device_tokens, host_tokens)
+    clock = _Clock()
+    strategy = cache.eviction_strategy
+    if hasattr(strategy, "now_fn"):
+        strategy.now_fn = clock.monotonic
+    prompt = device_hit = host_hit = 0
+    parts = {"first": [0, 0], "heldout": [0, 0]}
+    wall0 = time.perf_counter()
+    with _patched(rc, "time", _TimeProxy(clock)), _patched(hc, "time", _TimeProxy(clock)), \
+            _patched(rc.TreeNode, "__hash__", _node_hash):
+        for req in trace:
+            clock.now = req.t
+            ctx = RequestContext(session_id=req.session_id, app_type=req.app_type,
+                                 segments=req.segments, decode_start=len(req.prompt),
+                                 output_segments=req.output_segments,
+                                 prompt_len=len(req.prompt), now=req.t)
+            with using(ctx):
+                key = RadixKey(token_ids=array("q", req.prompt), extra_key=None)
+                match = cache.match_prefix(MatchPrefixParams(key=key))
+                on_device, loaded = len(match.device_indices), 0
+                lock = match.last_device_node
+                if match.host_hit_length > 0:
+                    values, node = cache.init_load_back(InitLoadBackParams(
+                        best_match_node=match.best_match_node,
+                        host_hit_length=match.host_hit_length))
+                    loaded = len(values)
+                    if loaded:
+                        lock = None  # load_back holds its own lock until the load is done
+                if lock is not None:
+                    cache.inc_lock_ref(lock)
+                full = array("q", req.prompt) + array("q", req.output)
+                hit = min(on_device + loaded, len(req.prompt))
+                need = len(full) - on_device - loaded
+                if ctl.device_used() + need > device_tokens:
+                    cache.evict(EvictParams(num_tokens=ctl.device_used() + need - device_tokens))
+                if device_tokens - ctl.device_used() >= need:
+                    cache.insert(InsertParams(key=RadixKey(token_ids=full, extra_key=None),
+                                              value=_slots(len(full))))
+                for ack in list(cache.ongoing_write_through):
+                    cache._finish_write_through_ack(ack, release_lock=True)
+                for node in cache.ongoing_load_back.values():  # the load done, as loading_check
+                    cache.dec_lock_ref(node)
+                cache.ongoing_load_back.clear()
+                if lock is not None:
+                    cache.dec_lock_ref(lock)
+            prompt += len(req.prompt)
+            device_hit += min(on_device, len(req.prompt))
+            host_hit += hit - min(on_device, len(req.prompt))
+            part = parts["heldout" if split_t is not None and req.t >= split_t else "first"]
+            part[0] += hit
+            part[1] += len(req.prompt)
+    events = dict(getattr(strategy, "events", {}))
+    return {
+        "policy": policy, "size": f"{device_tokens}+{host_tokens}",
+        "device_tokens": device_tokens, "host_tokens": host_tokens,
+        "requests": len(trace), "prompt_tokens": prompt,
+        "token_hit_rate": (device_hit + host_hit) / max(prompt, 1),
+        "device_hit_rate": device_hit / max(prompt, 1),
+        "host_hit_rate": host_hit / max(prompt, 1),
+        "first_hit_rate": parts["first"][0] / max(parts["first"][1], 1),
+        "heldout_hit_rate": (parts["heldout"][0] / parts["heldout"][1]
+                             if parts["heldout"][1] else None),
+        "host_written_tokens": ctl.written, "host_loaded_tokens": ctl.loaded,
+        "host_writes_deferred": events.get("host_writes_deferred", 0),
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
+_trace: list = []  # set in the parent before the workers fork
+
+
+def _run(job: tuple[str, int, int, float | None]) -> dict:
+    policy, device_tokens, host_tokens, split_t = job
+    return replay_two_tier(_trace, policy, device_tokens, host_tokens, split_t=split_t)
+
+
+def main() -> None:
+    from bench_eviction import check_policies
+    from replay_trace import POLICIES, TRACE, _register, environment
+    from traces import load_mooncake
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated eviction policies (default: SGLang's and ours)")
+    ap.add_argument("--device-tokens", type=int, default=DEVICE_TOKENS)
+    ap.add_argument("--host-tokens", type=int, default=HOST_TOKENS)
+    ap.add_argument("--heldout", type=float, default=0.4,
+                    help="share of the trace, by time, reported apart (the last part)")
+    ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    policies = check_policies(args.policies)
+    if args.device_tokens < 1 or args.host_tokens < 0:
+        ap.error("--device-tokens must be positive and --host-tokens not negative")
+    if not 0 <= args.heldout < 1:
+        ap.error("--heldout must be in [0, 1)")
+    if not Path(args.trace).is_file():
+        ap.error(f"--trace {args.trace}: no such file")
+    global _trace
+    _register()
+    _trace = load_mooncake(args.trace)[: args.limit]
+    t_end = _trace[-1].t if _trace else 0.0
+    split_t = t_end * (1 - args.heldout) if args.heldout else None
+    jobs = [(p, args.device_tokens, args.host_tokens, split_t) for p in policies]
+    print(f"{len(_trace)} requests; device {args.device_tokens} + host {args.host_tokens} "
+          f"tokens; {len(jobs)} replays on {args.workers} worker(s)", flush=True)
+    t0, rows = time.perf_counter(), []
+    with mp.get_context("fork").Pool(args.workers) as pool:
+        for row in pool.imap_unordered(_run, jobs):
+            rows.append(row)
+            print(f"[{time.perf_counter() - t0:5.0f}s] {row['policy']:<9} hit "
+                  f"{row['token_hit_rate']:.4f} (device {row['device_hit_rate']:.4f}, host "
+                  f"{row['host_hit_rate']:.4f}); held out {row['heldout_hit_rate'] or 0:.4f}; "
+                  f"host writes {row['host_written_tokens']}", flush=True)
+    rows.sort(key=lambda r: policies.index(r["policy"]))
+    out = Path(args.out) if args.out else OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "eviction_replay_two_tier", "environment": environment(),
+        "trace": str(args.trace), "limit": args.limit, "heldout": args.heldout,
+        "split_t": split_t, "device_tokens": args.device_tokens,
+        "host_tokens": args.host_tokens, "rows": rows}, indent=1))
+    print(f"\n{'policy':<10}{'hit':>8}{'device':>8}{'host':>8}{'held out':>10}")
+    for r in rows:
+        print(f"{r['policy']:<10}{r['token_hit_rate']:>8.4f}{r['device_hit_rate']:>8.4f}"
+              f"{r['host_hit_rate']:>8.4f}{r['heldout_hit_rate'] or 0:>10.4f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
