@@ -121,6 +121,28 @@ def _trace_replay(size: str, metric: str = "token_hit_rate", baselines: tuple[st
     return extract
 
 
+def _two_tier(workload: str, metric: str, baseline: str | None = None, baselines: tuple[str, ...] = (
+        "lru", "lfu", "fifo", "slru", "gdsf", "s3fifo", "tlru")):
+    """Two-tier replay of generated workloads (``two_tier.py --workloads``): per seed, ``sae``'s
+    ``metric`` against ``baseline``'s, or the best baseline's by mean hit rate over seeds."""
+
+    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
+        by_policy: dict[str, dict[str, dict]] = {}
+        for r in report["rows"]:
+            name, _, seed = r["workload"].partition(":")
+            if name == workload:
+                by_policy.setdefault(r["policy"], {})[seed] = r
+        other = baseline or max((p for p in baselines if p in by_policy), key=lambda p:
+                                statistics.mean(r["token_hit_rate"]
+                                                for r in by_policy[p].values()))
+        seeds = sorted(by_policy["sae"])
+        return ([by_policy[other][s][metric] for s in seeds],
+                [by_policy["sae"][s][metric] for s in seeds],
+                f"against {other}; {len(seeds)} seeds")
+
+    return extract
+
+
 def _better_vanilla(metric: str, higher_is_better: bool = False):
     """End-to-end eviction (``eviction/bench_e2e.py --rounds N``): the per-run values of the
     vanilla policy with the better mean of this row's metric, and of ``sae``. Each row takes
@@ -263,6 +285,10 @@ LOOKUPS_SCHED = "store_lookup_beside_scheduler.json"  # store/bench_lookup_besid
 COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
 TWO_TIER = "eviction_replay_mooncake_two_tier.json"  # eviction/two_tier.py
+TWO_TIER_GENERATED = "eviction_two_tier_generated.json"  # eviction/two_tier.py --workloads
+TWO_TIER_GENERATED_PATH = ("replay of generated traffic (scale 100, 3 seeds) through SGLang's "
+                           "HiRadixCache (CPU): device tier 5 % and write-through host tier 20 % "
+                           "of each trace's unique tokens")
 E2E_MOONCAKE_PATH = ("open-loop replay on the H200 of one conversation in 40 of the Mooncake "
                      "conversation trace (241 requests, 1.84M prompt tokens), its hour compressed "
                      "60x, KV pool 10 % of the sample's unique tokens; FlashInfer, no CUDA graphs "
@@ -457,6 +483,17 @@ CLAIMS: list[Claim] = [
       for part, metric, where in (("whole", "token_hit_rate", ""),
                                   ("heldout", "heldout_hit_rate",
                                    ", requests of the last 40 % by time"))],
+    *[Claim(f"eviction.two_tier.generated_{w}", TWO_TIER_GENERATED, "token_hit_rate",
+            baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
+            center=statistics.mean, path=TWO_TIER_GENERATED_PATH,
+            extract=_two_tier(w, "token_hit_rate"))
+      for w in ("mix", "chat", "agent", "single_heavy", "shift")],
+    *[Claim(f"eviction.two_tier.host_writes_{w}", TWO_TIER_GENERATED, "host_written_tokens",
+            baseline_variant="sae-copy-all", ours_variant="sae", center=statistics.mean,
+            path=TWO_TIER_GENERATED_PATH + "; tokens written to the host tier, sae deferring "
+            "its evict_first blocks' copies against sae copying every block",
+            extract=_two_tier(w, "host_written_tokens", "sae-copy-all"))
+      for w in ("mix", "single_heavy")],
     *[Claim(f"sparse.tpot_{name}", SPARSE_E2E[case], f"tpot_ms_{case}",
             ours_variant="sglang-pic-flashinfer", target=target,
             path=f"{requests}, Llama-3-8B shape, dummy weights, decode CUDA graphs; "

@@ -371,15 +371,17 @@ def _hicache_insert(cache, rid: str, ids: list[int], segments, *, match: bool = 
         cache._finish_write_through_ack(ack, release_lock=True)
 
 
-@pytest.mark.parametrize("policy", ["sae", "lru"])
+@pytest.mark.parametrize("policy", ["sae", "lru", "sae-copy-all"])
 def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
         clock, monkeypatch, policy):
     """A request's prompt and its chain-of-thought reach HiCache's write-through. ``sae`` copies
     the prompt to the host tier and defers the chain-of-thought (its ``evict_first`` queue: the
     first the device gives up), also at the same request's second insert; another request that
     reuses it copies it, and its own tokens below it. SGLang's own policies copy everything at
-    once."""
-    cache = _hicache(policy, clock, monkeypatch)
+    once, and so does ``sae`` told not to defer (the two-tier replay's ablation)."""
+    cache = _hicache("sae" if policy == "sae-copy-all" else policy, clock, monkeypatch)
+    if policy == "sae-copy-all":
+        cache.eviction_strategy.defer_host_copies = False
     prompt, cot = list(range(100, 132)), list(range(500, 516))
     typed = [(0, "user"), (32, "cot")]
     _hicache_insert(cache, "r0", prompt, [(0, "user"), (32, "cot")])  # the prompt, cached
@@ -387,7 +389,7 @@ def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
     top = cache.root_node.children[100]
     (out,) = top.children.values()
     assert top.backuped and list(out.key.token_ids) == cot
-    if policy == "lru":
+    if policy != "sae":
         assert out.backuped
         return
     sae = cache.eviction_strategy

@@ -29,8 +29,9 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
 # sae without the session predictor / with alpha_q / with conversations inferred from the
-# prefix chain where requests carry no session (SAEStrategy.on_match)
-ABLATIONS = ("sae-nopred", "sae-alpha", "sae-conv")
+# prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
+# HiCache's host tier at once (two_tier.py; the same as sae in one tier)
+ABLATIONS = ("sae-nopred", "sae-alpha", "sae-conv", "sae-copy-all")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
 # (simulator.PARAMS_ORACLE; generated workloads other than sharegpt* only)
@@ -45,8 +46,10 @@ def known_policies() -> tuple[str, ...]:
     return SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE
 
 
-# what a run replays unless told: all but the two for traces without sessions
-DEFAULT_POLICIES = tuple(p for p in known_policies() if p not in ("sae-conv", "sae-conv-ends"))
+# what a run replays unless told: all but the two for traces without sessions and the one
+# that differs from sae only with two tiers
+DEFAULT_POLICIES = tuple(p for p in known_policies()
+                         if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all"))
 
 TLRU_SPEC = "tlru:<xi>:<q_hat>"
 """T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in

@@ -19,8 +19,16 @@ that cost a PCIe copy instead).
 
     .venv/bin/python benchmark/eviction/two_tier.py [--device-tokens 500000]
         [--host-tokens 4000000] [--policies lru,fifo,...,sae] [--limit N] [--workers 2]
+    .venv/bin/python benchmark/eviction/two_tier.py --workloads mix,chat,agent,single \
+        --fractions 0.05,0.2 --policies fifo,lru,sae,sae-copy-all
 
-writes ``benchmark/results/eviction_replay_mooncake_two_tier.json`` (one row per policy).
+The first replays the Mooncake conversation trace at the deployment sizes and writes
+``benchmark/results/eviction_replay_mooncake_two_tier.json``; the second replays generated
+workloads (``traces.generate``, ``--scale``, ``--seeds``; with token types and application
+types, so ``sae`` has chain-of-thought and single-turn blocks whose host copies it defers) with
+the tiers sized as fractions of each trace's unique tokens (device, host), and writes
+``eviction_two_tier_generated.json``: ``sae`` against ``sae-copy-all`` is what deferring is
+worth. One row per workload, seed and policy.
 """
 
 from __future__ import annotations
@@ -212,18 +220,19 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
     }
 
 
-_trace: list = []  # set in the parent before the workers fork
+_traces: dict = {}  # name -> trace, set in the parent before the workers fork
 
 
-def _run(job: tuple[str, int, int, float | None]) -> dict:
-    policy, device_tokens, host_tokens, split_t = job
-    return replay_two_tier(_trace, policy, device_tokens, host_tokens, split_t=split_t)
+def _run(job: tuple[str, str, int, int, float | None]) -> dict:
+    name, policy, device_tokens, host_tokens, split_t = job
+    row = replay_two_tier(_traces[name], policy, device_tokens, host_tokens, split_t=split_t)
+    return {"workload": name, **row}
 
 
 def main() -> None:
     from bench_eviction import check_policies
     from replay_trace import POLICIES, TRACE, _register, environment
-    from traces import load_mooncake
+    from traces import generate, load_mooncake, unique_tokens
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACE))
@@ -234,6 +243,12 @@ def main() -> None:
     ap.add_argument("--heldout", type=float, default=0.4,
                     help="share of the trace, by time, reported apart (the last part)")
     ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
+    ap.add_argument("--workloads", default=None,
+                    help="generated workloads instead of the trace (e.g. mix,chat,agent,single)")
+    ap.add_argument("--fractions", default="0.05,0.2", metavar="DEVICE,HOST",
+                    help="--workloads: each tier's size as a share of the trace's unique tokens")
+    ap.add_argument("--scale", type=int, default=100, help="--workloads: sessions per workload")
+    ap.add_argument("--seeds", type=int, default=1, help="--workloads: seeds per workload")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -242,36 +257,65 @@ def main() -> None:
         ap.error("--device-tokens must be positive and --host-tokens not negative")
     if not 0 <= args.heldout < 1:
         ap.error("--heldout must be in [0, 1)")
-    if not Path(args.trace).is_file():
-        ap.error(f"--trace {args.trace}: no such file")
-    global _trace
     _register()
-    _trace = load_mooncake(args.trace)[: args.limit]
-    t_end = _trace[-1].t if _trace else 0.0
-    split_t = t_end * (1 - args.heldout) if args.heldout else None
-    jobs = [(p, args.device_tokens, args.host_tokens, split_t) for p in policies]
-    print(f"{len(_trace)} requests; device {args.device_tokens} + host {args.host_tokens} "
-          f"tokens; {len(jobs)} replays on {args.workers} worker(s)", flush=True)
+    jobs = []
+    if args.workloads:
+        try:
+            device_f, host_f = (float(x) for x in args.fractions.split(","))
+        except ValueError:
+            ap.error(f"--fractions {args.fractions}: two numbers, DEVICE,HOST")
+        if not (0 < device_f and 0 <= host_f):
+            ap.error("--fractions: the device share must be positive, the host share not "
+                     "negative")
+        for name in args.workloads.split(","):
+            for seed in range(args.seeds):
+                try:
+                    trace = generate(name, scale=args.scale, seed=seed)
+                except (KeyError, ValueError) as e:
+                    ap.error(f"--workloads {name}: {e}")
+                key = f"{name}:{seed}"
+                _traces[key] = trace
+                uniq = unique_tokens(trace)
+                jobs += [(key, p, max(int(device_f * uniq), 1), int(host_f * uniq), None)
+                         for p in policies]
+        out = Path(args.out) if args.out else OUT.with_name("eviction_two_tier_generated.json")
+        config = {"workloads": args.workloads, "fractions": [device_f, host_f],
+                  "scale": args.scale, "seeds": args.seeds}
+    else:
+        if not Path(args.trace).is_file():
+            ap.error(f"--trace {args.trace}: no such file")
+        trace = load_mooncake(args.trace)[: args.limit]
+        _traces["mooncake"] = trace
+        t_end = trace[-1].t if trace else 0.0
+        split_t = t_end * (1 - args.heldout) if args.heldout else None
+        jobs = [("mooncake", p, args.device_tokens, args.host_tokens, split_t)
+                for p in policies]
+        out = Path(args.out) if args.out else OUT
+        config = {"trace": str(args.trace), "limit": args.limit, "heldout": args.heldout,
+                  "split_t": split_t, "device_tokens": args.device_tokens,
+                  "host_tokens": args.host_tokens}
+    print(f"{len(jobs)} replays on {args.workers} worker(s)", flush=True)
     t0, rows = time.perf_counter(), []
     with mp.get_context("fork").Pool(args.workers) as pool:
         for row in pool.imap_unordered(_run, jobs):
             rows.append(row)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {row['policy']:<9} hit "
-                  f"{row['token_hit_rate']:.4f} (device {row['device_hit_rate']:.4f}, host "
-                  f"{row['host_hit_rate']:.4f}); held out {row['heldout_hit_rate'] or 0:.4f}; "
-                  f"host writes {row['host_written_tokens']}", flush=True)
-    rows.sort(key=lambda r: policies.index(r["policy"]))
-    out = Path(args.out) if args.out else OUT
+            print(f"[{time.perf_counter() - t0:5.0f}s] {row['workload']:<12} "
+                  f"{row['policy']:<13} hit {row['token_hit_rate']:.4f} (device "
+                  f"{row['device_hit_rate']:.4f}, host {row['host_hit_rate']:.4f}); host "
+                  f"writes {row['host_written_tokens']}, deferred "
+                  f"{row['host_writes_deferred']}", flush=True)
+    order = {key: i for i, key in enumerate(_traces)}
+    rows.sort(key=lambda r: (order[r["workload"]], policies.index(r["policy"])))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "eviction_replay_two_tier", "environment": environment(),
-        "trace": str(args.trace), "limit": args.limit, "heldout": args.heldout,
-        "split_t": split_t, "device_tokens": args.device_tokens,
-        "host_tokens": args.host_tokens, "rows": rows}, indent=1))
-    print(f"\n{'policy':<10}{'hit':>8}{'device':>8}{'host':>8}{'held out':>10}")
+    out.write_text(json.dumps({"benchmark": "eviction_replay_two_tier",
+                               "environment": environment(), **config, "rows": rows},
+                              indent=1))
+    print(f"\n{'workload':<14}{'policy':<14}{'hit':>8}{'device':>8}{'host':>8}"
+          f"{'held out':>10}{'host writes':>13}")
     for r in rows:
-        print(f"{r['policy']:<10}{r['token_hit_rate']:>8.4f}{r['device_hit_rate']:>8.4f}"
-              f"{r['host_hit_rate']:>8.4f}{r['heldout_hit_rate'] or 0:>10.4f}")
+        print(f"{r['workload']:<14}{r['policy']:<14}{r['token_hit_rate']:>8.4f}"
+              f"{r['device_hit_rate']:>8.4f}{r['host_hit_rate']:>8.4f}"
+              f"{r['heldout_hit_rate'] or 0:>10.4f}{r['host_written_tokens']:>13}")
     print(f"wrote {out}")
 
 

@@ -149,6 +149,9 @@ class SAEStrategy(EvictionStrategy):
         # the Mooncake trace the session index over inferred conversations, with the odds the
         # predictor learns, lost 3.6 pp to plain ``sae`` (docs/eviction.md, "on a real trace")
         self.infer_sessions = False
+        # worth_host_copy defers HiCache write-through copies of evict_first blocks (an
+        # attribute for the two-tier replay's ablation, sae-copy-all)
+        self.defer_host_copies = True
         self.conv_depth: OrderedDict[str, int] = OrderedDict()
         self.conv_of: OrderedDict[str, str] = OrderedDict()
         # q of the session index from the predictor (per session) or, off, per application
@@ -261,6 +264,8 @@ class SAEStrategy(EvictionStrategy):
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None and ctx is not None:
             info = self._new_info(ctx, offset, len(node.key))
+        if not self.defer_host_copies:
+            return True
         if info is None or info.queue != "evict_first" or info.last_hit is not None:
             return True
         self.events["host_writes_deferred"] += 1
