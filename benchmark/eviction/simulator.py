@@ -309,6 +309,17 @@ def _slots(n: int) -> torch.Tensor:
     return _SLOTS[:n]
 
 
+def replay_context(req: Request):
+    """What a replayed request tells the policy, as the server's ``request_context`` would:
+    session, application, token types of prompt and output, and its arrival time."""
+    from sglang_pic.eviction.context import RequestContext
+
+    return RequestContext(session_id=req.session_id, app_type=req.app_type,
+                          segments=req.segments, decode_start=len(req.prompt),
+                          output_segments=req.output_segments, prompt_len=len(req.prompt),
+                          now=req.t)
+
+
 def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
            session_params: dict[str, tuple[float, float, float]] | None = None,
            split_t: float | None = None, fast: bool = True,
@@ -336,7 +347,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_pic.eviction.context import RequestContext, using
+    from sglang_pic.eviction.context import using
 
     rc.TreeNode.counter = 0  # creation numbers, the nodes' hashes (_node_hash), from 0
     cache, _ = make_cache({ORACLE: "lru", ENDS_ORACLE: "sae", PARAMS_ORACLE: "sae",
@@ -369,10 +380,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
             clock.now = req.t
             if policy == ORACLE:
                 strategy.now = i
-            ctx = RequestContext(session_id=req.session_id, app_type=req.app_type,
-                                 segments=req.segments, decode_start=len(req.prompt),
-                                 output_segments=req.output_segments,
-                                 prompt_len=len(req.prompt), now=req.t)
+            ctx = replay_context(req)
             with using(ctx):
                 key = RadixKey(token_ids=array("q", req.prompt), extra_key=None)
                 match = cache.match_prefix(MatchPrefixParams(key=key))

@@ -55,6 +55,7 @@ from simulator import (  # noqa: E402
     _slots,
     _TimeProxy,
     policy_spec,
+    replay_context,
 )
 
 OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake_two_tier.json"
@@ -149,7 +150,7 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_pic.eviction.context import RequestContext, using
+    from sglang_pic.eviction.context import using
 
     rc.TreeNode.counter = 0
     cache, ctl = make_two_tier_cache(policy, device_tokens, host_tokens)
@@ -164,11 +165,7 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
             _patched(rc.TreeNode, "__hash__", _node_hash):
         for req in trace:
             clock.now = req.t
-            ctx = RequestContext(session_id=req.session_id, app_type=req.app_type,
-                                 segments=req.segments, decode_start=len(req.prompt),
-                                 output_segments=req.output_segments,
-                                 prompt_len=len(req.prompt), now=req.t)
-            with using(ctx):
+            with using(replay_context(req)):
                 key = RadixKey(token_ids=array("q", req.prompt), extra_key=None)
                 match = cache.match_prefix(MatchPrefixParams(key=key))
                 on_device, loaded = len(match.device_indices), 0
