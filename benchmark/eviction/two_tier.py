@@ -59,6 +59,9 @@ from simulator import (  # noqa: E402
 )
 
 OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake_two_tier.json"
+HOST_LRU = "sae-lru-host"
+"""An ablation: ``sae`` on the device tier, its host tier evicted in LRU order instead of the
+policy's (``_host_in_lru_order``): what the policy's order on the host tier is worth."""
 DEVICE_TOKENS = 500_000  # an H200's KV pool for an 8B model after its weights
 HOST_TOKENS = 4_000_000  # a HiCache host tier of ~0.5 TB of host memory at 128 KB a token
 
@@ -108,6 +111,22 @@ class _TokenCountingController:
         return len(host_value)
 
 
+def _host_in_lru_order(cache) -> None:
+    """This cache's ``evict_host`` (SGLang's, with our hooks) ranks host blocks by last access,
+    oldest first, whatever the policy; the device tier keeps the policy's order."""
+    evict_host = cache.evict_host
+
+    def lru_evict_host(num_tokens: int, *args, **kwargs):
+        strategy = cache.eviction_strategy
+        strategy.get_priority = lambda node: node.last_access_time
+        try:
+            return evict_host(num_tokens, *args, **kwargs)
+        finally:
+            del strategy.get_priority  # the class's again
+
+    cache.evict_host = lru_evict_host
+
+
 def make_two_tier_cache(policy: str, device_tokens: int, host_tokens: int):
     """A ``HiRadixCache`` (write-through, page size 1) on ``_TokenCountingController``, built
     without its transfer threads and storage machinery, with ``policy`` (a name of
@@ -116,7 +135,7 @@ def make_two_tier_cache(policy: str, device_tokens: int, host_tokens: int):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    base, attrs = policy_spec(policy)
+    base, attrs = policy_spec("sae" if policy == HOST_LRU else policy)
     controller = _TokenCountingController(device_tokens, host_tokens)
     cache = hc.HiRadixCache.__new__(hc.HiRadixCache)
     cache.cache_controller = controller
@@ -133,6 +152,8 @@ def make_two_tier_cache(policy: str, device_tokens: int, host_tokens: int):
     for k, v in attrs.items():
         setattr(cache.eviction_strategy, k, v)
     controller.cache = cache
+    if policy == HOST_LRU:
+        _host_in_lru_order(cache)
     return cache, controller
 
 
@@ -234,7 +255,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--policies", default=",".join(POLICIES),
-                    help="comma-separated eviction policies (default: SGLang's and ours)")
+                    help="comma-separated eviction policies (default: SGLang's and ours; "
+                         f"also {HOST_LRU}, sae with its host tier in LRU order)")
     ap.add_argument("--device-tokens", type=int, default=DEVICE_TOKENS)
     ap.add_argument("--host-tokens", type=int, default=HOST_TOKENS)
     ap.add_argument("--heldout", type=float, default=0.4,
@@ -249,7 +271,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    policies = check_policies(args.policies)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        ap.error("--policies: no policy")
+    if any(p != HOST_LRU for p in policies):  # every other name as the one-tier replays take
+        check_policies(",".join(p for p in policies if p != HOST_LRU))
     if args.device_tokens < 1 or args.host_tokens < 0:
         ap.error("--device-tokens must be positive and --host-tokens not negative")
     if not 0 <= args.heldout < 1:
