@@ -86,22 +86,27 @@ def _backend(report: dict, variant: str) -> str | None:
     return kwargs.get("attention_backend")
 
 
-def _replay(workload: str, fraction: float, baselines: tuple[str, ...] = (
+def _replay(workload: str, fraction: float | None, metric: str = "token_hit_rate",
+            baseline: str | None = None, baselines: tuple[str, ...] = (
         "lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "gdsf", "s3fifo")):
-    """Eviction replay (``bench_eviction.py``): the best baseline's and ``sae``'s token hit rate
-    per seed at one cache size; the best baseline is chosen by its mean over seeds."""
+    """Eviction replay of generated workloads (``bench_eviction.py``, one cache size per
+    ``fraction``; ``two_tier.py --workloads``, one sizing per file: ``fraction`` None): ``sae``'s
+    ``metric`` per seed against ``baseline``'s, or the best baseline's, chosen by its mean hit
+    rate over seeds."""
 
     def extract(report: dict) -> tuple[list[float], list[float], str | None]:
-        rows = [r for r in report["rows"]
-                if r["workload"] == workload and abs(r["fraction"] - fraction) < 1e-9]
-        by_policy: dict[str, dict[int, float]] = {}
+        rows = [r for r in report["rows"] if r["workload"] == workload
+                and (fraction is None or abs(r["fraction"] - fraction) < 1e-9)]
+        by_policy: dict[str, dict[int, dict]] = {}
         for r in rows:
-            by_policy.setdefault(r["policy"], {})[r["seed"]] = r["token_hit_rate"]
-        present = [p for p in baselines if p in by_policy]
-        best = max(present, key=lambda p: statistics.mean(by_policy[p].values()))
+            by_policy.setdefault(r["policy"], {})[r["seed"]] = r
+        other = baseline or max((p for p in baselines if p in by_policy), key=lambda p:
+                                statistics.mean(r["token_hit_rate"]
+                                                for r in by_policy[p].values()))
         seeds = sorted(by_policy["sae"])
-        return ([by_policy[best][s] for s in seeds], [by_policy["sae"][s] for s in seeds],
-                f"best baseline: {best}")
+        return ([by_policy[other][s][metric] for s in seeds],
+                [by_policy["sae"][s][metric] for s in seeds],
+                f"best baseline: {other}" if baseline is None else f"against {other}")
 
     return extract
 
@@ -117,28 +122,6 @@ def _trace_replay(size: str, metric: str = "token_hit_rate", baselines: tuple[st
         present = [p for p in baselines if p in by_policy]
         best = max(present, key=lambda p: by_policy[p])
         return [by_policy[best]], [by_policy["sae"]], f"best baseline: {best}"
-
-    return extract
-
-
-def _two_tier(workload: str, metric: str, baseline: str | None = None, baselines: tuple[str, ...] = (
-        "lru", "lfu", "fifo", "slru", "gdsf", "s3fifo", "tlru")):
-    """Two-tier replay of generated workloads (``two_tier.py --workloads``): per seed, ``sae``'s
-    ``metric`` against ``baseline``'s, or the best baseline's by mean hit rate over seeds."""
-
-    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
-        by_policy: dict[str, dict[str, dict]] = {}
-        for r in report["rows"]:
-            name, _, seed = r["workload"].partition(":")
-            if name == workload:
-                by_policy.setdefault(r["policy"], {})[seed] = r
-        other = baseline or max((p for p in baselines if p in by_policy), key=lambda p:
-                                statistics.mean(r["token_hit_rate"]
-                                                for r in by_policy[p].values()))
-        seeds = sorted(by_policy["sae"])
-        return ([by_policy[other][s][metric] for s in seeds],
-                [by_policy["sae"][s][metric] for s in seeds],
-                f"against {other}; {len(seeds)} seeds")
 
     return extract
 
@@ -286,6 +269,7 @@ COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
 E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
 TWO_TIER = "eviction_replay_mooncake_two_tier.json"  # eviction/two_tier.py
 TWO_TIER_GENERATED = "eviction_two_tier_generated.json"  # eviction/two_tier.py --workloads
+TWO_TIER_BASELINES = ("lru", "lfu", "fifo", "slru", "gdsf", "s3fifo", "tlru")  # its runs' own
 TWO_TIER_GENERATED_PATH = ("replay of generated traffic (scale 100, 3 seeds) through SGLang's "
                            "HiRadixCache (CPU): device tier 5 % and write-through host tier 20 % "
                            "of each trace's unique tokens")
@@ -486,13 +470,13 @@ CLAIMS: list[Claim] = [
     *[Claim(f"eviction.two_tier.generated_{w}", TWO_TIER_GENERATED, "token_hit_rate",
             baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
             center=statistics.mean, path=TWO_TIER_GENERATED_PATH,
-            extract=_two_tier(w, "token_hit_rate"))
+            extract=_replay(w, None, baselines=TWO_TIER_BASELINES))
       for w in ("mix", "chat", "agent", "single_heavy", "shift")],
     *[Claim(f"eviction.two_tier.host_writes_{w}", TWO_TIER_GENERATED, "host_written_tokens",
             baseline_variant="sae-copy-all", ours_variant="sae", center=statistics.mean,
             path=TWO_TIER_GENERATED_PATH + "; tokens written to the host tier, sae deferring "
             "its evict_first blocks' copies against sae copying every block",
-            extract=_two_tier(w, "host_written_tokens", "sae-copy-all"))
+            extract=_replay(w, None, "host_written_tokens", "sae-copy-all"))
       for w in ("mix", "single_heavy")],
     *[Claim(f"sparse.tpot_{name}", SPARSE_E2E[case], f"tpot_ms_{case}",
             ours_variant="sglang-pic-flashinfer", target=target,

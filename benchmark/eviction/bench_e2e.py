@@ -306,9 +306,8 @@ def main() -> None:
 
         import traces
 
-        lines = mooncake_slice(args.trace_file,
-                               sample=None if args.requests else args.sample_conversations,
-                               requests=args.requests,
+        sample = None if args.requests else args.sample_conversations
+        lines = mooncake_slice(args.trace_file, sample=sample, requests=args.requests,
                                max_prompt_tokens=PARAMS["max_prompt_tokens"])
         # the variants' processes read the slice from here (the run's own copy)
         slice_file = Path(tempfile.mkdtemp()) / "mooncake_slice.jsonl"
@@ -336,7 +335,7 @@ def main() -> None:
         # variants' processes read it from where it is now
         params.update(trace_sha256=hashlib.sha256(Path(args.trace_file).read_bytes()).hexdigest(),
                       requests=len(sliced), first_requests=args.requests,
-                      sample_conversations=None if args.requests else args.sample_conversations,
+                      sample_conversations=sample,
                       unique_tokens=unique)
         os.environ["SGLANG_PIC_BENCH_TRACE_FILE"] = str(slice_file)
         name = "eviction_e2e_mooncake_h200"

@@ -238,13 +238,14 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
     }
 
 
-_traces: dict = {}  # name -> trace, set in the parent before the workers fork
+_traces: dict = {}  # (workload, seed) -> trace, set in the parent before the workers fork
 
 
-def _run(job: tuple[str, str, int, int, float | None]) -> dict:
-    name, policy, device_tokens, host_tokens, split_t = job
-    row = replay_two_tier(_traces[name], policy, device_tokens, host_tokens, split_t=split_t)
-    return {"workload": name, **row}
+def _run(job: tuple[tuple[str, int], str, int, int, float | None]) -> dict:
+    (name, seed), policy, device_tokens, host_tokens, split_t = job
+    row = replay_two_tier(_traces[name, seed], policy, device_tokens, host_tokens,
+                          split_t=split_t)
+    return {"workload": name, "seed": seed, **row}
 
 
 def main() -> None:
@@ -296,7 +297,7 @@ def main() -> None:
                     trace = generate(name, scale=args.scale, seed=seed)
                 except (KeyError, ValueError) as e:
                     ap.error(f"--workloads {name}: {e}")
-                key = f"{name}:{seed}"
+                key = (name, seed)
                 _traces[key] = trace
                 uniq = unique_tokens(trace)
                 jobs += [(key, p, max(int(device_f * uniq), 1), int(host_f * uniq), None)
@@ -308,10 +309,10 @@ def main() -> None:
         if not Path(args.trace).is_file():
             ap.error(f"--trace {args.trace}: no such file")
         trace = load_mooncake(args.trace)[: args.limit]
-        _traces["mooncake"] = trace
+        _traces["mooncake", 0] = trace
         t_end = trace[-1].t if trace else 0.0
         split_t = t_end * (1 - args.heldout) if args.heldout else None
-        jobs = [("mooncake", p, args.device_tokens, args.host_tokens, split_t)
+        jobs = [(("mooncake", 0), p, args.device_tokens, args.host_tokens, split_t)
                 for p in policies]
         out = Path(args.out) if args.out else OUT
         config = {"trace": str(args.trace), "limit": args.limit, "heldout": args.heldout,
@@ -322,13 +323,13 @@ def main() -> None:
     with mp.get_context("fork").Pool(args.workers) as pool:
         for row in pool.imap_unordered(_run, jobs):
             rows.append(row)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {row['workload']:<12} "
+            print(f"[{time.perf_counter() - t0:5.0f}s] {row['workload']}:{row['seed']:<4} "
                   f"{row['policy']:<13} hit {row['token_hit_rate']:.4f} (device "
                   f"{row['device_hit_rate']:.4f}, host {row['host_hit_rate']:.4f}); host "
                   f"writes {row['host_written_tokens']}, deferred "
                   f"{row['host_writes_deferred']}", flush=True)
     order = {key: i for i, key in enumerate(_traces)}
-    rows.sort(key=lambda r: (order[r["workload"]], policies.index(r["policy"])))
+    rows.sort(key=lambda r: (order[r["workload"], r["seed"]], policies.index(r["policy"])))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "eviction_replay_two_tier",
                                "environment": environment(), **config, "rows": rows},
@@ -336,7 +337,7 @@ def main() -> None:
     print(f"\n{'workload':<14}{'policy':<14}{'hit':>8}{'device':>8}{'host':>8}"
           f"{'held out':>10}{'host writes':>13}")
     for r in rows:
-        print(f"{r['workload']:<14}{r['policy']:<14}{r['token_hit_rate']:>8.4f}"
+        print(f"{r['workload'] + ':' + str(r['seed']):<14}{r['policy']:<14}{r['token_hit_rate']:>8.4f}"
               f"{r['device_hit_rate']:>8.4f}{r['host_hit_rate']:>8.4f}"
               f"{r['heldout_hit_rate'] or 0:>10.4f}{r['host_written_tokens']:>13}")
     print(f"wrote {out}")

@@ -343,10 +343,12 @@ def around_write_backup(original, self, node, *args, **kwargs):
     strategy = _learner(self)
     worth = getattr(strategy, "worth_host_copy", None)
     if not write_back and worth is not None:
-        offset, up = 0, node.parent  # the block's depth, for one not typed yet (a new block)
-        while up is not None and up is not self.root_node:
-            offset += len(up.key)
-            up = up.parent
+        offset = 0
+        if not getattr(node, "_pic_seen", False):  # a new block, not typed yet: its depth types it
+            up = node.parent
+            while up is not None and up is not self.root_node:
+                offset += len(up.key)
+                up = up.parent
         if not worth(node, ctxmod.current(), offset):
             return 0
     return original(self, node, *args, **kwargs)

@@ -261,11 +261,11 @@ class SAEStrategy(EvictionStrategy):
         tensor-parallel ranks' caches decide alike (no clock or learned rate in it). SGLang
         writes a new block inside ``insert``, before ``on_insert`` has typed it: then the
         inserting request's context ``ctx`` and the block's depth ``offset`` say what it is."""
+        if not self.defer_host_copies:
+            return True
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None and ctx is not None:
             info = self._new_info(ctx, offset, len(node.key))
-        if not self.defer_host_copies:
-            return True
         if info is None or info.queue != "evict_first" or info.last_hit is not None:
             return True
         self.events["host_writes_deferred"] += 1
