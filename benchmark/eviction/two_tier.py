@@ -249,7 +249,7 @@ def _run(job: tuple[tuple[str, int], str, int, int, float | None]) -> dict:
 
 
 def main() -> None:
-    from bench_eviction import check_policies
+    from bench_eviction import REFERENCE, check_policies
     from replay_trace import POLICIES, TRACE, _register, environment
     from traces import generate, load_mooncake, unique_tokens
 
@@ -277,6 +277,10 @@ def main() -> None:
         ap.error("--policies: no policy")
     if any(p != HOST_LRU for p in policies):  # every other name as the one-tier replays take
         check_policies(",".join(p for p in policies if p != HOST_LRU))
+    offline = [p for p in policies if p in REFERENCE]
+    if offline:  # their oracles are handed the trace by simulator.replay, one tier only
+        ap.error(f"--policies {','.join(offline)}: offline references of the one-tier replay "
+                 "(replay_trace.py / bench_eviction.py), not replayed in two tiers")
     if args.device_tokens < 1 or args.host_tokens < 0:
         ap.error("--device-tokens must be positive and --host-tokens not negative")
     if not 0 <= args.heldout < 1:
