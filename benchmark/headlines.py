@@ -277,11 +277,13 @@ E2E_MOONCAKE_PATH = ("open-loop replay on the H200 of one conversation in 40 of 
                      "conversation trace (241 requests, 1.84M prompt tokens), its hour compressed "
                      "60x, KV pool 10 % of the sample's unique tokens; FlashInfer, no CUDA graphs "
                      "on any side")
-E2E_MOONCAKE_NOTE = ("one run per variant, where the issue asks 3 alternating (the device was taken "
-                     "back twice in the session); vanilla lru ran first on a fresh machine and its "
-                     "TTFT includes first-use compiles (its warm-up then covered one 512-token "
-                     "prompt only), so each row's baseline is the better vanilla policy by that "
-                     "row's own metric")
+E2E_MOONCAKE_NOTE = ("3 runs per variant in three calls of one setting (run 1 on 2026-12-03, "
+                     "runs 2 and 3 resumed from its report on 2026-12-04), first variant "
+                     "alternating (lru, sae, lru); vanilla lru's run 1 was its first on a fresh "
+                     "machine and its TTFT holds first-use compiles (6.0 s p50; its two other runs "
+                     "603 and 563 ms, mean 583 ms, below sae's 593), so each row's baseline is the "
+                     "better vanilla policy by that row's own metric and the TTFT rows are a tie "
+                     "within the runs' spread")
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
 SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys (span "
                "requests reading their own turned copies included), our Triton kernels for "

@@ -47,16 +47,6 @@ vanilla server's decode-graph capture took 102 s and its first request over 45 s
 servers compiling at once, past the CPU suite's 240 s start limit."""
 
 
-FIRST = ("vanilla", "spans_triton")
-"""Started before the others: vanilla builds FlashInfer's kernels for SmolLM2's shapes once
-(three of the other servers use the same kernels, and compiled them at the same time when all
-five started together), and the Triton-only server needs none of them. The other three then
-start one at a time: SGLang sizes a server's KV pool from the GPU's free memory before and after
-its weights load, and a neighbour allocating its own pool in between left three servers started
-at once with none ("Loaded weights leave no GPU memory for the KV cache", H200). The two first
-ones allocate their pools after vanilla's long FlashInfer build, well apart."""
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
     logs = tmp_path_factory.mktemp("position_free_gpu")
@@ -65,9 +55,14 @@ def servers(tmp_path_factory, model_dir):
         return {k: (["--model-path", str(model_dir), *COMMON, *SERVERS[k]], logs / f"{k}.log")
                 for k in names}
 
-    started = start_servers(specs(FIRST), timeout_s=START_TIMEOUT_S)
+    # One at a time, each after the previous one answers /health: SGLang sizes a server's KV pool
+    # as the GPU's free memory after its weights load minus (1 - mem_fraction_static) of the free
+    # memory before they loaded, so a neighbour allocating its pool in between leaves it none
+    # ("Loaded weights leave no GPU memory for the KV cache"; on the H200 with three of the five
+    # started at once, and on a warm machine with two, vanilla and spans_triton, 2026-12-04).
+    started: dict = {}
     try:
-        for name in (k for k in SERVERS if k not in FIRST):
+        for name in SERVERS:
             started.update(start_servers(specs([name]), timeout_s=START_TIMEOUT_S))
     except BaseException:
         for srv in started.values():
