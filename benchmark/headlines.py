@@ -270,7 +270,7 @@ E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trac
 TWO_TIER = "eviction_replay_mooncake_two_tier.json"  # eviction/two_tier.py
 TWO_TIER_GENERATED = "eviction_two_tier_generated.json"  # eviction/two_tier.py --workloads
 TWO_TIER_BASELINES = ("lru", "lfu", "fifo", "slru", "gdsf", "s3fifo", "tlru")  # its runs' own
-TWO_TIER_GENERATED_PATH = ("replay of generated traffic (scale 100, 3 seeds) through SGLang's "
+TWO_TIER_GENERATED_PATH = ("replay of generated traffic (scale 100, 10 seeds) through SGLang's "
                            "HiRadixCache (CPU): device tier 5 % and write-through host tier 20 % "
                            "of each trace's unique tokens")
 E2E_MOONCAKE_PATH = ("open-loop replay on the H200 of one conversation in 40 of the Mooncake "
@@ -473,7 +473,7 @@ CLAIMS: list[Claim] = [
             baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
             center=statistics.mean, path=TWO_TIER_GENERATED_PATH,
             extract=_replay(w, None, baselines=TWO_TIER_BASELINES))
-      for w in ("mix", "chat", "agent", "single_heavy", "shift")],
+      for w in ("mix", "chat", "agent", "sharegpt", "sharegpt_mix", "single_heavy", "shift")],
     *[Claim(f"eviction.two_tier.host_writes_{w}", TWO_TIER_GENERATED, "host_written_tokens",
             baseline_variant="sae-copy-all", ours_variant="sae", center=statistics.mean,
             path=TWO_TIER_GENERATED_PATH + "; tokens written to the host tier, sae deferring "

@@ -297,6 +297,30 @@ def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
     assert both["token_hit_rate"] > one["token_hit_rate"]
 
 
+@pytest.mark.parametrize("policy", ["lru", "sae"])
+def test_replays_leave_out_requests_longer_than_the_cache(policy):
+    """A request whose prompt and output exceed the cache is refused, as a server refuses it:
+    both replays leave the same requests out of every count and report them apart, and the
+    two-tier replay still reduces to the one-tier one with no host room."""
+    from simulator import replay
+    from traces import generate
+    from two_tier import replay_two_tier
+
+    trace = generate("mix", scale=12, seed=3)
+    capacity = 8_000
+    long = [r for r in trace if len(r.prompt) + len(r.output) > capacity]
+    assert 0 < len(long) < len(trace)
+    one = replay(trace, policy, capacity=capacity).summary()
+    assert one["requests"] == len(trace) - len(long)
+    assert one["refused_requests"] == len(long)
+    assert one["refused_prompt_tokens"] == sum(len(r.prompt) for r in long)
+    two = replay_two_tier(trace, policy, device_tokens=capacity, host_tokens=0)
+    assert two["refused_requests"] == len(long) and two["requests"] == one["requests"]
+    assert two["prompt_tokens"] + two["refused_prompt_tokens"] == sum(len(r.prompt)
+                                                                      for r in trace)
+    assert two["token_hit_rate"] == one["token_hit_rate"]
+
+
 def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkeypatch):
     """``SGLANG_PIC_SAE_STATS`` times the policy's callbacks and evict passes (how the server's
     overhead is measured) and must not change what it evicts."""
@@ -803,7 +827,7 @@ def test_mooncake_loader_reports_malformed_lines_and_replays_the_rest(tmp_path, 
     assert replay(reqs, "lru", 1_000_000).requests == 4
 
 
-@pytest.mark.parametrize("script", ["bench_eviction.py", "replay_trace.py"])
+@pytest.mark.parametrize("script", ["bench_eviction.py", "replay_trace.py", "two_tier.py"])
 def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
     import subprocess
 
@@ -814,6 +838,7 @@ def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
     assert len(lines) == 1, proc.stderr
     assert "unknown policy 'sea'" in lines[0]
     assert "known: lru,lfu,fifo,mru,filo,priority,slru,gdsf,s3fifo,tlru,sae" in lines[0]
+    assert ("sae-lru-host" in lines[0]) == (script == "two_tier.py")  # its own ablation
 
 
 def _record_evictions(monkeypatch) -> list[list[tuple[int, int, int]]]:
@@ -1129,3 +1154,24 @@ def test_noisy_predictor_ranks_at_the_asked_auc():
         q = noisy_q(labels, target)
         assert auc(labels, q) == pytest.approx(target, abs=0.01)
         assert q.mean() == pytest.approx(labels.mean(), abs=0.02)  # calibrated on average
+
+
+def test_results_table_takes_the_best_baseline_by_mean_and_each_seeds_own_for_the_range():
+    """``bench_eviction.py --table``: the best baseline of a cell is the one with the best mean
+    over the seeds; the per-seed range compares ``sae`` with each seed's own best."""
+    from bench_eviction import markdown_table
+
+    def row(policy, seed, rate, ttft):
+        return {"workload": "chat", "fraction": 0.1, "policy": policy, "seed": seed,
+                "token_hit_rate": rate, "ttft_mean_ms": ttft}
+
+    report = {"policies": ["lru", "gdsf", "sae", "belady"], "rows": [
+        row("lru", 0, 0.50, 40), row("lru", 1, 0.30, 60),
+        row("gdsf", 0, 0.38, 50), row("gdsf", 1, 0.40, 50),
+        row("sae", 0, 0.45, 45), row("sae", 1, 0.41, 49),
+        row("belady", 0, 0.70, 20), row("belady", 1, 0.60, 30)]}
+    lines = markdown_table(report).splitlines()
+    assert lines[0].startswith("| workload | cache | best baseline (mean) | **sae** |")
+    assert "| belady |" in lines[0] and "sae w/o predictor" not in lines[0]
+    assert lines[2] == ("| chat | 10 % | 0.400 (lru) | **0.430** | +3.0 pp | -5.0 .. +1.0 "
+                        "| 0.650 | 50 → 47 ms |")

@@ -75,22 +75,23 @@ def _bad_tlru_setting(name: str) -> str | None:
     return None
 
 
-def check_policies(spec: str) -> list[str]:
+def check_policies(spec: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The comma-separated ``--policies`` as a list; an unknown name is refused in one line on
     stderr, exit 2, before anything heavy is imported (a typo used to surface as a KeyError
     from SGLang's policy table after the traces were generated). ``tlru:<xi>:<q_hat>`` names
-    T-LRU at those settings."""
+    T-LRU at those settings; ``extra`` are names the calling replay knows besides these."""
     names = [p.strip() for p in spec.split(",") if p.strip()]
     bad = [why for p in names if (why := _bad_tlru_setting(p))]
     if bad:
         print(f"{Path(sys.argv[0]).name}: {bad[0]} in --policies ({TLRU_SPEC}: tokens, "
               "integers >= 0)", file=sys.stderr)
         sys.exit(2)
-    unknown = [p for p in names if p not in known_policies() and not p.startswith("tlru:")]
+    known = known_policies() + extra
+    unknown = [p for p in names if p not in known and not p.startswith("tlru:")]
     if unknown or not names:
         what = f"unknown policy {', '.join(map(repr, unknown))}" if unknown else "no policy"
         print(f"{Path(sys.argv[0]).name}: {what} in --policies; known: "
-              f"{','.join(known_policies())},{TLRU_SPEC}", file=sys.stderr)
+              f"{','.join(known)},{TLRU_SPEC}", file=sys.stderr)
         sys.exit(2)
     return names
 
@@ -127,6 +128,50 @@ def print_summary(rows: list[dict], policies: list[str]) -> None:
               f"{gain:>+7.1f}pp")
 
 
+TABLE_COLUMNS = (("sae-nopred", "sae w/o predictor"), ("sae-alpha", "sae × α_q"),
+                 ("sae-params", "sae-params"), ("sae-ends", "sae-ends"), ("belady", "belady"))
+
+
+def markdown_table(report: dict) -> str:
+    """docs/eviction.md's results table from a report: per workload and cache size, the best
+    baseline by mean hit rate over the seeds, ``sae``, its gain, the range of its gain over
+    each seed's own best baseline, the ablations and references, and the estimated mean TTFT
+    of the best baseline and of ``sae``."""
+    import statistics
+
+    rows, policies = report["rows"], report["policies"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["fraction"], r["policy"]), {})[r["seed"]] = r
+    others = baselines(policies)
+    head = ["workload", "cache", "best baseline (mean)", "**sae**", "sae − best", "per seed",
+            *(title for p, title in TABLE_COLUMNS if p in policies), "est. TTFT mean, best → sae"]
+    out = ["| " + " | ".join(head) + " |",
+           "|---|---|---|---:|---:|---|" + "---:|" * (len(head) - 7) + "---|"]
+
+    def mean(w, f, p, key="token_hit_rate"):
+        got = by.get((w, f, p))
+        return statistics.mean(r[key] for r in got.values()) if got else None
+
+    for w, f in dict.fromkeys((r["workload"], r["fraction"]) for r in rows):
+        best = max(others, key=lambda p: mean(w, f, p))
+        sae = mean(w, f, "sae")
+        per_seed = [100 * (run["token_hit_rate"]
+                           - max(by[w, f, p][seed]["token_hit_rate"] for p in others))
+                    for seed, run in by[w, f, "sae"].items()]
+        cells = [w, f"{f:.0%}".replace("%", " %"), f"{mean(w, f, best):.3f} ({best})",
+                 f"**{sae:.3f}**", f"{100 * (sae - mean(w, f, best)):+.1f} pp",
+                 f"{min(per_seed):+.1f} .. {max(per_seed):+.1f}"]
+        for p, _ in TABLE_COLUMNS:
+            if p in policies:
+                v = mean(w, f, p)
+                cells.append("-" if v is None else f"{v:.3f}")
+        cells.append(f"{mean(w, f, best, 'ttft_mean_ms'):.0f} → "
+                     f"{mean(w, f, 'sae', 'ttft_mean_ms'):.0f} ms")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=int, default=100, help="sessions per workload (size knob)")
@@ -140,6 +185,8 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="results JSON (default benchmark/results/eviction_sim[_hints_X].json)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--table", default=None, metavar="REPORT",
+                    help="only print docs/eviction.md's markdown table of an earlier report")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of " +
                     ",".join(WORKLOADS))
     ap.add_argument("--hints", choices=("all", "sessions", "none"), default="all",
@@ -150,6 +197,11 @@ def main() -> None:
                     help="generate each workload with this many seeds; tables and plot average "
                          "over them (ties in eviction order alone move a cell by ~1 pp)")
     args = ap.parse_args()
+    if args.table:
+        if not Path(args.table).is_file():
+            ap.error(f"--table {args.table}: no such file")
+        print(markdown_table(json.loads(Path(args.table).read_text())))
+        return
 
     policies = check_policies(args.policies)
 

@@ -56,6 +56,7 @@ from simulator import (  # noqa: E402
     _TimeProxy,
     policy_spec,
     replay_context,
+    servable,
 )
 
 OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake_two_tier.json"
@@ -161,7 +162,9 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
                     split_t: float | None = None) -> dict:
     """Replay ``trace`` (``traces.Request``s in time order) through a two-tier HiCache of
     ``device_tokens`` + ``host_tokens``; returns the token hit rates (whole trace, and before /
-    from ``split_t``) with the device / host split, and the host tier's traffic."""
+    from ``split_t``) with the device / host split, and the host tier's traffic. Requests
+    longer than the device tier are left out, as a server refuses them
+    (``simulator.servable``), and counted apart."""
     from sglang.srt.mem_cache import hiradix_cache as hc
     from sglang.srt.mem_cache import radix_cache as rc
     from sglang.srt.mem_cache.base_prefix_cache import (
@@ -173,6 +176,9 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import using
 
+    served, refused = servable(trace, device_tokens)  # the device pool holds a running request
+    refused_tokens = sum(len(trace[i].prompt) for i in refused)
+    trace = served
     rc.TreeNode.counter = 0
     cache, ctl = make_two_tier_cache(policy, device_tokens, host_tokens)
     clock = _Clock()
@@ -234,6 +240,7 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
                              if parts["heldout"][1] else None),
         "host_written_tokens": ctl.written, "host_loaded_tokens": ctl.loaded,
         "host_writes_deferred": events.get("host_writes_deferred", 0),
+        "refused_requests": len(refused), "refused_prompt_tokens": refused_tokens,
         "wall_s": time.perf_counter() - wall0,
     }
 
@@ -272,11 +279,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        ap.error("--policies: no policy")
-    if any(p != HOST_LRU for p in policies):  # every other name as the one-tier replays take
-        check_policies(",".join(p for p in policies if p != HOST_LRU))
+    policies = check_policies(args.policies, extra=(HOST_LRU,))
     offline = [p for p in policies if p in REFERENCE]
     if offline:  # their oracles are handed the trace by simulator.replay, one tier only
         ap.error(f"--policies {','.join(offline)}: offline references of the one-tier replay "
