@@ -58,6 +58,71 @@ def test_lognormal_quantile_inverts_survival():
     assert gaps.survival(gaps.quantile(0.99)) == pytest.approx(0.01, rel=1e-6)
 
 
+def test_gap_fit_with_open_gaps_counted_is_not_biased_short():
+    """Chat gaps of median 45 s (sigma 1) in sessions that go on with odds 0.75, seen 150 s
+    into the trace: the gaps completed by then are the short ones (their MLE says a median
+    under 30 s); counting the open gaps, each a longer gap or an ended session, the fit comes
+    back near the truth. The sessions' end cutoff stays the completed gaps' quantile."""
+    rng = np.random.default_rng(4)
+    now, q = 150.0, 0.75
+    fit, open_gaps = LogNormalGaps(), []
+    for _ in range(400):
+        t = float(rng.uniform(0.0, now))  # the session's last request before now
+        while True:
+            if rng.random() > q:  # ended: silent from t on
+                open_gaps.append(now - t)
+                break
+            gap = float(rng.lognormal(math.log(45.0), 1.0))
+            if t + gap > now:  # still open at now
+                open_gaps.append(now - t)
+                break
+            fit.observe(gap)
+            t += gap
+    completed_cutoff = fit.quantile(0.99)
+    assert math.exp(fit.mu) < 30.0
+    fit.refit_censored(open_gaps, q)
+    assert math.exp(fit.mu) == pytest.approx(45.0, rel=0.25)
+    assert fit.sigma == pytest.approx(1.0, abs=0.25)
+    assert fit.quantile(0.99, completed_only=True) == pytest.approx(completed_cutoff)
+    assert fit.quantile(0.99) > completed_cutoff
+    fit.refit_censored([], q)  # nothing open: the completed gaps' MLE again
+    assert fit.censored_fit is None and math.exp(fit.mu) < 30.0
+
+
+def test_sae_counts_open_gaps_in_its_gap_fit():
+    """Sessions with gaps of median 45 s, 150 s into the trace: the fit ``sae`` scores with
+    counts the sessions still silent, and comes out longer than the completed gaps' fit that
+    ``sae-uncensored`` uses; the end cutoff is the same for both."""
+    from sglang_pic.eviction.context import RequestContext
+    from sglang_pic.eviction.sae import END_QUANTILE, SAEStrategy
+
+    rng = np.random.default_rng(6)
+    events = []
+    for i in range(300):
+        t = float(rng.uniform(0.0, 150.0))
+        events.append((t, f"s{i}"))
+        if rng.random() < 0.75:  # another request after a log-normal gap, if before the end
+            back = t + float(rng.lognormal(math.log(45.0), 1.0))
+            if back < 150.0:
+                events.append((back, f"s{i}"))
+    events.sort()
+
+    def run(censored: bool) -> SAEStrategy:
+        sae = SAEStrategy()
+        sae.censored_gaps = censored
+        for t, sid in events:
+            sae.on_request(RequestContext(session_id=sid, app_type="chat", prompt_len=100), t)
+        return sae
+
+    plain, counted = run(False), run(True)
+    assert plain.gaps["chat"].censored_fit is None
+    assert counted.gaps["chat"].censored_fit is not None
+    # biased short without the open gaps (log 45 s = 3.81); counted, closer to the truth
+    assert plain.gaps["chat"].mu + 0.1 < counted.gaps["chat"].mu < math.log(45.0) + 0.3
+    assert counted.gaps["chat"].quantile(END_QUANTILE, completed_only=True) == pytest.approx(
+        plain.gaps["chat"].quantile(END_QUANTILE))
+
+
 def test_continuation_model_learns_which_sessions_come_back():
     """Sessions past their third turn come back 90 % of the time, first turns 20 %: the online
     logistic model separates them from the request features alone."""

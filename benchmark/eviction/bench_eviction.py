@@ -28,10 +28,11 @@ sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
-# sae without the session predictor / with alpha_q / with conversations inferred from the
+# sae without the session predictor / with its gap fits from completed gaps only (the open ones
+# not counted, SAEStrategy._refit_gaps) / with alpha_q / with conversations inferred from the
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier)
-ABLATIONS = ("sae-nopred", "sae-alpha", "sae-conv", "sae-copy-all")
+ABLATIONS = ("sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
 # (simulator.PARAMS_ORACLE; generated workloads other than sharegpt* only)

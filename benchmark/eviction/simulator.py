@@ -132,6 +132,7 @@ on average), never tuned on the held-out 40 %. SGLang's defaults (0, 0) make T-L
 
 ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-nopred": ("sae", {"use_predictor": False}),
+             "sae-uncensored": ("sae", {"censored_gaps": False}),
              "sae-conv": ("sae", {"infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
              "tlru": ("tlru", TLRU_REPLAY)}
