@@ -126,23 +126,20 @@ class LogNormalGaps:
             return
         from scipy.special import ndtr  # standard normal CDF
 
+        # vectorised: it runs in the scheduler, over every session awaiting its next request
         mu, sigma = self.mean, self._completed_sigma()
-        xs = [math.log(max(e, 1e-3)) for e in open_gaps]
+        xs = np.log(np.maximum(np.asarray(open_gaps, dtype=np.float64), 1e-3))
         sum_x, sum_x2 = self.n * self.mean, self.m2 + self.n * self.mean * self.mean
         for _ in range(iterations):
-            weight, first, second = 0.0, 0.0, 0.0
-            for x in xs:
-                z = (x - mu) / sigma
-                tail = max(float(ndtr(-z)), 1e-12)
-                w = q * tail / (q * tail + 1.0 - q)  # P(a gap still going | silent this long)
-                lam = math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / tail
-                m = mu + sigma * lam  # E[log gap | log gap > x]
-                v = sigma * sigma * max(1.0 + z * lam - lam * lam, 1e-6)
-                weight += w
-                first += w * m
-                second += w * (v + m * m)
-            total = self.n + weight
-            mu = (sum_x + first) / total
+            z = (xs - mu) / sigma
+            tail = np.maximum(ndtr(-z), 1e-12)
+            w = q * tail / (q * tail + 1.0 - q)  # P(a gap still going | silent this long)
+            lam = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / tail
+            m = mu + sigma * lam  # E[log gap | log gap > x]
+            v = sigma * sigma * np.maximum(1.0 + z * lam - lam * lam, 1e-6)
+            total = self.n + float(w.sum())
+            mu = (sum_x + float((w * m).sum())) / total
+            second = float((w * (v + m * m)).sum())
             sigma = max(math.sqrt(max((sum_x2 + second) / total - mu * mu, 0.0)), 1e-3)
         self.censored_fit = (mu, sigma)
 
