@@ -313,21 +313,23 @@ def _slots(n: int) -> torch.Tensor:
     return _SLOTS[:n]
 
 
-def servable(trace: list[Request], capacity: int) -> tuple[list[Request], list[int]]:
-    """The requests of ``trace`` a server with a KV pool of ``capacity`` tokens can run, and the
-    indices of those it refuses: a request's prompt and output need the pool at once, and
+def servable(trace: list[Request], capacity: int) -> tuple[list[Request], list[int], int]:
+    """The requests of ``trace`` a server with a KV pool of ``capacity`` tokens can run, the
+    indices of those it refuses and their prompt tokens: a request's prompt and output need the
+    pool at once, and
     SGLang refuses a prompt as long as its pool (``max_req_input_len``). A replay that matched
     such a request anyway would count hits that no server gets, and never insert it, so a
     policy would not see its session's activity: at 5 % of the unique tokens 47 of one agent
     seed's 344 requests (45 % of its prompt tokens) are such, and ``sae`` took their sessions
     for ended. Every policy replays the same served requests."""
-    served, refused = [], []
+    served, refused, refused_tokens = [], [], 0
     for i, req in enumerate(trace):
         if len(req.prompt) + len(req.output) > capacity:
             refused.append(i)
+            refused_tokens += len(req.prompt)
         else:
             served.append(req)
-    return served, refused
+    return served, refused, refused_tokens
 
 
 def replay_context(req: Request):
@@ -373,13 +375,10 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import using
 
-    served, refused = servable(trace, capacity)
-    refused_tokens = sum(len(trace[i].prompt) for i in refused)
-    if refused:
-        if told_q is not None:
-            skip = set(refused)
-            told_q = [q for i, q in enumerate(told_q) if i not in skip]
-        trace = served
+    trace, refused, refused_tokens = servable(trace, capacity)
+    if refused and told_q is not None:
+        skip = set(refused)
+        told_q = [q for i, q in enumerate(told_q) if i not in skip]
     rc.TreeNode.counter = 0  # creation numbers, the nodes' hashes (_node_hash), from 0
     cache, _ = make_cache({ORACLE: "lru", ENDS_ORACLE: "sae", PARAMS_ORACLE: "sae",
                            CONV_ENDS_ORACLE: "sae-conv"}.get(policy, policy))

@@ -176,9 +176,8 @@ def replay_two_tier(trace: list, policy: str, device_tokens: int, host_tokens: i
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import using
 
-    served, refused = servable(trace, device_tokens)  # the device pool holds a running request
-    refused_tokens = sum(len(trace[i].prompt) for i in refused)
-    trace = served
+    # the device pool holds a running request
+    trace, refused, refused_tokens = servable(trace, device_tokens)
     rc.TreeNode.counter = 0
     cache, ctl = make_two_tier_cache(policy, device_tokens, host_tokens)
     clock = _Clock()
