@@ -1240,3 +1240,21 @@ def test_results_table_takes_the_best_baseline_by_mean_and_each_seeds_own_for_th
     assert "| belady |" in lines[0] and "sae w/o predictor" not in lines[0]
     assert lines[2] == ("| chat | 10 % | 0.400 (lru) | **0.430** | +3.0 pp | -5.0 .. +1.0 "
                         "| 0.650 | 50 → 47 ms |")
+
+
+def test_results_table_refuses_what_is_not_a_report(tmp_path):
+    """``bench_eviction.py --table`` on a missing file, a file that is not JSON and JSON of
+    another shape: one line on stderr, exit 2, no traceback."""
+    import subprocess
+
+    script = REPO / "benchmark" / "eviction" / "bench_eviction.py"
+    bad_json, other = tmp_path / "bad.json", tmp_path / "other.json"
+    bad_json.write_text("not json")
+    other.write_text('{"rows": 3}')
+    for path, why in ((tmp_path / "none.json", "no such file"),
+                      (bad_json, "not a bench_eviction.py report"),
+                      (other, "not a bench_eviction.py report")):
+        proc = subprocess.run([sys.executable, str(script), "--table", str(path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert why in proc.stderr and "Traceback" not in proc.stderr

@@ -201,7 +201,12 @@ def main() -> None:
     if args.table:
         if not Path(args.table).is_file():
             ap.error(f"--table {args.table}: no such file")
-        print(markdown_table(json.loads(Path(args.table).read_text())))
+        try:
+            table = markdown_table(json.loads(Path(args.table).read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            ap.error(f"--table {args.table}: not a bench_eviction.py report "
+                     f"({type(e).__name__}: {e})")
+        print(table)
         return
 
     policies = check_policies(args.policies)
