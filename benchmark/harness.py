@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -64,10 +65,25 @@ def plugin_site(root: Path) -> Path:
     return write_site(root)
 
 
+RESELECT_VARIANT = re.compile(r"(sglang-pic.*)-r([1-9][0-9]*)")
+
+
+def reselect_variant(variant: str) -> tuple[str, int] | None:
+    """``<sparse variant>-r<N>`` (``sglang-pic-flashinfer-r4``): ``(the sparse variant, N)``, run
+    with ``--sparse-reselect-interval N`` (``variant_env`` sets its variable); None for any
+    other name."""
+    m = RESELECT_VARIANT.fullmatch(variant)
+    return (m[1], int(m[2])) if m else None
+
+
 def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:
     """The environment of a variant's process: our source tree on the path for sglang-pic
-    variants only, the variant's name, and ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given."""
+    variants only, the variant's name, ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given, and a
+    ``-r<N>`` variant's reselect interval (``reselect_variant``)."""
     env = dict(os.environ)
+    reselect = reselect_variant(variant)
+    if reselect:
+        env["SGLANG_PIC_SPARSE_RESELECT_INTERVAL"] = str(reselect[1])
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -106,3 +106,17 @@ def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_p
     with pytest.raises(SystemExit, match="params differs"):
         harness.run_side_by_side("e2e", "m", "f", {"device": "cpu"}, {"p": 2}, rounds=1,
                                  resume_from=str(earlier), **kw)
+
+
+def test_a_reselect_variant_runs_its_sparse_variant_with_the_interval(tmp_path, monkeypatch):
+    """``<sparse variant>-r<N>``: the process gets ``--sparse-reselect-interval N``'s variable and
+    our paths; other names get neither and are not taken for one."""
+    monkeypatch.delenv("SGLANG_PIC_SPARSE_RESELECT_INTERVAL", raising=False)
+    assert harness.reselect_variant("sglang-pic-flashinfer-r4") == ("sglang-pic-flashinfer", 4)
+    for name in ("sglang-pic-flashinfer", "vanilla-r4", "sglang-pic-r0", "sglang-pic-r4x"):
+        assert harness.reselect_variant(name) is None
+    site = harness.plugin_site(tmp_path)
+    env = harness.variant_env("sglang-pic-r8", site)
+    assert env["SGLANG_PIC_SPARSE_RESELECT_INTERVAL"] == "8"
+    assert str(harness.REPO / "python") in env["PYTHONPATH"].split(":")
+    assert "SGLANG_PIC_SPARSE_RESELECT_INTERVAL" not in harness.variant_env("sglang-pic", site)

@@ -389,6 +389,8 @@ def test_a_context_beyond_the_capacity_decodes_densely_without_taking_a_slot():
     (dict(candidates=4, topk=8), "candidates"),
     (dict(candidates=32769), "candidates must be <= 32768"),
     (dict(sink=-1), "sink"),
+    (dict(reselect_interval=0), "--sparse-reselect-interval must be >= 1"),
+    (dict(reselect_interval=65), "--sparse-reselect-interval must be <= 64"),
 ])
 def test_bad_settings_are_refused(bad, message):
     with pytest.raises(SparseDecodeUnsupported, match=message):
@@ -1121,3 +1123,54 @@ def test_a_held_slot_whose_request_is_not_in_the_step_is_not_selected_for():
     assert state.n_ret.tolist() == [0, 400 - 36] and state.row_of_slot.tolist() == [-1, 0]
     step(state, [0, 1], [301, 402])  # it returns: selected over its whole region again
     assert state.n_ret.tolist() == [300 - 36, 400 - 36]
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region_reselect(
+        ops_cls, device):
+    """``--sparse-reselect-interval 3``: a request selects at its first step, then at every third
+    step and at the step its window slid keys into the region; between, every layer attends the
+    rows it selected last moved on by the steps since (a copying head reads on), rows moved
+    into the window dropped, even for a query that would select others. A selecting step is the
+    every-step state's exactly; interval 1 selects at every step."""
+    pool = FakePool(2, seed=3, device=device)
+    state = make_state(pool, ops_cls, reselect_interval=3)
+    every = make_state(pool, ops_cls)
+    g = torch.Generator().manual_seed(0)
+    n0 = 400  # window 32 + 16: the region grows when the context passes 4 + 364 + 48 = 416
+    base, age, fresh_steps = None, 0, []
+    for t in range(20):
+        q = torch.randn(1, HQ, D, generator=g).to(device)
+        selections = state.stats["selections"]
+        step(state, [0], [n0 + t])
+        step(every, [0], [n0 + t])
+        fresh_steps.append(state.stats["selections"] > selections)
+        n_ret = state.slots[0].n_ret
+        outs = []
+        for layer in range(LAYERS):
+            o = torch.zeros_like(q)
+            state.attend(layer, q, o, 1 / math.sqrt(D))
+            outs.append((o, state.selected[0].clone()))
+        ref = _sparse_output(every, q, {0: 0})
+        if fresh_steps[-1]:
+            base, age = [rows for _, rows in outs], 0
+            for (o, rows), (o_ref, rows_ref) in zip(outs, ref, strict=True):
+                assert set(rows.flatten().tolist()) == rows_ref[0]
+                assert torch.allclose(o, o_ref, atol=1e-5)
+        else:
+            age += 1
+            for layer, (_o, rows) in enumerate(outs):
+                moved = base[layer] + age
+                want = torch.where((base[layer] >= 0) & (moved < n_ret), moved, -1)
+                assert torch.equal(rows.cpu(), want.cpu())
+    # steps 0, 3, 6, ...; the region grew at step 17 (context 417), which restarts the count
+    want = [t < 17 and t % 3 == 0 or t >= 17 and (t - 17) % 3 == 0 for t in range(20)]
+    assert fresh_steps == want
+    assert state.stats["selections"] == sum(want) and state.stats["sparse_steps"] == 20
+    assert every.stats["selections"] == every.stats["sparse_steps"] == 20
+    # a slot whose request sat a step out selects again when it is back (another request may
+    # have taken the layers' selections in between)
+    step(state, [1], [300])
+    selections = state.stats["selections"]
+    step(state, [0], [n0 + 20])
+    assert state.stats["selections"] == selections + 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark" / "quality"))
 
@@ -46,3 +48,15 @@ def test_a_case_is_solved_when_its_digits_are_generated():
     texts = [" 1,234,567.", " 7654320 and", " The number is 1111111"]
     assert sparse_needle.scores(cases, texts) == {"2k": [100.0, 0.0], "4k": [100.0]}
     assert not sparse_needle.solved("1234567", "123456")
+
+
+def test_a_reselect_variant_is_the_sparse_engine_and_bad_names_are_refused():
+    ours = {"sglang-pic-sparse": {"attention_backend": "pariskv_triton"},
+            "sglang-pic-dense": {"attention_backend": "triton"}}
+    sparse_needle.add_reselect_variants(("vanilla", "sglang-pic-sparse", "sglang-pic-sparse-r4"),
+                                        ours)
+    assert ours["sglang-pic-sparse-r4"] == {"attention_backend": "pariskv_triton"}
+    for bad, message in (("sglang-pic-dense-r4", "unknown variant"), ("nope", "unknown variant"),
+                         ("sglang-pic-sparse-r65", "reselect-interval must be <= 64")):
+        with pytest.raises(ValueError, match=message):
+            sparse_needle.add_reselect_variants((bad,), dict(ours))

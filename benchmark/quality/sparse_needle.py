@@ -16,6 +16,8 @@ uses SmolLM2-135M-Instruct, the embedded default model, converted once from its 
   and step from the rest (``--candidates`` kept by voting for the rerank). ``max_requests`` is
   also SGLang's ``max_running_requests``, so no long request falls back to dense for lack of a
   slot (with prometheus_client installed the run records SGLang's sparse counters to show it);
+- ``sglang-pic-sparse-r<N>`` (when listed in ``--variants``): the same sparse server with
+  ``--sparse-reselect-interval N``, each selection serving N decode steps;
 - ``sglang-pic-dense``: our plugin loaded, SGLang's triton backend, dense (the kernels the sparse
   server uses for everything it does not decode sparsely): a column that separates what sparse
   decoding changes from what FlashInfer vs triton changes. Not a headline, so it runs last and
@@ -141,6 +143,23 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     finally:
         engine.shutdown()
     return out
+
+
+def add_reselect_variants(variants: tuple[str, ...], ours: dict[str, dict]) -> None:
+    """``sglang-pic-sparse-r<N>`` variants get the sparse engine's kwargs in ``ours`` (the
+    harness sets their reselect interval); any other name must be a known variant."""
+    from harness import reselect_variant
+    from sglang_pic.sparse.config import SparseDecodeConfig
+
+    for v in variants:
+        if v in VARIANTS:
+            continue
+        reselect = reselect_variant(v)
+        if reselect is None or reselect[0] != "sglang-pic-sparse":
+            raise ValueError(f"unknown variant {v!r}: known {', '.join(VARIANTS)} and "
+                             "sglang-pic-sparse-r<N>")
+        SparseDecodeConfig(threshold=1024, reselect_interval=reselect[1]).validate()
+        ours[v] = ours["sglang-pic-sparse"]
 
 
 def scores(cases: list[dict], texts: list[str]) -> dict[str, list[float]]:
@@ -327,6 +346,10 @@ def main() -> None:
             "sglang-pic-sparse": {"attention_backend": "pariskv_triton"},
         }
     variants = tuple(args.variants.split(","))
+    try:
+        add_reselect_variants(variants, ours)
+    except ValueError as e:
+        ap.error(str(e))
     name = (
         "sparse_quality_cpu_smoke"
         if args.smoke
@@ -441,8 +464,8 @@ def main() -> None:
             + "".join(f"{summary[length][v]:>20.1f}" for v in variants)
             + f"{report['recall']['per_length'][length]:>12.3f}"
         )
-    if "sglang-pic-sparse" in res:
-        print(f"sparse counters: {res['sglang-pic-sparse'].get('sparse_counters')}")
+    for variant in (v for v in variants if v.startswith("sglang-pic-sparse")):
+        print(f"{variant} counters: {res[variant].get('sparse_counters')}")
     for variant, why in skipped.items():
         print(f"{variant}: {why}")
     print(f"wrote {path} ({report['wall_s']:.0f} s)")

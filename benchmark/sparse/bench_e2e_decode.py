@@ -46,14 +46,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent.parent / "python"))
 from harness import (  # noqa: E402
     LLAMA3_8B_DUMMY,
     RESULTS,
     print_table,
     ratio_table,
+    reselect_variant,
     run_side_by_side,
     save_figure,
 )
+from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL  # noqa: E402
 
 SHORT, LONG = 17, 145
 
@@ -243,6 +246,13 @@ LABELS = {"vanilla": "vanilla SGLang (dense FlashInfer)",
 SPARSE_VARIANTS = ("sglang-pic", "sglang-pic-flashinfer")
 
 
+def variant_label(variant: str) -> str:
+    reselect = reselect_variant(variant)
+    if reselect:
+        return f"{LABELS[reselect[0]]}, a selection every {reselect[1]} steps"
+    return LABELS[variant]
+
+
 def plot(report: dict, out_dir: Path) -> Path | None:
     import matplotlib
 
@@ -252,12 +262,13 @@ def plot(report: dict, out_dir: Path) -> Path | None:
     res = report["results"]
     cases = report["params"]["cases"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    shown = [v for v in LABELS if v in res and "error" not in res[v]]
+    shown = [v for v in [*LABELS, *(v for v in res if reselect_variant(v))]
+             if v in res and "error" not in res[v]]
     width = 0.8 / max(len(shown), 1)
     for i, variant in enumerate(shown):
         ys = [res[variant].get(f"tpot_ms_{c}", 0) for c in cases]
         xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(cases))]
-        ax.bar(xs, ys, width, label=LABELS[variant])
+        ax.bar(xs, ys, width, label=variant_label(variant))
     ax.set_xticks(range(len(cases)), [c.replace("x", " x ") for c in cases])
     ax.set_xlabel("batch x context tokens")
     ax.set_ylabel("TPOT (ms)")
@@ -297,7 +308,8 @@ def main() -> None:
     ap.add_argument("--cases", default="1x4096,1x131072,1x262144,4x65536")
     ap.add_argument("--variants", default="vanilla,sglang-pic",
                     help="of vanilla, vanilla-triton, sglang-pic (pariskv_triton), "
-                         "sglang-pic-flashinfer (pariskv_flashinfer)")
+                         "sglang-pic-flashinfer (pariskv_flashinfer); a sparse one with -r<N> "
+                         "(sglang-pic-flashinfer-r4) runs --sparse-reselect-interval N")
     ap.add_argument("--threshold", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--candidates", type=int, default=4096)
@@ -322,6 +334,17 @@ def main() -> None:
         ap.error("--repeats and --rounds must be at least 1")
     if not 0 <= args.profile_steps <= 256:
         ap.error("--profile-steps must be in [0, 256]")
+    # checked before anything is written or moved
+    variant_kwargs = {"sglang-pic": {"attention_backend": "pariskv_triton"},
+                      "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}}
+    variants = tuple(args.variants.split(","))
+    for v in variants:
+        reselect = reselect_variant(v)
+        if reselect and reselect[0] in SPARSE_VARIANTS and reselect[1] <= MAX_RESELECT_INTERVAL:
+            variant_kwargs[v] = variant_kwargs[reselect[0]]
+        elif v not in LABELS:
+            ap.error(f"unknown variant {v!r}: known {', '.join(LABELS)}, and a sparse one with "
+                     f"-r<N> (--sparse-reselect-interval N, N <= {MAX_RESELECT_INTERVAL})")
     cases = args.cases.split(",")
     out_dir = Path(args.out) if args.out else RESULTS
     earlier = out_dir / "sparse_e2e_decode.json"
@@ -344,17 +367,16 @@ def main() -> None:
     report = run_side_by_side(
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
         higher_is_better={f"tokens_per_s_{c}" for c in cases},
-        variants=tuple(args.variants.split(",")), timeout_s=590, out_dir=args.out,
+        variants=variants, timeout_s=590, out_dir=args.out,
         rounds=args.rounds, resume_from=args.resume_from,
-        variant_kwargs={"sglang-pic": {"attention_backend": "pariskv_triton"},
-                        "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}})
+        variant_kwargs=variant_kwargs)
     out_dir = Path(args.out) if args.out else RESULTS
     report = _merge_earlier(report, out_dir / "sparse_e2e_decode.json.prev")
     res = report["results"]
     # every sparse variant against vanilla (the ratio table above pairs vanilla with one)
     print(f"\n{'variant':>22} {'case':>12} {'vanilla TPOT':>13} {'sparse TPOT':>12} "
           f"{'speed-up':>9} {'same ids':>9}")
-    for variant in (v for v in SPARSE_VARIANTS if v in res):
+    for variant in (v for v in res if v in SPARSE_VARIANTS or reselect_variant(v)):
         for c in cases:
             v = res.get("vanilla", {}).get(f"tpot_ms_{c}")
             s = res[variant].get(f"tpot_ms_{c}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_pic.sparse.config import MAX_CANDIDATES as SPARSE_MAX_CANDIDATES
+from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL as SPARSE_MAX_RESELECT
 from sglang_pic.sparse.config import MINIMUM as SPARSE_MINIMUM
 from sglang_pic.sparse.config import SparseDecodeConfig
 
@@ -193,8 +194,10 @@ _SPARSE_HELP = {
     "update": "window tokens moved to the retrieval region at once",
     "max_requests": "requests decoding sparsely at once (their metadata is allocated at start)",
     "max_context": "longest sparse context; 0: the model's",
+    "reselect_interval": "decode steps one selection serves (1: select at every step)",
 }
 _SPARSE_RANGE = {"threshold": ">= sink + local + update",
+                 "reselect_interval": f">= 1, <= {SPARSE_MAX_RESELECT}",
                  "candidates": f">= topk, <= {SPARSE_MAX_CANDIDATES}",
                  "max_context": "0, or over the threshold"}
 

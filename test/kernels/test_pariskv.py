@@ -408,7 +408,9 @@ def test_topk_kernel_returns_the_best_valid_candidates(c, k, t):
     est[0, 4, k // 2 :] = float("-inf")  # fewer valid than k
     est[0, 4, 1] = float("inf")
     sel = torch.full((1, heads, k), 7, dtype=torch.int32, device=DEVICE)
-    _topk_kernel[(1, heads, 1)](est, cand, sel, c, k, CP=max(128, triton.next_power_of_2(c)),
+    n_sel = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    _topk_kernel[(1, heads, 1)](est, cand, sel, n_sel, n_sel, n_sel, n_sel, c, k,
+                                CP=max(128, triton.next_power_of_2(c)),
                                 KP=triton.next_power_of_2(k), T=t)
     for h in range(heads):
         valid = (est[0, h] > float("-inf")) & (cand[0, h] >= 0)  # NaN compares false
@@ -439,7 +441,9 @@ def test_topk_kernel_bisects_past_65535_candidates():
     est[0, 0, :50] = -3e38
     cand = torch.arange(c, dtype=torch.int32, device=DEVICE).view(1, 1, c)
     sel = torch.full((1, 1, k + 64), 7, dtype=torch.int32, device=DEVICE)  # 64 guard places
-    _topk_kernel[(1, 1, 1)](est, cand, sel, c, k, CP=triton.next_power_of_2(c), KP=128, T=1)
+    n_sel = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    _topk_kernel[(1, 1, 1)](est, cand, sel, n_sel, n_sel, n_sel, n_sel, c, k,
+                            CP=triton.next_power_of_2(c), KP=128, T=1)
     assert set(sel[0, 0, :k].tolist()) == set(est[0, 0].topk(k).indices.tolist())
     assert sel[0, 0, k:].tolist() == [7] * 64  # nothing written past the K places
 
@@ -521,6 +525,44 @@ def test_selector_reads_each_slot_query_from_its_batch_row():
     assert (got[1] == -1).all()
     for buf in (sel.qt, sel.qnorm, sel.planes, sel.params):
         assert (buf[1] == 7).all()
+
+
+@pytest.mark.parametrize("stride", [1, 16])
+def test_a_sequence_not_selecting_attends_its_last_selection_moved_on(stride):
+    """``n_sel`` 0 for a sequence with keys (``--sparse-reselect-interval``): none of its query
+    tables or planes is computed and it gets its last selection (``last``) moved on by
+    ``shift`` rows, rows past its region dropped, while ``last`` keeps the selection itself;
+    the sequence selecting gets what it gets without ``n_sel`` and ``last`` records it; an
+    idle one gets -1."""
+    torch.manual_seed(10)
+    hq, hk, d, n = 4, 2, 64, 300
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    rt, levels, cent, codes, w, counts = _encoded(keys)
+    q = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
+    three = [t.expand(3, *t.shape).contiguous() for t in (cent, codes, w, counts)]
+    sel = Selector(3, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128, sample_stride=stride)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    n_ret = torch.tensor([n, n, 0], **i32)
+    want = sel(q, rt, levels, *three[:3], n_ret, three[3]).clone()
+    last = torch.full((3, hk, 8), 5, **i32)
+    last[1, :, :3] = torch.tensor([0, n - 3, -1], **i32)  # n - 3 + 3 leaves the region
+    kept = last[1].clone()
+    for buf in (sel.qt, sel.qnorm, sel.planes, sel.params):
+        buf[1] = 7
+    got = sel(q, rt, levels, *three[:3], n_ret, three[3], n_sel=torch.tensor([n, 0, 0], **i32),
+              last=last, shift=torch.tensor([0, 3, 0], **i32))
+    assert [sorted(x) for x in got[0].tolist()] == [sorted(x) for x in want[0].tolist()]
+    assert torch.equal(last[0], got[0]) and torch.equal(last[1], kept)
+    assert got[1, :, :3].tolist() == [[3, -1, -1]] * hk and (got[1, :, 3:] == 8).all()
+    assert (got[2] == -1).all()
+    for buf in (sel.qt, sel.qnorm, sel.planes, sel.params):
+        assert (buf[1] == 7).all()
+    with pytest.raises(ValueError, match="last must be int32"):
+        sel(q, rt, levels, *three[:3], n_ret, three[3], n_sel=n_ret, last=last[:, :, :4],
+            shift=n_ret)
+    with pytest.raises(ValueError, match="n_sel and shift must be like n_ret"):
+        sel(q, rt, levels, *three[:3], n_ret, three[3], n_sel=n_ret.long(), last=last,
+            shift=n_ret)
 
 
 @pytest.mark.parametrize("stride", [1, 4])

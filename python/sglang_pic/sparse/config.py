@@ -17,8 +17,11 @@ HOST_MEMORY_SHARE = 0.9
 """Most of the available host memory the ``--sparse-offload`` region may take (the rest is
 left to the processes around it)."""
 MINIMUM = {"threshold": 0, "topk": 1, "candidates": 1, "sink": 0, "local": 1, "update": 1,
-           "max_requests": 1, "max_context": 0, "offload": 0}
+           "max_requests": 1, "max_context": 0, "offload": 0, "reselect_interval": 1}
 """The smallest value of each integer knob; the cross-knob ranges are in ``validate``."""
+MAX_RESELECT_INTERVAL = 64
+"""Most decode steps one selection may serve: the window's newest token is attended densely,
+but what the query needs from the retrieval region drifts as the answer goes on."""
 MAX_CANDIDATES = 32768
 """Most candidates a KV head may keep: the top-k kernel holds one head's candidates in one
 program's registers and packs their counts 16 bits apart (``TOPK_PACKED_MAX_CP`` of
@@ -52,6 +55,11 @@ class SparseDecodeConfig:
     offload: int = 0
     """1: a sparse request's retrieval-region KV moves to pinned host memory and its GPU pool
     slots are freed (``--sparse-offload``, ``offload.py``); needs ``--disable-radix-cache``."""
+    reselect_interval: int = 1
+    """Decode steps one selection serves: with ``n > 1`` a request selects its keys at one step
+    in ``n`` and attends the same retrieval-region rows (plus its dense window) at the steps
+    between, as LServe's reusable page selector does (adjacent steps' queries are alike). A
+    request also selects at its first step and whenever keys moved into its region."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SparseDecodeConfig:
@@ -78,6 +86,10 @@ class SparseDecodeConfig:
                     f"{self.flag(name)} must be >= {lowest}, got {getattr(self, name)}")
         if self.offload not in (0, 1):
             raise SparseDecodeUnsupported(f"sparse offload must be 0 or 1, got {self.offload}")
+        if self.reselect_interval > MAX_RESELECT_INTERVAL:
+            raise SparseDecodeUnsupported(
+                f"{self.flag('reselect_interval')} must be <= {MAX_RESELECT_INTERVAL}, got "
+                f"{self.reselect_interval}")
         if self.candidates > MAX_CANDIDATES:
             raise SparseDecodeUnsupported(
                 f"{self.flag('candidates')} must be <= {MAX_CANDIDATES}, got {self.candidates}")

@@ -92,6 +92,8 @@ class _Slot:
     n_ret: int  # keys in the retrieval region
     seq_len: int  # context length at the last step seen (the decoded token included)
     prefilling: bool = False  # an offloaded prefill that has not decoded yet
+    # decode steps its last selection has served (None: it must select at its next step)
+    selection_age: int | None = None
 
 
 class SparseDecodeState:
@@ -110,13 +112,17 @@ class SparseDecodeState:
         i64 = dict(dtype=torch.int64, device=dev)
         self.slots: list[_Slot | None] = [None] * r
         # what each decode step uploads in one copy: slot_of_row [max_batch], row_of_slot [R]
-        # (-1: not in this step's batch) and n_ret [R] (0 for a slot not in the batch: its
-        # selection passes then skip the slot's keys)
-        self._step_rows = torch.full((max_batch + 2 * r,), -1, **i64)
+        # (-1: not in this step's batch), n_ret [R] (0 for a slot not in the batch: its
+        # selection passes then skip the slot's keys), n_sel [R] (n_ret for a slot that
+        # selects this step, 0 for one attending its last selection) and shift [R] (the steps
+        # since that selection)
+        self._step_rows = torch.full((max_batch + 4 * r,), -1, **i64)
         self.slot_of_row = self._step_rows[:max_batch]
         self.row_of_slot = self._step_rows[max_batch : max_batch + r]
-        # keys the selection reads: written by each step's upload only (a release zeroes it)
-        self.n_ret = torch.zeros(r, dtype=torch.int32, device=dev)
+        # what the selection and attention read: written by each step's upload only (a
+        # release zeroes n_ret), in one int32 tensor so that one copy converts them
+        self._counts = torch.zeros(3, r, dtype=torch.int32, device=dev)
+        self.n_ret, self.n_sel, self.shift = self._counts
         self.pool_of_slot = torch.zeros(r, **i64)
         # sink + window of each slot: pool slots (padding slot 0 past win_len)
         self.win_idx = torch.zeros(r, cfg.sink + cfg.local + cfg.update, **i64)
@@ -127,7 +133,7 @@ class SparseDecodeState:
         # copied without blocking, since a blocking copy from pageable memory waits for the
         # GPU's previous step and would cost the overlap scheduler its overlap at every step
         pin = dev.type == "cuda"
-        self._staging = [torch.empty(max_batch + 2 * r, dtype=torch.int64, pin_memory=pin)
+        self._staging = [torch.empty(max_batch + 4 * r, dtype=torch.int64, pin_memory=pin)
                          for _ in range(2)]
         self._staging_copied: list = [None, None]  # the CUDA event of each buffer's last copy
         self._staging_turn = 0
@@ -136,7 +142,7 @@ class SparseDecodeState:
         self.rows: list[int] = []  # batch rows decoding sparsely this step
         self.batch_rows = 0  # request rows of this step's batch (graph padding excluded)
         self.stats = {"activated": 0, "sparse_steps": 0, "encoded_tokens": 0, "refused_full": 0,
-                      "offloaded_tokens": 0, "reused_tokens": 0}
+                      "offloaded_tokens": 0, "reused_tokens": 0, "selections": 0}
         # a released slot's encoded rows, reusable by a request with the same prefix (module
         # doc), and per slot and position [0, sink + region) its keys' fingerprint
         self.kept_rows = [0] * r
@@ -274,33 +280,50 @@ class SparseDecodeState:
             if k is not None:
                 self._activate(k, p, n, reused)
                 slot_of_pool[p] = k
-        rows, slots = [], []
+        rows, slots, fresh = [], [], []
         for k, slot in enumerate(self.slots):
             if slot is None:
                 continue
             row = in_batch.get(slot.pool_index)
             if row is None:
+                slot.selection_age = None  # its layers' selections may be another slot user's
                 continue
             slot.seq_len = seq_lens[row]
             slot.prefilling = False
+            held = slot.n_ret
             self._slide(k)
             self._fill_window(k, slot)
             rows.append(row)
             slots.append(k)
+            fresh.append(self._selects_now(slot, slot.n_ret != held))
         self.active = bool(rows)
         self.rows = rows
         self.batch_rows = len(pool_indices)
-        self._upload_rows(rows, slots)
+        self._upload_rows(rows, slots, fresh)
         if not rows:
             return seq_lens_dev
         self._count("sparse_steps", len(rows))
+        self._count("selections", sum(fresh))
         sparse_row = self.slot_of_row[: seq_lens_dev.shape[0]] >= 0
         return torch.where(sparse_row, torch.ones_like(seq_lens_dev), seq_lens_dev)
 
-    def _upload_rows(self, rows: list[int], slots: list[int]) -> None:
-        """``slot_of_row`` (-1 for dense rows), ``row_of_slot`` (-1 for idle slots) and ``n_ret``
-        (0 for idle slots) of this step, written in a host buffer and copied without blocking
-        the CPU."""
+    def _selects_now(self, slot: _Slot, region_grew: bool) -> bool:
+        """Whether ``slot`` selects its keys at this step: at its first step, when keys entered
+        its region (they left the dense window and no selection has seen them) and every
+        ``reselect_interval`` steps; between those it attends its last selection."""
+        if slot.selection_age is None or region_grew or (
+                slot.selection_age + 1 >= self.cfg.reselect_interval):
+            slot.selection_age = 0
+            return True
+        slot.selection_age += 1
+        return False
+
+    def _upload_rows(self, rows: list[int], slots: list[int],
+                     fresh: list[bool] | None = None) -> None:
+        """``slot_of_row`` (-1 for dense rows), ``row_of_slot`` (-1 for idle slots), ``n_ret``
+        (0 for idle slots), ``n_sel`` (0 also for slots not selecting this step, ``fresh``
+        False) and ``shift`` (their selections' age) of this step, written in a host buffer
+        and copied without blocking the CPU."""
         turn = self._staging_turn
         self._staging_turn ^= 1
         buf = self._staging[turn]
@@ -309,12 +332,16 @@ class SparseDecodeState:
         n, r = self.slot_of_row.numel(), len(self.slots)
         buf[: n + r] = -1
         buf[n + r :] = 0
-        for row, k in zip(rows, slots, strict=True):
+        for i, (row, k) in enumerate(zip(rows, slots, strict=True)):
             buf[row] = k
             buf[n + k] = row
             buf[n + r + k] = self.slots[k].n_ret
+            if fresh is None or fresh[i]:
+                buf[n + 2 * r + k] = self.slots[k].n_ret
+            else:
+                buf[n + 3 * r + k] = self.slots[k].selection_age
         self._step_rows.copy_(buf, non_blocking=True)
-        self.n_ret.copy_(self._step_rows[n + r :])
+        self._counts.view(-1).copy_(self._step_rows[n + r :])
         if buf.is_pinned():
             event = torch.cuda.Event()
             event.record()
@@ -504,7 +531,9 @@ class SparseDecodeState:
                                            self.value_buffer(layer_id), self.win_idx,
                                            self.win_len, self.req_to_token, self.pool_of_slot,
                                            self.cfg.sink, scale)
-        rows = self.ops.select(layer, q, self.row_of_slot, self.n_ret)  # [R, kvh, k]
+        rows = self.ops.select(layer, q, self.row_of_slot, self.n_ret,  # [R, kvh, k]
+                               *((self.n_sel, self.shift) if self.cfg.reselect_interval > 1
+                                 else ()))
         self.selected = rows
         if self.host is not None:
             flat = self.win_idx.view(-1)

@@ -6,7 +6,10 @@ where, per request and step) is the same code on every device. ``q`` is the laye
 
     encode(layer, slot, keys [n, kv_heads, D], offset)     keys enter a slot's retrieval region
     truncate(layer, slot, keep, held)      a region of ``held`` rows keeps its first ``keep``
-    select(layer, q, row_of_slot [R], n_ret [R]) -> [R, kv_heads, k] int32 rows (-1: none)
+    select(layer, q, row_of_slot [R], n_ret [R], n_sel [R], shift [R])
+           -> [R, kv_heads, k] int32 rows (-1: none); a slot with ``n_sel`` 0 selects nothing
+                                    and attends the rows this layer selected for it last,
+                                    ``shift`` rows on (``--sparse-reselect-interval``)
     attend_pool(q, row_of_slot, k_buf, v_buf [S, kv_heads, D], win_idx [R, W] pool slots,
            win_len [R], rows [R, kv_heads, k], req_to_token, pool_of_slot [R], sink, out, scale)
                                     softmax attention over each slot's first win_len window
@@ -60,6 +63,9 @@ class KernelIndexOps:
                                       device=self.device)
         self.selector = Selector(slots, q_heads, kv_heads, d, capacity,
                                  min(candidates, capacity), topk, device=self.device)
+        # each layer's last selection: a slot that skips a step's selection attends these
+        self.last = torch.full((layers, slots, kv_heads, self.selector.k), -1,
+                               dtype=torch.int32, device=self.device)
         self.attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk, topk,
                                          device=self.device)
         self._side_stream = None  # start_window's, made on first use
@@ -90,10 +96,12 @@ class KernelIndexOps:
         self.bit_counts[layer, slot] -= bits.sum(1, dtype=torch.int32).flatten(1)
 
     def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
-               n_ret: torch.Tensor) -> torch.Tensor:
+               n_ret: torch.Tensor, n_sel: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> torch.Tensor:
         return self.selector(q, self.rt, self.levels, self.centroid[layer], self.codes[layer],
                              self.weights[layer], n_ret, self.bit_counts[layer],
-                             row_of_slot=row_of_slot)
+                             row_of_slot=row_of_slot, n_sel=n_sel,
+                             last=None if n_sel is None else self.last[layer], shift=shift)
 
     def start_window(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, req_to_token,
                      pool_of_slot, sink: int, scale: float):
@@ -127,6 +135,7 @@ class TorchIndexOps:
         self.cfg = ParisConfig(vote="similarity")
         self.k, self.c, self.G = topk, candidates, q_heads // kv_heads
         self.index: list[list[KeyIndex | None]] = [[None] * slots for _ in range(layers)]
+        self.last: list[torch.Tensor | None] = [None] * layers  # each layer's last selection
 
     def encode(self, layer: int, slot: int, keys: torch.Tensor, offset: int) -> None:
         keys = keys.float().transpose(0, 1)  # [kv_heads, n, D]
@@ -144,14 +153,24 @@ class TorchIndexOps:
             index.truncate(keep)
 
     def select(self, layer: int, q: torch.Tensor, row_of_slot: torch.Tensor,
-               n_ret: torch.Tensor) -> torch.Tensor:
+               n_ret: torch.Tensor, n_sel: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> torch.Tensor:
         q = _slot_queries(q, row_of_slot)
         slots, hq, d = q.shape
         kv_heads = hq // self.G
         out = torch.full((slots, kv_heads, self.k), -1, dtype=torch.int32, device=q.device)
-        for s, n in enumerate(n_ret.tolist()):
+        last = self.last[layer]
+        if last is None:
+            last = self.last[layer] = out.clone()
+        n_sel = n_ret if n_sel is None else n_sel
+        shifts = [0] * slots if shift is None else shift.tolist()
+        for s, (n, fresh) in enumerate(zip(n_ret.tolist(), n_sel.tolist(), strict=True)):
             index = self.index[layer][s]
             if n == 0 or index is None:
+                continue
+            if fresh == 0:  # the slot attends its last selection, moved on
+                moved = last[s] + shifts[s]
+                out[s] = torch.where((last[s] >= 0) & (moved < n), moved, -1)
                 continue
             qg = q[s].float().view(kv_heads, self.G, d)
             qn = qg / qg.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -160,6 +179,7 @@ class TorchIndexOps:
             est = torch.stack([index.estimate(qg[:, g], cand) for g in range(self.G)]).amax(0)
             k = min(self.k, cand.shape[1])
             out[s, :, :k] = cand.gather(1, est.topk(k, dim=-1).indices).int()
+            last[s] = out[s]
         return out
 
     def start_window(self, *args, **kwargs) -> None:

@@ -140,20 +140,21 @@ def _query_one(Q, q_row, b, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
 
 
 @triton.jit(do_not_specialize=["N_ROWS"])  # the batch size: one compiled kernel for all
-def _query_kernel(Q, RowOfSlot, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, N_ROWS,
-                  D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
+def _query_kernel(Q, RowOfSlot, NSel, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh,
+                  N_ROWS, D: tl.constexpr, B: tl.constexpr, SIMILARITY: tl.constexpr,
                   Q_ROWS: tl.constexpr):
     """Query tables of slot ``program_id(0)``: with ``Q_ROWS`` from its row of the decode batch,
     and nothing for an idle slot (row -1, whose region the caller gives ``n_ret`` 0: nothing
-    after this kernel reads its tables). At batch 1 of 4 slots that is 3/4 of the programs, each
-    reading the 64 KB rotation, beside the window's attention on the other graph branch."""
+    after this kernel reads its tables) or any slot that selects nothing (``NSel`` 0).
+    At batch 1 of 4 slots that is 3/4 of the programs, each reading the 64 KB rotation, beside
+    the window's attention on the other graph branch."""
     b = tl.program_id(0).to(tl.int64)
     if Q_ROWS:
         slot_row = tl.load(RowOfSlot + b)
-        if slot_row >= 0:
+        if (slot_row >= 0) & (tl.load(NSel + b) > 0):
             _query_one(Q, tl.minimum(slot_row, N_ROWS - 1), b, RtJ, Tiers, Table, Qt, Qnorm,
                        stride_qb, stride_qh, D, B, SIMILARITY)
-    else:
+    elif tl.load(NSel + b) > 0:
         _query_one(Q, b, b, RtJ, Tiers, Table, Qt, Qnorm, stride_qb, stride_qh, D, B,
                    SIMILARITY)
 
@@ -625,8 +626,17 @@ def topk_warps(cp: int) -> int:
 
 
 @triton.jit
-def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
-                 T: tl.constexpr = 1):
+def _store_selection(dst, ids, above, equal, pos_a, pos_e, need, K, KP: tl.constexpr):
+    """The top-k's output: the ids above the threshold, the ties at it, then -1."""
+    tl.store(dst + pos_a, ids, mask=above & (pos_a < need))
+    tl.store(dst + pos_e, ids, mask=equal & (pos_e < need))
+    j = tl.arange(0, KP)
+    tl.store(dst + j, tl.full([KP], -1, tl.int32), mask=(j >= need) & (j < K))
+
+
+@triton.jit
+def _topk_kernel(Est, Cand, Sel, NRet, NSel, Last, Shift, C, K, CP: tl.constexpr,
+                 KP: tl.constexpr, T: tl.constexpr = 1, KEEP: tl.constexpr = False):
     """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
     ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
     found by a search over the estimates' bit patterns, mapped to int32 keys that order like the
@@ -636,48 +646,63 @@ def _topk_kernel(Est, Cand, Sel, C, K, CP: tl.constexpr, KP: tl.constexpr,
     TOPK_PACKED_MAX_CP`` for ``T > 1``: a count must fit 16 bits). Output order: the
     candidates above it in candidate order, then the ties at it (the first by position), then
     -1 past the valid ones (not sorted by estimate, as ``torch.topk`` was: attention does not
-    care). NaN and -inf estimates and empty candidates (-1) are never selected."""
+    care). NaN and -inf estimates and empty candidates (-1) are never selected. A sequence
+    with no keys (``NRet`` 0: an idle slot) gets -1 everywhere.
+
+    ``KEEP``: a selection is also written to ``Last`` (the layer's own), and a sequence that
+    selects nothing this step (``NSel`` 0, ``NRet`` > 0) gets its last selection moved on by
+    ``Shift`` rows (the steps since it was made), rows that move into the window dropped."""
     tl.static_assert(T == 1 or CP <= _TOPK_PACKED_MAX_CP)
     _, h, b, r = _program_head()
-    i = tl.arange(0, CP)
-    est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
-    ids = tl.load(Cand + r * C + i, mask=i < C, other=-1)
-    valid = (est > float("-inf")) & (ids >= 0)  # NaN compares false: never selected
-    bits = est.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32; negatives reversed
-    need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    # int64 scalars (the interval's width needs 33 bits); each threshold fits int32
-    lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)  # count(>= lo) >= need
-    hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
-    while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
-        width = hi - lo + 1  # >= 2, so the last threshold is above lo and none above hi
-        packed = tl.zeros([CP], dtype=tl.int64)
-        for j in tl.static_range(T):
-            t = (lo + width * (j + 1) // (T + 1)).to(tl.int32)
-            packed += (valid & (key >= t)).to(tl.int64) << (16 * j)
-        counts = tl.sum(packed, axis=0)
-        new_lo, new_hi, at_lo = lo, hi, need + 1
-        for j in tl.static_range(T):  # thresholds ascend, their counts descend
-            t = lo + width * (j + 1) // (T + 1)
-            count = _packed_count(counts, j, T)
-            new_lo = tl.where(count >= need, t, new_lo)  # the highest with enough at or above
-            at_lo = tl.where(count >= need, count, at_lo)
-        for j in tl.static_range(T):  # descending: the lowest threshold with too few wins
-            t = lo + width * (T - j) // (T + 1)
-            count = _packed_count(counts, T - 1 - j, T)
-            new_hi = tl.where(count < need, t - 1, new_hi)
-        lo = new_lo
-        hi = tl.where(at_lo == need, new_lo, new_hi)
-    lo32 = lo.to(tl.int32)
-    above = valid & (key > lo32)
-    equal = valid & (key == lo32)
-    n_above = tl.sum(above.to(tl.int32), axis=0)
-    pos_a = tl.cumsum(above.to(tl.int32), axis=0) - 1
-    pos_e = n_above + tl.cumsum(equal.to(tl.int32), axis=0) - 1
-    tl.store(Sel + r * K + pos_a, ids, mask=above & (pos_a < need))
-    tl.store(Sel + r * K + pos_e, ids, mask=equal & (pos_e < need))
-    j = tl.arange(0, KP)
-    tl.store(Sel + r * K + j, tl.full([KP], -1, tl.int32), mask=(j >= need) & (j < K))
+    n_ret = tl.load(NRet + b)
+    if n_ret == 0:
+        j = tl.arange(0, KP)
+        tl.store(Sel + r * K + j, tl.full([KP], -1, tl.int32), mask=j < K)
+    elif KEEP and tl.load(NSel + b) == 0:
+        j = tl.arange(0, KP)
+        last = tl.load(Last + r * K + j, mask=j < K, other=-1)
+        moved = last + tl.load(Shift + b)
+        tl.store(Sel + r * K + j, tl.where((last >= 0) & (moved < n_ret), moved, -1),
+                 mask=j < K)
+    else:
+        i = tl.arange(0, CP)
+        est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
+        ids = tl.load(Cand + r * C + i, mask=i < C, other=-1)
+        valid = (est > float("-inf")) & (ids >= 0)  # NaN compares false: never selected
+        bits = est.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32; negatives reversed
+        need = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
+        # int64 scalars (the interval's width needs 33 bits); each threshold fits int32
+        lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)  # count(>= lo) >= need
+        hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
+        while lo < hi:  # a t with count(valid & key >= t) == need, else the largest with >= need
+            width = hi - lo + 1  # >= 2, so the last threshold is above lo and none above hi
+            packed = tl.zeros([CP], dtype=tl.int64)
+            for j in tl.static_range(T):
+                t = (lo + width * (j + 1) // (T + 1)).to(tl.int32)
+                packed += (valid & (key >= t)).to(tl.int64) << (16 * j)
+            counts = tl.sum(packed, axis=0)
+            new_lo, new_hi, at_lo = lo, hi, need + 1
+            for j in tl.static_range(T):  # thresholds ascend, their counts descend
+                t = lo + width * (j + 1) // (T + 1)
+                count = _packed_count(counts, j, T)
+                new_lo = tl.where(count >= need, t, new_lo)  # the highest with enough at or above
+                at_lo = tl.where(count >= need, count, at_lo)
+            for j in tl.static_range(T):  # descending: the lowest threshold with too few wins
+                t = lo + width * (T - j) // (T + 1)
+                count = _packed_count(counts, T - 1 - j, T)
+                new_hi = tl.where(count < need, t - 1, new_hi)
+            lo = new_lo
+            hi = tl.where(at_lo == need, new_lo, new_hi)
+        lo32 = lo.to(tl.int32)
+        above = valid & (key > lo32)
+        equal = valid & (key == lo32)
+        n_above = tl.sum(above.to(tl.int32), axis=0)
+        pos_a = tl.cumsum(above.to(tl.int32), axis=0) - 1
+        pos_e = n_above + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+        _store_selection(Sel + r * K, ids, above, equal, pos_a, pos_e, need, K, KP)
+        if KEEP:
+            _store_selection(Last + r * K, ids, above, equal, pos_a, pos_e, need, K, KP)
 
 
 class Selector:
@@ -778,14 +803,23 @@ class Selector:
     def __call__(self, q: torch.Tensor, rt: torch.Tensor, levels: torch.Tensor,
                  centroid: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor,
                  n_ret: torch.Tensor, bit_counts: torch.Tensor | None = None,
-                 row_of_slot: torch.Tensor | None = None) -> torch.Tensor:
+                 row_of_slot: torch.Tensor | None = None, n_sel: torch.Tensor | None = None,
+                 last: torch.Tensor | None = None,
+                 shift: torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, kv_heads, k]`` int32 ids of the selected keys in each sequence's retrieval
         region (-1 where it holds fewer than ``k`` keys; a view of a buffer rewritten by the
         next call). ``centroid``: packed int32 ids ``[batch, kv_heads, N, D / 32]``,
         ``bit_counts`` ``[batch, kv_heads, D]`` int32 (both from ``encode_keys``; the counts are
         needed by similarity votes). ``q``: ``[batch, q_heads, D]``, or with ``row_of_slot``
         (``[batch]``, -1 for an idle sequence, whose ``n_ret`` must be 0: nothing is computed
-        for it) a decode batch whose row ``row_of_slot[b]`` is sequence ``b``'s query."""
+        for it) a decode batch whose row ``row_of_slot[b]`` is sequence ``b``'s query.
+
+        A selection serving several steps (``--sparse-reselect-interval``): ``n_sel``
+        (``[batch]`` int32) is ``n_ret[b]`` for a sequence that selects this call, 0 for one
+        that does not (every launch skips it); ``last`` (``[batch, kv_heads, k]`` int32, the
+        caller's per layer) keeps each sequence's last selection, and a sequence not selecting
+        gets it moved on by ``shift[b]`` rows (``[batch]`` int32, the steps since it was made:
+        a head that copies from the context reads the rows after those it read then)."""
         bsz = self.batch if row_of_slot is not None else q.shape[0]
         hq, d = q.shape[1:]
         if self.similarity and (bit_counts is None or tuple(bit_counts.shape) != (
@@ -794,8 +828,21 @@ class Selector:
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         q_rows = row_of_slot is not None
+        keep = n_sel is not None
+        if not keep:
+            n_sel = last = shift = n_ret
+        elif any(t is None or t.shape != n_ret.shape or t.dtype != n_ret.dtype
+                 for t in (n_sel, shift)):
+            raise ValueError(f"n_sel and shift must be like n_ret ({tuple(n_ret.shape)} "
+                             f"{n_ret.dtype})")
+        elif last is None or tuple(last.shape) != (bsz, self.kv_heads, self.k) or (
+                last.dtype != torch.int32 or not last.is_contiguous()):
+            raise ValueError(f"last must be int32 [{bsz}, {self.kv_heads}, {self.k}] "
+                             "contiguous")
+        # the selection's launches read the keys to select from: 0 skips a sequence
+        n_keys, n_ret = n_ret, n_sel
         rtj = self._derived(part_major_rotation, rt)
-        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, rtj, self.tiers,
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, n_sel, rtj, self.tiers,
                                  self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
                                  q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
@@ -850,7 +897,8 @@ class Selector:
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
         t = TOPK_THRESHOLDS if cp <= TOPK_PACKED_MAX_CP else 1
-        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, C, self.k, CP=cp,
-                                              KP=triton.next_power_of_2(self.k), T=t,
+        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, n_keys, n_sel, last,
+                                              shift, C, self.k, CP=cp,
+                                              KP=triton.next_power_of_2(self.k), T=t, KEEP=keep,
                                               num_warps=topk_warps(cp))
         return sel
