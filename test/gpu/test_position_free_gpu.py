@@ -132,9 +132,12 @@ def _assert_same_up_to_ties(outs: list[dict], want: list[list[int]], *others: li
             continue
         ties = [_tied(o[i], step) for o in (outs, *others)]
         if not all({got[step], ref[step]} <= t for t in ties):
-            bad.append({"prompt": i, "step": step, "ours": got[step], "want": ref[step],
-                        "tied": [sorted(t) for t in ties]})
-    assert not bad, bad
+            # each output's top two (logprob, token) at the step: how far from a tie it was
+            top2 = [sorted(o[i]["meta_info"]["output_top_logprobs"][step], reverse=True)
+                    for o in (outs, *others)]
+            bad.append(f"prompt {i} step {step}: ours {got[step]}, want {ref[step]}; top 2 "
+                       f"(logprob, token) of each output compared: {top2}")
+    assert not bad, "\n".join(bad)
 
 
 def test_requests_without_spans_are_served_as_vanilla_flashinfer_serves_them(servers, prompts):
