@@ -727,7 +727,8 @@ def test_chat_template_segmentation_and_client_hints(model_dir):
 def test_blocks_shared_by_requests_outside_sessions_become_structural():
     """Without a session or a ``system`` type (no hints, no chat template), a block another
     request reuses is shared: it leaves the per-request queue for the structural one, as a
-    block two sessions use does. Chunks of one request (same ``rid``) do not count as two."""
+    block two sessions use does. Chunks of one request (same ``rid``) do not count as two. A
+    template's blocks come back structural after an eviction (the ghost set remembers them)."""
     from array import array
 
     import torch
@@ -759,6 +760,27 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     assert serve("b", shared + list(range(700, 732)), app="single") == len(shared)
     template = cache.root_node.children[next(iter(cache.root_node.children))]
     assert len(template.key) == len(shared) and template.sae.queue == "structural"
+
+    # evicted, a template (shared, and requests branched after it) asked for again is shared
+    # still: it comes back structural; a block only one request used, or a conversation's
+    # history that two turns shared along one path, comes back as any new block
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    alone, talk = list(range(900, 964)), list(range(2000, 2064))
+    serve("d", alone + list(range(1000, 1032)), app="single")
+    serve("t1", talk)
+    serve("t2", talk + list(range(2100, 2132)))  # the next turn: one path on from the first
+    turn = next(n for n in cache.root_node.children.values() if n.key.token_ids[0] == talk[0])
+    assert turn.sae.queue == "structural" and turn.sae.branches == 1
+    cache.evict(EvictParams(num_tokens=10_000))
+    assert not cache.root_node.children
+    assert serve("c", shared + list(range(800, 832)), app="single") == 0
+    assert serve("e", alone + list(range(1100, 1132)), app="single") == 0
+    assert serve("t3", talk + list(range(2200, 2232))) == 0
+    back = {n.key.token_ids[0]: n for n in cache.root_node.children.values()}
+    assert back[shared[0]].sae.queue == "structural"
+    assert back[alone[0]].sae.queue == "evict_first"
+    assert back[talk[0]].sae.queue == "chat" and back[talk[0]].sae.sessions_seen == 1
 
 
 def test_a_branch_its_session_moved_past_is_scored_like_evict_first():

@@ -60,3 +60,21 @@ def test_a_reselect_variant_is_the_sparse_engine_and_bad_names_are_refused():
                          ("sglang-pic-sparse-r65", "reselect-interval must be <= 64")):
         with pytest.raises(ValueError, match=message):
             sparse_needle.add_reselect_variants((bad,), dict(ours))
+
+
+def test_agreement_passages_are_fixed_text_and_divergence_is_the_first_differing_step(
+        model_dir):
+    import sparse_agreement
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    first = sparse_agreement.passages(tok, 3, 500)
+    assert first == sparse_agreement.passages(tok, 3, 500)  # read from a fixed commit
+    question = tok(sparse_agreement.QUESTION)["input_ids"]
+    assert all(len(p) == 500 + len(question) and p[500:] == question for p in first)
+    assert len({tuple(p) for p in first}) == 3
+    with pytest.raises(SystemExit, match="need more than"):
+        sparse_agreement.passages(tok, 64, 5000)
+    assert sparse_agreement.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert sparse_agreement.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert sparse_agreement.first_divergence([7], [1, 2]) == 0

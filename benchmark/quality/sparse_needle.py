@@ -127,7 +127,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     t0 = time.perf_counter()
     engine = sgl.Engine(**engine_kwargs)
     out: dict = {"variant": variant, "engine_start_s": time.perf_counter() - t0}
-    sp = {"temperature": 0, "max_new_tokens": params["new_tokens"]}
+    sp = {"temperature": 0, "max_new_tokens": params["new_tokens"],
+          "ignore_eos": params.get("ignore_eos", False)}
     try:
         t = time.perf_counter()
         res = engine.generate(input_ids=params["prompts"], sampling_params=sp)
@@ -143,6 +144,44 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     finally:
         engine.shutdown()
     return out
+
+
+SPARSE_KNOBS = ("threshold", "topk", "candidates", "sink", "local", "update", "max_requests")
+
+
+def add_sparse_knobs(ap: argparse.ArgumentParser) -> None:
+    """The sparse server's settings (``SPARSE_KNOBS``): every case decodes sparsely inside
+    SmolLM2's 8K context."""
+    ap.add_argument("--threshold", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=100)
+    ap.add_argument("--candidates", type=int, default=4096,
+                    help="kept by voting for the rerank (the server's default)")
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--local", type=int, default=128)
+    ap.add_argument("--update", type=int, default=64)
+    ap.add_argument("--max-requests", type=int, default=64,
+                    help="sparse slots, and SGLang's --max-running-requests")
+
+
+def engine_settings(model_dir: str, cpu: bool, max_requests: int, metrics: bool = False
+                    ) -> tuple[dict, dict[str, dict]]:
+    """The engines' kwargs (vanilla's: dense FlashInfer, or torch_native on CPU) and each of our
+    variants' overrides (``sglang-pic-sparse``, ``sglang-pic-dense``)."""
+    common = {"model_path": model_dir, "dtype": "bfloat16", "page_size": 1,
+              "max_running_requests": max_requests, "enable_metrics": metrics,
+              "log_level": "warning"}
+    if cpu:
+        from sglang_pic.cpu_support import enable_cpu_engine
+
+        enable_cpu_engine()
+        return ({**common, "device": "cpu", "attention_backend": "torch_native",
+                 "max_total_tokens": 4 * CONTEXT, "disable_cuda_graph": True},
+                {"sglang-pic-dense": {"attention_backend": "torch_native"},
+                 "sglang-pic-sparse": {"attention_backend": "pariskv_torch_native"}})
+    return ({**common, "attention_backend": "flashinfer", "mem_fraction_static": 0.5,
+             "cuda_graph_max_bs_decode": max_requests},
+            {"sglang-pic-dense": {"attention_backend": "triton"},
+             "sglang-pic-sparse": {"attention_backend": "pariskv_triton"}})
 
 
 def add_reselect_variants(variants: tuple[str, ...], ours: dict[str, dict]) -> None:
@@ -271,23 +310,7 @@ def main() -> None:
         default=300,
         help="run sglang-pic-dense (not a headline) only if the others finished within this",
     )
-    ap.add_argument("--threshold", type=int, default=1024)
-    ap.add_argument("--topk", type=int, default=100)
-    ap.add_argument(
-        "--candidates",
-        type=int,
-        default=4096,
-        help="kept by voting for the rerank (the server's default)",
-    )
-    ap.add_argument("--sink", type=int, default=16)
-    ap.add_argument("--local", type=int, default=128)
-    ap.add_argument("--update", type=int, default=64)
-    ap.add_argument(
-        "--max-requests",
-        type=int,
-        default=64,
-        help="sparse slots, and SGLang's --max-running-requests",
-    )
+    add_sparse_knobs(ap)
     ap.add_argument("--recall-prompts", type=int, default=4, help="per length")
     ap.add_argument("--cpu", action="store_true", help="SGLang's CPU engine (torch_native)")
     ap.add_argument(
@@ -304,47 +327,11 @@ def main() -> None:
     model_dir = str(ensure_default_model())
     tok = AutoTokenizer.from_pretrained(model_dir)
     cases = build_cases(tok, args.lengths, TASKS, args.cases, args.new_tokens)
-    knobs = {
-        k: getattr(args, k)
-        for k in ("threshold", "topk", "candidates", "sink", "local", "update", "max_requests")
-    }
+    knobs = {k: getattr(args, k) for k in SPARSE_KNOBS}
     sparse_env = {f"SGLANG_PIC_SPARSE_{k.upper()}": v for k, v in knobs.items()}
     # SGLang's counters need prometheus_client, which the device kit may lack
     metrics = importlib.util.find_spec("prometheus_client") is not None
-    common = {
-        "model_path": model_dir,
-        "dtype": "bfloat16",
-        "page_size": 1,
-        "max_running_requests": args.max_requests,
-        "enable_metrics": metrics,
-        "log_level": "warning",
-    }
-    if args.cpu:
-        from sglang_pic.cpu_support import enable_cpu_engine
-
-        enable_cpu_engine()
-        engine_kwargs = {
-            **common,
-            "device": "cpu",
-            "attention_backend": "torch_native",
-            "max_total_tokens": 4 * CONTEXT,
-            "disable_cuda_graph": True,
-        }
-        ours = {
-            "sglang-pic-dense": {"attention_backend": "torch_native"},
-            "sglang-pic-sparse": {"attention_backend": "pariskv_torch_native"},
-        }
-    else:
-        engine_kwargs = {
-            **common,
-            "attention_backend": "flashinfer",
-            "mem_fraction_static": 0.5,
-            "cuda_graph_max_bs_decode": args.max_requests,
-        }
-        ours = {
-            "sglang-pic-dense": {"attention_backend": "triton"},
-            "sglang-pic-sparse": {"attention_backend": "pariskv_triton"},
-        }
+    engine_kwargs, ours = engine_settings(model_dir, args.cpu, args.max_requests, metrics)
     variants = tuple(args.variants.split(","))
     try:
         add_reselect_variants(variants, ours)

@@ -123,7 +123,9 @@ def main() -> None:
                     help="new tokens per prompt; TPOT is measured over those after the first")
     ap.add_argument("--chunk", type=int, default=16384, help="--chunked-prefill-size")
     ap.add_argument("--threshold", type=int, default=16384, help="--sparse-threshold")
-    ap.add_argument("--variants", default="vanilla,sglang-pic")
+    ap.add_argument("--variants", default="vanilla,sglang-pic",
+                    help="of vanilla, sglang-pic, and sglang-pic-r<N> (--sparse-reselect-interval "
+                         "N)")
     ap.add_argument("--timeout", type=float, default=590)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true",
@@ -159,10 +161,18 @@ def main() -> None:
                                                    "SGLANG_PIC_SPARSE_THRESHOLD": 700,
                                                    "SGLANG_PIC_SPARSE_LOCAL": 128,
                                                    "SGLANG_PIC_SPARSE_UPDATE": 16})
+    variants = tuple(args.variants.split(","))
+    variant_kwargs = {}
+    for v in variants:  # sglang-pic-r<N>: --sparse-reselect-interval N
+        reselect = harness.reselect_variant(v)
+        if v == "sglang-pic" or (reselect and reselect[0] == "sglang-pic" and reselect[1] <= 64):
+            variant_kwargs[v] = ours
+        elif v != "vanilla":
+            ap.error(f"unknown variant {v!r}: vanilla, sglang-pic, sglang-pic-r<N> (N <= 64)")
     report = harness.run_side_by_side(
         name, "sparse.bench_long_prompt", "workload", engine_kwargs, params,
-        variants=tuple(args.variants.split(",")), timeout_s=args.timeout, out_dir=args.out,
-        variant_kwargs={"sglang-pic": ours})
+        variants=variants, timeout_s=args.timeout, out_dir=args.out,
+        variant_kwargs=variant_kwargs)
     res = report["results"]
     for n in params["lengths"]:
         row = [f"{n:>8}"]

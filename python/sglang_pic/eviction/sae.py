@@ -114,6 +114,7 @@ class BlockInfo:
     queue: str = "chat"  # kept equal to SAEStrategy.route(self)
     turn: int = 0  # its session's request count when one of them last went through the block
     key_start: int = 0  # where its key started in the creating request (a span segment's start)
+    branches: int = 0  # blocks cached below it (requests that went on past it differently)
 
 
 class SAEStrategy(EvictionStrategy):
@@ -163,9 +164,10 @@ class SAEStrategy(EvictionStrategy):
         self.use_predictor = setting("--sae-predictor")
         # a JSON file the counters are written to after every evict pass (inspection, tests)
         self.stats_path = setting("--sae-stats")
-        # evicted blocks: block_key -> (w kind, tokens, conversation or None, depth of its end)
-        self.ghost: OrderedDict[tuple, tuple[tuple[str, str] | None, int, str | None, int]] = (
-            OrderedDict())
+        # evicted blocks: block_key -> (w kind, tokens, conversation or None, depth of its end,
+        # whether it was a template: ``on_evict``)
+        self.ghost: OrderedDict[tuple, tuple[tuple[str, str] | None, int, str | None, int,
+                                             bool]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.now_fn = time.monotonic
         self.events = defaultdict(int)
@@ -517,12 +519,21 @@ class SAEStrategy(EvictionStrategy):
         self.events["inserts"] += 1
         now = self._now(ctx)
         info = node.sae = self._new_info(ctx, offset, len(node.key))
+        ghost = self.ghost.pop(block_key(node), None)
+        if ghost is not None and ghost[4] and not ctx.on_behalf:
+            # a template asked for again (shared, and requests branched after it): it is shared
+            # still; without token types its blocks would otherwise start over among the unique
+            # queries' blocks
+            info.sessions_seen = 2
+            info.queue = self.route(info)
+        parent = getattr(node.parent, "sae", None)
+        if parent is not None:
+            parent.branches += 1
         if _in_w(info):
             self.w[info.token_type, info.app_type].add(len(node.key), now)
         self.resident[info.queue] += len(node.key)
-        ghost_key = block_key(node)
-        if ghost_key in self.ghost:  # asked for again after we evicted it: a mistake
-            kind, tokens, _, _ = self.ghost.pop(ghost_key)
+        if ghost is not None:  # asked for again after we evicted it: a mistake
+            kind, tokens = ghost[:2]
             if kind is not None:
                 self.w[kind].hit(tokens, now)
             self.events["miss_after_eviction"] += 1
@@ -548,7 +559,8 @@ class SAEStrategy(EvictionStrategy):
             return
         head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
                              info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
-                             info.last_hit, info.interval, info.queue, info.turn, info.key_start)
+                             info.last_hit, info.interval, info.queue, info.turn, info.key_start,
+                             branches=1)  # the tail below it
         old_queue = info.queue
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None:
@@ -597,7 +609,11 @@ class SAEStrategy(EvictionStrategy):
         # (a block of one conversation remembers it: its next request, finding the block
         # evicted, is still recognised as that conversation's - ``on_match``)
         conv = info.session_id if info.queue != "structural" else None
-        self.ghost[block_key(node)] = (kind, len(node.key), conv, info.offset + len(node.key))
+        # a template: 2+ requesters, and requests branched after it (a conversation's history
+        # is shared by its turns too, but each turn continues the last one's path)
+        template = info.sessions_seen >= 2 and info.branches >= 2
+        self.ghost[block_key(node)] = (kind, len(node.key), conv, info.offset + len(node.key),
+                                       template)
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
         self.events["evictions"] += 1
