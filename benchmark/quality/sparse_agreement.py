@@ -37,10 +37,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
-
+# sparse_needle puts benchmark/ (the harness) and python/ (sglang_pic) on the path
 from sparse_needle import (  # noqa: E402
     SPARSE_KNOBS,
     add_reselect_variants,

@@ -502,16 +502,22 @@ def test_pool_attention_reads_batch_rows_and_writes_only_active_slots(window):
     assert (out[1] == 7).all() and (out[3] == 7).all()  # dense rows and the idle slot's
 
 
+def _shared_region(seed: int, sequences: int, n: int = 300, hk: int = 2, d: int = 64):
+    """Random keys encoded once and given to ``sequences`` sequences: the rotation, the levels
+    and ``[centroid ids, codes, weights, bit counts]`` with a leading sequence dimension."""
+    torch.manual_seed(seed)
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    rt, levels, *parts = _encoded(keys)
+    return rt, levels, [t.expand(sequences, *t.shape).contiguous() for t in parts]
+
+
 def test_selector_reads_each_slot_query_from_its_batch_row():
     """The same selection whether each slot's query is passed alone or read from the decode
     batch through ``row_of_slot``; an idle slot (row -1, no keys this step, as the server gives
     it) selects nothing and its query tables and bit planes are not computed at all."""
-    torch.manual_seed(6)
     hq, hk, d, n = 4, 2, 64, 300
-    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
-    rt, levels, cent, codes, w, counts = _encoded(keys)
+    rt, levels, two = _shared_region(6, 2, n, hk, d)
     batch = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
-    two = [t.expand(2, *t.shape).contiguous() for t in (cent, codes, w, counts)]
     # the sampled path: which keys at the threshold are kept does not depend on atomics' order
     sel = Selector(2, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128, sample_stride=16)
     want = sel(batch[[2, 0]].contiguous(), rt, levels, *two[:3],
@@ -534,12 +540,9 @@ def test_a_sequence_not_selecting_attends_its_last_selection_moved_on(stride):
     ``shift`` rows, rows past its region dropped, while ``last`` keeps the selection itself;
     the sequence selecting gets what it gets without ``n_sel`` and ``last`` records it; an
     idle one gets -1."""
-    torch.manual_seed(10)
     hq, hk, d, n = 4, 2, 64, 300
-    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
-    rt, levels, cent, codes, w, counts = _encoded(keys)
+    rt, levels, three = _shared_region(10, 3, n, hk, d)
     q = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
-    three = [t.expand(3, *t.shape).contiguous() for t in (cent, codes, w, counts)]
     sel = Selector(3, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128, sample_stride=stride)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     n_ret = torch.tensor([n, n, 0], **i32)

@@ -39,6 +39,9 @@ _ATTN = {"Q": "*bf16", "RowOfSlot": "*i64", "KW": "*bf16", "VW": "*bf16", "WinLe
 _ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "SEL_CHUNK": 32, "BLOCK_T": 32, "BLOCK_H": 16,
                 "Q_ROWS": True}
 
+_TOPK = {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32", "NRet": "*i32", "NSel": "*i32",
+         "Last": "*i32", "Shift": "*i32"}
+
 LAUNCHES: dict[str, tuple] = {
     "encode": (encode._encode_kernel,
                {"K": "*bf16", "Rt": "*fp32", "Edges": "*fp32", "Levels": "*fp32", "Cent": "*i32",
@@ -52,8 +55,8 @@ LAUNCHES: dict[str, tuple] = {
                        {"D": 128, "B": 32, "BLOCK_N": 32, "BLOCK_K": encode.ENCODE_BLOCK_K,
                         "COUNT": True, "ROTATED": True}),
     "query": (select._query_kernel,
-              {"Q": "*bf16", "RowOfSlot": "*i64", "RtJ": "*fp32", "Tiers": "*fp32",
-               "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
+              {"Q": "*bf16", "RowOfSlot": "*i64", "NSel": "*i32", "RtJ": "*fp32",
+               "Tiers": "*fp32", "Table": "*fp32", "Qt": "*fp32", "Qnorm": "*fp32"},
               {"D": 128, "B": 32, "SIMILARITY": True, "Q_ROWS": True}),
     "plane": (select._plane_kernel,
               {"Qt": "*fp32", "Planes": "*i32", "Params": "*fp32", "Counts": "*i32",
@@ -79,10 +82,11 @@ LAUNCHES: dict[str, tuple] = {
                {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
                 "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32"},
                {"B": 32, "G": 4, "BLOCK_C": 64}),
-    "topk": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
-             {"CP": 4096, "KP": 128, "T": 1}),
-    "topk_t4": (select._topk_kernel, {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32"},
+    "topk": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1}),
+    "topk_t4": (select._topk_kernel, _TOPK,
                 {"CP": 4096, "KP": 128, "T": 4}),  # bench_topk.py's alternative search
+    # --sparse-reselect-interval > 1: the layer's selection kept, moved on between selections
+    "topk_keep": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1, "KEEP": True}),
     "attention_pool": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": True}),
     "attention_host": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": False}),
     "attention_merge": (attention._merge_kernel,
@@ -97,7 +101,8 @@ for _name in ("query", "attention_host", "attention_merge"):
 
 
 # warps the server launches a kernel with, where it is not Triton's default of 4
-SERVER_WARPS = {name: select.topk_warps(LAUNCHES[name][2]["CP"]) for name in ("topk", "topk_t4")}
+SERVER_WARPS = {name: select.topk_warps(LAUNCHES[name][2]["CP"])
+                for name in ("topk", "topk_t4", "topk_keep")}
 
 
 def compile_for_hopper(name: str, num_warps: int | None = None):

@@ -655,10 +655,13 @@ def _topk_kernel(Est, Cand, Sel, NRet, NSel, Last, Shift, C, K, CP: tl.constexpr
     tl.static_assert(T == 1 or CP <= _TOPK_PACKED_MAX_CP)
     _, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
+    reuse = n_ret < 0  # False (a tensor: both branches of a runtime ``if`` must agree in type)
+    if KEEP:
+        reuse = tl.load(NSel + b) == 0
     if n_ret == 0:
         j = tl.arange(0, KP)
         tl.store(Sel + r * K + j, tl.full([KP], -1, tl.int32), mask=j < K)
-    elif KEEP and tl.load(NSel + b) == 0:
+    elif reuse:
         j = tl.arange(0, KP)
         last = tl.load(Last + r * K + j, mask=j < K, other=-1)
         moved = last + tl.load(Shift + b)
