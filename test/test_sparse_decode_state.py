@@ -1168,8 +1168,7 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
     assert fresh_steps == want
     assert state.stats["selections"] == sum(want) and state.stats["sparse_steps"] == 20
     assert every.stats["selections"] == every.stats["sparse_steps"] == 20
-    # a slot whose request sat a step out selects again when it is back (another request may
-    # have taken the layers' selections in between)
+    # a slot whose request sat a step out (retracted, paused) selects again when it is back
     step(state, [1], [300])
     selections = state.stats["selections"]
     step(state, [0], [n0 + 20])

@@ -286,7 +286,7 @@ class SparseDecodeState:
                 continue
             row = in_batch.get(slot.pool_index)
             if row is None:
-                slot.selection_age = None  # its layers' selections may be another slot user's
+                slot.selection_age = None  # sat this step out (retracted, paused): select anew
                 continue
             slot.seq_len = seq_lens[row]
             slot.prefilling = False
