@@ -598,17 +598,18 @@ CLAIMS: list[Claim] = [
           center=statistics.mean, path=SPARSE_AGREEMENT_PATH + ", a selection at every step",
           note="steps (of 64) the sparse server's greedy tokens equal dense torch_native's, "
           "mean over 16 passages; no target: how far sparse follows dense on free text"),
-    Claim("sparse.agreement_cpu.reselect4", SPARSE_AGREEMENT, "first_divergence",
-          baseline_variant="sglang-pic-sparse", ours_variant="sglang-pic-sparse-r4",
-          higher_is_better=True, center=statistics.mean,
-          path=SPARSE_AGREEMENT_PATH + " with --sparse-reselect-interval 4 against a selection "
-          "at every step",
-          extract=_metric_pair(
-              "first_divergence", "first_divergence",
-              "design comparison, no vanilla side: steps (of 64) each server's greedy tokens "
-              "equal dense torch_native's, mean over 16 passages; ratio < 1: the interval-4 "
-              "server parts from dense earlier", baseline="sglang-pic-sparse",
-              ours="sglang-pic-sparse-r4", vanilla_side=False)),
+    *[Claim(f"sparse.agreement_cpu.reselect{n}", SPARSE_AGREEMENT, "first_divergence",
+            baseline_variant="sglang-pic-sparse", ours_variant=f"sglang-pic-sparse-r{n}",
+            higher_is_better=True, center=statistics.mean,
+            path=SPARSE_AGREEMENT_PATH + f" with --sparse-reselect-interval {n} against a "
+            "selection at every step",
+            extract=_metric_pair(
+                "first_divergence", "first_divergence",
+                "design comparison, no vanilla side: steps (of 64) each server's greedy tokens "
+                f"equal dense torch_native's, mean over 16 passages; ratio < 1: the interval-{n} "
+                "server parts from dense earlier", baseline="sglang-pic-sparse",
+                ours=f"sglang-pic-sparse-r{n}", vanilla_side=False))
+      for n in (2, 4)],
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
             path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "

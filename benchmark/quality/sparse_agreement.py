@@ -22,7 +22,7 @@ Writes ``sparse_agreement_cpu.json`` (``--cpu``) or ``sparse_agreement_h200.json
 (default ``benchmark/results``); each variant's ``first_divergence_all`` holds one value per
 prompt, which ``benchmark/headlines.py`` reads for the rows ``sparse.agreement_*``.
 
-    .venv/bin/python benchmark/quality/sparse_agreement.py --cpu     # here: ~7 min on 2 cores
+    .venv/bin/python benchmark/quality/sparse_agreement.py --cpu     # here: ~12 min on 2 cores
     python3 benchmark/quality/sparse_agreement.py --out DIR           # device
 """
 
