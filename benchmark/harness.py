@@ -76,6 +76,31 @@ def reselect_variant(variant: str) -> tuple[str, int] | None:
     return (m[1], int(m[2])) if m else None
 
 
+def sparse_variant_kwargs(variants: tuple[str, ...], sparse: dict[str, dict],
+                          others: tuple[str, ...] = ("vanilla",)) -> dict[str, dict]:
+    """Each of ``variants``' engine kwargs: those ``sparse`` gives, and for ``<one of them>-r<N>``
+    its base's (``variant_env`` sets the interval). ``others`` are known variants with none of
+    their own. Raises ValueError naming the known variants for any other name, and for an
+    interval over the server's bound."""
+    sys.path.insert(0, str(REPO / "python"))
+    from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL
+
+    out = {}
+    for v in variants:
+        reselect = reselect_variant(v)
+        if v in sparse:
+            out[v] = sparse[v]
+        elif reselect and reselect[0] in sparse:
+            if reselect[1] > MAX_RESELECT_INTERVAL:
+                raise ValueError(f"{v}: --sparse-reselect-interval must be <= "
+                                 f"{MAX_RESELECT_INTERVAL}, got {reselect[1]}")
+            out[v] = sparse[reselect[0]]
+        elif v not in others:
+            raise ValueError(f"unknown variant {v!r}: known {', '.join((*others, *sparse))}, "
+                             "and a sparse one with -r<N> (--sparse-reselect-interval N)")
+    return out
+
+
 def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:
     """The environment of a variant's process: our source tree on the path for sglang-pic
     variants only, the variant's name, ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given, and a

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark"))
 
@@ -120,3 +122,14 @@ def test_a_reselect_variant_runs_its_sparse_variant_with_the_interval(tmp_path, 
     assert env["SGLANG_PIC_SPARSE_RESELECT_INTERVAL"] == "8"
     assert str(harness.REPO / "python") in env["PYTHONPATH"].split(":")
     assert "SGLANG_PIC_SPARSE_RESELECT_INTERVAL" not in harness.variant_env("sglang-pic", site)
+
+
+def test_sparse_variant_kwargs_maps_reselect_variants_to_their_base_and_refuses_the_rest():
+    sparse = {"sglang-pic": {"attention_backend": "pariskv_triton"}}
+    got = harness.sparse_variant_kwargs(("vanilla", "sglang-pic", "sglang-pic-r4"), sparse)
+    assert got == {"sglang-pic": sparse["sglang-pic"], "sglang-pic-r4": sparse["sglang-pic"]}
+    for bad, message in (("bogus", "unknown variant 'bogus': known vanilla, sglang-pic"),
+                         ("sglang-pic-dense-r4", "unknown variant"),
+                         ("sglang-pic-r65", "reselect-interval must be <= 64")):
+        with pytest.raises(ValueError, match=message):
+            harness.sparse_variant_kwargs((bad,), sparse)

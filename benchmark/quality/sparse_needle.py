@@ -187,18 +187,10 @@ def engine_settings(model_dir: str, cpu: bool, max_requests: int, metrics: bool 
 def add_reselect_variants(variants: tuple[str, ...], ours: dict[str, dict]) -> None:
     """``sglang-pic-sparse-r<N>`` variants get the sparse engine's kwargs in ``ours`` (the
     harness sets their reselect interval); any other name must be a known variant."""
-    from harness import reselect_variant
-    from sglang_pic.sparse.config import SparseDecodeConfig
+    from harness import sparse_variant_kwargs
 
-    for v in variants:
-        if v in VARIANTS:
-            continue
-        reselect = reselect_variant(v)
-        if reselect is None or reselect[0] != "sglang-pic-sparse":
-            raise ValueError(f"unknown variant {v!r}: known {', '.join(VARIANTS)} and "
-                             "sglang-pic-sparse-r<N>")
-        SparseDecodeConfig(threshold=1024, reselect_interval=reselect[1]).validate()
-        ours[v] = ours["sglang-pic-sparse"]
+    ours.update(sparse_variant_kwargs(variants, {"sglang-pic-sparse": ours["sglang-pic-sparse"]},
+                                      others=("vanilla", "sglang-pic-dense")))
 
 
 def scores(cases: list[dict], texts: list[str]) -> dict[str, list[float]]:

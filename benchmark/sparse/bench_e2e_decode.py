@@ -46,7 +46,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
 from harness import (  # noqa: E402
     LLAMA3_8B_DUMMY,
     RESULTS,
@@ -55,8 +54,8 @@ from harness import (  # noqa: E402
     reselect_variant,
     run_side_by_side,
     save_figure,
+    sparse_variant_kwargs,
 )
-from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL  # noqa: E402
 
 SHORT, LONG = 17, 145
 
@@ -340,16 +339,14 @@ def main() -> None:
     if not 0 <= args.profile_steps <= 256:
         ap.error("--profile-steps must be in [0, 256]")
     # checked before anything is written or moved
-    variant_kwargs = {"sglang-pic": {"attention_backend": "pariskv_triton"},
-                      "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}}
     variants = tuple(args.variants.split(","))
-    for v in variants:
-        reselect = reselect_variant(v)
-        if reselect and reselect[0] in SPARSE_VARIANTS and reselect[1] <= MAX_RESELECT_INTERVAL:
-            variant_kwargs[v] = variant_kwargs[reselect[0]]
-        elif v not in LABELS:
-            ap.error(f"unknown variant {v!r}: known {', '.join(LABELS)}, and a sparse one with "
-                     f"-r<N> (--sparse-reselect-interval N, N <= {MAX_RESELECT_INTERVAL})")
+    try:
+        variant_kwargs = sparse_variant_kwargs(
+            variants, {"sglang-pic": {"attention_backend": "pariskv_triton"},
+                       "sglang-pic-flashinfer": {"attention_backend": "pariskv_flashinfer"}},
+            others=("vanilla", "vanilla-triton"))
+    except ValueError as e:
+        ap.error(str(e))
     cases = args.cases.split(",")
     out_dir = Path(args.out) if args.out else RESULTS
     earlier = out_dir / "sparse_e2e_decode.json"

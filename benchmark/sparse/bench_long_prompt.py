@@ -162,13 +162,10 @@ def main() -> None:
                                                    "SGLANG_PIC_SPARSE_LOCAL": 128,
                                                    "SGLANG_PIC_SPARSE_UPDATE": 16})
     variants = tuple(args.variants.split(","))
-    variant_kwargs = {}
-    for v in variants:  # sglang-pic-r<N>: --sparse-reselect-interval N
-        reselect = harness.reselect_variant(v)
-        if v == "sglang-pic" or (reselect and reselect[0] == "sglang-pic" and reselect[1] <= 64):
-            variant_kwargs[v] = ours
-        elif v != "vanilla":
-            ap.error(f"unknown variant {v!r}: vanilla, sglang-pic, sglang-pic-r<N> (N <= 64)")
+    try:
+        variant_kwargs = harness.sparse_variant_kwargs(variants, {"sglang-pic": ours})
+    except ValueError as e:
+        ap.error(str(e))
     report = harness.run_side_by_side(
         name, "sparse.bench_long_prompt", "workload", engine_kwargs, params,
         variants=variants, timeout_s=args.timeout, out_dir=args.out,

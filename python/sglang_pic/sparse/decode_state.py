@@ -318,8 +318,7 @@ class SparseDecodeState:
         slot.selection_age += 1
         return False
 
-    def _upload_rows(self, rows: list[int], slots: list[int],
-                     fresh: list[bool] | None = None) -> None:
+    def _upload_rows(self, rows: list[int], slots: list[int], fresh: list[bool]) -> None:
         """``slot_of_row`` (-1 for dense rows), ``row_of_slot`` (-1 for idle slots), ``n_ret``
         (0 for idle slots), ``n_sel`` (0 also for slots not selecting this step, ``fresh``
         False) and ``shift`` (their selections' age) of this step, written in a host buffer
@@ -336,7 +335,7 @@ class SparseDecodeState:
             buf[row] = k
             buf[n + k] = row
             buf[n + r + k] = self.slots[k].n_ret
-            if fresh is None or fresh[i]:
+            if fresh[i]:
                 buf[n + 2 * r + k] = self.slots[k].n_ret
             else:
                 buf[n + 3 * r + k] = self.slots[k].selection_age
