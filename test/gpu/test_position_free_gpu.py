@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import start_servers, stop_server
+from conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
@@ -47,31 +46,39 @@ vanilla server's decode-graph capture took 102 s and its first request over 45 s
 servers compiling at once, past the CPU suite's 240 s start limit."""
 
 
+class _Servers:
+    """The servers of ``SERVERS``, each started on first use: a ``-k`` selection starts only
+    those its tests read (each server spends a minute or more starting and compiling)."""
+
+    def __init__(self, model_dir: Path, logs: Path) -> None:
+        self._model_dir, self._logs, self._up = model_dir, logs, {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in SERVERS:
+            raise AttributeError(name)
+        if name not in self._up:
+            # One at a time, each after the previous one answers /health: SGLang sizes a
+            # server's KV pool as the GPU's free memory after its weights load minus
+            # (1 - mem_fraction_static) of the free memory before they loaded, so a neighbour
+            # allocating its pool in between leaves it none ("Loaded weights leave no GPU
+            # memory for the KV cache"; on the H200 with three of the five started at once).
+            args = ["--model-path", str(self._model_dir), *COMMON, *SERVERS[name]]
+            self._up[name] = start_server(args, self._logs / f"{name}.log",
+                                          timeout_s=START_TIMEOUT_S)
+        return self._up[name]
+
+    def stop(self) -> None:
+        for srv in self._up.values():
+            stop_server(srv)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
-    logs = tmp_path_factory.mktemp("position_free_gpu")
-
-    def specs(names) -> dict:
-        return {k: (["--model-path", str(model_dir), *COMMON, *SERVERS[k]], logs / f"{k}.log")
-                for k in names}
-
-    # One at a time, each after the previous one answers /health: SGLang sizes a server's KV pool
-    # as the GPU's free memory after its weights load minus (1 - mem_fraction_static) of the free
-    # memory before they loaded, so a neighbour allocating its pool in between leaves it none
-    # ("Loaded weights leave no GPU memory for the KV cache"; on the H200 with three of the five
-    # started at once, and on a warm machine with two, vanilla and spans_triton, 2026-12-04).
-    started: dict = {}
+    up = _Servers(model_dir, tmp_path_factory.mktemp("position_free_gpu"))
     try:
-        for name in SERVERS:
-            started.update(start_servers(specs([name]), timeout_s=START_TIMEOUT_S))
-    except BaseException:
-        for srv in started.values():
-            stop_server(srv)
-        raise
-    up = SimpleNamespace(**started)
-    yield up
-    for srv in vars(up).values():
-        stop_server(srv)
+        yield up
+    finally:
+        up.stop()
 
 
 @pytest.fixture(scope="module")
