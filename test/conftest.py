@@ -63,6 +63,21 @@ HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "dir
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
+    global _config
+    _config = config
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_runtest_logreport(report):
+    """A failed GPU test's report is written when it fails, not only in the summary at the end:
+    a device call ends at its time limit, and a run cut there keeps what was written so far."""
+    if not (report.failed and report.when == "call" and "gpu" in report.keywords):
+        return
+    reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    if reporter is not None:
+        reporter.write_line(f"\n{report.nodeid} failed:\n{report.longreprtext}", red=True)
 
 
 HEAVY_FIRST = (
