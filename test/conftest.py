@@ -61,13 +61,14 @@ HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "dir
                      "--hicache-mem-layout", "layer_first", "--hicache-ratio", "4"]
 
 
+_config: pytest.Config | None = None
+"""This run's config (set by ``pytest_configure``): the report hook below gets no item."""
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
     global _config
     _config = config
-
-
-_config: pytest.Config | None = None
 
 
 def pytest_runtest_logreport(report):

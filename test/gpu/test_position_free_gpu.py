@@ -61,7 +61,8 @@ class _Servers:
             # server's KV pool as the GPU's free memory after its weights load minus
             # (1 - mem_fraction_static) of the free memory before they loaded, so a neighbour
             # allocating its pool in between leaves it none ("Loaded weights leave no GPU
-            # memory for the KV cache"; on the H200 with three of the five started at once).
+            # memory for the KV cache"; on the H200 with three of the five started at once, and
+            # on a warm machine with two, vanilla and spans_triton, 2026-12-04).
             args = ["--model-path", str(self._model_dir), *COMMON, *SERVERS[name]]
             self._up[name] = start_server(args, self._logs / f"{name}.log",
                                           timeout_s=START_TIMEOUT_S)
