@@ -243,6 +243,9 @@ SPARSE_E2E_GATHER = "sparse_e2e_decode_flashinfer_h200_128k_256k_gather_in_reran
 SPARSE_E2E_STEP_FIXES = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k_step_fixes.json",
                          "1x262144": "sparse_e2e_decode_flashinfer_h200_256k_step_fixes.json"}
 SPARSE_LONG = "sparse_long_prompt_h200.json"
+# 1 x 512K on the GPU pool: vanilla, the per-step server and the interval-4 server, one call
+# each (bench_e2e_decode.py --cases 1x524288 --mem-fraction 0.75 --max-requests 1)
+SPARSE_E2E_512K = "sparse_e2e_decode_flashinfer_h200_512k.json"
 SPARSE_AGREEMENT = "sparse_agreement_cpu.json"  # benchmark/quality/sparse_agreement.py --cpu
 SPARSE_AGREEMENT_PATH = ("SmolLM2-135M-Instruct, bf16, SGLang's CPU engine: 16 passages of this "
                          "repository's docs (2400 tokens each) and a request for a summary, 64 "
@@ -558,7 +561,21 @@ CLAIMS: list[Claim] = [
           "first_decode_extra_s_1x131072", ours_variant="sglang-pic-flashinfer",
           superseded=True, path="the same, in the run with the radix top-k (reverted since)",
           note="one first decode per side, same run (vanilla first)"),
-    Claim("sparse.tpot_512k", SPARSE_LONG, "tpot_ms_524288", target=3.0, same_run=False,
+    *[Claim(f"sparse.tpot_512k{suffix}", SPARSE_E2E_512K, "tpot_ms_1x524288",
+            ours_variant=variant, target=3.0, same_run=False,
+            path="one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, the whole KV "
+            "in the GPU pool on both sides (--mem-fraction 0.75); pariskv_flashinfer (threshold "
+            "32K, top-k 100, 4096 candidates, 6-bit vote planes, --sparse-max-requests 1)" + what
+            + " vs vanilla dense FlashInfer decode",
+            note="3 TPOT samples per side (each from a 145- and a 17-token generation); a 512K "
+            "side takes a whole device call (start, 290 s prefill): vanilla in the session "
+            "before, the two sparse servers in consecutive calls of one session (2026-12-04)")
+      for suffix, variant, what in (
+          ("", "sglang-pic-flashinfer", ", a selection at every step (the default)"),
+          (".reselect4", "sglang-pic-flashinfer-r4",
+           " with --sparse-reselect-interval 4"))],
+    Claim("sparse.tpot_512k.offload", SPARSE_LONG, "tpot_ms_524288", target=3.0,
+          same_run=False,
           path="one 512K-token prompt, Llama-3-8B shape, dummy weights; pariskv_flashinfer with "
           "--sparse-offload on a 64K-token pool (prefill and retrieval region in host memory) "
           "vs vanilla FlashInfer with the whole KV in a pool that holds it",
