@@ -22,6 +22,9 @@ from sglang_pic.spans.segments import decode_pieces
 PAGE = int(SPAN_SERVER_FLAGS[SPAN_SERVER_FLAGS.index("--page-size") + 1])  # 16
 NEW = 10
 SP = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+TOP_LOGPROB_TOL = 1e-3
+"""Both sides run SmolLM2 in float32 on CPU (its converted checkpoint's dtype): they agree to
+below 1e-4; the margin is for summation order only."""
 DOCS = [
     "The secret code of the blue castle is 4417. The castle was built in 1502 by King Aldric.",
     "Mount Quellen is 3120 metres high and lies north of the river Aster, near the town of Brill.",
@@ -77,6 +80,26 @@ def test_output_equals_block_attention_reference(span_server, hf, prefix, order)
     ids = span_ids(hf[0], PREFIXES[prefix], [DOCS[i] for i in order])
     out = generate(span_server, input_ids=ids)
     assert out["output_ids"] == reference(hf, ids)
+
+
+def test_reference_reports_each_steps_top_logprobs_as_the_server_does(span_server, hf):
+    """The reference's per-step top two (logprob, token), which the GPU tests weigh a divergence
+    by, are its greedy picks first and agree with the server's logprobs for the same steps."""
+    from sglang_pic.spans.reference import block_attention_greedy
+
+    ids = span_ids(hf[0], PREFIXES[0], DOCS[:2])
+    padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=PAGE,
+                                   pad_id=hf[0].eos_token_id)
+    tops: list = []
+    want = block_attention_greedy(hf[1], padded, decode_pieces(layout), NEW, top_logprobs=tops)
+    out = generate(span_server, input_ids=ids, return_logprob=True, top_logprobs_num=2)
+    assert out["output_ids"] == want == [step[0][1] for step in tops]
+    assert all(a[0] >= b[0] for a, b in tops)
+    server = [sorted(step, reverse=True) for step in out["meta_info"]["output_top_logprobs"]]
+    for ref_step, server_step in zip(tops, server, strict=True):
+        assert [t for _, t in ref_step] == [t for _, t, _ in server_step]
+        assert all(abs(a - b[0]) < TOP_LOGPROB_TOL for (a, _), b in zip(ref_step, server_step,
+                                                                          strict=True))
 
 
 def test_span_prefills_just_over_the_chunk_budget_run_in_one_pass(span_server, hf):

@@ -12,6 +12,7 @@ GGUF, see benchmark/quality/real_weights.py); skipped on CPU machines.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,15 +92,6 @@ def prompts(model_dir):
     return build_prompts(AutoTokenizer.from_pretrained(model_dir), 8)
 
 
-TIE = 1 / 8 + 1e-3
-"""A top-2 logprob gap this small is a bf16 tie: the logits are bf16, whose spacing is 1/16
-between 8 and 16 and 1/8 between 16 and 32 (where SmolLM2's top logits sit), so the two best
-tokens' logits are equal or one step apart and a change of summation order may flip the greedy
-pick (the margin covers the float32 rounding of the log-softmax). The H200 runs of
-``quality/real_weights.py`` diverged from the float32 reference only where this server's own
-gap was 0 (benchmark/results/real_weights_h200.json)."""
-
-
 def _generate(server, input_ids: list[list[int]]) -> list[dict]:
     r = server.post("/generate", timeout=600, json={
         "input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2,
@@ -118,33 +110,26 @@ def _logprobs(out: dict) -> list[float]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
 
 
-def _tied(out: dict, step: int) -> set[int]:
-    """The tokens within ``TIE`` of the best at ``step`` (of the top 2 the server returned)."""
-    top = sorted(((t[0], t[1]) for t in out["meta_info"]["output_top_logprobs"][step]),
-                 reverse=True)
-    return {tok for lp, tok in top if top[0][0] - lp <= TIE}
-
-
-def _assert_same_up_to_ties(outs: list[dict], want: list[list[int]], *others: list[dict]):
-    """``outs``' tokens equal ``want`` per prompt, except that a prompt may part from it at a
-    step where ``outs`` (and each server output in ``others``, if given) had the two tokens in
-    a bf16 tie: the greedy pick there is the summation order's, not the attention's. A
-    divergence to a token outside the tie, or at a step with a clear winner, fails with its
-    position and the tied tokens. (Past the first divergence the sequences are not compared:
-    each continues from another token.)"""
+def _follows_reference(outs: list[dict], ref: _Reference) -> None:
+    """Each output's tokens equal the float32 reference's, except that a prompt may part from it
+    at a step where the reference's own top-2 logprob gap is within ``ref.noise`` (what bf16
+    arithmetic alone moves it on these prompts), to the reference's runner-up: either pick is
+    the model's answer there. A divergence anywhere else fails with its step, both sides' top
+    two (logprob, token) and the noise. (Past the first divergence the sequences are not
+    compared: each continues from another token.)"""
     bad = []
-    for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
+    for i, (out, want, tops) in enumerate(zip(outs, ref.tokens, ref.top_logprobs, strict=True)):
         got = _tokens(out)
-        step = next((k for k, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
+        step = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if step is None:
             continue
-        ties = [_tied(o[i], step) for o in (outs, *others)]
-        if not all({got[step], ref[step]} <= t for t in ties):
-            # each output's top two (logprob, token) at the step: how far from a tie it was
-            top2 = [sorted(o[i]["meta_info"]["output_top_logprobs"][step], reverse=True)
-                    for o in (outs, *others)]
-            bad.append(f"prompt {i} step {step}: ours {got[step]}, want {ref[step]}; top 2 "
-                       f"(logprob, token) of each output compared: {top2}")
+        (best, _), (second, runner_up) = tops[step][:2]
+        if got[step] == runner_up and best - second <= ref.noise:
+            continue
+        ours = sorted(out["meta_info"]["output_top_logprobs"][step], reverse=True)
+        bad.append(f"prompt {i} step {step}: ours {got[step]}, reference {want[step]}; "
+                   f"reference top 2 {tops[step][:2]} (gap {best - second:.3f}, bf16 noise "
+                   f"{ref.noise:.3f}); ours {ours}")
     assert not bad, "\n".join(bad)
 
 
@@ -156,9 +141,35 @@ def test_requests_without_spans_are_served_as_vanilla_flashinfer_serves_them(ser
         assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b), strict=True)) < 1e-3
 
 
+@dataclass(frozen=True)
+class _Reference:
+    """The HF block-attention reference of the span prompts: float32 greedy tokens and each
+    step's top two (logprob, token); ``noise``: the most a bf16 run of the same reference moved
+    a step's top-2 gap (on SmolLM2, about 0.35 on CPU, against gaps of 1-12 at most steps)."""
+
+    tokens: list[list[int]]
+    top_logprobs: list[list[list[tuple[float, int]]]]
+    noise: float
+
+
+def _bf16_noise(exact: list, bf16: list) -> float:
+    """The largest change bf16 made to the float32 reference's top-2 gap, over each prompt's
+    steps until the bf16 run picks another token (then it continues from another context)."""
+    worst = 0.0
+    for (want, tops), (got, tops16) in zip(exact, bf16, strict=True):
+        for k, (a, b) in enumerate(zip(want, got, strict=True)):
+            (lp_a, tok_a), (lp_b, tok_b) = tops[k][:2]
+            lp16 = {tok: lp for lp, tok in tops16[k]}
+            if tok_a in lp16 and tok_b in lp16:
+                worst = max(worst, abs((lp_a - lp_b) - (lp16[tok_a] - lp16[tok_b])))
+            if a != b:
+                break
+    return worst
+
+
 @pytest.fixture(scope="module")
-def references(prompts, model_dir):
-    """The HF block-attention reference's greedy tokens for the span prompts (float32)."""
+def references(prompts, model_dir) -> _Reference:
+    """The reference in float32, and in bf16 for its noise (a few seconds each on the GPU)."""
     import torch
 
     sys.path.insert(0, str(REPO / "benchmark"))
@@ -168,9 +179,14 @@ def references(prompts, model_dir):
     _, spans = prompts
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    refs = reference_spans(str(model_dir), spans, NEW_TOKENS, pad, "cuda")
+    exact = reference_spans(str(model_dir), spans, NEW_TOKENS, pad, "cuda")
+    bf16 = reference_spans(str(model_dir), spans, NEW_TOKENS, pad, "cuda", "bfloat16",
+                           top_logprobs_num=8)
     torch.cuda.empty_cache()
-    return [want for want, _ in refs]
+    noise = _bf16_noise(exact, bf16)
+    # a bound this loose would excuse divergences at ordinary steps: the rule would prove little
+    assert noise < 1.0, f"bf16 moved the reference's top-2 gaps by up to {noise:.3f}"
+    return _Reference([t for t, _ in exact], [tops for _, tops in exact], noise)
 
 
 @pytest.mark.parametrize("server", ["spans", "spans_shared"])
@@ -178,16 +194,15 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     """Each document sits at another offset in each prompt, after another system prompt, so
     most reads are of span keys computed elsewhere and moved: turned once into the request's own
     copy (``spans``, FlashInfer) or turned while read from the shared pages (``spans_shared``,
-    the shift-aware kernels). bf16 against the float32 reference: the first divergences on the
-    H200 came only at bf16 ties (benchmark/results/real_weights_h200.json), so each divergence
-    must be at one."""
+    the shift-aware kernels). bf16 against the float32 reference: a divergence must be where
+    the reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
+    a float32 gap of 0.09; the H200 runs picked either token there)."""
     _, spans = prompts
     srv = getattr(servers, server)
-    outs = _generate(srv, spans)
-    _assert_same_up_to_ties(outs, references)
+    _follows_reference(_generate(srv, spans), references)
     again = _generate(srv, spans)  # every document cached now, at other offsets
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-    _assert_same_up_to_ties(again, [_tokens(o) for o in outs], outs)
+    _follows_reference(again, references)
 
 
 def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
@@ -203,13 +218,12 @@ def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
     assert counters["sglang_pic:shifted_batches_total"] == 0
 
 
-def test_span_decode_graphs_and_pic_triton_give_the_same_tokens(servers, prompts):
-    """The shift-aware kernels eager, in the second decode graph set, and on pic_triton."""
+def test_span_decode_graphs_and_pic_triton_follow_the_reference(servers, prompts, references):
+    """The shift-aware kernels in the second decode graph set, and on pic_triton (each sums in
+    another order than the eager FlashInfer path, so each is held to the reference)."""
     _, spans = prompts
-    eager = _generate(servers.spans_shared, spans)
-    want = [_tokens(o) for o in eager]
-    _assert_same_up_to_ties(_generate(servers.span_graphs, spans), want, eager)
-    _assert_same_up_to_ties(_generate(servers.spans_triton, spans), want, eager)
+    _follows_reference(_generate(servers.span_graphs, spans), references)
+    _follows_reference(_generate(servers.spans_triton, spans), references)
 
 
 def test_the_servers_run_the_backends_named(servers):

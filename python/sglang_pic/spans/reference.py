@@ -72,11 +72,15 @@ def block_attention_greedy(
     pieces: Sequence[Piece],
     max_new_tokens: int,
     recompute_tokens: int = 0,
+    top_logprobs: list | None = None,
+    top_logprobs_num: int = 2,
 ) -> list[int]:
     """Greedy continuation of a span prompt under block-attention semantics (see module doc).
 
     The prompt runs once with its full mask; each generated token then runs with the KV cache and
-    a one-row mask that hides the ghost copies.
+    a one-row mask that hides the ghost copies. With ``top_logprobs`` (a list) each step's best
+    ``top_logprobs_num`` tokens are appended to it as ``[(logprob, token), ...]``, best first, as
+    a server's ``output_top_logprobs`` gives them: how near a tie each greedy pick was.
     """
     import torch
 
@@ -96,8 +100,12 @@ def block_attention_greedy(
         )
         position = toks[-1].position
         for _ in range(max_new_tokens):
-            nxt = int(res.logits[0, -1].argmax())
+            logits = res.logits[0, -1]
+            nxt = int(logits.argmax())
             out.append(nxt)
+            if top_logprobs is not None:
+                lp, ix = torch.log_softmax(logits.float(), -1).topk(top_logprobs_num)
+                top_logprobs.append(list(zip(lp.tolist(), ix.tolist(), strict=True)))
             position += 1
             visible.append(True)
             row = torch.zeros(1, 1, 1, len(visible), dtype=model.dtype)
