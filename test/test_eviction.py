@@ -834,6 +834,62 @@ def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
     assert strategy.get_priority(reasoning) < strategy.get_priority(history)
 
 
+def test_requests_without_hints_get_their_application_from_their_match():
+    """A request with neither a session nor an application type: ``chat`` when it goes on from
+    where an earlier request ended, ``single`` when it branches off a block other requests
+    already went on past (a template), or matched nothing; its blocks are routed and counted
+    as that application's. A later context of the same request (the server builds one per
+    insert) gets the same answer."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_pic.eviction.context import RequestContext, using
+    from simulator import make_cache
+
+    cache, _ = make_cache("sae")
+    strategy = cache.eviction_strategy
+    slot = 0
+
+    def serve(prompt, output, rid=None):
+        nonlocal slot
+        ctx = RequestContext(segments=[(0, "user")], decode_start=len(prompt),
+                             prompt_len=len(prompt), now=float(slot), rid=rid)
+        full = prompt + output
+        with using(ctx):
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+            cache.insert(InsertParams(key=RadixKey(array("q", full), None),
+                                      value=torch.arange(slot, slot + len(full))))
+        slot += len(full)
+        return ctx
+
+    def node_at(ids):
+        node, rest = cache.root_node, list(ids)
+        while rest:
+            node = node.children[rest[0]]
+            rest = rest[len(node.key):]
+        return node
+
+    template, q1, out1, turn2 = (list(range(k, k + 40)) for k in (100, 200, 300, 400))
+    assert serve(template + q1, out1).app_type == "single"  # matched nothing
+    assert serve(template + q1 + out1 + turn2, [7] * 8).app_type == "chat"  # goes on from it
+    new_turn = node_at(template + q1 + out1 + turn2)
+    assert new_turn.sae.app_type == "chat" and new_turn.sae.queue == "chat"
+    serve(template + list(range(500, 540)), [8] * 8)  # a second request branches off the template
+    third = serve(template + list(range(600, 640)), [9] * 8, rid="r3")
+    assert third.app_type == "single"  # two requests went on past the template already
+    query = node_at(template + list(range(600, 640)))
+    assert query.sae.app_type == "single" and query.sae.queue == "evict_first"
+    later = RequestContext(rid="r3")
+    strategy._resolve(later)
+    assert later.app_type == "single"
+    told = serve(template + list(range(700, 740)), [1] * 8)
+    strategy.infer_apps = False
+    assert serve(template + list(range(800, 840)), [1] * 8).app_type is None
+    assert told.app_type == "single"
+
+
 def test_reuse_rates_count_unshared_blocks_only():
     """``w`` scores unshared blocks, so it counts them only: without token types a single-turn
     template and its unique queries are both ``user``; the template's first reuse (by a second

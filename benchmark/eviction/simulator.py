@@ -135,6 +135,7 @@ ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-uncensored": ("sae", {"censored_gaps": False}),
              "sae-conv": ("sae", {"infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
+             "sae-noapp": ("sae", {"infer_apps": False}),
              "tlru": ("tlru", TLRU_REPLAY)}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes).
 ``tlru:<xi>:<q_hat>`` names T-LRU at other settings (``policy_spec``)."""
