@@ -780,7 +780,9 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     back = {n.key.token_ids[0]: n for n in cache.root_node.children.values()}
     assert back[shared[0]].sae.queue == "structural"
     assert back[alone[0]].sae.queue == "evict_first"
-    assert back[talk[0]].sae.queue == "chat" and back[talk[0]].sae.sessions_seen == 1
+    # as any new block of a request without hints that matched nothing: a guessed single-turn
+    # request's (``sae._infer_app``), not structural
+    assert back[talk[0]].sae.queue == "evict_first" and back[talk[0]].sae.sessions_seen == 1
 
 
 def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
@@ -839,7 +841,9 @@ def test_requests_without_hints_get_their_application_from_their_match():
     where an earlier request ended, ``single`` when it branches off a block other requests
     already went on past (a template), or matched nothing; its blocks are routed and counted
     as that application's. A later context of the same request (the server builds one per
-    insert) gets the same answer."""
+    insert) gets the same answer. A guessed single-turn request's blocks still get their host
+    tier copy (the guess may be a conversation's first turn); a client's ``single`` does not
+    until reused."""
     from array import array
 
     import torch
@@ -852,9 +856,9 @@ def test_requests_without_hints_get_their_application_from_their_match():
     strategy = cache.eviction_strategy
     slot = 0
 
-    def serve(prompt, output, rid=None):
+    def serve(prompt, output, rid=None, app=None):
         nonlocal slot
-        ctx = RequestContext(segments=[(0, "user")], decode_start=len(prompt),
+        ctx = RequestContext(segments=[(0, "user")], decode_start=len(prompt), app_type=app,
                              prompt_len=len(prompt), now=float(slot), rid=rid)
         full = prompt + output
         with using(ctx):
@@ -881,6 +885,10 @@ def test_requests_without_hints_get_their_application_from_their_match():
     assert third.app_type == "single"  # two requests went on past the template already
     query = node_at(template + list(range(600, 640)))
     assert query.sae.app_type == "single" and query.sae.queue == "evict_first"
+    assert strategy.worth_host_copy(query)
+    told_single = serve(template + list(range(900, 940)), [2] * 8, app="single")
+    assert not told_single.app_inferred
+    assert not strategy.worth_host_copy(node_at(template + list(range(900, 940))))
     later = RequestContext(rid="r3")
     strategy._resolve(later)
     assert later.app_type == "single"

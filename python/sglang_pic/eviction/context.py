@@ -42,6 +42,8 @@ class RequestContext:
     # cache inserts each segment under its own namespace, from depth 0 of that tree
     # (``segment_at``). Token types are looked up at ``key_start + offset``.
     key_start: int = 0
+    # ``app_type`` was inferred by the policy from the match, not sent (``sae._infer_app``)
+    app_inferred: bool = False
     announced: bool = False
     serial: int = field(default_factory=itertools.count().__next__)
 

@@ -274,7 +274,8 @@ class SAEStrategy(EvictionStrategy):
         whatever its queue: write-through keeps the host copies a prefix of the tree, so a
         block without one also holds back every block below it. The rule reads the block's
         queue and whether it was hit, which follow the request stream alone, so the
-        tensor-parallel ranks' caches decide alike (no clock or learned rate in it). SGLang
+        tensor-parallel ranks' caches decide alike (no clock or learned rate in it). A block
+        whose request's application was guessed (``_infer_app``) is not held back. SGLang
         writes a new block inside ``insert``, before ``on_insert`` has typed it: then the
         inserting request's context ``ctx`` and the block's depth ``offset`` say what it is."""
         if not self.defer_host_copies:
@@ -283,6 +284,11 @@ class SAEStrategy(EvictionStrategy):
         if info is None and ctx is not None:
             info = self._new_info(ctx, offset, len(node.key))
         if info is None or info.queue != "evict_first" or info.last_hit is not None:
+            return True
+        if info.token_type != "cot" and info.ctx is not None and info.ctx.app_inferred:
+            # a guessed single-turn request is a conversation's first turn as often (the guess
+            # only says it branched off a shared block): without a copy its blocks, and the
+            # conversation's later turns below them, would stay off the host tier
             return True
         self.events["host_writes_deferred"] += 1
         return False
@@ -412,6 +418,7 @@ class SAEStrategy(EvictionStrategy):
             return
         deepest = getattr(nodes[0], "sae", None) if nodes else None
         ctx.app_type = "chat" if deepest is not None and deepest.branches <= 1 else "single"
+        ctx.app_inferred = True
         if ctx.rid is not None:
             self.app_of[ctx.rid] = ctx.app_type
             if len(self.app_of) > TRACKED_REQUESTS:
@@ -426,6 +433,7 @@ class SAEStrategy(EvictionStrategy):
                 ctx.session_id = conv
         if ctx is not None and ctx.app_type is None and ctx.rid is not None:
             ctx.app_type = self.app_of.get(ctx.rid)
+            ctx.app_inferred = ctx.app_type is not None
 
     def on_request(self, ctx: RequestContext, now: float) -> None:
         self._resolve(ctx)
