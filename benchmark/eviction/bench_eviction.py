@@ -31,8 +31,10 @@ OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
 # sae without the session predictor / with its gap fits from completed gaps only (the open ones
 # not counted, SAEStrategy._refit_gaps) / with alpha_q / with conversations inferred from the
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
-# HiCache's host tier at once (two_tier.py; the same as sae in one tier)
-ABLATIONS = ("sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all")
+# HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
+# that carries no hints taken as chat, not chat or single by its match (SAEStrategy._infer_app)
+ABLATIONS = ("sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all",
+             "sae-noapp")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
 # (simulator.PARAMS_ORACLE; generated workloads other than sharegpt* only)
@@ -47,10 +49,10 @@ def known_policies() -> tuple[str, ...]:
     return SGLANG_POLICIES + OUR_POLICIES + ABLATIONS + REFERENCE
 
 
-# what a run replays unless told: all but the two for traces without sessions and the one
-# that differs from sae only with two tiers
+# what a run replays unless told: all but the two for traces without sessions, the one that
+# differs from sae only with two tiers and the one that differs only without hints
 DEFAULT_POLICIES = tuple(p for p in known_policies()
-                         if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all"))
+                         if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all", "sae-noapp"))
 
 TLRU_SPEC = "tlru:<xi>:<q_hat>"
 """T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in
