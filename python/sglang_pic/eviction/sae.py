@@ -282,6 +282,7 @@ class SAEStrategy(EvictionStrategy):
             return True
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None and ctx is not None:
+            self._resolve(ctx)  # SGLang writes inside insert, before ``on_insert`` resolves it
             info = self._new_info(ctx, offset, len(node.key))
         if info is None or info.queue != "evict_first" or info.last_hit is not None:
             return True
@@ -416,8 +417,17 @@ class SAEStrategy(EvictionStrategy):
         ``evict_first`` and learn their own rate."""
         if ctx.session_id is not None or ctx.app_type is not None or ctx.on_behalf:
             return
-        deepest = getattr(nodes[0], "sae", None) if nodes else None
-        ctx.app_type = "chat" if deepest is not None and deepest.branches <= 1 else "single"
+        infos = [getattr(node, "sae", None) for node in nodes]
+        if any(info is None or info.key_start for info in infos):
+            # a block cached without a request (loaded from storage), or a span segment's
+            # (each segment's tree is its own): the match does not say where the request goes
+            # on from; it stays unguessed (chat)
+            return
+        # the deepest node matched: HiCache's host-tier part of a match comes after its device
+        # part (``hooks._matched_nodes``) and may go deeper
+        deepest = max(nodes, key=lambda n: block_offset(n) + len(n.key), default=None)
+        branches = deepest.sae.branches if deepest is not None else None
+        ctx.app_type = "chat" if branches is not None and branches <= 1 else "single"
         ctx.app_inferred = True
         if ctx.rid is not None:
             self.app_of[ctx.rid] = ctx.app_type
@@ -433,7 +443,9 @@ class SAEStrategy(EvictionStrategy):
                 ctx.session_id = conv
         if ctx is not None and ctx.app_type is None and ctx.rid is not None:
             ctx.app_type = self.app_of.get(ctx.rid)
-            ctx.app_inferred = ctx.app_type is not None
+            if ctx.app_type is not None:
+                ctx.app_inferred = True
+                self.app_of.move_to_end(ctx.rid)  # a long request keeps its guess
 
     def on_request(self, ctx: RequestContext, now: float) -> None:
         self._resolve(ctx)
