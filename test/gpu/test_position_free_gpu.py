@@ -183,9 +183,13 @@ def references(prompts, model_dir) -> _Reference:
     bf16 = reference_spans(str(model_dir), spans, NEW_TOKENS, pad, "cuda", "bfloat16",
                            top_logprobs_num=8)
     torch.cuda.empty_cache()
-    noise = _bf16_noise(exact, bf16)
+    measured = _bf16_noise(exact, bf16)
     # a bound this loose would excuse divergences at ordinary steps: the rule would prove little
-    assert noise < 1.0, f"bf16 moved the reference's top-2 gaps by up to {noise:.3f}"
+    assert measured < 1.0, f"bf16 moved the reference's top-2 gaps by up to {measured:.3f}"
+    print(f"[position-free] bf16 noise on the reference's top-2 gaps: {measured:.3f}")
+    # at least one bf16 logit step (1/8 between 16 and 32, where SmolLM2's top logits sit): no
+    # bf16 server resolves a gap below it, whatever HF's own bf16 run happened to do
+    noise = max(measured, 1 / 8)
     return _Reference([t for t, _ in exact], [tops for _, tops in exact], noise)
 
 
