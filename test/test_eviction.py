@@ -895,6 +895,19 @@ def test_requests_without_hints_get_their_application_from_their_match():
     later = RequestContext(rid="r3")
     strategy._resolve(later)
     assert later.app_type == "single"
+    # the deepest node decides, in whatever order the match lists them (HiCache lists its
+    # host-tier part after the device part); a span segment's block (its own tree) decides
+    # nothing
+    history = node_at(template + q1 + out1 + turn2)
+    shared = node_at(template)
+    ctx = RequestContext(segments=[(0, "user")], prompt_len=200, now=1e3)
+    strategy._infer_app([shared, history], ctx)
+    assert ctx.app_type == "chat" and ctx.app_inferred
+    history.sae.key_start = 64
+    ctx = RequestContext(segments=[(0, "user")], prompt_len=200, now=1e3)
+    strategy._infer_app([shared, history], ctx)
+    assert ctx.app_type is None and not ctx.app_inferred
+    history.sae.key_start = 0
     told = serve(template + list(range(700, 740)), [1] * 8)
     strategy.infer_apps = False
     assert serve(template + list(range(800, 840)), [1] * 8).app_type is None
