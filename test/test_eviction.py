@@ -788,41 +788,59 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     assert back[talk[0]].sae.queue == "evict_first" and back[talk[0]].sae.sessions_seen == 1
 
 
+class _SaeCache:
+    """A ``sae`` radix cache of the simulator and the two steps the tests below take with it:
+    serve a request (match its prompt, insert prompt + output under its context) and find the
+    node a token path ends in."""
+
+    def __init__(self) -> None:
+        from simulator import make_cache
+
+        self.cache, _ = make_cache("sae")
+        self.strategy = self.cache.eviction_strategy
+        self.slot = 0
+
+    def serve(self, ctx, prompt: list[int], output: list[int]):
+        from array import array
+
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang_pic.eviction.context import using
+
+        full = prompt + output
+        with using(ctx):
+            self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
+            self.cache.insert(InsertParams(key=RadixKey(array("q", full), None),
+                                           value=torch.arange(self.slot, self.slot + len(full))))
+        self.slot += len(full)
+        return ctx
+
+    def node_at(self, ids: list[int]):
+        node, rest = self.cache.root_node, list(ids)
+        while rest:
+            node = node.children[rest[0]]
+            rest = rest[len(node.key):]
+        return node
+
+
 def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
     """Without token types an agent's reasoning is typed ``decode`` like the call the next step
     resends. Once the session's next request diverges from it, the reasoning is a branch the
     session left: it loses the session's index (and goes first), while the history the new
     request resent keeps it."""
-    from array import array
 
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.context import RequestContext
 
-    cache, _ = make_cache("sae")
-    strategy = cache.eviction_strategy
-    slot, now = 0, 0.0
+    sc = _SaeCache()
+    strategy, node_at = sc.strategy, sc.node_at
+    now = 0.0
     strategy.now_fn = lambda: now  # the session clock; SGLang's access times stay its own
 
     def serve(prompt, output):
-        nonlocal slot
-        full = prompt + output
-        ctx = RequestContext(session_id="s", app_type="agent", segments=[(0, "user")],
-                             decode_start=len(prompt), prompt_len=len(prompt), now=now)
-        with using(ctx):
-            cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-            cache.insert(InsertParams(key=RadixKey(array("q", full), None),
-                                      value=torch.arange(slot, slot + len(full))))
-            slot += len(full)
-
-    def node_at(ids):
-        node, rest = cache.root_node, list(ids)
-        while rest:
-            node = node.children[rest[0]]
-            rest = rest[len(node.key):]
-        return node
+        sc.serve(RequestContext(session_id="s", app_type="agent", segments=[(0, "user")],
+                                decode_start=len(prompt), prompt_len=len(prompt), now=now),
+                 prompt, output)
 
     task, cot, call, tool_out = (list(range(k, k + 40)) for k in (100, 200, 300, 400))
     serve(task, cot + call)
@@ -847,36 +865,16 @@ def test_requests_without_hints_get_their_application_from_their_match():
     insert) gets the same answer. A guessed single-turn request's blocks still get their host
     tier copy (the guess may be a conversation's first turn); a client's ``single`` does not
     until reused."""
-    from array import array
 
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.context import RequestContext
 
-    cache, _ = make_cache("sae")
-    strategy = cache.eviction_strategy
-    slot = 0
+    sc = _SaeCache()
+    strategy, node_at = sc.strategy, sc.node_at
 
     def serve(prompt, output, rid=None, app=None):
-        nonlocal slot
-        ctx = RequestContext(segments=[(0, "user")], decode_start=len(prompt), app_type=app,
-                             prompt_len=len(prompt), now=float(slot), rid=rid)
-        full = prompt + output
-        with using(ctx):
-            cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), None)))
-            cache.insert(InsertParams(key=RadixKey(array("q", full), None),
-                                      value=torch.arange(slot, slot + len(full))))
-        slot += len(full)
-        return ctx
-
-    def node_at(ids):
-        node, rest = cache.root_node, list(ids)
-        while rest:
-            node = node.children[rest[0]]
-            rest = rest[len(node.key):]
-        return node
+        return sc.serve(RequestContext(segments=[(0, "user")], decode_start=len(prompt),
+                                       app_type=app, prompt_len=len(prompt),
+                                       now=float(sc.slot), rid=rid), prompt, output)
 
     template, q1, out1, turn2 = (list(range(k, k + 40)) for k in (100, 200, 300, 400))
     assert serve(template + q1, out1).app_type == "single"  # matched nothing
