@@ -829,7 +829,6 @@ def test_a_branch_its_session_moved_past_is_scored_like_evict_first():
     resends. Once the session's next request diverges from it, the reasoning is a branch the
     session left: it loses the session's index (and goes first), while the history the new
     request resent keeps it."""
-
     from sglang_pic.eviction.context import RequestContext
 
     sc = _SaeCache()
@@ -865,7 +864,6 @@ def test_requests_without_hints_get_their_application_from_their_match():
     insert) gets the same answer. A guessed single-turn request's blocks still get their host
     tier copy (the guess may be a conversation's first turn); a client's ``single`` does not
     until reused."""
-
     from sglang_pic.eviction.context import RequestContext
 
     sc = _SaeCache()

@@ -54,12 +54,14 @@ def span_ids(tok, prefix: str, docs: list[str], question: str = QUESTION) -> lis
     return ids + [PDEP_ID] + tok(question, add_special_tokens=False)["input_ids"]
 
 
-def reference(hf, ids: list[int], recompute: int = 0) -> list[int]:
+def reference(hf, ids: list[int], recompute: int = 0, top_logprobs: list | None = None
+              ) -> list[int]:
     from sglang_pic.spans.reference import block_attention_greedy
 
     padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=PAGE,
                                    pad_id=hf[0].eos_token_id)
-    return block_attention_greedy(hf[1], padded, decode_pieces(layout), NEW, recompute)
+    return block_attention_greedy(hf[1], padded, decode_pieces(layout), NEW, recompute,
+                                  top_logprobs=top_logprobs)
 
 
 def generate(server, **body) -> dict:
@@ -85,13 +87,9 @@ def test_output_equals_block_attention_reference(span_server, hf, prefix, order)
 def test_reference_reports_each_steps_top_logprobs_as_the_server_does(span_server, hf):
     """The reference's per-step top two (logprob, token), which the GPU tests weigh a divergence
     by, are its greedy picks first and agree with the server's logprobs for the same steps."""
-    from sglang_pic.spans.reference import block_attention_greedy
-
     ids = span_ids(hf[0], PREFIXES[0], DOCS[:2])
-    padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=PAGE,
-                                   pad_id=hf[0].eos_token_id)
     tops: list = []
-    want = block_attention_greedy(hf[1], padded, decode_pieces(layout), NEW, top_logprobs=tops)
+    want = reference(hf, ids, top_logprobs=tops)
     out = generate(span_server, input_ids=ids, return_logprob=True, top_logprobs_num=2)
     assert out["output_ids"] == want == [step[0][1] for step in tops]
     assert all(a[0] >= b[0] for a, b in tops)
