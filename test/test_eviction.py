@@ -910,6 +910,50 @@ def test_requests_without_hints_get_their_application_from_their_match():
     assert told.app_type == "single"
 
 
+def test_guessed_requests_learn_rates_per_shared_block_they_branch_off():
+    """Without hints a template's queries and a system prompt's first turns are both guessed
+    ``single`` (they branch off a shared block): each shared block's branches learn their own
+    reuse rate (``sae._rates``), so a template whose queries are never reused scores its
+    queries below the first turns of a system prompt whose conversations go on. The tail of a
+    block a request branched off inside is a branch left: it learns its rate apart."""
+    from sglang_pic.eviction.context import RequestContext
+    from sglang_pic.eviction.sae import _rate_kind
+
+    sc = _SaeCache()
+    strategy, node_at = sc.strategy, sc.node_at
+    ids = iter(range(1000, 10**6, 50))
+
+    def fresh(n=40):
+        k = next(ids)
+        return list(range(k, k + n))
+
+    def serve(prompt, output):
+        return sc.serve(RequestContext(segments=[(0, "user")], decode_start=len(prompt),
+                                       prompt_len=len(prompt), now=float(sc.slot)),
+                        prompt, output)
+
+    template, system = fresh(), fresh()
+    first_query = fresh()
+    serve(template + first_query, fresh(8))
+    # the first query's tail, left when the next request branched off the template inside it
+    for _ in range(6):
+        serve(template + fresh(), fresh(8))
+    left = node_at(template + first_query)
+    assert left.sae.left and _rate_kind(left.sae)[1] == "single/left"
+    for _ in range(6):  # conversations open with the system prompt and go on
+        turn = system + fresh()
+        out = fresh(8)
+        serve(turn, out)
+        serve(turn + out + fresh(), fresh(8))
+    query = serve(template + fresh(), fresh(8))
+    opening = serve(system + fresh(), fresh(8))
+    assert query.anchor == (0, tuple(template[:32]))
+    assert opening.anchor == (0, tuple(system[:32]))
+    of_template = strategy._rate_value(("user", "single", query.anchor))
+    of_system = strategy._rate_value(("user", "single", opening.anchor))
+    assert of_template < min(of_system, strategy.w["user", "single"].value())
+
+
 def test_reuse_rates_count_unshared_blocks_only():
     """``w`` scores unshared blocks, so it counts them only: without token types a single-turn
     template and its unique queries are both ``user``; the template's first reuse (by a second

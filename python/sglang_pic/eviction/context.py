@@ -44,6 +44,8 @@ class RequestContext:
     key_start: int = 0
     # ``app_type`` was inferred by the policy from the match, not sent (``sae._infer_app``)
     app_inferred: bool = False
+    # ... and the shared block it branched off, by its ``block_key`` (``sae._infer_app``)
+    anchor: tuple | None = None
     announced: bool = False
     serial: int = field(default_factory=itertools.count().__next__)
 
