@@ -300,6 +300,12 @@ E2E_MOONCAKE_NOTE = ("3 runs per variant in three calls of one setting (run 1 on
                      "within the runs' spread; sae before requests without hints got their "
                      "application from their match (2026-12-04), which the replay puts at "
                      "+0.3 to +0.7 pp on the whole trace at 5-10 %: to re-measure")
+E2E_MOONCAKE_APP_GUESS = "eviction_e2e_mooncake_h200_app_guess.json"  # the same, 2026-12-04
+E2E_MOONCAKE_APP_GUESS_NOTE = ("2 runs per variant (of the 3 a row needs) in two calls of one "
+                               "machine, the second resumed from the first's report, first "
+                               "variant alternating (lru, sae); sae of a81572d: requests without "
+                               "hints get their application from their match, before the rates "
+                               "per shared block they branched off (81c30df)")
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
 SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys (span "
                "requests reading their own turned copies included), our Triton kernels for "
@@ -454,6 +460,13 @@ CLAIMS: list[Claim] = [
     Claim("eviction.e2e_ttft_p99", E2E_MOONCAKE, "ttft_p99_ms", center=statistics.mean,
           superseded=True,
           extract=_better_vanilla("ttft_p99_ms"), path=E2E_MOONCAKE_PATH, note=E2E_MOONCAKE_NOTE),
+    *[Claim(f"eviction.e2e_{metric}.app_guess", E2E_MOONCAKE_APP_GUESS, key, center=statistics.mean,
+            higher_is_better=higher, superseded=True,
+            extract=_better_vanilla(key, higher_is_better=higher), path=E2E_MOONCAKE_PATH,
+            note=E2E_MOONCAKE_APP_GUESS_NOTE)
+      for metric, key, higher in (("hit_rate", "token_hit_rate", True),
+                                  ("ttft_p50", "ttft_p50_ms", False),
+                                  ("ttft_p99", "ttft_p99_ms", False))],
     Claim("eviction.e2e_hit_rate.seed0", "eviction_e2e_h200_vs_lru_fifo.json", "token_hit_rate",
           baseline_variant="vanilla-fifo", higher_is_better=True,
           note=LEGACY + "; one open-loop run per variant (vanilla lru 0.720, the better "
