@@ -947,8 +947,8 @@ def test_guessed_requests_learn_rates_per_shared_block_they_branch_off():
         serve(turn + out + fresh(), fresh(8))
     query = serve(template + fresh(), fresh(8))
     opening = serve(system + fresh(), fresh(8))
-    assert query.anchor == (0, tuple(template[:32]))
-    assert opening.anchor == (0, tuple(system[:32]))
+    assert query.anchor == strategy.anchor_ids[0, tuple(template[:32])]
+    assert opening.anchor == strategy.anchor_ids[0, tuple(system[:32])]
     of_template = strategy._rate_value(("user", "single", query.anchor))
     of_system = strategy._rate_value(("user", "single", opening.anchor))
     assert of_template < min(of_system, strategy.w["user", "single"].value())

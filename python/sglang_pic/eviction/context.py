@@ -44,8 +44,9 @@ class RequestContext:
     key_start: int = 0
     # ``app_type`` was inferred by the policy from the match, not sent (``sae._infer_app``)
     app_inferred: bool = False
-    # ... and the shared block it branched off, by its ``block_key`` (``sae._infer_app``)
-    anchor: tuple | None = None
+    # ... and the shared block it branched off, by the number ``sae._anchor_id`` gives its
+    # ``block_key`` (``sae._infer_app``)
+    anchor: int | None = None
     announced: bool = False
     serial: int = field(default_factory=itertools.count().__next__)
 

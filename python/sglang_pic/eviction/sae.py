@@ -40,6 +40,7 @@ ablation of the replay).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -83,6 +84,9 @@ TRACKED_SESSIONS = 1 << 17
 TRACKED_REQUESTS = 4096
 # shared blocks whose branches' reuse rates are tracked (``_rates``)
 TRACKED_ANCHORS = 4096
+# anchors numbered (``_anchor_id``): more than the rates kept, so that a tracked rate's anchor
+# keeps its number
+TRACKED_ANCHOR_IDS = 4 * TRACKED_ANCHORS
 # how many resident token-seconds the rate of its kind weighs as in a rate per anchor
 ANCHOR_K = 10_000.0
 
@@ -130,8 +134,8 @@ class BlockInfo:
     # a request branched off inside (``on_split``), whose reuse rate is learnt apart
     left: bool = False
     # ... the shared block its request branched off (``_infer_app``): its rate is also learnt
-    # per anchor (``_rates``)
-    anchor: tuple | None = None
+    # per anchor (``_rates``), by its number in ``SAEStrategy.anchor_ids``
+    anchor: int | None = None
 
 
 class SAEStrategy(EvictionStrategy):
@@ -185,6 +189,10 @@ class SAEStrategy(EvictionStrategy):
         self.app_of: OrderedDict[str, tuple[str, tuple | None]] = OrderedDict()
         # the reuse rates per kind and anchor (``_rates``), least recently used first
         self.anchor_w: OrderedDict[tuple, ClassRate] = OrderedDict()
+        # each anchor's number, by its ``block_key``: blocks carry the number, so that scoring
+        # a block hashes a short tuple, not the anchor's 32 token ids
+        self.anchor_ids: OrderedDict[tuple, int] = OrderedDict()
+        self._anchor_serial = itertools.count()
         # q of the session index from the predictor (per session) or, off, per application
         self.use_predictor = setting("--sae-predictor")
         # a JSON file the counters are written to after every evict pass (inspection, tests)
@@ -486,11 +494,23 @@ class SAEStrategy(EvictionStrategy):
         # a request that branched off a shared block: its blocks' rate is also learnt per that
         # block (``_rates``)
         branched = ctx.app_type == "single" and deepest is not None
-        ctx.anchor = block_key(deepest) if branched else None
+        ctx.anchor = self._anchor_id(block_key(deepest)) if branched else None
         if ctx.rid is not None:
             self.app_of[ctx.rid] = (ctx.app_type, ctx.anchor)
             if len(self.app_of) > TRACKED_REQUESTS:
                 self.app_of.popitem(last=False)
+
+    def _anchor_id(self, key: tuple) -> int:
+        """The number of the anchor whose ``block_key`` is ``key`` (a new one for a key not
+        seen among the last ``TRACKED_ANCHOR_IDS``)."""
+        aid = self.anchor_ids.get(key)
+        if aid is None:
+            aid = self.anchor_ids[key] = next(self._anchor_serial)
+            if len(self.anchor_ids) > TRACKED_ANCHOR_IDS:
+                self.anchor_ids.popitem(last=False)
+        else:
+            self.anchor_ids.move_to_end(key)
+        return aid
 
     def _resolve(self, ctx: RequestContext | None) -> None:
         """A later context of a request whose conversation or application was inferred (the
