@@ -298,8 +298,10 @@ E2E_MOONCAKE_NOTE = ("3 runs per variant in three calls of one setting (run 1 on
                      "603 and 563 ms, mean 583 ms, below sae's 593), so each row's baseline is the "
                      "better vanilla policy by that row's own metric and the TTFT rows are a tie "
                      "within the runs' spread; sae before requests without hints got their "
-                     "application from their match (2026-12-04), which the replay puts at "
-                     "+0.3 to +0.7 pp on the whole trace at 5-10 %: to re-measure")
+                     "application from their match and their blocks' rates per shared block "
+                     "they branched off (2026-12-04; in the replay those took sae from +0.3 / "
+                     "+0.3 to +1.1 / +0.9 pp over the best baseline at 5 / 10 % of the whole "
+                     "trace): to re-measure")
 E2E_MOONCAKE_APP_GUESS = "eviction_e2e_mooncake_h200_app_guess.json"  # the same, 2026-12-04
 E2E_MOONCAKE_APP_GUESS_NOTE = ("2 runs per variant (of the 3 a row needs) in two calls of one "
                                "machine, the second resumed from the first's report, first "
