@@ -954,6 +954,34 @@ def test_guessed_requests_learn_rates_per_shared_block_they_branch_off():
     assert of_template < min(of_system, strategy.w["user", "single"].value())
 
 
+def test_a_large_leaf_expected_back_before_its_surplus_is_needed_is_not_evicted_for_a_few_tokens():
+    """SGLang evicts whole nodes. A pass that needs 10 tokens would free a 2000-token shared
+    block (index 1/10 s) before a 40-token one (1/9 s); at the recent rate of new tokens its
+    surplus would sit unused for ~24 s, in which it is expected back 2.4 times
+    (``SAEStrategy.surplus_value``): the small block goes, the large one stays. Below one
+    expected reuse the index is left alone."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang_pic.eviction.context import RequestContext
+
+    sc = _SaeCache()
+    strategy, node_at = sc.strategy, sc.node_at
+    large, small = list(range(1000, 3000)), list(range(5000, 5040))
+    for t_large, t_small in ((0.0, 0.0), (10.0, 9.0), (20.0, 18.0)):
+        for prompt, t in ((large, t_large), (small, t_small)):
+            sc.serve(RequestContext(segments=[(0, "user")], decode_start=len(prompt),
+                                    prompt_len=len(prompt), now=t), prompt, [])
+    a, b = node_at(large), node_at(small)
+    assert a.sae.queue == b.sae.queue == "structural" and not a.children and not b.children
+    a.last_access_time, b.last_access_time = 20.0, 18.0
+    strategy.now_fn = lambda: 25.0
+    assert strategy.get_priority(a) < strategy.get_priority(b)  # scored alone, it goes first
+    assert sc.cache.evict(EvictParams(num_tokens=10)).num_tokens_evicted == 40
+    assert large[0] in sc.cache.root_node.children and small[0] not in sc.cache.root_node.children
+    assert strategy.evict_need is None  # only during a pass
+    # fewer than one expected reuse while the surplus waits: the index as it is
+    assert strategy.surplus_value(0.01, 100, 25.0) == 0.01
+
+
 def test_reuse_rates_count_unshared_blocks_only():
     """``w`` scores unshared blocks, so it counts them only: without token types a single-turn
     template and its unique queries are both ``user``; the template's first reuse (by a second

@@ -70,6 +70,34 @@ class ClassRate:
 
 
 @dataclass
+class InsertRate:
+    """Tokens newly cached per second: how fast new requests fill freed room. Both counts
+    (tokens, and the time span they were counted over) halve every ``period`` inserted blocks
+    so the rate follows the traffic, as ``ClassRate``'s do."""
+
+    period: int = 2000
+    tokens: float = 0.0
+    start: float | None = None
+    _n: int = 0
+
+    def add(self, tokens: int, now: float) -> None:
+        if self.start is None:
+            self.start = now
+        self.tokens += tokens
+        self._n += 1
+        if self._n >= self.period:
+            self._n = 0
+            self.tokens *= 0.5
+            self.start = now - 0.5 * (now - self.start)
+
+    def value(self, now: float) -> float:
+        """Tokens per second (0 before any insert); the span counts as at least a second."""
+        if self.start is None:
+            return 0.0
+        return self.tokens / max(now - self.start, 1.0)
+
+
+@dataclass
 class LogNormalGaps:
     """Online maximum-likelihood log-normal fit of inter-request gaps of one session type.
 

@@ -284,8 +284,9 @@ class _evict_pass:
     """``begin_evict`` / ``end_evict`` around the outermost of nested passes (HiCache's device
     evict can write a block back, which can evict from the host tier)."""
 
-    def __init__(self, strategy) -> None:
+    def __init__(self, strategy, need: int | None = None) -> None:
         self.strategy = strategy if hasattr(strategy, "begin_evict") else None
+        self.need = need
 
     def __enter__(self) -> None:
         s = self.strategy
@@ -293,6 +294,8 @@ class _evict_pass:
             s._pic_pass_depth = getattr(s, "_pic_pass_depth", 0) + 1
             if s._pic_pass_depth == 1:
                 s.begin_evict()
+                if hasattr(s, "evict_need"):
+                    s.evict_need = self.need
 
     def __exit__(self, *exc) -> None:
         s = self.strategy
@@ -306,7 +309,7 @@ def around_evict(original, self, params, *args, **kwargs):
     strategy = _learner(self)
     if strategy is None or not hasattr(strategy, "begin_evict"):
         return original(self, params, *args, **kwargs)
-    with _evict_pass(strategy):
+    with _evict_pass(strategy, params.num_tokens):
         k = getattr(strategy, "sample_size", 0)
         if not k or len(self.evictable_leaves) <= k:
             return original(self, params, *args, **kwargs)
@@ -363,7 +366,7 @@ def around_evict_host(original, self, num_tokens, *args, **kwargs):
         return original(self, num_tokens, *args, **kwargs)
     leaves = list(self.evictable_host_leaves)
     try:
-        with _evict_pass(strategy):
+        with _evict_pass(strategy, num_tokens):
             return original(self, num_tokens, *args, **kwargs)
     finally:
         # a removed node is gone from its parent's children; its parent, removed after it

@@ -58,6 +58,7 @@ from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_of
 from .estimators import (
     ClassRate,
     ContinuationModel,
+    InsertRate,
     LogNormalGaps,
     PositionDecay,
     SessionIndex,
@@ -213,6 +214,10 @@ class SAEStrategy(EvictionStrategy):
         self._memo_now: float | None = None
         self._pass_now: float | None = None
         self._memo: dict[tuple, float] = {}
+        # the tokens the current evict pass must free (set by the hooks; None: not told) and
+        # how fast new blocks fill freed room (``surplus_value``)
+        self.evict_need: int | None = None
+        self.inflow = InsertRate()
         if self.stats_path:
             self._time_callbacks()
 
@@ -364,6 +369,7 @@ class SAEStrategy(EvictionStrategy):
 
     def end_evict(self) -> None:
         self._pass_now = None
+        self.evict_need = None
         if self.stats_path:
             took = time.perf_counter() - self._pass_t0
             self.evict_passes += 1
@@ -411,7 +417,28 @@ class SAEStrategy(EvictionStrategy):
                 value = self._memo[key] = self.index(queue, info, dt, now)
         else:
             value = self.index(queue, info, dt, now)
+        need = self.evict_need
+        if need and len(node.key) > need:
+            value = self.surplus_value(value, len(node.key) - need, now)
         return value * self.alpha[queue] if self.queue_weights else value
+
+    def surplus_value(self, value: float, surplus: int, now: float) -> float:
+        """The index of a leaf whose eviction would free ``surplus`` tokens more than the pass
+        needs.
+
+        SGLang evicts whole nodes: a large leaf - the whole history a request re-sent after
+        its own was evicted is cached as one node - frees far more than the few tokens a pass
+        asks for, and the surplus sits unused until new blocks fill it, ``surplus / inflow``
+        seconds at the recent rate of new tokens. A leaf expected back within that time
+        (``value * wait >= 1`` reuses) would be evicted for room no one needs yet: the reuses
+        it earns while the surplus would wait count on top of its own index. Below one
+        expected reuse the index is left alone (a near-tie broken differently moves a replay
+        by more than such a correction is worth)."""
+        inflow = self.inflow.value(now)
+        if inflow <= 0:
+            return value
+        expected = value * surplus / inflow
+        return value * (1.0 + expected) if expected >= 1.0 else value
 
     # ---- learning from events -------------------------------------------------------------
     def on_match(self, nodes: list, ctx: RequestContext, tokens=None) -> None:
@@ -648,6 +675,7 @@ class SAEStrategy(EvictionStrategy):
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
+        self.inflow.add(len(node.key), now)
         info = node.sae = self._new_info(ctx, offset, len(node.key))
         ghost = self.ghost.pop(block_key(node), None)
         if ghost is not None and ghost[4] and not ctx.on_behalf:
