@@ -101,7 +101,7 @@ def _in_w(info: BlockInfo) -> bool:
     return info.queue != "structural"
 
 
-def _rate_kind(info: BlockInfo) -> tuple[str, str, tuple | None]:
+def _rate_kind(info: BlockInfo) -> tuple[str, str, int | None]:
     """The kind whose reuse rate ``w`` scores the block: its token type, its application (a
     branch left apart: ``BlockInfo.left``) and the shared block its request branched off."""
     return (info.token_type, info.app_type + "/left" if info.left else info.app_type,
@@ -187,7 +187,7 @@ class SAEStrategy(EvictionStrategy):
         # (``_infer_app``); off: they are all ``chat`` (the replay's sae-noapp ablation)
         self.infer_apps = True
         # (application, the shared block it branched off or None) per request id
-        self.app_of: OrderedDict[str, tuple[str, tuple | None]] = OrderedDict()
+        self.app_of: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         # the reuse rates per kind and anchor (``_rates``), least recently used first
         self.anchor_w: OrderedDict[tuple, ClassRate] = OrderedDict()
         # each anchor's number, by its ``block_key``: blocks carry the number, so that scoring
@@ -770,8 +770,9 @@ class SAEStrategy(EvictionStrategy):
         self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)
         kind = _w_kind(info)
         if kind is not None:
+            now = self._now()
             for r in self._rates(kind):
-                r.remove(len(node.key), self._now())
+                r.remove(len(node.key), now)
         self.position.observe(info.offset / max(info.prompt_len, 1), False)
         # asked for again later, a block counted in w is a hit its kind missed
         # (a block of one conversation remembers it: its next request, finding the block
