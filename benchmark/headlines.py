@@ -126,6 +126,14 @@ def _trace_replay(size: str, metric: str = "token_hit_rate", baselines: tuple[st
     return extract
 
 
+def _e2e_samples(result: dict, metric: str) -> list[float]:
+    """A ``bench_e2e.py`` variant's per-run values of ``metric``; ``ttft_mean_ms`` per run from
+    every request's TTFT (``request_ttft_ms_all``), which the report keeps for each run."""
+    if metric == "ttft_mean_ms" and result.get("request_ttft_ms_all"):
+        return [statistics.mean(run) for run in result["request_ttft_ms_all"]]
+    return _samples(result, metric)
+
+
 def _better_vanilla(metric: str, higher_is_better: bool = False):
     """End-to-end eviction (``eviction/bench_e2e.py --rounds N``): the per-run values of the
     vanilla policy with the better mean of this row's metric, and of ``sae``. Each row takes
@@ -137,9 +145,9 @@ def _better_vanilla(metric: str, higher_is_better: bool = False):
         res = report["results"]
         vanillas = [v for v in res if v.startswith("vanilla") and "error" not in res[v]]
         sign = 1 if higher_is_better else -1
-        best = max(vanillas, key=lambda v: sign * statistics.mean(_samples(res[v], metric)))
+        best = max(vanillas, key=lambda v: sign * statistics.mean(_e2e_samples(res[v], metric)))
         policy = res[best].get("policy", best)
-        return (_samples(res[best], metric), _samples(res["sglang-pic"], metric),
+        return (_e2e_samples(res[best], metric), _e2e_samples(res["sglang-pic"], metric),
                 f"baseline: vanilla {policy}, the better of {len(vanillas)} vanilla policies by "
                 f"mean {metric}; {report.get('rounds', 1)} alternating run(s) per variant", best)
 
@@ -280,7 +288,7 @@ STORE_TCP_COLD8K = "store_ttft_tcp_h200_cold8k.json"  # the 8K TCP row and cold 
 LOOKUPS = "store_lookup_beside_writes.json"  # store/bench_lookup_beside_writes.py (CPU)
 LOOKUPS_SCHED = "store_lookup_beside_scheduler.json"  # store/bench_lookup_beside_scheduler.py
 COLD_BOUND = 1 / 1.05  # a cold miss costs at most 5 % over recompute
-E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake  # bench_store_ttft.py --name store_ttft_tcp_h200
+E2E_MOONCAKE = "eviction_e2e_mooncake_h200.json"  # eviction/bench_e2e.py --trace mooncake
 TWO_TIER = "eviction_replay_mooncake_two_tier.json"  # eviction/two_tier.py
 TWO_TIER_GENERATED = "eviction_two_tier_generated.json"  # eviction/two_tier.py --workloads
 TWO_TIER_BASELINES = ("lru", "lfu", "fifo", "slru", "gdsf", "s3fifo", "tlru")  # its runs' own
@@ -291,17 +299,18 @@ E2E_MOONCAKE_PATH = ("open-loop replay on the H200 of one conversation in 40 of 
                      "conversation trace (241 requests, 1.84M prompt tokens), its hour compressed "
                      "60x, KV pool 10 % of the sample's unique tokens; FlashInfer, no CUDA graphs "
                      "on any side")
-E2E_MOONCAKE_NOTE = ("3 runs per variant in three calls of one setting (run 1 on 2026-12-03, "
-                     "runs 2 and 3 resumed from its report on 2026-12-04), first variant "
-                     "alternating (lru, sae, lru); vanilla lru's run 1 was its first on a fresh "
-                     "machine and its TTFT holds first-use compiles (6.0 s p50; its two other runs "
-                     "603 and 563 ms, mean 583 ms, below sae's 593), so each row's baseline is the "
-                     "better vanilla policy by that row's own metric and the TTFT rows are a tie "
-                     "within the runs' spread; sae before requests without hints got their "
-                     "application from their match and their blocks' rates per shared block "
-                     "they branched off (2026-12-04; in the replay those took sae from +0.3 / "
-                     "+0.3 to +1.1 / +0.9 pp over the best baseline at 5 / 10 % of the whole "
-                     "trace): to re-measure")
+E2E_MOONCAKE_NOTE = ("3 runs per variant in three calls of one machine (2026-12-04, fourteenth "
+                     "session; sae of 690ad09: application guessed from the match, reuse rates "
+                     "per shared block a request branched off, size-aware eviction), runs 2 and "
+                     "3 resumed from run 1's report, first variant alternating (lru, sae, lru); "
+                     "each row's baseline is the better vanilla policy by that row's own metric")
+E2E_MOONCAKE_BEFORE = "eviction_e2e_mooncake_h200_before_app_guess.json"  # the same, 2026-12-03/04
+E2E_MOONCAKE_BEFORE_NOTE = ("3 runs per variant in three calls of one setting (run 1 on "
+                            "2026-12-03, runs 2 and 3 resumed from its report on 2026-12-04), "
+                            "first variant alternating (lru, sae, lru); vanilla lru's run 1 was "
+                            "its first on a fresh machine and its TTFT holds first-use compiles "
+                            "(6.0 s p50); sae before requests without hints got their "
+                            "application from their match")
 E2E_MOONCAKE_APP_GUESS = "eviction_e2e_mooncake_h200_app_guess.json"  # the same, 2026-12-04
 E2E_MOONCAKE_APP_GUESS_NOTE = ("2 runs per variant (of the 3 a row needs) in two calls of one "
                                "machine, the second resumed from the first's report, first "
@@ -452,16 +461,19 @@ CLAIMS: list[Claim] = [
     Claim("store.socket_ttft_8k", "store_ttft_h200_shm.json", "ttft_8192_ms",
           ours_variant="sglang-pic-ptstore-socket", target=1.5,
           path="socket (zmq over loopback TCP)", note=LEGACY),
-    Claim("eviction.e2e_hit_rate", E2E_MOONCAKE, "token_hit_rate", higher_is_better=True,
-          superseded=True,
-          center=statistics.mean, extract=_better_vanilla("token_hit_rate", higher_is_better=True),
-          path=E2E_MOONCAKE_PATH, note=E2E_MOONCAKE_NOTE),
-    Claim("eviction.e2e_ttft_p50", E2E_MOONCAKE, "ttft_p50_ms", center=statistics.mean,
-          superseded=True,
-          extract=_better_vanilla("ttft_p50_ms"), path=E2E_MOONCAKE_PATH, note=E2E_MOONCAKE_NOTE),
-    Claim("eviction.e2e_ttft_p99", E2E_MOONCAKE, "ttft_p99_ms", center=statistics.mean,
-          superseded=True,
-          extract=_better_vanilla("ttft_p99_ms"), path=E2E_MOONCAKE_PATH, note=E2E_MOONCAKE_NOTE),
+    *[Claim(f"eviction.e2e_{metric}{suffix}", report, key, center=statistics.mean,
+            higher_is_better=higher, superseded=bool(suffix),
+            extract=_better_vanilla(key, higher_is_better=higher), path=E2E_MOONCAKE_PATH,
+            note=note)
+      for suffix, report, note in (("", E2E_MOONCAKE, E2E_MOONCAKE_NOTE),
+                                   (".before_app_guess", E2E_MOONCAKE_BEFORE,
+                                    E2E_MOONCAKE_BEFORE_NOTE))
+      for metric, key, higher in (("hit_rate", "token_hit_rate", True),
+                                  ("ttft_p50", "ttft_p50_ms", False),
+                                  ("ttft_p99", "ttft_p99_ms", False))],
+    Claim("eviction.e2e_ttft_mean", E2E_MOONCAKE, "ttft_mean_ms", center=statistics.mean,
+          extract=_better_vanilla("ttft_mean_ms"), path=E2E_MOONCAKE_PATH,
+          note=E2E_MOONCAKE_NOTE + "; each run's mean over its 241 requests' TTFTs"),
     *[Claim(f"eviction.e2e_{metric}.app_guess", E2E_MOONCAKE_APP_GUESS, key, center=statistics.mean,
             higher_is_better=higher, superseded=True,
             extract=_better_vanilla(key, higher_is_better=higher), path=E2E_MOONCAKE_PATH,

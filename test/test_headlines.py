@@ -149,3 +149,25 @@ def test_each_end_to_end_eviction_row_takes_the_vanilla_policy_better_by_its_own
     assert rows["eviction.e2e_hit_rate"]["baseline_variant"] == "vanilla"
     assert rows["eviction.e2e_ttft_p50"]["baseline_variant"] == "vanilla-slru"
     assert abs(rows["eviction.e2e_ttft_p50"]["ratio"] - 700 / 600) < 1e-9
+
+
+def test_the_mean_ttft_row_is_each_runs_mean_over_its_requests(tmp_path, monkeypatch):
+    """``eviction.e2e_ttft_mean``: a run's mean TTFT comes from its requests' TTFTs
+    (``request_ttft_ms_all``), then the row takes the mean over runs of the better vanilla."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    monkeypatch.setattr(headlines, "RESULTS", tmp_path)
+    results = {
+        "vanilla": {"policy": "lru", "request_ttft_ms_all": [[100.0, 300.0], [200.0, 400.0]],
+                    "attention_backend": "flashinfer"},
+        "vanilla-slru": {"policy": "slru", "request_ttft_ms_all": [[500.0, 700.0], [10.0, 30.0]],
+                         "attention_backend": "flashinfer"},
+        "sglang-pic": {"policy": "sae", "request_ttft_ms_all": [[90.0, 110.0], [300.0, 500.0]]},
+    }
+    claim = next(c for c in headlines.CLAIMS if c.claim == "eviction.e2e_ttft_mean")
+    (tmp_path / claim.raw_file).write_text(json.dumps({"results": results, "rounds": 2}))
+    row = headlines._row(claim)
+    assert row["baseline_variant"] == "vanilla"  # mean 250 ms against slru's 310
+    assert row["spread"]["baseline"] == [200.0, 300.0] and row["spread"]["ours"] == [100.0, 400.0]
+    assert abs(row["ratio"] - 250.0 / 250.0) < 1e-9 and row["samples"] == 2
