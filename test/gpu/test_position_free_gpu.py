@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +40,10 @@ SERVERS = {
     "spans_triton": ["--enable-span-cache", "--attention-backend", "triton"],
 }
 
+
+# the attention backend each server must report (``/get_server_info``)
+BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer", "spans_shared": "pic_flashinfer",
+            "span_graphs": "pic_flashinfer", "spans_triton": "pic_triton"}
 
 START_TIMEOUT_S = 540
 """FlashInfer builds its kernels for SmolLM2's shapes (head_dim 64, 9 query / 3 KV heads) with
@@ -65,8 +70,12 @@ class _Servers:
             # memory for the KV cache"; on the H200 with three of the five started at once, and
             # on a warm machine with two, vanilla and spans_triton, 2026-12-04).
             args = ["--model-path", str(self._model_dir), *COMMON, *SERVERS[name]]
-            self._up[name] = start_server(args, self._logs / f"{name}.log",
-                                          timeout_s=START_TIMEOUT_S)
+            srv = start_server(args, self._logs / f"{name}.log", timeout_s=START_TIMEOUT_S)
+            self._up[name] = srv
+            # every test reading a server runs on the backend it is named for: checked once,
+            # when it starts, so a ``-k`` selection checks the servers it starts and no others
+            info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+            assert info["attention_backend"] == BACKENDS[name], (name, info["attention_backend"])
         return self._up[name]
 
     def stop(self) -> None:
@@ -212,8 +221,6 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
 def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
     """With copies (the ``spans`` server's default) every span request read its own turned
     copy: no batch was marked for the shift-aware kernels."""
-    import requests
-
     _generate(servers.spans, prompts[1])
     text = requests.get(servers.spans.url + "/metrics", timeout=30).text
     counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
@@ -228,16 +235,3 @@ def test_span_decode_graphs_and_pic_triton_follow_the_reference(servers, prompts
     _, spans = prompts
     _follows_reference(_generate(servers.span_graphs, spans), references)
     _follows_reference(_generate(servers.spans_triton, spans), references)
-
-
-def test_the_servers_run_the_backends_named(servers):
-    import requests
-
-    def backend(srv):
-        return requests.get(srv.url + "/get_server_info", timeout=30).json()["attention_backend"]
-
-    assert backend(servers.spans) == "pic_flashinfer"
-    assert backend(servers.spans_shared) == "pic_flashinfer"
-    assert backend(servers.span_graphs) == "pic_flashinfer"
-    assert backend(servers.spans_triton) == "pic_triton"
-    assert backend(servers.vanilla) == "flashinfer"
