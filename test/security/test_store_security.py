@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -704,6 +705,31 @@ def test_a_data_connection_without_a_ticket_is_dropped_without_a_byte():
             raw.sendall(os.urandom(32))  # a guessed ticket
             assert raw.recv(4096) == b""
         assert srv.data.stats["refused"] == 2 and srv.data.stats["streams"] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_data_connection_trickling_its_ticket_is_closed_at_the_deadline():
+    """A byte every 0.3 s restarts no timeout: the handshake and the ticket share one deadline
+    (io_timeout_s after the connection was accepted), so a trickling peer cannot hold one of
+    the few connection slots."""
+    srv = _tcp_server(TOKEN, io_timeout_s=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.data.port), timeout=15) as raw:
+            t0 = time.monotonic()
+            closed = False
+            for _ in range(20):  # 6 s of trickling if nothing stopped it
+                try:
+                    raw.sendall(b"x")
+                except OSError:
+                    closed = True
+                    break
+                ready, _, _ = select.select([raw], [], [], 0.3)
+                if ready and raw.recv(4096) == b"":
+                    closed = True
+                    break
+            assert closed and time.monotonic() - t0 < 3.0
+        assert srv.data.stats["refused"] == 1 and srv.data.stats["streams"] == 0
     finally:
         srv.stop()
 

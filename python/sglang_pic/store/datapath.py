@@ -22,8 +22,9 @@ failed, as a put that got no reply.
 with ``hmac.compare_digest``. A ticket exists only in the memory of the server process that
 issued it, opens exactly the pages of the request that issued it (pages of that request's
 tenant, recorded with the offer), is redeemed at most once (its slot is removed on the first
-attempt, right or wrong), and expires ``ticket_ttl_s`` after issue. A connection that does not
-present a valid ticket within ``io_timeout_s`` is closed without a byte sent.
+attempt, right or wrong), and expires ``ticket_ttl_s`` after issue. A connection that has not
+finished its TLS handshake (with TLS) and presented a valid ticket ``io_timeout_s`` after it
+was accepted - however it trickles its bytes - is closed without a byte sent.
 
 **Integrity and confidentiality.** Plain TCP by default: the checksums travel over the
 authenticated, encrypted CURVE channel and every page is hashed where it landed, so a page
@@ -305,14 +306,23 @@ class DataServer:
         offer = None
         sent = 0
         try:
-            conn.settimeout(self.config.io_timeout_s)  # a ticket, and every send, within this
-            if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            ticket = bytearray(TICKET_BYTES)
+            conn.settimeout(self.config.io_timeout_s)  # every send within this
+            # the TLS handshake and the ticket within one deadline: a receive's timeout starts
+            # again with every byte, so a peer trickling them would hold a connection slot
+            until = time.monotonic() + self.config.io_timeout_s
+            watchdog = _Watchdog(conn, until)
             try:
-                whole = recv_exact(conn, memoryview(ticket))
-            except OSError:  # silent past io_timeout_s, or reset
-                whole = False
+                if self.tls is not None:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                ticket = bytearray(TICKET_BYTES)
+                try:
+                    whole = _recv_until(conn, memoryview(ticket), until,
+                                        self.config.io_timeout_s)
+                except OSError:  # reset, or shut by the watchdog
+                    whole = False
+            finally:
+                watchdog.cancel()
+            conn.settimeout(self.config.io_timeout_s)  # the ticket's receive may have left it short
             if not whole:
                 self._count("refused")
                 return
@@ -382,6 +392,29 @@ class DataServer:
         with self._lock:
             self._offers.clear()
             self._pending_bytes = 0
+
+
+class _Watchdog:
+    """Shuts a connection down at a monotonic deadline unless cancelled first: a blocked
+    receive (a TLS handshake's among them) then returns. It holds a duplicate of the socket,
+    since TLS takes the original over; a shutdown acts on the connection, whatever its fd."""
+
+    def __init__(self, conn: socket.socket, until: float) -> None:
+        self._dup = conn.dup()
+        self._timer = threading.Timer(max(0.0, until - time.monotonic()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        try:
+            self._dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        self._timer.join()  # a shutdown under way ends before its socket is closed
+        self._dup.close()
 
 
 UPLOAD_MIN_BPS = 50e6
