@@ -399,7 +399,7 @@ def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster)
 
     seg = ClientSegment(4 * PAGE)
     try:
-        shm = {"name": seg.name, "offsets": [64], "sizes": [PAGE]}
+        shm = {"name": seg.name, "nonce": seg.nonce.hex(), "offsets": [64], "sizes": [PAGE]}
         assert "unavailable" in ask({"op": "get", "tids": ["a"],
                                      "shm": {**shm, "name": "../../etc/passwd"}})["error"]
         assert "unavailable" in ask({"op": "get", "tids": ["a"],
@@ -412,6 +412,10 @@ def test_bad_segment_requests_are_rejected_and_the_server_keeps_serving(cluster)
         assert "one offset" in ask({"op": "get", "tids": ["a"],
                                     "shm": {**shm, "sizes": [-1]}})["error"]
         assert "only get and probe" in ask({"op": "exists", "tids": ["a"], "shm": shm})["error"]
+        no_nonce = {k: v for k, v in shm.items() if k != "nonce"}
+        assert "nonce" in ask({"op": "get", "tids": ["a"], "shm": no_nonce})["error"]
+        assert "nonce" in ask({"op": "get", "tids": ["a"],
+                               "shm": {**shm, "nonce": "zz" * 16}})["error"]
         assert ask({"op": "probe", "shm": {"name": seg.name, "nonce": "00" * 16}})["shm"] is False
         assert ask({"op": "probe", "shm": {"name": seg.name, "nonce": seg.nonce.hex()}})["shm"]
     finally:

@@ -150,6 +150,34 @@ def server(tmp_path):
     srv.stop()
 
 
+def test_headers_json_cannot_parse_are_protocol_errors():
+    """A number past Python's digit limit and nesting past its recursion limit are refused
+    like any malformed header (not an internal error with a traceback per request)."""
+    for head in (b'{"op": "get", "n": ' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000,
+                 b"\xff\xfe", b"{"):
+        with pytest.raises(ProtocolError, match="malformed header"):
+            decode_request([head], Limits())
+
+
+def test_a_page_at_the_size_limit_is_stored_over_an_encrypted_connection(tmp_path):
+    """zmq compares the encrypted frame with its size limit: CURVE's bytes on top of a page of
+    exactly ``max_tensor_bytes`` must not get the connection dropped (the client would wait
+    for its time-out), and a page one byte over is refused by the protocol, with a reply."""
+    limits = Limits(max_tensor_bytes=1 << 20, max_header_bytes=1 << 16)
+    srv = StoreServer(StoreEngine(8 << 20), f"ipc://{tmp_path}/l.sock", TOKEN, limits,
+                      data_plane=None).start()
+    client = StoreClient([srv.endpoint], TOKEN, timeout_ms=5000)
+    try:
+        t0 = time.monotonic()
+        assert client.batch_set([("edge", b"e" * (1 << 20))]) == 1 << 20
+        assert client.batch_set([("over", b"o" * ((1 << 20) + 1))]) == 0
+        assert time.monotonic() - t0 < 4  # answered, not timed out
+        assert srv.rejected == 1
+    finally:
+        client.close()
+        srv.stop()
+
+
 def test_over_the_wire_path_ids_read_nothing_and_a_nul_id_is_refused(server):
     client = StoreClient([server.endpoint], TOKEN)
     try:
@@ -610,6 +638,66 @@ def test_the_object_journal_is_compacted_and_recovers_the_live_objects(tmp_path)
 
 
 # ---- 9: secrets are compared in constant time ----------------------------------------------
+def test_a_tenant_cannot_have_a_server_write_into_another_tenants_segment(two_tenants):
+    """A staging segment's name is visible to anyone on the node (``/dev/shm``): a get into it
+    must also carry the nonce in its first bytes, which only processes that can read the
+    segment know; the server writes nothing for a get without it or with another."""
+    from sglang_pic.store.shm import DATA_OFFSET, ClientSegment
+
+    srv, alice, bob = two_tenants
+    seg = ClientSegment(4 * PAGE)
+    try:
+        bob.batch_set([("evil", b"E" * PAGE)])
+        get = {"op": "get", "tids": ["evil"],
+               "shm": {"name": seg.name, "offsets": [DATA_OFFSET], "sizes": [PAGE]}}
+        for shm in (get["shm"], {**get["shm"], "nonce": "0" * 32}):
+            reply = bob._call(srv.endpoint, {**get, "shm": shm})[0]
+            assert not reply["ok"] and "nonce" in reply["error"]
+        assert seg.mm[DATA_OFFSET:DATA_OFFSET + PAGE] == bytes(PAGE)  # nothing written
+        # the owner's own get, with the nonce, is served
+        reply = bob._call(srv.endpoint, {**get, "shm": {**get["shm"],
+                                                        "nonce": seg.nonce.hex()}})[0]
+        assert reply["ok"] and reply["found"] == [True]
+    finally:
+        seg.close()
+
+
+def test_a_second_name_of_a_segment_is_not_mapped(server):
+    """Only a reader's own segment file: a hard link to it (another name, the same file) is
+    refused, as is anything not a regular file of the server's user."""
+    import uuid
+
+    from sglang_pic.store.shm import PREFIX, SHM_DIR, ClientSegment
+
+    seg = ClientSegment(4 * PAGE)
+    alias = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    os.link(SHM_DIR / seg.name, alias)
+    try:
+        with pytest.raises(ValueError, match="user"):
+            server.segments.mapping(alias.name)
+        with pytest.raises(ValueError, match="user"):
+            server.segments.mapping(seg.name)  # two links now: neither name is mapped
+    finally:
+        alias.unlink()
+        seg.close()
+
+
+def test_a_pool_is_not_mapped_for_a_request_without_its_proof(tmp_path):
+    from sglang_pic.store.shm import pool_spec
+
+    srv = StoreServer(StoreEngine(8 * PAGE), f"ipc://{tmp_path}/p.sock", TOKEN)
+    fd = os.memfd_create("ptstore-test-pool")
+    os.ftruncate(fd, 2 * PAGE)
+    try:
+        spec = pool_spec(fd)
+        with pytest.raises(ValueError, match="proof"):
+            srv.segments.mapping({**spec, "proof": "0" * 32})
+        assert srv.segments.pools == {}  # nothing mapped, nothing kept
+    finally:
+        os.close(fd)
+        srv.stop()
+
+
 def test_the_shm_nonce_is_compared_in_constant_time(server, monkeypatch):
     import hmac
 
@@ -704,6 +792,9 @@ def test_a_data_connection_without_a_ticket_is_dropped_without_a_byte():
         with socket.create_connection(("127.0.0.1", srv.data.port), timeout=15) as raw:
             raw.sendall(os.urandom(32))  # a guessed ticket
             assert raw.recv(4096) == b""
+        deadline = time.monotonic() + 10  # the silent one is shut first, then counted
+        while srv.data.stats["refused"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert srv.data.stats["refused"] == 2 and srv.data.stats["streams"] == 0
     finally:
         srv.stop()
@@ -729,6 +820,9 @@ def test_a_data_connection_trickling_its_ticket_is_closed_at_the_deadline():
                     closed = True
                     break
             assert closed and time.monotonic() - t0 < 3.0
+        deadline = time.monotonic() + 10  # counted by the server's thread after it shut
+        while srv.data.stats["refused"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert srv.data.stats["refused"] == 1 and srv.data.stats["streams"] == 0
     finally:
         srv.stop()

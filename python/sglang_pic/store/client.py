@@ -591,7 +591,7 @@ class StoreClient:
                                                  "until": until}}, None)
                 elif how == "shm":
                     requests[server] = ({"op": "get", "tids": [tids[i] for i, _ in items],
-                                         "shm": {"name": seg.name,
+                                         "shm": {"name": seg.name, "nonce": seg.nonce.hex(),
                                                  "offsets": [DATA_OFFSET + o for _, o in items],
                                                  "sizes": [sizes[i] for i, _ in items]}}, None)
                 else:

@@ -4,11 +4,12 @@
     frame 1..n: tensor payloads (bytes), in the order of ``tids`` (puts and get replies)
 
 A get may instead name a shared-memory segment of the reader on the server's node
-(``"shm": {"name", "offsets", "sizes"}``, see ``shm``): the server copies each page there and the
-reply carries checksums only. ``probe`` (``"shm": {"name", "nonce"}``) asks whether the server
-maps that segment at all. A segment may also be the reader's host KV pool itself
-(``"shm": {"pool": {"pid", "fd", "dev", "ino"}, ...}``); a get into a pool carries ``until`` (wall
-clock), after which the server writes nothing more: the reader stops waiting soon after and may
+(``"shm": {"name", "nonce", "offsets", "sizes"}``, see ``shm``): the server copies each page
+there, once the segment's first 16 bytes equal ``nonce``, and the reply carries checksums only.
+``probe`` (``"shm": {"name", "nonce"}``) asks whether the server maps that segment at all. A
+segment may also be the reader's host KV pool itself (``"shm": {"pool": {"pid", "fd", "dev",
+"ino"}, ...}``); a get into a pool carries ``until`` (the monotonic clock, which the node's
+processes share), after which the server writes nothing more: the reader stops waiting soon after and may
 hand those pool slots to other data.
 
 A get may also ask for the network data plane (``"tcp": {"streams": K, "sizes": [...], "tls":
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import xxhash
@@ -83,8 +85,10 @@ def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
         raise ProtocolError("header too large")
     try:
         header = json.loads(head)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"malformed header: {e}") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError: bad UTF-8 or JSON, and integers past Python's 4300-digit limit;
+        # RecursionError: nesting deeper than the parser's stack
+        raise ProtocolError(f"malformed header: {type(e).__name__}") from None
     if not isinstance(header, dict) or header.get("op") not in OPS:
         raise ProtocolError(f"unknown op {header.get('op') if isinstance(header, dict) else None!r}")
     tids = header.get("tids", [])
@@ -159,6 +163,9 @@ def _check_tcp(header: dict, tids: list, limits: Limits) -> None:
         raise ProtocolError("tcp: tls must be a boolean")
 
 
+_HEX_NONCE = re.compile(r"[0-9a-fA-F]{32}")
+
+
 def _check_shm(header: dict, tids: list) -> None:
     shm = header.get("shm")
     if header["op"] not in ("get", "probe") or not isinstance(shm, dict) \
@@ -173,11 +180,14 @@ def _check_shm(header: dict, tids: list) -> None:
         if not isinstance(until, (int, float)) or isinstance(until, bool) \
                 or not math.isfinite(until):
             raise ProtocolError("a get into a pool needs a finite 'until'")
-    elif header["op"] == "probe":
+    else:
+        # the segment's nonce (its first 16 bytes) proves the requester can read the segment:
+        # its name alone is visible to anyone on the node (``ls /dev/shm``)
         nonce = shm.get("nonce")
-        if not isinstance(nonce, str) or len(nonce) != 32:
-            raise ProtocolError("probe needs a 16-byte hex nonce")
-        return
+        if not isinstance(nonce, str) or not _HEX_NONCE.fullmatch(nonce):
+            raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
+        if header["op"] == "probe":
+            return
     offsets, sizes = shm.get("offsets"), shm.get("sizes")
     if not (isinstance(offsets, list) and isinstance(sizes, list)
             and len(offsets) == len(sizes) == len(tids)

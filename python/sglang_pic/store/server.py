@@ -38,6 +38,8 @@ from .protocol import Limits, ProtocolError, checksum, decode_request, encode
 from .shm import DATA_OFFSET, SegmentCache
 
 logger = logging.getLogger(__name__)
+# bytes CurveZMQ adds to a message frame: a MESSAGE command's name, nonce and box (~33-40)
+CURVE_FRAME_OVERHEAD = 64
 DEFAULT_DATA_PLANE = DataPlaneConfig()  # plain TCP, on the control endpoint's host, any port
 
 
@@ -85,8 +87,10 @@ class StoreServer:
         self.ctx = zmq.Context()
         self.auth = ServerAuth(self.ctx, tokens)
         self.sock = self.ctx.socket(zmq.ROUTER)
-        # per frame: the largest a request holds (a page, or the header)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        # per frame: the largest a request holds (a page, or the header), plus what CURVE adds
+        # to a frame on the wire (zmq compares the encrypted frame): a page at the limit must
+        # reach the protocol's checks, not be dropped with its connection
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes + CURVE_FRAME_OVERHEAD)
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
             self.auth.apply(self.sock)
@@ -268,6 +272,8 @@ class StoreServer:
             mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
         except (OSError, ValueError) as e:
             raise ProtocolError(f"shm segment unavailable: {e}") from None
+        if not pool and not same_secret(mm[:16], bytes.fromhex(shm["nonce"])):
+            raise ProtocolError("not the reader's segment (wrong nonce)")
         offsets, sizes = shm["offsets"], shm["sizes"]
         low = 0 if pool else DATA_OFFSET  # a staging segment's nonce lives below DATA_OFFSET
         if any(o < low or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):

@@ -197,12 +197,13 @@ def _read_ticket(proc: int, fd_no: int) -> bytes:
     return secret
 
 
-def _open_pool(key: tuple[int, int, int, int], ticket: int) -> tuple[mmap.mmap, bytes]:
-    """Map a reader's pool file, and read its ticket: only a shared-memory file (memfd or
-    ``/dev/shm``) of a process of this server's user, only the very file the reader named
-    (device and inode match). The process directory is opened once and both fds looked up
-    relative to it, so a pid reused in between cannot swap the process checked for the one
-    opened."""
+def _open_pool(key: tuple[int, int, int, int], ticket: int,
+               proof: bytes) -> tuple[mmap.mmap, bytes]:
+    """Map a reader's pool file once its ticket equals ``proof``: only a shared-memory file
+    (memfd or ``/dev/shm``) of a process of this server's user, only the very file the reader
+    named (device and inode match), and nothing mapped for a request without the proof. The
+    process directory is opened once and both fds looked up relative to it, so a pid reused in
+    between cannot swap the process checked for the one opened."""
     pid, fd_no, dev, ino = key
     proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -218,6 +219,8 @@ def _open_pool(key: tuple[int, int, int, int], ticket: int) -> tuple[mmap.mmap, 
             if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
                 raise ValueError("not the reader's pool")
             secret = _read_ticket(proc, ticket)
+            if not hmac.compare_digest(secret, proof):
+                raise ValueError("not the reader's pool (wrong proof)")
             return mmap.mmap(fd, st.st_size), secret
         finally:
             os.close(fd)
@@ -261,8 +264,8 @@ def _pool_alive(key: tuple[int, ...]) -> bool:
 class _Pool:
     """A reader's pool as mapped by a server, with the thread building its page tables."""
 
-    def __init__(self, key: tuple[int, int, int, int], ticket: int) -> None:
-        self.mm, self.secret = _open_pool(key, ticket)
+    def __init__(self, key: tuple[int, int, int, int], ticket: int, proof: bytes) -> None:
+        self.mm, self.secret = _open_pool(key, ticket, proof)
         self.address = address_of(self.mm)
         self.prefault = _prefault(self.address, len(self.mm))
 
@@ -287,10 +290,11 @@ class SegmentCache:
         opened."""
         if isinstance(name, dict):
             key = pool_key(name)
+            proof = bytes.fromhex(name["proof"])
             pool = self.pools.get(key)
-            if pool is None:
-                pool = self.pools[key] = _Pool(key, name["ticket"])
-            if not hmac.compare_digest(pool.secret, bytes.fromhex(name["proof"])):
+            if pool is None:  # the proof is checked before the pool is mapped (``_open_pool``)
+                pool = self.pools[key] = _Pool(key, name["ticket"], proof)
+            elif not hmac.compare_digest(pool.secret, proof):
                 raise ValueError("not the reader's pool (wrong proof)")
             return pool.mm, pool.address
         if not isinstance(name, str) or not NAME_RE.match(name):
@@ -301,7 +305,12 @@ class SegmentCache:
             return hit
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            # only a segment of a process of this server's user, as for pools (``_open_pool``):
+            # another user's file, or a second name of one, is not a reader's segment
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+                raise ValueError("not a segment of this server's user")
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         hit = self.maps[name] = (mm, address_of(mm))
