@@ -44,6 +44,20 @@ def test_gdsf_keeps_frequently_read_pages_and_ages_idle_ones():
     assert not cache.put("huge", b"q" * (4 * PAGE))
 
 
+def test_tiny_pages_count_as_their_id_and_entry():
+    """Empty or few-byte pages under long ids: each counts at least as its id plus an entry's
+    cost, so a 1 MiB cache keeps at most a few thousand of them, not every one sent."""
+    from sglang_pic.store.gdsf import ENTRY_BYTES
+
+    cache = GDSFCache(capacity_bytes=1 << 20)
+    for i in range(5000):
+        cache.put(f"{i:0900d}", b"")
+    assert len(cache.entries) == (1 << 20) // (900 + ENTRY_BYTES)
+    assert cache.used <= cache.capacity
+    cache.put("page", b"p" * PAGE)  # a page of kilobytes counts as its bytes
+    assert cache.entries["page"].size == PAGE
+
+
 def test_replicas_are_dropped_owned_tensors_spill_to_ssd_and_survive_restart(tmp_path):
     eng = StoreEngine(memory_bytes=10 * PAGE, replica_fraction=0.3, ssd_dir=tmp_path)
     owned = _pages("o", 12)  # 7 pages of owned capacity: 5 must spill
