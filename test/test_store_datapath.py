@@ -371,14 +371,18 @@ def test_oversize_lengths_are_refused_before_any_byte_is_read(servers):
         c.close()
 
 
-def test_a_server_over_its_pending_bytes_answers_misses():
+def test_a_server_over_its_pending_bytes_sends_the_pages_over_the_socket():
+    """The data plane's budget for outstanding offers is the server's, whoever holds it: a get
+    over it is answered over the CURVE socket, with its pages, not with misses."""
     srv = _server(data_plane=DataPlaneConfig(max_pending_bytes=PAGE * 3))
     try:
         client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
         pages = _pages("b", 4)
         client.batch_set(pages)
-        assert client.batch_get([t for t, _ in pages]) == [None] * 4
+        assert client.batch_get([t for t, _ in pages]) == [d for _, d in pages]
+        assert srv.data.stats["declined"] == 1 and srv.data.stats["offers"] == 0
         assert client.batch_get([t for t, _ in pages[:2]]) == [d for _, d in pages[:2]]
+        assert srv.data.stats["offers"] == 1  # within the budget: the data plane
         client.close()
     finally:
         srv.stop()

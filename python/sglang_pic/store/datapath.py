@@ -188,6 +188,7 @@ class DataServer:
             "uploads": 0,  # upload streams received to their end
             "upload_bytes": 0,  # bytes of pages received whole
             "upload_bad_pages": 0,  # received whole but not matching their checksum
+            "declined": 0,  # gets over the budget for outstanding offers: sent over the socket
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ptstore-data", daemon=True)
@@ -197,7 +198,8 @@ class DataServer:
     def offer(self, tenant: str, pages: list, streams: int) -> dict | None:
         """Tickets for ``pages`` (bytes, in the reply's order) split over at most ``streams``
         connections: ``{"port", "tickets": [hex], "cert": hex | None}``; None when the server
-        holds too much for outstanding transfers already (the reader then misses)."""
+        holds too much for outstanding transfers already (the server then sends the pages over
+        the socket)."""
         lengths = [len(p) for p in pages]
         ranges = split(lengths, min(streams, self.config.max_streams)) if pages else []
         return self._issue(tenant, [(pages[first : first + count],

@@ -230,7 +230,8 @@ class StoreServer:
     def _get_over_tcp(self, tids: list[str], tcp: dict, tenant: str) -> list[bytes]:
         """Checksums, lengths and tickets for the found pages (of the size the reader expects,
         when it names them); the pages go over the data listener. A server holding too much for
-        outstanding transfers answers misses."""
+        outstanding transfers (offers not redeemed yet: another tenant's, perhaps) sends them
+        over the socket instead, as a get without the data plane: slower, but no page lost."""
         got = self.engine.get_tensors_checked(tids)
         sizes = tcp.get("sizes")
         found = [g is not None and (sizes is None or len(g[0]) == sizes[i])
@@ -238,8 +239,9 @@ class StoreServer:
         pages = [got[i] for i in range(len(tids)) if found[i]]
         offer = self.data.offer(tenant, [d for d, _ in pages], tcp["streams"])
         if offer is None:
-            return encode({"ok": True, "found": [False] * len(tids), "sums": [], "lengths": [],
-                           "busy": True})
+            self.data._count("declined")
+            return encode({"ok": True, "found": found,
+                           "sums": [_checksum_of(d, s) for d, s in pages]}, [d for d, _ in pages])
         return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
                        "lengths": [len(d) for d, _ in pages], "tcp": offer})
 
