@@ -637,6 +637,32 @@ def test_the_object_journal_is_compacted_and_recovers_the_live_objects(tmp_path)
     assert list(capped.objects) == ["o7", "o8", "o9"]
 
 
+def test_a_tenant_writing_many_objects_drops_its_own_first(two_tenants):
+    """The objects' count and memory budgets are the server's: past either, the tenant holding
+    the most bytes of objects loses its oldest, so alice's flood of objects (or of ids in
+    them) does not evict bob's index."""
+    srv, alice, bob = two_tenants
+    eng = srv.engine
+    eng.max_objects, eng.max_object_bytes = 50, 100_000
+
+    def put(client, key, tids):
+        assert client._call(srv.endpoint, {"op": "put_object", "key": key, "tids": tids})[0]["ok"]
+
+    def get(client, key):
+        return client._call(srv.endpoint, {"op": "get_object", "key": key})[0]["tids"]
+
+    put(bob, "index", ["b1", "b2"])
+    for i in range(200):
+        put(alice, f"doc{i}", [f"t{i}"])
+    assert get(bob, "index") == ["b1", "b2"]
+    assert len(eng.objects) == 50 and get(alice, "doc199") == ["t199"]
+    assert get(alice, "doc0") is None  # alice's oldest went
+    for i in range(3):  # objects of many ids: the bytes bound, again alice's own
+        put(alice, f"big{i}", [f"{k:064d}" for k in range(400)])
+    assert get(bob, "index") == ["b1", "b2"]
+    assert eng.object_bytes <= eng.max_object_bytes
+
+
 # ---- 9: secrets are compared in constant time ----------------------------------------------
 def test_a_tenant_cannot_have_a_server_write_into_another_tenants_segment(two_tenants):
     """A staging segment's name is visible to anyone on the node (``/dev/shm``): a get into it

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from .gdsf import Entry, GDSFCache
@@ -41,17 +42,33 @@ OWNED = "owned"
 REPLICA = "replica"
 DEFAULT_SSD_BYTES = 64 << 30
 MAX_OBJECTS = 1 << 20
+MAX_OBJECT_BYTES = 1 << 30
+# what an object costs besides its key's and ids' characters: the dict slot, the list, and a
+# str header and list slot per id (CPython 3.12)
+OBJECT_BYTES, OBJECT_ID_BYTES = 200, 64
+
+
+def _object_size(key: str, tids: list[str]) -> int:
+    return OBJECT_BYTES + len(key) + sum(len(t) + OBJECT_ID_BYTES for t in tids)
+
+
+def _tenant_of_key(key: str) -> str:
+    """The tenant of a stored object key (the server prefixes each with ``tenant + NUL``)."""
+    return key.split("\0", 1)[0] if "\0" in key else ""
 
 
 class StoreEngine:
     """One server's tensors and object metadata; thread-safe.
 
     ``ssd_bytes``: the SSD tier's budget (capped by the filesystem's free space, ``ssd``; 0:
-    only that cap). ``max_objects``: objects kept (the oldest written is dropped beyond it)."""
+    only that cap). ``max_objects`` and ``max_object_bytes``: the objects kept and the memory
+    they may take; beyond either, the tenant holding the most bytes of objects loses its
+    oldest one, so a tenant writing many objects drops its own before anyone else's."""
 
     def __init__(self, memory_bytes: int, replica_fraction: float = 0.3,
                  ssd_dir: str | os.PathLike | None = None,
-                 ssd_bytes: int = DEFAULT_SSD_BYTES, max_objects: int = MAX_OBJECTS) -> None:
+                 ssd_bytes: int = DEFAULT_SSD_BYTES, max_objects: int = MAX_OBJECTS,
+                 max_object_bytes: int = MAX_OBJECT_BYTES) -> None:
         if not 0.0 <= replica_fraction < 1.0:
             raise ValueError("replica_fraction must be in [0, 1)")
         self.lock = threading.RLock()
@@ -60,6 +77,11 @@ class StoreEngine:
         self.replica = GDSFCache(replica_bytes)
         self.objects: dict[str, list[str]] = {}
         self.max_objects = max_objects
+        self.max_object_bytes = max_object_bytes
+        # per tenant: its objects' sizes, oldest written first, and their sum
+        self._tenant_objects: dict[str, OrderedDict[str, int]] = {}
+        self._tenant_object_bytes: dict[str, int] = {}
+        self.object_bytes = 0
         self.stats = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "spills": 0,
                       "ssd_hits": 0, "dedup_bytes": 0}
         self.root = Path(ssd_dir) if ssd_dir else None
@@ -124,10 +146,27 @@ class StoreEngine:
             return self.objects.get(key)
 
     def _set_object(self, key: str, tids: list[str]) -> None:
-        self.objects.pop(key, None)  # re-inserted last: the oldest written is dropped first
+        self._drop_object(key)  # re-inserted last: the oldest written is dropped first
+        tenant, size = _tenant_of_key(key), _object_size(key, tids)
         self.objects[key] = tids
-        while len(self.objects) > self.max_objects:
-            del self.objects[next(iter(self.objects))]
+        self._tenant_objects.setdefault(tenant, OrderedDict())[key] = size
+        self._tenant_object_bytes[tenant] = self._tenant_object_bytes.get(tenant, 0) + size
+        self.object_bytes += size
+        while self.objects and (len(self.objects) > self.max_objects
+                                or self.object_bytes > self.max_object_bytes):
+            heaviest = max(self._tenant_object_bytes, key=self._tenant_object_bytes.get)
+            self._drop_object(next(iter(self._tenant_objects[heaviest])))
+
+    def _drop_object(self, key: str) -> None:
+        if self.objects.pop(key, None) is None:
+            return
+        tenant = _tenant_of_key(key)
+        own = self._tenant_objects[tenant]
+        size = own.pop(key)
+        self.object_bytes -= size
+        self._tenant_object_bytes[tenant] -= size
+        if not own:
+            del self._tenant_objects[tenant], self._tenant_object_bytes[tenant]
 
     # ---- SSD tier -----------------------------------------------------------------------
     def _spill(self, tid: str, e: Entry) -> None:
