@@ -15,6 +15,7 @@ from sglang_pic.request_validation import (
     id_range,
     validate_logprob_params,
     validate_rid,
+    validate_sampling_ids,
     validate_sampling_params,
     validate_token_ids,
 )
@@ -43,6 +44,52 @@ def test_valid_params_pass(params):
 def test_invalid_params_raise_value_error(params, needle):
     with pytest.raises(ValueError, match=needle):
         validate_sampling_params(params)
+
+
+@pytest.mark.parametrize("params,needle", [
+    # a value SGLang's SamplingParams takes as it is: a string the scheduler then compares with
+    # an int (stream_interval), reads as true ("false"), or sums (n)
+    ({"stream_interval": "2"}, "stream_interval"),
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"n": "3"}, "'n'"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"stream_interval": 0}, r"stream_interval.*\[1, "),
+    ({"n": 10_000_000}, r"'n' must be in \[1, 128\]"),
+    ({"n": 0}, "'n' must be"),
+    ({"sampling_seed": 10**30}, "sampling_seed"),
+    ({"sampling_seed": -1}, "sampling_seed"),
+    ({"temperature": float("nan")}, "finite"),
+    ({"top_p": float("inf")}, "finite"),
+    ({"logit_bias": {"5": float("nan")}}, "finite"),
+])
+def test_values_the_scheduler_cannot_take_are_refused(params, needle):
+    with pytest.raises(ValueError, match=needle):
+        validate_sampling_params(params)
+
+
+def test_values_in_range_pass():
+    validate_sampling_params({"n": 1, "stream_interval": 1, "sampling_seed": 2**63 - 1,
+                              "temperature": 1, "logit_bias": {"5": -100}})
+    validate_sampling_ids({"stop_token_ids": [0, 999], "logit_bias": {"0": 1.0, "999": -1.0}},
+                          1000)
+    validate_sampling_ids([{"max_new_tokens": 3}, None], 1000)
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"stop_token_ids": [1000]}, "stop_token_ids contains token id 1000"),
+    ({"stop_token_ids": [-5]}, "stop_token_ids contains token id -5"),
+    ({"stop_token_ids": [10**30]}, "stop_token_ids contains token id"),
+    ({"stop_token_ids": list(range(1001))}, "more than the vocabulary"),
+    ([{}, {"stop_token_ids": [2000]}], "2000"),
+    ({"logit_bias": {"1000": 1.0}}, "logit_bias key '1000'"),
+    ({"logit_bias": {"-1": 1.0}}, "logit_bias key '-1'"),
+    ({"logit_bias": {"²": 1.0}}, "logit_bias key"),
+])
+def test_sampling_token_ids_outside_the_vocabulary_are_refused(params, needle):
+    """SGLang indexes tensors of the vocabulary's size with these in the scheduler: an id
+    outside it is an out-of-bounds index there (a device-side assert on CUDA)."""
+    with pytest.raises(ValueError, match=needle):
+        validate_sampling_ids(params, 1000)
 
 
 # ---- ids, logprobs, constrained decoding, OpenAI bodies (issue 21, items 10-11) -------------------

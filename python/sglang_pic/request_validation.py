@@ -32,6 +32,7 @@ it, and for span markers in chat messages: SGLang applies the chat template and 
 
 from __future__ import annotations
 
+import math
 from array import array
 from functools import cache
 from typing import Any
@@ -74,9 +75,80 @@ def validate_sampling_params(params: Any) -> None:
         if value is None:
             continue
         try:
-            msgspec.convert(value, fields[key], strict=False)
+            # strict: the value goes on to SGLang as sent, so it must already be of the type
+            # (a lax check let "2" pass for stream_interval, and the scheduler's ``> 1`` on it
+            # raised TypeError, taking every client's requests down with it)
+            msgspec.convert(value, fields[key], strict=True)
         except msgspec.ValidationError as e:
             raise ValueError(f"sampling parameter {key!r}: {e} (got {value!r})") from None
+        check = _RANGES.get(key)
+        if check is not None:
+            check(key, value)
+
+
+MAX_N = 128
+"""Most completions one request may ask for (``n``; OpenAI's limit): SGLang copies the request
+``n`` times in a loop of the tokenizer's event loop, without yielding."""
+MAX_SEED = 2**63
+"""``sampling_seed`` must fit the int64 tensor SGLang puts it in."""
+
+
+def _finite(key: str, value: Any) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"sampling parameter {key!r} must be finite, got {value!r}")
+
+
+def _in_range(lo: int, hi: int):
+    def check(key: str, value: Any) -> None:
+        if not lo <= value <= hi:
+            raise ValueError(f"sampling parameter {key!r} must be in [{lo}, {hi}], got {value!r}")
+
+    return check
+
+
+def _finite_bias(key: str, value: dict) -> None:
+    bad = next((v for v in value.values() if not math.isfinite(v)), None)
+    if bad is not None:
+        raise ValueError(f"sampling parameter {key!r}: biases must be finite, got {bad!r}")
+
+
+_RANGES = {
+    # what SGLang's own ``verify`` leaves unchecked and the scheduler then trips on
+    **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"), _finite),
+    "n": _in_range(1, MAX_N),
+    "stream_interval": _in_range(1, 1 << 20),
+    "sampling_seed": _in_range(0, MAX_SEED - 1),
+    "logit_bias": _finite_bias,
+}
+"""Per-key checks after the type's (``validate_sampling_params``); vocabulary-dependent ones
+(``stop_token_ids``, ``logit_bias``'s keys) are in ``validate_sampling_ids``."""
+
+
+def validate_sampling_ids(params: Any, vocab_size: int) -> None:
+    """``stop_token_ids`` and ``logit_bias``'s token ids in ``[0, vocab_size)``, at most the
+    vocabulary's size of either: SGLang indexes tensors of the vocabulary's size with them in
+    the scheduler (``min_new_tokens`` scatters the stop ids), where an id outside it is an
+    out-of-bounds index (a device-side assert on CUDA, which ends the process)."""
+    for item in _per_item(params):
+        if not isinstance(item, dict):
+            continue
+        stop = item.get("stop_token_ids")
+        if stop is not None:
+            stop = list(stop)
+            if len(stop) > vocab_size:
+                raise ValueError(f"stop_token_ids lists {len(stop)} ids, more than the "
+                                 f"vocabulary ({vocab_size})")
+            validate_token_ids("stop_token_ids", [stop], vocab_size)
+        bias = item.get("logit_bias")
+        if bias is not None:
+            if len(bias) > vocab_size:
+                raise ValueError(f"logit_bias has {len(bias)} entries, more than the "
+                                 f"vocabulary ({vocab_size})")
+            for token in bias:
+                if not (token.isascii() and token.isdigit() and int(token) < vocab_size):
+                    raise ValueError(f"logit_bias key {token!r} is not a token id in "
+                                     f"[0, {vocab_size})")
 
 
 MAX_TOP_LOGPROBS = 1024
@@ -265,6 +337,7 @@ def check_generate_request(self, obj, *args, **kwargs) -> None:
     if not span_cache_enabled(self.server_args):
         refuse_span_markers("text", getattr(obj, "text", None))
     vocab_size = int(self.model_config.vocab_size)
+    validate_sampling_ids(params, vocab_size)
     try:
         validate_token_ids("input_ids", getattr(obj, "input_ids", None), vocab_size,
                            accepted_marker_ids(self), owner=obj)

@@ -113,6 +113,19 @@ def test_openai_and_logprob_equivalents(server, path, body, needle):
     assert_refused(server, path, needle, json=body)
 
 
+@pytest.mark.parametrize("params,needle", [
+    ({"max_new_tokens": 2, "stream_interval": "2"}, "stream_interval"),
+    ({"max_new_tokens": 2, "min_new_tokens": 1, "stop_token_ids": [999999]}, "stop_token_ids"),
+    ({"max_new_tokens": 2, "n": 10_000_000}, "'n' must be in"),
+    ({"max_new_tokens": 2, "logit_bias": {"999999": 1.0}}, "logit_bias key"),
+], ids=["stream_interval-string", "stop_token_ids-outside", "n-huge", "logit_bias-outside"])
+def test_sampling_values_the_scheduler_cannot_take(server, params, needle):
+    """Values SGLang's own checks pass on to the scheduler, where they raise (a string compared
+    with an int), index outside a vocabulary-sized tensor, or copy the request ten million
+    times on the tokenizer's event loop: refused with a 400 before."""
+    assert_refused(server, "/generate", needle, json={"text": "hi", "sampling_params": params})
+
+
 @pytest.mark.parametrize("path,body,check", [
     ("/generate", {"text": "The answer is", "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)[.]"}},
