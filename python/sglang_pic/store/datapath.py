@@ -308,7 +308,7 @@ class DataServer:
         offer = None
         sent = 0
         try:
-            conn.settimeout(self.config.io_timeout_s)  # every send within this
+            conn.settimeout(self.config.io_timeout_s)  # each wait of the TLS handshake
             # the TLS handshake and the ticket within one deadline: a receive's timeout starts
             # again with every byte, so a peer trickling them would hold a connection slot
             until = time.monotonic() + self.config.io_timeout_s
@@ -324,7 +324,8 @@ class DataServer:
                     whole = False
             finally:
                 watchdog.cancel()
-            conn.settimeout(self.config.io_timeout_s)  # the ticket's receive may have left it short
+            conn.settimeout(self.config.io_timeout_s)  # every send within this (the ticket's
+            # receive left a shorter one)
             if not whole:
                 self._count("refused")
                 return

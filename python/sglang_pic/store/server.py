@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from .auth import ServerAuth, same_secret, tenant_of
+from .auth import ServerAuth, tenant_of
 from .datapath import DataPlaneConfig, DataServer, endpoint_host
 from .engine import OWNED, REPLICA, StoreEngine
 from .protocol import Limits, ProtocolError, checksum, decode_request, encode
@@ -46,6 +46,18 @@ DEFAULT_DATA_PLANE = DataPlaneConfig()  # plain TCP, on the control endpoint's h
 def _checksum_of(data: bytes, known: int | None) -> int:
     """The checksum remembered since the put, or (a page read back from SSD) computed now."""
     return checksum(data) if known is None else known
+
+
+def _pages_reply(found: list[bool], pages: list[tuple[bytes, int | None]]) -> list[bytes]:
+    """A get answered over the socket: which ids were found, the found pages' checksums, and
+    the pages (``(bytes, checksum or None)``, in id order) as payload frames."""
+    return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages]},
+                  [d for d, _ in pages])
+
+
+def _nonce_of(shm: dict) -> bytes | None:
+    """The segment nonce a probe or get names (None for a pool: its proof is in its spec)."""
+    return None if "pool" in shm else bytes.fromhex(shm["nonce"])
 
 
 def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, bool]) -> list[int]:
@@ -201,8 +213,8 @@ class StoreServer:
                 return encode({"ok": True, "shm": False,
                                "reason": "writing into a reader's pool needs a server token"})
             try:
-                mm, _ = self.segments.mapping(shm.get("pool", shm.get("name")))
-                same = "pool" in shm or same_secret(mm[:16], bytes.fromhex(shm["nonce"]))
+                self.segments.mapping(shm.get("pool", shm.get("name")), _nonce_of(shm))
+                same = True
             except (OSError, ValueError):
                 same = False
             return encode({"ok": True, "shm": same})
@@ -214,10 +226,7 @@ class StoreServer:
             return self._get_over_tcp(tids, tcp, tenant)
         if op == "get":
             got = eng.get_tensors_checked(tids)
-            present = [g for g in got if g is not None]
-            return encode({"ok": True, "found": [g is not None for g in got],
-                           "sums": [_checksum_of(d, s) for d, s in present]},
-                          [d for d, _ in present])
+            return _pages_reply([g is not None for g in got], [g for g in got if g is not None])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
         if op == "put_object":  # an object lists the tenant's own ids, as the tenant named them
@@ -240,8 +249,7 @@ class StoreServer:
         offer = self.data.offer(tenant, [d for d, _ in pages], tcp["streams"])
         if offer is None:
             self.data._count("declined")
-            return encode({"ok": True, "found": found,
-                           "sums": [_checksum_of(d, s) for d, s in pages]}, [d for d, _ in pages])
+            return _pages_reply(found, pages)
         return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
                        "lengths": [len(d) for d, _ in pages], "tcp": offer})
 
@@ -271,11 +279,10 @@ class StoreServer:
         if pool and not self.auth.secure:  # unauthenticated peers must not write into processes
             raise ProtocolError("writing into a reader's pool needs a server token")
         try:
-            mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"])
+            mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"],
+                                             _nonce_of(shm))
         except (OSError, ValueError) as e:
             raise ProtocolError(f"shm segment unavailable: {e}") from None
-        if not pool and not same_secret(mm[:16], bytes.fromhex(shm["nonce"])):
-            raise ProtocolError("not the reader's segment (wrong nonce)")
         offsets, sizes = shm["offsets"], shm["sizes"]
         low = 0 if pool else DATA_OFFSET  # a staging segment's nonce lives below DATA_OFFSET
         if any(o < low or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):

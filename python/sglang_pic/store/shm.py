@@ -284,10 +284,12 @@ class SegmentCache:
         self.maps: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()
         self.pools: dict[tuple[int, int, int, int], _Pool] = {}
 
-    def mapping(self, name: str | dict) -> tuple[mmap.mmap, int]:
+    def mapping(self, name: str | dict, nonce: bytes | None = None) -> tuple[mmap.mmap, int]:
         """``(mapping, address)`` of segment ``name`` (or of a pool, given its spec); raises
         ValueError for a name or spec that is not acceptable, OSError when it cannot be
-        opened."""
+        opened. A pool is proven by its spec's proof, a segment by ``nonce``: its first 16
+        bytes, which only processes that can read it know (its name is visible to everyone
+        on the node); compared in constant time."""
         if isinstance(name, dict):
             key = pool_key(name)
             proof = bytes.fromhex(name["proof"])
@@ -297,6 +299,12 @@ class SegmentCache:
             elif not hmac.compare_digest(pool.secret, proof):
                 raise ValueError("not the reader's pool (wrong proof)")
             return pool.mm, pool.address
+        mm, address = self._segment(name)
+        if nonce is None or not hmac.compare_digest(mm[:16], nonce):
+            raise ValueError("not the reader's segment (wrong nonce)")
+        return mm, address
+
+    def _segment(self, name: str) -> tuple[mmap.mmap, int]:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError("bad segment name")
         hit = self.maps.get(name)
