@@ -126,10 +126,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         "requests": len(outs),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "token_hit_rate": cached / prompt,
-        "ttft_p50_ms": 1000 * _percentile(ttft, 50),
-        "ttft_p99_ms": 1000 * _percentile(ttft, 99),
-        "ttft_mean_ms": 1000 * sum(ttft) / len(ttft),
+        **per_run,
         "makespan_s": makespan,
         "policy": kwargs.get("radix_eviction_policy", "lru"),
     }
