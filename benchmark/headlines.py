@@ -10,7 +10,8 @@ Row fields: ``claim, raw_file, metric, baseline_variant, baseline_backend, ours_
 ours, ratio, spread`` (min-max of each side's samples), ``target, target_kind`` (``ratio``: met
 when the ratio is at least ``target``; ``points``: met when ours is at most ``target`` below the
 baseline, in the metric's own units, e.g. points of a 0-100 score), ``samples`` (per side, the
-smaller), ``same_run`` (both sides from one run), ``meets_target``, ``path`` (what the number
+smaller), ``same_run`` (both sides from one run: one device call, or consecutive calls of one
+machine where a side takes a whole call; a row joining sessions or machines is not), ``meets_target``, ``path`` (what the number
 measured, e.g. the store's TCP vs same-node path) and ``note``. A claim whose raw file is missing
 is listed with ``ours = null`` and the reason, never dropped silently.
 
@@ -235,6 +236,11 @@ SELECTOR_RECALL = "selector_recall_cpu.json"  # benchmark/sparse/bench_selector_
 SPARSE_E2E = {"1x131072": "sparse_e2e_decode_flashinfer_h200_128k.json",
               "1x262144": "sparse_e2e_decode_flashinfer_h200_256k.json",
               "4x131072": "sparse_e2e_decode_flashinfer_h200_b4_128k.json"}
+SPARSE_E2E_B4_FOURTH = "sparse_e2e_decode_flashinfer_h200_b4_128k_fourth_session.json"
+B4_128K_PATH = ("4 requests of 128K decoding together, Llama-3-8B shape, dummy weights, decode "
+                "CUDA graphs; pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates, 4 "
+                "slots) vs vanilla dense FlashInfer decode; both sides at --mem-fraction 0.75 "
+                "(64 GB of KV: it fits vanilla's pool)")
 SPARSE_E2E_NOTE = ("TPOT samples per side (each from a 145- and a 17-token generation): 5 at "
                    "128K, 3 at 256K, each case its own call on one machine; vanilla ran "
                    "first; the sparse step with 6-bit vote planes, the sampled threshold read "
@@ -254,6 +260,11 @@ SPARSE_LONG = "sparse_long_prompt_h200.json"
 # 1 x 512K on the GPU pool: vanilla, the per-step server and the interval-4 server, one call
 # each (bench_e2e_decode.py --cases 1x524288 --mem-fraction 0.75 --max-requests 1)
 SPARSE_E2E_512K = "sparse_e2e_decode_flashinfer_h200_512k.json"
+SPARSE_E2E_512K_SPLIT = "sparse_e2e_decode_flashinfer_h200_512k_split_sessions.json"  # earlier
+SPARSE_512K_PATH = ("one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, the whole "
+                    "KV in the GPU pool on both sides (--mem-fraction 0.75); pariskv_flashinfer "
+                    "(threshold 32K, top-k 100, 4096 candidates, 6-bit vote planes, "
+                    "--sparse-max-requests 1)")
 SPARSE_AGREEMENT = "sparse_agreement_cpu.json"  # benchmark/quality/sparse_agreement.py --cpu
 SPARSE_AGREEMENT_PATH = ("SmolLM2-135M-Instruct, bf16, SGLang's CPU engine: 16 passages of this "
                          "repository's docs (2400 tokens each) and a request for a summary, 64 "
@@ -543,18 +554,20 @@ CLAIMS: list[Claim] = [
             "then the sparse server in one device call (2026-12-04, tenth session)")
       for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
     *[Claim(f"sparse.tpot_{name}.reselect1", SPARSE_E2E_RESELECT, f"tpot_ms_{case}",
-            ours_variant="sglang-pic-flashinfer", target=target, same_run=False,
+            ours_variant="sglang-pic-flashinfer", target=target, same_run=True,
             path=SPARSE_RESELECT_PATH + ", a selection at every step (the default) vs vanilla "
             "dense FlashInfer decode",
             note="3 TPOT samples per side; the sparse server in the device call after the one "
             "of vanilla and the interval-4 server, on the same machine (2026-12-04)")
       for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
     Claim("sparse.tpot_b4_128k", SPARSE_E2E["4x131072"], "tpot_ms_4x131072",
+          ours_variant="sglang-pic-flashinfer", target=1.5, same_run=True,
+          path=B4_128K_PATH + ", the step of the seventh session",
+          note="3 samples per side; vanilla, then the sparse server in the next device call of "
+          "the same machine (2026-12-04, fifteenth session)"),
+    Claim("sparse.tpot_b4_128k.fourth_session", SPARSE_E2E_B4_FOURTH, "tpot_ms_4x131072",
           ours_variant="sglang-pic-flashinfer", target=1.5, superseded=True,
-          path="4 requests of 128K decoding together, Llama-3-8B shape, dummy weights, decode "
-          "CUDA graphs; pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates) vs "
-          "vanilla dense FlashInfer decode; both sides at --mem-fraction 0.75 (64 GB of KV: it "
-          "fits vanilla's pool)",
+          path=B4_128K_PATH,
           note="3 samples per side, same run, vanilla first; the fourth session's step (per-slot "
           "tables, `pariskv-all` graphs), before the kernel changes of the sixth"),
     *[Claim(f"sparse.tpot_{name}.packed_sums", SPARSE_E2E_PACKED_SUMS[file_case],
@@ -593,19 +606,21 @@ CLAIMS: list[Claim] = [
           "first_decode_extra_s_1x131072", ours_variant="sglang-pic-flashinfer",
           superseded=True, path="the same, in the run with the radix top-k (reverted since)",
           note="one first decode per side, same run (vanilla first)"),
-    *[Claim(f"sparse.tpot_512k{suffix}", SPARSE_E2E_512K, "tpot_ms_1x524288",
-            ours_variant=variant, target=3.0, same_run=False,
-            path="one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, the whole KV "
-            "in the GPU pool on both sides (--mem-fraction 0.75); pariskv_flashinfer (threshold "
-            "32K, top-k 100, 4096 candidates, 6-bit vote planes, --sparse-max-requests 1)" + what
-            + " vs vanilla dense FlashInfer decode",
-            note="3 TPOT samples per side (each from a 145- and a 17-token generation); a 512K "
-            "side takes a whole device call (start, 290 s prefill): vanilla in the session "
-            "before, the two sparse servers in consecutive calls of one session (2026-12-04)")
+    *[Claim(f"sparse.tpot_512k{suffix}{run}", raw, "tpot_ms_1x524288",
+            ours_variant=variant, target=3.0, same_run=same_run,
+            path=SPARSE_512K_PATH + what + " vs vanilla dense FlashInfer decode", note=note)
       for suffix, variant, what in (
           ("", "sglang-pic-flashinfer", ", a selection at every step (the default)"),
-          (".reselect4", "sglang-pic-flashinfer-r4",
-           " with --sparse-reselect-interval 4"))],
+          (".reselect4", "sglang-pic-flashinfer-r4", " with --sparse-reselect-interval 4"))
+      for run, raw, same_run, note in (
+          ("", SPARSE_E2E_512K, True,
+           "3 TPOT samples per side (each from a 145- and a 17-token generation); a 512K side "
+           "takes a whole device call (engine start, ~210-330 s prefill), so the three sides "
+           "ran in three consecutive calls of one machine: vanilla, interval 4, interval 1 "
+           "(2026-12-04, fifteenth session)"),
+          (".split_sessions", SPARSE_E2E_512K_SPLIT, False,
+           "3 TPOT samples per side; vanilla in the session before, the two sparse servers in "
+           "consecutive calls of one session (2026-12-04)"))],
     Claim("sparse.tpot_512k.offload", SPARSE_LONG, "tpot_ms_524288", target=3.0,
           same_run=False,
           path="one 512K-token prompt, Llama-3-8B shape, dummy weights; pariskv_flashinfer with "
