@@ -65,25 +65,28 @@ def plugin_site(root: Path) -> Path:
     return write_site(root)
 
 
-RESELECT_VARIANT = re.compile(r"(sglang-pic.*)-r([1-9][0-9]*)")
+RESELECT_VARIANT = re.compile(r"(sglang-pic.*)-([rv])([1-9][0-9]*)")
+INTERVAL_KNOBS = {"r": "reselect_interval", "v": "vote_interval"}
+"""A variant's suffix letter: ``-r<N>`` runs ``--sparse-reselect-interval N``, ``-v<N>``
+``--sparse-vote-interval N``."""
 
 
-def reselect_variant(variant: str) -> tuple[str, int] | None:
-    """``<sparse variant>-r<N>`` (``sglang-pic-flashinfer-r4``): ``(the sparse variant, N)``, run
-    with ``--sparse-reselect-interval N`` (``variant_env`` sets its variable); None for any
-    other name."""
+def reselect_variant(variant: str) -> tuple[str, int, str] | None:
+    """``<sparse variant>-r<N>`` (``sglang-pic-flashinfer-r4``) or ``-v<N>``: ``(the sparse
+    variant, N, the knob)`` with the knob ``reselect_interval`` or ``vote_interval``
+    (``variant_env`` sets its variable); None for any other name."""
     m = RESELECT_VARIANT.fullmatch(variant)
-    return (m[1], int(m[2])) if m else None
+    return (m[1], int(m[3]), INTERVAL_KNOBS[m[2]]) if m else None
 
 
 def sparse_variant_kwargs(variants: tuple[str, ...], sparse: dict[str, dict],
                           others: tuple[str, ...] = ("vanilla",)) -> dict[str, dict]:
     """Each of ``variants``' engine kwargs: those ``sparse`` gives, and for ``<one of them>-r<N>``
-    its base's (``variant_env`` sets the interval). ``others`` are known variants with none of
-    their own. Raises ValueError naming the known variants for any other name, and for an
-    interval over the server's bound."""
+    or ``-v<N>`` its base's (``variant_env`` sets the interval). ``others`` are known variants
+    with none of their own. Raises ValueError naming the known variants for any other name,
+    and for an interval over the server's bound."""
     sys.path.insert(0, str(REPO / "python"))
-    from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL
+    from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL, SparseDecodeConfig
 
     out = {}
     for v in variants:
@@ -92,23 +95,24 @@ def sparse_variant_kwargs(variants: tuple[str, ...], sparse: dict[str, dict],
             out[v] = sparse[v]
         elif reselect and reselect[0] in sparse:
             if reselect[1] > MAX_RESELECT_INTERVAL:
-                raise ValueError(f"{v}: --sparse-reselect-interval must be <= "
+                raise ValueError(f"{v}: {SparseDecodeConfig.flag(reselect[2])} must be <= "
                                  f"{MAX_RESELECT_INTERVAL}, got {reselect[1]}")
             out[v] = sparse[reselect[0]]
         elif v not in others:
             raise ValueError(f"unknown variant {v!r}: known {', '.join((*others, *sparse))}, "
-                             "and a sparse one with -r<N> (--sparse-reselect-interval N)")
+                             "and a sparse one with -r<N> (--sparse-reselect-interval N) or "
+                             "-v<N> (--sparse-vote-interval N)")
     return out
 
 
 def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:
     """The environment of a variant's process: our source tree on the path for sglang-pic
     variants only, the variant's name, ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given, and a
-    ``-r<N>`` variant's reselect interval (``reselect_variant``)."""
+    ``-r<N>`` or ``-v<N>`` variant's interval (``reselect_variant``)."""
     env = dict(os.environ)
     reselect = reselect_variant(variant)
     if reselect:
-        env["SGLANG_PIC_SPARSE_RESELECT_INTERVAL"] = str(reselect[1])
+        env[f"SGLANG_PIC_SPARSE_{reselect[2].upper()}"] = str(reselect[1])
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -114,12 +114,18 @@ def test_a_reselect_variant_runs_its_sparse_variant_with_the_interval(tmp_path, 
     """``<sparse variant>-r<N>``: the process gets ``--sparse-reselect-interval N``'s variable and
     our paths; other names get neither and are not taken for one."""
     monkeypatch.delenv("SGLANG_PIC_SPARSE_RESELECT_INTERVAL", raising=False)
-    assert harness.reselect_variant("sglang-pic-flashinfer-r4") == ("sglang-pic-flashinfer", 4)
-    for name in ("sglang-pic-flashinfer", "vanilla-r4", "sglang-pic-r0", "sglang-pic-r4x"):
+    monkeypatch.delenv("SGLANG_PIC_SPARSE_VOTE_INTERVAL", raising=False)
+    assert harness.reselect_variant("sglang-pic-flashinfer-r4") == (
+        "sglang-pic-flashinfer", 4, "reselect_interval")
+    assert harness.reselect_variant("sglang-pic-v3") == ("sglang-pic", 3, "vote_interval")
+    for name in ("sglang-pic-flashinfer", "vanilla-r4", "sglang-pic-r0", "sglang-pic-r4x",
+                 "sglang-pic-x4"):
         assert harness.reselect_variant(name) is None
     site = harness.plugin_site(tmp_path)
     env = harness.variant_env("sglang-pic-r8", site)
     assert env["SGLANG_PIC_SPARSE_RESELECT_INTERVAL"] == "8"
+    assert "SGLANG_PIC_SPARSE_VOTE_INTERVAL" not in env
+    assert harness.variant_env("sglang-pic-v4", site)["SGLANG_PIC_SPARSE_VOTE_INTERVAL"] == "4"
     assert str(harness.REPO / "python") in env["PYTHONPATH"].split(":")
     assert "SGLANG_PIC_SPARSE_RESELECT_INTERVAL" not in harness.variant_env("sglang-pic", site)
 
@@ -130,6 +136,7 @@ def test_sparse_variant_kwargs_maps_reselect_variants_to_their_base_and_refuses_
     assert got == {"sglang-pic": sparse["sglang-pic"], "sglang-pic-r4": sparse["sglang-pic"]}
     for bad, message in (("bogus", "unknown variant 'bogus': known vanilla, sglang-pic"),
                          ("sglang-pic-dense-r4", "unknown variant"),
-                         ("sglang-pic-r65", "reselect-interval must be <= 64")):
+                         ("sglang-pic-r65", "reselect-interval must be <= 64"),
+                         ("sglang-pic-v65", "vote-interval must be <= 64")):
         with pytest.raises(ValueError, match=message):
             harness.sparse_variant_kwargs((bad,), sparse)

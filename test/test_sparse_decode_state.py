@@ -50,7 +50,7 @@ def make_state(pool: FakePool, ops_cls, **cfg) -> SparseDecodeState:
     cfg.validate()
     capacity = MAX_CTX - cfg.sink - cfg.local
     ops = ops_cls(LAYERS, cfg.max_requests, HQ, HKV, D, capacity, cfg.topk, cfg.candidates,
-                  cfg.attended, dev)
+                  cfg.attended, dev, rerank_between=cfg.vote_interval > 1)
     state = SparseDecodeState(cfg, ops, layer_ids=list(range(LAYERS)), q_heads=HQ,
                               kv_heads=HKV, head_dim=D, capacity=capacity, max_batch=8,
                               req_to_token=pool.req_to_token, device=dev, dtype=torch.float32)
@@ -391,6 +391,8 @@ def test_a_context_beyond_the_capacity_decodes_densely_without_taking_a_slot():
     (dict(sink=-1), "sink"),
     (dict(reselect_interval=0), "--sparse-reselect-interval must be >= 1"),
     (dict(reselect_interval=65), "--sparse-reselect-interval must be <= 64"),
+    (dict(vote_interval=65), "--sparse-vote-interval must be <= 64"),
+    (dict(vote_interval=2, reselect_interval=2), "are alternatives: set one of them"),
 ])
 def test_bad_settings_are_refused(bad, message):
     with pytest.raises(SparseDecodeUnsupported, match=message):
@@ -1173,3 +1175,58 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
     selections = state.stats["selections"]
     step(state, [0], [n0 + 20])
     assert state.stats["selections"] == selections + 1
+
+
+def _kept_vote(state, layer: int, slot: int) -> list[set[int]]:
+    """Per KV head, the ids of ``layer``'s last vote's candidates for ``slot``, whichever ops
+    keep them."""
+    ops = state.ops
+    kept = (ops.cand[layer, slot] if isinstance(ops, KernelIndexOps)
+            else ops.last_cand[layer][slot])
+    return [set(head.tolist()) - {-1} for head in kept]
+
+
+def _selected_per_head(state, q: torch.Tensor) -> list[list[set[int]]]:
+    """Per layer and KV head, the retrieval rows slot 0 attends for the batch ``q``."""
+    out = []
+    for layer in range(LAYERS):
+        state.attend(layer, q, torch.zeros_like(q), 1 / math.sqrt(D))
+        out.append([set(head.tolist()) - {-1} for head in state.selected[0]])
+    return out
+
+
+@pytest.mark.parametrize("ops_cls,device", OPS)
+def test_a_vote_serves_vote_interval_steps_and_the_steps_between_rerank_it(ops_cls, device):
+    """``--sparse-vote-interval 3``: a request votes when ``--sparse-reselect-interval 3`` would
+    select (its first step, every third, keys entering the region) and then selects as the
+    every-step state; at the steps between, each layer and KV head picks its ``topk`` rows
+    among its last vote's candidates moved on by the steps since (rows moved into the window
+    dropped), with the step's own query: unlike a kept selection, a query wanting other
+    candidates gets them."""
+    pool = FakePool(2, seed=3, device=device)
+    state = make_state(pool, ops_cls, vote_interval=3)
+    every = make_state(pool, ops_cls)
+    g = torch.Generator().manual_seed(0)
+    n0 = 400  # the region grows when the context passes 416 (as in the reselect test)
+    votes, kept, last, age, changed = [], None, None, 0, 0
+    for t in range(20):
+        q = torch.randn(1, HQ, D, generator=g).to(device)
+        before = state.stats["selections"]
+        step(state, [0], [n0 + t])
+        step(every, [0], [n0 + t])
+        votes.append(state.stats["selections"] > before)
+        n_ret = state.slots[0].n_ret
+        got = _selected_per_head(state, q)
+        if votes[-1]:
+            assert got == _selected_per_head(every, q)
+            kept = [_kept_vote(state, layer, 0) for layer in range(LAYERS)]
+            last, age = got, 0
+            continue
+        age += 1
+        for layer in range(LAYERS):
+            for h in range(HKV):
+                moved = {c + age for c in kept[layer][h] if c + age < n_ret}
+                assert got[layer][h] <= moved and len(got[layer][h]) == min(8, len(moved))
+                changed += got[layer][h] != {r + age for r in last[layer][h] if r + age < n_ret}
+    assert votes == [t < 17 and t % 3 == 0 or t >= 17 and (t - 17) % 3 == 0 for t in range(20)]
+    assert changed > 0  # the steps between chose by their own queries, not the vote's picks

@@ -11,7 +11,8 @@ greedily (EOS ignored) with every variant, in the same run:
 - ``vanilla``: SGLang dense (FlashInfer on the GPU, torch_native with ``--cpu``), the reference;
 - ``sglang-pic-sparse``: ParisKV from ``--threshold`` tokens (the needle suite's settings), a
   selection at every step;
-- ``sglang-pic-sparse-r<N>``: the same with ``--sparse-reselect-interval N``.
+- ``sglang-pic-sparse-r<N>``: the same with ``--sparse-reselect-interval N``;
+- ``sglang-pic-sparse-v<N>``: the same with ``--sparse-vote-interval N``.
 
 Per variant and prompt: the first step whose token differs from vanilla's (``--new-tokens`` when
 none does) and the share of the steps before it. Greedy decoding amplifies a first difference

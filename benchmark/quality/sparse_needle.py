@@ -185,8 +185,9 @@ def engine_settings(model_dir: str, cpu: bool, max_requests: int, metrics: bool 
 
 
 def add_reselect_variants(variants: tuple[str, ...], ours: dict[str, dict]) -> None:
-    """``sglang-pic-sparse-r<N>`` variants get the sparse engine's kwargs in ``ours`` (the
-    harness sets their reselect interval); any other name must be a known variant."""
+    """``sglang-pic-sparse-r<N>`` and ``-v<N>`` variants get the sparse engine's kwargs in
+    ``ours`` (the harness sets their reselect or vote interval); any other name must be a known
+    variant."""
     from harness import sparse_variant_kwargs
 
     ours.update(sparse_variant_kwargs(variants, {"sglang-pic-sparse": ours["sglang-pic-sparse"]},

@@ -202,7 +202,42 @@ def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
     print(f"  server path: layer {us:7.1f} us (window beside the selection); activation "
           f"{activation_s[0] * 1e3:.1f} ms cold, {activation_s[1] * 1e3:.1f} ms reused, per "
           f"layer; rel.err {row.get('server_rel_err_mean', math.nan):.4f}", flush=True)
+    row.update(_between_votes_layer(batch, ctx, cfg, capacity, q, pool_k, pool_v, req_to_token))
     return row
+
+
+def _between_votes_layer(batch: int, ctx: int, cfg, capacity: int, q, pool_k, pool_v,
+                         req_to_token) -> dict:
+    """The same layer at a step between votes (``--sparse-vote-interval 4``): the requests
+    vote at context ``ctx - 1``, and the step at ``ctx`` (the region unchanged) reranks the
+    kept candidates moved on by a row; timed as a CUDA graph like ``_server_layer``."""
+    import dataclasses
+
+    import torch
+    import triton
+    from sglang_pic.sparse.decode_state import SparseDecodeState
+    from sglang_pic.sparse.index_ops import KernelIndexOps
+
+    cfg = dataclasses.replace(cfg, vote_interval=4)
+    ops = KernelIndexOps(1, batch, Q_HEADS, KV_HEADS, HEAD_DIM, capacity, TOPK, cfg.candidates,
+                         cfg.attended, "cuda", rerank_between=True)
+    state = SparseDecodeState(cfg, ops, layer_ids=[0], q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                              head_dim=HEAD_DIM, capacity=capacity, max_batch=batch,
+                              req_to_token=req_to_token, device="cuda", dtype=torch.bfloat16)
+    state.key_buffer = lambda layer: pool_k
+    state.value_buffer = lambda layer: pool_v
+    state.warm_up()
+    out = torch.zeros_like(q)
+    rows = list(range(batch))
+    for n in (ctx - 1, ctx):  # a vote, then a step between votes
+        state.prepare_decode(rows, [n] * batch, torch.tensor([n] * batch, device="cuda"))
+        state.attend(0, q, out, HEAD_DIM**-0.5)
+    between = state.stats["selections"] == batch  # the second step did not vote
+    us = 1000 * triton.testing.do_bench_cudagraph(
+        lambda: state.attend(0, q, out, HEAD_DIM**-0.5), rep=100)
+    print(f"  server path between votes (--sparse-vote-interval 4): layer {us:7.1f} us"
+          + ("" if between else " (the second step voted: its region grew)"), flush=True)
+    return {"server_layer_between_votes_us": us, "between_votes": between}
 
 
 def case(batch: int, ctx: int, candidates: list[int], dense: bool,

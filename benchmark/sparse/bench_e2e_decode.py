@@ -248,7 +248,8 @@ SPARSE_VARIANTS = ("sglang-pic", "sglang-pic-flashinfer")
 def variant_label(variant: str) -> str:
     reselect = reselect_variant(variant)
     if reselect:
-        return f"{LABELS[reselect[0]]}, a selection every {reselect[1]} steps"
+        what = "a selection" if reselect[2] == "reselect_interval" else "a vote (reranked between)"
+        return f"{LABELS[reselect[0]]}, {what} every {reselect[1]} steps"
     return LABELS[variant]
 
 

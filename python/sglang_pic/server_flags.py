@@ -195,9 +195,13 @@ _SPARSE_HELP = {
     "max_requests": "requests decoding sparsely at once (their metadata is allocated at start)",
     "max_context": "longest sparse context; 0: the model's",
     "reselect_interval": "decode steps one selection serves (1: select at every step)",
+    "vote_interval": "decode steps one vote serves; the steps between rerank its candidates "
+                     "(1: vote at every step)",
 }
 _SPARSE_RANGE = {"threshold": ">= sink + local + update",
                  "reselect_interval": f">= 1, <= {SPARSE_MAX_RESELECT}",
+                 "vote_interval": f">= 1, <= {SPARSE_MAX_RESELECT}; not with the reselect "
+                                  "interval",
                  "candidates": f">= topk, <= {SPARSE_MAX_CANDIDATES}",
                  "max_context": "0, or over the threshold"}
 

@@ -568,6 +568,50 @@ def test_a_sequence_not_selecting_attends_its_last_selection_moved_on(stride):
             shift=n_ret)
 
 
+@pytest.mark.parametrize("stride", [1, 16])
+def test_a_sequence_not_voting_reranks_its_kept_candidates_moved_on(stride):
+    """``cand`` (``--sparse-vote-interval``): a vote writes each voting sequence's candidates
+    into the caller's list and selects what it selects without one; at a later step a sequence
+    not voting (``n_sel`` 0, ``shift`` s) reranks that list moved on by s rows with its query
+    and takes its top-k. On a region moved on by s rows (row i + s holds what row i held) that
+    is the vote's selection moved on, its list untouched; an idle sequence selects nothing."""
+    hq, hk, d, n, s = 4, 2, 64, 300, 3
+    torch.manual_seed(12)
+    keys = torch.randn(n, hk, d, device=DEVICE).to(torch.float16)
+    moved_keys = torch.cat([torch.randn(s, hk, d, device=DEVICE).to(torch.float16),
+                            keys[: n - s]])
+    rt, levels, *orig = _encoded(keys)
+    _, _, *moved = _encoded(moved_keys)
+    q = torch.randn(3, hq, d, device=DEVICE).to(torch.float16)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    sel = Selector(3, hq, hk, d, n, c=64, k=8, device=DEVICE, block_n=128, sample_stride=stride)
+    n_ret = torch.tensor([n, n, 0], **i32)
+    regions = [torch.stack([o, o, o]).contiguous() for o in orig]
+    want = sel(q, rt, levels, *regions[:3], n_ret, regions[3]).clone()
+    kept = torch.full((3, hk, 64), 11, **i32)
+    voted = sel(q, rt, levels, *regions[:3], n_ret, regions[3], n_sel=n_ret,
+                shift=torch.zeros(3, **i32), cand=kept).clone()
+    assert [sorted(x) for x in voted[:2].flatten(0, 1).tolist()] == \
+        [sorted(x) for x in want[:2].flatten(0, 1).tolist()]
+    assert (voted[2] == -1).all()
+    assert (kept[:2] >= 0).sum() >= 2 * hk * 8 and (kept[2] == 11).all()  # an idle list unread
+    list_then = kept.clone()
+    regions = [torch.stack([o, m, o]).contiguous() for o, m in zip(orig, moved, strict=True)]
+    got = sel(q, rt, levels, *regions[:3], n_ret, regions[3], n_sel=torch.tensor([n, 0, 0], **i32),
+              shift=torch.tensor([0, s, 0], **i32), cand=kept)
+    assert torch.equal(kept[1:], list_then[1:])  # the reranked list is kept as the vote left it
+    assert [sorted(x) for x in got[0].tolist()] == [sorted(x) for x in want[0].tolist()]
+    assert max(voted[1].flatten().tolist()) + s < n  # so none of its picks left the region
+    assert [sorted(x) for x in got[1].tolist()] == [sorted(v + s for v in x)
+                                                    for x in voted[1].tolist()]
+    assert (got[2] == -1).all()
+    with pytest.raises(ValueError, match="cand must be int32"):
+        sel(q, rt, levels, *regions[:3], n_ret, regions[3], n_sel=n_ret, shift=n_ret,
+            cand=kept[:, :, :32])
+    with pytest.raises(ValueError, match="needs n_sel and shift"):
+        sel(q, rt, levels, *regions[:3], n_ret, regions[3], cand=kept)
+
+
 @pytest.mark.parametrize("stride", [1, 4])
 def test_a_sequence_without_keys_selects_nothing_beside_one_with_keys(stride):
     """An idle slot has no keys this step (``n_ret`` 0): its selection is empty (-1) and its

@@ -196,7 +196,10 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
     device = model_runner.device
     if torch.device(device).type == "cuda":
         need = (len(layer_ids) * cfg.max_requests * capacity * KernelIndexOps.bytes_per_token(hkv, d)
-                + cfg.max_requests * hkv * capacity * 2)
+                + cfg.max_requests * hkv * capacity * 2
+                + (KernelIndexOps.kept_vote_bytes(len(layer_ids), cfg.max_requests, hkv,
+                                                  min(cfg.candidates, capacity))
+                   if cfg.vote_interval > 1 else 0))
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         if need + GPU_MEMORY_MARGIN > free:
             _refuse(f"{cfg.max_requests} sparse requests of up to {max_context} tokens: their "
@@ -204,7 +207,7 @@ def build_state(model_runner, ops_cls, cfg: SparseDecodeConfig) -> SparseDecodeS
                     "are free after the KV pool (lower --mem-fraction-static, "
                     "--sparse-max-requests or --sparse-max-context)")
     ops = ops_cls(len(layer_ids), cfg.max_requests, hq, hkv, d, capacity, cfg.topk, cfg.candidates,
-                  cfg.attended, device)
+                  cfg.attended, device, rerank_between=cfg.vote_interval > 1)
     args = model_runner.server_args
     graph = getattr(getattr(args, "cuda_graph_config", None), "decode", None)
     max_batch = max(req_to_token.shape[0], getattr(args, "cuda_graph_max_bs_decode", 0) or 0,

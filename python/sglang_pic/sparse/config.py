@@ -17,11 +17,13 @@ HOST_MEMORY_SHARE = 0.9
 """Most of the available host memory the ``--sparse-offload`` region may take (the rest is
 left to the processes around it)."""
 MINIMUM = {"threshold": 0, "topk": 1, "candidates": 1, "sink": 0, "local": 1, "update": 1,
-           "max_requests": 1, "max_context": 0, "offload": 0, "reselect_interval": 1}
+           "max_requests": 1, "max_context": 0, "offload": 0, "reselect_interval": 1,
+           "vote_interval": 1}
 """The smallest value of each integer knob; the cross-knob ranges are in ``validate``."""
 MAX_RESELECT_INTERVAL = 64
-"""Most decode steps one selection may serve: the window's newest token is attended densely,
-but what the query needs from the retrieval region drifts as the answer goes on."""
+"""Most decode steps one selection (or one vote, ``vote_interval``) may serve: the window's
+newest token is attended densely, but what the query needs from the retrieval region drifts as
+the answer goes on."""
 MAX_CANDIDATES = 32768
 """Most candidates a KV head may keep: the top-k kernel holds one head's candidates in one
 program's registers and packs their counts 16 bits apart (``TOPK_PACKED_MAX_CP`` of
@@ -60,6 +62,13 @@ class SparseDecodeConfig:
     in ``n`` and attends the same retrieval-region rows (plus its dense window) at the steps
     between, as LServe's reusable page selector does (adjacent steps' queries are alike). A
     request also selects at its first step and whenever keys moved into its region."""
+    vote_interval: int = 1
+    """Decode steps one vote serves: with ``n > 1`` a request runs the collision votes (the
+    pass over every key of its region, which grows with the context) at one step in ``n``, as
+    ``reselect_interval`` does, but every step between reranks that vote's ``candidates``,
+    moved on by a row a step, with its own query and takes its own top-k: only the vote is
+    reused, not the selection. Same extra selections as ``reselect_interval`` (first step,
+    keys entering the region); the two are not combined."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SparseDecodeConfig:
@@ -90,6 +99,14 @@ class SparseDecodeConfig:
             raise SparseDecodeUnsupported(
                 f"{self.flag('reselect_interval')} must be <= {MAX_RESELECT_INTERVAL}, got "
                 f"{self.reselect_interval}")
+        if self.vote_interval > MAX_RESELECT_INTERVAL:
+            raise SparseDecodeUnsupported(
+                f"{self.flag('vote_interval')} must be <= {MAX_RESELECT_INTERVAL}, got "
+                f"{self.vote_interval}")
+        if self.vote_interval > 1 and self.reselect_interval > 1:
+            raise SparseDecodeUnsupported(
+                f"{self.flag('vote_interval')} and {self.flag('reselect_interval')} are "
+                "alternatives: set one of them")
         if self.candidates > MAX_CANDIDATES:
             raise SparseDecodeUnsupported(
                 f"{self.flag('candidates')} must be <= {MAX_CANDIDATES}, got {self.candidates}")

@@ -101,6 +101,9 @@ class SparseDecodeState:
                  kv_heads: int, head_dim: int, capacity: int, max_batch: int,
                  req_to_token: torch.Tensor, device, dtype: torch.dtype = torch.bfloat16):
         self.cfg, self.ops = cfg, ops
+        # steps one vote serves: the whole selection (reselect_interval) or the votes alone,
+        # the steps between reranking their candidates (vote_interval; the ops were made so)
+        self.interval = max(cfg.reselect_interval, cfg.vote_interval)
         self.layer_ids = list(layer_ids)  # the model's attention layers; ops index them 0..n-1
         self.layer_index = {lid: i for i, lid in enumerate(self.layer_ids)}
         self.dtype = dtype
@@ -308,11 +311,12 @@ class SparseDecodeState:
         return torch.where(sparse_row, torch.ones_like(seq_lens_dev), seq_lens_dev)
 
     def _selects_now(self, slot: _Slot, region_grew: bool) -> bool:
-        """Whether ``slot`` selects its keys at this step: at its first step, when keys entered
-        its region (they left the dense window and no selection has seen them) and every
-        ``reselect_interval`` steps; between those it attends its last selection."""
+        """Whether ``slot`` votes at this step: at its first step, when keys entered its region
+        (they left the dense window and no vote has seen them) and every ``interval`` steps;
+        between those it attends its last selection (``reselect_interval``) or reranks its last
+        vote's candidates (``vote_interval``), moved on by the steps since."""
         if slot.selection_age is None or region_grew or (
-                slot.selection_age + 1 >= self.cfg.reselect_interval):
+                slot.selection_age + 1 >= self.interval):
             slot.selection_age = 0
             return True
         slot.selection_age += 1
@@ -531,7 +535,7 @@ class SparseDecodeState:
                                            self.win_len, self.req_to_token, self.pool_of_slot,
                                            self.cfg.sink, scale)
         rows = self.ops.select(layer, q, self.row_of_slot, self.n_ret,  # [R, kvh, k]
-                               *((self.n_sel, self.shift) if self.cfg.reselect_interval > 1
+                               *((self.n_sel, self.shift) if self.interval > 1
                                  else ()))
         self.selected = rows
         if self.host is not None:

@@ -7,9 +7,12 @@ where, per request and step) is the same code on every device. ``q`` is the laye
     encode(layer, slot, keys [n, kv_heads, D], offset)     keys enter a slot's retrieval region
     truncate(layer, slot, keep, held)      a region of ``held`` rows keeps its first ``keep``
     select(layer, q, row_of_slot [R], n_ret [R], n_sel [R], shift [R])
-           -> [R, kv_heads, k] int32 rows (-1: none); a slot with ``n_sel`` 0 selects nothing
-                                    and attends the rows this layer selected for it last,
-                                    ``shift`` rows on (``--sparse-reselect-interval``)
+           -> [R, kv_heads, k] int32 rows (-1: none); a slot with ``n_sel`` 0 does not vote:
+                                    it attends the rows this layer selected for it last,
+                                    ``shift`` rows on (``--sparse-reselect-interval``), or, for
+                                    ops made with ``rerank_between``, reranks this layer's last
+                                    vote's candidates ``shift`` rows on with its query and
+                                    takes their top-k (``--sparse-vote-interval``)
     attend_pool(q, row_of_slot, k_buf, v_buf [S, kv_heads, D], win_idx [R, W] pool slots,
            win_len [R], rows [R, kv_heads, k], req_to_token, pool_of_slot [R], sink, out, scale)
                                     softmax attention over each slot's first win_len window
@@ -47,7 +50,8 @@ class KernelIndexOps:
     once, so every launch has fixed shapes and a decode step can be captured in a CUDA graph)."""
 
     def __init__(self, layers: int, slots: int, q_heads: int, kv_heads: int, head_dim: int,
-                 capacity: int, topk: int, candidates: int, attended: int, device):
+                 capacity: int, topk: int, candidates: int, attended: int, device,
+                 rerank_between: bool = False):
         from sglang_pic_kernel.pariskv import Selector, SparseAttention
 
         d = head_dim
@@ -66,9 +70,18 @@ class KernelIndexOps:
         # each layer's last selection: a slot that skips a step's selection attends these
         self.last = torch.full((layers, slots, kv_heads, self.selector.k), -1,
                                dtype=torch.int32, device=self.device)
+        # --sparse-vote-interval: each layer's last vote's candidates, reranked between votes
+        self.cand = (torch.full((layers, slots, kv_heads, self.selector.C), -1,
+                                dtype=torch.int32, device=self.device)
+                     if rerank_between else None)
         self.attention = SparseAttention(slots, q_heads, kv_heads, d, attended - topk, topk,
                                          device=self.device)
         self._side_stream = None  # start_window's, made on first use
+
+    @staticmethod
+    def kept_vote_bytes(layers: int, slots: int, kv_heads: int, candidates: int) -> int:
+        """GPU memory of the kept candidate lists (``--sparse-vote-interval`` above 1)."""
+        return layers * slots * kv_heads * candidates * 4
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int) -> int:
@@ -101,7 +114,9 @@ class KernelIndexOps:
         return self.selector(q, self.rt, self.levels, self.centroid[layer], self.codes[layer],
                              self.weights[layer], n_ret, self.bit_counts[layer],
                              row_of_slot=row_of_slot, n_sel=n_sel,
-                             last=None if n_sel is None else self.last[layer], shift=shift)
+                             last=None if n_sel is None else self.last[layer], shift=shift,
+                             cand=None if n_sel is None or self.cand is None
+                             else self.cand[layer])
 
     def start_window(self, q, row_of_slot, k_buf, v_buf, win_idx, win_len, req_to_token,
                      pool_of_slot, sink: int, scale: float):
@@ -131,11 +146,15 @@ class TorchIndexOps:
     """The same operations in torch (CPU engine), from ``retrieval.KeyIndex`` per layer and slot."""
 
     def __init__(self, layers: int, slots: int, q_heads: int, kv_heads: int, head_dim: int,
-                 capacity: int, topk: int, candidates: int, attended: int, device):
+                 capacity: int, topk: int, candidates: int, attended: int, device,
+                 rerank_between: bool = False):
         self.cfg = ParisConfig(vote="similarity")
         self.k, self.c, self.G = topk, candidates, q_heads // kv_heads
         self.index: list[list[KeyIndex | None]] = [[None] * slots for _ in range(layers)]
         self.last: list[torch.Tensor | None] = [None] * layers  # each layer's last selection
+        # --sparse-vote-interval: each layer's and slot's last vote's candidates [kv_heads, C]
+        self.rerank_between = rerank_between
+        self.last_cand: list[list[torch.Tensor | None]] = [[None] * slots for _ in range(layers)]
 
     def encode(self, layer: int, slot: int, keys: torch.Tensor, offset: int) -> None:
         keys = keys.float().transpose(0, 1)  # [kv_heads, n, D]
@@ -168,18 +187,28 @@ class TorchIndexOps:
             index = self.index[layer][s]
             if n == 0 or index is None:
                 continue
-            if fresh == 0:  # the slot attends its last selection, moved on
+            qg = q[s].float().view(kv_heads, self.G, d)
+            if fresh == 0 and self.rerank_between:  # its last vote's candidates, moved on
+                moved = self.last_cand[layer][s] + shifts[s]
+                gone = moved >= n  # moved into the window
+                cand = moved.clamp(max=n - 1)
+            elif fresh == 0:  # the slot attends its last selection, moved on
                 moved = last[s] + shifts[s]
                 out[s] = torch.where((last[s] >= 0) & (moved < n), moved, -1)
                 continue
-            qg = q[s].float().view(kv_heads, self.G, d)
-            qn = qg / qg.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            votes = index.coarse_votes(qn.sum(1))[:, :n]  # similarity votes are linear in q
-            cand = votes.topk(min(self.c, n), dim=-1).indices
+            else:
+                qn = qg / qg.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                votes = index.coarse_votes(qn.sum(1))[:, :n]  # similarity votes are linear in q
+                cand = votes.topk(min(self.c, n), dim=-1).indices
+                self.last_cand[layer][s] = cand
+                gone = torch.zeros_like(cand, dtype=torch.bool)
             est = torch.stack([index.estimate(qg[:, g], cand) for g in range(self.G)]).amax(0)
+            est = est.masked_fill(gone, -math.inf)
             k = min(self.k, cand.shape[1])
-            out[s, :, :k] = cand.gather(1, est.topk(k, dim=-1).indices).int()
-            last[s] = out[s]
+            top = est.topk(k, dim=-1)
+            out[s, :, :k] = torch.where(top.values > -math.inf, cand.gather(1, top.indices), -1).int()
+            if fresh:
+                last[s] = out[s]
         return out
 
     def start_window(self, *args, **kwargs) -> None:

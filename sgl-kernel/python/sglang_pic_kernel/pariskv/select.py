@@ -429,16 +429,23 @@ def _kept_counts(CountA, CountE, r, nprog, C, NPROG: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
-                  NPROG: tl.constexpr, BLOCK: tl.constexpr):
+                  NPROG: tl.constexpr, BLOCK: tl.constexpr, REUSE: tl.constexpr = False):
     """Candidate list of one head from the vote programs' regions of ``Kept``: every program's
     keys above the threshold in program order, then keys at it up to the budget ``C``. If the
     keys above overflow ``C`` (the sampled threshold was too low), each program keeps its share
     ``floor(count * C / total)``, plus one for the first programs that have more until the
-    budget is full, so what is dropped is spread over the whole context (``_kept_counts``)."""
+    budget is full, so what is dropped is spread over the whole context (``_kept_counts``).
+
+    ``REUSE`` (``--sparse-vote-interval``): ``Cand`` is the layer's own list, which a slot not
+    voting this step (``NRet`` 0) reranks again, so nothing of it is written."""
     p, h, b, r = _program_head()
+    n_ret = tl.load(NRet + b)
     # programs past the region hold no keys; an idle slot (no keys this step) keeps only
     # program 0, which writes its empty list (-1), so the top-k selects nothing there
-    if (p == 0) | (p * SPAN < tl.load(NRet + b)):
+    first = p == 0
+    if REUSE:
+        first = first & (n_ret > 0)
+    if first | (p * SPAN < n_ret):
         nprog = tl.num_programs(0)
         i, qa, ce, total_a, total_e = _kept_counts(CountA, CountE, r, nprog, C, NPROG)
         my_a = tl.load(CountA + r * nprog + p)  # its own count, unless the budget overflows
@@ -531,18 +538,34 @@ def _estimates(idx, valid, Codes, W, Qt, Qnorm, SignedLevels, b, h, r,
 
 
 @triton.jit
-def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est,
+def _rerank_kernel(Cand, Need, Codes, W, Qt, Qnorm, SignedLevels, Est, NKeys, NSel, Shift,
                    stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn, C,
-                   B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
-    """RSQ-IP estimates (``_estimates``) of the candidates in a block of one KV head's list."""
+                   B: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
+                   REUSE: tl.constexpr = False):
+    """RSQ-IP estimates (``_estimates``) of the candidates in a block of one KV head's list.
+
+    ``REUSE`` (``--sparse-vote-interval``): a slot that did not vote this step (``NSel`` 0,
+    ``NKeys`` > 0) reranks its last vote's whole list, each id moved on by ``Shift`` rows (the
+    steps since the vote, as a copying head reads on); ids moved past ``NKeys`` (into the dense
+    window) get -inf."""
     pid, h, b, r = _program_head()
     slots = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     need = tl.load(Need + r)
+    shift = 0
+    n_keys = 0
+    if REUSE:
+        n_keys = tl.load(NKeys + b)
+        reuse = (tl.load(NSel + b) == 0) & (n_keys > 0)
+        need = tl.where(reuse, C, need)  # Need is this step's, written for voting slots only
+        shift = tl.where(reuse, tl.load(Shift + b), 0)
     # a block past the list's end holds no candidate (-1: never selected), so nothing is read
     # or written: most blocks of an idle slot (no keys this step) or of a short region
     if pid * BLOCK_C < need:
         idx = tl.load(Cand + r * C + slots, mask=slots < need, other=-1).to(tl.int64)
         valid = idx >= 0  # an unfilled slot is never read through
+        if REUSE:
+            idx = idx + shift
+            valid = valid & (idx < n_keys)
         best = _estimates(idx, valid, Codes, W, Qt, Qnorm, SignedLevels, b, h, r,
                           stride_ob, stride_oh, stride_on, stride_wb, stride_wh, stride_wn,
                           B, G)
@@ -636,7 +659,8 @@ def _store_selection(dst, ids, above, equal, pos_a, pos_e, need, K, KP: tl.const
 
 @triton.jit
 def _topk_kernel(Est, Cand, Sel, NRet, NSel, Last, Shift, C, K, CP: tl.constexpr,
-                 KP: tl.constexpr, T: tl.constexpr = 1, KEEP: tl.constexpr = False):
+                 KP: tl.constexpr, T: tl.constexpr = 1, KEEP: tl.constexpr = False,
+                 REUSE: tl.constexpr = False):
     """The ids of the ``K`` best candidates of one KV head by rerank estimate, replacing
     ``torch.topk`` + ``gather`` + the validity mask (4-5 launches). The ``K``-th best estimate is
     found by a search over the estimates' bit patterns, mapped to int32 keys that order like the
@@ -651,7 +675,11 @@ def _topk_kernel(Est, Cand, Sel, NRet, NSel, Last, Shift, C, K, CP: tl.constexpr
 
     ``KEEP``: a selection is also written to ``Last`` (the layer's own), and a sequence that
     selects nothing this step (``NSel`` 0, ``NRet`` > 0) gets its last selection moved on by
-    ``Shift`` rows (the steps since it was made), rows that move into the window dropped."""
+    ``Shift`` rows (the steps since it was made), rows that move into the window dropped.
+
+    ``REUSE`` (not with ``KEEP``): a sequence that did not vote this step (``NSel`` 0) takes
+    its top-k of the list its rerank moved on by ``Shift`` rows (``_rerank_kernel``), so its
+    ids are moved on the same way."""
     tl.static_assert(T == 1 or CP <= _TOPK_PACKED_MAX_CP)
     _, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
@@ -671,6 +699,9 @@ def _topk_kernel(Est, Cand, Sel, NRet, NSel, Last, Shift, C, K, CP: tl.constexpr
         i = tl.arange(0, CP)
         est = tl.load(Est + r * C + i, mask=i < C, other=float("-inf"))
         ids = tl.load(Cand + r * C + i, mask=i < C, other=-1)
+        if REUSE:
+            shift = tl.where(tl.load(NSel + b) == 0, tl.load(Shift + b), 0)
+            ids = tl.where(ids >= 0, ids + shift, -1)
         valid = (est > float("-inf")) & (ids >= 0)  # NaN compares false: never selected
         bits = est.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32; negatives reversed
@@ -808,7 +839,8 @@ class Selector:
                  n_ret: torch.Tensor, bit_counts: torch.Tensor | None = None,
                  row_of_slot: torch.Tensor | None = None, n_sel: torch.Tensor | None = None,
                  last: torch.Tensor | None = None,
-                 shift: torch.Tensor | None = None) -> torch.Tensor:
+                 shift: torch.Tensor | None = None,
+                 cand: torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, kv_heads, k]`` int32 ids of the selected keys in each sequence's retrieval
         region (-1 where it holds fewer than ``k`` keys; a view of a buffer rewritten by the
         next call). ``centroid``: packed int32 ids ``[batch, kv_heads, N, D / 32]``,
@@ -822,7 +854,13 @@ class Selector:
         that does not (every launch skips it); ``last`` (``[batch, kv_heads, k]`` int32, the
         caller's per layer) keeps each sequence's last selection, and a sequence not selecting
         gets it moved on by ``shift[b]`` rows (``[batch]`` int32, the steps since it was made:
-        a head that copies from the context reads the rows after those it read then)."""
+        a head that copies from the context reads the rows after those it read then).
+
+        A vote serving several steps (``--sparse-vote-interval``): ``cand`` (``[batch,
+        kv_heads, C]`` int32, the caller's per layer, in place of ``last``) keeps each
+        sequence's last candidate list; a sequence not voting (``n_sel`` 0) skips the votes
+        only: its query tables are made, its list moved on by ``shift[b]`` rows is reranked
+        with them and its top-k taken."""
         bsz = self.batch if row_of_slot is not None else q.shape[0]
         hq, d = q.shape[1:]
         if self.similarity and (bit_counts is None or tuple(bit_counts.shape) != (
@@ -831,21 +869,35 @@ class Selector:
                              f"{d}] contiguous (encode_keys(..., bit_counts=...))")
         B, G, N, C, NB = self.B, self.G, self.N, self.C, self.nbins
         q_rows = row_of_slot is not None
-        keep = n_sel is not None
-        if not keep:
+        reuse = cand is not None  # reranks a kept vote (vote interval), else keeps a selection
+        keep = n_sel is not None and not reuse
+        if n_sel is None:
+            if reuse:
+                raise ValueError("cand (a kept vote) needs n_sel and shift")
             n_sel = last = shift = n_ret
         elif any(t is None or t.shape != n_ret.shape or t.dtype != n_ret.dtype
                  for t in (n_sel, shift)):
             raise ValueError(f"n_sel and shift must be like n_ret ({tuple(n_ret.shape)} "
                              f"{n_ret.dtype})")
+        elif reuse:
+            if tuple(cand.shape) != (bsz, self.kv_heads, C) or (
+                    cand.dtype != torch.int32 or not cand.is_contiguous()):
+                raise ValueError(f"cand must be int32 [{bsz}, {self.kv_heads}, {C}] contiguous")
+            if self.gather_in_rerank:
+                raise ValueError("a kept vote (cand) is reranked from the merged list: not with "
+                                 "gather_in_rerank")
+            last = n_ret  # not read
         elif last is None or tuple(last.shape) != (bsz, self.kv_heads, self.k) or (
                 last.dtype != torch.int32 or not last.is_contiguous()):
             raise ValueError(f"last must be int32 [{bsz}, {self.kv_heads}, {self.k}] "
                              "contiguous")
+        cand = self.cand if cand is None else cand
         # the selection's launches read the keys to select from: 0 skips a sequence
         n_keys, n_ret = n_ret, n_sel
         rtj = self._derived(part_major_rotation, rt)
-        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret, n_sel, rtj, self.tiers,
+        # a sequence reranking its kept vote needs its query tables too
+        _query_kernel[(bsz, hq)](q, row_of_slot if q_rows else n_ret,
+                                 n_keys if reuse else n_sel, rtj, self.tiers,
                                  self.table, self.qt, self.qnorm, q.stride(0), q.stride(1),
                                  q.shape[0], D=d, B=B, SIMILARITY=self.similarity, Q_ROWS=q_rows)
         if self.similarity:
@@ -863,9 +915,12 @@ class Selector:
             grid_n = (triton.cdiv(N, self.compact_block), self.kv_heads, bsz)
             _threshold_kernel[(bsz, self.kv_heads)](self.hist, n_ret, self.thresh, self.quota,
                                                     self.need, self.counters, C, NB=NB)
-            self.cand.fill_(-1)
+            if reuse:  # the lists of the sequences voting now; the others are reranked again
+                cand.masked_fill_((n_ret > 0)[:, None, None], -1)
+            else:
+                cand.fill_(-1)
             _compact_kernel[grid_n](self.bins, n_ret, self.thresh, self.quota, self.need,
-                                    self.counters, self.cand, N, C, BLOCK_N=self.compact_block)
+                                    self.counters, cand, N, C, BLOCK_N=self.compact_block)
         else:
             rows = triton.cdiv(N, self.stride)
             _vote_kernel[(triton.cdiv(rows, self.span_sample), self.kv_heads, bsz)](
@@ -880,8 +935,9 @@ class Selector:
                 self.span, C, self.target, B=B, G=G, NB=NB, P=PLANES, BLOCK_N=self.block_n,
                 SIMILARITY=self.similarity, ASM=self.asm)
             if not self.gather_in_rerank:
-                _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, self.cand,
-                                      n_ret, N, C, self.span, NPROG=self.nprog, BLOCK=256)
+                _merge_kernel[grid_n](self.kept, self.count_above, self.count_at, cand,
+                                      n_ret, N, C, self.span, NPROG=self.nprog, BLOCK=256,
+                                      REUSE=reuse)
         if codes.stride(2) % 2 or codes.storage_offset() % 2:
             raise ValueError("codes rows must start at even bytes (read as 16-bit pairs)")
         code_strides = (codes.stride(0), codes.stride(1), codes.stride(2),
@@ -894,14 +950,16 @@ class Selector:
                 *code_strides, N, C, self.span, self.programs, B=B, G=G, NPROG=self.nprog,
                 STEPS=self.nprog.bit_length(), BLOCK_C=self.block_c)
         else:
-            _rerank_kernel[grid_c](self.cand, self.need, codes, weights, self.qt, self.qnorm,
-                                   self._derived(signed_levels, levels), self.est,
-                                   *code_strides, C, B=B, G=G, BLOCK_C=self.block_c)
+            _rerank_kernel[grid_c](cand, self.need, codes, weights, self.qt, self.qnorm,
+                                   self._derived(signed_levels, levels), self.est, n_keys,
+                                   n_sel, shift, *code_strides, C, B=B, G=G,
+                                   BLOCK_C=self.block_c, REUSE=reuse)
         sel = self.sel[:bsz]
         cp = triton.next_power_of_2(C)
         t = TOPK_THRESHOLDS if cp <= TOPK_PACKED_MAX_CP else 1
-        _topk_kernel[(1, self.kv_heads, bsz)](self.est, self.cand, sel, n_keys, n_sel, last,
+        _topk_kernel[(1, self.kv_heads, bsz)](self.est, cand, sel, n_keys, n_sel, last,
                                               shift, C, self.k, CP=cp,
                                               KP=triton.next_power_of_2(self.k), T=t, KEEP=keep,
+                                              REUSE=reuse,
                                               num_warps=topk_warps(cp))
         return sel
