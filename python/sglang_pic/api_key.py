@@ -154,6 +154,31 @@ def choose(given: Mapping[str, Any], argv: list[str],
     return Choice(key, source, insecure)
 
 
+UNCHECKED_LISTENERS = {
+    "--grpc-port": "SGLang's gRPC listener does not check the API key (SGLang refuses a key "
+                   "with it)",
+    "--grpc-mode": "its gRPC server does not check the API key",
+    "--smg-grpc-mode": "its gRPC server does not check the API key",
+}
+"""SGLang flags that serve without checking the key, and why."""
+
+
+def refuse_unchecked(choice: Choice, argv: list[str]) -> None:
+    """``UsageError`` for a server that must check a key (no ``--insecure``) but would serve
+    where SGLang does not check it: a gRPC listener, several tokenizer workers."""
+    if choice.insecure:
+        return
+    for flag, why in UNCHECKED_LISTENERS.items():
+        if flag in argv or value_of(argv, flag) is not None:
+            raise UsageError(f"{flag}: {why}; serve it with {INSECURE_FLAG}, only where no "
+                             "one else reaches the port")
+    workers = value_of(argv, "--tokenizer-worker-num")
+    if workers is not None and workers.strip() not in ("1", ""):
+        raise UsageError(f"--tokenizer-worker-num {workers}: SGLang checks the API key with one "
+                         f"tokenizer worker only (it refuses a key with more); use one, or "
+                         f"{INSECURE_FLAG} where no one else reaches the port")
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host == "localhost" or host.endswith(".localhost"):

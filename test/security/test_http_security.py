@@ -188,7 +188,7 @@ def test_malformed_chat_bodies(server, body, needle):
 # ---- 12: a disconnected client's span work is cancelled and visible ----------------------------
 
 def _loads(srv: Server) -> dict:
-    return requests.get(srv.url + "/v1/loads", timeout=30).json()["loads"][0]
+    return srv.get("/v1/loads").json()["loads"][0]
 
 
 def _busy(srv: Server) -> int:
@@ -212,7 +212,7 @@ def test_disconnect_cancels_span_prefills(span_server):
              + [{"text": "\nQuestion: which document mentions a river?\nAnswer:"}])
     cancelled_before = _cancel_lines(span_server)
     body = {"spans": spans, "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-    with requests.post(span_server.url + "/generate", json=body, stream=True, timeout=60) as r:
+    with span_server.post("/generate", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         deadline = time.time() + 30
         while _busy(span_server) < 5:  # the span prefills are queued or running
