@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import secrets
 import signal
 import socket
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import requests
 from server_zygote import ZygoteClient
+from sglang_pic import api_key
 from sglang_pic.api_key import ENV as API_KEY_ENV
 from sglang_pic.cpu_support import has_cuda
 
@@ -84,7 +86,8 @@ def pytest_runtest_logreport(report):
 
 
 HEAVY_FIRST = (
-    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_lang.py",
+    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_api_key.py",
+    "test_lang.py",
     "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
     "test_position_free_triton_cpu.py", "test_docs.py", "test_spans_store_cpu.py",
     "test_position_free_cpu.py", "test_cli.py", "test_store_hicache_cpu.py",
@@ -195,6 +198,30 @@ def _handoff_variables_restored():
         if key not in before:
             del os.environ[key]
     os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _keys_generated_in_tests_go_to_scratch(tmp_path_factory, monkeypatch):
+    """``build_argv`` run in a test's own process, with no key given, generates one (as
+    ``sglang-pic serve`` does); it goes to a scratch folder, not to
+    ``~/.cache/sglang-pic/api-keys/30000``, which a running ``make serve``'s clients read.
+    Servers the tests start are other processes: their keys go where the user's would
+    (``generated_key`` finds them)."""
+    keys = tmp_path_factory.getbasetemp() / "generated-api-keys"
+    monkeypatch.setattr(api_key, "key_dir", lambda environ=None: keys)
+
+
+GENERATED_RE = re.compile(r"API key generated into (\S+) \(mode 600")
+
+
+def use_generated_key(server: Server) -> Path:
+    """Set ``server.api_key`` to the key a server started with ``pass_key=False`` generated;
+    returns its file (named in the server's log)."""
+    m = GENERATED_RE.search(server.log.read_text(errors="replace"))
+    assert m, f"no generated key in {server.log}"
+    path = Path(m.group(1))
+    server.api_key = path.read_text().strip()
+    return path
 
 
 def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:

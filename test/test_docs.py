@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Server, start_server, stop_server
+from conftest import REPO, Server, start_server, stop_server, use_generated_key
 from sglang_pic import api_key
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -117,8 +117,7 @@ def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("docs-server") / "server.log"
     srv = start_server(["--enable-span-cache", "--max-total-tokens", "16384"], log,
                        pass_key=False)
-    key_file = api_key.key_file(int(srv.url.rsplit(":", 1)[1]))
-    srv.api_key = key_file.read_text().strip()
+    key_file = use_generated_key(srv)
     yield srv
     stop_server(srv)
     key_file.unlink(missing_ok=True)
@@ -135,7 +134,7 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path)
     if block.talks_to_server:
         server: Server = request.getfixturevalue("docs_server")
         code = SERVER_RE.sub(server.url.removeprefix("http://"), code)
-        code = code.replace(KEY_FILE, str(api_key.key_file(int(server.url.rsplit(":", 1)[1]))))
+        code = code.replace(KEY_FILE, str(use_generated_key(server)))
     out = run_block(block.lang, code, tmp_path)
     if block.lang == "bash":
         check_curl_answers(out)

@@ -80,33 +80,29 @@ class Choice:
     insecure: bool
 
 
-def _is_sglang_flag(token: str) -> bool:
-    """``--api-key`` or an abbreviation SGLang's parser would take for it (``--api-ke``)."""
-    name = token.split("=", 1)[0]
-    return len(name) > len("--api") and SGLANG_FLAG.startswith(name)
-
-
 def argv_key(argv: list[str]) -> str | None:
-    """The (last) value of SGLang's ``--api-key`` in ``argv``."""
+    """The (last) value of SGLang's ``--api-key`` in ``argv``. Abbreviations need not be looked
+    for: with our ``--api-key-file`` in SGLang's parser, ``--api-ke`` is ambiguous there, and
+    refused."""
     found = None
     for i, a in enumerate(argv):
-        if "=" in a and _is_sglang_flag(a):
+        if a.startswith(SGLANG_FLAG + "="):
             found = a.split("=", 1)[1]
-        elif _is_sglang_flag(a) and i + 1 < len(argv):
+        elif a == SGLANG_FLAG and i + 1 < len(argv):
             found = argv[i + 1]
     return found
 
 
 def without_argv_key(argv: list[str]) -> list[str]:
-    """``argv`` without ``--api-key KEY`` / ``--api-key=KEY`` (any abbreviation)."""
+    """``argv`` without ``--api-key KEY`` / ``--api-key=KEY``."""
     out: list[str] = []
     skip = False
     for i, a in enumerate(argv):
         if skip:
             skip = False
-        elif "=" in a and _is_sglang_flag(a):
+        elif a.startswith(SGLANG_FLAG + "="):
             pass
-        elif _is_sglang_flag(a) and i + 1 < len(argv):
+        elif a == SGLANG_FLAG and i + 1 < len(argv):
             skip = True
         else:
             out.append(a)

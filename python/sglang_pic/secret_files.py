@@ -34,13 +34,18 @@ def read_private(path: str | os.PathLike) -> str:
     permission on it (or it is not a regular file), ``OSError`` when it cannot be read."""
     p = Path(path)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{p}: not a regular file")
         if st.st_mode & 0o077:
             raise ValueError(f"{p}: readable by other users; chmod 600 it")
-        return f.read().decode()
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # closed with f
+            return f.read().decode()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def private_directory(directory: str | os.PathLike) -> Path:
