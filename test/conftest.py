@@ -208,7 +208,7 @@ def _keys_generated_in_tests_go_to_scratch(tmp_path_factory, monkeypatch):
     Servers the tests start are other processes: their keys go where the user's would
     (``generated_key`` finds them)."""
     keys = tmp_path_factory.getbasetemp() / "generated-api-keys"
-    monkeypatch.setattr(api_key, "key_dir", lambda environ=None: keys)
+    monkeypatch.setattr(api_key, "key_dir", lambda: keys)
 
 
 GENERATED_RE = re.compile(r"API key generated into (\S+) \(mode 600")

@@ -21,7 +21,8 @@ With none of them ``sglang-pic serve`` generates a key at each start
 ``$SGLANG_PIC_CACHE``; the file 600 in a 700 folder, ``secret_files.write_private``) and says on
 stderr where it is and how to send it, never the key itself. ``--insecure`` serves without a key,
 with a warning (a loud one when ``--host`` is not a loopback address); it is refused together with
-a key source. A key has at least 16 characters, printable ASCII without spaces: SGLang compares
+a key source. Without it, what SGLang serves without checking the key is refused
+(``refuse_unchecked``: gRPC listeners, several tokenizer workers). A key has at least 16 characters, printable ASCII without spaces: SGLang compares
 the header as ``str``, which ``compare_digest`` refuses for non-ASCII text (every request would
 be a 500). For the same reason a request whose ``Authorization`` header is not ASCII was a 500
 with a traceback in the log (any client could fill the log); an AROUND hook on SGLang's
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sglang_pic.default_model import cache_dir
 from sglang_pic.secret_files import MAKE_ONE, MIN_SECRET_CHARS, read_private, write_private
 from sglang_pic.serve_conflicts import value_of
 from sglang_pic.server_flags import UsageError
@@ -200,26 +202,23 @@ def port_of(argv: list[str]) -> int:
     return port
 
 
-def key_dir(environ: Mapping[str, str] | None = None) -> Path:
+def key_dir() -> Path:
     """Where generated keys go: ``api-keys`` in the cache folder (``$SGLANG_PIC_CACHE``, else
-    ``~/.cache/sglang-pic``)."""
-    env = os.environ if environ is None else environ
-    root = env.get("SGLANG_PIC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                       "sglang-pic")
-    return Path(root) / KEY_DIR
+    ``~/.cache/sglang-pic``: the default model's folder is beside it)."""
+    return cache_dir().parent / KEY_DIR
 
 
-def key_file(port: int, environ: Mapping[str, str] | None = None) -> Path:
+def key_file(port: int) -> Path:
     """The file a server on ``port`` writes its generated key to."""
-    return key_dir(environ) / str(int(port))
+    return key_dir() / str(int(port))
 
 
-def generate(port: int, environ: Mapping[str, str] | None = None) -> tuple[str, Path]:
+def generate(port: int) -> tuple[str, Path]:
     """A new key, written to ``key_file(port)`` (600, its folder 700); ``UsageError`` when the
     folder cannot be made private."""
     key = secrets.token_urlsafe(32)
     try:
-        path = write_private(key_dir(environ), str(int(port)), key + "\n")
+        path = write_private(key_dir(), str(int(port)), key + "\n")
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot write the generated API key ({e}): give {FILE_FLAG} PATH, "
                          f"${ENV} or {INSECURE_FLAG}") from None
@@ -314,6 +313,6 @@ def client_key(url: str, environ: Mapping[str, str] | None = None) -> str | None
         return None
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return read_private(key_file(port, env)).strip() or None
+        return read_private(key_file(port)).strip() or None
     except (OSError, ValueError):
         return None

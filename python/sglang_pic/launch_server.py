@@ -12,7 +12,12 @@ order, so that a mistake costs a second and one line, not a model load:
    - no `--model-path`: serve the embedded default model (SmolLM2-135M-Instruct, converted once);
    - no GPU: working CPU settings (CPU engine, torch_native attention, a KV budget that fits);
    - `--enable-cache-report`: OpenAI responses count cached prompt tokens
-     (`usage.prompt_tokens_details.cached_tokens`).
+     (`usage.prompt_tokens_details.cached_tokens`);
+   - an API key (`api_key`): SGLang's `--api-key`, `--api-key-file` or `$SGLANG_PIC_API_KEY`,
+     else one generated into `~/.cache/sglang-pic/api-keys/PORT`, unless `--insecure`. The
+     launcher moves a `--api-key` of its command line into `$SGLANG_PIC_API_KEY` before it
+     starts the server process, and the key reaches SGLang's parser in memory only
+     (`sglang_launcher`).
    Our feature flags (`translate`, which SGLang's own launchers also run through our plugin,
    `sglang_launcher.py`):
    - `--enable-position-free-kv`: selects the position-free twin of the attention backend

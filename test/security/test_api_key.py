@@ -191,7 +191,7 @@ def test_a_generated_key_file_is_600_in_a_700_folder_and_replaces_a_planted_link
 
 def test_serve_generates_a_key_and_says_where_not_what(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(api_key.ENV, raising=False)
-    monkeypatch.setattr(api_key, "key_dir", lambda environ=None: tmp_path / "api-keys")
+    monkeypatch.setattr(api_key, "key_dir", lambda: tmp_path / "api-keys")
     argv = api_key.hand_over({}, ["--port", "31999"], "sglang-pic serve", require=True)
     key = os.environ[api_key.ENV]
     path = tmp_path / "api-keys" / "31999"
