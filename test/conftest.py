@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import requests
 from server_zygote import ZygoteClient
-from sglang_pic import api_key
 from sglang_pic.api_key import ENV as API_KEY_ENV
 from sglang_pic.cpu_support import has_cuda
 
@@ -198,17 +197,6 @@ def _handoff_variables_restored():
         if key not in before:
             del os.environ[key]
     os.environ.update(before)
-
-
-@pytest.fixture(autouse=True)
-def _keys_generated_in_tests_go_to_scratch(tmp_path_factory, monkeypatch):
-    """``build_argv`` run in a test's own process, with no key given, generates one (as
-    ``sglang-pic serve`` does); it goes to a scratch folder, not to
-    ``~/.cache/sglang-pic/api-keys/30000``, which a running ``make serve``'s clients read.
-    Servers the tests start are other processes: their keys go where the user's would
-    (``generated_key`` finds them)."""
-    keys = tmp_path_factory.getbasetemp() / "generated-api-keys"
-    monkeypatch.setattr(api_key, "key_dir", lambda: keys)
 
 
 GENERATED_RE = re.compile(r"API key generated into (\S+) \(mode 600")

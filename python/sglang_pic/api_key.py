@@ -19,7 +19,10 @@ Sources, the first found wins:
 With none of them ``sglang-pic serve`` generates a key at each start
 (``secrets.token_urlsafe(32)``) into ``<cache>/api-keys/<port>`` (``~/.cache/sglang-pic`` or
 ``$SGLANG_PIC_CACHE``; the file 600 in a 700 folder, ``secret_files.write_private``) and says on
-stderr where it is and how to send it, never the key itself. ``--insecure`` serves without a key,
+stderr where it is and how to send it, never the key itself. It does so in the server process
+after every check of the start has passed, and refuses a port another process listens on: a
+start that fails, or a second server started on a port in use, leaves the running server's key
+file alone. ``--insecure`` serves without a key,
 with a warning (a loud one when ``--host`` is not a loopback address); it is refused together with
 a key source. Without it, what SGLang serves without checking the key is refused
 (``refuse_unchecked``: gRPC listeners, several tokenizer workers). A key has at least 16 characters, printable ASCII without spaces: SGLang compares
@@ -58,7 +61,7 @@ from urllib.parse import urlsplit
 from sglang_pic.default_model import cache_dir
 from sglang_pic.secret_files import MAKE_ONE, MIN_SECRET_CHARS, read_private, write_private
 from sglang_pic.serve_conflicts import value_of
-from sglang_pic.server_flags import UsageError
+from sglang_pic.server_flags import UsageError, parse
 
 ENV = "SGLANG_PIC_API_KEY"
 SGLANG_FLAG = "--api-key"
@@ -256,22 +259,62 @@ def hand_over(given: Mapping[str, Any], argv: list[str], prog: str,
               require: bool) -> list[str]:
     """Decide the key (``choose``) and put it in ``$SGLANG_PIC_API_KEY`` of this process, where
     the hook on ``prepare_server_args`` takes it (``to_sglang``); returns ``argv`` without
-    ``--api-key``. ``require`` (``sglang-pic serve``): with no key and no ``--insecure`` a key
-    is generated (``generate``), and ``--insecure`` is warned about. Raises ``UsageError``."""
+    ``--api-key``. ``require`` (``sglang-pic serve``): ``--insecure`` is warned about, and with
+    neither a key nor ``--insecure`` the port that names the key file must be valid (the key is
+    generated once the server's start has passed every check: ``generate_unless_given``).
+    Raises ``UsageError``."""
     choice = choose(given, argv)
     if choice.source == SGLANG_FLAG:
         _note_command_line(prog)
     argv = without_argv_key(argv)
-    key = choice.key
     if require and choice.insecure:
         _warn_insecure(argv, prog)
-    elif require and key is None:
-        key, path = generate(port_of(argv))
-        print(f"{prog}: API key generated into {path} (mode 600, new at each start); clients "
-              f"send it: -H \"Authorization: Bearer $(cat {path})\"", file=sys.stderr, flush=True)
-    if key is not None:
-        os.environ[ENV] = key
+    elif require and choice.key is None:
+        port_of(argv)
+    if choice.key is not None:
+        os.environ[ENV] = choice.key
     return argv
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether another process listens on ``host:port`` already (a bind there fails with
+    "address already in use"; SO_REUSEADDR, as SGLang's own check, so a port in TIME_WAIT is
+    free)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def generate_unless_given(argv: list[str], prog: str) -> None:
+    """In the server process, once every check of its start has passed (so a start that fails
+    leaves the key file of a running server alone): with neither a key handed over nor
+    ``--insecure`` in ``argv`` (the user's), generate one (``generate``), say where it is on
+    stderr, and hand it over. A port another process listens on is refused (``UsageError``):
+    the server there keeps its key file, and this one could not bind anyway."""
+    given, rest = parse(argv, prog)
+    if INSECURE_FLAG in given or os.environ.get(ENV):
+        return
+    port = port_of(rest)
+    host = value_of(rest, "--host") or DEFAULT_HOST
+    if port_taken(host, port):
+        raise UsageError(f"--port {port}: address already in use (another server?); its key "
+                         f"file {key_file(port)} is left as it is")
+    key, path = generate(port)
+    print(f"{prog}: API key generated into {path} (mode 600, new at each start); clients send "
+          f"it: -H \"Authorization: Bearer $(cat {path})\"", file=sys.stderr, flush=True)
+    os.environ[ENV] = key
 
 
 def to_sglang(argv: list[str]) -> list[str]:

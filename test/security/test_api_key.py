@@ -190,21 +190,38 @@ def test_a_generated_key_file_is_600_in_a_700_folder_and_replaces_a_planted_link
 
 
 def test_serve_generates_a_key_and_says_where_not_what(tmp_path, monkeypatch, capsys):
+    """What the server process does once every check passed (``server_process.main``);
+    ``build_argv`` before it generates nothing, so a start refused there leaves the key file of
+    a server running on that port alone."""
+    import socket
+
     monkeypatch.delenv(api_key.ENV, raising=False)
     monkeypatch.setattr(api_key, "key_dir", lambda: tmp_path / "api-keys")
-    argv = api_key.hand_over({}, ["--port", "31999"], "sglang-pic serve", require=True)
+    assert api_key.hand_over({}, ["--port", "31999"], "p", require=True) == ["--port", "31999"]
+    assert api_key.ENV not in os.environ and not (tmp_path / "api-keys").exists()
+    with pytest.raises(UsageError, match="--port: 'x' is not a port"):
+        api_key.hand_over({}, ["--port", "x"], "p", require=True)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(UsageError, match=f"--port {port}: address already in use"):
+            api_key.generate_unless_given(["--port", str(port)], "p")
+    assert not (tmp_path / "api-keys").exists()
+    api_key.generate_unless_given(["--port", str(port), "--max-total-tokens", "64"], "p")
     key = os.environ[api_key.ENV]
-    path = tmp_path / "api-keys" / "31999"
-    assert argv == ["--port", "31999"] and path.read_text() == key + "\n" and len(key) >= 40
+    path = tmp_path / "api-keys" / str(port)
+    assert path.read_text() == key + "\n" and len(key) >= 40
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        f"sglang-pic serve: API key generated into {path} (mode 600, new at each start); clients "
-        f'send it: -H "Authorization: Bearer $(cat {path})"']
+        f"p: API key generated into {path} (mode 600, new at each start); clients send it: "
+        f'-H "Authorization: Bearer $(cat {path})"']
     assert key not in err
+    api_key.generate_unless_given(["--port", str(port)], "p")  # a key given: nothing happens
     monkeypatch.delenv(api_key.ENV)
-    with pytest.raises(UsageError, match="--port: 'x' is not a port"):
-        api_key.hand_over({}, ["--port", "x"], "sglang-pic serve", require=True)
+    api_key.generate_unless_given(["--port", str(port), "--insecure"], "p")
+    assert path.read_text() == key + "\n" and api_key.ENV not in os.environ
 
 
 def test_insecure_warns_and_loudly_beyond_loopback(monkeypatch, capsys):
@@ -250,12 +267,13 @@ def test_the_hook_hands_the_key_to_sglangs_parser_and_out_of_the_environment(mon
     assert api_key.to_sglang(["--port", "1"]) == ["--port", "1"]
 
 
-def test_hosts_and_client_lookup():
+def test_hosts_and_client_lookup(tmp_path, monkeypatch):
     for host in ("localhost", "127.0.0.1", "127.3.2.1", "::1", "[::1]"):
         assert api_key.is_loopback(host), host
     for host in ("0.0.0.0", "::", "10.0.0.1", "example.com"):
         assert not api_key.is_loopback(host), host
-    # the key file of a local server on the URL's port (key_dir: this test run's scratch folder)
+    # the key file of a local server on the URL's port
+    monkeypatch.setattr(api_key, "key_dir", lambda: tmp_path / "api-keys")
     secret_files.write_private(api_key.key_dir(), "31997", KEY + "\n")
     assert api_key.client_key("http://127.0.0.1:31997/", {}) == KEY
     assert api_key.client_key("http://localhost:31997", {}) == KEY
