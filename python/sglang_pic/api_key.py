@@ -35,7 +35,7 @@ with a traceback in the log (any client could fill the log); an AROUND hook on S
 The key reaches SGLang in ``$SGLANG_PIC_API_KEY``: the launcher moves a ``--api-key`` of its
 command line there before it starts the server process, and in that process the hook on
 ``prepare_server_args`` (``sglang_launcher``) takes the variable out of the environment and
-appends ``--api-key KEY`` to the argument list SGLang parses there (a list in memory, not a
+appends ``--api-key=KEY`` to the argument list SGLang parses there (a list in memory, not a
 command line). So SGLang's own checks of the key apply (it refuses one with ``--grpc-port`` or
 several tokenizer workers), and SGLang's processes get it inside ``ServerArgs``, in neither
 their argv nor their environment.
@@ -324,7 +324,9 @@ def to_sglang(argv: list[str]) -> list[str]:
     key = os.environ.pop(ENV, None)
     if not key:
         return argv
-    return [*without_argv_key(argv), SGLANG_FLAG, key]
+    # one token: argparse reads a separate value that starts with "-" (token_urlsafe's alphabet
+    # has it) as the next option and stops with "--api-key: expected one argument"
+    return [*without_argv_key(argv), f"{SGLANG_FLAG}={key}"]
 
 
 AUTH_DECISION = "sglang.srt.utils.auth.decide_request_auth"

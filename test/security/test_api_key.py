@@ -260,10 +260,16 @@ def test_the_launcher_moves_an_argv_key_into_the_environment(monkeypatch, capsys
 
 
 def test_the_hook_hands_the_key_to_sglangs_parser_and_out_of_the_environment(monkeypatch):
-    monkeypatch.setenv(api_key.ENV, KEY)
-    assert api_key.to_sglang(["--port", "1", "--api-key", OTHER]) == ["--port", "1",
-                                                                     "--api-key", KEY]
-    assert api_key.ENV not in os.environ
+    import argparse
+
+    parser = argparse.ArgumentParser()  # SGLang's flag, as its parser declares it
+    parser.add_argument("--api-key", type=str, default=None)
+    parser.add_argument("--port", type=int)
+    for key in (KEY, "-starts-with-a-dash-" + KEY):  # token_urlsafe's alphabet has "-"
+        monkeypatch.setenv(api_key.ENV, key)
+        argv = api_key.to_sglang(["--port", "1", "--api-key", OTHER])
+        assert api_key.ENV not in os.environ and OTHER not in argv
+        assert parser.parse_args(argv).api_key == key
     assert api_key.to_sglang(["--port", "1"]) == ["--port", "1"]
 
 
