@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import requests
 from server_zygote import ZygoteClient
+from sglang_pic.api_key import ENV as API_KEY_ENV
 from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +85,8 @@ def pytest_runtest_logreport(report):
 
 
 HEAVY_FIRST = (
-    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_lang.py",
+    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_api_key.py",
+    "test_lang.py",
     "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
     "test_position_free_triton_cpu.py", "test_docs.py", "test_spans_store_cpu.py",
     "test_position_free_cpu.py", "test_cli.py", "test_store_hicache_cpu.py",
@@ -195,6 +199,19 @@ def _handoff_variables_restored():
     os.environ.update(before)
 
 
+GENERATED_RE = re.compile(r"API key generated into (\S+) \(mode 600")
+
+
+def use_generated_key(server: Server) -> Path:
+    """Set ``server.api_key`` to the key a server started with ``pass_key=False`` generated;
+    returns its file (named in the server's log)."""
+    m = GENERATED_RE.search(server.log.read_text(errors="replace"))
+    assert m, f"no generated key in {server.log}"
+    path = Path(m.group(1))
+    server.api_key = path.read_text().strip()
+    return path
+
+
 def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:
     """Skip (with the numbers) unless SGLang's HiCache can allocate a ``gb`` host tier here.
 
@@ -220,12 +237,27 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+    """A test server; ``get`` and ``post`` send its API key (``api_key``: None for a server
+    started with ``--insecure``)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, api_key: str | None = None):
         self.proc, self.url, self.log = proc, url, log
+        self.api_key = api_key
         self.stopping = False  # SIGTERM sent (stop_server)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header of its API key (none without a key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _with_key(self, kwargs: dict) -> dict:
+        return {**kwargs, "headers": {**self.headers, **kwargs.get("headers", {})}}
+
+    def get(self, path: str, timeout: float = 30, **kwargs) -> requests.Response:
+        return requests.get(self.url + path, timeout=timeout, **self._with_key(kwargs))
+
     def post(self, path: str, timeout: float = 120, **kwargs) -> requests.Response:
-        return requests.post(self.url + path, timeout=timeout, **kwargs)
+        return requests.post(self.url + path, timeout=timeout, **self._with_key(kwargs))
 
     def generate_text(self, text: str, max_new_tokens: int = 8) -> dict:
         """Greedy ``/generate`` of ``text``; asserts HTTP 200 and returns the JSON answer."""
@@ -247,14 +279,19 @@ SERVE = ("-m", "sglang_pic", "serve")
 
 def start_server(args: list[str], log: Path, attempts: int = 3,
                  timeout_s: float = START_TIMEOUT_S, launcher: tuple[str, ...] = SERVE,
-                 env: dict[str, str] | None = None, forked: bool = True) -> Server:
+                 env: dict[str, str] | None = None, forked: bool = True,
+                 pass_key: bool = True) -> Server:
     """Start `sglang-pic serve` (or another ``launcher``: ``python <launcher> --port P
     <args>``, in ``env``, default this process's) on a free port and wait until /health
     answers; retried on a new port when another process took the chosen one in between
-    (free_port cannot reserve it). ``forked``: see ``_launch``."""
+    (free_port cannot reserve it). ``forked``: see ``_launch``. ``pass_key``: the server gets a
+    new API key in ``$SGLANG_PIC_API_KEY`` (``Server.api_key``, which its ``get`` and ``post``
+    send); False: none (``--insecure``, ``--api-key-file``, or the key file the server
+    generates: set ``api_key`` after the start)."""
     for attempt in range(attempts):
         try:
-            return _start_server_once(args, log, timeout_s, launcher, env, forked)
+            key = secrets.token_urlsafe(32) if pass_key else None
+            return _start_server_once(args, log, timeout_s, launcher, env, forked, key)
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == attempts - 1:
                 raise
@@ -303,15 +340,18 @@ def start_slot() -> Iterator[None]:
 
 
 def _start_server_once(args: list[str], log: Path, timeout_s: float,
-                       launcher: tuple[str, ...] = SERVE,
-                       env: dict[str, str] | None = None, forked: bool = True) -> Server:
+                       launcher: tuple[str, ...] = SERVE, env: dict[str, str] | None = None,
+                       forked: bool = True, api_key: str | None = None) -> Server:
     with start_slot():
-        return _launch(args, log, timeout_s, launcher, env, forked)
+        return _launch(args, log, timeout_s, launcher, env, forked, api_key)
 
 
 def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, ...] = SERVE,
-            env: dict[str, str] | None = None, forked: bool = True) -> Server:
-    """Start ``launcher`` (`sglang-pic serve`) on a free port and wait until /health answers.
+            env: dict[str, str] | None = None, forked: bool = True,
+            api_key: str | None = None) -> Server:
+    """Start ``launcher`` (`sglang-pic serve`) on a free port and wait until /health answers
+    (which needs no API key); ``api_key`` goes to the server in ``$SGLANG_PIC_API_KEY`` (None:
+    the variable is removed from its environment).
 
     On a CPU machine a `sglang-pic serve` server in this process's environment is forked from
     the worker's zygote (``server_zygote``: SGLang imported once, not once per server) unless
@@ -326,13 +366,16 @@ def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, .
     argv = ["--port", str(port), *args]
     forked = forked and launcher == SERVE and env is None and not has_cuda()
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS=TEST_THREADS)
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     if forked:
         proc = _zygote().start(argv, env, log)
     else:
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, *launcher, *argv], stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, f"http://127.0.0.1:{port}", log, api_key)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:

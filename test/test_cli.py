@@ -8,6 +8,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+import requests
 from sglang_pic.launch_server import build_argv
 
 
@@ -149,5 +150,8 @@ def test_plain_sglang_launcher_serves_on_cpu(model_dir, tmp_path):
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["text"]
         assert "sglang-pic 0.1.0 plugin active" in (tmp_path / "plain.log").read_text()
+        # the key handed over in $SGLANG_PIC_API_KEY reached SGLang's own launcher too
+        anonymous = requests.post(server.url + "/generate", json={"text": "Hi"}, timeout=30)
+        assert anonymous.status_code == 401
     finally:
         stop_server(server)  # SIGTERM to its process group; the session's end waits for it

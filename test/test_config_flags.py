@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, start_server, stop_server
+import requests
+from conftest import REPO, start_server, stop_server, use_generated_key
 from sglang_pic import serve_conflicts, server_flags
 from sglang_pic.server_flags import FLAGS, UsageError
 
@@ -239,10 +240,47 @@ def test_sglangs_own_launcher_takes_our_flags(model_dir):
 @pytest.fixture(scope="module")
 def cfg_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("cfg") / "server.log"
-    # the launcher itself (not a forked server process): the SIGTERM test stops it
-    srv = start_server(["--max-total-tokens", "4096"], log, forked=False)
+    # the launcher itself (not a forked server process): the SIGTERM test stops it. No key
+    # given: it generates one into its key file (test_the_launcher_generates_a_private_key_...)
+    srv = start_server(["--max-total-tokens", "4096"], log, forked=False, pass_key=False)
+    key_file = use_generated_key(srv)
     yield srv
     stop_server(srv)
+    key_file.unlink(missing_ok=True)
+
+
+def test_the_launcher_generates_a_private_key_kept_off_every_command_line(cfg_server):
+    """No key given: the server generates one into ``~/.cache/sglang-pic/api-keys/PORT`` (600,
+    folder 700), says where on stderr without the key, and requires it; no process of the
+    server (launcher, server process, scheduler, detokenizer) has it in its argv or the
+    environment it started with, and neither its log nor ``/get_server_info`` shows it."""
+    import psutil
+
+    path = use_generated_key(cfg_server)
+    key = cfg_server.api_key
+    port = cfg_server.url.rsplit(":", 1)[1]
+    root = os.environ.get("SGLANG_PIC_CACHE") or Path.home() / ".cache" / "sglang-pic"
+    assert path == Path(root) / "api-keys" / port
+    assert len(key) >= 40
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    log = Path(cfg_server.log).read_text(errors="replace")
+    assert f'generated into {path} (mode 600' in log
+    assert f'-H "Authorization: Bearer $(cat {path})"' in log
+    assert key not in log
+    assert "api_key='<redacted>'" in log  # SGLang's server_args= line at start
+    anonymous = requests.post(cfg_server.url + "/generate", json={"text": "Hi"}, timeout=30)
+    assert anonymous.status_code == 401
+    info = cfg_server.get("/get_server_info")
+    assert info.status_code == 200 and key not in info.text
+    assert info.json()["api_key"] == "<redacted>"
+    launcher = psutil.Process(cfg_server.proc.pid)
+    family = [launcher, *launcher.children(recursive=True)]
+    assert len(family) >= 4, [p.cmdline() for p in family]  # launcher, server, scheduler, detok.
+    for proc in family:
+        for what in ("cmdline", "environ"):
+            assert key.encode() not in Path(f"/proc/{proc.pid}/{what}").read_bytes(), (
+                what, proc.cmdline())
 
 
 def test_openai_usage_reports_cached_prompt_tokens(cfg_server):

@@ -13,7 +13,10 @@ an HTML comment on the line before the block, or else by the block itself:
   ``127.0.0.1:30000``), skipped otherwise (nothing to check it against).
 
 The server is started once for the module with ``--enable-span-cache`` on a free port (a span
-server answers plain requests too), and ``:30000`` in a block is rewritten to it. A block passes
+server answers plain requests too), and ``:30000`` in a block is rewritten to it. It is given no
+API key, so it generates one into its key file as ``make serve`` does, and the key file of port
+30000 the examples read (``~/.cache/sglang-pic/api-keys/30000``) is rewritten to that file, which
+is removed when the module ends. A block passes
 when it exits 0, every ``curl`` in it got HTTP 200 with a JSON answer that carries generated text
 where one is expected, a Python block printed something, and ``expect`` matched. Blocks run in
 document order in one module (the span examples' "now cached" claims rely on it), with
@@ -33,11 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Server, start_server, stop_server
+from conftest import REPO, Server, start_server, stop_server, use_generated_key
+from sglang_pic import api_key
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}
 SERVER_RE = re.compile(r"\b(?:localhost|127\.0\.0\.1):30000\b")
+KEY_FILE = "~/.cache/sglang-pic/api-keys/30000"
+"""The key file of ``make serve``'s server, as the examples read it."""
 MARKER_RE = re.compile(r"<!--\s*docs-check:\s*(.*?)\s*-->")
 DIRECTIVE_RE = re.compile(r'^(?:skip \((?P<reason>[^)]+)\)|run|expect "(?P<expect>[^"]+)")$')
 STATUS = "[docs-check] HTTP"
@@ -109,9 +115,12 @@ def test_docs_check_comments_are_well_formed() -> None:
 @pytest.fixture(scope="module")
 def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("docs-server") / "server.log"
-    srv = start_server(["--enable-span-cache", "--max-total-tokens", "16384"], log)
+    srv = start_server(["--enable-span-cache", "--max-total-tokens", "16384"], log,
+                       pass_key=False)
+    key_file = use_generated_key(srv)
     yield srv
     stop_server(srv)
+    key_file.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
@@ -125,6 +134,7 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path)
     if block.talks_to_server:
         server: Server = request.getfixturevalue("docs_server")
         code = SERVER_RE.sub(server.url.removeprefix("http://"), code)
+        code = code.replace(KEY_FILE, str(use_generated_key(server)))
     out = run_block(block.lang, code, tmp_path)
     if block.lang == "bash":
         check_curl_answers(out)
@@ -140,6 +150,7 @@ def run_block(lang: str, code: str, tmp_path: Path) -> str:
     bin_dir = Path(sys.executable).parent
     code = code.replace(".venv/bin/", f"{bin_dir}/")
     env = dict(os.environ, TMPDIR=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop(api_key.ENV, None)  # the examples find the key as a reader's shell would: its file
     if lang == "bash":
         # every curl also prints its HTTP status on a line of its own, checked afterwards
         preamble = (f"set -eo pipefail\ncurl() {{ command curl --max-time {BLOCK_TIMEOUT_S} "

@@ -130,6 +130,6 @@ def test_dsl_program_on_a_plain_server_gets_the_refusal(server: Server):
 
     with warnings.catch_warnings():  # SGLang's interpreter also warns with the traceback
         warnings.simplefilter("ignore")
-        state = rag.run(doc="Document.", backend=sgl.RuntimeEndpoint(server.url))
+        state = rag.run(doc="Document.", backend=sgl.RuntimeEndpoint(server.url, api_key=server.api_key))
         state.sync()
     assert REFUSAL in str(state.error())

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-import requests
 import torch
 from conftest import start_server, stop_server
 
@@ -52,7 +51,7 @@ def _tokens_and_logprobs(out):
 
 
 def test_backend_is_position_free(servers):
-    info = requests.get(servers.pic.url + "/get_server_info", timeout=30).json()
+    info = servers.pic.get("/get_server_info").json()
     assert info["attention_backend"] == "pic_torch_native"
 
 

@@ -10,7 +10,6 @@ Its own module so that the other position-free servers are down while the interp
 from __future__ import annotations
 
 import pytest
-import requests
 from conftest import start_server, stop_server
 
 PROMPTS = ["The capital of France is", "List three prime numbers:"]
@@ -54,7 +53,7 @@ def _generate(server, input_ids, n):
 
 
 def test_triton_kernels_in_sglang_match_hf(triton_server, hf_greedy):
-    info = requests.get(triton_server.url + "/get_server_info", timeout=30).json()
+    info = triton_server.get("/get_server_info").json()
     assert info["attention_backend"] == "pic_triton"
     refs = [hf_greedy(p, 3) for p in PROMPTS]
     outs = _generate(triton_server, [ids for ids, _ in refs], 3)

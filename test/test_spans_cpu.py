@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-import requests
 from conftest import SPAN_SERVER_FLAGS, start_servers, stop_server
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
@@ -71,7 +70,7 @@ def generate(server, **body) -> dict:
 
 
 def loads(server) -> dict:
-    return requests.get(server.url + "/v1/loads", timeout=30).json()["loads"][0]
+    return server.get("/v1/loads").json()["loads"][0]
 
 
 @pytest.mark.parametrize(
@@ -263,7 +262,7 @@ def test_dsl_span_program(span_server):
         s += question
         s += sgl.gen("answer", max_tokens=NEW, temperature=0, ignore_eos=True)
 
-    backend = sgl.RuntimeEndpoint(span_server.url)
+    backend = sgl.RuntimeEndpoint(span_server.url, api_key=span_server.api_key)
     state = rag.run(docs=DOCS[:2], question=QUESTION, backend=backend)
     text = PREFIXES[0] + "".join(sgl.span(" " + d) for d in DOCS[:2]) + QUESTION
     assert state["answer"] == generate(span_server, text=text)["text"]
@@ -333,7 +332,7 @@ def test_link_recompute_equals_reference(link_server, hf):
 
 
 def _pic_counters(server) -> dict[str, float]:
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    text = server.get("/metrics").text
     return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("sglang_pic:") and "_total" in line.split("{")[0]}
 

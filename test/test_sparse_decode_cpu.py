@@ -14,7 +14,6 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 from conftest import start_servers, stop_server
 from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
@@ -91,7 +90,7 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
     assert sparse[0]["meta_info"]["prompt_tokens"] > 1100
     log = sparse_server.log.read_text()
     assert log.count("decodes sparsely") == 2  # the two long requests, not the short one
-    metrics = requests.get(f"{sparse_server.url}/metrics", timeout=30).text
+    metrics = sparse_server.get("/metrics").text
     values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("sglang_pic:sparse_")}
     assert values["sglang_pic:sparse_activated_total"] == 2
@@ -101,7 +100,7 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
 
 
 def _sparse_counters(server) -> dict[str, float]:
-    metrics = requests.get(f"{server.url}/metrics", timeout=30).text
+    metrics = server.get("/metrics").text
     return {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
             if line.startswith("sglang_pic:sparse_")}
 
@@ -143,7 +142,7 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
     assert "offloaded to" in log and log.count("offloads its prefill after") == 1
     assert log.count("decodes sparsely") == 0
     assert "memory leak" not in log and "double free" not in log and "use-after-free" not in log
-    metrics = requests.get(f"{offload_server.url}/metrics", timeout=30).text
+    metrics = offload_server.get("/metrics").text
     values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("sglang_pic:sparse_")}
     assert values["sglang_pic:sparse_offloaded_tokens_total"] > 1100 - 144 + 16

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,13 @@ class Cluster:
         self.urls: list[str] = []
         pic = variant == "ptstore" or cpu  # vanilla SGLang cannot run on a CPU (docs/cpu.md)
         env = variant_env("sglang-pic" if pic else "vanilla", site)
+        # sglang-pic serve requires an API key: one for this cluster, handed over in the
+        # environment (vanilla SGLang checks none and ignores the header)
+        self.headers = {}
+        if pic:
+            key = secrets.token_urlsafe(32)
+            env["SGLANG_PIC_API_KEY"] = key
+            self.headers = {"Authorization": f"Bearer {key}"}
         if cpu:
             env["OMP_NUM_THREADS"] = "1"
         if variant == "ptstore":
@@ -181,13 +189,14 @@ def run_case(args, variant: str, n: int, site: Path) -> dict:
             for url in cluster.urls:
                 for length in args.lengths:
                     requests.post(url + "/generate", json={"input_ids": [7] * length, **body},
-                                  timeout=600)
+                                  headers=cluster.headers, timeout=600)
             results: list[dict] = []
             lock = threading.Lock()
 
             def send(url: str, doc: int, ids: list[int]) -> None:
                 t = time.perf_counter()
-                r = requests.post(url + "/generate", json={"input_ids": ids, **body}, timeout=600)
+                r = requests.post(url + "/generate", json={"input_ids": ids, **body},
+                                  headers=cluster.headers, timeout=600)
                 dt = time.perf_counter() - t
                 meta = r.json()["meta_info"] if r.status_code == 200 else {}
                 details = meta.get("cached_tokens_details") or {}

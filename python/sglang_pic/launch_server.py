@@ -12,7 +12,12 @@ order, so that a mistake costs a second and one line, not a model load:
    - no `--model-path`: serve the embedded default model (SmolLM2-135M-Instruct, converted once);
    - no GPU: working CPU settings (CPU engine, torch_native attention, a KV budget that fits);
    - `--enable-cache-report`: OpenAI responses count cached prompt tokens
-     (`usage.prompt_tokens_details.cached_tokens`).
+     (`usage.prompt_tokens_details.cached_tokens`);
+   - an API key (`api_key`): SGLang's `--api-key`, `--api-key-file` or `$SGLANG_PIC_API_KEY`,
+     else one generated into `~/.cache/sglang-pic/api-keys/PORT`, unless `--insecure`. The
+     launcher moves a `--api-key` of its command line into `$SGLANG_PIC_API_KEY` before it
+     starts the server process, and the key reaches SGLang's parser in memory only
+     (`sglang_launcher`).
    Our feature flags (`translate`, which SGLang's own launchers also run through our plugin,
    `sglang_launcher.py`):
    - `--enable-position-free-kv`: selects the position-free twin of the attention backend
@@ -53,7 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sglang_pic import serve_conflicts, server_flags, sglang_flags
+from sglang_pic import api_key, serve_conflicts, server_flags, sglang_flags
 from sglang_pic.server_flags import FLAGS, UsageError
 
 PROG = "sglang-pic serve"
@@ -85,6 +90,7 @@ def check(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
     sglang_flags.refuse_unknown(rest)
     env = server_flags.handed_over(given)
     serve_conflicts.refuse(given, rest)
+    api_key.refuse_unchecked(api_key.choose(given, rest), rest)
     return given, rest, env
 
 
@@ -112,7 +118,7 @@ def build_argv(argv: list[str]) -> list[str]:
     serve_conflicts.refuse_for_model(given, rest)
     if CACHE_REPORT_FLAG not in rest:
         rest.append(CACHE_REPORT_FLAG)
-    return apply_flags(given, env, rest, on_cpu)
+    return apply_flags(given, env, rest, on_cpu, require_key=True)
 
 
 def translate(argv: list[str], on_cpu: bool, prog: str = PROG) -> list[str]:
@@ -121,14 +127,16 @@ def translate(argv: list[str], on_cpu: bool, prog: str = PROG) -> list[str]:
     given, rest = server_flags.parse(argv, prog)
     env = server_flags.handed_over(given)
     serve_conflicts.refuse(given, rest)
-    return apply_flags(given, env, rest, on_cpu)
+    return apply_flags(given, env, rest, on_cpu, require_key=False, prog=prog)
 
 
 def apply_flags(given: Mapping[str, Any], env: dict[str, str], argv: list[str],
-                on_cpu: bool) -> list[str]:
+                on_cpu: bool, require_key: bool, prog: str = PROG) -> list[str]:
     """SGLang's argv for our flags ``given`` (checked) over ``argv`` (SGLang's flags); sets the
-    variables ``env`` and those of PTStore in ``os.environ``, which SGLang's processes inherit."""
-    argv = list(argv)
+    variables ``env`` and those of PTStore in ``os.environ``, which SGLang's processes inherit.
+    The API key goes to ``$SGLANG_PIC_API_KEY``, not into the argv (``api_key.hand_over``;
+    ``require_key``: ``sglang-pic serve``'s rule, a key unless ``--insecure``)."""
+    argv = api_key.hand_over(given, list(argv), prog, require=require_key)
     position_free = POSITION_FREE_FLAG in given or SPAN_FLAG in given
     if SPAN_FLAG in given and _value_of(argv, "--radix-cache-backend") is None:
         argv += ["--radix-cache-backend", serve_conflicts.SPAN_BACKEND]
@@ -323,7 +331,8 @@ def serve(argv: list[str]) -> int:
         check(argv)
     except UsageError as e:
         return usage_error(e.message)
-    return supervise(argv)
+    argv, env = api_key.off_command_line(argv, PROG)
+    return supervise(argv, env)
 
 
 def usage_error(message: str) -> int:
@@ -336,9 +345,9 @@ STOP_SIGNALS = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
 """Signal received -> signal passed on to the server process."""
 
 
-def supervise(argv: list[str]) -> int:
-    """Run the server process (``server_process``: ``build_argv``, then SGLang) on our argv and
-    wait for it.
+def supervise(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    """Run the server process (``server_process``: ``build_argv``, then SGLang) on our argv, with
+    the variables ``env`` added to ours (the API key of a ``--api-key``), and wait for it.
 
     It runs in its own process group, so a signal to ours (Ctrl-C, ``kill`` of a process group,
     ``make`` stopping) reaches it once, from here: SIGTERM (and SIGHUP) makes SGLang drain the
@@ -368,8 +377,9 @@ def supervise(argv: list[str]) -> int:
     own_group = ({"process_group": 0} if sys.version_info >= (3, 11)
                  else {"preexec_fn": os.setpgrp})  # this process has no threads
     try:
-        env = plugin_env(dict(os.environ, SGLANG_PIC_LAUNCHER_PID=str(os.getpid())), site)
-        child = subprocess.Popen(cmd, env=env, **own_group)
+        child_env = plugin_env(dict(os.environ, **(env or {}),
+                                    SGLANG_PIC_LAUNCHER_PID=str(os.getpid())), site)
+        child = subprocess.Popen(cmd, env=child_env, **own_group)
         previous = {s: signal.signal(s, pass_on) for s in STOP_SIGNALS}
         try:
             code = child.wait()

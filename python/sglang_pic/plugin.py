@@ -13,7 +13,9 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | capability                     | SGLang seam                                                    |
 |--------------------------------|----------------------------------------------------------------|
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
-| our server flags (`sglang_launcher`) | AROUND hooks on `ServerArgs.add_cli_args` (our flag groups, first in `--help`) and `prepare_server_args` (our flags checked and translated), so SGLang's own launchers take them too |
+| API key (`api_key`)            | AROUND hook on `sglang.srt.utils.auth.decide_request_auth`: a non-ASCII `Authorization` header is decided as none (401, not a 500 with a traceback) |
+| secret redaction (`redaction`) | AROUND hook on `ServerArgs.__repr__` (the start-up log) and AFTER hooks on `TokenizerManager.resolved_config_dict` / `RuntimeContext.resolved_server_args_dict` (`/server_info`): `api_key`, `admin_api_key`, `ssl_keyfile_password` shown as `<redacted>` |
+| our server flags (`sglang_launcher`) | AROUND hooks on `ServerArgs.add_cli_args` (our flag groups, first in `--help`) and `prepare_server_args` (our flags checked and translated, the API key handed over as `--api-key` in memory: `api_key`), so SGLang's own launchers take them too |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_flashinfer`, `pic_triton`, `pic_torch_native`) + AFTER hook on `ForwardBatch.init_new` (slot positions, span requests' own turned copies of moved pages with `--span-copy-on-reuse`, batches that read moved keys) + AROUND hooks on `DecodeCudaGraphRunner` / `PrefillCudaGraphRunner.can_run_graph` (on `pic_flashinfer` those batches keep off FlashInfer's graphs) and, for `--position-free-span-graphs`, on `DecodeCudaGraphRunner._capture_one_stream` / `_make_graph_key` (a second decode graph set) |
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
 | span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests', and sub-requests alone just over the chunk budget go in one pass; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
@@ -79,8 +81,10 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_pic import (
+        api_key,
         eviction,
         position_free,
+        redaction,
         request_validation,
         sglang_launcher,
         spans,
@@ -106,6 +110,8 @@ def register() -> None:
 
     steps: list[tuple[str, Callable[[], None]]] = [
         ("request-validation", validation),
+        ("api-key", api_key.register),
+        ("secret-redaction", redaction.register),
         ("server-flags", sglang_launcher.register),
         ("position-free-kv", position_free.register),
         ("cpu-twins", cpu_twins),

@@ -175,6 +175,7 @@ class Feature:
 
 
 FEATURES: dict[str, Feature] = {
+    "api_key": Feature("HTTP API key (docs/security.md)", "sglang-pic serve"),
     "position_free": Feature("position-free KV", "--enable-position-free-kv "
                              "(or --enable-span-cache)"),
     "spans": Feature("span caching", "--enable-span-cache"),
@@ -218,6 +219,17 @@ def _sparse_flags() -> list[Flag]:
 
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
+    # sglang_pic.api_key: the key SGLang's --api-key check uses; without one of these sources
+    # sglang-pic serve generates a key into a file (the path goes to stderr)
+    Flag("--api-key-file", "api_key",
+         "file holding the HTTP API key clients send (Authorization: Bearer KEY): a regular "
+         "file of mode 600, one line of 16+ printable ASCII characters. First found: SGLang's "
+         "--api-key KEY (visible in ps), this file, $SGLANG_PIC_API_KEY; none: a new key at "
+         "each start in ~/.cache/sglang-pic/api-keys/PORT (the path is printed)",
+         parse=text, metavar="PATH"),
+    Flag("--insecure", "api_key",
+         "serve without an API key: every process on this machine (with a --host beyond "
+         "loopback, anyone who reaches the port) can use the server"),
     Flag("--enable-position-free-kv", "position_free",
          "a cached span's keys serve it at any offset: keys kept where computed, turned by the "
          "distance moved when read (selects the pic_ twin of --attention-backend: flashinfer "

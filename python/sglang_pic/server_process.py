@@ -6,6 +6,7 @@ over) and runs what SGLang's own launcher runs (``load_plugins``, ``prepare_serv
 ``run_server``). Before that it parses SGLang's argv once with SGLang's parser, so a mistake is one
 line (an unknown flag with the nearest name, a bad value) rather than argparse's 432 lines of
 usage, and it caches SGLang's flag names for the launcher's own check (``sglang_pic.sglang_flags``).
+Once all of that passed, it generates the API key when none was given (``api_key``).
 
 ``--help`` prints SGLang's help with our flags first and ``--model-path`` optional (the launcher
 serves the embedded model without it): ``sglang-pic serve --help-all``.
@@ -56,6 +57,7 @@ def sglang_parser():
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    given_argv = list(argv)
     launcher = os.environ.pop("SGLANG_PIC_LAUNCHER_PID", None)
     if launcher is not None:
         _die_with_launcher(int(launcher))
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang.srt.plugins import load_plugins
 
-    from sglang_pic import plugin, plugin_site, sglang_flags
+    from sglang_pic import api_key, plugin, plugin_site, sglang_flags
     from sglang_pic.server_flags import UsageError
 
     load_plugins()
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         sglang_flags.refuse_unknown(argv, names)
         if "--config" not in argv:  # SGLang merges a config file's flags first
             parser.parse_args(argv)
+        # last of the checks: a start refused before this leaves a running server's key file
+        api_key.generate_unless_given(given_argv, PROG)
     except UsageError as e:
         return usage_error(e.message)
 

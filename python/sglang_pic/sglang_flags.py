@@ -3,14 +3,15 @@
 SGLang's parser is built by ``sglang.srt.server_args``, which imports torch and most of SGLang
 (4-8 s on 2 cores; 16 s with the rest of a start before argparse said ``unrecognized
 arguments`` under 432 lines of usage). So the option strings are kept in a file in our cache
-directory, named after SGLang's and our versions, and launches read the file (a few ms). The first
-launch after an install writes it (``python -m sglang_pic.sglang_flags``, quiet, ~5-10 s, once);
-the server process rewrites it from the parser it builds anyway.
+directory, named after SGLang's and our versions and our flag names, and launches read the file
+(a few ms). The first launch after an install writes it (``python -m sglang_pic.sglang_flags``,
+quiet, ~5-10 s, once); the server process rewrites it from the parser it builds anyway.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import subprocess
@@ -23,6 +24,10 @@ from sglang_pic.server_flags import FLAGS, UsageError
 
 
 def cache_path() -> Path:
+    """The cache file of this SGLang and this sglang-pic, named after their versions and a digest
+    of our flag names: SGLang's parser holds our flags too (an abbreviation of SGLang's
+    ``--api-key`` is ambiguous beside our ``--api-key-file``), and a development install changes
+    them without a new version."""
     from sglang_pic import __version__
     from sglang_pic.default_model import cache_dir
 
@@ -30,7 +35,8 @@ def cache_path() -> Path:
         sglang = version("sglang")
     except PackageNotFoundError:
         sglang = "none"
-    return cache_dir().parent / f"sglang-{sglang}-sglang-pic-{__version__}-server-flags.json"
+    ours = hashlib.blake2b(" ".join(sorted(FLAGS)).encode(), digest_size=4).hexdigest()
+    return cache_dir().parent / f"sglang-{sglang}-sglang-pic-{__version__}-{ours}-server-flags.json"
 
 
 def cached() -> list[str] | None:

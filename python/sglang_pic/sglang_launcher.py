@@ -7,7 +7,9 @@ before they parse the command line, and the HookRegistry can wrap what parses it
   parser, listed before SGLang's own flags in ``--help``;
 - AROUND ``prepare_server_args``: our flags are taken out of argv, checked, and turned into SGLang
   flags and handed-over variables (``launch_server.translate``) before SGLang parses the rest. A
-  refused value or combination stops the launcher with one line and status 2.
+  refused value or combination stops the launcher with one line and status 2. The API key handed
+  over in ``$SGLANG_PIC_API_KEY`` leaves the environment here and becomes SGLang's ``--api-key``
+  in the list SGLang parses (``api_key.to_sglang``): in memory, on no command line.
 
 ``sglang-pic serve`` does the same before it starts SGLang, and adds its defaults (the embedded
 model, ``--enable-cache-report``). On a machine without an accelerator both get the CPU engine's
@@ -60,7 +62,9 @@ def around_prepare_server_args(original, argv):
 
         model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")
         argv += cpu_support.cpu_server_defaults(argv, model_path)
-    return original(argv)
+    from sglang_pic import api_key
+
+    return original(api_key.to_sglang(argv))
 
 
 def register() -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 from conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
@@ -74,7 +73,7 @@ class _Servers:
             self._up[name] = srv
             # every test reading a server runs on the backend it is named for: checked once,
             # when it starts, so a ``-k`` selection checks the servers it starts and no others
-            info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+            info = srv.get("/get_server_info").json()
             assert info["attention_backend"] == BACKENDS[name], (name, info["attention_backend"])
         return self._up[name]
 
@@ -222,7 +221,7 @@ def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
     """With copies (the ``spans`` server's default) every span request read its own turned
     copy: no batch was marked for the shift-aware kernels."""
     _generate(servers.spans, prompts[1])
-    text = requests.get(servers.spans.url + "/metrics", timeout=30).text
+    text = servers.spans.get("/metrics").text
     counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("sglang_pic:")}
     assert counters["sglang_pic:span_copied_requests_total"] >= len(prompts[1])

@@ -6,7 +6,8 @@ vocabulary, a negative id on a span server, ``top_logprobs_num`` beyond the voca
 constrained decoding on CPU; 11 malformed bodies got a 500 (deep JSON with ``spans``, a JSON
 string as the chat body) or slipped past the span middleware (a ``"\\u0073pans"`` key);
 12 span sub-requests of a disconnected client kept running, unseen in the load report;
-13 ``cached_tokens_details`` disagreed with ``cached_tokens`` on span requests.
+13 ``cached_tokens_details`` disagreed with ``cached_tokens`` on span requests. The servers
+require their API key (test_api_key.py); a client without it is refused before its body is read.
 
 Every refusal must be a 400 with a message, and the server must answer the next request with the
 same greedy output as before. The suite's shared plain server (``server``) and span server
@@ -154,6 +155,17 @@ def test_deeply_nested_json_with_spans(any_server):
                    headers={"content-type": "application/json"})
 
 
+def test_the_key_is_checked_before_the_span_middleware_reads_the_body(span_server):
+    """SGLang's API-key middleware is added after our span middleware, so it runs first: a
+    client without the key gets 401 before anything parses its body (the body above is a 400
+    only for a client holding the key)."""
+    depth = 100_000
+    body = '{"spans": ' + "[" * depth + "]" * depth + "}"
+    r = requests.post(span_server.url + "/generate", data=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 401, r.text
+
+
 def test_escaped_spans_key_is_the_spans_field(span_server):
     """``"\\u0073pans"`` is ``spans`` in JSON: the middleware must not drop it."""
     spans = [{"text": "Read the note.\n"},
@@ -188,7 +200,7 @@ def test_malformed_chat_bodies(server, body, needle):
 # ---- 12: a disconnected client's span work is cancelled and visible ----------------------------
 
 def _loads(srv: Server) -> dict:
-    return requests.get(srv.url + "/v1/loads", timeout=30).json()["loads"][0]
+    return srv.get("/v1/loads").json()["loads"][0]
 
 
 def _busy(srv: Server) -> int:
@@ -212,7 +224,7 @@ def test_disconnect_cancels_span_prefills(span_server):
              + [{"text": "\nQuestion: which document mentions a river?\nAnswer:"}])
     cancelled_before = _cancel_lines(span_server)
     body = {"spans": spans, "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-    with requests.post(span_server.url + "/generate", json=body, stream=True, timeout=60) as r:
+    with span_server.post("/generate", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         deadline = time.time() + 30
         while _busy(span_server) < 5:  # the span prefills are queued or running

@@ -37,6 +37,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from sglang_pic.secret_files import MIN_SECRET_CHARS, check_strength, read_private
+
 SERVE_TOKEN_ENV = "SGLANG_PIC_PTSTORE_TOKEN"
 """Where ``sglang-pic serve``'s processes (SGLang's schedulers inherit it) find the token."""
 STORE_TOKEN_ENV = "SGLANG_PIC_STORE_TOKEN"
@@ -50,7 +52,7 @@ HEARTBEAT_TIMEOUT_MS = 60_000
 ``HEARTBEAT_TIMEOUT_MS`` after a ping (a dead peer, or one stuck in the middle of a message;
 a 1 GiB batch must arrive at more than ~18 MB/s)."""
 
-MIN_TOKEN_CHARS = 16
+MIN_TOKEN_CHARS = MIN_SECRET_CHARS
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -94,11 +96,9 @@ def parse_tokens(text: str, source: str = "token file") -> dict[str, str]:
 
 
 def read_token_file(path: str | os.PathLike) -> dict[str, str]:
-    """``parse_tokens`` of a file (refused when others may read it: it holds secrets)."""
-    p = Path(path)
-    if p.stat().st_mode & 0o077:
-        raise ValueError(f"{p}: readable by other users; chmod 600 it")
-    return parse_tokens(p.read_text(), str(p))
+    """``parse_tokens`` of a file (refused when others may read it, or it is not a regular file:
+    ``secret_files.read_private``)."""
+    return parse_tokens(read_private(path), str(Path(path)))
 
 
 def server_tokens(path: str | os.PathLike | None, env: str) -> dict[str, str] | None:
@@ -121,11 +121,7 @@ def client_token(path: str | os.PathLike | None, env: str) -> str | None:
 
 def check_token(token: str, source: str) -> str:
     """``token`` if it is long enough to resist guessing, else ValueError."""
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ValueError(f"{source}: a token needs at least {MIN_TOKEN_CHARS} characters and no "
-                         "spaces (make one with: python -c 'import secrets; "
-                         "print(secrets.token_urlsafe(32))')")
-    return token
+    return check_strength(token, source, "a token")
 
 
 def secure_client(sock: zmq.Socket, token: str | None, server_key: bytes | str | None = None
