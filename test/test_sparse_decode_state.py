@@ -1127,6 +1127,20 @@ def test_a_held_slot_whose_request_is_not_in_the_step_is_not_selected_for():
     assert state.n_ret.tolist() == [300 - 36, 400 - 36]
 
 
+def _interval_steps(state, every, device: str, n0: int = 400, steps: int = 20):
+    """``steps`` decode steps of request 0 from context ``n0`` in ``state`` and the every-step
+    state ``every``: yields each step's query, whether ``state`` selected (voted) at it and the
+    region's keys. With the test states' window (32 + 16) the region grows when the context
+    passes 4 + 364 + 48 = 416."""
+    g = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        q = torch.randn(1, HQ, D, generator=g).to(device)
+        before = state.stats["selections"]
+        step(state, [0], [n0 + t])
+        step(every, [0], [n0 + t])
+        yield q, state.stats["selections"] > before, state.slots[0].n_ret
+
+
 @pytest.mark.parametrize("ops_cls,device", OPS)
 def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region_reselect(
         ops_cls, device):
@@ -1138,16 +1152,9 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
     pool = FakePool(2, seed=3, device=device)
     state = make_state(pool, ops_cls, reselect_interval=3)
     every = make_state(pool, ops_cls)
-    g = torch.Generator().manual_seed(0)
-    n0 = 400  # window 32 + 16: the region grows when the context passes 4 + 364 + 48 = 416
     base, age, fresh_steps = None, 0, []
-    for t in range(20):
-        q = torch.randn(1, HQ, D, generator=g).to(device)
-        selections = state.stats["selections"]
-        step(state, [0], [n0 + t])
-        step(every, [0], [n0 + t])
-        fresh_steps.append(state.stats["selections"] > selections)
-        n_ret = state.slots[0].n_ret
+    for q, fresh, n_ret in _interval_steps(state, every, device):
+        fresh_steps.append(fresh)
         outs = []
         for layer in range(LAYERS):
             o = torch.zeros_like(q)
@@ -1173,7 +1180,7 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
     # a slot whose request sat a step out (retracted, paused) selects again when it is back
     step(state, [1], [300])
     selections = state.stats["selections"]
-    step(state, [0], [n0 + 20])
+    step(state, [0], [400 + 20])
     assert state.stats["selections"] == selections + 1
 
 
@@ -1206,16 +1213,9 @@ def test_a_vote_serves_vote_interval_steps_and_the_steps_between_rerank_it(ops_c
     pool = FakePool(2, seed=3, device=device)
     state = make_state(pool, ops_cls, vote_interval=3)
     every = make_state(pool, ops_cls)
-    g = torch.Generator().manual_seed(0)
-    n0 = 400  # the region grows when the context passes 416 (as in the reselect test)
     votes, kept, last, age, changed = [], None, None, 0, 0
-    for t in range(20):
-        q = torch.randn(1, HQ, D, generator=g).to(device)
-        before = state.stats["selections"]
-        step(state, [0], [n0 + t])
-        step(every, [0], [n0 + t])
-        votes.append(state.stats["selections"] > before)
-        n_ret = state.slots[0].n_ret
+    for q, voted, n_ret in _interval_steps(state, every, device):
+        votes.append(voted)
         got = _selected_per_head(state, q)
         if votes[-1]:
             assert got == _selected_per_head(every, q)

@@ -148,6 +148,24 @@ def _gather_alternatives(layer, q, rounds: int = 5) -> dict:
     return out
 
 
+def _pool_state(cfg, batch: int, capacity: int, req_to_token, pool_k, pool_v):
+    """A one-layer ``SparseDecodeState`` with ``KernelIndexOps`` over the pool ``pool_k/v``
+    (``[slots, kv_heads, D]``), warmed up."""
+    import torch
+    from sglang_pic.sparse.decode_state import SparseDecodeState
+    from sglang_pic.sparse.index_ops import KernelIndexOps
+
+    ops = KernelIndexOps(1, batch, Q_HEADS, KV_HEADS, HEAD_DIM, capacity, TOPK, cfg.candidates,
+                         cfg.attended, "cuda", rerank_between=cfg.vote_interval > 1)
+    state = SparseDecodeState(cfg, ops, layer_ids=[0], q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                              head_dim=HEAD_DIM, capacity=capacity, max_batch=batch,
+                              req_to_token=req_to_token, device="cuda", dtype=torch.bfloat16)
+    state.key_buffer = lambda layer: pool_k
+    state.value_buffer = lambda layer: pool_v
+    state.warm_up()
+    return state
+
+
 def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
     """The server's sparse path for one layer, as ``pariskv_flashinfer`` runs it: a
     ``SparseDecodeState`` over a KV pool laid out as SGLang's (``[slots, kv_heads, D]``, slot 0
@@ -158,8 +176,6 @@ def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
     import torch
     import triton
     from sglang_pic.sparse.config import SparseDecodeConfig
-    from sglang_pic.sparse.decode_state import SparseDecodeState
-    from sglang_pic.sparse.index_ops import KernelIndexOps
 
     pad_k = torch.zeros(1, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     pool_k, pool_v = torch.cat([pad_k, *ks]), torch.cat([pad_k, *vs])
@@ -168,14 +184,7 @@ def _server_layer(batch: int, ctx: int, c: int, q, ks, vs, ref) -> dict:
                              local=LOCAL, update=UPDATE, max_requests=batch)
     cfg.validate()
     capacity = ctx - SINK - LOCAL
-    ops = KernelIndexOps(1, batch, Q_HEADS, KV_HEADS, HEAD_DIM, capacity, TOPK, c,
-                         cfg.attended, "cuda")
-    state = SparseDecodeState(cfg, ops, layer_ids=[0], q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                              head_dim=HEAD_DIM, capacity=capacity, max_batch=batch,
-                              req_to_token=req_to_token, device="cuda", dtype=torch.bfloat16)
-    state.key_buffer = lambda layer: pool_k
-    state.value_buffer = lambda layer: pool_v
-    state.warm_up()
+    state = _pool_state(cfg, batch, capacity, req_to_token, pool_k, pool_v)
     rows, lens = list(range(batch)), [ctx] * batch
     lens_dev = torch.tensor(lens, device="cuda")
     activation_s = []
@@ -215,18 +224,9 @@ def _between_votes_layer(batch: int, ctx: int, cfg, capacity: int, q, pool_k, po
 
     import torch
     import triton
-    from sglang_pic.sparse.decode_state import SparseDecodeState
-    from sglang_pic.sparse.index_ops import KernelIndexOps
 
-    cfg = dataclasses.replace(cfg, vote_interval=4)
-    ops = KernelIndexOps(1, batch, Q_HEADS, KV_HEADS, HEAD_DIM, capacity, TOPK, cfg.candidates,
-                         cfg.attended, "cuda", rerank_between=True)
-    state = SparseDecodeState(cfg, ops, layer_ids=[0], q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                              head_dim=HEAD_DIM, capacity=capacity, max_batch=batch,
-                              req_to_token=req_to_token, device="cuda", dtype=torch.bfloat16)
-    state.key_buffer = lambda layer: pool_k
-    state.value_buffer = lambda layer: pool_v
-    state.warm_up()
+    state = _pool_state(dataclasses.replace(cfg, vote_interval=4), batch, capacity,
+                        req_to_token, pool_k, pool_v)
     out = torch.zeros_like(q)
     rows = list(range(batch))
     for n in (ctx - 1, ctx):  # a vote, then a step between votes
