@@ -266,6 +266,9 @@ SPARSE_512K_PATH = ("one request, Llama-3-8B shape, dummy weights, decode CUDA g
                     "(threshold 32K, top-k 100, 4096 candidates, 6-bit vote planes, "
                     "--sparse-max-requests 1)")
 SPARSE_AGREEMENT = "sparse_agreement_cpu.json"  # benchmark/quality/sparse_agreement.py --cpu
+# the same with --candidates 256 (the vote keeps a tenth of a passage's keys, as 4096 of 32K
+# would; at 4096 it keeps every key of these 2400-token passages): per step, -v4, -r4
+SPARSE_AGREEMENT_C256 = "sparse_agreement_cpu_c256.json"
 SPARSE_AGREEMENT_PATH = ("SmolLM2-135M-Instruct, bf16, SGLang's CPU engine: 16 passages of this "
                          "repository's docs (2400 tokens each) and a request for a summary, 64 "
                          "greedy tokens; ParisKV (pariskv_torch_native) from 1024 tokens, the "
@@ -674,6 +677,21 @@ CLAIMS: list[Claim] = [
                 "server parts from dense earlier", baseline="sglang-pic-sparse",
                 ours=f"sglang-pic-sparse-r{n}", vanilla_side=False))
       for n in (2, 4)],
+    *[Claim(f"sparse.agreement_cpu_c256.{name}", SPARSE_AGREEMENT_C256, "first_divergence",
+            baseline_variant="sglang-pic-sparse", ours_variant=variant, higher_is_better=True,
+            center=statistics.mean,
+            path=SPARSE_AGREEMENT_PATH + f", --sparse-candidates 256, {what} against a "
+            "selection at every step (same candidates)",
+            extract=_metric_pair(
+                "first_divergence", "first_divergence",
+                "design comparison, no vanilla side: steps (of 64) each server's greedy tokens "
+                "equal dense torch_native's, mean over 16 passages; ratio < 1: it parts from "
+                "dense earlier than per-step selection", baseline="sglang-pic-sparse",
+                ours=variant, vanilla_side=False))
+      for name, variant, what in (
+          ("vote4", "sglang-pic-sparse-v4",
+           "--sparse-vote-interval 4 (a vote every 4 steps, its candidates reranked between)"),
+          ("reselect4", "sglang-pic-sparse-r4", "--sparse-reselect-interval 4"))],
     *[Claim(f"sparse.quality.recall_{length}", SPARSE_QUALITY, "recall", baseline_variant=None,
             ours_variant="sglang-pic-sparse", higher_is_better=True, center=statistics.mean,
             path=f"SmolLM2-135M-Instruct real keys (HF float32), ~{length.upper()}-token needle "
