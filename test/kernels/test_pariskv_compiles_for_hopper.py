@@ -38,6 +38,7 @@ if __name__ == "__main__":  # the child: Triton's compiler, not the interpreter
 # the table's names, read without importing the kernels into this (interpreter) process
 NAMES = ("encode", "encode_rotated", "query", "plane", "sampled_vote", "vote_select",
          "merge_candidates", "gather_rerank", "rerank", "topk", "topk_t4", "topk_keep",
+         "merge_candidates_reuse", "rerank_reuse", "topk_reuse",
          "attention_pool",
          "attention_host", "attention_merge", "query_own_rows", "attention_host_own_rows",
          "attention_merge_own_rows")

@@ -41,6 +41,9 @@ _ATTN_CONSTS = {"G": 4, "D": 128, "CHUNK": 256, "SEL_CHUNK": 32, "BLOCK_T": 32, 
 
 _TOPK = {"Est": "*fp32", "Cand": "*i32", "Sel": "*i32", "NRet": "*i32", "NSel": "*i32",
          "Last": "*i32", "Shift": "*i32"}
+_RERANK = {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
+           "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32", "NKeys": "*i32",
+           "NSel": "*i32", "Shift": "*i32"}
 
 LAUNCHES: dict[str, tuple] = {
     "encode": (encode._encode_kernel,
@@ -71,7 +74,7 @@ LAUNCHES: dict[str, tuple] = {
     "merge_candidates": (select._merge_kernel,
                          {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
                           "NRet": "*i32"},
-                         {"NPROG": 256, "BLOCK": 256}),
+                         {"NPROG": 256, "BLOCK": 256, "REUSE": False}),
     # the rerank placing the vote programs' kept keys itself (``GATHER_IN_RERANK``)
     "gather_rerank": (select._gather_rerank_kernel,
                       {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32", "Cand": "*i32",
@@ -79,14 +82,21 @@ LAUNCHES: dict[str, tuple] = {
                        "Qt": "*fp32", "Qnorm": "*fp32", "SignedLevels": "*fp32"},
                       {"B": 32, "G": 4, "NPROG": 256, "STEPS": 9, "BLOCK_C": 64}),
     "rerank": (select._rerank_kernel,
-               {"Cand": "*i32", "Need": "*i32", "Codes": "*u8", "W": "*fp16", "Qt": "*fp32",
-                "Qnorm": "*fp32", "SignedLevels": "*fp32", "Est": "*fp32"},
-               {"B": 32, "G": 4, "BLOCK_C": 64}),
-    "topk": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1}),
-    "topk_t4": (select._topk_kernel, _TOPK,
-                {"CP": 4096, "KP": 128, "T": 4}),  # bench_topk.py's alternative search
+               _RERANK, {"B": 32, "G": 4, "BLOCK_C": 64, "REUSE": False}),
+    "topk": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1, "REUSE": False}),
+    "topk_t4": (select._topk_kernel, _TOPK,  # bench_topk.py's alternative search
+                {"CP": 4096, "KP": 128, "T": 4, "REUSE": False}),
     # --sparse-reselect-interval > 1: the layer's selection kept, moved on between selections
-    "topk_keep": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1, "KEEP": True}),
+    "topk_keep": (select._topk_kernel, _TOPK,
+                  {"CP": 4096, "KP": 128, "T": 1, "KEEP": True, "REUSE": False}),
+    # --sparse-vote-interval > 1: the layer's kept vote, reranked moved on between votes
+    "merge_candidates_reuse": (select._merge_kernel,
+                               {"Kept": "*i32", "CountA": "*i32", "CountE": "*i32",
+                                "Cand": "*i32", "NRet": "*i32"},
+                               {"NPROG": 256, "BLOCK": 256, "REUSE": True}),
+    "rerank_reuse": (select._rerank_kernel, _RERANK,
+                     {"B": 32, "G": 4, "BLOCK_C": 64, "REUSE": True}),
+    "topk_reuse": (select._topk_kernel, _TOPK, {"CP": 4096, "KP": 128, "T": 1, "REUSE": True}),
     "attention_pool": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": True}),
     "attention_host": (attention._partial_kernel, _ATTN, {**_ATTN_CONSTS, "POOL": False}),
     "attention_merge": (attention._merge_kernel,
@@ -102,7 +112,7 @@ for _name in ("query", "attention_host", "attention_merge"):
 
 # warps the server launches a kernel with, where it is not Triton's default of 4
 SERVER_WARPS = {name: select.topk_warps(LAUNCHES[name][2]["CP"])
-                for name in ("topk", "topk_t4", "topk_keep")}
+                for name in ("topk", "topk_t4", "topk_keep", "topk_reuse")}
 
 
 def compile_for_hopper(name: str, num_warps: int | None = None):
