@@ -17,8 +17,9 @@ COUNTERS = {  # SparseDecodeState.stats key -> (metric name, help)
                       "Retrieval-region tokens a request found encoded by an earlier request "
                       "with the same prefix (not encoded again)."),
     "selections": ("sglang_pic:sparse_selections",
-                   "Decode steps of sparse requests that selected their keys (the others "
-                   "attended their last selection: --sparse-reselect-interval)."),
+                   "Decode steps of sparse requests that voted and selected their keys (the "
+                   "others attended their last selection, --sparse-reselect-interval, or "
+                   "reranked their last vote's candidates, --sparse-vote-interval)."),
     "offloaded_tokens": ("sglang_pic:sparse_offloaded_tokens",
                          "Tokens whose KV moved to host memory, their GPU pool slots freed "
                          "(--sparse-offload)."),
