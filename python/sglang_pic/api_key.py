@@ -85,19 +85,6 @@ class Choice:
     insecure: bool
 
 
-def argv_key(argv: list[str]) -> str | None:
-    """The (last) value of SGLang's ``--api-key`` in ``argv``. Abbreviations need not be looked
-    for: with our ``--api-key-file`` in SGLang's parser, ``--api-ke`` is ambiguous there, and
-    refused."""
-    found = None
-    for i, a in enumerate(argv):
-        if a.startswith(SGLANG_FLAG + "="):
-            found = a.split("=", 1)[1]
-        elif a == SGLANG_FLAG and i + 1 < len(argv):
-            found = argv[i + 1]
-    return found
-
-
 def without_argv_key(argv: list[str]) -> list[str]:
     """``argv`` without ``--api-key KEY`` / ``--api-key=KEY``."""
     out: list[str] = []
@@ -141,7 +128,7 @@ def choose(given: Mapping[str, Any], argv: list[str],
     env = os.environ if environ is None else environ
     insecure = INSECURE_FLAG in given
     key = source = None
-    if (flag_key := argv_key(argv)) is not None:
+    if (flag_key := value_of(argv, SGLANG_FLAG)) is not None:
         key, source = flag_key, SGLANG_FLAG
     elif FILE_FLAG in given:
         source = f"{FILE_FLAG} {given[FILE_FLAG]}"
@@ -237,7 +224,7 @@ def _note_command_line(prog: str) -> None:
 def off_command_line(argv: list[str], prog: str) -> tuple[list[str], dict[str, str]]:
     """For the launcher, before it starts the server process: ``argv`` without ``--api-key``,
     and the variables that carry its key instead (a note on stderr says why)."""
-    key = argv_key(argv)
+    key = value_of(argv, SGLANG_FLAG)
     if key is None:
         return argv, {}
     _note_command_line(prog)

@@ -188,9 +188,10 @@ class TorchIndexOps:
             if n == 0 or index is None:
                 continue
             qg = q[s].float().view(kv_heads, self.G, d)
+            gone = None  # candidates moved into the window (a step between votes)
             if fresh == 0 and self.rerank_between:  # its last vote's candidates, moved on
                 moved = self.last_cand[layer][s] + shifts[s]
-                gone = moved >= n  # moved into the window
+                gone = moved >= n
                 cand = moved.clamp(max=n - 1)
             elif fresh == 0:  # the slot attends its last selection, moved on
                 moved = last[s] + shifts[s]
@@ -201,14 +202,15 @@ class TorchIndexOps:
                 votes = index.coarse_votes(qn.sum(1))[:, :n]  # similarity votes are linear in q
                 cand = votes.topk(min(self.c, n), dim=-1).indices
                 self.last_cand[layer][s] = cand
-                gone = torch.zeros_like(cand, dtype=torch.bool)
             est = torch.stack([index.estimate(qg[:, g], cand) for g in range(self.G)]).amax(0)
-            est = est.masked_fill(gone, -math.inf)
             k = min(self.k, cand.shape[1])
-            top = est.topk(k, dim=-1)
-            out[s, :, :k] = torch.where(top.values > -math.inf, cand.gather(1, top.indices), -1).int()
-            if fresh:
+            if gone is None:
+                out[s, :, :k] = cand.gather(1, est.topk(k, dim=-1).indices).int()
                 last[s] = out[s]
+                continue
+            top = est.masked_fill(gone, -math.inf).topk(k, dim=-1)
+            out[s, :, :k] = torch.where(top.values > -math.inf, cand.gather(1, top.indices),
+                                        -1).int()
         return out
 
     def start_window(self, *args, **kwargs) -> None:
