@@ -66,6 +66,9 @@ from sglang_pic.server_flags import UsageError, parse
 ENV = "SGLANG_PIC_API_KEY"
 SGLANG_FLAG = "--api-key"
 FILE_FLAG = "--api-key-file"
+ADMIN_ENV = "SGLANG_PIC_ADMIN_API_KEY"
+ADMIN_SGLANG_FLAG = "--admin-api-key"
+ADMIN_FILE_FLAG = "--admin-api-key-file"
 INSECURE_FLAG = "--insecure"
 DEFAULT_PORT = 30000
 """SGLang's ``ServerArgs.port``."""
@@ -85,16 +88,16 @@ class Choice:
     insecure: bool
 
 
-def without_argv_key(argv: list[str]) -> list[str]:
-    """``argv`` without ``--api-key KEY`` / ``--api-key=KEY``."""
+def without_argv_key(argv: list[str], flag: str = SGLANG_FLAG) -> list[str]:
+    """``argv`` without ``--api-key KEY`` / ``--api-key=KEY`` (or ``flag``'s)."""
     out: list[str] = []
     skip = False
     for i, a in enumerate(argv):
         if skip:
             skip = False
-        elif a.startswith(SGLANG_FLAG + "="):
+        elif a.startswith(flag + "="):
             pass
-        elif a == SGLANG_FLAG and i + 1 < len(argv):
+        elif a == flag and i + 1 < len(argv):
             skip = True
         else:
             out.append(a)
@@ -110,15 +113,15 @@ def check_key(key: str, source: str) -> str:
     return key
 
 
-def read_key_file(path: str) -> str:
+def read_key_file(path: str, flag: str = FILE_FLAG) -> str:
     """The key in the file at ``path`` (one line); ``UsageError`` when the file is not private
     or cannot be read."""
     try:
         text = read_private(path)
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise UsageError(f"{FILE_FLAG} {path}: {reason.removeprefix(f'{path}: ')}") from None
-    return check_key(text.strip(), f"{FILE_FLAG} {path}")
+        raise UsageError(f"{flag} {path}: {reason.removeprefix(f'{path}: ')}") from None
+    return check_key(text.strip(), f"{flag} {path}")
 
 
 def choose(given: Mapping[str, Any], argv: list[str],
@@ -140,6 +143,23 @@ def choose(given: Mapping[str, Any], argv: list[str],
         raise UsageError(f"{INSECURE_FLAG} and an API key ({source}) exclude each other")
     key = read_key_file(given[FILE_FLAG]) if key is None else check_key(key, source)
     return Choice(key, source, insecure)
+
+
+def choose_admin(given: Mapping[str, Any], argv: list[str], api_key: str | None,
+                 environ: Mapping[str, str] | None = None) -> str | None:
+    """The admin key (SGLang's ``--admin-api-key``, ``--admin-api-key-file``,
+    ``$SGLANG_PIC_ADMIN_API_KEY``: the first found), checked, or None: the admin API stays off.
+    It must differ from the API key, or every client would hold it. Raises ``UsageError``."""
+    env = os.environ if environ is None else environ
+    if (key := value_of(argv, ADMIN_SGLANG_FLAG)) is not None:
+        key = check_key(key, ADMIN_SGLANG_FLAG)
+    elif ADMIN_FILE_FLAG in given:
+        key = read_key_file(given[ADMIN_FILE_FLAG], ADMIN_FILE_FLAG)
+    elif env.get(ADMIN_ENV):
+        key = check_key(env[ADMIN_ENV], f"${ADMIN_ENV}")
+    if key is not None and api_key is not None and secrets.compare_digest(key, api_key):
+        raise UsageError("the admin key must differ from the API key")
+    return key
 
 
 UNCHECKED_LISTENERS = {
@@ -224,11 +244,15 @@ def _note_command_line(prog: str) -> None:
 def off_command_line(argv: list[str], prog: str) -> tuple[list[str], dict[str, str]]:
     """For the launcher, before it starts the server process: ``argv`` without ``--api-key``,
     and the variables that carry its key instead (a note on stderr says why)."""
-    key = value_of(argv, SGLANG_FLAG)
-    if key is None:
-        return argv, {}
-    _note_command_line(prog)
-    return without_argv_key(argv), {ENV: key}
+    env = {}
+    for flag, name in ((SGLANG_FLAG, ENV), (ADMIN_SGLANG_FLAG, ADMIN_ENV)):
+        key = value_of(argv, flag)
+        if key is not None:
+            env[name] = key
+            argv = without_argv_key(argv, flag)
+    if env:
+        _note_command_line(prog)
+    return argv, env
 
 
 def _warn_insecure(argv: list[str], prog: str) -> None:
@@ -251,15 +275,18 @@ def hand_over(given: Mapping[str, Any], argv: list[str], prog: str,
     generated once the server's start has passed every check: ``generate_unless_given``).
     Raises ``UsageError``."""
     choice = choose(given, argv)
-    if choice.source == SGLANG_FLAG:
+    admin = choose_admin(given, argv, choice.key)
+    if choice.source == SGLANG_FLAG or value_of(argv, ADMIN_SGLANG_FLAG) is not None:
         _note_command_line(prog)
-    argv = without_argv_key(argv)
+    argv = without_argv_key(without_argv_key(argv), ADMIN_SGLANG_FLAG)
     if require and choice.insecure:
         _warn_insecure(argv, prog)
     elif require and choice.key is None:
         port_of(argv)
     if choice.key is not None:
         os.environ[ENV] = choice.key
+    if admin is not None:
+        os.environ[ADMIN_ENV] = admin
     return argv
 
 
@@ -308,30 +335,41 @@ def to_sglang(argv: list[str]) -> list[str]:
     """In the process that parses SGLang's flags (``prepare_server_args``): ``argv`` with
     ``--api-key`` set to the key handed over, which leaves this process's environment (SGLang's
     processes get it inside ``ServerArgs``); ``argv`` unchanged when none was."""
-    key = os.environ.pop(ENV, None)
-    if not key:
-        return argv
-    # one token: argparse reads a separate value that starts with "-" (token_urlsafe's alphabet
-    # has it) as the next option and stops with "--api-key: expected one argument"
-    return [*without_argv_key(argv), f"{SGLANG_FLAG}={key}"]
+    for flag, name in ((SGLANG_FLAG, ENV), (ADMIN_SGLANG_FLAG, ADMIN_ENV)):
+        key = os.environ.pop(name, None)
+        if key:
+            # one token: argparse reads a separate value that starts with "-" (token_urlsafe's
+            # alphabet has it) as the next option and stops with "--api-key: expected one
+            # argument"
+            argv = [*without_argv_key(argv, flag), f"{flag}={key}"]
+    return argv
 
 
 AUTH_DECISION = "sglang.srt.utils.auth.decide_request_auth"
 
 
-def ascii_credentials(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """SGLang's auth decision, for a request whose ``Authorization`` header is not ASCII as for
-    one without the header (``compare_digest`` raises on such text: a 500)."""
+def decide_auth(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's auth decision, with two changes: a request whose ``Authorization`` header is not
+    ASCII is decided as one without the header (``compare_digest`` raises on such text: a 500),
+    and the admin routes of ``frontdoor.endpoints`` need the admin key (SGLang's
+    ``ADMIN_FORCE``: 403 without an admin key configured), whatever level SGLang gave them (it
+    lets the API key reach most of them when no admin key is set)."""
+    from sglang.srt.utils.auth import AuthLevel
+
+    from sglang_pic.frontdoor.endpoints import ADMIN
+
     header = kwargs.get("authorization_header")
     if header is not None and not header.isascii():
         kwargs["authorization_header"] = None
+    if kwargs.get("path") in ADMIN:
+        kwargs["auth_level"] = AuthLevel.ADMIN_FORCE
     return original(*args, **kwargs)
 
 
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(AUTH_DECISION, ascii_credentials, HookType.AROUND)
+    HookRegistry.register(AUTH_DECISION, decide_auth, HookType.AROUND)
 
 
 def client_key(url: str, environ: Mapping[str, str] | None = None) -> str | None:

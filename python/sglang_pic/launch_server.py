@@ -90,7 +90,9 @@ def check(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
     sglang_flags.refuse_unknown(rest)
     env = server_flags.handed_over(given)
     serve_conflicts.refuse(given, rest)
-    api_key.refuse_unchecked(api_key.choose(given, rest), rest)
+    choice = api_key.choose(given, rest)
+    api_key.choose_admin(given, rest, choice.key)
+    api_key.refuse_unchecked(choice, rest)
     return given, rest, env
 
 

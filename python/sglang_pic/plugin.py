@@ -13,12 +13,13 @@ wrong tokens, e.g. sparse rows replaying the dense CUDA graph):
 | capability                     | SGLang seam                                                    |
 |--------------------------------|----------------------------------------------------------------|
 | request validation             | BEFORE hook on `TokenizerManager.generate_request` (400, not 500) |
-| API key (`api_key`)            | AROUND hook on `sglang.srt.utils.auth.decide_request_auth`: a non-ASCII `Authorization` header is decided as none (401, not a 500 with a traceback) |
+| API key (`api_key`)            | AROUND hook on `sglang.srt.utils.auth.decide_request_auth`: a non-ASCII `Authorization` header is decided as none (401, not a 500 with a traceback), and the admin routes of `frontdoor.endpoints` need the admin key |
+| HTTP front door (`frontdoor`)  | BEFORE hook on `http_server.launch_server` (the `FrontDoor` middleware: route allowlist, admin key, body size and time, span rewrite, one schema per body) and AROUND `uvicorn.config.Config.load` (header deadline and connection cap in uvicorn's protocol class) |
 | secret redaction (`redaction`) | AROUND hook on `ServerArgs.__repr__` (the start-up log) and AFTER hooks on `TokenizerManager.resolved_config_dict` / `RuntimeContext.resolved_server_args_dict` (`/server_info`): `api_key`, `admin_api_key`, `ssl_keyfile_password` shown as `<redacted>` |
 | our server flags (`sglang_launcher`) | AROUND hooks on `ServerArgs.add_cli_args` (our flag groups, first in `--help`) and `prepare_server_args` (our flags checked and translated, the API key handed over as `--api-key` in memory: `api_key`), so SGLang's own launchers take them too |
 | position-free KV (`position_free`) | `register_attention_backend` (`pic_flashinfer`, `pic_triton`, `pic_torch_native`) + AFTER hook on `ForwardBatch.init_new` (slot positions, span requests' own turned copies of moved pages with `--span-copy-on-reuse`, batches that read moved keys) + AROUND hooks on `DecodeCudaGraphRunner` / `PrefillCudaGraphRunner.can_run_graph` (on `pic_flashinfer` those batches keep off FlashInfer's graphs) and, for `--position-free-span-graphs`, on `DecodeCudaGraphRunner._capture_one_stream` / `_make_graph_key` (a second decode graph set) |
 | CPU twins of `torch_native`    | one AROUND hook on `support_triton` (`pic_torch_native`, `pariskv_torch_native` answer False) |
-| span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests', and sub-requests alone just over the chunk budget go in one pass; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`) and the HTTP app (`spans` field); table in `spans/__init__.py` |
+| span cache (`spans`)           | `register_radix_cache_backend` (`pic_span`) + hooks on TokenizerManager (markers -> layout), Scheduler (span sub-requests, ISPS, cancellation; `get_new_batch_prefill`: a request joins the batch right after its sub-requests', and sub-requests alone just over the chunk budget go in one pass; `init_load_inquirer` swaps in `SpanLoadInquirer` for `/v1/loads`), the output streamer (`get_cached_tokens_details`); the `spans` field is resolved by the front door (`spans.http.resolve`); table in `spans/__init__.py` |
 | SAE eviction (`eviction`)      | AROUND hooks on `RadixCache` events (and `HiRadixCache`'s overrides, its host-tier `evict_host`, device-to-host `_evict_backuped`, write-through's `write_backup` (the policy may defer a copy) and `write_back`'s `_drop_subtree_no_host`; our `SpanRadixCache`'s `match_prefix`, `cache_finished_req`, `cache_unfinished_req`, which bypass `RadixCache`'s for span requests, with `eviction.context.segment_at` around each segment's insert); with `SGLANG_PIC_SAE_STATS` only, on `Scheduler.run_batch` / `on_idle` (step timing) |
 | sparse decode (`sparse`)       | `register_attention_backend` (`pariskv_triton`, `pariskv_flashinfer`, `pariskv_torch_native`) + AROUND hooks on `DecodeCudaGraphRunner` (`_capture_one_stream` / `_make_graph_key`: a second graph set with the sparse part, and on `pariskv_flashinfer` a third for batches of only sparse rows, without the dense decode; `load_batch`: the batch for the replay-side metadata) + an AFTER hook on `ForwardBatch.init_new` (each request's row as host ints: a sparse step's bookkeeping reads no GPU tensor), a BEFORE hook on `TokenizerManager._validate_one_request` (with `--sparse-offload`: a request longer than its host region is a 400); with `--sparse-offload`, an AROUND hook on `Scheduler.get_new_batch_prefill`, and for prompts longer than the pool (`sparse/prefill_offload.py`) AFTER `TpModelWorker.get_worker_info` (the input cap), AROUND `Scheduler.init_req_max_new_tokens`, AROUND `PrefillAdder.add_one_req` (admission) and AROUND `PrefillCudaGraphRunner.can_run_graph` (batches that may attend an offloaded prefix run eagerly) |
 | HiCache storage I/O (`store.idle_yield`, `store.prefetch_trace`) | AROUND hook on `Scheduler.on_idle`: while a storage prefetch or write-back is in flight and nothing runs, the idle pass ends with a `--hicache-storage-idle-yield-us` nap, so the storage threads get the GIL, and AROUND `HiCacheController._storage_hit_query` (a storage lookup in flight: the idle pass waits for its end instead); with `--ptstore-trace`, AROUND `HiRadixCache.check_prefetch_progress` (a trace line when the scheduler takes a finished prefetch) and AFTER `Scheduler.get_new_batch_prefill` (one per prefill batch formed) |
@@ -83,6 +84,7 @@ def register() -> None:
     from sglang_pic import (
         api_key,
         eviction,
+        frontdoor,
         position_free,
         redaction,
         request_validation,
@@ -111,6 +113,7 @@ def register() -> None:
     steps: list[tuple[str, Callable[[], None]]] = [
         ("request-validation", validation),
         ("api-key", api_key.register),
+        ("front-door", frontdoor.register),
         ("secret-redaction", redaction.register),
         ("server-flags", sglang_launcher.register),
         ("position-free-kv", position_free.register),

@@ -24,10 +24,10 @@ function every generation entry point goes through (``/generate``, the OpenAI an
 endpoints, ``Engine.generate``), after the span resolver (so ``input_ids`` carry no span markers
 by then; on a span server they are accepted anyway, in case the order changes). It raises
 ``ValueError``, which SGLang's HTTP layer answers with a 400 and the message.
-``check_openai_body`` is called by the HTTP middleware (``spans/http.py``, installed on every
-server) for the OpenAI bodies whose SGLang validators crash on malformed input instead of reporting
-it, and for span markers in chat messages: SGLang applies the chat template and tokenizes before
-``generate_request``, so the hook sees only token ids there, no marker strings.
+The HTTP front door (``sglang_pic.frontdoor``) checks every body against its endpoint's schema
+first; this hook is the second line, and the only one for ``Engine``. The front door also calls
+``refuse_openai_span_markers`` for the OpenAI and Anthropic bodies: SGLang applies the chat
+template and tokenizes before ``generate_request``, so the hook sees only token ids there.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def validate_sampling_params(params: Any) -> None:
 MAX_N = 128
 """Most completions one request may ask for (``n``; OpenAI's limit): SGLang copies the request
 ``n`` times in a loop of the tokenizer's event loop, without yielding."""
+INT32_MAX = 2**31 - 1
+"""``top_k`` and token counts must fit the int32 tensors SGLang puts them in."""
 MAX_SEED = 2**63
 """``sampling_seed`` must fit the int64 tensor SGLang puts it in."""
 
@@ -117,6 +119,9 @@ _RANGES = {
     **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"), _finite),
     "n": _in_range(1, MAX_N),
+    "top_k": _in_range(-1, INT32_MAX),
+    "max_new_tokens": _in_range(0, INT32_MAX),
+    "min_new_tokens": _in_range(0, INT32_MAX),
     "stream_interval": _in_range(1, 1 << 20),
     "sampling_seed": _in_range(0, MAX_SEED - 1),
     "logit_bias": _finite_bias,
@@ -254,6 +259,10 @@ def validate_logprob_params(obj: Any, vocab_size: int) -> None:
     """``top_logprobs_num`` within ``[0, min(vocab_size, MAX_TOP_LOGPROBS)]``; ``token_ids_logprob``
     in the vocabulary and no longer than it."""
     cap = min(vocab_size, MAX_TOP_LOGPROBS)
+    for start in _per_item(getattr(obj, "logprob_start_len", None)):
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)
+                                  or not -1 <= start <= INT32_MAX):
+            raise ValueError(f"logprob_start_len must be an integer >= -1, got {start!r}")
     for n in _per_item(getattr(obj, "top_logprobs_num", None)):
         if n is None:
             continue
@@ -351,45 +360,18 @@ def check_generate_request(self, obj, *args, **kwargs) -> None:
         )
 
 
-def check_openai_body(path: str, body: bytes, span_cache_enabled: bool | None = None) -> None:
-    """Raise ValueError when SGLang's pydantic model for ``path`` would crash on ``body`` (JSON),
-    or when the body carries span markers and the span cache is off (``span_cache_enabled``;
-    None: this process's server, see ``_server_span_cache_enabled``).
-
-    ``ChatCompletionRequest``'s before-validators call ``.get`` on the body and on
-    ``response_format`` without checking their type, so ``"hello"`` or ``"response_format": "x"``
-    raised AttributeError: a 500. The body is validated here on its own parse (the validators
-    modify what they are given); what pydantic reports properly is left to SGLang's own 400.
-    """
-    import orjson
-    from pydantic import ValidationError
-
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return  # SGLang answers invalid JSON with a 400 itself
+def refuse_openai_span_markers(data: Any) -> None:
+    """Span markers in an OpenAI ``prompt``, in any chat message's text or in an Anthropic
+    ``system`` prompt are refused (called where the span cache is off)."""
     if not isinstance(data, dict):
-        raise ValueError(f"the request body must be a JSON object, got {_json_type(data)}")
-    model = _openai_model(path)
-    if model is None:
         return
-    try:
-        model.model_validate(data)
-    except ValidationError:
-        return
-    except Exception as e:  # a validator that assumed a shape the body does not have
-        raise ValueError(
-            f"malformed {path} request: a field has the wrong type ({type(e).__name__}: {e})"
-        ) from None
-    if span_cache_enabled is None:
-        span_cache_enabled = _server_span_cache_enabled()
-    if not span_cache_enabled:
-        refuse_openai_span_markers(data)
-
-
-def refuse_openai_span_markers(data: dict) -> None:
-    """Span markers in an OpenAI ``prompt`` or in any chat message's text are refused."""
     refuse_span_markers("prompt", data.get("prompt"))
+    system = data.get("system")
+    if isinstance(system, list):
+        refuse_span_markers("system", [p.get("text") if isinstance(p, dict) else None
+                                       for p in system])
+    else:
+        refuse_span_markers("system", system)
     messages = data.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
@@ -398,35 +380,6 @@ def refuse_openai_span_markers(data: dict) -> None:
             refuse_span_markers(f"messages[{i}].content", texts)
         else:
             refuse_span_markers(f"messages[{i}].content", content)
-
-
-def _server_span_cache_enabled() -> bool:
-    """Whether this process's server runs the span cache, from the ServerArgs that SGLang's
-    TokenizerManager publishes in the HTTP server's process; True (check nothing here, the
-    tokenizer-side hook still checks text prompts) when none is published."""
-    from sglang.srt.server_args import get_global_server_args
-
-    from sglang_pic.spans.request import span_cache_enabled
-
-    try:
-        return span_cache_enabled(get_global_server_args())
-    except ValueError:  # "Global server args is not set yet!"
-        return True
-
-
-def _json_type(value: Any) -> str:
-    names = {str: "a string", list: "an array", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number")
-
-
-def _openai_model(path: str) -> Any:
-    from sglang.srt.entrypoints.openai import protocol
-
-    name = {
-        "/v1/chat/completions": "ChatCompletionRequest",
-        "/v1/completions": "CompletionRequest",
-    }.get(path)
-    return getattr(protocol, name) if name else None
 
 
 HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"

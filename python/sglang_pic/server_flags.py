@@ -108,6 +108,18 @@ def in_writable_directory(path: str) -> None:
         raise BadValue(f"{path!r}: no writable directory {directory}")
 
 
+def directories(raw: str) -> tuple[str, ...]:
+    """``DIR[,DIR...]``: existing folders, absolute."""
+    out = []
+    for part in raw.split(","):
+        if not part.strip():
+            raise BadValue(f"{raw!r}: an empty folder name")
+        if not os.path.isdir(part):
+            raise BadValue(f"{part!r} is not an existing folder")
+        out.append(os.path.abspath(part))
+    return tuple(out)
+
+
 def text(raw: str) -> str:
     if not raw.strip():
         raise BadValue("an empty value")
@@ -176,6 +188,8 @@ class Feature:
 
 FEATURES: dict[str, Feature] = {
     "api_key": Feature("HTTP API key (docs/security.md)", "sglang-pic serve"),
+    "frontdoor": Feature("HTTP front door: limits and the admin API (docs/security.md)",
+                         "sglang-pic serve"),
     "position_free": Feature("position-free KV", "--enable-position-free-kv "
                              "(or --enable-span-cache)"),
     "spans": Feature("span caching", "--enable-span-cache"),
@@ -230,6 +244,38 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("--insecure", "api_key",
          "serve without an API key: every process on this machine (with a --host beyond "
          "loopback, anyone who reaches the port) can use the server"),
+    # sglang_pic.frontdoor: what the HTTP server admits
+    Flag("--admin-api-key-file", "frontdoor",
+         "file holding the admin key (mode 600, 16+ printable ASCII characters, not the API "
+         "key): turns the admin endpoints on (weights, logging, profiling, flush, abort, "
+         "pause); without it (or SGLang's --admin-api-key, or $SGLANG_PIC_ADMIN_API_KEY) they "
+         "are refused to every client", parse=text, metavar="PATH"),
+    Flag("--admin-path-root", "frontdoor",
+         "folders (comma-separated) that paths in admin requests may name: profile output, "
+         "dump folders, weights and adapters to load; none: such requests are refused",
+         parse=directories, metavar="DIR[,DIR...]", env="SGLANG_PIC_ADMIN_PATH_ROOTS"),
+    Flag("--enable-weights-from-tensor", "frontdoor",
+         "let the admin key use /update_weights_from_tensor and "
+         "/load_lora_adapter_from_tensors: SGLang unpickles their bodies, so whoever holds the "
+         "admin key can run code on the server", default=False,
+         env="SGLANG_PIC_WEIGHTS_FROM_TENSOR"),
+    Flag("--max-request-mb", "frontdoor",
+         "largest request body; a larger one is refused with 413 before it is read",
+         parse=integer(1, 1024), default=16, range="1-1024", metavar="MB",
+         env="SGLANG_PIC_MAX_REQUEST_MB"),
+    Flag("--request-body-timeout-s", "frontdoor",
+         "seconds a client has to send its whole body (408 after)",
+         parse=integer(1, 3600), default=60, range="1-3600", metavar="S",
+         env="SGLANG_PIC_BODY_TIMEOUT_S"),
+    Flag("--http-header-timeout-s", "frontdoor",
+         "seconds a connection has to send a complete request head, from its opening and "
+         "from each response's end; then it is closed",
+         parse=integer(1, 600), default=10, range="1-600", metavar="S",
+         env="SGLANG_PIC_HEADER_TIMEOUT_S"),
+    Flag("--max-connections", "frontdoor",
+         "open HTTP connections at most; a connection past it is closed at once",
+         parse=integer(16, 1 << 20), default=1024, range="16-1048576", metavar="N",
+         env="SGLANG_PIC_MAX_CONNECTIONS"),
     Flag("--enable-position-free-kv", "position_free",
          "a cached span's keys serve it at any offset: keys kept where computed, turned by the "
          "distance moved when read (selects the pic_ twin of --attention-backend: flashinfer "

@@ -11,7 +11,6 @@ position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, 
 |-------------------|----------------------------------------------------------------|----------------|
 | tokenizer         | AFTER ``TokenizerManager.init_tokenizer_and_processor``: markers become special tokens | ``request`` |
 | tokenizer         | BEFORE ``TokenizerManager.generate_request``: markers -> padded ids + layout (400 on bad input) | ``request`` |
-| HTTP server       | BEFORE ``http_server.launch_server``: middleware turning the ``spans`` field into a prompt | ``http`` |
 | scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
 | scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
 | scheduler         | AROUND ``Scheduler.get_new_batch_prefill``: requests whose sub-requests the last batch completed join this batch; span prefills alone that overshoot the chunk budget by at most 1/8 go in one pass | ``planner`` |
@@ -47,7 +46,7 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import http, request
+    from . import request
     from .radix_cache import create_span_radix_cache
 
     register_radix_cache_backend(BACKEND, create_span_radix_cache)
@@ -60,11 +59,6 @@ def register() -> None:
         (
             f"{_TOKENIZER_MANAGER}.generate_request",
             request.resolve_generate_request,
-            HookType.BEFORE,
-        ),
-        (
-            "sglang.srt.entrypoints.http_server.launch_server",
-            http.install_middleware,
             HookType.BEFORE,
         ),
         (f"{_SCHEDULER}.handle_generate_request", _on_generate_request, HookType.AROUND),

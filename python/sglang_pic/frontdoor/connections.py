@@ -1,0 +1,93 @@
+"""Bounds on connections before any request exists: a header deadline and a connection cap.
+
+uvicorn (SGLang's HTTP server) times out idle keep-alive connections, but not a connection that
+has not sent a whole request head: about 20,000 connections that never finished their headers
+filled the process's file descriptors, and real clients got empty replies. ``guarded(base)``
+subclasses uvicorn's HTTP protocol (h11 or httptools, whichever uvicorn picked):
+
+* a connection must deliver a complete request head within ``header_timeout_s`` of opening, and
+  of each response's end (the idle time of keep-alive counts too), else it is closed; while a
+  request runs (a long generation, a stream) no deadline applies;
+* past ``max_connections`` open connections, a new one is closed at once.
+
+An AROUND hook on ``uvicorn.config.Config.load`` swaps the protocol class in, for every way SGLang
+starts uvicorn (``uvicorn.run`` and ``Config``/``Server``); the limits come from our flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    max_connections: int
+
+
+@cache
+def guarded(base: type, limits: ConnectionLimits) -> type:
+    """``base`` (a uvicorn HTTP protocol class) with ``limits``."""
+
+    class Guarded(base):  # type: ignore[misc, valid-type]
+        _pic_deadline: asyncio.TimerHandle | None = None
+        _pic_cycle: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.close()
+                return
+            self._pic_arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._pic_deadline is not None and self.cycle is not self._pic_cycle:
+                self._pic_disarm()  # a request head arrived: it runs without a deadline
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._pic_arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._pic_disarm()
+            super().connection_lost(exc)
+
+        def _pic_arm(self) -> None:
+            self._pic_disarm()
+            self._pic_cycle = self.cycle
+            self._pic_deadline = self.loop.call_later(limits.header_timeout_s, self._pic_expire)
+
+        def _pic_disarm(self) -> None:
+            if self._pic_deadline is not None:
+                self._pic_deadline.cancel()
+                self._pic_deadline = None
+
+        def _pic_expire(self) -> None:
+            self._pic_deadline = None
+            if self.cycle is self._pic_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
+
+
+CONFIG_LOAD = "uvicorn.config.Config.load"
+
+
+def around_config_load(original: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+    """Load uvicorn's config, then guard the HTTP protocol class it chose."""
+    from .settings import connection_limits
+
+    result = original(config, *args, **kwargs)
+    base = config.http_protocol_class
+    if not getattr(base, "_pic_guarded", False):
+        protocol = guarded(base, connection_limits())
+        protocol._pic_guarded = True
+        config.http_protocol_class = protocol
+    return result
+

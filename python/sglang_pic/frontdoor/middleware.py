@@ -1,0 +1,196 @@
+"""``FrontDoor``: the ASGI middleware every HTTP request passes before SGLang's routes.
+
+In order, for each request (after SGLang's API key check, which runs outside it):
+
+1. the route (``endpoints.access``): unknown routes get 404, admin routes need the admin key
+   (403 without one configured, 401 with another key), pickled-weight routes need
+   ``--enable-weights-from-tensor`` too;
+2. the body, for POST/PUT: at most ``max_body_bytes`` (413, read no further: a
+   ``content-length`` over the limit is refused before a byte is read), within
+   ``body_timeout_s`` (408: a client trickling its body holds no slot for long);
+3. ``spans`` resolved into a prompt (``spans.http.resolve``), markers refused on a server
+   without the span cache;
+4. the body's schema (``schemas.check_body``), and for admin routes the paths it names
+   (``paths.confined``).
+
+Refusals are JSON in the endpoint's error format (OpenAI's for ``/v1/*``) and close the
+connection when the body was not read whole, so its rest is never buffered. The body a request
+passes with is replayed to SGLang unchanged unless ``spans`` rewrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from . import endpoints, paths, schemas
+from .endpoints import Access
+from .refusal import Refused, send_error
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    max_body_bytes: int
+    body_timeout_s: float
+    admin_api_key: str | None
+    admin_path_roots: tuple[str, ...]
+    weights_from_tensor: bool
+    span_cache: bool
+    vocab_size: Callable[[], int | None]
+
+
+class FrontDoor:
+    def __init__(self, app: Any, config: FrontDoorConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        path = _route_path(scope)
+        if scope.get("type") != "http":  # websockets: no route of ours takes them
+            await _refuse_websocket(send)
+            return
+        method = scope.get("method", "")
+        try:
+            raw = await self._admit(scope, method, path, receive)
+        except Refused as e:
+            await send_error(send, e.status, e.message, openai=path.startswith("/v1/"),
+                             close=e.close)
+            return
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        scope = dict(scope)
+        scope["headers"] = [(k, v) for k, v in scope.get("headers", [])
+                            if k != b"content-length"] + [(b"content-length",
+                                                           str(len(raw)).encode())]
+        await self.app(scope, _replay(raw, receive), send)
+
+    async def _admit(self, scope: dict, method: str, path: str,
+                     receive: Receive) -> bytes | None:
+        """The body to replay (None: the request passes as it came); raises ``Refused``."""
+        access = endpoints.access(method, path)
+        if access is Access.UNKNOWN:
+            raise Refused(404, f"{method} {path} is not served by this server (sglang-pic "
+                               "serves generation, the OpenAI and Anthropic routes and status; "
+                               "see docs/security.md)")
+        if access is Access.ADMIN:
+            self._check_admin(scope, path)
+        if method not in ("POST", "PUT"):
+            return None
+        raw = await read_body(scope, receive, self.config.max_body_bytes,
+                              self.config.body_timeout_s)
+        if access is Access.ADMIN:
+            fields = endpoints.ADMIN_PATHS.get(path)
+            if fields:
+                paths.check_admin_body(raw, fields, self.config.admin_path_roots)
+            return raw
+        return self._checked(path, raw)
+
+    def _check_admin(self, scope: dict, path: str) -> None:
+        key = self.config.admin_api_key
+        if not key:
+            raise Refused(403, f"{path} is an admin endpoint, and the admin API is off: the "
+                               "operator turns it on with its own key (--admin-api-key-file)")
+        if not _bearer_matches(scope, key):
+            raise Refused(401, f"{path} needs the admin key (Authorization: Bearer ADMIN_KEY)")
+        if path in endpoints.PICKLED and not self.config.weights_from_tensor:
+            raise Refused(403, f"{path} unpickles its body, which runs code on the server: "
+                               "refused unless the server was started with "
+                               "--enable-weights-from-tensor")
+
+    def _checked(self, path: str, raw: bytes) -> bytes:
+        from sglang_pic.request_validation import refuse_openai_span_markers
+        from sglang_pic.spans import http as span_http
+
+        try:
+            raw = span_http.resolve(path, raw, self.config.span_cache)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise Refused(400, str(e) or f"malformed spans ({type(e).__name__})") from None
+        try:
+            schemas.check_body(path, raw, self.config.vocab_size)
+            if not self.config.span_cache and path != "/generate":
+                refuse_openai_span_markers(orjson.loads(raw))
+        except ValueError as e:  # BodyError, and the markers' refusal
+            raise Refused(400, str(e)) from None
+        return raw
+
+
+def _route_path(scope: dict) -> str:
+    """The path SGLang's router matches: the request's, less the app's ``root_path``."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _bearer_matches(scope: dict, key: str) -> bool:
+    header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token, key.encode())
+
+
+async def read_body(scope: dict, receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole body, or ``Refused`` (413 past ``limit`` bytes, 408 past ``timeout_s``)."""
+    declared = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise Refused(400, "invalid content-length", close=True) from None
+        if size > limit:
+            raise Refused(413, _too_large(limit), close=True)
+    chunks: list[bytes] = []
+    total = 0
+
+    async def read() -> None:
+        nonlocal total
+        more = True
+        while more:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                raise Refused(400, "client disconnected", close=True)
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                raise Refused(413, _too_large(limit), close=True)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise Refused(408, f"the request body did not arrive within {timeout_s:g} s",
+                      close=True) from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> str:
+    return (f"the request body is larger than this server's limit of {limit / 2**20:g} MiB "
+            "(--max-request-mb)")
+
+
+def _replay(raw: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return replay
+
+
+async def _refuse_websocket(send: Send) -> None:
+    await send({"type": "websocket.close", "code": 1008})

@@ -1,0 +1,388 @@
+"""One strict schema per endpoint body, checked before SGLang sees the body.
+
+Why: SGLang parses bodies into permissive types (``GenerateReqInput`` is a dataclass whose
+per-request fields take a value *or* a list; ``sampling_params`` is a plain dict), and values it
+does not expect reach the scheduler, where an exception ends the process for every client
+(``top_k`` of 2**31, ``logprob_start_len`` of -5, a list where a single request takes a value).
+Checking field by field after each report did not converge, so every body now goes through a
+schema that states, per field: its type, whether it may be a list (only in a batch, with the
+batch's length), and its range. The rule for fields the schema does not name: **refused** (400,
+naming the field), as OpenAI's own API does.
+
+* ``/generate``: ``GenerateBody``, built from ``GenerateReqInput``'s fields: ``CLIENT_FIELDS`` are
+  accepted with the types below, ``REFUSED_FIELDS`` (internal, multimodal, code-carrying) are not.
+  Every field of ``GenerateReqInput`` is in one of the two (a test checks), so a field SGLang
+  adds is refused until it is classified. ``sampling_params`` is ``SamplingBody``, derived from
+  ``SamplingParams``'s fields with the ranges of ``SAMPLING_RANGES``.
+* OpenAI and Anthropic routes: SGLang's own pydantic models (the types), keys outside the model
+  or in ``REFUSED_OPENAI_FIELDS`` refused, and ``OPENAI_RANGES`` on the values.
+* ``/v1/detokenize``: token ids inside the vocabulary.
+
+Bodies are decoded with msgspec, which refuses what is not JSON (``NaN``, ``Infinity``, which
+Python's parser, SGLang's, takes) and integers beyond 64 bits. Token ids in the vocabulary and the
+rest of what needs the model are checked again by ``request_validation`` in the tokenizer, the one
+function every generation goes through (``Engine`` too).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import cache
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_BATCH = 1024
+"""Most prompts one ``/generate`` batch may hold: SGLang builds each one's request on the
+tokenizer's event loop, without yielding."""
+MAX_N = 128
+"""Most completions one request may ask for (OpenAI's limit)."""
+MAX_TOP_LOGPROBS = 1024
+MAX_STOPS = 64
+"""Stop strings or regexes per request (each is searched in every decoded step's text)."""
+MAX_STOP_CHARS = 1024
+MAX_ID_CHARS = 256
+"""Longest ``rid``, ``extra_key``, label or name a client may send."""
+
+
+class BodyError(ValueError):
+    """A body the schema refuses; the message names the field."""
+
+
+# ---- /generate --------------------------------------------------------------------------------
+
+Int32 = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Name = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Rid = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=-2, le=INT32_MAX)]
+"""-1 / -2: the span markers of a span server's ``input_ids`` (the vocabulary is checked later)."""
+StopText = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+Stops = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOPS)]
+LogprobStart = Annotated[int, Meta(ge=-1, le=INT32_MAX)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+SAMPLING_RANGES: dict[str, Any] = {
+    "max_new_tokens": Count | None,
+    "min_new_tokens": Count,
+    "top_k": Annotated[int, Meta(ge=-1, le=INT32_MAX)],
+    "n": Annotated[int, Meta(ge=1, le=MAX_N)],
+    "stream_interval": Annotated[int, Meta(ge=1, le=1 << 20)] | None,
+    "sampling_seed": Annotated[int, Meta(ge=0, le=INT64_MAX)] | None,
+    "stop": Stops | None,
+    "stop_regex": Stops | None,
+    "stop_token_ids": Annotated[list[Annotated[int, Meta(ge=0, le=INT32_MAX)]],
+                                         Meta(max_length=1 << 20)] | None,
+    "logit_bias": dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], float] | None,
+    "custom_params": None,  # read only by custom logit processors, which we refuse
+}
+"""Types of ``SamplingParams`` fields narrower than SGLang's own (None: refused)."""
+
+_INTERNAL_SAMPLING = frozenset({"stop_strs", "stop_regex_strs", "stop_str_max_len",
+                                "stop_regex_max_len", "is_normalized"})
+
+
+@cache
+def sampling_body() -> type:
+    """``SamplingBody``: ``SamplingParams``'s API fields, all optional, with our ranges."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    fields = []
+    for f in msgspec.structs.fields(SamplingParams):
+        if f.name in _INTERNAL_SAMPLING:
+            continue
+        kind = SAMPLING_RANGES.get(f.name, f.type)
+        if kind is None:
+            continue
+        fields.append((f.name, kind | None, None))
+    return msgspec.defstruct("SamplingBody", fields, forbid_unknown_fields=True,
+                             omit_defaults=True)
+
+
+def _per_request(kind: Any) -> Any:
+    """A per-request field: the value, or (in a batch) a list of values."""
+    return kind | list[kind] | None
+
+
+CLIENT_FIELDS: dict[str, Any] = {
+    "text": str | list[str] | None,
+    "input_ids": list[TokenId | list[TokenId]] | None,
+    "rid": Rid | list[Rid] | None,
+    "return_logprob": _per_request(bool),
+    "logprob_start_len": _per_request(LogprobStart),
+    "top_logprobs_num": _per_request(TopLogprobs),
+    "token_ids_logprob": list[TokenId | list[TokenId]] | None,
+    "return_text_in_logprobs": bool | None,
+    "return_flat_raw_top_logprobs": bool | None,
+    "return_flat_raw_top_logprobs_b64": bool | None,
+    "return_sampling_mask": _per_request(bool),
+    "stream": bool | None,
+    "log_metrics": bool | None,
+    "return_hidden_states": bool | None,
+    "lora_path": _per_request(Name | None),
+    "lora_id": _per_request(Name | None),
+    "routing_key": Name | None,
+    "conversation_id": Name | None,
+    "require_reasoning": bool | None,
+    "max_thinking_tokens": Count | None,
+    "priority": Int32 | None,
+    "extra_key": _per_request(Name),
+    "no_logs": bool | None,
+    "custom_labels": Annotated[dict[Name, Name], Meta(max_length=16)] | None,
+    "return_bytes": bool | None,
+    "return_entropy": bool | None,
+    "return_prompt_token_ids": bool | None,
+}
+"""``GenerateReqInput`` fields a client may send, with their types (``sampling_params`` apart)."""
+
+REFUSED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+                     "use_audio_in_video", "modalities", "num_items_assigned",
+                     "mm_data_mooncake", "encoder_urls", "need_wait_for_mm_inputs",
+                     "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+                     "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices"),
+                    "multimodal and embedding inputs are not served (text models only)"),
+    "custom_logit_processor": "custom logit processors run client code on the server",
+    **dict.fromkeys(("session_id", "session_params"), "sessions are not served"),
+    **dict.fromkeys(("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                     "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank",
+                     "http_worker_ipc", "received_time", "external_trace_header",
+                     "positional_embed_overrides", "background"),
+                    "set by SGLang's own components, not by clients"),
+    **dict.fromkeys(("return_routed_experts", "routed_experts_start_len",
+                     "return_indexer_topk"), "MoE introspection is not served"),
+}
+"""``GenerateReqInput`` fields refused, with the reason the 400 gives."""
+
+BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+           "return_sampling_mask", "lora_path", "lora_id", "extra_key", "sampling_params")
+"""Per-request fields: a list only in a batch, and then one entry per prompt."""
+
+
+@cache
+def generate_body() -> type:
+    sampling = sampling_body()
+    fields = [(name, kind, None) for name, kind in CLIENT_FIELDS.items()]
+    fields.append(("sampling_params", _per_request(sampling), None))
+    return msgspec.defstruct("GenerateBody", fields, forbid_unknown_fields=True,
+                             omit_defaults=True)
+
+
+def _decode(raw: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$`)?$", message)
+        if unknown:
+            raise BodyError(_unknown_message(unknown.group(1))) from None
+        raise BodyError(f"invalid request body: {message}") from None
+    except msgspec.DecodeError as e:
+        raise BodyError(f"the request body is not valid JSON: {e}") from None
+
+
+def _unknown_message(name: str) -> str:
+    reason = REFUSED_FIELDS.get(name)
+    if reason:
+        return f"field {name!r} is not accepted: {reason}"
+    return f"unknown field {name!r}"
+
+
+def check_generate(raw: bytes) -> None:
+    """``/generate``: the schema, then the batch's shape."""
+    body = _decode(raw, generate_body())
+    prompts = [name for name in ("text", "input_ids") if getattr(body, name) is not None]
+    if len(prompts) != 1:
+        raise BodyError("give exactly one of 'text' and 'input_ids' (or 'spans' on a span "
+                        f"server); got {', '.join(prompts) or 'none'}")
+    batch = _batch_size(body)
+    for name in BATCHED:
+        value = getattr(body, name)
+        if isinstance(value, list):
+            if batch is None:
+                raise BodyError(f"{name!r} is a list, but the request is a single prompt: a "
+                                "list is only for a batch (a list of prompts)")
+            if len(value) != batch:
+                raise BodyError(f"{name!r} has {len(value)} entries for a batch of {batch} "
+                                "prompts")
+        elif batch is not None and name == "rid" and value is not None:
+            raise BodyError("'rid' of a batch is a list with one id per prompt")
+    _check_id_lists("token_ids_logprob", body.token_ids_logprob, batch, empty_ok=True)
+    for params in _items(body.sampling_params):
+        if params is not None:
+            _check_sampling(params)
+
+
+def _batch_size(body: Any) -> int | None:
+    """The number of prompts of a batch; None for a single prompt."""
+    if isinstance(body.text, list):
+        size = len(body.text)
+    elif body.input_ids is not None:
+        kinds = {isinstance(x, list) for x in body.input_ids}
+        if len(kinds) > 1:
+            raise BodyError("'input_ids' mixes ids and lists of ids")
+        if not body.input_ids:
+            raise BodyError("'input_ids' is empty")
+        if kinds == {False}:
+            return None
+        size = len(body.input_ids)
+        if any(not ids for ids in body.input_ids):
+            raise BodyError("'input_ids' holds an empty prompt")
+    else:
+        return None
+    if not 1 <= size <= MAX_BATCH:
+        raise BodyError(f"a batch holds 1 to {MAX_BATCH} prompts, got {size}")
+    return size
+
+
+def _check_id_lists(name: str, ids: Any, batch: int | None, empty_ok: bool) -> None:
+    if ids is None:
+        return
+    nested = [x for x in ids if isinstance(x, list)]
+    if nested and len(nested) != len(ids):
+        raise BodyError(f"{name!r} mixes ids and lists of ids")
+    if nested and batch is None:
+        raise BodyError(f"{name!r} is a list of lists, but the request is a single prompt")
+    if nested and len(nested) != batch:
+        raise BodyError(f"{name!r} has {len(nested)} entries for a batch of {batch} prompts")
+    if not empty_ok and (not ids or any(not x for x in nested)):
+        raise BodyError(f"{name!r} holds an empty list")
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _check_sampling(params: Any) -> None:
+    for pattern in _items(params.stop_regex or []):
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise BodyError(f"sampling parameter 'stop_regex': {pattern!r} is not a valid "
+                            f"regular expression ({e})") from None
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty"):
+        value = getattr(params, name, None)
+        if value is not None and not abs(value) < float("inf"):
+            raise BodyError(f"sampling parameter {name!r} must be finite")
+
+
+# ---- OpenAI and Anthropic routes ----------------------------------------------------------------
+
+REFUSED_OPENAI_FIELDS: dict[str, str] = {
+    name: reason for name, reason in REFUSED_FIELDS.items()
+} | {
+    "data_parallel_rank": "set by SGLang's own components, not by clients",
+    "cache_salt": "not served",
+}
+
+_Finite = Annotated[float, Meta(ge=-1e30, le=1e30)]
+OPENAI_RANGES: dict[str, Any] = {
+    "n": Annotated[int, Meta(ge=1, le=MAX_N)],
+    "best_of": Annotated[int, Meta(ge=1, le=MAX_N)] | None,
+    "top_k": Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None,
+    "logprobs": bool | Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None,
+    "top_logprobs": Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None,
+    "max_tokens": Count | None,
+    "max_completion_tokens": Count | None,
+    "min_tokens": Count | None,
+    "seed": Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)] | None,
+    "stop": Stops | None,
+    "stop_sequences": Annotated[list[StopText], Meta(max_length=MAX_STOPS)] | None,
+    "stop_regex": Stops | None,
+    "stop_token_ids": list[Annotated[int, Meta(ge=0, le=INT32_MAX)]] | None,
+    "rid": Rid | list[Rid] | None,
+    "extra_key": Name | list[Name] | None,
+    "priority": Int32 | None,
+    "user": Name | None,
+    "prompt": str | list[str | TokenId | list[TokenId]] | None,
+    **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"), _Finite | None),
+}
+"""Value ranges of OpenAI/Anthropic fields that SGLang's models type but do not bound."""
+
+
+@cache
+def _openai_models() -> dict[str, Any]:
+    from sglang.srt.entrypoints.anthropic import protocol as anthropic
+    from sglang.srt.entrypoints.openai import protocol as openai
+
+    return {
+        "/v1/completions": openai.CompletionRequest,
+        "/v1/chat/completions": openai.ChatCompletionRequest,
+        "/v1/tokenize": openai.TokenizeRequest,
+        "/tokenize": openai.TokenizeRequest,
+        "/v1/detokenize": openai.DetokenizeRequest,
+        "/detokenize": openai.DetokenizeRequest,
+        "/v1/messages": anthropic.AnthropicMessagesRequest,
+        "/v1/messages/count_tokens": anthropic.AnthropicCountTokensRequest,
+    }
+
+
+@cache
+def _ranges_struct(path: str) -> type:
+    """A msgspec struct of the model's fields that ``OPENAI_RANGES`` bounds (others: Any)."""
+    model = _openai_models()[path]
+    names = {f.alias or name for name, f in model.model_fields.items()}
+    fields = [(n, OPENAI_RANGES.get(n, Any), None) for n in sorted(names)]
+    return msgspec.defstruct(f"Ranges{abs(hash(path))}", fields, forbid_unknown_fields=True)
+
+
+def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> None:
+    """An OpenAI/Anthropic body: a JSON object of the model's fields (none refused), in range,
+    that SGLang's model validates."""
+    from pydantic import ValidationError
+
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise BodyError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BodyError("the request body must be a JSON object")
+    for name in data:
+        if name in REFUSED_OPENAI_FIELDS:
+            raise BodyError(_unknown_message(name) if name in REFUSED_FIELDS else
+                            f"field {name!r} is not accepted: {REFUSED_OPENAI_FIELDS[name]}")
+    _decode(raw, _ranges_struct(path))
+    try:
+        request = _openai_models()[path].model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise BodyError(f"invalid {path} request: {where}: {first.get('msg', e)}") from None
+    except Exception as e:  # a validator of SGLang's that assumed another shape
+        raise BodyError(f"malformed {path} request: a field has the wrong type "
+                        f"({type(e).__name__}: {e})") from None
+    if path.endswith("detokenize"):
+        _check_vocab("tokens", request.tokens, vocab_size())
+
+
+def _check_vocab(name: str, ids: Any, vocab: int | None) -> None:
+    if vocab is None:
+        return
+    for seq in ids if ids and isinstance(ids[0], list) else [ids]:
+        bad = next((t for t in seq if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BodyError(f"{name!r} holds token id {bad}, outside the vocabulary [0, {vocab})")
+
+
+BODY_ROUTES: dict[str, Literal["generate", "openai"]] = {
+    "/generate": "generate",
+    **dict.fromkeys(("/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/tokenize",
+                     "/v1/detokenize", "/detokenize", "/v1/messages",
+                     "/v1/messages/count_tokens"), "openai"),
+}
+"""Routes whose bodies are checked, and by which schema."""
+
+
+def check_body(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> None:
+    """Raise ``BodyError`` unless ``raw`` is a body ``path`` accepts."""
+    kind = BODY_ROUTES.get(path)
+    if kind == "generate":
+        check_generate(raw)
+    elif kind == "openai":
+        check_openai(path, raw, vocab_size)
