@@ -2,8 +2,9 @@
 
 1 ids never become paths; 2 secure defaults; 3 no token in argv, extra config or logs; 4 no
 message is accepted before authentication; 5 corrupt SSD pages are misses; 6 tenants are
-isolated; 7 one bad item never fails another; 8 the SSD tier and the object journal are bounded;
-9 secrets compared in constant time.
+isolated; 7 one bad item never fails another; 8 the SSD tier, the object journal and the data
+plane's buffers are bounded, and a damaged journal does not stop a start; 9 secrets compared in
+constant time; 10 the TCP data plane; 11 the CLI refuses every bad value in one line.
 """
 
 from __future__ import annotations
@@ -637,6 +638,112 @@ def test_the_object_journal_is_compacted_and_recovers_the_live_objects(tmp_path)
     assert list(capped.objects) == ["o7", "o8", "o9"]
 
 
+def test_the_object_journal_is_bounded_in_bytes_within_the_ssd_budget(tmp_path):
+    """Re-putting one large object used to append its whole record every time (compaction
+    counted records, not bytes): 61 puts wrote 2.1 GB with ``--ssd-gb 0.01``. The journal now
+    counts against the SSD budget (pages leave for it, and it takes at most a quarter), is
+    rewritten by bytes, and an object whose record alone does not fit is refused, the file
+    not grown."""
+    root, budget, big = tmp_path / "ssd", 10 << 20, 64 << 10
+    eng = StoreEngine(big, replica_fraction=0.0, ssd_dir=root, ssd_bytes=budget)
+    eng.put_tensors(_pages("pg", 200, big))  # 12.5 MiB: the SSD tier is full of pages
+    journal = root / "objects.jsonl"
+
+    def disk() -> int:
+        return sum(p.stat().st_size for p in _page_files(root)) + journal.stat().st_size
+
+    ids = [f"{k:064x}" for k in range(14_000)]  # a record of ~0.95 MB
+    for i in range(61):
+        eng.put_object("doc", ids[: 13_000 + i])
+        assert journal.stat().st_size <= budget // 4  # the journal's share of the budget
+        assert disk() <= budget
+    size = journal.stat().st_size
+    with pytest.raises(ProtocolError, match="journal"):
+        eng.put_object("huge", [f"{k:064x}" for k in range(50_000)])  # ~3.4 MB of record
+    assert journal.stat().st_size == size and eng.get_object("huge") is None
+    assert eng.get_object("doc") == ids[:13_060]
+    restarted = StoreEngine(big, replica_fraction=0.0, ssd_dir=root, ssd_bytes=budget)
+    assert restarted.objects == {"doc": ids[:13_060]}
+    assert disk() <= budget
+
+
+def test_an_object_too_large_for_the_journal_is_refused_over_the_wire(tmp_path):
+    srv = StoreServer(StoreEngine(8 * PAGE, ssd_dir=tmp_path / "ssd", ssd_bytes=1 << 20),
+                      f"ipc://{tmp_path}/j.sock", TOKEN).start()
+    client = StoreClient([srv.endpoint], TOKEN)
+    try:
+        huge = {"op": "put_object", "key": "doc", "tids": [f"{k:064x}" for k in range(5000)]}
+        reply = client._call(srv.endpoint, huge)[0]  # ~340 KB of record: over 256 KiB
+        assert not reply["ok"] and "journal" in reply["error"]
+        small = {"op": "put_object", "key": "doc", "tids": ["a", "b"]}
+        assert client._call(srv.endpoint, small)[0]["ok"]
+        got = client._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]
+        assert got["tids"] == ["a", "b"] and srv.rejected == 1
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_a_damaged_object_journal_is_skipped_line_by_line_at_start(tmp_path, caplog):
+    """A byte of bad UTF-8, an integer of 5000 digits or nesting past the parser's stack in
+    ``objects.jsonl`` used to stop the store from starting; now each damaged line is skipped,
+    counted in one warning, and the journal is rewritten without them (a torn last line
+    would otherwise swallow the next record appended)."""
+    root = tmp_path / "ssd"
+    root.mkdir()
+
+    def record(key: str, tids: list[str]) -> bytes:
+        return json.dumps({"object": key, "tids": tids}).encode() + b"\n"
+
+    (root / "objects.jsonl").write_bytes(b"".join([
+        record("a", ["t1"]),
+        b'{"object": "bad-utf8", "tids": ["\xff\xfe"]}\n',
+        b'{"object": "digits", "tids": [' + b"9" * 5000 + b"]}\n",
+        b"[" * 100_000 + b"\n",
+        b'{"object": 5, "tids": []}\n',
+        b'"a string"\n',
+        record("b", ["t2", "t3"]),
+        b'{"object": "torn", "ti',
+    ]))
+    with caplog.at_level("WARNING", logger="sglang_pic.store.engine"):
+        eng = StoreEngine(PAGE, ssd_dir=root)
+    assert eng.objects == {"a": ["t1"], "b": ["t2", "t3"]}
+    warnings = [r.getMessage() for r in caplog.records if "journal" in r.getMessage()]
+    assert len(warnings) == 1 and "6 damaged" in warnings[0], warnings
+    eng.put_object("c", ["t4"])
+    restarted = StoreEngine(PAGE, ssd_dir=root)
+    assert restarted.objects == {"a": ["t1"], "b": ["t2", "t3"], "c": ["t4"]}
+
+
+def test_stalled_data_plane_uploads_are_bounded_by_the_memory_budget(tmp_path):
+    """A store of 0.1 GB used to hold 3.1 GB of stalled uploads (a fixed 16 GiB for buffers
+    of outstanding transfers): what they reserve is now at most a quarter of the memory
+    budget, whether their tickets are never redeemed or their streams stall half-way."""
+    memory, page = 1 << 20, 64 << 10
+    srv = StoreServer(StoreEngine(memory), f"tcp://127.0.0.1:{free_port()}", TOKEN).start()
+    client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
+
+    def ask(i: int) -> dict | None:
+        reply = client._call(srv.endpoint, {
+            "op": "put", "tids": [f"u{i}-{k}" for k in range(4)], "sums": [0] * 4,
+            "tcp": {"streams": 1, "lengths": [page] * 4}})[0]
+        assert reply["ok"]
+        return reply["tcp"]
+
+    try:
+        offers = [ask(i) for i in range(16)]  # 16 x 256 KiB, never sent
+        assert sum(o is not None for o in offers) == 1
+        assert srv.data._pending_bytes <= memory // 4
+        with socket.create_connection(("127.0.0.1", srv.data.port), timeout=15) as raw:
+            raw.sendall(bytes.fromhex(offers[0]["tickets"][0]) + b"x" * 1000)  # then stalls
+            time.sleep(0.3)
+            assert [ask(i) for i in range(16, 20)] == [None] * 4
+            assert srv.data._pending_bytes <= memory // 4
+    finally:
+        client.close()
+        srv.stop()
+
+
 def test_a_tenant_writing_many_objects_drops_its_own_first(two_tenants):
     """The objects' count and memory budgets are the server's: past either, the tenant holding
     the most bytes of objects loses its oldest, so alice's flood of objects (or of ids in
@@ -897,3 +1004,78 @@ def test_a_refused_handshake_gives_misses_and_never_blocks_a_send(server):
     assert not worker.is_alive(), "a send to a server refusing the key blocked"
     wrong.close()
     assert results == [0, [None]]
+
+
+# ---- 11: the CLI refuses every bad value in one line ---------------------------------------
+BAD_STORE_VALUES = [
+    *[("--memory-gb", v) for v in ("-1", "0", "nan", "inf", "-inf", "1e30", "1e-12", "x", "")],
+    *[("--replica-fraction", v) for v in ("-0.1", "1", "nan", "inf", "1e300", "x")],
+    *[("--ssd-gb", v) for v in ("-1", "nan", "inf", "-inf", "1e300", "1e-12", "x")],
+    *[("--max-tensor-mb", v) for v in ("0", "-1", "nan", "inf", "1e20", "x")],
+    *[("--copy-threads", v) for v in ("0", "-1", "1e3", "2.5", "100000", "9" * 400, "x")],
+    *[("--data-port", v) for v in ("-1", "65536", "nan", "1e9", "x")],
+    *[("--endpoint", v) for v in ("garbage", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:x",
+                                  "tcp://:7400", "ipc://", "inproc://x")],
+]
+
+
+def test_every_bad_store_value_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """``sglang-pic store`` used to start with a negative memory or SSD budget or a page limit
+    of 0, and to print a traceback for nan, inf, a huge number, a bad endpoint or SSD folder.
+    Now every value is checked before anything starts, and a bad one is one line on stderr
+    (``sglang-pic store: error: ...`` naming the flag), exit status 2."""
+    from sglang_pic.store import cli, server
+
+    real_server = server.StoreServer
+
+    class Started(Exception):
+        pass
+
+    def fake_server(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(server, "StoreServer", fake_server)
+    monkeypatch.setenv(STORE_TOKEN_ENV, TOKEN)
+
+    def run(main, argv: list[str]) -> tuple[int, list[str]]:
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    not_pem = tmp_path / "not-pem"
+    not_pem.write_text("not a certificate\n")
+    cases = [[f"{flag}={value}"] for flag, value in BAD_STORE_VALUES] + [
+        ["--ssd-dir", str(not_pem)],  # a file, not a folder
+        ["--data-tls-cert", str(not_pem), "--data-tls-key", str(not_pem)],
+        ["--data-tls-cert", str(tmp_path / "absent"), "--data-tls-key", str(not_pem)],
+    ]
+    for argv in cases:
+        code, lines = run(cli.serve, ["--memory-gb", "0.01", *argv])
+        assert code == 2 and len(lines) == 1, (argv, lines)
+        assert lines[0].startswith("sglang-pic store: error: ") and argv[0].split("=")[0] \
+            in lines[0], (argv, lines)
+    with pytest.raises(Started):  # the edges of every range are accepted
+        cli.serve(["--memory-gb", "0.001", "--ssd-gb", "0", "--replica-fraction", "0",
+                   "--max-tensor-mb", "1024", "--copy-threads", "256", "--data-port", "65535",
+                   "--endpoint", "tcp://127.0.0.1:*"])
+    for argv in (["garbage"], ["tcp://127.0.0.1:*"], ["ipc://"],
+                 ["tcp://127.0.0.1:1", "--server-key", "xyz"],
+                 ["tcp://127.0.0.1:1", "--server-key", "~" * 40]):
+        code, lines = run(cli.status, argv)
+        assert code == 2 and len(lines) == 1, (argv, lines)
+        assert lines[0].startswith("sglang-pic store-status: error: "), (argv, lines)
+
+    monkeypatch.setattr(server, "StoreServer", real_server)
+    holder = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        port = holder.bind_to_random_port("tcp://127.0.0.1")
+        code, lines = run(cli.serve, ["--memory-gb", "0.01", "--endpoint",
+                                      f"tcp://127.0.0.1:{port}"])
+        assert code == 2 and len(lines) == 1 and "cannot serve" in lines[0], lines
+    finally:
+        holder.close(0)
+    out = _store_cli(["--memory-gb", "nan"], env_token=TOKEN)  # the real command: no traceback
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("sglang-pic store: error: argument --memory-gb")

@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from .protocol import checksum
@@ -88,7 +88,25 @@ class DataPlaneConfig:
     max_streams: int = 16
     max_offers: int = 4096  # outstanding tickets
     max_connections: int = 64
-    max_pending_bytes: int = 16 << 30  # page bytes held for outstanding tickets and streams
+    # page bytes held for outstanding tickets and streams (upload buffers are reserved in full
+    # when their tickets are issued); a StoreServer lowers it to PENDING_FRACTION of its
+    # engine's memory budget (``within_memory``)
+    max_pending_bytes: int = 16 << 30
+
+
+PENDING_FRACTION = 0.25
+"""The share of a server's memory budget (``--memory-gb``) that transfers in flight may hold:
+upload buffers are memory the page caches do not see, so without a bound tied to the budget a
+store of 0.1 GB held 3.1 GB of stalled uploads."""
+
+
+def within_memory(config: DataPlaneConfig, memory_bytes: int) -> DataPlaneConfig:
+    """``config`` with ``max_pending_bytes`` at most ``PENDING_FRACTION`` of ``memory_bytes``
+    (a server whose budget is that memory then holds at most a quarter more for transfers)."""
+    cap = max(0, int(PENDING_FRACTION * memory_bytes))
+    if config.max_pending_bytes <= cap:
+        return config
+    return replace(config, max_pending_bytes=cap)
 
 
 def endpoint_host(endpoint: str) -> str | None:

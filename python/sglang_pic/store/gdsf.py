@@ -96,6 +96,11 @@ class GDSFCache:
         self.used += size
         return True
 
+    def resize(self, capacity_bytes: int) -> None:
+        """Set the capacity, evicting (by priority, through ``on_evict``) what no longer fits."""
+        self.capacity = capacity_bytes
+        self._make_room(0)
+
     def pop(self, tid: str) -> Entry | None:
         e = self.entries.pop(tid, None)
         if e is not None:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from .auth import ServerAuth, tenant_of
-from .datapath import DataPlaneConfig, DataServer, endpoint_host
+from .datapath import DataPlaneConfig, DataServer, endpoint_host, within_memory
 from .engine import OWNED, REPLICA, StoreEngine
 from .protocol import Limits, ProtocolError, checksum, decode_request, encode
 from .shm import DATA_OFFSET, SegmentCache
@@ -82,8 +82,9 @@ def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, boo
 class StoreServer:
     """``tokens``: the accepted tokens, ``{token: tenant name}`` (a single token is a tenant
     named by its digest); None serves without authentication (``--insecure``). ``data_plane``:
-    the TCP data listener's settings (its host by default that of ``endpoint``), or None for
-    none; only a ``tcp://`` endpoint gets one."""
+    the TCP data listener's settings (its host by default that of ``endpoint``; its
+    ``max_pending_bytes`` at most a quarter of the engine's memory budget), or None for none;
+    only a ``tcp://`` endpoint gets one."""
 
     def __init__(self, engine: StoreEngine, endpoint: str,
                  tokens: str | Mapping[str, str] | None = None,
@@ -115,6 +116,8 @@ class StoreServer:
         self.data: DataServer | None = None
         host = endpoint_host(endpoint)
         if data_plane is not None and host is not None:
+            # transfers in flight count against the memory budget, whatever the config says
+            data_plane = within_memory(data_plane, engine.memory_bytes)
             try:
                 self.data = DataServer(data_plane, data_plane.host or host)
             except OSError as e:  # e.g. an endpoint naming an interface, not a host

@@ -13,7 +13,8 @@ caches (priority ``L + frequency``; a spilled page keeps the reads it had in mem
 later spill always finds room and idle pages leave first. The budget is capped at start by the
 filesystem's room: what the tier already holds plus the free space, less a reserve of 5 % of
 the filesystem (a write that still fails, e.g. the disk filled by others, is a failed spill,
-logged, and the other pages go on).
+logged, and the other pages go on). Files the engine keeps beside the pages (the object
+journal) count against the same budget: ``reserve`` takes their bytes from the pages' room.
 
 Writes go to a temporary file renamed into place, so a crash never leaves half a page under a
 page's name (and a torn file would fail its checksum anyway); leftovers are removed at start.
@@ -63,7 +64,12 @@ class SSDTier:
     priority). ``stats`` (shared with the engine) counts spills, reads, corrupt files, write
     errors and evictions. Not thread-safe: the engine calls it under its lock."""
 
-    def __init__(self, root: str | os.PathLike, budget: int, stats: dict[str, int]) -> None:
+    def __init__(self, root: str | os.PathLike, budget: int, stats: dict[str, int],
+                 held_beside: int = 0) -> None:
+        """``held_beside``: bytes of files beside the pages already on disk (the object
+        journal), which the budget covers too: counted as room the tier holds when the budget
+        is capped by the filesystem's free space. The engine reserves them once it has read
+        (and perhaps rewritten) them."""
         self.dir = Path(root) / "pages"
         # pages are prompts' KV, not encrypted at rest: folders this tier creates are private
         Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -73,8 +79,9 @@ class SSDTier:
             stats.setdefault(k, 0)
         self.index = GDSFCache(0, on_evict=self._evicted)
         found = self._scan()
-        self.index.capacity = self.budget = capped_budget(self.dir, budget,
-                                                          sum(n for *_, n in found))
+        self.index.capacity = self.budget = capped_budget(
+            self.dir, budget, held_beside + sum(n for *_, n in found))
+        self.reserved = 0
         for _, tid, csum, n in found:
             self.index.insert(tid, n, None, csum)
 
@@ -88,6 +95,12 @@ class SSDTier:
     @property
     def used(self) -> int:
         return self.index.used
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` of the budget for files beside the pages (the object journal): the
+        pages' room shrinks to the rest, evicting the lowest GDSF priorities first."""
+        self.reserved = nbytes
+        self.index.resize(max(0, self.budget - nbytes))
 
     def _path(self, tid: str) -> Path:
         return self.dir / file_name(tid)
