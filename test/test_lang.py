@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 from conftest import Server
-from sglang_pic.request_validation import check_openai_body, refuse_span_markers
+from sglang_pic.request_validation import refuse_openai_span_markers, refuse_span_markers
 from sglang_pic.spans.segments import SpanError
 
 MARKED = "Intro<|ssep|>Doc<|pdep|>Q?"
@@ -87,13 +87,13 @@ def test_marker_strings_are_refused_naming_the_flag():
     ({"model": "m", "messages": [{"role": "system", "content": "hi"},
                                  {"role": "user", "content": [{"type": "text", "text": MARKED}]}]},
      r"messages\[1\].content\[0\]"),
+    ({"model": "m", "system": [{"type": "text", "text": MARKED}], "messages": []},
+     r"system\[0\]"),
 ])
 def test_openai_bodies_with_markers_are_refused_without_the_span_cache(body, where):
-    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    raw = json.dumps(body).encode()
-    check_openai_body(path, raw, span_cache_enabled=True)
+    refuse_openai_span_markers({"model": "m", "prompt": "plain", "messages": []})
     with pytest.raises(ValueError, match=f"{where} contains a span marker.*{REFUSAL}"):
-        check_openai_body(path, raw, span_cache_enabled=False)
+        refuse_openai_span_markers(body)
 
 
 # ---- markers without the span cache: a real plain server -----------------------------------------

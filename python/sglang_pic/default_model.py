@@ -60,7 +60,9 @@ def ensure_default_model() -> Path:
     """Return the HF checkpoint directory of the default model, converting it on first use."""
     target = cache_dir() / DEFAULT_MODEL_NAME
     if (target / _DONE_MARKER).is_file():
-        _write_sampling_defaults(target)  # checkpoints converted before the defaults existed
+        # checkpoints converted before these were written
+        _write_sampling_defaults(target)
+        _write_tokenizer_limit(target)
         return target
     src = gguf_path()
     _log(f"converting {src.name} to an HF checkpoint in {target} "
@@ -85,6 +87,7 @@ def ensure_default_model() -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     _write_sampling_defaults(tmp)
+    _write_tokenizer_limit(tmp)
     (tmp / _DONE_MARKER).write_text(f"converted from {src}\n")
     _log("  3/3 finishing")
     if target.exists() and not (target / _DONE_MARKER).is_file():
@@ -100,14 +103,30 @@ def ensure_default_model() -> Path:
 
 
 def _write_sampling_defaults(folder: Path) -> None:
-    """Merge ``SAMPLING_DEFAULTS`` into the checkpoint's generation_config.json (atomic)."""
+    """Merge ``SAMPLING_DEFAULTS`` into the checkpoint's generation_config.json."""
+    _merge_json(folder / "generation_config.json", SAMPLING_DEFAULTS)
+
+
+def _write_tokenizer_limit(folder: Path) -> None:
+    """The tokenizer's ``model_max_length`` as the model's context: the GGUF conversion leaves
+    transformers' "no limit" sentinel (1e30), which SGLang's ``/v1/tokenize`` returns as
+    ``max_model_len``, an int field (a 500 on every call)."""
     import json
 
-    path = folder / "generation_config.json"
+    config = json.loads((folder / "config.json").read_text())
+    _merge_json(folder / "tokenizer_config.json",
+                {"model_max_length": int(config["max_position_embeddings"])})
+
+
+def _merge_json(path: Path, updates: dict) -> None:
+    """Merge ``updates`` into the JSON object at ``path`` (atomic; nothing written when it
+    already holds them)."""
+    import json
+
     config = json.loads(path.read_text()) if path.is_file() else {}
-    if all(config.get(k) == v for k, v in SAMPLING_DEFAULTS.items()):
+    if all(config.get(k) == v for k, v in updates.items()):
         return
-    config.update(SAMPLING_DEFAULTS)
+    config.update(updates)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     tmp.replace(path)

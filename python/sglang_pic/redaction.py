@@ -18,10 +18,13 @@ values from ``ServerArgs``: only what it prints or returns changes.
 | ``ServerArgs.__repr__`` | AROUND: the secrets' values replaced in the text |
 | ``TokenizerManager.resolved_config_dict`` | AFTER: the secrets' fields replaced |
 | ``RuntimeContext.resolved_server_args_dict`` | AFTER: the same, in each scheduler |
+| ``TokenizerManager._dump_data_to_file``, ``dump_requests_before_crash`` | AROUND: request and crash dumps pickle ``ServerArgs`` itself and the launch command line; while they are built, both are redacted copies |
 """
 
 from __future__ import annotations
 
+import copy
+import sys
 from typing import Any
 
 SECRET_FIELDS = ("api_key", "admin_api_key", "ssl_keyfile_password")
@@ -48,12 +51,60 @@ def redact_repr(original: Any, server_args: Any) -> str:
     return text
 
 
+SECRET_FLAGS = tuple("--" + name.replace("_", "-") for name in SECRET_FIELDS)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the values of ``--api-key``, ``--admin-api-key`` and
+    ``--ssl-keyfile-password`` replaced (``--flag VALUE`` and ``--flag=VALUE``)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        name, eq, _ = arg.partition("=")
+        if name in SECRET_FLAGS and eq:
+            out[i] = f"{name}={REDACTED}"
+        elif arg in SECRET_FLAGS and i + 1 < len(out):
+            out[i + 1] = REDACTED
+    return out
+
+
+def redacted_server_args(server_args: Any) -> Any:
+    """A shallow copy of ``server_args`` with every secret that is set replaced, or None when
+    it cannot be copied (the dump then holds no ``ServerArgs``, as SGLang's own fallback for
+    arguments that do not pickle). ``ServerArgs`` refuses assignments once resolved; the copy is
+    ours, so its fields are set past that guard."""
+    try:
+        out = copy.copy(server_args)
+        for name in SECRET_FIELDS:
+            if getattr(out, name, None):
+                object.__setattr__(out, name, REDACTED)
+    except Exception:  # never let a dump take the tokenizer's output loop down
+        return None
+    return out
+
+
+def redacted_dump(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """Build a request or crash dump from redacted ``ServerArgs`` and command line: SGLang
+    pickles ``manager.server_args`` and ``" ".join(sys.argv)`` into the file. Both are put back
+    before the call returns (the dump's writing thread has its dict by then)."""
+    real_args, real_argv = manager.server_args, sys.argv
+    manager.server_args = redacted_server_args(real_args)
+    sys.argv = redact_argv(real_argv)
+    try:
+        return original(manager, *args, **kwargs)
+    finally:
+        manager.server_args, sys.argv = real_args, real_argv
+
+
+_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+
 HOOKS = [
     ("sglang.srt.server_args.ServerArgs.__repr__", redact_repr, "AROUND"),
-    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.resolved_config_dict",
+    (f"{_TOKENIZER_MANAGER}.resolved_config_dict",
      redact_config, "AFTER"),
     ("sglang.srt.runtime_context.RuntimeContext.resolved_server_args_dict", redact_config,
      "AFTER"),
+    (f"{_TOKENIZER_MANAGER}._dump_data_to_file", redacted_dump, "AROUND"),
+    (f"{_TOKENIZER_MANAGER}.dump_requests_before_crash", redacted_dump, "AROUND"),
 ]
 """(SGLang target, hook, HookType name)."""
 

@@ -54,7 +54,7 @@ def test_requests_need_the_key(server, path, body):
 
 def test_health_needs_no_key_and_a_non_ascii_header_is_a_401(server):
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
-    # SGLang's compare_digest raised on it: a 500 and a traceback (api_key.ascii_credentials)
+    # SGLang's compare_digest raised on it: a 500 and a traceback (api_key.decide_auth)
     r = requests.post(server.url + "/generate", json=GENERATE, timeout=60,
                       headers={"Authorization": "Bearer cl\u00e9-de-vingt-caract\u00e8res"})
     assert r.status_code == 401, r.text
@@ -315,7 +315,7 @@ def test_a_non_ascii_header_is_decided_as_none():
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
     def decide(header: str | None, path: str = "/generate"):
-        return api_key.ascii_credentials(
+        return api_key.decide_auth(
             decide_request_auth, method="POST", path=path, authorization_header=header,
             api_key=KEY, admin_api_key=None, auth_level=AuthLevel.NORMAL)
 

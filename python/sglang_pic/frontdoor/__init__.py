@@ -10,12 +10,14 @@
 
 Seams (``register``): a BEFORE hook on SGLang's ``http_server.launch_server`` adds the middleware
 (SGLang's API key middleware, added later, runs outside it), an AROUND hook on uvicorn's
-``Config.load`` guards the protocol class. The admin routes' auth level is raised in
+``Config.load`` guards the protocol class, an AFTER hook on
+``TokenizerManager.init_tokenizer_and_processor`` bounds ``model_max_length``. The admin routes' auth level is raised in
 ``api_key.decide_auth``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
@@ -29,9 +31,28 @@ def install(server_args: Any = None, *args: Any, **kwargs: Any) -> None:
     from .settings import front_door_config
 
     server_args = kwargs.get("server_args", server_args)
+    # what this process writes from here on (request and crash dumps) holds prompts: its
+    # files are its user's alone
+    os.umask(0o077)
     if not getattr(http_server.app.state, "pic_front_door", False):
         http_server.app.add_middleware(FrontDoor, config=front_door_config(server_args))
         http_server.app.state.pic_front_door = True
+
+
+TOKENIZER_INIT = ("sglang.srt.managers.tokenizer_manager.TokenizerManager."
+                  "init_tokenizer_and_processor")
+
+
+def bound_model_max_length(result: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook for ``TokenizerManager.init_tokenizer_and_processor``: a tokenizer without a
+    length limit carries transformers' sentinel (1e30) as ``model_max_length``, which SGLang's
+    ``/v1/tokenize`` returns in an int field (a 500 on every call): use the model's context."""
+    tokenizer = getattr(manager, "tokenizer", None)
+    limit = getattr(tokenizer, "model_max_length", None)
+    context = getattr(getattr(manager, "model_config", None), "context_len", None)
+    if isinstance(limit, (int, float)) and limit > 2**31 - 1 and context:
+        tokenizer.model_max_length = int(context)
+    return result
 
 
 def register() -> None:
@@ -41,3 +62,4 @@ def register() -> None:
 
     HookRegistry.register(LAUNCH_SERVER, install, HookType.BEFORE)
     HookRegistry.register(CONFIG_LOAD, around_config_load, HookType.AROUND)
+    HookRegistry.register(TOKENIZER_INIT, bound_model_max_length, HookType.AFTER)

@@ -8,7 +8,9 @@ subclasses uvicorn's HTTP protocol (h11 or httptools, whichever uvicorn picked):
 * a connection must deliver a complete request head within ``header_timeout_s`` of opening, and
   of each response's end (the idle time of keep-alive counts too), else it is closed; while a
   request runs (a long generation, a stream) no deadline applies;
-* past ``max_connections`` open connections, a new one is closed at once.
+* past ``max_connections`` open connections, the connection that has waited longest for a
+  request head is closed to make room (an idle flood gives way to new clients, whose heads
+  arrive at once); when every connection is running a request, the new one is closed instead.
 
 An AROUND hook on ``uvicorn.config.Config.load`` swaps the protocol class in, for every way SGLang
 starts uvicorn (``uvicorn.run`` and ``Config``/``Server``); the limits come from our flags.
@@ -17,6 +19,7 @@ starts uvicorn (``uvicorn.run`` and ``Config``/``Server``); the limits come from
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -32,6 +35,9 @@ class ConnectionLimits:
 def guarded(base: type, limits: ConnectionLimits) -> type:
     """``base`` (a uvicorn HTTP protocol class) with ``limits``."""
 
+    waiting: OrderedDict[int, Any] = OrderedDict()
+    """Connections waiting for a request head, oldest first."""
+
     class Guarded(base):  # type: ignore[misc, valid-type]
         _pic_deadline: asyncio.TimerHandle | None = None
         _pic_cycle: Any = None
@@ -39,8 +45,12 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
-                transport.close()
-                return
+                if not waiting:
+                    transport.close()
+                    return
+                _, oldest = waiting.popitem(last=False)
+                oldest._pic_disarm()
+                oldest.transport.close()
             self._pic_arm()
 
         def data_received(self, data: bytes) -> None:
@@ -61,14 +71,17 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
             self._pic_disarm()
             self._pic_cycle = self.cycle
             self._pic_deadline = self.loop.call_later(limits.header_timeout_s, self._pic_expire)
+            waiting[id(self)] = self
 
         def _pic_disarm(self) -> None:
+            waiting.pop(id(self), None)
             if self._pic_deadline is not None:
                 self._pic_deadline.cancel()
                 self._pic_deadline = None
 
         def _pic_expire(self) -> None:
             self._pic_deadline = None
+            waiting.pop(id(self), None)
             if self.cycle is self._pic_cycle and not self.transport.is_closing():
                 self.transport.close()
 

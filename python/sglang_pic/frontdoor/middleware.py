@@ -67,14 +67,16 @@ class FrontDoor:
             await send_error(send, e.status, e.message, openai=path.startswith("/v1/"),
                              close=e.close)
             return
-        if raw is None:
+        if raw is not None:
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", [])
+                                if k != b"content-length"] + [(b"content-length",
+                                                               str(len(raw)).encode())]
+            receive = _replay(raw, receive)
+        if endpoints.access(method, path) is not Access.ADMIN:
             await self.app(scope, receive, send)
             return
-        scope = dict(scope)
-        scope["headers"] = [(k, v) for k, v in scope.get("headers", [])
-                            if k != b"content-length"] + [(b"content-length",
-                                                           str(len(raw)).encode())]
-        await self.app(scope, _replay(raw, receive), send)
+        await _admin_call(self.app, scope, receive, send, path)
 
     async def _admit(self, scope: dict, method: str, path: str,
                      receive: Receive) -> bytes | None:
@@ -124,6 +126,24 @@ class FrontDoor:
         except ValueError as e:  # BodyError, and the markers' refusal
             raise Refused(400, str(e)) from None
         return raw
+
+
+async def _admin_call(app: Any, scope: dict, receive: Receive, send: Send, path: str) -> None:
+    """An admin route whose handler refuses the operation by raising (``/stop_profile`` with no
+    profile running raises RuntimeError) answers 409 with the reason, not a 500."""
+    started = False
+
+    async def tracked(message: dict) -> None:
+        nonlocal started
+        started = started or message.get("type") == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, tracked)
+    except (RuntimeError, ValueError) as e:
+        if started:
+            raise
+        await send_error(send, 409, f"{path}: {e}", openai=False)
 
 
 def _route_path(scope: dict) -> str:

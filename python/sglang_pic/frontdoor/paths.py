@@ -43,7 +43,7 @@ def check_admin_body(raw: bytes, fields: tuple[str, ...], allowed: tuple[str, ..
         raise Refused(400, "the request body must be a JSON object")
     for name in fields:
         value = body.get(name)
-        if value is None:
+        if value is None or value == "":  # unset, or (dump folders) turned off
             continue
         if not isinstance(value, str):
             raise Refused(400, f"{name!r} must be a path")

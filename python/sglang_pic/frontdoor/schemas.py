@@ -88,7 +88,8 @@ _INTERNAL_SAMPLING = frozenset({"stop_strs", "stop_regex_strs", "stop_str_max_le
 
 @cache
 def sampling_body() -> type:
-    """``SamplingBody``: ``SamplingParams``'s API fields, all optional, with our ranges."""
+    """``SamplingBody``: ``SamplingParams``'s API fields, each optional (absent: SGLang's
+    default) but ``null`` only where SGLang's type takes it, with our ranges."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     fields = []
@@ -98,7 +99,7 @@ def sampling_body() -> type:
         kind = SAMPLING_RANGES.get(f.name, f.type)
         if kind is None:
             continue
-        fields.append((f.name, kind | None, None))
+        fields.append((f.name, kind, None))
     return msgspec.defstruct("SamplingBody", fields, forbid_unknown_fields=True,
                              omit_defaults=True)
 
@@ -116,28 +117,29 @@ CLIENT_FIELDS: dict[str, Any] = {
     "logprob_start_len": _per_request(LogprobStart),
     "top_logprobs_num": _per_request(TopLogprobs),
     "token_ids_logprob": list[TokenId | list[TokenId]] | None,
-    "return_text_in_logprobs": bool | None,
-    "return_flat_raw_top_logprobs": bool | None,
-    "return_flat_raw_top_logprobs_b64": bool | None,
+    "return_text_in_logprobs": bool,
+    "return_flat_raw_top_logprobs": bool,
+    "return_flat_raw_top_logprobs_b64": bool,
     "return_sampling_mask": _per_request(bool),
-    "stream": bool | None,
-    "log_metrics": bool | None,
-    "return_hidden_states": bool | None,
+    "stream": bool,
+    "log_metrics": bool,
+    "return_hidden_states": bool,
     "lora_path": _per_request(Name | None),
     "lora_id": _per_request(Name | None),
     "routing_key": Name | None,
     "conversation_id": Name | None,
-    "require_reasoning": bool | None,
+    "require_reasoning": bool,
     "max_thinking_tokens": Count | None,
     "priority": Int32 | None,
     "extra_key": _per_request(Name),
-    "no_logs": bool | None,
+    "no_logs": bool,
     "custom_labels": Annotated[dict[Name, Name], Meta(max_length=16)] | None,
-    "return_bytes": bool | None,
-    "return_entropy": bool | None,
-    "return_prompt_token_ids": bool | None,
+    "return_bytes": bool,
+    "return_entropy": bool,
+    "return_prompt_token_ids": bool,
 }
-"""``GenerateReqInput`` fields a client may send, with their types (``sampling_params`` apart)."""
+"""``GenerateReqInput`` fields a client may send, with their types (``sampling_params`` apart);
+``null`` only where SGLang's own default is None."""
 
 REFUSED_FIELDS: dict[str, str] = {
     **dict.fromkeys(("input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
@@ -295,8 +297,8 @@ OPENAI_RANGES: dict[str, Any] = {
     "stop_sequences": Annotated[list[StopText], Meta(max_length=MAX_STOPS)] | None,
     "stop_regex": Stops | None,
     "stop_token_ids": list[Annotated[int, Meta(ge=0, le=INT32_MAX)]] | None,
-    "rid": Rid | list[Rid] | None,
-    "extra_key": Name | list[Name] | None,
+    "rid": Rid | None,
+    "extra_key": Name | None,
     "priority": Int32 | None,
     "user": Name | None,
     "prompt": str | list[str | TokenId | list[TokenId]] | None,
