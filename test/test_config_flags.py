@@ -44,7 +44,8 @@ def test_every_flag_round_trips_through_its_variable():
             continue
         value = flag.default if flag.parse is not None else True
         if value is None:
-            value = flag.parse("7") if name == "--span-pad-token-id" else flag.parse("/tmp/x")
+            value = flag.parse({"--span-pad-token-id": "7", "--admin-path-root": "/tmp"}.get(
+                name, "/tmp/x"))
         env = server_flags.handed_over({name: value}, environ={})
         assert server_flags.setting(name, env) == value, name
         assert server_flags.setting(name, {}) == (flag.default if flag.parse else False), name

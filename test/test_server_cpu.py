@@ -85,7 +85,7 @@ BAD_OPENAI = [
     ("/v1/chat/completions", {"model": "default", "messages": "notalist"}, "messages"),
     ("/v1/chat/completions", {"model": "default", "messages": []}, "empty"),
     ("/v1/chat/completions", {"model": "default", "max_tokens": -5,
-                              "messages": [{"role": "user", "content": "hi"}]}, "max_new_tokens"),
+                              "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
 ]
 
 

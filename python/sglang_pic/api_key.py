@@ -353,7 +353,9 @@ def decide_auth(original: Any, *args: Any, **kwargs: Any) -> Any:
     ASCII is decided as one without the header (``compare_digest`` raises on such text: a 500),
     and the admin routes of ``frontdoor.endpoints`` need the admin key (SGLang's
     ``ADMIN_FORCE``: 403 without an admin key configured), whatever level SGLang gave them (it
-    lets the API key reach most of them when no admin key is set)."""
+    lets the API key reach most of them when no admin key is set), and ``/health_generate``
+    needs the API key (SGLang exempts every ``/health*`` path; ``/health`` stays open for
+    liveness probes)."""
     from sglang.srt.utils.auth import AuthLevel
 
     from sglang_pic.frontdoor.endpoints import ADMIN
@@ -361,8 +363,11 @@ def decide_auth(original: Any, *args: Any, **kwargs: Any) -> Any:
     header = kwargs.get("authorization_header")
     if header is not None and not header.isascii():
         kwargs["authorization_header"] = None
-    if kwargs.get("path") in ADMIN:
+    path = kwargs.get("path")
+    if path in ADMIN:
         kwargs["auth_level"] = AuthLevel.ADMIN_FORCE
+    elif path == "/health_generate":  # generates on demand: the key, as /generate
+        kwargs["path"] = "/keyed" + path
     return original(*args, **kwargs)
 
 
@@ -373,13 +378,20 @@ def register() -> None:
 
 
 def client_key(url: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The key a client of ``url`` sends: ``$SGLANG_PIC_API_KEY``, else, for a loopback URL, the
-    key a ``sglang-pic serve`` on its port generated (if readable and private); else None."""
+    """The key a client of ``url`` sends: ``$SGLANG_PIC_API_KEY``, else, for a URL naming an IPv4
+    loopback address (``127.0.0.1``, what the server binds by default), the key a
+    ``sglang-pic serve`` on its port generated (if readable and private); else None. Not for
+    ``localhost``: it may resolve to ``::1`` first, where another user's process could listen
+    on the same port and would receive the key."""
     env = os.environ if environ is None else environ
     if env.get(ENV):
         return env[ENV]
     parts = urlsplit(url)
-    if not parts.hostname or not is_loopback(parts.hostname):
+    try:
+        local = ipaddress.IPv4Address(parts.hostname or "").is_loopback
+    except ValueError:
+        local = False
+    if not local:
         return None
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -108,10 +108,15 @@ def _in_range(lo: int, hi: int):
     return check
 
 
+MAX_BIAS = 100.0
+"""Largest logit bias (OpenAI's range): beyond float32's range SGLang's scheduler raises on it."""
+
+
 def _finite_bias(key: str, value: dict) -> None:
-    bad = next((v for v in value.values() if not math.isfinite(v)), None)
+    bad = next((v for v in value.values() if not -MAX_BIAS <= v <= MAX_BIAS), None)
     if bad is not None:
-        raise ValueError(f"sampling parameter {key!r}: biases must be finite, got {bad!r}")
+        raise ValueError(f"sampling parameter {key!r}: biases must be in [-{MAX_BIAS:g}, "
+                         f"{MAX_BIAS:g}], got {bad!r}")
 
 
 _RANGES = {

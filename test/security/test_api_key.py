@@ -282,7 +282,9 @@ def test_hosts_and_client_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(api_key, "key_dir", lambda: tmp_path / "api-keys")
     secret_files.write_private(api_key.key_dir(), "31997", KEY + "\n")
     assert api_key.client_key("http://127.0.0.1:31997/", {}) == KEY
-    assert api_key.client_key("http://localhost:31997", {}) == KEY
+    # localhost may resolve to ::1, where another user's process may listen on the port
+    assert api_key.client_key("http://localhost:31997", {}) is None
+    assert api_key.client_key("http://[::1]:31997", {}) is None
     assert api_key.client_key("http://10.0.0.1:31997", {}) is None  # another machine's server
     assert api_key.client_key("http://127.0.0.1:31996", {}) is None  # no such file
     assert api_key.client_key("http://127.0.0.1:31997", {api_key.ENV: OTHER}) == OTHER

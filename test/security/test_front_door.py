@@ -45,6 +45,14 @@ KILLERS = [  # each ended the server for every client (issue 54, item 3)
     {"text": "hi", "return_hidden_states": [False]},
     {"input_ids": [[]]},
     {"text": "hi", "positional_embed_overrides": {"x": 1}},
+    # found by red-teaming the front door
+    {"text": "hi", "sampling_params": {"logit_bias": {"5": 1e300}}},  # float32 overflow
+    {"text": "hi", "sampling_params": {"stop_regex": "(.+)+#", "max_new_tokens": 200}},  # ReDoS
+    {"text": ["a"] * 1024, "token_ids_logprob": list(range(1000)),  # copied 131,072 times
+     "sampling_params": {"n": 128}},
+    {"text": "hi", "lora_id": "x"},  # an internal id: an assert in the scheduler
+    {"text": "hi", "custom_labels": {"x": "y"}},  # with --enable-metrics: an unknown label
+    {"text": "hi", "return_sampling_mask": True, "sampling_params": {"top_k": 2000000000}},
 ]
 FIVE_HUNDREDS = [  # each was a 500 (issue 54, item 4)
     ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "("}}),
@@ -63,6 +71,13 @@ FIVE_HUNDREDS = [  # each was a 500 (issue 54, item 4)
                               "top_k": 2147483648}),
     ("/v1/messages", {"model": "m", "max_tokens": 2, "top_k": 2147483648,
                       "messages": [{"role": "user", "content": "hi"}]}),
+    # found by red-teaming the front door
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 'x' * 10**10 }}"}}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                              "logit_bias": {"5": 1e300}}),
+    ("/v1/completions", {"model": "m", "prompt": ["a"] * 1024, "n": 128, "max_tokens": 1}),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "lora_path": ["a", "b"]}),
 ]
 VOCAB = 49152
 
@@ -118,7 +133,7 @@ def test_valid_bodies_pass(path, body):
     (b'{"text": "hi", "unknown": 1}', "unknown field 'unknown'"),
     (b'{"text": "hi", "custom_logit_processor": "x"}', "run client code"),
     (b'{"text": "hi", "sampling_params": {"n": 1000}}', "<= 128"),
-    (b'{"input_ids": [1, 99999999999999999999999]}', "invalid request body"),
+    (b'{"input_ids": [1, "2"]}', "invalid request body"),
     (b'{"text": ["a"], "rid": "x"}', "one id per prompt"),
     (b'{"text": "a", "input_ids": [1]}', "exactly one of"),
     (b'[1]', "invalid request body"),
@@ -126,6 +141,29 @@ def test_valid_bodies_pass(path, body):
 def test_schema_messages_name_the_problem(raw, needle):
     with pytest.raises(schemas.BodyError, match=needle):
         schemas.check_body("/generate", raw, lambda: VOCAB)
+
+
+@pytest.mark.parametrize("pattern,ok", [
+    ("\\n\\n", True), ("(yes|no)[.]", True), ("a{0,20}b", True), ("(.+)+#", False),
+    ("x*", False), ("(a{1,5}){1,5}", False), ("(?:a|b+){2}", False), ("(", False),
+    ("a{0,300}", False),
+])
+def test_stop_regexes_the_scheduler_can_search(pattern, ok):
+    """SGLang searches a stop regex at every decode step on the scheduler's thread: unbounded
+    or nested repetitions would stall every client."""
+    if ok:
+        schemas.check_stop_regex(pattern)
+    else:
+        with pytest.raises(schemas.BodyError):
+            schemas.check_stop_regex(pattern)
+
+
+def test_routing_headers_are_dropped():
+    from sglang_pic.frontdoor.middleware import _without_routing_headers
+
+    scope = {"headers": [(b"x-data-parallel-rank", b"7"), (b"x-smg-routing-key", b"k" * 9999),
+                         (b"x-override-priority", b"9"), (b"authorization", b"Bearer x")]}
+    assert _without_routing_headers(scope)["headers"] == [(b"authorization", b"Bearer x")]
 
 
 def test_the_allowlist():
@@ -254,6 +292,33 @@ def test_bodies_that_were_500s(guarded, path, body):
     r = guarded.post(path, json=body)
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     survived(guarded)
+
+
+def test_deep_nesting_is_a_400(guarded):
+    """orjson parses up to 1024 levels, msgspec raised RecursionError below that: a 500 and a
+    traceback in the log per request."""
+    deep = "[" * 995 + "]" * 995
+    for path, body in [("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", '
+                        '"content": "hi"}], "chat_template_kwargs": {"a": ' + deep + '}}'),
+                       ("/generate", '{"text": "hi", "sampling_params": {"custom_params": '
+                        '{"a": ' + deep + '}}}')]:
+        r = guarded.post(path, data=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text[:200])
+    survived(guarded)
+
+
+def test_admin_get_bodies_are_checked_too(guarded):
+    """SGLang's admin handlers parse a GET body as they parse a POST's."""
+    r = requests.get(guarded.url + "/configure_logging", timeout=30,
+                     json={"dump_requests_folder": "/tmp/anywhere"},
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 403 and "--admin-path-root" in r.text
+
+
+def test_health_generate_needs_the_key(guarded):
+    assert requests.get(guarded.url + "/health_generate", timeout=30).status_code == 401
+    assert requests.get(guarded.url + "/health", timeout=30).status_code == 200
+    assert guarded.get("/health_generate").status_code == 200
 
 
 def test_tokenize_answers(guarded):

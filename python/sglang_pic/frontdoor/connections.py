@@ -60,7 +60,9 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            # a pipelined request may have started inside super(): it runs without a deadline
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
                 self._pic_arm()
 
         def connection_lost(self, exc: Exception | None) -> None:

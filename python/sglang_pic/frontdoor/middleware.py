@@ -51,6 +51,7 @@ class FrontDoor:
     def __init__(self, app: Any, config: FrontDoorConfig) -> None:
         self.app = app
         self.config = config
+        self._health_running = 0
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":
@@ -61,6 +62,10 @@ class FrontDoor:
             await _refuse_websocket(send)
             return
         method = scope.get("method", "")
+        scope = _without_routing_headers(scope)
+        if path in HEALTH_ROUTES:
+            await self._health(scope, receive, send)
+            return
         try:
             raw = await self._admit(scope, method, path, receive)
         except Refused as e:
@@ -78,6 +83,19 @@ class FrontDoor:
             return
         await _admin_call(self.app, scope, receive, send, path)
 
+    async def _health(self, scope: dict, receive: Receive, send: Send) -> None:
+        """``/health`` needs no key (liveness probes) but generates a token when the server is
+        idle: at most ``MAX_HEALTH_CHECKS`` run at once, the rest get 503 at once, so probes
+        cannot hold every connection."""
+        if self._health_running >= MAX_HEALTH_CHECKS:
+            await send_error(send, 503, "too many health checks at once", openai=False)
+            return
+        self._health_running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._health_running -= 1
+
     async def _admit(self, scope: dict, method: str, path: str,
                      receive: Receive) -> bytes | None:
         """The body to replay (None: the request passes as it came); raises ``Refused``."""
@@ -88,11 +106,11 @@ class FrontDoor:
                                "see docs/security.md)")
         if access is Access.ADMIN:
             self._check_admin(scope, path)
-        if method not in ("POST", "PUT"):
-            return None
+        if access is Access.INFERENCE and method not in ("POST", "PUT"):
+            return None  # the GET routes read no body
         raw = await read_body(scope, receive, self.config.max_body_bytes,
                               self.config.body_timeout_s)
-        if access is Access.ADMIN:
+        if access is Access.ADMIN:  # any method: SGLang's admin handlers parse GET bodies too
             fields = endpoints.ADMIN_PATHS.get(path)
             if fields:
                 paths.check_admin_body(raw, fields, self.config.admin_path_roots)
@@ -117,6 +135,8 @@ class FrontDoor:
 
         try:
             raw = span_http.resolve(path, raw, self.config.span_cache)
+        except RecursionError:
+            raise Refused(400, schemas.TOO_DEEP) from None
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise Refused(400, str(e) or f"malformed spans ({type(e).__name__})") from None
         try:
@@ -125,6 +145,8 @@ class FrontDoor:
                 refuse_openai_span_markers(orjson.loads(raw))
         except ValueError as e:  # BodyError, and the markers' refusal
             raise Refused(400, str(e)) from None
+        except RecursionError:
+            raise Refused(400, schemas.TOO_DEEP) from None
         return raw
 
 
@@ -144,6 +166,23 @@ async def _admin_call(app: Any, scope: dict, receive: Receive, send: Send, path:
         if started:
             raise
         await send_error(send, 409, f"{path}: {e}", openai=False)
+
+
+HEALTH_ROUTES = frozenset({"/health", "/health_generate"})
+MAX_HEALTH_CHECKS = 4
+ROUTING_HEADERS = (b"x-data-parallel-rank", b"x-smg-routing-key")
+"""Request headers SGLang reads into fields the schema refuses or bounds in bodies (a DP rank,
+a routing key), dropped with every ``x-override-*`` header (SGLang's optional per-request
+overrides of internal fields)."""
+
+
+def _without_routing_headers(scope: dict) -> dict:
+    headers = scope.get("headers", [])
+    kept = [(k, v) for k, v in headers
+            if k not in ROUTING_HEADERS and not k.startswith(b"x-override-")]
+    if len(kept) == len(headers):
+        return scope
+    return {**scope, "headers": kept}
 
 
 def _route_path(scope: dict) -> str:

@@ -59,12 +59,20 @@ Int32 = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Name = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Rid = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
-TokenId = Annotated[int, Meta(ge=-2, le=INT32_MAX)]
-"""-1 / -2: the span markers of a span server's ``input_ids`` (the vocabulary is checked later)."""
+TokenId = int
+"""A token id: its range (the vocabulary; -1 / -2, the span markers of a span server) is checked
+by ``request_validation`` in the tokenizer, which knows both."""
 StopText = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 Stops = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOPS)]
 LogprobStart = Annotated[int, Meta(ge=-1, le=INT32_MAX)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+"""A logit bias (OpenAI's range): past float32's range SGLang's scheduler raised on it, and large
+ones with a low temperature make NaN probabilities."""
+MAX_STOP_REGEX_WIDTH = 256
+"""Longest match a ``stop_regex`` may have: SGLang searches the decoded text's tail of that many
+characters at every step, on the scheduler's thread."""
 
 SAMPLING_RANGES: dict[str, Any] = {
     "max_new_tokens": Count | None,
@@ -77,8 +85,7 @@ SAMPLING_RANGES: dict[str, Any] = {
     "stop_regex": Stops | None,
     "stop_token_ids": Annotated[list[Annotated[int, Meta(ge=0, le=INT32_MAX)]],
                                          Meta(max_length=1 << 20)] | None,
-    "logit_bias": dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], float] | None,
-    "custom_params": None,  # read only by custom logit processors, which we refuse
+    "logit_bias": dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Bias] | None,
 }
 """Types of ``SamplingParams`` fields narrower than SGLang's own (None: refused)."""
 
@@ -116,16 +123,16 @@ CLIENT_FIELDS: dict[str, Any] = {
     "return_logprob": _per_request(bool),
     "logprob_start_len": _per_request(LogprobStart),
     "top_logprobs_num": _per_request(TopLogprobs),
-    "token_ids_logprob": list[TokenId | list[TokenId]] | None,
+    "token_ids_logprob": Annotated[list[TokenId | Annotated[list[TokenId],
+                                                            Meta(max_length=MAX_TOP_LOGPROBS)]],
+                                   Meta(max_length=MAX_BATCH)] | None,
     "return_text_in_logprobs": bool,
     "return_flat_raw_top_logprobs": bool,
     "return_flat_raw_top_logprobs_b64": bool,
-    "return_sampling_mask": _per_request(bool),
     "stream": bool,
     "log_metrics": bool,
     "return_hidden_states": bool,
     "lora_path": _per_request(Name | None),
-    "lora_id": _per_request(Name | None),
     "routing_key": Name | None,
     "conversation_id": Name | None,
     "require_reasoning": bool,
@@ -133,7 +140,7 @@ CLIENT_FIELDS: dict[str, Any] = {
     "priority": Int32 | None,
     "extra_key": _per_request(Name),
     "no_logs": bool,
-    "custom_labels": Annotated[dict[Name, Name], Meta(max_length=16)] | None,
+    "session_id": Name | None,
     "return_bytes": bool,
     "return_entropy": bool,
     "return_prompt_token_ids": bool,
@@ -149,7 +156,10 @@ REFUSED_FIELDS: dict[str, str] = {
                      "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices"),
                     "multimodal and embedding inputs are not served (text models only)"),
     "custom_logit_processor": "custom logit processors run client code on the server",
-    **dict.fromkeys(("session_id", "session_params"), "sessions are not served"),
+    "session_params": "sessions are not served",
+    "custom_labels": "metrics labels are the operator's to set",
+    "return_sampling_mask": "sampling masks (a vocabulary per token) are not served",
+    "lora_id": "set by SGLang from lora_path",
     **dict.fromkeys(("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
                      "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank",
                      "http_worker_ipc", "received_time", "external_trace_header",
@@ -160,8 +170,8 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 """``GenerateReqInput`` fields refused, with the reason the 400 gives."""
 
-BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-           "return_sampling_mask", "lora_path", "lora_id", "extra_key", "sampling_params")
+BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path",
+           "extra_key", "sampling_params")
 """Per-request fields: a list only in a batch, and then one entry per prompt."""
 
 
@@ -185,6 +195,11 @@ def _decode(raw: bytes, kind: type) -> Any:
         raise BodyError(f"invalid request body: {message}") from None
     except msgspec.DecodeError as e:
         raise BodyError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BodyError(TOO_DEEP) from None
+
+
+TOO_DEEP = "the request body is nested too deeply (depth limit exceeded)"
 
 
 def _unknown_message(name: str) -> str:
@@ -217,6 +232,11 @@ def check_generate(raw: bytes) -> None:
     for params in _items(body.sampling_params):
         if params is not None:
             _check_sampling(params)
+    copies = (batch or 1) * max((p.n for p in _items(body.sampling_params)
+                                 if p is not None and p.n is not None), default=1)
+    if copies > MAX_BATCH:
+        raise BodyError(f"the request asks for {copies} completions (prompts x n); at most "
+                        f"{MAX_BATCH}")
 
 
 def _batch_size(body: Any) -> int | None:
@@ -249,6 +269,8 @@ def _check_id_lists(name: str, ids: Any, batch: int | None, empty_ok: bool) -> N
         raise BodyError(f"{name!r} mixes ids and lists of ids")
     if nested and batch is None:
         raise BodyError(f"{name!r} is a list of lists, but the request is a single prompt")
+    if ids and not nested and batch is not None:
+        raise BodyError(f"{name!r} of a batch is a list of id lists, one per prompt")
     if nested and len(nested) != batch:
         raise BodyError(f"{name!r} has {len(nested)} entries for a batch of {batch} prompts")
     if not empty_ok and (not ids or any(not x for x in nested)):
@@ -259,13 +281,53 @@ def _items(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
+def check_stop_regex(pattern: str) -> None:
+    """A ``stop_regex`` SGLang can search at every decode step without stalling the scheduler:
+    valid, a bounded match width (SGLang searches the whole output for an unbounded one), and no
+    repetition inside a repetition (``(a+)+``: exponential backtracking)."""
+    from re import _parser as sre_parse  # the stdlib's own parser: what ``re`` compiles
+
+    try:
+        parsed = sre_parse.parse(pattern)
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise BodyError(f"sampling parameter 'stop_regex': {pattern!r} is not a valid "
+                        f"regular expression ({e})") from None
+    if parsed.getwidth()[1] > MAX_STOP_REGEX_WIDTH:
+        raise BodyError(f"sampling parameter 'stop_regex': {pattern!r} may match more than "
+                        f"{MAX_STOP_REGEX_WIDTH} characters (bound every repetition: "
+                        "x{0,20}, not x* or x+)")
+    if _nested_repeat(parsed, inside=False):
+        raise BodyError(f"sampling parameter 'stop_regex': {pattern!r} repeats a repetition, "
+                        "which backtracks exponentially")
+
+
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+
+
+def _nested_repeat(parsed: Any, inside: bool) -> bool:
+    for op, arg in parsed:
+        name = str(op)
+        if name in _REPEATS:
+            if inside:
+                return True
+            if _nested_repeat(arg[2], inside=True):
+                return True
+        elif name == "SUBPATTERN":
+            if _nested_repeat(arg[-1], inside):
+                return True
+        elif name == "BRANCH":
+            if any(_nested_repeat(branch, inside) for branch in arg[1]):
+                return True
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            if _nested_repeat(arg[1], inside):
+                return True
+    return False
+
+
 def _check_sampling(params: Any) -> None:
     for pattern in _items(params.stop_regex or []):
-        try:
-            re.compile(pattern)
-        except (re.error, RecursionError, OverflowError) as e:
-            raise BodyError(f"sampling parameter 'stop_regex': {pattern!r} is not a valid "
-                            f"regular expression ({e})") from None
+        check_stop_regex(pattern)
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty"):
         value = getattr(params, name, None)
@@ -276,13 +338,17 @@ def _check_sampling(params: Any) -> None:
 # ---- OpenAI and Anthropic routes ----------------------------------------------------------------
 
 REFUSED_OPENAI_FIELDS: dict[str, str] = {
-    name: reason for name, reason in REFUSED_FIELDS.items()
+    name: reason for name, reason in REFUSED_FIELDS.items() if name != "lora_id"
 } | {
     "data_parallel_rank": "set by SGLang's own components, not by clients",
     "cache_salt": "not served",
 }
 
 _Finite = Annotated[float, Meta(ge=-1e30, le=1e30)]
+TEMPLATE_KWARGS = ("enable_thinking", "thinking", "reasoning_effort")
+"""``chat_template_kwargs`` a client may set: SGLang passes the dict to ``apply_chat_template``,
+where ``chat_template`` would replace the template (code run on the event loop) and other keys
+are the template's own arguments."""
 OPENAI_RANGES: dict[str, Any] = {
     "n": Annotated[int, Meta(ge=1, le=MAX_N)],
     "best_of": Annotated[int, Meta(ge=1, le=MAX_N)] | None,
@@ -301,6 +367,11 @@ OPENAI_RANGES: dict[str, Any] = {
     "extra_key": Name | None,
     "priority": Int32 | None,
     "user": Name | None,
+    "lora_path": Name | None,
+    "logit_bias": dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Bias] | None,
+    "chat_template_kwargs": Annotated[dict[Literal[TEMPLATE_KWARGS], bool | Name],
+                                      Meta(max_length=4)] | None,
+    "session_id": Name | None,
     "prompt": str | list[str | TokenId | list[TokenId]] | None,
     **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"), _Finite | None),
@@ -343,6 +414,8 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise BodyError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BodyError(TOO_DEEP) from None
     if not isinstance(data, dict):
         raise BodyError("the request body must be a JSON object")
     for name in data:
@@ -356,11 +429,21 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise BodyError(f"invalid {path} request: {where}: {first.get('msg', e)}") from None
+    except RecursionError:
+        raise BodyError(TOO_DEEP) from None
     except Exception as e:  # a validator of SGLang's that assumed another shape
         raise BodyError(f"malformed {path} request: a field has the wrong type "
                         f"({type(e).__name__}: {e})") from None
     if path.endswith("detokenize"):
         _check_vocab("tokens", request.tokens, vocab_size())
+    for pattern in _items(data.get("stop_regex") or []):
+        check_stop_regex(pattern)
+    prompt = data.get("prompt")
+    batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
+        prompt[0], int) else 1
+    if batch * max(1, data.get("n") or 1) > MAX_BATCH:
+        raise BodyError(f"the request asks for {batch} prompts x n={data.get('n')} "
+                        f"completions; at most {MAX_BATCH}")
 
 
 def _check_vocab(name: str, ids: Any, vocab: int | None) -> None:

@@ -70,8 +70,10 @@ def resolve(path: str, raw: bytes, enabled: bool) -> bytes:
         return raw
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw  # the schema refuses it
+    except orjson.JSONDecodeError as e:
+        if "depth" in str(e):
+            raise ValueError(f"the request body is nested too deeply ({e})") from None
+        return raw  # not JSON: the schema refuses it
     rewritten = rewrite_body(path, body)
     if rewritten is body:
         return raw
