@@ -19,8 +19,12 @@ Rules the rows are checked against (``problems`` lists every row that breaks one
 is vanilla SGLang on FlashInfer (a ``triton`` baseline is a legacy row to re-measure), ``samples``
 >= 3 per side, and ``same_run`` true.
 
-    python benchmark/headlines.py            # writes benchmark/results/headlines.json
-    python benchmark/headlines.py --check    # exit 1 if the file on disk is stale
+The README's results table (``README_ROWS``: the main current row of each capability) is
+rendered from the same rows (``readme_table``) between its ``results:start`` / ``results:end``
+lines.
+
+    python benchmark/headlines.py            # writes headlines.json and README.md's table
+    python benchmark/headlines.py --check    # exit 1 if either is stale
 """
 
 from __future__ import annotations
@@ -170,6 +174,7 @@ def _metric_pair(baseline_metric: str, ours_metric: str, note: str, *,
     return extract
 
 
+REAL_WEIGHTS_CONTROL = "real_weights_h200_control.json"  # the baseline side of the agreement row
 COLD_NOTE = "lookup, miss, then the whole prefill; ratio >= 0.952 is at most 5 % over recompute"
 
 
@@ -177,7 +182,7 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
     """Real weights: per prompt, 1 if the span server's greedy tokens equal vanilla-FlashInfer's
     (ours), against the same for vanilla-triton (baseline: how often two of SGLang's own kernels
     agree at bf16), from the control run beside it."""
-    control = json.loads((RESULTS / "real_weights_h200_control.json").read_text())
+    control = json.loads((RESULTS / REAL_WEIGHTS_CONTROL).read_text())
 
     def per_prompt(c: dict) -> list[float]:
         bad = {d["prompt"] for d in c["diverged"]}
@@ -195,7 +200,8 @@ def _agreement(report: dict) -> tuple[list[float], list[float], str | None]:
         ties = f"{len(ours['diverged'])} divergences, not all with a known gap"
     return (per_prompt(base), per_prompt(ours),
             f"means are the share of prompts with identical tokens; {ties}; baseline: "
-            f"vanilla-triton against vanilla-FlashInfer, from a second call on the same machine")
+            f"vanilla-triton against vanilla-FlashInfer, from a second call on the same machine "
+            f"({REAL_WEIGHTS_CONTROL})")
 
 
 def _span_reference_agreement(report: dict) -> tuple[list[float], list[float], str | None]:
@@ -817,21 +823,112 @@ def print_table(doc: dict) -> None:
               f"{met[r['meets_target']]:>5}{r['samples']:>3}  {'; '.join(r['problems']) or '-'}")
 
 
+README = RESULTS.parent.parent / "README.md"
+README_START = "<!-- results:start (benchmark/headlines.py writes this table) -->"
+README_END = "<!-- results:end -->"
+
+
+@dataclass(frozen=True)
+class ReadmeRow:
+    """A row of the README's results table: ``claim``'s baseline and ours, as ``unit`` after
+    multiplying by ``scale`` (a share as %), with ``case`` saying what was measured."""
+
+    claim: str
+    case: str
+    unit: str
+    scale: float = 1.0
+
+
+README_ROWS = (
+    ReadmeRow("spans.rag_throughput", "Spans: RAG burst, 128 requests x 4 of 32 documents",
+              "req/s"),
+    ReadmeRow("spans.cached_span_ttft",
+              "Spans: TTFT of an 8K document cached after another system prompt", "ms"),
+    ReadmeRow("spans.cold_ttft", "Spans: TTFT of a span prompt with nothing cached", "ms"),
+    ReadmeRow("eviction.replay.generated_mixed_10pct",
+              "Eviction: token hit rate, mixed traffic replayed at a 10 % cache (CPU; the "
+              "best other policy)", "%", 100.0),
+    ReadmeRow("eviction.e2e_hit_rate",
+              "Eviction: token hit rate end to end, Mooncake trace sample (the better of "
+              "vanilla lru / slru)",
+              "%", 100.0),
+    ReadmeRow("sparse.tpot_128k", "Sparse decode: time per output token, 1 x 128K", "ms"),
+    ReadmeRow("sparse.tpot_b4_128k", "Sparse decode: time per output token, 4 x 128K", "ms"),
+    ReadmeRow("sparse.tpot_512k", "Sparse decode: time per output token, 1 x 512K", "ms"),
+    ReadmeRow("sparse.quality.8k",
+              "Sparse decode: 8K needle tasks solved, SmolLM2-135M real weights", "%"),
+    ReadmeRow("store.tcp_ttft_8k",
+              "Prefix store: TTFT of an 8K prefix another instance computed (TCP)", "ms"),
+    ReadmeRow("store.tcp_ttft_128k",
+              "Prefix store: TTFT of a 128K prefix another instance computed (TCP)", "ms"),
+    ReadmeRow("store.tcp_cold_miss_8k",
+              "Prefix store: TTFT of an 8K prefix no store holds (lookup, miss, recompute)",
+              "ms"),
+)
+"""The README's results table: the main current row of each capability, one line each."""
+
+
+def _readme_number(x: float, row: ReadmeRow) -> str:
+    x *= row.scale
+    text = f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.1f}" if abs(x) >= 100 else f"{x:.2f}"
+    return f"{text} {row.unit}"
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's results table (Markdown) from ``headlines.json``'s rows: per
+    ``README_ROWS``, case, vanilla, ours and the ratio (> 1: ours better). Every row it shows
+    must be current: measured, and breaking none of the rules (``problems``)."""
+    by_claim = {r["claim"]: r for r in rows}
+    lines = ["| case | vanilla SGLang | sglang-pic | ratio |", "|---|---:|---:|---:|"]
+    for want in README_ROWS:
+        r = by_claim.get(want.claim)
+        if r is None or r["ratio"] is None or r["problems"]:
+            why = "absent" if r is None else "; ".join(r["problems"]) or "no ratio"
+            raise ValueError(f"README row {want.claim} is not a current headline row: {why}")
+        lines.append(f"| {want.case} [`{want.claim}`] | {_readme_number(r['baseline'], want)} "
+                     f"| {_readme_number(r['ours'], want)} | {r['ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_with_table(readme: str, table: str) -> str:
+    """``readme`` with the text between ``README_START`` and ``README_END`` set to ``table``."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md lacks the lines {README_START!r} ... {README_END!r}")
+    head = readme[: start + len(README_START)]
+    return f"{head}\n{table}{readme[end:]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="do not write; exit 1 if headlines.json differs from the raw files")
+                    help="do not write; exit 1 if headlines.json differs from the raw files or "
+                    "README.md's results table from headlines.json")
     args = ap.parse_args()
     doc = build()
     print_table(doc)
     text = json.dumps(doc, indent=1) + "\n"
+    readme = README.read_text()
+    try:
+        new_readme = readme_with_table(readme, readme_table(doc["rows"]))
+    except ValueError as e:  # a README row gone stale: headlines.json is still written
+        print(f"README.md's results table: {e}", file=sys.stderr)
+        new_readme = None
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python benchmark/headlines.py", file=sys.stderr)
+        stale = [str(path) for path, ok in ((OUT, OUT.exists() and OUT.read_text() == text),
+                                            (README, new_readme == readme)) if not ok]
+        if stale:
+            print(f"{', '.join(stale)} stale: run python benchmark/headlines.py",
+                  file=sys.stderr)
             return 1
         return 0
     OUT.write_text(text)
     print(f"wrote {OUT}")
+    if new_readme is None:
+        return 1
+    if new_readme != readme:
+        README.write_text(new_readme)
+        print(f"wrote the results table of {README}")
     return 0
 
 

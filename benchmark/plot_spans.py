@@ -1,4 +1,5 @@
-"""Plot `benchmark/results/spans_rag_h200.json` into `docs/figures/spans_rag_h200.png`.
+"""Plot `benchmark/results/spans_rag_h200_prefill_graphs.json` (the run the `spans.*` headline rows
+read) into `docs/figures/spans_rag_h200.png`.
 
     python benchmark/plot_spans.py [RESULTS.json] [OUT.png]
 """
@@ -20,7 +21,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "benchmark/results/spans_rag_h200.json"
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "benchmark/results/spans_rag_h200_prefill_graphs.json"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else REPO / "docs/figures/spans_rag_h200.png"
     res = {k: v for k, v in json.loads(src.read_text())["results"].items() if "rag_requests_per_s" in v}
     names = list(res)
@@ -53,7 +54,11 @@ def main() -> None:
     ax.set_yscale("log")
     ax.set_title("TTFT of an 8K document (ms, log scale)")
     ax.legend(fontsize=8, loc="lower left")
-    fig.suptitle("Span caching on the H200: Llama-3-8B shape, dummy weights, triton backend; vanilla SGLang 0.5.17 in the same run",
+    report = json.loads(src.read_text())
+    backend = report.get("engine_kwargs", {}).get("attention_backend", "?")
+    graphs = "off" if report.get("engine_kwargs", {}).get("disable_prefill_cuda_graph") else "on"
+    fig.suptitle(f"Span caching on the H200: Llama-3-8B shape, dummy weights, {backend} "
+                 f"(prefill CUDA graphs {graphs}); vanilla SGLang 0.5.17 in the same run",
                  fontsize=10)
     save_figure(fig, out)
 

@@ -14,6 +14,7 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,9 +30,47 @@ import pytest
 import requests
 from server_zygote import ZygoteClient
 from sglang_pic.api_key import ENV as API_KEY_ENV
+from sglang_pic.api_key import KEY_DIR as API_KEY_DIR
 from sglang_pic.cpu_support import has_cuda
 
 REPO = Path(__file__).resolve().parent.parent
+CACHE_ENV = "SGLANG_PIC_CACHE"
+TEST_CACHE_ENV = "SGLANG_PIC_TEST_CACHE"
+"""The run's cache folder (``_use_a_test_cache``), kept for the xdist workers, which inherit it."""
+_own_test_cache: Path | None = None
+"""The cache folder this process made (removed at its end, ``pytest_unconfigure``)."""
+
+
+def _use_a_test_cache() -> None:
+    """Point ``$SGLANG_PIC_CACHE`` at a folder of this run, so that the API keys the test servers
+    generate (``<cache>/api-keys/PORT``) never land in the user's ``~/.cache/sglang-pic``. The
+    rest of the user's cache is linked in: the converted default model (``models/``, ~40 s to
+    convert) and SGLang's flag list are shared, not made again. Done once per run, by the first
+    process (the xdist workers inherit the variables), before anything starts a server; every
+    server, zygote and subprocess gets it through ``os.environ``."""
+    global _own_test_cache
+    if os.environ.get(TEST_CACHE_ENV) and os.environ.get(CACHE_ENV) == os.environ[TEST_CACHE_ENV]:
+        return  # an xdist worker: the run's folder exists already
+    user = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sglang-pic")
+    (user / "models").mkdir(parents=True, exist_ok=True)
+    run = Path(tempfile.mkdtemp(prefix="sglang-pic-test-cache-"))
+    for entry in user.iterdir():
+        if entry.name != API_KEY_DIR:
+            (run / entry.name).symlink_to(entry)
+    _own_test_cache = run
+    os.environ[CACHE_ENV] = os.environ[TEST_CACHE_ENV] = str(run)
+
+
+_use_a_test_cache()
+
+
+def pytest_unconfigure(config):
+    """The process that made the run's cache folder removes it (its links, not what they point
+    at: ``rmtree`` does not follow them)."""
+    if _own_test_cache is not None:
+        shutil.rmtree(_own_test_cache, ignore_errors=True)
+
+
 TEST_THREADS = os.environ.get("SGLANG_PIC_TEST_THREADS", "1")
 """Torch (OpenMP) threads of the test processes and of the servers they start (``_launch``).
 The suite keeps both cores busy with servers; a second thread of a test process's torch spins at

@@ -1,4 +1,5 @@
-"""The README quotes only rows of benchmark/results/headlines.json, and that file is current."""
+"""The README quotes only rows of benchmark/results/headlines.json (its results table rendered from
+them), that file is current, and benchmark/results/ holds only files something cites."""
 
 from __future__ import annotations
 
@@ -171,3 +172,81 @@ def test_the_mean_ttft_row_is_each_runs_mean_over_its_requests(tmp_path, monkeyp
     assert row["baseline_variant"] == "vanilla"  # mean 250 ms against slru's 310
     assert row["spread"]["baseline"] == [200.0, 300.0] and row["spread"]["ours"] == [100.0, 400.0]
     assert abs(row["ratio"] - 250.0 / 250.0) < 1e-9 and row["samples"] == 2
+
+
+def test_the_readme_results_table_is_rendered_from_headlines_json():
+    """README.md's results table is ``headlines.readme_table`` of headlines.json's rows, between
+    its ``results:start`` / ``results:end`` lines (``benchmark/headlines.py`` writes it), and
+    every row it shows is a current headline row."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    rows = json.loads(HEADLINES.read_text())["rows"]
+    readme = (REPO / "README.md").read_text()
+    assert readme.count(headlines.README_START) == 1 and readme.count(headlines.README_END) == 1
+    shown = readme.split(headlines.README_START)[1].split(headlines.README_END)[0]
+    assert shown == "\n" + headlines.readme_table(rows), (
+        "README.md's results table is stale: run python benchmark/headlines.py")
+    current = {r["claim"] for r in rows if not r["problems"] and r["ratio"] is not None}
+    assert {row.claim for row in headlines.README_ROWS} <= current
+
+
+def test_the_readme_table_refuses_a_row_that_is_not_current():
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import headlines
+
+    rows = json.loads(HEADLINES.read_text())["rows"]
+    first = headlines.README_ROWS[0].claim
+    stale = [{**r, "problems": ["measured before a fix"]} if r["claim"] == first else r
+             for r in rows]
+    with pytest.raises(ValueError, match=re.escape(first)):
+        headlines.readme_table(stale)
+    with pytest.raises(ValueError, match="absent"):
+        headlines.readme_table([r for r in rows if r["claim"] != first])
+
+
+RESULTS = REPO / "benchmark" / "results"
+RESULTS_README = RESULTS / "README.md"
+
+
+def _results_files() -> list[str]:
+    """Every file of benchmark/results/ but its README, as a path relative to it."""
+    return sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*")
+                  if p.is_file() and p != RESULTS_README)
+
+
+def _results_readme_entries() -> list[str]:
+    """The names and patterns (``*``) in the first column of benchmark/results/README.md's
+    table."""
+    entries = []
+    for line in RESULTS_README.read_text().splitlines():
+        cells = line.split("|")
+        if line.startswith("|") and len(cells) > 2:
+            entries += re.findall(r"`([^`]+)`", cells[1])
+    return entries
+
+
+def test_every_results_file_is_cited():
+    """benchmark/results/ holds what headlines.json cites, what README.md or a doc names or
+    shows, and what its own README names exactly (the inputs of a plotting script, figures a doc
+    refers to as "the .png beside it"): a file nothing cites is history, and leaves the tree."""
+    citing = [HEADLINES.read_text(), (REPO / "README.md").read_text(),
+              *(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))]
+    exact = set(_results_readme_entries())
+    uncited = [f for f in _results_files()
+               if f not in exact and not any(Path(f).name in text for text in citing)]
+    assert not uncited, (
+        f"files in benchmark/results/ cited by nothing (not headlines.json, README.md, docs/ "
+        f"nor by name in benchmark/results/README.md): {uncited}; git rm them")
+
+
+def test_the_results_readme_names_every_file_and_no_missing_one():
+    import fnmatch
+
+    files = _results_files()
+    entries = _results_readme_entries()
+    assert entries, "benchmark/results/README.md lists no file"
+    unnamed = [f for f in files if not any(fnmatch.fnmatchcase(f, e) for e in entries)]
+    assert not unnamed, f"benchmark/results/README.md does not say what these are: {unnamed}"
+    stale = [e for e in entries if not any(fnmatch.fnmatchcase(f, e) for f in files)]
+    assert not stale, f"benchmark/results/README.md names files that are gone: {stale}"
