@@ -278,13 +278,65 @@ def test_routing_rules():
     assert s.route(BlockInfo("tool", "s", "agent", 5, 10)) == "agent"
 
 
+def test_auto_moves_weight_away_from_the_expert_that_evicts_too_early():
+    """Regret from the ghost list: the expert whose evictions come back loses weight, down to
+    the floor, and is drawn less; one that stops being wrong recovers."""
+    from sglang_pic.eviction.auto import WEIGHT_FLOOR, AutoStrategy
+
+    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=1000)
+    for serial in range(200):
+        auto.evictions = serial
+        auto._regret(1, serial)  # lru's eviction came back at once
+    w = auto.weight_of()
+    assert w["lru"] == pytest.approx(WEIGHT_FLOOR / (1 + WEIGHT_FLOOR), rel=0.05)
+    draws = []
+    for _ in range(400):
+        auto.begin_evict()
+        draws.append(auto.names[auto.chosen])
+        auto.end_evict()
+    assert draws.count("gdsf") > 0.9 * len(draws)
+    for serial in range(200, 400):
+        auto.evictions = serial
+        auto._regret(0, serial)  # now gdsf's are wrong
+    assert auto.weight_of()["lru"] > auto.weight_of()["gdsf"]
+
+
+def test_auto_blames_the_expert_that_chose_the_eviction():
+    """A block evicted during a pass of one expert and inserted again charges that expert,
+    and an old eviction charges less than a fresh one."""
+    from types import SimpleNamespace
+
+    from sglang_pic.eviction.auto import AutoStrategy
+
+    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=8)
+
+    def node(first: int):
+        return SimpleNamespace(key=SimpleNamespace(token_ids=[first, 1, 2]), _pic_offset=0,
+                               hit_count=0, last_access_time=0.0, parent=None)
+
+    auto.chosen = 1
+    auto.on_evict(node(7))
+    auto.chosen = 0
+    for i in range(6):
+        auto.on_evict(node(100 + i))
+    auto.on_insert(node(7), None, 0, True)
+    auto.on_insert(node(105), None, 0, True)
+    assert auto.regrets[1] > 0 and auto.regrets[0] > 0
+    assert auto.regrets[1] < auto.regrets[0]  # lru's was 6 evictions older
+    charged = list(auto.regrets)
+    auto.on_insert(node(7), None, 0, True)  # charged once: it left the ghost list
+    assert auto.regrets == charged
+
+
 def test_policies_are_in_sglangs_table():
     from sglang.srt.mem_cache.utils import get_eviction_strategy
     from sglang.srt.server_args import RADIX_EVICTION_POLICY_CHOICES
+    from sglang_pic.serve_conflicts import EVICTION_POLICIES
 
-    for name in ("sae", "gdsf", "s3fifo", "tlru"):
+    for name in ("auto", "sae", "gdsf", "s3fifo", "tlru"):
         assert get_eviction_strategy(name).name == name
-        assert name in RADIX_EVICTION_POLICY_CHOICES
+    # the launcher's list (checked before anything loads) is what the server accepts
+    assert set(EVICTION_POLICIES) == set(RADIX_EVICTION_POLICY_CHOICES)
 
 
 def test_split_rederives_offset_and_type():
@@ -328,7 +380,7 @@ def test_simulator_counts_exact_prefix_hits_and_respects_capacity():
     assert small.summary()["max_used_tokens"] <= 120
 
 
-@pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf"])
+@pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf", "auto"])
 def test_replay_under_pressure_stays_within_capacity(policy):
     from simulator import replay
     from traces import generate
@@ -1428,3 +1480,53 @@ def test_results_table_refuses_what_is_not_a_report(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2
         assert why in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- session hints from OpenAI fields ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("body,session", [
+    ({"model": "m", "prompt_cache_key": "conv-7", "user": "u"}, "conv-7"),
+    ({"model": "m", "safety_identifier": "person-1"}, "person-1"),
+    ({"model": "m", "user": "u-2"}, "u-2"),
+    ({"model": "m", "prompt_cache_key": "k", "custom_params": {"session_id": "mine"}}, "mine"),
+    ({"model": "m", "prompt_cache_key": "k", "custom_params": {"app_type": "agent"}}, "k"),
+])
+def test_openai_fields_become_the_session_hint(body, session):
+    """What the policy reads (``segmentation.client_hints``, through SGLang's sampling params)
+    after the front door's rewrite: the first hint field, unless the client named a session."""
+    from types import SimpleNamespace
+
+    from sglang_pic.eviction import segmentation
+    from sglang_pic.eviction.openai_hints import with_session_hint
+
+    out = with_session_hint(body)
+    assert "prompt_cache_key" not in out and "safety_identifier" not in out
+    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params=out["custom_params"]))
+    assert segmentation.client_hints(req)[0] == session
+    plain = {"model": "m", "messages": []}
+    assert with_session_hint(plain) is plain
+    with pytest.raises(ValueError, match="prompt_cache_key"):
+        with_session_hint({"prompt_cache_key": ""})
+
+
+def test_hinted_chat_turns_get_sae_session_index():
+    """Turns of one conversation, named only by ``prompt_cache_key``, reach ``sae`` as one
+    session: the server's request context (``hooks.request_context``) carries it, and ``sae``
+    tracks the session's gaps and scores its blocks by the session index."""
+    from types import SimpleNamespace
+
+    from sglang_pic.eviction import hooks
+    from sglang_pic.eviction.openai_hints import with_session_hint
+    from sglang_pic.eviction.sae import SAEStrategy
+
+    hint = with_session_hint({"prompt_cache_key": "conv-1", "messages": []})["custom_params"]
+    sae = SAEStrategy(sample_size=0)
+    for turn in range(3):
+        req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params=hint),
+                              origin_input_ids=list(range(100 + 20 * turn)), rid=f"r{turn}",
+                              session_id=None)
+        ctx = hooks.request_context(req)
+        assert ctx.session_id == "conv-1"
+        sae.on_request(ctx, 60.0 * turn)
+    assert sae.session_last["conv-1"] == 120.0

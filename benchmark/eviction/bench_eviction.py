@@ -1,5 +1,7 @@
-"""Eviction policies on replayed traces: SGLang's seven, GDSF, S3-FIFO and SAE, in one run, with
-Belady's offline rule (the whole trace known in advance) as the upper bound.
+"""Eviction policies on generated or public traces, replayed through SGLang's RadixCache.
+
+SGLang's seven, GDSF, S3-FIFO, T-LRU, SAE and auto, in one run, with Belady's offline rule (the
+whole trace known in advance) as the upper bound.
 
     .venv/bin/python benchmark/eviction/bench_eviction.py [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
 
@@ -27,7 +29,7 @@ REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
-OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae")
+OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # sae without the session predictor / with its gap fits from completed gaps only (the open ones
 # not counted, SAEStrategy._refit_gaps) / with alpha_q / with conversations inferred from the
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
@@ -112,23 +114,33 @@ def without_hints(req, hints: str):
 
 
 def baselines(policies: list[str]) -> list[str]:
-    """The policies ``sae`` is compared with: all but ``sae``, its ablations and the bounds."""
-    return [p for p in policies if not p.startswith("sae") and p not in REFERENCE]
+    """The online baselines ``sae`` and ``auto`` are compared with: every policy a server can
+    run but those two, ``sae``'s ablations and the offline bounds."""
+    return [p for p in policies
+            if not p.startswith("sae") and p != "auto" and p not in REFERENCE]
 
 
 def print_summary(rows: list[dict], policies: list[str]) -> None:
-    """sae against the best other policy per cell, averaged over seeds."""
-    if "sae" not in policies or not baselines(policies):
+    """``sae`` and ``auto`` against the best online baseline per cell, averaged over seeds, and
+    the worst cell."""
+    ours = [p for p in ("auto", "sae") if p in policies]
+    if not ours or not baselines(policies):
         return
     from plot_eviction import mean_rates
 
     rates = mean_rates(rows)
-    print(f"\n{'workload':<13}{'cache':>6}  {'best baseline':<20}{'sae':>7}{'gain':>8}")
+    print(f"\n{'workload':<13}{'cache':>6}  {'best baseline':<20}"
+          + "".join(f"{p:>7}{'gain':>8}" for p in ours))
+    worst = dict.fromkeys(ours, float("inf"))
     for w, f in dict.fromkeys((r["workload"], r["fraction"]) for r in rows):
         best = max(baselines(policies), key=lambda p: rates[w, f, p])
-        gain = 100 * (rates[w, f, "sae"] - rates[w, f, best])
-        print(f"{w:<13}{f:>6.0%}  {best:<8}{rates[w, f, best]:>12.3f}{rates[w, f, 'sae']:>7.3f}"
-              f"{gain:>+7.1f}pp")
+        line = f"{w:<13}{f:>6.0%}  {best:<8}{rates[w, f, best]:>12.3f}"
+        for p in ours:
+            gain = 100 * (rates[w, f, p] - rates[w, f, best])
+            worst[p] = min(worst[p], gain)
+            line += f"{rates[w, f, p]:>7.3f}{gain:>+7.1f}pp"
+        print(line)
+    print("worst cell: " + ", ".join(f"{p} {g:+.2f} pp" for p, g in worst.items()))
 
 
 TABLE_COLUMNS = (("sae-nopred", "sae w/o predictor"), ("sae-alpha", "sae × α_q"),
@@ -176,7 +188,7 @@ def markdown_table(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--scale", type=int, default=100, help="sessions per workload (size knob)")
     ap.add_argument("--quick", action="store_true",
                     help="two workloads, two sizes; writes to $TMPDIR/sglang-pic-bench, no plot")

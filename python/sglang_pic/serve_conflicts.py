@@ -66,9 +66,20 @@ def _int(argv: list[str], flag: str, default: int) -> int:
         return default  # SGLang's parser names the bad value
 
 
+EVICTION_POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru",  # sglang_pic.eviction.POLICIES
+                     "lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+"""``--radix-eviction-policy`` values: ours and SGLang 0.5.17's policy table
+(``mem_cache.utils._EVICTION_POLICY_FACTORIES``), all of which the plugin offers; a test checks
+this list against the server's choices."""
+
+
 def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
     """Raise ``UsageError`` for the first combination of our flags (``given``: parsed, only
     those on the command line) and SGLang's (``argv``) that cannot be served."""
+    policy = value_of(argv, "--radix-eviction-policy")
+    if policy is not None and policy not in EVICTION_POLICIES:
+        raise UsageError(f"--radix-eviction-policy: {policy!r} is not a policy (choose from "
+                         f"{', '.join(EVICTION_POLICIES)})")
     if "--ptstore-token" in given:
         raise UsageError("--ptstore-token would put the token on the command line, which every "
                          "user of the machine sees (ps): use --ptstore-token-file PATH or "

@@ -2,7 +2,8 @@
 
 Registered by ``register()`` (called from ``sglang_pic/plugin.py``):
 
-1. policies ``sae`` (``sae.SAEStrategy``), ``gdsf``, ``s3fifo`` and ``tlru`` (``baselines``) in SGLang's
+1. policies ``auto`` (``auto.AutoStrategy``: online choice among ``sae``, ``gdsf``, ``s3fifo``
+   and ``lru``), ``sae`` (``sae.SAEStrategy``), ``gdsf``, ``s3fifo`` and ``tlru`` (``baselines``) in SGLang's
    eviction-policy table ``sglang.srt.mem_cache.utils._EVICTION_POLICY_FACTORIES`` and as
    ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
 2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to policies
@@ -14,7 +15,7 @@ The trace-driven simulator that drives SGLang's real ``RadixCache`` with these p
 
 from __future__ import annotations
 
-POLICIES = ("sae", "gdsf", "s3fifo", "tlru")
+POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru")
 
 
 def register() -> None:
@@ -22,12 +23,16 @@ def register() -> None:
     from sglang.srt.server_args import add_radix_eviction_policy_choices
 
     from . import hooks
+    from .auto import AutoStrategy
     from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
     from .sae import SAEStrategy
 
     cache_utils._EVICTION_POLICY_FACTORIES.update(
-        {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
-         "tlru": TLRUStrategy}
+        {"auto": AutoStrategy, "sae": SAEStrategy, "gdsf": GDSFStrategy,
+         "s3fifo": S3FIFOStrategy, "tlru": TLRUStrategy}
     )
-    add_radix_eviction_policy_choices(list(POLICIES))
+    # SGLang's own table has fifo, mru and filo, which its CLI does not offer: every policy of
+    # the table is a choice (the docs list them all)
+    add_radix_eviction_policy_choices(
+        [*POLICIES, *(p for p in cache_utils._EVICTION_POLICY_FACTORIES if p not in POLICIES)])
     hooks.register()

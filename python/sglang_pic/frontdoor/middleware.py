@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,7 @@ class FrontDoor:
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise Refused(400, str(e) or f"malformed spans ({type(e).__name__})") from None
         try:
+            raw = _with_session_hint(path, raw)
             schemas.check_body(path, raw, self.config.vocab_size)
             if not self.config.span_cache and path != "/generate":
                 refuse_openai_span_markers(orjson.loads(raw))
@@ -166,6 +168,26 @@ async def _admin_call(app: Any, scope: dict, receive: Receive, send: Send, path:
         if started:
             raise
         await send_error(send, 409, f"{path}: {e}", openai=False)
+
+
+HINTED_ROUTES = ("/v1/chat/completions", "/v1/completions")
+_HINT_KEY = re.compile(rb'"(?:prompt_cache_key|safety_identifier|user)"\s*:|\\u')
+"""A body that may hold a hint field as a key (``"user"`` is also a chat role, as a value)."""
+
+
+def _with_session_hint(path: str, raw: bytes) -> bytes:
+    """The OpenAI fields that name a session (``prompt_cache_key``, ``safety_identifier``,
+    ``user``) as the eviction policy's session hint (``eviction.openai_hints``)."""
+    if path not in HINTED_ROUTES or not _HINT_KEY.search(raw):
+        return raw
+    from sglang_pic.eviction.openai_hints import with_session_hint
+
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw  # the schema says what is wrong
+    hinted = with_session_hint(body)
+    return raw if hinted is body else orjson.dumps(hinted)
 
 
 HEALTH_ROUTES = frozenset({"/health", "/health_generate"})

@@ -118,7 +118,7 @@ def _per_request(kind: Any) -> Any:
 
 CLIENT_FIELDS: dict[str, Any] = {
     "text": str | list[str] | None,
-    "input_ids": list[TokenId | list[TokenId]] | None,
+    "input_ids": msgspec.Raw,  # decoded by ``prompt_ids``: one pass of typed ints
     "rid": Rid | list[Rid] | None,
     "return_logprob": _per_request(bool),
     "logprob_start_len": _per_request(LogprobStart),
@@ -209,9 +209,31 @@ def _unknown_message(name: str) -> str:
     return f"unknown field {name!r}"
 
 
+_FLAT_IDS = msgspec.json.Decoder(list[int])
+_BATCH_IDS = msgspec.json.Decoder(list[list[int]])
+
+
+def prompt_ids(raw: msgspec.Raw | None) -> list | None:
+    """``input_ids`` as a list of ints or a list of such lists (None: absent or null). Decoded
+    as one of the two typed shapes: a list of ``int | list[int]`` costs ~150 ns an id in
+    msgspec, a typed one a few (128K ids: 19 ms against ~1 ms)."""
+    if raw is None or bytes(raw).strip() == b"null":
+        return None
+    try:
+        return _FLAT_IDS.decode(raw)
+    except msgspec.ValidationError:
+        pass
+    try:
+        return _BATCH_IDS.decode(raw)
+    except msgspec.ValidationError as e:
+        raise BodyError("invalid request body: 'input_ids' must be a list of token ids or a "
+                        f"list of such lists ({e})") from None
+
+
 def check_generate(raw: bytes) -> None:
     """``/generate``: the schema, then the batch's shape."""
     body = _decode(raw, generate_body())
+    body.input_ids = prompt_ids(body.input_ids)
     prompts = [name for name in ("text", "input_ids") if getattr(body, name) is not None]
     if len(prompts) != 1:
         raise BodyError("give exactly one of 'text' and 'input_ids' (or 'spans' on a span "
@@ -244,12 +266,9 @@ def _batch_size(body: Any) -> int | None:
     if isinstance(body.text, list):
         size = len(body.text)
     elif body.input_ids is not None:
-        kinds = {isinstance(x, list) for x in body.input_ids}
-        if len(kinds) > 1:
-            raise BodyError("'input_ids' mixes ids and lists of ids")
         if not body.input_ids:
             raise BodyError("'input_ids' is empty")
-        if kinds == {False}:
+        if not isinstance(body.input_ids[0], list):
             return None
         size = len(body.input_ids)
         if any(not ids for ids in body.input_ids):

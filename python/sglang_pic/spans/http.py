@@ -68,6 +68,8 @@ def resolve(path: str, raw: bytes, enabled: bool) -> bytes:
     server runs without the span cache), ``ValueError`` on a body that cannot be re-encoded."""
     if path not in _PROMPT_FIELD and path != _CHAT:
         return raw
+    if b"spans" not in raw and b"\\u" not in raw:
+        return raw  # no key can be "spans" without the word or an escape (a parse saved)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
