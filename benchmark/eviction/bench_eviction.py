@@ -35,7 +35,8 @@ OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
 # that carries no hints taken as chat, not chat or single by its match (SAEStrategy._infer_app)
-ABLATIONS = ("sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all",
+ABLATIONS = ("auto-greedy", "auto-fast", "auto-greedy-fast",
+             "sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all",
              "sae-noapp")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
 # (simulator.ENDS_ORACLE), and sae handed the generator's session parameters
@@ -54,7 +55,8 @@ def known_policies() -> tuple[str, ...]:
 # what a run replays unless told: all but the two for traces without sessions, the one that
 # differs from sae only with two tiers and the one that differs only without hints
 DEFAULT_POLICIES = tuple(p for p in known_policies()
-                         if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all", "sae-noapp"))
+                         if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all", "sae-noapp",
+                                      "auto-greedy", "auto-fast", "auto-greedy-fast"))
 
 TLRU_SPEC = "tlru:<xi>:<q_hat>"
 """T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in
@@ -117,7 +119,7 @@ def baselines(policies: list[str]) -> list[str]:
     """The online baselines ``sae`` and ``auto`` are compared with: every policy a server can
     run but those two, ``sae``'s ablations and the offline bounds."""
     return [p for p in policies
-            if not p.startswith("sae") and p != "auto" and p not in REFERENCE]
+            if not p.startswith(("sae", "auto")) and p not in REFERENCE]
 
 
 def print_summary(rows: list[dict], policies: list[str]) -> None:

@@ -210,7 +210,7 @@ def _print_table(rows: list[dict], sizes, policies, metric: str | None) -> None:
         for p in policies:
             print(f"{p:<18}" + "".join(
                 f"{by[s, p][key]:>12.4f}" if (s, p) in by else f"{'-':>12}" for s, _ in sizes))
-        for policy in ("auto", "sae"):
+        for policy in [p for p in policies if p.startswith(("auto", "sae"))]:
             if policy in policies:
                 gains = distance_to_best(by, sizes, policies, policy, key)
                 print(f"{policy + ' - best (pp)':<18}" + "".join(f"{g:>+12.2f}" for g in gains)

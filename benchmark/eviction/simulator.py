@@ -136,7 +136,10 @@ ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-conv": ("sae", {"infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
              "sae-noapp": ("sae", {"infer_apps": False}),
-             "tlru": ("tlru", TLRU_REPLAY)}
+             "tlru": ("tlru", TLRU_REPLAY),
+             "auto-greedy": ("auto", {"greedy": True}),
+             "auto-fast": ("auto", {"learning_rate": 2.0}),
+             "auto-greedy-fast": ("auto", {"greedy": True, "learning_rate": 2.0})}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes).
 ``tlru:<xi>:<q_hat>`` names T-LRU at other settings (``policy_spec``)."""
 

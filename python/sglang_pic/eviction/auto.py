@@ -37,6 +37,9 @@ LEARNING_RATE = 0.45
 """LeCaR's learning rate."""
 WEIGHT_FLOOR = 0.02
 """Least weight an expert keeps (it can still be drawn, and so come back)."""
+EXPLORE = 0.05
+"""With ``greedy``: the share of passes that draw an expert by weight instead of taking the
+heaviest (the others must evict now and then to be judged)."""
 GHOST_CAPACITY = 32768
 """Evicted block keys remembered (each with its expert and eviction serial)."""
 
@@ -45,7 +48,8 @@ class AutoStrategy(EvictionStrategy):
     name = "auto"
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, learning_rate: float = LEARNING_RATE,
-                 ghost_capacity: int = GHOST_CAPACITY, seed: int = 0) -> None:
+                 ghost_capacity: int = GHOST_CAPACITY, seed: int = 0,
+                 greedy: bool = False) -> None:
         from .sae import SAEStrategy
 
         makers = {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
@@ -54,6 +58,7 @@ class AutoStrategy(EvictionStrategy):
         self.names = list(experts)
         self.weights = [1.0 / len(experts)] * len(experts)
         self.learning_rate = learning_rate
+        self.greedy = greedy
         self.ghost: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
         self.ghost_capacity = ghost_capacity
         self.half_life = ghost_capacity / 4
@@ -102,7 +107,10 @@ class AutoStrategy(EvictionStrategy):
         return self.experts[self.names[self.chosen]].get_priority(node)
 
     def begin_evict(self) -> None:
-        self.chosen = self.rng.choices(range(len(self.names)), weights=self.weights)[0]
+        if self.greedy and self.rng.random() >= EXPLORE:
+            self.chosen = max(range(len(self.weights)), key=self.weights.__getitem__)
+        else:
+            self.chosen = self.rng.choices(range(len(self.names)), weights=self.weights)[0]
         self.choices[self.chosen] += 1
         for s in self.experts.values():
             if hasattr(s, "begin_evict"):
