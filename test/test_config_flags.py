@@ -21,6 +21,7 @@ import pytest
 import requests
 from conftest import REPO, start_server, stop_server, use_generated_key
 from sglang_pic import serve_conflicts, server_flags
+from sglang_pic.cpu_support import has_cuda
 from sglang_pic.server_flags import FLAGS, UsageError
 
 SERVE = [sys.executable, "-m", "sglang_pic", "serve"]
@@ -145,6 +146,12 @@ def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
      "--sparse-offload does not combine with --enable-mixed-chunk"),
     (["--sparse-decode", "pariskv", "--sparse-offload", "--page-size", "16"], "--page-size 16"),
     (["--ptstore", "tcp://a:1", "--ptstore-token", "x" * 40], "(ps)"),
+    # SGLang's own values (issue 58: 4-24 s, accepted, or a traceback about repo ids)
+    (["--port", "abc"], "--port: 'abc' is not an integer"),
+    (["--max-total-tokens", "abc"], "--max-total-tokens: 'abc' is not an integer"),
+    (["--radix-eviction-policy", "lruu"], "--radix-eviction-policy: 'lruu' is not a policy"),
+    (["--mem-fraction-static", "2"], "--mem-fraction-static: 2 is not in (0, 1)"),
+    (["--model-path", "/nonexistent"], "--model-path: '/nonexistent': no such file or folder"),
 ])
 def test_refused_in_one_line_before_anything_loads(args, message):
     out, seconds = _serve(args)
@@ -154,6 +161,16 @@ def test_refused_in_one_line_before_anything_loads(args, message):
     assert len(lines) == 1 and lines[0].startswith("sglang-pic serve: error: "), out.stderr
     assert message in lines[0], lines[0]
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.skipif(has_cuda(), reason="the CPU engine's refusal")
+def test_a_gpu_backend_on_the_cpu_engine_is_refused_in_one_line():
+    """It ended in a NameError in the scheduler and exit 137 after the model loaded."""
+    out, seconds = _serve(["--enable-span-cache", "--attention-backend", "flashinfer"])
+    assert out.returncode == 2 and seconds < 10, (out.stderr, seconds)
+    assert out.stderr.strip().splitlines() == [
+        "sglang-pic serve: error: --attention-backend flashinfer needs a GPU; this machine runs "
+        "SGLang's CPU engine (torch_native, the default here, or triton)"]
 
 
 def test_a_bad_variable_in_the_environment_is_refused_naming_its_flag():

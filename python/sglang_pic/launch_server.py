@@ -88,6 +88,7 @@ def check(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
     variables to hand over); raises ``UsageError``."""
     given, rest = server_flags.parse(argv, PROG)
     sglang_flags.refuse_unknown(rest)
+    sglang_flags.refuse_bad_values(rest)
     env = server_flags.handed_over(given)
     serve_conflicts.refuse(given, rest)
     choice = api_key.choose(given, rest)
@@ -114,6 +115,7 @@ def build_argv(argv: list[str]) -> list[str]:
         rest = ["--model-path", model_path, *rest]
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
     if on_cpu:
+        sglang_flags.refuse_bad_values(rest, on_cpu=True)
         cpu_support.enable_cpu_engine()
         rest += cpu_support.cpu_server_defaults(rest, model_path)
     # again with the default model and the CPU defaults (its dtype) in the argv

@@ -118,6 +118,75 @@ def refuse_unknown(argv: list[str], known: Iterable[str] | None = None) -> None:
     raise UsageError(f"unrecognized argument {bad[0]}{hint}{more}")
 
 
+def _int_in(lo: int, hi: int | None = None):
+    def check(raw: str) -> str | None:
+        try:
+            value = int(raw)
+        except ValueError:
+            return f"{raw!r} is not an integer"
+        if value < lo or (hi is not None and value > hi):
+            return f"{value} is out of range ({lo}-{hi})" if hi else f"{value} is below {lo}"
+        return None
+    return check
+
+
+def _fraction(raw: str) -> str | None:
+    try:
+        value = float(raw)
+    except ValueError:
+        return f"{raw!r} is not a number"
+    return None if 0.0 < value < 1.0 else f"{value:g} is not in (0, 1)"
+
+
+def _local_model(raw: str) -> str | None:
+    """A path-looking model (``/``, ``./``, ``../``, ``~``) must exist; anything else may be a
+    hub id, which SGLang resolves."""
+    if raw.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(raw)):
+        return f"{raw!r}: no such file or folder"
+    return None
+
+
+VALUE_CHECKS = {
+    "--port": _int_in(1, 65535),
+    "--max-total-tokens": _int_in(1),
+    "--max-running-requests": _int_in(1),
+    "--max-prefill-tokens": _int_in(1),
+    "--chunked-prefill-size": _int_in(-1),
+    "--context-length": _int_in(1),
+    "--page-size": _int_in(1),
+    "--tp-size": _int_in(1),
+    "--dp-size": _int_in(1),
+    "--mem-fraction-static": _fraction,
+    "--model-path": _local_model,
+    "--tokenizer-path": _local_model,
+}
+"""SGLang flags whose values are checked here, before anything loads: SGLang's own parser needs
+SGLang imported (4-8 s), and some of these it never checks (``--mem-fraction-static 2``) or
+checks only after the weights load."""
+
+GPU_ONLY_BACKENDS = ("flashinfer", "pic_flashinfer", "pariskv_flashinfer", "fa3", "fa4",
+                     "flashmla", "cutlass_mla", "trtllm_mla", "trtllm_mha", "aiter", "wave")
+"""Attention backends that cannot run on SGLang's CPU engine."""
+
+
+def refuse_bad_values(argv: list[str], on_cpu: bool | None = None) -> None:
+    """``UsageError`` for the first value of ``VALUE_CHECKS`` that is wrong, and (``on_cpu``)
+    an attention backend that needs a GPU."""
+    from sglang_pic.serve_conflicts import value_of
+
+    for flag, check in VALUE_CHECKS.items():
+        raw = value_of(argv, flag)
+        if raw is not None and (why := check(raw)):
+            raise UsageError(f"{flag}: {why}")
+    if on_cpu:
+        for flag in ("--attention-backend", "--prefill-attention-backend",
+                     "--decode-attention-backend"):
+            backend = value_of(argv, flag)
+            if backend in GPU_ONLY_BACKENDS:
+                raise UsageError(f"{flag} {backend} needs a GPU; this machine runs SGLang's CPU "
+                                 "engine (torch_native, the default here, or triton)")
+
+
 def _build() -> None:
     """Build SGLang's parser as the server process does, and cache its option strings."""
     from sglang_pic import cpu_support

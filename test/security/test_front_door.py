@@ -315,6 +315,17 @@ def test_admin_get_bodies_are_checked_too(guarded):
     assert r.status_code == 403 and "--admin-path-root" in r.text
 
 
+def test_a_401_says_what_to_send(guarded):
+    port = guarded.url.rsplit(":", 1)[1]
+    r = requests.post(guarded.url + "/generate", json=PROBE, timeout=30)
+    assert r.status_code == 401
+    assert "Authorization: Bearer" in r.json()["message"]
+    assert f"api-keys/{port}" in r.json()["message"]
+    r = requests.post(guarded.url + "/flush_cache", timeout=30,
+                      headers={"Authorization": f"Bearer {guarded.api_key}"})
+    assert r.status_code == 401 and "admin key" in r.json()["message"]
+
+
 def test_health_generate_needs_the_key(guarded):
     assert requests.get(guarded.url + "/health_generate", timeout=30).status_code == 401
     assert requests.get(guarded.url + "/health", timeout=30).status_code == 200

@@ -6,12 +6,14 @@
 * ``middleware``: ``FrontDoor``, the ASGI middleware applying them, with the body's size and
   time limits;
 * ``connections``: the header deadline and the connection cap, in uvicorn's protocol;
-* ``settings``: the flags' values in the server process.
+* ``settings``: the flags' values in the server process;
+* ``unauthorized``: a 401 that names the header and the generated key's file.
 
 Seams (``register``): a BEFORE hook on SGLang's ``http_server.launch_server`` adds the middleware
 (SGLang's API key middleware, added later, runs outside it), an AROUND hook on uvicorn's
 ``Config.load`` guards the protocol class, an AFTER hook on
-``TokenizerManager.init_tokenizer_and_processor`` bounds ``model_max_length``. The admin routes' auth level is raised in
+``TokenizerManager.init_tokenizer_and_processor`` bounds ``model_max_length``, an AFTER hook on
+SGLang's ``add_api_key_middleware`` puts ``UnauthorizedHint`` outside its key check. The admin routes' auth level is raised in
 ``api_key.decide_auth``.
 """
 
@@ -59,7 +61,9 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from .connections import CONFIG_LOAD, around_config_load
+    from .unauthorized import ADD_API_KEY_MIDDLEWARE, add_hint
 
     HookRegistry.register(LAUNCH_SERVER, install, HookType.BEFORE)
+    HookRegistry.register(ADD_API_KEY_MIDDLEWARE, add_hint, HookType.AFTER)
     HookRegistry.register(CONFIG_LOAD, around_config_load, HookType.AROUND)
     HookRegistry.register(TOKENIZER_INIT, bound_model_max_length, HookType.AFTER)
