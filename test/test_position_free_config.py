@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -74,7 +75,7 @@ def test_flag_selects_position_free_twin(argv, backend):
 
 def test_flag_with_other_backend_exits_with_message():
     r = subprocess.run(
-        [sys.executable, "-m", "sglang_pic", "serve", "--model-path", "/nonexistent",
+        [sys.executable, "-m", "sglang_pic", "serve", "--model-path", tempfile.gettempdir(),
          "--enable-position-free-kv", "--attention-backend", "fa3"],
         capture_output=True, text=True, timeout=120,
     )
