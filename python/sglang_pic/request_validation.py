@@ -140,7 +140,7 @@ def validate_sampling_ids(params: Any, vocab_size: int) -> None:
     vocabulary's size of either: SGLang indexes tensors of the vocabulary's size with them in
     the scheduler (``min_new_tokens`` scatters the stop ids), where an id outside it is an
     out-of-bounds index (a device-side assert on CUDA, which ends the process)."""
-    for item in _per_item(params):
+    for item in per_item(params):
         if not isinstance(item, dict):
             continue
         stop = item.get("stop_token_ids")
@@ -169,7 +169,7 @@ CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """Sampling parameters that make SGLang constrain decoding with a grammar."""
 
 
-def _per_item(value: Any) -> list[Any]:
+def per_item(value: Any) -> list[Any]:
     """A field of a possibly batched request as a list of per-request values."""
     return value if isinstance(value, list) else [value]
 
@@ -264,11 +264,11 @@ def validate_logprob_params(obj: Any, vocab_size: int) -> None:
     """``top_logprobs_num`` within ``[0, min(vocab_size, MAX_TOP_LOGPROBS)]``; ``token_ids_logprob``
     in the vocabulary and no longer than it."""
     cap = min(vocab_size, MAX_TOP_LOGPROBS)
-    for start in _per_item(getattr(obj, "logprob_start_len", None)):
+    for start in per_item(getattr(obj, "logprob_start_len", None)):
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)
                                   or not -1 <= start <= INT32_MAX):
             raise ValueError(f"logprob_start_len must be an integer >= -1, got {start!r}")
-    for n in _per_item(getattr(obj, "top_logprobs_num", None)):
+    for n in per_item(getattr(obj, "top_logprobs_num", None)):
         if n is None:
             continue
         if not isinstance(n, int) or not 0 <= n <= cap:
@@ -284,7 +284,7 @@ def validate_logprob_params(obj: Any, vocab_size: int) -> None:
 
 def constrained_field(params: Any) -> str | None:
     """The first constrained-decoding parameter set in a sampling-params dict (or list)."""
-    for item in _per_item(params):
+    for item in per_item(params):
         if isinstance(item, dict):
             for key in CONSTRAINED_FIELDS:
                 if item.get(key) is not None:
@@ -308,7 +308,7 @@ def validate_rid(rid: Any) -> None:
     span sub-request, failing other clients' span requests)."""
     from sglang_pic.spans.request import UNIT_RID_PREFIX
 
-    for item in _per_item(rid):
+    for item in per_item(rid):
         if isinstance(item, str) and (
             item.startswith(UNIT_RID_PREFIX) or UNIT_RID_PREFIX.startswith(item)
         ):
@@ -331,7 +331,7 @@ def refuse_span_markers(field: str, value: Any) -> None:
     text (a 200 with an answer to another prompt than the client meant).
     """
     markers = _marker_strings()
-    for i, item in enumerate(_per_item(value)):
+    for i, item in enumerate(per_item(value)):
         if isinstance(item, str) and any(m in item for m in markers):
             where = f"{field}[{i}]" if isinstance(value, list) else field
             raise ValueError(

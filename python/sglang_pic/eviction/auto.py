@@ -133,8 +133,9 @@ class AutoStrategy(EvictionStrategy):
 
     def on_evict(self, node) -> None:
         self.evictions += 1
-        self.ghost[block_key(node)] = (self.chosen, self.evictions)
-        self.ghost.move_to_end(block_key(node))
+        key = block_key(node)
+        self.ghost[key] = (self.chosen, self.evictions)
+        self.ghost.move_to_end(key)
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
         for s in self._learners:

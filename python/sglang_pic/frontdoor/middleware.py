@@ -67,8 +67,9 @@ class FrontDoor:
         if path in HEALTH_ROUTES:
             await self._health(scope, receive, send)
             return
+        access = endpoints.access(method, path)
         try:
-            raw = await self._admit(scope, method, path, receive)
+            raw = await self._admit(scope, method, path, access, receive)
         except Refused as e:
             await send_error(send, e.status, e.message, openai=path.startswith("/v1/"),
                              close=e.close)
@@ -79,7 +80,7 @@ class FrontDoor:
                                 if k != b"content-length"] + [(b"content-length",
                                                                str(len(raw)).encode())]
             receive = _replay(raw, receive)
-        if endpoints.access(method, path) is not Access.ADMIN:
+        if access is not Access.ADMIN:
             await self.app(scope, receive, send)
             return
         await _admin_call(self.app, scope, receive, send, path)
@@ -97,10 +98,9 @@ class FrontDoor:
         finally:
             self._health_running -= 1
 
-    async def _admit(self, scope: dict, method: str, path: str,
+    async def _admit(self, scope: dict, method: str, path: str, access: Access,
                      receive: Receive) -> bytes | None:
         """The body to replay (None: the request passes as it came); raises ``Refused``."""
-        access = endpoints.access(method, path)
         if access is Access.UNKNOWN:
             raise Refused(404, f"{method} {path} is not served by this server (sglang-pic "
                                "serves generation, the OpenAI and Anthropic routes and status; "
@@ -142,9 +142,9 @@ class FrontDoor:
             raise Refused(400, str(e) or f"malformed spans ({type(e).__name__})") from None
         try:
             raw = _with_session_hint(path, raw)
-            schemas.check_body(path, raw, self.config.vocab_size)
-            if not self.config.span_cache and path != "/generate":
-                refuse_openai_span_markers(orjson.loads(raw))
+            parsed = schemas.check_body(path, raw, self.config.vocab_size)
+            if not self.config.span_cache and parsed is not None:
+                refuse_openai_span_markers(parsed)
         except ValueError as e:  # BodyError, and the markers' refusal
             raise Refused(400, str(e)) from None
         except RecursionError:

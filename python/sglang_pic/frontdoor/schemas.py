@@ -34,6 +34,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from sglang_pic.request_validation import per_item
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_BATCH = 1024
@@ -251,10 +253,10 @@ def check_generate(raw: bytes) -> None:
         elif batch is not None and name == "rid" and value is not None:
             raise BodyError("'rid' of a batch is a list with one id per prompt")
     _check_id_lists("token_ids_logprob", body.token_ids_logprob, batch, empty_ok=True)
-    for params in _items(body.sampling_params):
+    for params in per_item(body.sampling_params):
         if params is not None:
             _check_sampling(params)
-    copies = (batch or 1) * max((p.n for p in _items(body.sampling_params)
+    copies = (batch or 1) * max((p.n for p in per_item(body.sampling_params)
                                  if p is not None and p.n is not None), default=1)
     if copies > MAX_BATCH:
         raise BodyError(f"the request asks for {copies} completions (prompts x n); at most "
@@ -294,10 +296,6 @@ def _check_id_lists(name: str, ids: Any, batch: int | None, empty_ok: bool) -> N
         raise BodyError(f"{name!r} has {len(nested)} entries for a batch of {batch} prompts")
     if not empty_ok and (not ids or any(not x for x in nested)):
         raise BodyError(f"{name!r} holds an empty list")
-
-
-def _items(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value]
 
 
 def check_stop_regex(pattern: str) -> None:
@@ -345,7 +343,7 @@ def _nested_repeat(parsed: Any, inside: bool) -> bool:
 
 
 def _check_sampling(params: Any) -> None:
-    for pattern in _items(params.stop_regex or []):
+    for pattern in per_item(params.stop_regex or []):
         check_stop_regex(pattern)
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty"):
@@ -424,9 +422,9 @@ def _ranges_struct(path: str) -> type:
     return msgspec.defstruct(f"Ranges{abs(hash(path))}", fields, forbid_unknown_fields=True)
 
 
-def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> None:
+def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> dict:
     """An OpenAI/Anthropic body: a JSON object of the model's fields (none refused), in range,
-    that SGLang's model validates."""
+    that SGLang's model validates. Returns it, parsed."""
     from pydantic import ValidationError
 
     try:
@@ -439,8 +437,7 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
         raise BodyError("the request body must be a JSON object")
     for name in data:
         if name in REFUSED_OPENAI_FIELDS:
-            raise BodyError(_unknown_message(name) if name in REFUSED_FIELDS else
-                            f"field {name!r} is not accepted: {REFUSED_OPENAI_FIELDS[name]}")
+            raise BodyError(f"field {name!r} is not accepted: {REFUSED_OPENAI_FIELDS[name]}")
     _decode(raw, _ranges_struct(path))
     try:
         request = _openai_models()[path].model_validate(data)
@@ -455,7 +452,7 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
                         f"({type(e).__name__}: {e})") from None
     if path.endswith("detokenize"):
         _check_vocab("tokens", request.tokens, vocab_size())
-    for pattern in _items(data.get("stop_regex") or []):
+    for pattern in per_item(data.get("stop_regex") or []):
         check_stop_regex(pattern)
     prompt = data.get("prompt")
     batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
@@ -463,6 +460,7 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
     if batch * max(1, data.get("n") or 1) > MAX_BATCH:
         raise BodyError(f"the request asks for {batch} prompts x n={data.get('n')} "
                         f"completions; at most {MAX_BATCH}")
+    return data
 
 
 def _check_vocab(name: str, ids: Any, vocab: int | None) -> None:
@@ -483,10 +481,12 @@ BODY_ROUTES: dict[str, Literal["generate", "openai"]] = {
 """Routes whose bodies are checked, and by which schema."""
 
 
-def check_body(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> None:
-    """Raise ``BodyError`` unless ``raw`` is a body ``path`` accepts."""
+def check_body(path: str, raw: bytes, vocab_size: Callable[[], int | None]) -> dict | None:
+    """Raise ``BodyError`` unless ``raw`` is a body ``path`` accepts; an OpenAI or Anthropic
+    body is returned parsed (None for ``/generate``)."""
     kind = BODY_ROUTES.get(path)
     if kind == "generate":
         check_generate(raw)
     elif kind == "openai":
-        check_openai(path, raw, vocab_size)
+        return check_openai(path, raw, vocab_size)
+    return None
