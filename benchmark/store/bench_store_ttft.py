@@ -52,7 +52,7 @@ backend's trace): ``load_gbps_<n>`` is the bytes loaded over the time spent in t
     python3 benchmark/store/bench_store_ttft.py --lengths 8192 32768 131072 --flush \
         --variants vanilla,sglang-pic-ptstore-writer,sglang-pic-ptstore-tcp,sglang-pic-ptstore \
         --cold-lengths 8192 --name store_ttft_tcp_h200
-    python3 benchmark/store/bench_store_ttft.py --replot benchmark/results/store_ttft_h200_pool.json
+    python3 benchmark/store/bench_store_ttft.py --replot benchmark/results/store_ttft_tcp_h200.json
 
 Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
 """
