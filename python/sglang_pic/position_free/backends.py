@@ -30,8 +30,10 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from . import model_check, shifted_batches, stored_positions
+from . import model_check, moved_copies, shifted_batches, stored_positions
 from .moved_copies import turn_keys
+from .run_kernels import FlashInferRunKernels, TorchRunKernels
+from .segmented_backend import SegmentedAttention
 
 
 def _slot_table(model_runner) -> torch.Tensor:
@@ -84,9 +86,13 @@ class PositionFreeFlashInferBackend(AttentionBackend):
         self.dense = FlashInferAttnBackend(
             model_runner, init_new_workspace=getattr(model_runner, "init_new_workspace", False)
         )
-        self.shifted = ShiftedTritonBackend(model_runner)
-        self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
         self.span_graphs = bool(setting("--position-free-span-graphs"))
+        if moved_copies.wanted(model_runner) and not self.span_graphs:
+            self.shifted = SegmentedAttention(model_runner, _flashinfer_run_kernels(
+                model_runner, self.dense))
+        else:  # the shift-aware kernels: no span cache to find runs, or graphs captured of them
+            self.shifted = ShiftedTritonBackend(model_runner)
+        self.needs_cpu_seq_lens = True  # segmented attention reads seq_lens_cpu
         self.capture_shifted = False  # capturing the second decode graph set (span_graphs)
         self.replay_shifted = False  # the decode graph about to be replayed is a shifted one
 
@@ -142,6 +148,16 @@ class PositionFreeFlashInferBackend(AttentionBackend):
         )
 
 
+def _flashinfer_run_kernels(model_runner, dense) -> FlashInferRunKernels:
+    """Segmented attention's FlashInfer kernels, shaped and configured as ``dense``'s."""
+    cfg = model_runner.model_config
+    tp = int(getattr(model_runner, "tp_size", 1) or 1)
+    return FlashInferRunKernels(
+        dense.workspace_buffer, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp),
+        cfg.head_dim, model_runner.kv_cache_dtype, cfg.head_dim ** -0.5,
+        dense.decode_use_tensor_cores)
+
+
 class _KeysTurnedOnRead:
     """Stands in for a layer's key buffer inside ``TorchNativeAttnBackend._run_sdpa_forward_*``.
 
@@ -173,6 +189,33 @@ class PositionFreeTorchNativeBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         self.rotary = model_check.model_rotary(model_runner)
         self.table = _slot_table(model_runner)
+        self.segmented = None  # with the span cache: batches with moved keys run segmented
+        if moved_copies.wanted(model_runner):
+            cfg = model_runner.model_config
+            self.segmented = SegmentedAttention(model_runner, TorchRunKernels(
+                cfg.head_dim ** -0.5))
+
+    def _segmented(self, forward_batch):
+        if self.segmented is not None and shifted_batches.is_shifted(forward_batch):
+            return self.segmented
+        return None
+
+    def init_forward_metadata(self, forward_batch):
+        (self._segmented(forward_batch) or super()).init_forward_metadata(forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
+                       **kwargs):
+        seg = self._segmented(forward_batch)
+        if seg is not None:
+            return seg.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
+                       **kwargs):
+        seg = self._segmented(forward_batch)
+        if seg is not None:
+            return seg.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _keys(self, k_cache):
         """A batch without moved keys is read as vanilla torch_native reads it, as pic_flashinfer

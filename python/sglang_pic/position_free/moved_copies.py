@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from . import stored_positions
+from .key_runs import RUNS_ATTR, runs_from_shifts
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ ATTR = "pic_moved_copy"
 (its moved keys cannot be copied: it reads the shared pages for its whole life)."""
 NOTHING_MOVED = "nothing-moved"
 SHARED = "shared"
+SEGMENTED_BACKENDS = ("pic_flashinfer", "pic_torch_native")
+"""Backends whose batches with moved keys run segmented attention (``segmented_backend``)."""
 SUMMARY_EVERY = 64  # copied requests between two summary lines in the log
 RESERVE_SHARE = 0.1
 """A copy is made only if this share of the pool stays free after it (room for the running
@@ -114,7 +117,8 @@ class MovedPageCopier:
     """Makes and frees span requests' copies of their moved pages (see the module docstring).
     One per scheduler process, bound to its KV pool, allocator and RoPE table."""
 
-    def __init__(self, model_runner: Any, rotary: Any, use_kernel: bool | None = None):
+    def __init__(self, model_runner: Any, rotary: Any, use_kernel: bool | None = None,
+                 copies: bool = True):
         self.pool = model_runner.token_to_kv_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -126,6 +130,7 @@ class MovedPageCopier:
             use_kernel = self.pool.get_key_buffer(first).device.type == "cuda"
         self.buffers = self._layer_buffers() if use_kernel else None
         self.reserve = int(RESERVE_SHARE * self.allocator.size)
+        self.copies = copies  # False: only find the moved runs (segmented attention reads them)
         self.stats = {"copied_requests": 0, "copied_tokens": 0, "reused_copy_tokens": 0,
                       "shared_requests": 0, "waiting_requests": 0}
         self.runs: dict[tuple[bytes, bytes], TurnedRun] = {}  # (shifts, source slots) -> copy
@@ -188,8 +193,16 @@ class MovedPageCopier:
                 n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
                 new.append((req, int(n)))
         if new:
-            for (req, _), (pages, host) in zip(new, self._moved_pages(new), strict=True):
-                self._set_state(req, self._copy(req.req_pool_idx, pages, host))
+            for (req, n), (pages, host) in zip(new, self._moved_pages(new), strict=True):
+                moved = pages is None or pages.numel() > 0
+                setattr(req, RUNS_ATTR, runs_from_shifts(host[1]) if moved and n else None)
+                if self.copies:
+                    self._set_state(req, self._copy(req.req_pool_idx, pages, host))
+                elif moved:
+                    self._count("shared_requests")
+                    self._set_state(req, SHARED)
+                else:
+                    self._set_state(req, NOTHING_MOVED)
         self.retry(reqs)
 
     def retry(self, reqs: list) -> None:
@@ -343,16 +356,21 @@ _copier: MovedPageCopier | None = None
 
 
 def wanted(model_runner: Any) -> bool:
-    """Whether this scheduler process should copy moved pages: ``--span-copy-on-reuse on``, or
-    ``auto`` (the default) with ``pic_flashinfer``, whose batches without moved keys run
-    FlashInfer; never without the span radix cache."""
-    from sglang_pic.server_flags import setting
-
+    """Whether this scheduler process needs a copier: with the span radix cache, on
+    ``pic_flashinfer`` and ``pic_torch_native`` (whose segmented attention reads the runs the
+    copier finds, ``key_runs``) or with ``--span-copy-on-reuse on``."""
     args = model_runner.server_args
     if getattr(args, "radix_cache_backend", None) != "pic_span":
         return False
-    mode = setting("--span-copy-on-reuse")
-    return mode == "on" or (mode == "auto" and args.attention_backend == "pic_flashinfer")
+    return copies_pages(model_runner) or args.attention_backend in SEGMENTED_BACKENDS
+
+
+def copies_pages(model_runner: Any) -> bool:
+    """``--span-copy-on-reuse``: ``on``; ``auto`` (the default) means off (segmented attention
+    reads the shared pages)."""
+    from sglang_pic.server_flags import setting
+
+    return setting("--span-copy-on-reuse") == "on"
 
 
 def start(model_runner: Any, counters: Any = None) -> MovedPageCopier:
@@ -361,11 +379,13 @@ def start(model_runner: Any, counters: Any = None) -> MovedPageCopier:
     from .model_check import model_rotary
 
     global _copier
-    _copier = MovedPageCopier(model_runner, model_rotary(model_runner))
+    copies = copies_pages(model_runner)
+    _copier = MovedPageCopier(model_runner, model_rotary(model_runner), copies=copies)
     _copier.counters = counters
-    logger.info("span copy on reuse: requests reading a cached span at another offset get "
-                "a turned copy of its pages (while %d pool slots stay free)",
-                _copier.reserve)
+    if copies:
+        logger.info("span copy on reuse: requests reading a cached span at another offset get "
+                    "a turned copy of its pages (while %d pool slots stay free)",
+                    _copier.reserve)
     return _copier
 
 

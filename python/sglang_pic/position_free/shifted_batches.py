@@ -21,6 +21,7 @@ from typing import Any
 from sglang_pic.metrics import counters_for
 
 from . import moved_copies, stored_positions
+from .key_runs import RUNS_ATTR, request_runs
 
 ATTR = "pic_shifted"
 INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -47,6 +48,7 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
 _counters = None
 _started = False  # set at this process's first forward batch
 _current = False  # the last batch init_new built here reads moved keys (is_shifted)
+_runs: list | None = None  # and its key runs (current_runs)
 
 
 def reads_moved_keys(req: Any) -> bool:
@@ -56,6 +58,31 @@ def reads_moved_keys(req: Any) -> bool:
     if getattr(req, "pic_segments", None) is None:
         return False
     return moved_copies.copier() is None or moved_copies.reads_shared_pages(req)
+
+
+def batch_runs(reqs: Any, forward_batch: Any) -> list[list[tuple[int, int, int]]]:
+    """Each request's ``(start, end, shift)`` runs over the keys the batch reads from the pool:
+    its whole sequence for a decode step, its prefix for an extend (``key_runs``)."""
+    if forward_batch.forward_mode.is_extend():
+        lens = list(forward_batch.extend_prefix_lens_cpu)
+    else:
+        lens = forward_batch.seq_lens_cpu.tolist()
+    out = []
+    for req, n in zip(reqs, lens, strict=True):
+        runs = None
+        if reads_moved_keys(req):
+            if not hasattr(req, RUNS_ATTR):
+                raise RuntimeError(f"request {req.rid}: reads moved keys but its runs were "
+                                   "never found (not prepared at its first extend)")
+            runs = getattr(req, RUNS_ATTR)
+        out.append(request_runs(runs, int(n)))
+    return out
+
+
+def current_runs() -> list[list[tuple[int, int, int]]] | None:
+    """The runs of the batch ``init_new`` built last in this process, if it reads moved keys
+    and this process finds runs (it has a copier: ``moved_copies.wanted``)."""
+    return _runs
 
 
 def is_shifted(forward_batch: Any) -> bool:
@@ -103,13 +130,14 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
             copier.prepare(list(reqs), getattr(result, "extend_prefix_lens_cpu", None))
         else:  # a decode batch: requests that waited for room may be copied now
             copier.retry(reqs)
-    global _current
+    global _current, _runs
     if copier is not None and not copier.reads_shared_anywhere():
         shifted = False  # every span request reads its own turned copies (or moved nothing)
     else:
         shifted = any(reads_moved_keys(r) for r in reqs)
     setattr(result, ATTR, shifted)
     _current = shifted
+    _runs = batch_runs(reqs, result) if shifted and copier is not None else None
     if shifted and _counters is not None:
         _counters.inc("shifted_batches")
 

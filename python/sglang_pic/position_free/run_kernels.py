@@ -1,0 +1,174 @@
+"""The attention kernels segmented attention calls: FlashInfer's on a GPU, torch on the CPU.
+
+Segmented attention (``segmented_backend``) attends each run of keys moved by one distance
+(``key_runs``) as a request of its own, with the query turned back by the run's shift, and merges
+the partial outputs by their log-sum-exp. It needs three batched calls and a merge:
+
+* ``decode``: one query row per run, over the run's keys (non-causal);
+* ``paged``: each run's copy of its request's new tokens, over the run's keys (non-causal: a
+  run lies before every new token);
+* ``ragged``: each request's new tokens over themselves (causal);
+* ``merge``: ``out[i] = sum_j w_ij o[index[i, j]]``, ``w`` from the log-sum-exps.
+
+``FlashInferRunKernels`` plans FlashInfer's batch wrappers (the kernels vanilla SGLang runs,
+sharing its workspace) and merges with ``flashinfer.merge_states``. ``TorchRunKernels`` is the
+same contract in plain torch: the CPU engine's path, and the reference the GPU test checks
+FlashInfer's against. A kernel set's log-sum-exps are only ever merged with its own (FlashInfer's
+are base 2; the torch ones are made base 2 too).
+
+Shapes: ``q`` [rows, Hq, D]; keys and values of the pool ``[slots, Hkv, D]``; a log-sum-exp
+float32 [rows, Hq].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+EMPTY_LSE = -1e30
+"""The log-sum-exp of the padding state ``merge`` weighs with zero."""
+
+
+def turn(q: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor,
+         cos_sin: torch.Tensor) -> torch.Tensor:
+    """``q[rows]`` turned back by ``shift`` positions (NeoX RoPE): ``[len(rows), H, D]``.
+
+    ``cos_sin`` is SGLang's float32 cos/sin cache ``[positions, D]``; math in float32, the result
+    in ``q.dtype`` (a shift of 0 returns the rows exactly)."""
+    cos, sin = cos_sin.index_select(0, shift.abs()).chunk(2, dim=-1)
+    sin = sin * (-shift.sign()).to(sin.dtype)[:, None]  # back: the opposite angle
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = q.index_select(0, rows).float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request: ``q`` [n, Hq, D] over ``k``/``v`` [m, Hkv, D]; causal aligns the last query
+    with the last key. Returns the output [n, Hq, D] and the base-2 log-sum-exp [n, Hq]."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    if causal:
+        n, m = q.shape[0], k.shape[0]
+        allowed = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+    out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), vf)
+    return out.to(q.dtype), (lse * LOG2E).transpose(0, 1).contiguous()
+
+
+class TorchRunKernels:
+    """Segmented attention's kernels in plain torch (the CPU engine; the GPU test's reference)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self._decode = self._paged = self._ragged = None
+
+    def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        self._decode = (kv_indptr.tolist(), kv_indices.long())
+
+    def plan_extend(self, qo_indptr: torch.Tensor, run_qo_indptr: torch.Tensor | None,
+                    run_kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None) -> None:
+        self._ragged = qo_indptr.tolist()
+        self._paged = None if run_qo_indptr is None else (
+            run_qo_indptr.tolist(), run_kv_indptr.tolist(), kv_indices.long())
+
+    def _over_pool(self, q, kv, qo, kvp, idx):
+        k_buf, v_buf = kv
+        outs, lses = [], []
+        for i in range(len(kvp) - 1):
+            slots = idx[kvp[i] : kvp[i + 1]]
+            o, s = _attend(q[qo[i] : qo[i + 1]], k_buf[slots], v_buf[slots], self.scale, False)
+            outs.append(o)
+            lses.append(s)
+        return torch.cat(outs), torch.cat(lses)
+
+    def decode(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        kvp, idx = self._decode
+        return self._over_pool(q, kv, list(range(len(kvp))), kvp, idx)
+
+    def paged(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        qo, kvp, idx = self._paged
+        return self._over_pool(q, kv, qo, kvp, idx)
+
+    def ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        qo = self._ragged
+        parts = [_attend(q[a:b], k[a:b], v[a:b], self.scale, True)
+                 for a, b in zip(qo[:-1], qo[1:], strict=True)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    @staticmethod
+    def merge(o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``o`` [N, H, D] and ``lse`` [N, H] (base 2), merged along ``index`` [M, S] (entries
+        < N, or N: padding) into [M, H, D]."""
+        o = torch.cat((o, o.new_zeros((1, *o.shape[1:]))))
+        lse = torch.cat((lse, lse.new_full((1, lse.shape[1]), EMPTY_LSE)))
+        s = lse[index]  # [M, S, H]
+        w = torch.exp2(s - s.amax(dim=1, keepdim=True))
+        out = (o[index].float() * w[..., None]).sum(1) / w.sum(1)[..., None]
+        return out.to(o.dtype)
+
+
+class FlashInferRunKernels:
+    """Segmented attention's kernels on FlashInfer's batch wrappers (planned per batch; the
+    float workspace is the one vanilla's wrappers use, which run before or after, never
+    between a plan and its run)."""
+
+    def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, scale: float, use_tensor_cores: bool) -> None:
+        from flashinfer import (
+            BatchDecodeWithPagedKVCacheWrapper,
+            BatchPrefillWithPagedKVCacheWrapper,
+            BatchPrefillWithRaggedKVCacheWrapper,
+        )
+
+        self._decode = BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=use_tensor_cores)
+        self._paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.scale = scale
+        self.has_paged = False
+
+    def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        n = kv_indptr.numel() - 1
+        self._decode.plan(kv_indptr, kv_indices, torch.ones(n, dtype=torch.int32), *self.heads,
+                          1, q_data_type=self.dtype, kv_data_type=self.dtype,
+                          sm_scale=self.scale, non_blocking=True)
+
+    def plan_extend(self, qo_indptr: torch.Tensor, run_qo_indptr: torch.Tensor | None,
+                    run_kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None) -> None:
+        self._ragged.plan(qo_indptr, qo_indptr, *self.heads, causal=True, sm_scale=self.scale,
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.has_paged = run_qo_indptr is not None
+        if self.has_paged:
+            n = run_kv_indptr.numel() - 1
+            self._paged.plan(run_qo_indptr, run_kv_indptr, kv_indices,
+                             torch.ones(n, dtype=torch.int32), *self.heads, 1, causal=False,
+                             sm_scale=self.scale, q_data_type=self.dtype,
+                             kv_data_type=self.dtype, non_blocking=True)
+
+    def decode(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._decode.run(q, kv, return_lse=True)
+
+    def paged(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._paged.run(q, kv, return_lse=True)
+
+    def ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ragged.run(q, k, v, return_lse=True)
+
+    @staticmethod
+    def merge(o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        from flashinfer import merge_states
+
+        o = torch.cat((o, o.new_zeros((1, *o.shape[1:]))))
+        lse = torch.cat((lse.float(), lse.new_full((1, lse.shape[1]), EMPTY_LSE)))
+        out, _ = merge_states(o[index].contiguous(), lse[index].contiguous())
+        return out

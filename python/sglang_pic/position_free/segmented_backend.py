@@ -1,0 +1,130 @@
+"""Segmented attention: batches that read moved keys, on vanilla's kernels and shared pages.
+
+A span reused at another offset is read from the one shared copy of its pages, without copying
+and without a shift-aware kernel: each run of keys moved by one distance (``key_runs``) is
+attended as a request of its own with the query turned back by the run's shift, and the runs'
+partial outputs are merged by log-sum-exp (``run_kernels``). On a GPU the three calls are
+FlashInfer's batch kernels, the ones vanilla SGLang runs; on the CPU they are torch.
+
+Compared with the alternatives (docs/position-free-kv.md):
+* copy on reuse gives each request its own turned copy of what it moved, so the pool holds a
+  request's whole prompt again when documents land at offsets no other request shares;
+* the shift-aware Triton kernels turn every moved key on each read, at Triton's speed.
+Segmented attention keeps the KV of a shared document once, whatever its offset, and reads it
+at FlashInfer's speed; the price is a wider batch (one row per run instead of per request),
+the query turns and the merge, and eager decoding (CUDA graphs are captured for vanilla batches).
+
+The batch's runs come from the ``ForwardBatch.init_new`` hook (``shifted_batches.current_runs``),
+which has the scheduler's requests; this backend only sees the forward batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from . import model_check, shifted_batches
+from .key_runs import KeyRuns
+from .run_kernels import turn
+
+
+class SegmentedAttention(AttentionBackend):
+    """Attention for batches with moved keys (``shifted_batches.is_shifted``), over the shared
+    pages. ``kernels``: ``run_kernels.FlashInferRunKernels`` or ``TorchRunKernels``."""
+
+    def __init__(self, model_runner: Any, kernels: Any) -> None:
+        super().__init__()
+        model_check.check_server_settings(model_runner)
+        self.kernels = kernels
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.pool = model_runner.token_to_kv_pool
+        self.cos_sin = model_check.model_rotary(model_runner).cos_sin_cache.float().to(
+            model_runner.device)
+        self.device = model_runner.device
+        self.runs: KeyRuns | None = None
+        self.decoding = False
+        self.run_rows = self.run_shift = self.merge_index = None
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        per_request = shifted_batches.current_runs()
+        if per_request is None or len(per_request) != len(forward_batch.req_pool_indices):
+            raise RuntimeError("segmented attention: no key runs for this batch (the "
+                               "ForwardBatch.init_new hook did not run for it)")
+        runs = KeyRuns.build(per_request, self.device)
+        self.runs = runs
+        kv_indices = runs.kv_indices(self.req_to_token, forward_batch.req_pool_indices)
+        self.decoding = forward_batch.forward_mode.is_decode_or_idle()
+        if self.decoding:
+            self.kernels.plan_decode(runs.kv_indptr_cpu, kv_indices)
+            self.run_rows, self.run_shift = runs.owner, runs.shift
+            self.merge_index = runs.runs_of
+            return
+        new = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        qo_indptr = torch.zeros(len(new) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor(new, dtype=torch.int32), 0)
+        if runs.num_runs == 0:
+            self.kernels.plan_extend(qo_indptr, None, None, None)
+            self.merge_index = torch.arange(sum(new), device=self.device)[:, None]
+            self.run_rows = None
+            return
+        # each run gets a copy of its request's new tokens; the merge's states are the ragged
+        # rows (column 0 of each token) and then its runs' rows
+        owners = [i for i, request_runs in enumerate(per_request) for _ in request_runs]
+        shift_cpu = [s for request_runs in per_request for _, _, s in request_runs]
+        run_qo = torch.zeros(runs.num_runs + 1, dtype=torch.int32)
+        run_qo[1:] = torch.cumsum(torch.tensor([new[i] for i in owners], dtype=torch.int32), 0)
+        self.kernels.plan_extend(qo_indptr, run_qo, runs.kv_indptr_cpu, kv_indices)
+        total = int(qo_indptr[-1])
+        width = 1 + max(len(r) for r in per_request)
+        index = torch.full((total, width), total + int(run_qo[-1]), dtype=torch.int64)
+        index[:, 0] = torch.arange(total)
+        column = [1] * len(new)
+        rows, shifts = [], []
+        for r, i in enumerate(owners):
+            a, n = int(qo_indptr[i]), new[i]
+            rows.append(torch.arange(a, a + n))
+            shifts.append(torch.full((n,), shift_cpu[r], dtype=torch.int64))
+            index[a : a + n, column[i]] = total + torch.arange(int(run_qo[r]), int(run_qo[r + 1]))
+            column[i] += 1
+        to = dict(device=self.device, non_blocking=True)
+        self.run_rows = torch.cat(rows).to(**to)
+        self.run_shift = torch.cat(shifts).to(**to)
+        self.merge_index = index.to(**to)
+
+    def _save(self, layer: Any, forward_batch: Any, k: torch.Tensor | None,
+              v: torch.Tensor | None, save_kv_cache: bool) -> None:
+        if save_kv_cache and k is not None:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+
+    def _check_scale(self, layer: Any) -> None:
+        if abs(layer.scaling - self.kernels.scale) > 1e-6 or layer.logit_cap:
+            raise RuntimeError("segmented attention: a layer with its own softmax scale or "
+                               "logit cap")
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
+                       **kwargs):
+        self._check_scale(layer)
+        self._save(layer, forward_batch, k, v, save_kv_cache)
+        q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
+        kv = self.pool.get_kv_buffer(layer.layer_id)
+        o, lse = self.kernels.decode(turn(q, self.run_rows, self.run_shift, self.cos_sin), kv)
+        out = self.kernels.merge(o, lse, self.merge_index)
+        return out.view(-1, layer.tp_q_head_num * layer.head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
+                       **kwargs):
+        self._check_scale(layer)
+        self._save(layer, forward_batch, k, v, save_kv_cache)
+        q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
+        k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+        v = v.view(-1, layer.tp_v_head_num, layer.head_dim)
+        o, lse = self.kernels.ragged(q, k, v)
+        if self.run_rows is not None:
+            kv = self.pool.get_kv_buffer(layer.layer_id)
+            o2, lse2 = self.kernels.paged(turn(q, self.run_rows, self.run_shift, self.cos_sin),
+                                          kv)
+            o, lse = torch.cat((o, o2)), torch.cat((lse, lse2))
+        out = self.kernels.merge(o, lse, self.merge_index)
+        return out.view(-1, layer.tp_q_head_num * layer.head_dim)

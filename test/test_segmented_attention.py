@@ -1,0 +1,203 @@
+"""Segmented attention (position_free.segmented_backend) against rotate-then-attend.
+
+A pool holds keys rotated where they were computed; requests read some of them moved (a span
+computed at 0 read at an offset, or moved back). The reference rotates every key at its index in
+the request and attends in float32. Segmented attention must give the same output for decode
+steps and for extends (new tokens after a moved prefix, and without a prefix) with the torch
+kernels (the CPU engine's path), and with FlashInfer's kernels on a GPU (same inputs, compared
+with the torch kernels' output).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from sglang_pic.position_free import shifted_batches
+from sglang_pic.position_free.key_runs import KeyRuns, request_runs, runs_from_shifts
+from sglang_pic.position_free.moved_copies import turn_keys
+from sglang_pic.position_free.run_kernels import TorchRunKernels, _attend
+from sglang_pic.position_free.segmented_backend import SegmentedAttention
+
+H, HKV, D = 8, 2, 64
+
+
+def _cos_sin(positions: int, dim: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(positions).float(), inv)
+    return torch.cat((freqs.cos(), freqs.sin()), -1)
+
+
+class _Pool:
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def get_kv_buffer(self, layer_id):
+        return self.k, self.v
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[loc], self.v[loc] = k, v
+
+
+def _case(seed: int, device: str, dtype: torch.dtype):
+    """Three requests over a pool: runs with shifts 0 / +offset / 0, one moved back, one plain.
+    Returns the raw (unrotated) keys, the pool, the rows and each row's runs."""
+    g = torch.Generator().manual_seed(seed)
+    slots, positions = 600, 2048
+    cos_sin = _cos_sin(positions, D)
+    raw = torch.randn(slots, HKV, D, generator=g)
+    v = torch.randn(slots, HKV, D, generator=g)
+    stored = torch.zeros(slots, dtype=torch.long)
+    perm = torch.randperm(slots - 100, generator=g)  # rows take scattered slots
+    lengths = [int(x) for x in torch.randint(40, 160, (3,), generator=g)]
+    rows, runs, at = [], [], 0
+    for i, n in enumerate(lengths):
+        row = perm[at : at + n]
+        at += n
+        if i == 0:  # a system prompt, a span computed at 0 read at offset a, then the rest
+            a, b = n // 4, n // 2
+            pos = torch.cat((torch.arange(a), torch.arange(b - a), torch.arange(b, n)))
+        elif i == 1:  # everything computed 7 positions later than it is read
+            pos = torch.arange(n) + 7
+        else:  # read where computed
+            pos = torch.arange(n)
+        stored[row] = pos
+        rows.append(row)
+        runs.append(runs_from_shifts(torch.arange(n) - pos))
+    k = turn_keys(raw, stored, cos_sin)  # stored rotated where computed
+    req_to_token = torch.zeros(4, 512, dtype=torch.long)
+    for i, row in enumerate(rows):
+        req_to_token[i, : len(row)] = row
+    return dict(raw=raw.to(device), k=k.to(device, dtype), v=v.to(device, dtype),
+                rows=[r.to(device) for r in rows], runs=runs, lengths=lengths,
+                req_to_token=req_to_token.to(device), cos_sin=cos_sin.to(device))
+
+
+def _backend(c, kernels, device):
+    seg = SegmentedAttention.__new__(SegmentedAttention)
+    seg.kernels, seg.req_to_token = kernels, c["req_to_token"]
+    seg.pool = _Pool(c["k"], c["v"])
+    seg.cos_sin, seg.device = c["cos_sin"], device
+    return seg
+
+
+LAYER = types.SimpleNamespace(scaling=D ** -0.5, logit_cap=0.0, tp_q_head_num=H,
+                              tp_k_head_num=HKV, tp_v_head_num=HKV, head_dim=D, layer_id=0)
+
+
+def _mode(decode: bool):
+    return types.SimpleNamespace(is_decode_or_idle=lambda: decode, is_extend=lambda: not decode)
+
+
+def _decode(c, seg, device, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    n = len(c["lengths"])
+    shifted_batches._runs = [request_runs(r, ln) for r, ln in zip(c["runs"], c["lengths"], strict=True)]
+    fb = types.SimpleNamespace(req_pool_indices=torch.arange(n, device=device),
+                               forward_mode=_mode(True), out_cache_loc=None)
+    seg.init_forward_metadata(fb)
+    q_raw = torch.randn(n, H, D, generator=g).to(device)
+    q = turn_keys(q_raw, torch.tensor(c["lengths"], device=device), c["cos_sin"])
+    return q, seg.forward_decode(q.to(c["k"].dtype), None, None, LAYER, fb).view(n, H, D)
+
+
+def _extend(c, seg, device, seed, new=(5, 3, 70)):
+    """Request 0 extends its row (prefix: all of it), request 1 has no prefix, request 2 a
+    prefix of all of its row."""
+    g = torch.Generator().manual_seed(seed + 2)
+    prefix = [c["lengths"][0], 0, c["lengths"][2]]
+    shifted_batches._runs = [request_runs(c["runs"][0], prefix[0]), request_runs(None, 0),
+                             request_runs(c["runs"][2], prefix[2])]
+    req_pool = torch.tensor([0, 3, 2], device=device)
+    fb = types.SimpleNamespace(req_pool_indices=req_pool, forward_mode=_mode(False),
+                               extend_seq_lens_cpu=list(new), out_cache_loc=None)
+    seg.init_forward_metadata(fb)
+    pos = torch.cat([torch.arange(p, p + m) for p, m in zip(prefix, new, strict=True)]).to(device)
+    total = sum(new)
+    q = turn_keys(torch.randn(total, H, D, generator=g).to(device), pos, c["cos_sin"])
+    k = turn_keys(torch.randn(total, HKV, D, generator=g).to(device), pos, c["cos_sin"])
+    v = torch.randn(total, HKV, D, generator=g).to(device)
+    dt = c["k"].dtype
+    out = seg.forward_extend(q.to(dt), k.to(dt), v.to(dt), LAYER, fb,
+                             save_kv_cache=False).view(total, H, D)
+    return (q, k, v, prefix, list(new)), out
+
+
+def _reference_decode(c, q):
+    outs = []
+    for i, (row, n) in enumerate(zip(c["rows"], c["lengths"], strict=True)):
+        keys = turn_keys(c["raw"][row], torch.arange(n, device=row.device), c["cos_sin"])
+        outs.append(_attend(q[i : i + 1].float(), keys, c["v"][row].float(), D ** -0.5,
+                            False)[0])
+    return torch.cat(outs)
+
+
+def _reference_extend(c, inputs):
+    q, k, v, prefix, new = inputs
+    outs, at = [], 0
+    for i, (p, m) in enumerate(zip(prefix, new, strict=True)):
+        row = c["rows"][i][:p] if p else c["rows"][i][:0]
+        keys = turn_keys(c["raw"][row], torch.arange(p, device=row.device), c["cos_sin"])
+        kk = torch.cat((keys, k[at : at + m].float()))
+        vv = torch.cat((c["v"][row].float(), v[at : at + m].float()))
+        outs.append(_attend(q[at : at + m].float(), kk, vv, D ** -0.5, True)[0])
+        at += m
+    return torch.cat(outs)
+
+
+def test_runs_cover_the_prefix_then_shift_zero():
+    runs = runs_from_shifts(torch.tensor([0, 0, 5, 5, 5, 0, -2]))
+    assert runs == ((0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2))
+    assert request_runs(runs, 10) == [(0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2), (7, 10, 0)]
+    assert request_runs(runs, 4) == [(0, 2, 0), (2, 4, 5)]
+    assert request_runs(runs[:3], 9) == [(0, 2, 0), (2, 5, 5), (5, 9, 0)]
+    assert request_runs(None, 3) == [(0, 3, 0)]
+    assert request_runs(None, 0) == []
+    layout = KeyRuns.build([[(0, 2, 0), (2, 5, 5)], [], [(0, 3, 0)]], "cpu")
+    assert layout.kv_indptr.tolist() == [0, 2, 5, 8]
+    assert layout.owner.tolist() == [0, 0, 2] and layout.shift.tolist() == [0, 5, 0]
+    assert layout.runs_of.tolist() == [[0, 1], [3, 3], [2, 3]]  # 3: the padding state
+    req_to_token = torch.arange(40).view(4, 10)
+    assert layout.kv_indices(req_to_token, torch.tensor([2, 0, 1])).tolist() == [
+        20, 21, 22, 23, 24, 10, 11, 12]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_torch_kernels_equal_rotate_then_attend(seed):
+    c = _case(seed, "cpu", torch.float32)
+    seg = _backend(c, TorchRunKernels(D ** -0.5), "cpu")
+    q, out = _decode(c, seg, "cpu", seed)
+    torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
+    inputs, out = _extend(c, seg, "cpu", seed)
+    torch.testing.assert_close(out, _reference_extend(c, inputs), atol=2e-5, rtol=1e-4)
+
+
+def test_a_wrong_turn_is_caught():
+    """The reference is sensitive to the turn: keys read unturned give another output."""
+    c = _case(0, "cpu", torch.float32)
+    seg = _backend(c, TorchRunKernels(D ** -0.5), "cpu")
+    c_wrong = dict(c, runs=[((0, n, 0),) for n in c["lengths"]])
+    q, out = _decode(c_wrong, seg, "cpu", 0)
+    assert (out - _reference_decode(c, q)).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flashinfer_kernels_equal_torch_kernels(seed):
+    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
+
+    c = _case(seed, "cuda", torch.bfloat16)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    for use_tensor_cores in (False, True):
+        fi = _backend(c, FlashInferRunKernels(workspace, H, HKV, D, torch.bfloat16, D ** -0.5,
+                                              use_tensor_cores), "cuda")
+        ref = _backend(c, TorchRunKernels(D ** -0.5), "cuda")
+        q, out = _decode(c, fi, "cuda", seed)
+        _, expected = _decode(c, ref, "cuda", seed)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.float(), _reference_decode(c, q.float()), atol=3e-2,
+                                   rtol=3e-2)
+        inputs, out = _extend(c, fi, "cuda", seed)
+        torch.testing.assert_close(out.float(), _reference_extend(c, inputs), atol=3e-2,
+                                   rtol=3e-2)
