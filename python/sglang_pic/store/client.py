@@ -128,8 +128,8 @@ class _PageWriter:
 
     Why batched: the client runs in SGLang's scheduler process, whose main thread holds the GIL
     most of the time. Every call that drops the GIL (a checksum, a copy) waits up to the
-    interpreter's switch interval (5 ms) to get it back, so one checksum and one copy per 4 MB
-    page capped loads at ~1.6 GB/s on the H200 host."""
+    interpreter's switch interval (5 ms) to get it back, so a checksum and a copy per page
+    would make each page wait for the GIL twice."""
 
     def __init__(self, dests: list[memoryview]) -> None:
         self.dests = dests

@@ -611,13 +611,10 @@ def _stream(
 
     def verify(i: int) -> None:
         # As each page lands, in one call that lets go of the GIL for the whole page, so the
-        # streams of a load hash in parallel, one core each. Measured on the H200 host
-        # (benchmark/store/bench_checksum_threads.py, 256 x 4 MiB pages): one call per page
-        # hashes at 8 GB/s on one thread and 49 GB/s on eight; 64 KiB chunks under the GIL
-        # stayed at 7 GB/s on any number of threads, which held a TCP load to ~6 GB/s against
-        # 9.4 GB/s for the raw 4-stream copy. With a thread spinning on the GIL beside them
-        # (SGLang's scheduler at its worst: each hand-off can wait for the 5 ms switch
-        # interval) twelve threads still hash at 4.3 GB/s one call per page, 3.3 in chunks.
+        # streams of a load hash in parallel, one core each. Feeding the hash in small chunks
+        # would keep the GIL for each chunk, so the streams would hash one at a time and the
+        # checksum, not the copy, would set a load's rate
+        # (benchmark/store/bench_checksum_threads.py compares the two).
         ok[i] = checksum(views[i]) == sums[i]
 
     try:

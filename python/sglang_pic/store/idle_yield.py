@@ -11,23 +11,20 @@ each idle pass while a prefetch or a storage write-back is in flight: the storag
 the GIL at once, and the scheduler notices a finished load or a new request at most that much
 later. Nothing changes while a batch runs, or while no storage I/O is in flight.
 
-Measured on this repo's 2-core CPU machine (one store server, 64 x 4 MiB pages over 4 TCP
-streams into one client, a thread beside it running a Python loop without pause as the idle
-scheduler does): 3.5-3.9 GB/s alone, 1.4-1.7 GB/s beside the loop, 3.3-3.6 GB/s when the loop
-sleeps 100 us per pass (``benchmark/store/bench_store_ttft.py``'s copy-rate reference measures
-the same on the device: ``ptstore_tcp_<k>_spinning`` and ``_spinning_yield``).
+The nap is short (100 us by default) because it bounds how late an idle scheduler notices a
+new request or a finished load; it only has to let a storage thread that waits for the GIL take
+it, which beside a loop that never sleeps happens only at switch-interval boundaries.
+``benchmark/store/bench_store_ttft.py``'s copy-rate reference measures a TCP load beside a
+spinning and a napping loop (``ptstore_tcp_<k>_spinning`` and ``_spinning_yield``).
 
 A storage *lookup* (``HiCacheController._storage_hit_query``: the pages' hash keys, then one
 ``batch_exists`` per 128 pages, which a ``wait_complete`` prefetch holds its request for, hit or
 miss) gets more: while one runs in this process the idle pass waits for its end, up to
 ``LOOKUP_WAIT_S``, instead of napping, and the interpreter switches threads every
-``LOOKUP_SWITCH_S``. A lookup is a handful of short GIL sections (building the
-request, one send and one receive per store server, parsing the replies); beside a scheduler
-whose idle pass holds the GIL for ~1 ms between naps, each section waits for the next nap. On the
-2-core CPU machine (``benchmark/store/bench_lookup_beside_scheduler.py``: three store servers,
-128-page lookups, a thread running 1 ms idle passes through this hook, 4 alternating rounds):
-lookup p50 4.27 ms with the nap alone, 2.53 ms with the wait and the shorter switch interval
-(``LOOKUP_SWITCH_S``) while the lookup runs.
+``LOOKUP_SWITCH_S``. A lookup is a handful of short GIL sections (building the request, one send
+and one receive per store server, parsing the replies), and beside a scheduler pass that holds
+the GIL between naps each section would wait for the next nap
+(``benchmark/store/bench_lookup_beside_scheduler.py`` compares the two).
 
 Seams: AROUND hooks on ``Scheduler.on_idle`` and ``HiCacheController._storage_hit_query``
 (listed in ``plugin.py``), both only while the flag is not 0.

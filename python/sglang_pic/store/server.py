@@ -180,7 +180,7 @@ class StoreServer:
             ident, body = frames[0], [f.buffer for f in frames[1:]]
             self.sock.send_multipart([ident, *self.handle(body, tenant)], copy=False)
             # a put's frames are its pages: freed now, not when the next request rebinds
-            # these names (freeing 128 MB took ~5 ms, which the next lookup then waited for)
+            # these names (freeing a large put takes milliseconds the next lookup would wait)
             del frames, ident, body
 
     def handle(self, body: list, tenant: str = "") -> list[bytes]:

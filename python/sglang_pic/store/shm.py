@@ -1,7 +1,7 @@
 """Same-node data path: pages move through a shared-memory segment instead of the socket.
 
-Over loopback TCP a page crosses the kernel twice and zmq's I/O thread once; measured end to end
-that caps a load at ~1 GB/s. When a store server runs on the reader's node (its own share of the
+Over loopback TCP a page crosses the kernel twice and zmq's I/O thread once, which caps the rate
+of a load. When a store server runs on the reader's node (its own share of the
 owned pages, and every replica of a hot prefix), the reader instead names a segment in
 ``/dev/shm`` it created and the offsets it wants each page at; the server copies the pages
 there (one ``memcpy`` each, the servers in parallel) and replies with checksums only. The reader
@@ -235,10 +235,9 @@ def _prefault(address: int, length: int) -> threading.Thread:
     """Build this process's page tables for a freshly mapped pool, in the background.
 
     The reader's pages are resident, but a new mapping of them has no page-table entries: the
-    first copy into each 4 KiB page faults. Measured on the 2-core CPU machine, a 256 MiB load
-    into slots never written before ran at 4.1-4.7 GB/s against 12.9-14.2 GB/s into slots
-    written once. ``madvise`` (through ctypes, so without the GIL) takes that cost at mapping
-    time instead of in loads. Best effort: an older kernel just keeps the first-touch cost.
+    first copy into each 4 KiB page faults, so a load into slots never written before runs at
+    a fraction of the rate of one into slots written once. ``madvise`` (through ctypes, so
+    without the GIL) takes that cost at mapping time instead of in loads. Best effort: an older kernel just keeps the first-touch cost.
     The mapping must stay open until the thread ends (``_Pool.close`` joins it)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
