@@ -393,7 +393,7 @@ class _SparseDecodeMixin:
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """SGLang's decode (the backend this mixes into), then the sparse rows overwritten.
         When every request row is sparse, the dense decode has nothing to compute (its sparse
-        rows see a length of 1, a launch of ~10 µs a layer on the H200): a backend that
+        rows see a length of 1, so only its launches cost): a backend that
         ``skips_dense`` only writes the new K/V, and the sparse part writes every row."""
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         sparse = self.capture_sparse if capturing else self.sparse.active

@@ -47,8 +47,8 @@ slot of one no longer decoding.
 A released slot keeps its encoded region, and a new request whose prefix is the same reuses it
 (``_slot_for``; as much of it as the new request's region holds): the next turn of a
 conversation over a long document, whose prefix the radix cache holds, encodes only its new
-tokens instead of the whole region again (at 128K the activation took 389 ms on the H200, paid
-by every turn); requests that share only the first part of a region (a system prompt and a
+tokens instead of the whole region again, which would otherwise cost every turn a long first
+step; requests that share only the first part of a region (a system prompt and a
 document, then different questions) reuse that part.
 "The same" is checked on content, not on pool slots, which may have been freed and rewritten
 since: each slot records a fingerprint of its positions' keys in the first and the last layer
@@ -79,9 +79,9 @@ FINGERPRINT_DIMS = 4  # key values (KV head 0) per position and fingerprinted la
 def _put(t: torch.Tensor, i: int, value: int) -> None:
     """``t[i] = value`` without waiting for the GPU. Assigning a Python number to one element of
     a CUDA tensor copies it from pageable host memory, and that copy waits for every kernel
-    already queued on the stream: the decode step's bookkeeping stalled on the previous step
-    (~6 ms at 128K, H200 profile), leaving the GPU idle while the CPU then prepared the next
-    one. ``fill_`` passes the value as a kernel argument instead."""
+    already queued on the stream: the decode step's bookkeeping would wait for the previous
+    step, leaving the GPU idle while the CPU then prepared the next one. ``fill_`` passes the
+    value as a kernel argument instead."""
     t[i : i + 1].fill_(value)
 
 

@@ -1,15 +1,15 @@
 """Sets of decode CUDA graphs: without the sparse part, with it, and with it alone.
 
 A CUDA graph replays what was captured, so a decode graph that contains the sparse part pays
-for it on every step, sparse requests in the batch or not: measured on the H200 (Llama-3-8B
-shape, 4 slots), 5.8 ms per step on top of a 5.7 ms dense step. So the decode graph runner
+for it on every step, sparse requests in the batch or not, and with several slots that is of
+the order of the dense step itself. So the decode graph runner
 captures every batch size twice - once as SGLang does (dense only), once with the sparse part
 under the graph-key label ``pariskv`` - and a step replays the sparse graph only when a sparse
 request is in its batch. SGLang's runner already keys graphs by a variant label (its LoRA /
 no-LoRA graphs); we add ours to that label. A third set, ``pariskv-all``, serves batches whose
 request rows are all sparse, on backends that can write the new K/V without their dense decode
-(FlashInfer): it leaves that decode out (at length 1 for sparse rows it only cost its launch,
-~10 µs a layer on the H200). Such a batch holds at most ``--sparse-max-requests`` rows, so this
+(FlashInfer): it leaves that decode out (at length 1 for sparse rows it computes nothing
+anyone reads, yet costs its launches in every layer). Such a batch holds at most ``--sparse-max-requests`` rows, so this
 set is captured only for the batch sizes it can be padded to.
 
 What this patches, with AROUND hooks on ``DecodeCudaGraphRunner``

@@ -15,9 +15,9 @@ the region copied from host memory, the chunk's own keys) and the chunk's querie
 causally (``causal_attention``). The dense kernel sees the request with no prefix
 (``SparseDecodeState.extend_view``), so it does only the chunk's own causal part, which is
 overwritten. Per chunk and layer that copies the region once over PCIe (for 8B-class models with 8
-KV heads at D = 128: 4 KiB per token, so 1 GiB at 256K tokens, ~20 ms at 50 GB/s) against the
-chunk's attention over the whole prefix (~90 ms for an 8K chunk at 256K on an H200), which is why
-dense-from-host is affordable at these lengths.
+KV heads at D = 128: 4 KiB per token, so 1 GiB at 256K tokens, ~20 ms at 50 GB/s), several
+times less than the chunk's attention over the whole prefix at these lengths, which is why
+dense-from-host is affordable.
 
 The scheduler, in SGLang, would not admit such a prompt: it caps a request's input at the pool
 size (``max_req_input_len``) and admits a request only when the pool can hold its whole prompt.

@@ -50,7 +50,8 @@ class ParisConfig:
     vote: str = "tiers"
     """``tiers``: the paper's tiered integer votes for the query's ``top_rho`` centroids;
     ``similarity``: every key votes the similarity of its centroid to the query sub-vector (the
-    limit of infinitely many tiers; same table lookup, measured better on SmolLM2)."""
+    limit of infinitely many tiers; same table lookup, and a higher recall on real keys,
+    ``benchmark/sparse/bench_recall.py``)."""
     seed: int = 0
 
 
