@@ -1,8 +1,8 @@
 """``auto``: the eviction policy that follows whichever expert the traffic favours.
 
-Why: no single policy wins everywhere. On the traces replayed so far the best baseline changes
-from cell to cell (``gdsf`` at small caches, ``s3fifo`` at large ones) and ``sae`` is ahead where
-its session signals hold and behind where they do not; a user cannot know in advance which to
+Why: no single policy wins everywhere. On replayed traces the best baseline changes with the
+traffic and the cache size (``gdsf`` at small caches, ``s3fifo`` at large ones) and ``sae`` is
+ahead where its session signals hold and behind where they do not; a user cannot know in advance which to
 pick. ``auto`` learns it online, as LeCaR (Vietri et al., HotStorage'18) and CACHEUS (Rodriguez et
 al., FAST'21) do: a weight per expert, a ghost list of recently evicted blocks tagged with the
 expert that chose each eviction, and a regret update when a block comes back.

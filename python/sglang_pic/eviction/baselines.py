@@ -90,10 +90,9 @@ class S3FIFOStrategy(EvictionStrategy):
 class TLRUStrategy(EvictionStrategy):
     """Tail-Optimized LRU (Zhang, Li, Moallemi, Peng, "Tail-Optimized Caching for LLM
     Inference", NeurIPS'25, arXiv:2510.15152), the rule of SGLang's ``TLRUStrategy``
-    (``python/sglang/srt/mem_cache/evict_policy.py``, sgl-project/sglang PR #34012, merged
-    2026-08, "Add Agentic-Aware Tail-Optimized LRU eviction to the unified radix cache"; the
-    file as stored in the public code index, commit hash not resolvable from here; SGLang
-    0.5.17 does not have it).
+    (``python/sglang/srt/mem_cache/evict_policy.py``, sgl-project/sglang PR #34012, "Add
+    Agentic-Aware Tail-Optimized LRU eviction to the unified radix cache"; later than SGLang
+    0.5.17, which does not have it).
 
     Why: a conversation whose history is ``L`` tokens and whose next prompt adds about
     ``Q_hat`` only needs ``L + Q_hat - threshold`` of them cached for its next prefill to stay

@@ -232,7 +232,7 @@ class ContinuationModel:
         err = self.predict(x) - label
         # a step size that decays as labels accumulate (to a floor that keeps it adapting):
         # with a constant one the weights drift between a session's requests, and sessions
-        # that are alike would be ranked apart by that noise (-1.2 pp on chat at 40 % cache)
+        # that are alike would be ranked apart by that noise
         lr = max(self.lr / math.sqrt(1.0 + self.updates / self.lr_decay), self.lr_floor)
         self.weights = [w - lr * (err * v + self.l2 * w)
                         for w, v in zip(self.weights, x, strict=True)]

@@ -81,10 +81,9 @@ def request_context(req) -> ctxmod.RequestContext:
     from the client's ``custom_params``, else SGLang's ``session_id``, else none (the request is
     its own requester). Computed once per request.
 
-    (A session guessed from a hash of the prompt's opening tokens, as before, merged every
+    No session is guessed from the prompt's opening tokens: that would merge every
     conversation that starts with the same long system prompt into one "session" that never
-    ends: on the H200 end-to-end trace replayed without hints that cost 5.4 pp of hit rate
-    against no guess, and put ``sae`` 4.6 pp behind LRU; ``docs/eviction.md``.)"""
+    ends."""
     cached = getattr(req, "_pic_eviction_ctx", None)
     prompt = req.origin_input_ids
     if cached is None:

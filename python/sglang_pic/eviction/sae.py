@@ -33,9 +33,8 @@ All ingredients adapt online from cache events the hooks report (``on_request``,
 
 The seed's ``P(b) = alpha_q * w_tau * p_q(b) / dt_b`` had per-queue weights ``alpha_q`` (a
 softmax of hit tokens per resident token) to make queues comparable; with every index in
-reuses per second they are not needed, and measured on the replay they cost up to 2 pp
-(``docs/eviction.md``); ``--sae-queue-weights on`` puts them back (the ``sae-alpha``
-ablation of the replay).
+reuses per second they are not needed and would only skew the comparison;
+``--sae-queue-weights on`` puts them back (the replay's ``sae-alpha`` variant compares both).
 """
 
 from __future__ import annotations
@@ -174,9 +173,9 @@ class SAEStrategy(EvictionStrategy):
             a: OrderedDict() for a in APP_TYPES}
         self.session_p: dict[str, float] = {}  # P(another request) after the last one
         # conversations inferred for requests without a session (``on_match``): the match depth
-        # of each one's latest request, and the conversation of each request id seen. Off: on
-        # the Mooncake trace the session index over inferred conversations, with the odds the
-        # predictor learns, lost 3.6 pp to plain ``sae`` (docs/eviction.md, "on a real trace")
+        # of each one's latest request, and the conversation of each request id seen. Off:
+        # what a server sees does not tell which inferred conversations get another turn, so
+        # the session index over them keeps less than plain ``sae`` (the replay's ``sae-conv``)
         self.infer_sessions = False
         # worth_host_copy defers HiCache write-through copies of evict_first blocks (an
         # attribute for the two-tier replay's ablation, sae-copy-all)
@@ -285,8 +284,8 @@ class SAEStrategy(EvictionStrategy):
 
         Without hints a single-turn query and a conversation's first turn are both requests
         that branched off a shared block (a template, a system prompt), guessed ``single``;
-        one rate for both kept the queries as long as the first turns, and templates went
-        before them (``single`` at 5 %, 1.4 pp behind SLRU). The block they branched off is
+        one rate for both would keep the queries as long as the first turns, and templates
+        would go before them. The block they branched off is
         what tells them apart (a template's queries are never asked for again, a system
         prompt's first turns are), so the branches of each learn their own rate."""
         rate = self.w[kind[:2]]
@@ -501,8 +500,8 @@ class SAEStrategy(EvictionStrategy):
 
         Without it every such block is ``chat``, and one reuse rate ``w`` per token type
         covers a conversation's newest turn, resent seconds later, and a single-turn query,
-        never reused: the rate is the queries', and the turns went first (``shift`` at 20 %
-        without hints, 1.2 pp behind the best baseline). ``single`` blocks go to
+        never reused: the rate would be the queries', and the turns would go first.
+        ``single`` blocks go to
         ``evict_first`` and learn their own rate."""
         if ctx.session_id is not None or ctx.app_type is not None or ctx.on_behalf:
             return
@@ -599,9 +598,8 @@ class SAEStrategy(EvictionStrategy):
     def _end_sessions(self, now: float) -> None:
         """Sessions silent for longer than almost any gap of their kind have ended: label 0.
         The cutoff is the completed gaps' quantile: by the fit with open gaps counted it would
-        grow with the sessions it keeps waiting for, and a tight host tier then filled with
-        ended sessions (two-tier replay, chat and sharegpt at a 10 % host tier: -1.1 to
-        -1.5 pp)."""
+        grow with the sessions it keeps waiting for, and a tight host tier would fill with
+        ended sessions."""
         for app, queue in self.pending.items():
             if not queue:
                 continue
