@@ -30,8 +30,8 @@ reference's. Two ways, one kernel:
 - a region (``n >= PREROTATE_FROM``: a request's activation, 128K keys x kv_heads per layer):
   rotated first by cuBLAS in chunks of ``PREROTATE_CHUNK_BYTES`` of fp32 (TF32 off), into the
   part-major column order (``select.part_major_rotation``), and the kernel reads the
-  coordinates. The in-kernel product runs on CUDA cores through Triton's FMA path: 12 ms a layer
-  at 128K x 8 heads on the H200, ~1.4 TFLOP/s, which made each request's activation 389 ms.
+  coordinates. The in-kernel product runs on CUDA cores through Triton's FMA path, far below
+  what cuBLAS reaches, and a region's product would make each request's activation slow.
 
 Each program encodes ``BLOCK_N`` keys of one KV head, so centroid ids and packed codes come out
 without reshapes.
@@ -99,8 +99,7 @@ def _encode_kernel(
         r3 = tl.load(key_rows + 3 * B + offs_b[None, :], mask=m2k, other=0.0)
     else:
         # the rotation over chunks of the head dim: [BLOCK_N, D] keys and [D, D] of Rt at once
-        # spilled ~19 KB a thread (sm_90, ptxas), which made the encode ~60x slower than its
-        # FMAs
+        # spill registers to local memory (sm_90), which costs far more than the FMAs
         r0 = tl.zeros([BLOCK_N, B], dtype=tl.float32)  # coordinate 4b
         r1 = tl.zeros([BLOCK_N, B], dtype=tl.float32)
         r2 = tl.zeros([BLOCK_N, B], dtype=tl.float32)

@@ -22,10 +22,10 @@ similarity to the query, which is linear in the key's D sign bits: ``sum_i bit_i
 with ``qs`` the group's summed rotated query. ``qs`` is quantised to signed ``P``-bit levels
 (``PLANES = 6``: ``step = max|qs| / 31``, two's complement planes), so the vote is ``step *
 (sum_{p<P-1} 2^p popc(K & plane_p) - 2^(P-1) popc(K & plane_{P-1})) - sum(qs)/2``: 24 popcounts
-per key of head dim 128 instead of 128 multiply-adds (error below ``step / 2`` per set bit; an
-unsigned 8-bit level with a zero point needed 36). The vote passes are popcount-bound, and 6
-bits select like 8 on real keys (``bench_selector_recall.py``: 0.797 / 0.669 against 0.795 /
-0.669 at 2K / 8K on SmolLM2; 4 bits 0.789 / 0.664).
+per key of head dim 128 instead of 128 multiply-adds (error below ``step / 2`` per set bit;
+signed levels need no zero point, whose term would cost a popcount of the key itself). Six bits
+because the vote passes are popcount-bound and six select about as well as eight on real keys
+(``benchmark/sparse/bench_selector_recall.py`` compares plane counts against the reference).
 Tiered votes (the paper's) look up each subspace's centroid in the query's tier table.
 
 Pruning keeps the ``need = min(C, n_ret)`` best keys by vote without sorting: votes are binned
@@ -40,12 +40,10 @@ Similarity votes are binned over ``[mean - 3 sd, sum|qs|/2]``: from 3 sd below t
 vote to the highest vote a key can have, both known before any key is read. The mean is
 ``sum_i p_i qs_i - sum(qs)/2`` with ``p_i`` the share of keys whose coordinate ``i`` is positive
 (``bit_counts``, kept by the encoder), and ``sd^2 ~ sum_i p_i (1 - p_i) qs_i^2`` as if the bits
-were independent (within 0.8-1.5x of the true spread on SmolLM2's keys; clustered keys can spread
-wider, so the top edge is the bound, not a multiple of ``sd``: a bin was 0.02-0.08 of the votes'
-spread on SmolLM2's heads at 2K tokens, median 0.06). Real keys share a direction, so their votes
-sit far from 0: on SmolLM2 at 2K tokens every vote of most heads was negative, and a histogram
-over ``[0, max vote]`` put all keys in bin 0 and kept the first ``C`` by position (recall@100
-0.47 where the torch reference's was 0.79).
+were independent (an estimate: clustered keys can spread wider, so the top edge is the bound,
+not a multiple of ``sd``). The range follows the region's votes because real keys share a
+direction, so their votes sit far from 0: over a fixed range such as ``[0, max vote]`` all the
+votes of a head can land in one bin, and pruning would keep the first ``C`` keys by position.
 """
 
 from __future__ import annotations
@@ -63,9 +61,9 @@ PLANES = 6  # bits per coordinate of the quantised group query (module doc)
 VOTE_FLOOR_SD = 3.0  # similarity votes: the histogram spans [mean - 3 sd, max vote]
 SAMPLE_FILL = 0.85  # sampled threshold: expected share of the budget filled by keys above it
 # the sampled path's merge done by the rerank's programs (``_gather_rerank_kernel``, one launch
-# fewer a layer) or by a launch of its own. Off: on the H200 the gathering rerank was 2.8 us
-# faster in ``bench_decode.py --gather-in-rerank`` (a 128K-key selector) but 24.8 us a layer
-# against 13.9 for merge + rerank in the server's graph (docs/sparse-decode.md)
+# fewer a layer) or by a launch of its own. Off: in the server, whose selector holds the engine's
+# whole context, the gathering rerank's search over the vote programs' counts costs more than
+# the launch it saves (``bench_decode.py --gather-in-rerank`` times both)
 GATHER_IN_RERANK = False
 # the top-k's search: thresholds counted per reduction (1 = bisection); set from
 # benchmark/kernels/bench_topk.py's table, as is ``topk_warps``
@@ -237,9 +235,9 @@ def _key_bins(base, rows, mask, stride_cn, Table, Planes, r, step, half, scale,
     """``[BLOCK_N]`` histogram bins of the votes of keys ``rows`` of one KV head (``r``).
 
     Similarity votes take a key's ``D / 32`` sign words one at a time, each as a ``[BLOCK_N]``
-    vector ANDed with the planes' scalar words, so every value has the layout of the rows (a
-    ``[BLOCK_N, P, D / 32]`` broadcast with two reductions measured 1.4-1.9x slower on the H200:
-    `sparse_decode_h200_sweep_by_word.json`)."""
+    vector ANDed with the planes' scalar words, so every value has the layout of the rows; a
+    ``[BLOCK_N, P, D / 32]`` broadcast with two reductions changes layout inside the loop and
+    is slower (``results/sparse_decode_h200_sweep_by_word.json``)."""
     if SIMILARITY:
         row_ptr = base + rows.to(tl.int64) * stride_cn
         dot = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -324,9 +322,8 @@ def _vote_select_kernel(Cent, Table, Planes, Params, NRet, Hist, Thresh, Need, K
 
     Each program reads the threshold from the sampled histogram itself (``_sampled_threshold``:
     one prefix sum over the histogram's bins, its load overlapping the first keys' loads)
-    instead of a kernel of
-    its own before this one: at batch 1 that kernel was 1.4 µs plus a launch gap on the
-    step's critical path, every layer. Program 0 of each head stores the threshold and the
+    instead of a kernel of its own before this one, which at batch 1 would put a launch and
+    its gap on the step's critical path in every layer. Program 0 of each head stores the threshold and the
     head's budget ``Need = min(n_ret, C)`` for the kernels after it."""
     pid, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
@@ -477,10 +474,8 @@ def _merge_kernel(Kept, CountA, CountE, Cand, NRet, N, C, SPAN,
 def _compact_kernel(Bins, NRet, Thresh, Quota, Need, Counters, Cand, N, C,
                     BLOCK_N: tl.constexpr):
     """Candidate ids of one block of keys: every key binned above the head's threshold and up to
-    ``quota`` keys at it, placed by one atomic per block and a prefix sum. (Tried on the H200: an
-    atomic per kept key instead. Faster at C = 2048 (batch 8, 1M keys: 1.79 -> 1.48 ms a step),
-    slower at C = 16384 (2.12 -> 2.36 ms: C atomics on one counter per head serialise); not
-    adopted, `sparse_decode_h200_atomic_compaction.json`.)"""
+    ``quota`` keys at it, placed by one atomic per block and a prefix sum: one atomic per kept
+    key would put ``C`` atomics on one counter per head, which serialise at large budgets."""
     pid, h, b, r = _program_head()
     n_ret = tl.load(NRet + b)
     if pid * BLOCK_N < n_ret:
@@ -598,9 +593,9 @@ def _gather_rerank_kernel(Kept, CountA, CountE, Cand, Est, NRet, Codes, W, Qt, Q
     work (``GATHER_IN_RERANK``): each program takes ``BLOCK_C`` places of its head's list, finds
     which vote program's kept key lands at each (``_merge_kernel``'s layout, from the
     ``NPROGS`` programs' counts and their prefix sums), reads those ids from ``Kept``, writes
-    them to ``Cand`` and their estimates to ``Est`` (-1 and -inf past the filled places). An
-    earlier fusion let each merge program rerank its own keys, and the uneven counts made it
-    slower (see ``docs/sparse-decode.md``)."""
+    them to ``Cand`` and their estimates to ``Est`` (-1 and -inf past the filled places). The
+    places are shared out evenly: letting each merge program rerank its own keys would give the
+    programs very different amounts of work."""
     pid, h, b, r = _program_head()
     x = pid * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's places in the list
     idx = tl.full([BLOCK_C], -1, dtype=tl.int32)
@@ -642,9 +637,8 @@ def _packed_count(counts, J: tl.constexpr, T: tl.constexpr):
 
 
 def topk_warps(cp: int) -> int:
-    """Warps of the top-k program holding ``cp`` candidates: 8 from 4096 on (12 % faster than 4
-    at 4096 in ``benchmark/kernels/bench_topk.py`` on the H200), 16 from 16384 (no spills), 4
-    for smaller lists (not timed)."""
+    """Warps of the top-k program holding ``cp`` candidates: 8 from 4096 on (the fastest at 4096
+    in ``benchmark/kernels/bench_topk.py``), 16 from 16384 (no spills), 4 for smaller lists."""
     return 4 if cp < 4096 else min(16, max(8, cp // 1024))
 
 
@@ -743,7 +737,7 @@ class Selector:
     """Buffers and launches of one decode step's selection, for fixed
     ``(batch, q_heads, kv_heads, D)``, key capacity ``N``, candidate budget ``C`` and ``k``.
 
-    ``similarity=True`` votes every key its centroids' similarity to the query (measured better
+    ``similarity=True`` votes every key its centroids' similarity to the query (the better
     recall on real heads); otherwise the paper's tiered integer votes (``tiers``: weight of the
     query's 1st, 2nd, ... centroid; up to 16). ``nbins``: histogram bins of the pruning pass
     (default 256 for similarity votes, 1024 for tiered votes, which need one bin per vote).
@@ -773,14 +767,14 @@ class Selector:
         self.similarity, self.block_n, self.block_c = similarity, block_n, block_c
         self.nbins = nbins or (SIMILARITY_BINS if similarity else NBINS)
         if block_n < 128:
-            # measured: the vote pass hit illegal addresses on the H200 with 64-key blocks (fewer
-            # keys than threads in the warp histogram) and were no faster than 128
+            # a block needs at least as many keys as the warp histogram has threads (64-key
+            # blocks read out of bounds), and smaller blocks are no faster
             raise ValueError(f"block_n must be >= 128, got {block_n}")
         if self.nbins & (self.nbins - 1) or not 32 <= self.nbins <= 32768:
             raise ValueError(f"nbins must be a power of two in [32, 32768], got {self.nbins}")
         # keys per vote program: about 256 programs per KV head and sequence, whatever N is, so
-        # that one sequence's 128K keys are spread over the GPU (with 64, a program walked 32
-        # blocks in turn at a 262K capacity: latency, not bandwidth, at batch 1)
+        # that one sequence's keys are spread over the GPU (few programs would each walk many
+        # blocks in turn: latency, not bandwidth, at batch 1)
         self.span = span or max(block_n, triton.next_power_of_2(triton.cdiv(n, 256)))
         self.compact_block = max(block_n, min(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
         self.stride = (16 if n >= 65536 else 1) if sample_stride is None else sample_stride
