@@ -20,7 +20,7 @@ from sglang_pic.position_free.moved_copies import turn_keys
 from sglang_pic.position_free.run_kernels import TorchRunKernels, _attend
 from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
-H, HKV, D = 8, 2, 64
+H, HKV, D = 8, 2, 128  # Llama-3's GQA group (4) and head size: the shapes FlashInfer compiled
 
 
 def _cos_sin(positions: int, dim: int) -> torch.Tensor:

@@ -1,0 +1,416 @@
+"""RAG with span caching over a grid of workload shapes: vanilla SGLang (FlashInfer) vs
+sglang-pic, one run per machine.
+
+Each cell is one RAG workload family member:
+
+* documents: fixed length, or log-normal lengths cut to [128, 4096] (median ~900), as chunkers
+  that cut at sentence and section boundaries give;
+* ``k`` documents per request, drawn without replacement from a pool with Zipf popularity;
+* tenants: each has its own system prompt (256-1024 tokens); a request picks one uniformly;
+* a question (64 tokens) and 64 output tokens (``ignore_eos``).
+
+Per cell and variant: ``samples`` closed bursts of ``burst`` requests (each over a fresh pool
+and fresh system prompts, the cache flushed before each), then one Poisson stream of ``stream``
+requests at ``stream_load`` x vanilla's burst throughput in that cell (vanilla runs first and
+writes its rates to ``rates_file``; another call of the same run reads them). Recorded: requests/s
+and TTFT p50/p99 per burst, the stream's TTFT p50/p99, the most requests running at once and the
+most KV pool tokens in use (sampled every 0.2 s from the scheduler's load report), and each
+cell's *ideal*: prompt tokens over the tokens that must be computed (each distinct document
+once, each system prompt once, every question).
+
+Vanilla gets the documents of a request in one canonical (sorted) order, as a careful user would
+to share prefixes; sglang-pic gets the same tokens with each document marked as a span.
+
+    python3 benchmark/bench_rag_grid.py --out DIR [--variants vanilla,sglang-pic] [--cells ...]
+    python3 benchmark/bench_rag_grid.py --combine A.json B.json   # the calls of one run -> one report
+    .venv/bin/python benchmark/bench_rag_grid.py --smoke   # CPU: SmolLM2, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from harness import LLAMA3_8B_DUMMY, stream_generate
+
+SSEP, PDEP = -1, -2
+SPAN_SWITCHES = {  # variants of the span server: the settings they change
+    "sglang-pic": {},
+    "sglang-pic-copy": {"SGLANG_PIC_SPAN_COPY": "on"},  # turned copies of moved spans
+    "sglang-pic-triton": {},  # pic_triton: the shift-aware kernels for every batch
+}
+PIC_BACKEND = {"sglang-pic-triton": "pic_triton"}
+
+# name -> (document lengths, docs per request, pool, zipf, tenants)
+CELLS = {
+    "aligned": ("fixed2048", 4, 32, 1.1, 1),
+    "varlen_k6_p256_z07_t4": ("lognormal", 6, 256, 0.7, 4),
+    "varlen_k10_p1024_z11_t4": ("lognormal", 10, 1024, 1.1, 4),
+    "varlen_k10_p256_z11_t1": ("lognormal", 10, 256, 1.1, 1),
+    "fixed_k6_p1024_z07_t4": ("fixed2048", 6, 1024, 0.7, 4),
+    "smoke": ("lognormal", 3, 8, 1.0, 2),  # --smoke: tiny, on the CPU
+}
+DEFAULT_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4",
+                 "fixed_k6_p1024_z07_t4")
+
+
+def _variant() -> str:
+    return os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def doc_lengths(rng, kind: str, n: int, params: dict) -> list[int]:
+    """``n`` document lengths: ``fixed<L>`` or log-normal cut to [min, max] tokens."""
+    import numpy as np
+
+    if kind.startswith("fixed"):
+        return [int(kind[5:])] * n
+    lo, hi, median = params["doc_min"], params["doc_max"], params["doc_median"]
+    lengths = np.exp(rng.normal(np.log(median), params["doc_sigma"], size=n))
+    return [int(x) for x in np.clip(lengths, lo, hi)]
+
+
+def draw_requests(rng, cell: tuple, n: int, params: dict) -> dict:
+    """A fresh pool and fresh tenants, and ``n`` requests over them: each request's tenant,
+    sorted document ids and question."""
+    import numpy as np
+
+    kind, k, pool_size, zipf, tenants = cell
+    vocab = params["vocab"]
+
+    def toks(m: int) -> list[int]:
+        return [int(t) for t in rng.integers(1000, vocab, size=m)]
+
+    lengths = doc_lengths(rng, kind, pool_size, params)
+    pool = [toks(m) for m in lengths]
+    lo, hi = params["system_min"], params["system_max"]
+    systems = [toks(int(rng.integers(lo, hi + 1))) for _ in range(tenants)]
+    weights = 1.0 / np.arange(1, pool_size + 1) ** zipf
+    weights /= weights.sum()
+    requests = []
+    for _ in range(n):
+        docs = sorted(int(d) for d in rng.choice(pool_size, size=k, replace=False, p=weights))
+        requests.append((int(rng.integers(tenants)), docs, toks(params["question_tokens"])))
+    return {"pool": pool, "systems": systems, "requests": requests}
+
+
+def prompt(draw: dict, request: tuple, spans: bool) -> list[int]:
+    tenant, docs, question = request
+    ids = list(draw["systems"][tenant])
+    for d in docs:
+        ids += ([SSEP] if spans else []) + draw["pool"][d]
+    return ids + ([PDEP] if spans else []) + question
+
+
+def ideal(draw: dict) -> float:
+    """Prompt tokens over what must be computed: each distinct document and system prompt once,
+    every question."""
+    prompt_tokens = must = 0
+    docs_seen, systems_seen = set(), set()
+    for tenant, docs, question in draw["requests"]:
+        prompt_tokens += len(draw["systems"][tenant]) + len(question)
+        prompt_tokens += sum(len(draw["pool"][d]) for d in docs)
+        must += len(question)
+        if tenant not in systems_seen:
+            systems_seen.add(tenant)
+            must += len(draw["systems"][tenant])
+        for d in docs:
+            if d not in docs_seen:
+                docs_seen.add(d)
+                must += len(draw["pool"][d])
+    return prompt_tokens / must
+
+
+async def _load_sampler(engine, stop: asyncio.Event, peaks: dict) -> None:
+    """The most running requests and KV tokens in use while ``stop`` is not set."""
+    while not stop.is_set():
+        try:
+            for snap in await engine.tokenizer_manager.get_loads():
+                peaks["running"] = max(peaks.get("running", 0), int(snap.num_running_reqs))
+                peaks["used_tokens"] = max(peaks.get("used_tokens", 0), int(snap.num_used_tokens))
+                peaks["pool_tokens"] = int(snap.max_total_num_tokens)
+        except Exception as e:  # noqa: BLE001 - a version without load reports: no peaks
+            peaks["error"] = repr(e)
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except TimeoutError:
+            pass
+
+
+async def _burst(engine, prompts: list[list[int]], sp: dict) -> tuple[list, float, dict]:
+    stop, peaks = asyncio.Event(), {}
+    sampler = asyncio.ensure_future(_load_sampler(engine, stop, peaks))
+    t = time.perf_counter()
+    outs = await asyncio.gather(*(stream_generate(engine, p, sp) for p in prompts))
+    elapsed = time.perf_counter() - t
+    stop.set()
+    await sampler
+    return outs, elapsed, peaks
+
+
+async def _stream(engine, prompts: list[list[int]], sp: dict, rate: float, rng) -> list:
+    async def one(delay: float, p: list[int]):
+        await asyncio.sleep(delay)
+        return await stream_generate(engine, p, sp)
+
+    delays, at = [], 0.0
+    for _ in prompts:
+        at += float(rng.exponential(1.0 / rate))
+        delays.append(at)
+    return await asyncio.gather(*(one(d, p) for d, p in zip(delays, prompts, strict=True)))
+
+
+def workload(engine_kwargs: dict, params: dict) -> dict:
+    import numpy as np
+
+    variant = _variant()
+    spans = variant.startswith("sglang-pic")
+    if spans:
+        os.environ.update(SPAN_SWITCHES.get(variant, {}))  # read by the scheduler it starts
+    import sglang as sgl
+
+    repo = Path(__file__).resolve().parent.parent
+    kwargs = dict(engine_kwargs)
+    if not Path(kwargs["model_path"]).is_absolute() and (repo / kwargs["model_path"]).exists():
+        kwargs["model_path"] = str(repo / kwargs["model_path"])
+    if spans:
+        kwargs["attention_backend"] = PIC_BACKEND.get(variant, params["pic_backend"])
+        kwargs["radix_cache_backend"] = "pic_span"
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**kwargs)
+    result: dict = {"engine_start_s": time.perf_counter() - t0, "variant": variant,
+                    "attention_backend": kwargs.get("attention_backend"), "cells": {}}
+    sp = {"max_new_tokens": params["output_tokens"], "temperature": 0, "ignore_eos": True}
+    rates_path = Path(params["rates_file"]) if params.get("rates_file") else None
+    rates = json.loads(rates_path.read_text()) if rates_path and rates_path.exists() else {}
+    partial = Path(params["partial_dir"]) / f"rag_grid.{variant}.partial.json" \
+        if params.get("partial_dir") else None
+    try:
+        rng = np.random.default_rng(params["seed"])
+        warm_cell = CELLS[params["cells"][0]][:1] + (2, 8, 1.0, 1)
+        warm = draw_requests(rng, warm_cell, params["warmup"], params)  # untimed: compiles
+        engine.loop.run_until_complete(_burst(engine, [prompt(warm, r, spans)
+                                                       for r in warm["requests"]], sp))
+        for name in params["cells"]:
+            cell = CELLS[name]
+            cell_rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
+            out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [],
+                         "ttft_p99_ms": [], "peak_running": [], "peak_used_tokens": [],
+                         "prompt_tokens": []}
+            for _ in range(params["samples"]):
+                draw = draw_requests(cell_rng, cell, params["burst"], params)
+                prompts = [prompt(draw, r, spans) for r in draw["requests"]]
+                engine.flush_cache()
+                outs, elapsed, peaks = engine.loop.run_until_complete(
+                    _burst(engine, prompts, sp))
+                ttfts = [o[0] for o in outs]
+                out["ideal"].append(ideal(draw))
+                out["requests_per_s"].append(len(prompts) / elapsed)
+                out["ttft_p50_ms"].append(1000 * _percentile(ttfts, 50))
+                out["ttft_p99_ms"].append(1000 * _percentile(ttfts, 99))
+                out["peak_running"].append(peaks.get("running"))
+                out["peak_used_tokens"].append(peaks.get("used_tokens"))
+                out["pool_tokens"] = peaks.get("pool_tokens")
+                out["prompt_tokens"].append(sum(len(p) - (len(r[1]) + 1 if spans else 0)
+                                                for p, r in zip(prompts, draw["requests"],
+                                                                strict=True)))
+            capacity = statistics.median(out["requests_per_s"])
+            if variant == "vanilla":
+                rates[name] = params["stream_load"] * capacity
+            rate = rates.get(name) or params.get("stream_rate")
+            if rate and params["stream"]:
+                draw = draw_requests(cell_rng, cell, params["stream"], params)
+                engine.flush_cache()
+                outs = engine.loop.run_until_complete(_stream(
+                    engine, [prompt(draw, r, spans) for r in draw["requests"]], sp, rate,
+                    cell_rng))
+                ttfts = [o[0] for o in outs]
+                out["stream_rate"] = rate
+                out["stream_ttft_ms_all"] = [round(1000 * t, 2) for t in ttfts]
+                out["stream_ttft_p50_ms"] = 1000 * _percentile(ttfts, 50)
+                out["stream_ttft_p99_ms"] = 1000 * _percentile(ttfts, 99)
+            for key in ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "ideal"):
+                out[f"{key}_median"] = statistics.median(out[key])
+            result["cells"][name] = out
+            print(f"[rag-grid] {variant} {name}: {capacity:.2f} req/s, TTFT p50 "
+                  f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
+                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, peak running "
+                  f"{out['peak_running']}", flush=True)
+            if partial is not None:
+                partial.write_text(json.dumps(result))
+            if variant == "vanilla" and rates_path is not None:
+                rates_path.write_text(json.dumps(rates))
+    finally:
+        engine.shutdown()
+    return result
+
+
+ENGINE_KWARGS = {
+    **LLAMA3_8B_DUMMY,
+    "context_length": 65536,
+    "mem_fraction_static": 0.80,
+    "cuda_graph_max_bs_decode": 128,
+}
+
+PARAMS = {
+    "seed": 1,
+    "vocab": 120000,
+    "samples": 3,
+    "burst": 48,
+    "stream": 32,
+    "stream_load": 0.7,
+    "warmup": 8,
+    "output_tokens": 64,
+    "question_tokens": 64,
+    "system_min": 256,
+    "system_max": 1024,
+    "doc_min": 128,
+    "doc_max": 4096,
+    "doc_median": 900,
+    "doc_sigma": 0.9,
+    "pic_backend": "pic_flashinfer",
+    "cells": list(DEFAULT_CELLS),
+}
+
+SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
+    "engine_kwargs": {"device": "cpu", "skip_tokenizer_init": True, "dtype": "bfloat16",
+                      "attention_backend": "torch_native", "max_total_tokens": 16384,
+                      "disable_cuda_graph": True, "page_size": 1, "context_length": 4096},
+    "params": {"vocab": 49000, "samples": 1, "burst": 4, "stream": 3, "warmup": 2,
+               "output_tokens": 4, "question_tokens": 8, "system_min": 16, "system_max": 32,
+               "doc_min": 16, "doc_max": 96, "doc_median": 40,
+               "pic_backend": "pic_torch_native", "cells": ["smoke"]},
+}
+
+
+def summarize(report: dict) -> list[dict]:
+    """One row per cell: each variant's medians and its ratios to vanilla."""
+    res = report["results"]
+    van = res.get("vanilla", {}).get("cells", {})
+    rows = []
+    for variant, r in res.items():
+        if variant == "vanilla" or "cells" not in r:
+            continue
+        for name, c in r["cells"].items():
+            v = van.get(name)
+            if not v:
+                continue
+            row = {"variant": variant, "cell": name, "ideal": c["ideal_median"],
+                   "requests_per_s": c["requests_per_s_median"],
+                   "vanilla_requests_per_s": v["requests_per_s_median"],
+                   "throughput_ratio": c["requests_per_s_median"] / v["requests_per_s_median"],
+                   "ttft_p50_ratio": v["ttft_p50_ms_median"] / c["ttft_p50_ms_median"],
+                   "peak_running": max(x or 0 for x in c["peak_running"]),
+                   "vanilla_peak_running": max(x or 0 for x in v["peak_running"])}
+            if "stream_ttft_p50_ms" in c and "stream_ttft_p50_ms" in v:
+                row["stream_ttft_p50_ratio"] = v["stream_ttft_p50_ms"] / c["stream_ttft_p50_ms"]
+                row["stream_ttft_p99_ratio"] = v["stream_ttft_p99_ms"] / c["stream_ttft_p99_ms"]
+            row["fraction_of_bound"] = row["throughput_ratio"] / row["ideal"]
+            rows.append(row)
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"\n{'variant':<18}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
+          f"{'stream x':>9}{'running':>9}")
+    for r in rows:
+        print(f"{r['variant']:<18}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
+              f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
+              f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
+              f"{r['peak_running']:>5}/{r['vanilla_peak_running']:<3}")
+    for variant in sorted({r["variant"] for r in rows}):
+        mine = [r for r in rows if r["variant"] == variant]
+        worst = min(mine, key=lambda r: r["throughput_ratio"])
+        print(f"{variant}: worst cell {worst['cell']} at {worst['throughput_ratio']:.2f}x "
+              f"(ideal {worst['ideal']:.2f})")
+
+
+def combine(paths: list[str], out: str | None) -> dict:
+    """The reports of the calls of one run (same params), as one report."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(reports[0])
+    merged["results"] = {}
+    merged["calls"] = [{"environment": r["environment"], "variants": list(r["results"])}
+                       for r in reports]
+    def settings(r: dict) -> dict:  # the run's parameters, less where its files went
+        return {k: v for k, v in r["params"].items() if k not in ("rates_file", "partial_dir")}
+
+    for r in reports:
+        if settings(r) != settings(reports[0]):
+            raise SystemExit(f"--combine: {paths} were run with different params")
+        merged["results"].update(r["results"])
+    merged["summary"] = summarize(merged)
+    target = Path(out or Path(paths[0]).with_name("spans_rag_grid_h200.json"))
+    target.write_text(json.dumps(merged, indent=1))
+    print_summary(merged["summary"])
+    print(f"[bench] wrote {target}")
+    return merged
+
+
+def main() -> None:
+    from harness import run_side_by_side, smoke_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
+    ap.add_argument("--variants", default="vanilla,sglang-pic",
+                    help="any of vanilla (FlashInfer), sglang-pic (segmented attention over "
+                         "shared pages), sglang-pic-copy (--span-copy-on-reuse on), "
+                         "sglang-pic-triton (pic_triton)")
+    ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
+                    help=f"cells to run, of {', '.join(CELLS)}")
+    ap.add_argument("--samples", type=int, default=PARAMS["samples"])
+    ap.add_argument("--burst", type=int, default=PARAMS["burst"])
+    ap.add_argument("--stream", type=int, default=PARAMS["stream"])
+    ap.add_argument("--rates-file", default=None,
+                    help="vanilla's per-cell stream rates (written by vanilla, read by the "
+                         "others; default <out>/rag_grid_rates.json)")
+    ap.add_argument("--name", default="spans_rag_grid_h200", help="the report's file name")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="REPORT",
+                    help="merge the reports of one run's calls into one and print the summary")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
+    args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
+    unknown = set(args.cells.split(",")) - set(CELLS)
+    if unknown:
+        ap.error(f"unknown cells {sorted(unknown)}; known: {', '.join(CELLS)}")
+    engine_kwargs = ENGINE_KWARGS
+    params = dict(PARAMS, samples=args.samples, burst=args.burst, stream=args.stream,
+                  cells=args.cells.split(","))
+    name = args.name
+    if args.smoke:
+        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.default_model import ensure_default_model
+
+        enable_cpu_engine()
+        engine_kwargs = {"model_path": str(ensure_default_model()), **SMOKE["engine_kwargs"]}
+        params = {**PARAMS, **SMOKE["params"]}
+        name = "spans_rag_grid_cpu_smoke"
+        args.out = args.out or smoke_dir()
+    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params["rates_file"] = args.rates_file or str(out_dir / "rag_grid_rates.json")
+    params["partial_dir"] = str(out_dir)
+    report = run_side_by_side(name, "bench_rag_grid", "workload", engine_kwargs, params,
+                              out_dir=str(out_dir), variants=tuple(args.variants.split(",")),
+                              timeout_s=3600)
+    rows = summarize(report)
+    print_summary(rows)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+    main()
