@@ -286,11 +286,12 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "batches holding span requests, which otherwise decode eagerly (not yet measured on a "
          "GPU: off by default)", default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
     Flag("--span-copy-on-reuse", "position_free",
-         "a request reading a cached span at another offset gets its own copy of the span's "
-         "pages, keys turned once to where they now stand, so its batches run vanilla attention "
-         "(FlashInfer and its CUDA graphs on pic_flashinfer) instead of the shift-aware kernels; "
-         "costs pool memory per running request, and waits while less than 10% of the pool "
-         "would stay free. auto: on with pic_flashinfer",
+         "how a request reads a cached span placed at another offset. off: from the span's one "
+         "shared copy, by segmented attention (each run of keys moved by one distance attended "
+         "with the query turned back, merged by log-sum-exp: FlashInfer's kernels on a GPU); "
+         "on: from its own copy of the span's pages, keys turned once, so its batches run "
+         "vanilla attention and CUDA graphs, at the cost of pool memory per running request "
+         "(it waits while less than 10 percent of the pool would stay free). auto: off",
          parse=one_of("auto", "on", "off"), default="auto", metavar="{auto,on,off}",
          env="SGLANG_PIC_SPAN_COPY"),
     Flag("--position-free-decode-config", "position_free",

@@ -366,8 +366,8 @@ def wanted(model_runner: Any) -> bool:
 
 
 def copies_pages(model_runner: Any) -> bool:
-    """``--span-copy-on-reuse``: ``on``; ``auto`` (the default) means off (segmented attention
-    reads the shared pages)."""
+    """``--span-copy-on-reuse on``; ``auto`` (the default) and ``off`` read moved spans from the
+    shared pages with segmented attention, which holds a span's KV once whatever its offsets."""
     from sglang_pic.server_flags import setting
 
     return setting("--span-copy-on-reuse") == "on"
