@@ -10,7 +10,8 @@ batch's length), and its range. The rule for fields the schema does not name: **
 naming the field), as OpenAI's own API does.
 
 * ``/generate``: ``GenerateBody``, built from ``GenerateReqInput``'s fields: ``CLIENT_FIELDS`` are
-  accepted with the types below, ``REFUSED_FIELDS`` (internal, multimodal, code-carrying) are not.
+  accepted with the types below, ``REFUSED_FIELDS`` (internal, multimodal, code-carrying) are not,
+  ``ROUTER_FIELDS`` only with the values SGLang's router sends.
   Every field of ``GenerateReqInput`` is in one of the two (a test checks), so a field SGLang
   adds is refused until it is classified. ``sampling_params`` is ``SamplingBody``, derived from
   ``SamplingParams``'s fields with the ranges of ``SAMPLING_RANGES``.
@@ -172,6 +173,16 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 """``GenerateReqInput`` fields refused, with the reason the 400 gives."""
 
+ROUTER_FIELDS: dict[str, Any] = {
+    "model": Name | None,
+    "background": bool,
+}
+"""Fields SGLang's router (``sglang-router``, what ``sglang-pic fleet`` puts in front of its
+instances) adds to every ``/generate`` body it forwards: it re-serialises the body from its own
+typed request, with ``"model": null`` and ``"background": false``. SGLang ignores ``model`` on
+``/generate``; ``background`` stays refused unless false (its default: the router's value), for
+the reason ``REFUSED_FIELDS`` gives."""
+
 BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path",
            "extra_key", "sampling_params")
 """Per-request fields: a list only in a batch, and then one entry per prompt."""
@@ -180,7 +191,7 @@ BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lo
 @cache
 def generate_body() -> type:
     sampling = sampling_body()
-    fields = [(name, kind, None) for name, kind in CLIENT_FIELDS.items()]
+    fields = [(name, kind, None) for name, kind in (CLIENT_FIELDS | ROUTER_FIELDS).items()]
     fields.append(("sampling_params", _per_request(sampling), None))
     return msgspec.defstruct("GenerateBody", fields, forbid_unknown_fields=True,
                              omit_defaults=True)
@@ -235,6 +246,8 @@ def prompt_ids(raw: msgspec.Raw | None) -> list | None:
 def check_generate(raw: bytes) -> None:
     """``/generate``: the schema, then the batch's shape."""
     body = _decode(raw, generate_body())
+    if body.background:
+        raise BodyError(_unknown_message("background"))
     body.input_ids = prompt_ids(body.input_ids)
     prompts = [name for name in ("text", "input_ids") if getattr(body, name) is not None]
     if len(prompts) != 1:
