@@ -337,19 +337,31 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def combine(paths: list[str], out: str | None) -> dict:
-    """The reports of the calls of one run (same params), as one report."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
-    merged = dict(reports[0])
+    """The calls of one run on one machine, as one report: harness reports, and the per-variant
+    partial files a call cut by its time limit left (``rag_grid.<variant>.partial.json``; the
+    first harness report gives the parameters and the machine). Flagged
+    ``merged_from_earlier_call``: the variants did not alternate within one call."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    reports = [d for d in docs if "results" in d]
+    if not reports:
+        raise SystemExit("--combine: at least one harness report is needed (its parameters)")
+    merged = {k: v for k, v in reports[0].items() if k not in ("ratios", "summary")}
     merged["results"] = {}
-    merged["calls"] = [{"environment": r["environment"], "variants": list(r["results"])}
-                       for r in reports]
-    def settings(r: dict) -> dict:  # the run's parameters, less where its files went
-        return {k: v for k, v in r["params"].items() if k not in ("rates_file", "partial_dir")}
+    merged["calls"] = [{"file": Path(p).name, "variants": list(d["results"]) if "results" in d
+                        else [d["variant"]]} for p, d in zip(paths, docs, strict=True)]
+    merged["merged_from_earlier_call"] = len(docs) > 1
 
-    for r in reports:
-        if settings(r) != settings(reports[0]):
-            raise SystemExit(f"--combine: {paths} were run with different params")
-        merged["results"].update(r["results"])
+    def settings(r: dict) -> dict:  # the run's parameters, less where its files went
+        return {k: v for k, v in r["params"].items() if k not in ("rates_file", "partial_dir",
+                                                                  "cells")}
+
+    for d in docs:
+        if "results" in d:
+            if settings(d) != settings(reports[0]):
+                raise SystemExit(f"--combine: {paths} were run with different params")
+            merged["results"].update(d["results"])
+        else:
+            merged["results"].setdefault(d["variant"], d)
     merged["summary"] = summarize(merged)
     target = Path(out or Path(paths[0]).with_name("spans_rag_grid_h200.json"))
     target.write_text(json.dumps(merged, indent=1))
@@ -377,7 +389,8 @@ def main() -> None:
                          "others; default <out>/rag_grid_rates.json)")
     ap.add_argument("--name", default="spans_rag_grid_h200", help="the report's file name")
     ap.add_argument("--combine", nargs="+", default=None, metavar="REPORT",
-                    help="merge the reports of one run's calls into one and print the summary")
+                    help="merge the reports (and partial files) of one run's calls into one "
+                         "(--out: the file) and print the summary")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     if args.combine:

@@ -202,6 +202,80 @@ def _metric_pair(baseline_metric: str, ours_metric: str, note: str, *,
     return extract
 
 
+GRID = "spans_rag_grid_h100.json"
+GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4")
+GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
+
+
+def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic"):
+    """A grid cell's samples of ``metric`` on vanilla's side and ``ours``: per burst for the
+    burst metrics, per request for the stream's TTFT (its median is the p50)."""
+    res = report["results"]
+
+    def samples(variant: str) -> list[float]:
+        c = res[variant]["cells"][cell]
+        return [float(x) for x in (c["stream_ttft_ms_all"] if metric == "stream_ttft_ms"
+                                   else c[metric])]
+    return samples("vanilla"), samples(ours)
+
+
+def _grid_ratio(report: dict, cell: str, metric: str, higher_is_better: bool) -> float:
+    base, ours = _grid_sides(report, cell, metric)
+    b, o = statistics.median(base), statistics.median(ours)
+    return o / b if higher_is_better else b / o
+
+
+def _grid_ideal(report: dict, cell: str) -> float:
+    return statistics.median(report["results"]["sglang-pic"]["cells"][cell]["ideal"])
+
+
+def _grid_cell(cell: str, metric: str = "requests_per_s"):
+    """One cell of ``bench_rag_grid.py``: vanilla against the span server."""
+    def extract(report: dict) -> tuple:
+        base, ours = _grid_sides(report, cell, metric)
+        return base, ours, f"ideal {_grid_ideal(report, cell):.2f}", "vanilla"
+    return extract
+
+
+def _grid_worst(metric: str, higher_is_better: bool, ideal_min: float = 0.0):
+    """The cell (of those whose ideal is at least ``ideal_min``) where the span server's ratio
+    to vanilla on ``metric`` is lowest."""
+    def extract(report: dict) -> tuple:
+        cells = [c for c in report["results"]["sglang-pic"]["cells"]
+                 if _grid_ideal(report, c) >= ideal_min]
+        worst = min(cells, key=lambda c: _grid_ratio(report, c, metric, higher_is_better))
+        base, ours = _grid_sides(report, worst, metric)
+        return (base, ours, f"worst of {len(cells)} cells: {worst} (ideal "
+                f"{_grid_ideal(report, worst):.2f})", "vanilla")
+    return extract
+
+
+def _grid_design(cell: str):
+    """Segmented attention (``sglang-pic``) against ``--span-copy-on-reuse on`` in ``cell``."""
+    def extract(report: dict) -> tuple:
+        res = report["results"]
+        return ([float(x) for x in res["sglang-pic-copy"]["cells"][cell]["requests_per_s"]],
+                [float(x) for x in res["sglang-pic"]["cells"][cell]["requests_per_s"]],
+                "design comparison, no vanilla side")
+    return extract
+
+
+def _grid_fraction_of_bound(report: dict) -> tuple:
+    """Per cell, the throughput ratio over its bound min(ideal, the aligned cell's ratio); the
+    worst cell's samples scaled so that the row's ratio is that fraction."""
+    aligned = _grid_ratio(report, "aligned", "requests_per_s", True)
+    fractions = {c: _grid_ratio(report, c, "requests_per_s", True)
+                 / min(_grid_ideal(report, c), aligned)
+                 for c in report["results"]["sglang-pic"]["cells"]}
+    worst = min(fractions, key=fractions.get)
+    base, ours = _grid_sides(report, worst, "requests_per_s")
+    bound = min(_grid_ideal(report, worst), aligned)
+    return ([b * bound for b in base], ours,
+            f"worst cell {worst}: ratio {fractions[worst] * bound:.2f}x against its bound "
+            f"{bound:.2f}x (min of its ideal and the aligned cell's ratio); fractions "
+            + ", ".join(f"{c} {f:.2f}" for c, f in fractions.items()), "vanilla")
+
+
 REAL_WEIGHTS_CONTROL = "real_weights_h200_control.json"  # the baseline side of the agreement row
 COLD_NOTE = "lookup, miss, then the whole prefill; ratio >= 0.952 is at most 5 % over recompute"
 
@@ -366,9 +440,14 @@ E2E_MOONCAKE_APP_GUESS_NOTE = ("2 runs per variant (of the 3 a row needs) in two
                                "hints get their application from their match, before the rates "
                                "per shared block they branched off (81c30df)")
 LEGACY = "legacy row: measured against vanilla SGLang on triton; to re-measure on FlashInfer"
-SPAN_SERVER = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys (span "
-               "requests reading their own turned copies included), our Triton kernels for "
-               "batches still reading shared moved pages")
+SPAN_SERVER = ("pic_flashinfer + pic_span with turned copies of moved spans (copy on reuse, the "
+               "default when measured; now --span-copy-on-reuse on): FlashInfer for batches "
+               "without moved keys (span requests reading their own copies included), our Triton "
+               "kernels for batches still reading shared moved pages; not yet re-measured with "
+               "the default of now, segmented attention (spans.rag_grid.copies_vs_shared)")
+SPAN_SERVER_SEGMENTED = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys, "
+                         "segmented attention on FlashInfer's batch kernels over the shared "
+                         "pages for batches with span requests reading moved spans")
 SPAN_SERVER_SHARED = ("pic_flashinfer + pic_span, --span-copy-on-reuse off: span requests read "
                       "the shared moved pages with our Triton kernels (eager), FlashInfer for the "
                       "rest")
@@ -424,6 +503,37 @@ CLAIMS: list[Claim] = [
     Claim("spans.shared_pages.cached_span_ttft", SPANS_SHARED, "ttft_cached_prefix_ms",
           ours_variant="sglang-pic-shared", path=SPAN_SERVER_SHARED,
           note="design comparison: the same server with --span-copy-on-reuse off"),
+    *[Claim(f"spans.rag_grid.{cell}", GRID, "requests_per_s", higher_is_better=True,
+            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell),
+            note=f"bench_rag_grid.py cell {cell}: 3 bursts of 48 requests, 64 output tokens; "
+            "H100")
+      for cell in GRID_CELLS],
+    *[Claim(f"spans.rag_grid.{cell}.stream_ttft_p50", GRID, "stream_ttft_ms",
+            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell, "stream_ttft_ms"),
+            note="32 requests as a Poisson stream at 70% of vanilla's burst throughput; "
+            "samples: the requests' TTFTs; H100")
+      for cell in GRID_CELLS],
+    Claim("spans.rag_grid.worst_throughput", GRID, "requests_per_s", higher_is_better=True,
+          target=2.5, path=SPAN_SERVER_SEGMENTED,
+          extract=_grid_worst("requests_per_s", True, GRID_IDEAL_MIN),
+          note="the worst cell of those whose ideal is >= 3; H100"),
+    Claim("spans.rag_grid.worst_stream_ttft_p50", GRID, "stream_ttft_ms", target=4.0,
+          path=SPAN_SERVER_SEGMENTED, extract=_grid_worst("stream_ttft_ms", False),
+          note="the worst cell of all; H100"),
+    Claim("spans.rag_grid.worst_fraction_of_bound", GRID, "requests_per_s",
+          higher_is_better=True, target=0.8, path=SPAN_SERVER_SEGMENTED,
+          extract=_grid_fraction_of_bound,
+          note="ratio over min(ideal, aligned ratio), the worst cell; H100"),
+    Claim("spans.rag_grid.peak_kv_tokens", GRID, "peak_used_tokens",
+          path=SPAN_SERVER_SEGMENTED, extract=_grid_cell("varlen_k6_p256_z07_t4",
+                                                         "peak_used_tokens"),
+          note="most KV pool tokens in use during a burst, variable-length corner (6 of 256 "
+          "documents, 4 tenants); H100"),
+    Claim("spans.rag_grid.copies_vs_shared", GRID, "requests_per_s", higher_is_better=True,
+          baseline_variant="sglang-pic-copy", path=SPAN_SERVER_SEGMENTED,
+          extract=_grid_design("varlen_k6_p256_z07_t4"),
+          note="design comparison in the variable-length corner: segmented attention over "
+          "shared pages against --span-copy-on-reuse on; H100"),
     *[Claim(f"spans.nonspan.{case}", NONSPAN, metric, ours_variant="sglang-pic-spans",
             target=0.98, path=SPAN_SERVER, reruns=(NONSPAN_RERUN,),
             note="requests without spans on a --enable-span-cache server")
