@@ -14,6 +14,7 @@ COMMANDS = {
     "serve": "SGLang's HTTP server (OpenAI API too) with our plugin; see serve --help",
     "store": "run a PTStore server (HiCache's L3 tier, span pages)",
     "store-status": "print the counters of running PTStore servers (ENDPOINT...)",
+    "fleet": "N serve instances behind SGLang's router, sharing M PTStore servers",
     "setup-cpu": "install the CPU start-up hook (import stand-ins) in this environment",
 }
 
@@ -63,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(argv[1:])
     if argv and argv[0] == "setup-cpu":
         return _setup_cpu()
+    if argv and argv[0] == "fleet":
+        from sglang_pic.fleet.cli import main as fleet
+
+        return fleet(argv[1:])
     if argv and argv[0] in ("store", "store-status"):
         from sglang_pic.store import cli as store_cli
 
