@@ -128,7 +128,7 @@ HEAVY_FIRST = (
     "test_lang.py",
     "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
     "test_position_free_triton_cpu.py", "test_docs.py", "test_spans_store_cpu.py",
-    "test_position_free_cpu.py", "test_cli.py", "test_store_hicache_cpu.py",
+    "test_position_free_cpu.py", "test_cli.py", "test_fleet_cpu.py", "test_store_hicache_cpu.py",
     "test_config_flags.py", "test_hicache_cpu.py", "test_span_scheduling.py",
     "test_sparse_decode_state.py", "test_store_datapath.py", "test_pariskv.py",
     "test_store_security.py", "test_plugin_seams.py", "test_request_validation.py",
