@@ -62,3 +62,29 @@ def test_seam_outside_the_registry_is_checked(monkeypatch):
     monkeypatch.setitem(plugin.SEAMS, "demo.seam", ("demo", lambda: False))
     with pytest.raises(plugin.SeamError, match=r"demo.seam \(needed by demo\)"):
         plugin.check_seams()
+
+
+def test_a_feature_that_fails_to_register_stops_the_process():
+    """An exception in a feature's registration (an ImportError from a moved SGLang module) is a
+    SeamError naming the feature, under SGLang's own plugin loader: it would log and swallow an
+    Exception and serve with the features registered before it."""
+    code = ("import sglang_pic.eviction as ev\n"
+            "def broken(): raise ImportError('cannot import name X from sglang.srt.demo')\n"
+            "ev.register = broken\n"
+            "from sglang.srt.plugins import load_plugins; load_plugins(); print('SERVED')")
+    out = _run(code)
+    assert out.returncode != 0
+    assert "SERVED" not in out.stdout
+    assert "refusing to start: feature eviction failed to register: ImportError" in out.stderr
+
+
+def test_no_hook_target_is_wrapped_twice_by_default():
+    """Two AROUND hooks of ours on one target make SGLang warn at every start; the second decode
+    graph set of span requests hooks the graph runner only with --position-free-span-graphs."""
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins()")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Multiple AROUND hooks" not in out.stderr
+    out = _run(code, {"SGLANG_PIC_SPAN_GRAPHS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "_capture_one_stream" in out.stderr  # both graph sets hook it: SGLang says so

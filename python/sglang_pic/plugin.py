@@ -74,11 +74,21 @@ def registered() -> bool:
 
 def register() -> None:
     """Entry point `sglang.srt.plugins: sglang_pic`. Idempotent."""
-    global _registered, _loaded
+    global _registered
     if _registered:
         return
     _registered = True
+    try:
+        _register()
+    except SeamError:
+        raise
+    except Exception as e:  # SGLang's load_plugins would log it and serve without the feature
+        raise SeamError(f"sglang-pic: refusing to start: registering the plugin failed: "
+                        f"{type(e).__name__}: {e}") from e
 
+
+def _register() -> None:
+    global _loaded
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_pic import (
@@ -137,7 +147,11 @@ def register() -> None:
     needed: dict[str, list[str]] = {}  # hook target -> our features hooking it
     for feature, step in steps:
         before = {t: len(h) for t, h in HookRegistry._hooks.items()}
-        step()
+        try:
+            step()
+        except Exception as e:
+            raise SeamError(f"sglang-pic: refusing to start: feature {feature} failed to "
+                            f"register: {type(e).__name__}: {e}") from e
         for t, h in HookRegistry._hooks.items():
             if len(h) > before.get(t, 0):
                 needed.setdefault(t, []).append(feature)

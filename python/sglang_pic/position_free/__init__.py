@@ -46,5 +46,5 @@ def register() -> None:
     HookRegistry.register(
         shifted_batches.INIT_NEW_TARGET, shifted_batches.mark_forward_batch, HookType.AFTER
     )
-    for target, hook in span_graphs.TARGETS.items():
+    for target, hook in span_graphs.targets().items():
         HookRegistry.register(target, getattr(span_graphs, hook), HookType.AROUND)

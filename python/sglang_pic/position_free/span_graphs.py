@@ -39,9 +39,20 @@ LABEL = "shifted"
 TARGETS = {
     f"{RUNNER}.can_run_graph": "around_can_run_graph",
     f"{PREFILL_RUNNER}.can_run_graph": "around_can_run_graph",
+}
+GRAPH_SET_TARGETS = {
     f"{RUNNER}._capture_one_stream": "around_capture_one_stream",
     f"{RUNNER}._make_graph_key": "around_make_graph_key",
 }
+"""Hooked only with ``--position-free-span-graphs`` (the second graph set): a process without it
+keeps SGLang's capture path to the sparse decoder's hooks alone."""
+
+
+def targets() -> dict[str, str]:
+    """The targets this process hooks (``TARGETS``, and ``GRAPH_SET_TARGETS`` with the flag)."""
+    from sglang_pic.server_flags import setting
+
+    return {**TARGETS, **GRAPH_SET_TARGETS} if setting("--position-free-span-graphs") else TARGETS
 
 
 _classes: tuple[type, type] | None = None  # (PositionFreeFlashInferBackend, DecodeCudaGraphRunner)
