@@ -31,15 +31,20 @@ EMPTY_LSE = -1e30
 """The log-sum-exp of the padding state ``merge`` weighs with zero."""
 
 
-def turn(q: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor,
-         cos_sin: torch.Tensor) -> torch.Tensor:
-    """``q[rows]`` turned back by ``shift`` positions (NeoX RoPE): ``[len(rows), H, D]``.
-
-    ``cos_sin`` is SGLang's float32 cos/sin cache ``[positions, D]``; math in float32, the result
-    in ``q.dtype`` (a shift of 0 returns the rows exactly)."""
+def turn_table(shift: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin that turn a query back by ``shift`` positions (NeoX RoPE), float32
+    ``[len(shift), 1, D / 2]`` each: computed once per batch, used by every layer (``turn``).
+    ``cos_sin`` is SGLang's float32 cos/sin cache ``[positions, D]``."""
     cos, sin = cos_sin.index_select(0, shift.abs()).chunk(2, dim=-1)
     sin = sin * (-shift.sign()).to(sin.dtype)[:, None]  # back: the opposite angle
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    return cos[:, None, :].contiguous(), sin[:, None, :].contiguous()
+
+
+def turn(q: torch.Tensor, rows: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]
+         ) -> torch.Tensor:
+    """``q[rows]`` turned by ``table`` (``turn_table``): ``[len(rows), H, D]``; math in float32,
+    the result in ``q.dtype`` (a shift of 0 returns the rows exactly)."""
+    cos, sin = table
     x1, x2 = q.index_select(0, rows).float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(q.dtype)
 

@@ -27,7 +27,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import model_check, shifted_batches
 from .key_runs import KeyRuns
-from .run_kernels import turn
+from .run_kernels import turn, turn_table
 
 
 class SegmentedAttention(AttentionBackend):
@@ -45,7 +45,7 @@ class SegmentedAttention(AttentionBackend):
         self.device = model_runner.device
         self.runs: KeyRuns | None = None
         self.decoding = False
-        self.run_rows = self.run_shift = self.merge_index = None
+        self.run_rows = self.run_turns = self.merge_index = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         per_request = shifted_batches.current_runs()
@@ -58,7 +58,8 @@ class SegmentedAttention(AttentionBackend):
         self.decoding = forward_batch.forward_mode.is_decode_or_idle()
         if self.decoding:
             self.kernels.plan_decode(runs.kv_indptr_cpu, kv_indices)
-            self.run_rows, self.run_shift = runs.owner, runs.shift
+            self.run_rows = runs.owner
+            self.run_turns = turn_table(runs.shift, self.cos_sin)
             self.merge_index = runs.runs_of
             return
         new = [int(n) for n in forward_batch.extend_seq_lens_cpu]
@@ -90,7 +91,7 @@ class SegmentedAttention(AttentionBackend):
             column[i] += 1
         to = dict(device=self.device, non_blocking=True)
         self.run_rows = torch.cat(rows).to(**to)
-        self.run_shift = torch.cat(shifts).to(**to)
+        self.run_turns = turn_table(torch.cat(shifts).to(**to), self.cos_sin)
         self.merge_index = index.to(**to)
 
     def _save(self, layer: Any, forward_batch: Any, k: torch.Tensor | None,
@@ -109,7 +110,7 @@ class SegmentedAttention(AttentionBackend):
         self._save(layer, forward_batch, k, v, save_kv_cache)
         q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
         kv = self.pool.get_kv_buffer(layer.layer_id)
-        o, lse = self.kernels.decode(turn(q, self.run_rows, self.run_shift, self.cos_sin), kv)
+        o, lse = self.kernels.decode(turn(q, self.run_rows, self.run_turns), kv)
         out = self.kernels.merge(o, lse, self.merge_index)
         return out.view(-1, layer.tp_q_head_num * layer.head_dim)
 
@@ -123,7 +124,7 @@ class SegmentedAttention(AttentionBackend):
         o, lse = self.kernels.ragged(q, k, v)
         if self.run_rows is not None:
             kv = self.pool.get_kv_buffer(layer.layer_id)
-            o2, lse2 = self.kernels.paged(turn(q, self.run_rows, self.run_shift, self.cos_sin),
+            o2, lse2 = self.kernels.paged(turn(q, self.run_rows, self.run_turns),
                                           kv)
             o, lse = torch.cat((o, o2)), torch.cat((lse, lse2))
         out = self.kernels.merge(o, lse, self.merge_index)
