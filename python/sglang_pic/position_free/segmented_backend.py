@@ -43,8 +43,6 @@ class SegmentedAttention(AttentionBackend):
         self.cos_sin = model_check.model_rotary(model_runner).cos_sin_cache.float().to(
             model_runner.device)
         self.device = model_runner.device
-        self.runs: KeyRuns | None = None
-        self.decoding = False
         self.run_rows = self.run_turns = self.merge_index = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
@@ -53,31 +51,38 @@ class SegmentedAttention(AttentionBackend):
             raise RuntimeError("segmented attention: no key runs for this batch (the "
                                "ForwardBatch.init_new hook did not run for it)")
         runs = KeyRuns.build(per_request, self.device)
-        self.runs = runs
         kv_indices = runs.kv_indices(self.req_to_token, forward_batch.req_pool_indices)
-        self.decoding = forward_batch.forward_mode.is_decode_or_idle()
-        if self.decoding:
-            self.kernels.plan_decode(runs.kv_indptr_cpu, kv_indices)
-            self.run_rows = runs.owner
-            self.run_turns = turn_table(runs.shift, self.cos_sin)
-            self.merge_index = runs.runs_of
-            return
-        new = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        if forward_batch.forward_mode.is_decode_or_idle():
+            self._plan_decode(runs, kv_indices)
+        else:
+            self._plan_extend(runs, kv_indices, per_request,
+                              [int(n) for n in forward_batch.extend_seq_lens_cpu])
+
+    def _plan_decode(self, runs: KeyRuns, kv_indices: torch.Tensor) -> None:
+        """One query row per run (its request's), merged back per request."""
+        self.kernels.plan_decode(runs.kv_indptr_cpu, kv_indices)
+        self.run_rows = runs.owner
+        self.run_turns = turn_table(runs.shift, self.cos_sin)
+        self.merge_index = runs.runs_of
+
+    def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor,
+                     per_request: list[list[tuple[int, int, int]]], new: list[int]) -> None:
+        """The new tokens over themselves (ragged, causal), and each run of the prefix with a
+        copy of its request's new tokens (paged); the merge's states per token are its ragged
+        row (column 0), then its runs' rows, padded."""
         qo_indptr = torch.zeros(len(new) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(torch.tensor(new, dtype=torch.int32), 0)
+        total = int(qo_indptr[-1])
         if runs.num_runs == 0:
             self.kernels.plan_extend(qo_indptr, None, None, None)
-            self.merge_index = torch.arange(sum(new), device=self.device)[:, None]
+            self.merge_index = torch.arange(total, device=self.device)[:, None]
             self.run_rows = None
             return
-        # each run gets a copy of its request's new tokens; the merge's states are the ragged
-        # rows (column 0 of each token) and then its runs' rows
         owners = [i for i, request_runs in enumerate(per_request) for _ in request_runs]
         shift_cpu = [s for request_runs in per_request for _, _, s in request_runs]
         run_qo = torch.zeros(runs.num_runs + 1, dtype=torch.int32)
         run_qo[1:] = torch.cumsum(torch.tensor([new[i] for i in owners], dtype=torch.int32), 0)
         self.kernels.plan_extend(qo_indptr, run_qo, runs.kv_indptr_cpu, kv_indices)
-        total = int(qo_indptr[-1])
         width = 1 + max(len(r) for r in per_request)
         index = torch.full((total, width), total + int(run_qo[-1]), dtype=torch.int64)
         index[:, 0] = torch.arange(total)
