@@ -82,8 +82,9 @@ def fleet(tmp_path_factory) -> Fleet:
         "--store-memory-gb", "0.25", "--log-dir", str(logs / "children"), *INSTANCE_ARGS)
     # two servers start: two of the run's start slots (conftest.start_slot)
     with start_slot(), start_slot(), open(output, "w") as out:
+        env = {k: v for k, v in os.environ.items() if k != api_key.ENV}  # a generated key
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ))
+                                start_new_session=True, env=env)
         deadline = time.time() + START_TIMEOUT_S
         while "ready in" not in output.read_text(errors="replace"):
             assert proc.poll() is None, f"fleet exited {proc.returncode}:\n{output.read_text()}"
@@ -247,7 +248,7 @@ def test_a_port_in_use_is_refused(tmp_path):
     assert out.returncode == 2 and f"port {port} is in use" in out.stderr, out.stderr
 
 
-def test_the_router_command_line(tmp_path):
+def test_the_router_command_line():
     """Loopback binds (the router's defaults are 0.0.0.0), the policies the router takes, and
     no key among the arguments."""
     argv = router.router_argv("127.0.0.1", 30000, "cache_aware", ["http://127.0.0.1:1"], 29001,
