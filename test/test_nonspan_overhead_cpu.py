@@ -228,17 +228,17 @@ def test_each_prompt_is_scanned_once_per_request(monkeypatch):
     once per prompt, and not kept past the request (the same lists, changed, are checked
     afresh)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-    from sglang_pic import request_validation
+    from sglang_pic import prompt_ids, request_validation
     from sglang_pic.spans.request import SpanRequestResolver, resolve_generate_request
 
     scanned: list = []
-    real = request_validation.id_range
+    real = prompt_ids.id_range
 
     def counting(seq):
         scanned.append(id(seq))
         return real(seq)
 
-    monkeypatch.setattr(request_validation, "id_range", counting)
+    monkeypatch.setattr(prompt_ids, "id_range", counting)
     resolver = SpanRequestResolver.__new__(SpanRequestResolver)
     resolver.enabled, resolver.marker_ids = True, (1000, 1001)  # the added marker tokens
     resolver.cfg = SimpleNamespace(markers=("<|ssep|>", "<|pdep|>"))

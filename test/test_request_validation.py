@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from sglang_pic.prompt_ids import id_range
 from sglang_pic.request_validation import (
     MAX_TOP_LOGPROBS,
     constrained_decoding_available,
     constrained_field,
-    id_range,
     validate_logprob_params,
     validate_rid,
     validate_sampling_ids,

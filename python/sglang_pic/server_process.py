@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-PROG = "sglang-pic serve"
+from sglang_pic.sglang_flags import SERVE_PROG as PROG
 
 
 def _die_with_launcher(launcher: int) -> None:
@@ -38,21 +38,6 @@ def _die_with_launcher(launcher: int) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() != launcher:  # it died before the line above
         sys.exit(0)
-
-
-def sglang_parser():
-    """SGLang's server parser after the plugins loaded (our flag groups first, see
-    ``sglang_pic.sglang_launcher``), reporting errors in one line."""
-    from sglang.srt.server_args import ServerArgs
-
-    from sglang_pic.server_flags import OneLineParser
-
-    parser = OneLineParser(prog=PROG, usage=f"{PROG} [sglang-pic flags] [SGLang server flags]")
-    ServerArgs.add_cli_args(parser)
-    for action in parser._actions:
-        if "--model-path" in action.option_strings:
-            action.required = False  # the launcher's default model
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang_pic import api_key, plugin, plugin_site, sglang_flags
     from sglang_pic.server_flags import UsageError
+    from sglang_pic.sglang_flags import sglang_parser
 
     load_plugins()
     if not plugin.registered():  # SGLang's processes would serve without our plugin

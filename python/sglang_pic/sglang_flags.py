@@ -80,19 +80,17 @@ def option_strings(parser) -> list[str]:
 
 
 def unknown(argv: list[str], known: Iterable[str]) -> list[str]:
-    """The ``--flags`` of ``argv`` that name no known flag, as argparse decides (an exact name or
-    the prefix of exactly one: SGLang's parser takes abbreviations)."""
+    """The ``--flags`` of ``argv`` that are not exactly a known flag. SGLang's parser would take
+    the prefix of one (``--max-total-token``) as that flag, but the value checks here and the
+    launcher's rules look flags up by their whole name, so an abbreviation is refused."""
     known = set(known)
     out = []
     for token in argv:
         if not token.startswith("--") or token == "--":
             continue
         name = token.split("=", 1)[0]
-        if name in known:
-            continue
-        if sum(1 for k in known if k.startswith(name)) == 1:
-            continue
-        out.append(name)
+        if name not in known:
+            out.append(name)
     return out
 
 
@@ -164,6 +162,9 @@ VALUE_CHECKS = {
 SGLang imported (4-8 s), and some of these it never checks (``--mem-fraction-static 2``) or
 checks only after the weights load."""
 
+SERVE_PROG = "sglang-pic serve"
+"""The program name SGLang's parser reports errors under (``sglang_parser``)."""
+
 GPU_ONLY_BACKENDS = ("flashinfer", "pic_flashinfer", "pariskv_flashinfer", "fa3", "fa4",
                      "flashmla", "cutlass_mla", "trtllm_mla", "trtllm_mha", "aiter", "wave")
 """Attention backends that cannot run on SGLang's CPU engine."""
@@ -187,6 +188,22 @@ def refuse_bad_values(argv: list[str], on_cpu: bool | None = None) -> None:
                                  "engine (torch_native, the default here, or triton)")
 
 
+def sglang_parser():
+    """SGLang's server parser after the plugins loaded (our flag groups first, see
+    ``sglang_pic.sglang_launcher``), reporting errors in one line."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_pic.server_flags import OneLineParser
+
+    parser = OneLineParser(prog=SERVE_PROG,
+                            usage=f"{SERVE_PROG} [sglang-pic flags] [SGLang server flags]")
+    ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        if "--model-path" in action.option_strings:
+            action.required = False  # the launcher's default model
+    return parser
+
+
 def _build() -> None:
     """Build SGLang's parser as the server process does, and cache its option strings."""
     from sglang_pic import cpu_support
@@ -194,8 +211,6 @@ def _build() -> None:
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
         cpu_support.enable_cpu_engine()  # before SGLang's first import
     from sglang.srt.plugins import load_plugins
-
-    from sglang_pic.server_process import sglang_parser
 
     load_plugins()
     save(option_strings(sglang_parser()))

@@ -94,10 +94,16 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
 CONFIG_LOAD = "uvicorn.config.Config.load"
 
 
+def connection_limits() -> ConnectionLimits:
+    """The limits of ``--http-header-timeout-s`` and ``--max-connections``."""
+    from sglang_pic.server_flags import setting
+
+    return ConnectionLimits(header_timeout_s=float(setting("--http-header-timeout-s")),
+                            max_connections=int(setting("--max-connections")))
+
+
 def around_config_load(original: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
     """Load uvicorn's config, then guard the HTTP protocol class it chose."""
-    from .settings import connection_limits
-
     result = original(config, *args, **kwargs)
     base = config.http_protocol_class
     if not getattr(base, "_pic_guarded", False):

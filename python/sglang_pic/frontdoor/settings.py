@@ -7,14 +7,8 @@ from typing import Any
 
 from sglang_pic.server_flags import setting
 
-from .connections import ConnectionLimits
 from .middleware import FrontDoorConfig
 from .paths import roots
-
-
-def connection_limits() -> ConnectionLimits:
-    return ConnectionLimits(header_timeout_s=float(setting("--http-header-timeout-s")),
-                            max_connections=int(setting("--max-connections")))
 
 
 def front_door_config(server_args: Any) -> FrontDoorConfig:

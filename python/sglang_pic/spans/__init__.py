@@ -47,7 +47,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import request
-    from .radix_cache import create_span_radix_cache
+    from .factory import create_span_radix_cache
 
     register_radix_cache_backend(BACKEND, create_span_radix_cache)
     hooks = [

@@ -88,7 +88,7 @@ class SpanRequestResolver:
         self.pad_id = pad_token_id(self.tokenizer, self.cfg)
 
     def __call__(self, obj: Any) -> None:
-        from sglang_pic.request_validation import forget_request_ranges  # server side only
+        from sglang_pic.prompt_ids import forget_request_ranges  # server side only
 
         forget_request_ranges()  # nothing kept from an earlier request (request_id_range)
         params = obj.sampling_params
@@ -162,7 +162,7 @@ class SpanRequestResolver:
         prompt on the server passes here, most of them plain. With ``owner`` (the request) the
         range is kept for ``check_generate_request``, which needs the same one right after
         (``request_id_range``: one pass per prompt, not two)."""
-        from sglang_pic.request_validation import id_range, request_id_range  # server side only
+        from sglang_pic.prompt_ids import id_range, request_id_range  # server side only
 
         bounds = id_range(item) if owner is None else request_id_range(owner, item)
         if bounds is None:  # not all ints, or empty: the full checks decide
