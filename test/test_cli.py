@@ -95,7 +95,10 @@ def test_top_level_help_describes_each_command_in_one_line():
 
 @pytest.mark.parametrize("typo,meant", [("--spn-schedule", "--span-schedule"),
                                         ("--max-total-tokns", "--max-total-tokens"),
-                                        ("--sparse-top-k", "--sparse-topk")])
+                                        ("--sparse-top-k", "--sparse-topk"),
+                                        # an abbreviation SGLang's parser would take: the value
+                                        # checks look flags up by their whole name
+                                        ("--max-total-token", "--max-total-tokens")])
 def test_a_mistyped_flag_is_one_line_naming_the_nearest(typo, meant):
     """Issue 26 item 9: a typo took 16 s and printed 432 lines of usage. SGLang's flag names are
     cached (built once, quietly, if missing) so the launcher answers without importing SGLang."""
