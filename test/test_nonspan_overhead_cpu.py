@@ -103,7 +103,8 @@ def _decode(reqs: list, first_slot: int = 128) -> SimpleNamespace:
     """A decode batch as ``ForwardBatch.init_new`` builds it: one new key per request."""
     n = len(reqs)
     batch = SimpleNamespace(out_cache_loc=torch.arange(first_slot, first_slot + n),
-                            positions=torch.arange(n) + 100, forward_mode=ForwardMode.DECODE)
+                            positions=torch.arange(n) + 100, forward_mode=ForwardMode.DECODE,
+                            seq_lens_cpu=torch.full((n,), 101))
     shifted_batches.mark_forward_batch(batch, None, SimpleNamespace(reqs=reqs))
     return batch
 
