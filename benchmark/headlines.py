@@ -684,8 +684,9 @@ CLAIMS: list[Claim] = [
           ("mooncake_conv", "eviction_auto_mooncake_conv.json",
            "Mooncake conversation trace (12,031 requests)"),
           ("mooncake_synthetic", "eviction_auto_mooncake_synthetic.json",
-           "Mooncake synthetic trace (3,993 requests; held out: auto's settings were fixed "
-           "before it was replayed)"))
+           "Mooncake synthetic trace (3,993 requests; held out: auto's settings, a half-life "
+           "of 1,000 requests and a 0.5 % switching margin, were set before either trace was "
+           "replayed)"))
       for policy in ("auto", "sae")
       for part, metric in (("", "token_hit_rate"), (".heldout", "heldout_hit_rate"))],
     *[Claim(f"eviction.two_tier.generated_{w}", TWO_TIER_GENERATED, "token_hit_rate",

@@ -283,7 +283,7 @@ def test_auto_moves_weight_away_from_the_expert_that_evicts_too_early():
     the floor, and is drawn less; one that stops being wrong recovers."""
     from sglang_pic.eviction.auto import WEIGHT_FLOOR, AutoStrategy
 
-    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=1000)
+    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=1000, selection="regret")
     for serial in range(200):
         auto.evictions = serial
         auto._regret(1, serial)  # lru's eviction came back at once
@@ -308,7 +308,7 @@ def test_auto_blames_the_expert_that_chose_the_eviction():
 
     from sglang_pic.eviction.auto import AutoStrategy
 
-    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=8)
+    auto = AutoStrategy(experts=("gdsf", "lru"), ghost_capacity=8, selection="regret")
 
     def node(first: int):
         return SimpleNamespace(key=SimpleNamespace(token_ids=[first, 1, 2]), _pic_offset=0,
@@ -378,6 +378,38 @@ def test_simulator_counts_exact_prefix_hits_and_respects_capacity():
         assert res.hit_tokens == len(p1) + len(out1), policy
     small = replay(trace, "sae", capacity=120)
     assert small.summary()["max_used_tokens"] <= 120
+
+
+def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
+    """A short prefix asked for again and again between long one-off prompts, in a cache that
+    holds the prefix and one one-off: LRU keeps the prefix (the older one-off goes), GDSF does
+    not. ``auto``, starting on ``gdsf``, switches to ``lru``, and the shadows rank the two as
+    replays of each alone do."""
+    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.context import RequestContext
+    from simulator import replay
+    from traces import Request
+
+    hot = list(range(1, 41))
+    trace = []
+    for i in range(60):
+        trace.append(Request(t=float(2 * i), session_id=None, app_type="chat",
+                             prompt=hot + [5000 + i], output=[7]))
+        trace.append(Request(t=float(2 * i + 1), session_id=None, app_type="chat",
+                             prompt=list(range(10_000 + 300 * i,
+                                                                     10_000 + 300 * i + 280)),
+                             output=[7]))
+    capacity = 400
+    auto = AutoStrategy(experts=("gdsf", "lru"))
+    for req in trace:
+        ctx = RequestContext(prompt_len=len(req.prompt), now=req.t)
+        auto.on_lookup(req.prompt, ctx, 1)
+        auto.on_store(req.prompt + req.output, ctx, 1, capacity)
+    assert auto.names[auto.chosen] == "lru"
+    hits = dict(zip(auto.names, auto.shadow_hits, strict=True))
+    assert hits["lru"] > 1.5 * hits["gdsf"]
+    alone = {p: replay(trace, p, capacity=capacity).hit_tokens for p in ("lru", "gdsf")}
+    assert alone["lru"] > 1.5 * alone["gdsf"]
 
 
 @pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf", "auto"])

@@ -35,7 +35,7 @@ OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
 # that carries no hints taken as chat, not chat or single by its match (SAEStrategy._infer_app)
-ABLATIONS = ("auto-greedy", "auto-fast", "auto-greedy-fast",
+ABLATIONS = ("auto-regret", "auto-greedy", "auto-fast", "auto-greedy-fast",
              "sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all",
              "sae-noapp")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
@@ -56,7 +56,8 @@ def known_policies() -> tuple[str, ...]:
 # differs from sae only with two tiers and the one that differs only without hints
 DEFAULT_POLICIES = tuple(p for p in known_policies()
                          if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all", "sae-noapp",
-                                      "auto-greedy", "auto-fast", "auto-greedy-fast"))
+                                      "auto-regret", "auto-greedy", "auto-fast",
+                                      "auto-greedy-fast"))
 
 TLRU_SPEC = "tlru:<xi>:<q_hat>"
 """T-LRU at other settings than the replay's (``simulator.policy_spec``): xi and Q_hat in

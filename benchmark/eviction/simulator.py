@@ -137,9 +137,11 @@ ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
              "sae-noapp": ("sae", {"infer_apps": False}),
              "tlru": ("tlru", TLRU_REPLAY),
-             "auto-greedy": ("auto", {"greedy": True}),
-             "auto-fast": ("auto", {"learning_rate": 2.0}),
-             "auto-greedy-fast": ("auto", {"greedy": True, "learning_rate": 2.0})}
+             "auto-regret": ("auto", {"selection": "regret"}),
+             "auto-greedy": ("auto", {"selection": "regret", "greedy": True}),
+             "auto-fast": ("auto", {"selection": "regret", "learning_rate": 2.0}),
+             "auto-greedy-fast": ("auto", {"selection": "regret", "greedy": True,
+                                           "learning_rate": 2.0})}
 """Variants of our policies for ablations: name -> (registered policy, strategy attributes).
 ``tlru:<xi>:<q_hat>`` names T-LRU at other settings (``policy_spec``)."""
 

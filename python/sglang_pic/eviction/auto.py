@@ -2,22 +2,26 @@
 
 Why: no single policy wins everywhere. On replayed traces the best baseline changes with the
 traffic and the cache size (``gdsf`` at small caches, ``s3fifo`` at large ones) and ``sae`` is
-ahead where its session signals hold and behind where they do not; a user cannot know in advance which to
-pick. ``auto`` learns it online, as LeCaR (Vietri et al., HotStorage'18) and CACHEUS (Rodriguez et
-al., FAST'21) do: a weight per expert, a ghost list of recently evicted blocks tagged with the
-expert that chose each eviction, and a regret update when a block comes back.
+ahead where its session signals hold and behind where they do not; a user cannot know in advance
+which to pick. ``auto`` measures it online.
 
-* **Experts** (``EXPERTS``): ``sae``, ``gdsf``, ``s3fifo`` and ``lru``. Every expert sees every
-  cache event (hits, inserts, splits, evictions), so each keeps its own state whoever evicts.
-* **Choice**: at each evict pass one expert is drawn with probability equal to its weight, and
-  its priorities order that pass's evictions.
-* **Regret**: a block inserted again while its key is in the ghost list was evicted too early.
-  The expert that chose that eviction loses weight, ``w *= exp(-rate * 0.5 ** (age / half_life))``
-  (``age``: evictions since), and the weights are renormalised with a floor, so an expert that
-  was wrong early can come back when traffic changes.
+* **Experts** (``EXPERTS``): ``sae``, ``gdsf``, ``s3fifo``, ``lru`` and ``tlru``. Every expert
+  sees every event of the real cache (hits, inserts, splits, evictions), so each keeps its own
+  state whoever evicts, and any of them can order the next evict pass.
+* **Shadow caches** (``selection="shadow"``, the default; ``shadow.ShadowCache``): one
+  token-only radix tree per expert, fed every request's prompt (a lookup) and every insert, each
+  evicting with its expert alone down to the real cache's size. An expert's shadow hits are
+  what that expert would have hit on its own on this traffic, whatever the real cache did.
+* **Choice**: each expert's shadow hits, decayed with a half-life of ``HALF_LIFE`` requests; the
+  real cache evicts with the expert whose decayed hits are highest, and changes expert only
+  when another leads by ``SWITCH_MARGIN`` of the decayed prompt tokens (no flapping).
+* ``selection="regret"``: the earlier design, LeCaR's (Vietri et al., HotStorage'18) weights
+  from regrets on a ghost list of the real cache's evictions, one expert drawn per pass. Kept
+  for the ablation (``auto-regret`` in the trace replay): mixing experts pass by pass lost to
+  the best single baseline on a held-out trace.
 
-Cost per event: one dict lookup and a call per expert; per evict pass, one draw. The experts' own
-costs add up (``sae`` dominates).
+Cost per request: one match and one insert per shadow (Python radix-tree walks over the
+request's tokens), plus one call per expert per cache event.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ from collections import OrderedDict
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 
-from .baselines import GDSFStrategy, S3FIFOStrategy
+from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
 
-EXPERTS = ("sae", "gdsf", "s3fifo", "lru")
+EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
+HALF_LIFE = 1000
+"""Requests after which an expert's shadow hits weigh half (``selection="shadow"``)."""
+SWITCH_MARGIN = 0.005
+"""Lead (a share of the decayed prompt tokens) another expert needs to take over."""
 LEARNING_RATE = 0.45
 """LeCaR's learning rate."""
 WEIGHT_FLOOR = 0.02
@@ -49,11 +57,19 @@ class AutoStrategy(EvictionStrategy):
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, learning_rate: float = LEARNING_RATE,
                  ghost_capacity: int = GHOST_CAPACITY, seed: int = 0,
-                 greedy: bool = False) -> None:
+                 greedy: bool = False, selection: str = "shadow") -> None:
         from .sae import SAEStrategy
 
         makers = {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
-                  "lru": LRUStrategy}
+                  "lru": LRUStrategy, "tlru": TLRUStrategy}
+        if selection not in ("shadow", "regret"):
+            raise ValueError(f"auto: selection {selection!r} is not shadow or regret")
+        self.selection = selection
+        self.shadows: list | None = None  # ShadowCache per expert, made at the first request
+        self.shadow_hits = [0.0] * len(experts)  # decayed (HALF_LIFE)
+        self.shadow_tokens = 0.0  # decayed prompt tokens looked up
+        self.capacity = 0  # the real cache's size: the most tokens it has held
+        self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self.experts = {name: makers[name]() for name in experts}
         self.names = list(experts)
         self.weights = [1.0 / len(experts)] * len(experts)
@@ -107,7 +123,9 @@ class AutoStrategy(EvictionStrategy):
         return self.experts[self.names[self.chosen]].get_priority(node)
 
     def begin_evict(self) -> None:
-        if self.greedy and self.rng.random() >= EXPLORE:
+        if self.selection == "shadow":
+            pass  # self.chosen follows the shadows (on_lookup)
+        elif self.greedy and self.rng.random() >= EXPLORE:
             self.chosen = max(range(len(self.weights)), key=self.weights.__getitem__)
         else:
             self.chosen = self.rng.choices(range(len(self.names)), weights=self.weights)[0]
@@ -128,6 +146,57 @@ class AutoStrategy(EvictionStrategy):
                                          key=self.weights.__getitem__)] != "sae":
             return True
         return sae.worth_host_copy(node, ctx, offset)
+
+    # ---- shadow caches (selection="shadow") ------------------------------------------------
+
+    def _shadow_context(self, ctx):
+        """A copy of ``ctx`` for the shadows' own hooks: the real cache's hooks mark a request
+        reported and ``sae`` writes what it inferred into it."""
+        from dataclasses import replace
+
+        if ctx is None:
+            return None
+        return replace(ctx, announced=False, anchor=None, app_inferred=False,
+                       app_type=None if ctx.app_inferred else ctx.app_type)
+
+    def _ensure_shadows(self, page_size: int) -> list:
+        if self.shadows is None:
+            from .shadow import ShadowCache
+
+            self.shadows = [ShadowCache(name, page_size) for name in self.names]
+            for shadow in self.shadows:
+                if hasattr(shadow.strategy, "now_fn"):
+                    shadow.strategy.now_fn = self._now_fn
+        return self.shadows
+
+    def on_lookup(self, tokens, ctx, page_size: int) -> None:
+        """A request's prompt: each shadow's hit, and the expert the real cache follows."""
+        if self.selection != "shadow" or not len(tokens):
+            return
+        from .context import using
+
+        shadows = self._ensure_shadows(page_size)
+        d = self._decay
+        self.shadow_tokens = self.shadow_tokens * d + len(tokens)
+        with using(self._shadow_context(ctx)):
+            for i, shadow in enumerate(shadows):
+                self.shadow_hits[i] = self.shadow_hits[i] * d + shadow.lookup(tokens)
+        best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
+        lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
+        if lead > SWITCH_MARGIN * self.shadow_tokens:
+            self.chosen = best
+
+    def on_store(self, tokens, ctx, page_size: int, used: int) -> None:
+        """An insert into the real cache (``used``: its tokens after it): into every shadow,
+        each evicting down to the real cache's size."""
+        if self.selection != "shadow" or not len(tokens):
+            return
+        from .context import using
+
+        self.capacity = max(self.capacity, used)
+        with using(self._shadow_context(ctx)):
+            for shadow in self._ensure_shadows(page_size):
+                shadow.store(tokens, self.capacity)
 
     # ---- events -----------------------------------------------------------------------------
 
