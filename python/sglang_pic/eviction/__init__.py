@@ -2,8 +2,9 @@
 
 Registered by ``register()`` (called from ``sglang_pic/plugin.py``):
 
-1. policies ``auto`` (``auto.AutoStrategy``: online choice among ``sae``, ``gdsf``, ``s3fifo``
-   and ``lru``), ``sae`` (``sae.SAEStrategy``), ``gdsf``, ``s3fifo`` and ``tlru`` (``baselines``) in SGLang's
+1. policies ``auto`` (``auto.AutoStrategy``: follows whichever of ``sae``, ``gdsf``, ``s3fifo``,
+   ``lru`` and ``tlru`` hits most in its shadow cache, ``shadow``), ``sae``
+   (``sae.SAEStrategy``), ``gdsf``, ``s3fifo`` and ``tlru`` (``baselines``) in SGLang's
    eviction-policy table ``sglang.srt.mem_cache.utils._EVICTION_POLICY_FACTORIES`` and as
    ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
 2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to policies
