@@ -40,7 +40,7 @@ Samples (``--samples``, default 3) go round the lengths in turn (8K, 32K, 128K, 
 ``--flush`` the writer stores one prefix per length and every side empties its device and host
 caches (``Engine.flush_cache``) before each request, so each sample loads from the store (or
 recomputes) again; the first request of each length on each side is an unrecorded warm-up.
-Without ``--flush`` every sample has its own prefix (as the earlier runs did).
+Without ``--flush`` every sample has its own prefix.
 
 The run also measures, before the engines, the copy rates the loads are compared with: a raw TCP
 loopback copy (``bench_transport.py``'s ``tcp-1`` / ``tcp-4``: ``sendall`` / ``recv_into`` between
