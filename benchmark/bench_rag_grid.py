@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY, stream_generate
+from harness import LLAMA3_8B_DUMMY, engine_arguments, stream_generate
 
 SSEP, PDEP = -1, -2
 SPAN_SWITCHES = {  # variants of the span server: the settings they change
@@ -180,13 +180,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         os.environ.update(SPAN_SWITCHES.get(variant, {}))  # read by the scheduler it starts
     import sglang as sgl
 
-    repo = Path(__file__).resolve().parent.parent
-    kwargs = dict(engine_kwargs)
-    if not Path(kwargs["model_path"]).is_absolute() and (repo / kwargs["model_path"]).exists():
-        kwargs["model_path"] = str(repo / kwargs["model_path"])
-    if spans:
-        kwargs["attention_backend"] = PIC_BACKEND.get(variant, params["pic_backend"])
-        kwargs["radix_cache_backend"] = "pic_span"
+    kwargs = engine_arguments(
+        engine_kwargs, PIC_BACKEND.get(variant, params["pic_backend"]) if spans else None)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
     result: dict = {"engine_start_s": time.perf_counter() - t0, "variant": variant,
@@ -284,9 +279,8 @@ PARAMS = {
 }
 
 SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
-    "engine_kwargs": {"device": "cpu", "skip_tokenizer_init": True, "dtype": "bfloat16",
-                      "attention_backend": "torch_native", "max_total_tokens": 16384,
-                      "disable_cuda_graph": True, "page_size": 1, "context_length": 4096},
+    "engine_kwargs": {"dtype": "bfloat16", "max_total_tokens": 16384, "page_size": 1,
+                      "context_length": 4096},
     "params": {"vocab": 49000, "samples": 1, "burst": 4, "stream": 3, "warmup": 2,
                "output_tokens": 4, "question_tokens": 8, "system_min": 16, "system_max": 32,
                "doc_min": 16, "doc_max": 96, "doc_median": 40,
@@ -371,7 +365,7 @@ def combine(paths: list[str], out: str | None) -> dict:
 
 
 def main() -> None:
-    from harness import run_side_by_side, smoke_dir
+    from harness import cpu_smoke_engine, run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -404,11 +398,7 @@ def main() -> None:
                   cells=args.cells.split(","))
     name = args.name
     if args.smoke:
-        from sglang_pic.cpu_support import enable_cpu_engine
-        from sglang_pic.default_model import ensure_default_model
-
-        enable_cpu_engine()
-        engine_kwargs = {"model_path": str(ensure_default_model()), **SMOKE["engine_kwargs"]}
+        engine_kwargs = cpu_smoke_engine(disable_radix_cache=False, **SMOKE["engine_kwargs"])
         params = {**PARAMS, **SMOKE["params"]}
         name = "spans_rag_grid_cpu_smoke"
         args.out = args.out or smoke_dir()

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY, stream_generate
+from harness import LLAMA3_8B_DUMMY, engine_arguments, stream_generate
 
 SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
@@ -81,13 +81,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         os.environ.update(SPAN_SWITCHES.get(variant, {}))  # read by the scheduler it starts
     import sglang as sgl
 
-    repo = Path(__file__).resolve().parent.parent
-    kwargs = dict(engine_kwargs)
-    if not Path(kwargs["model_path"]).is_absolute() and (repo / kwargs["model_path"]).exists():
-        kwargs["model_path"] = str(repo / kwargs["model_path"])
-    if spans:
-        kwargs["attention_backend"] = params.get("pic_backend", "pic_flashinfer")
-        kwargs["radix_cache_backend"] = "pic_span"
+    kwargs = engine_arguments(
+        engine_kwargs, params.get("pic_backend", "pic_flashinfer") if spans else None)
     t0 = time.perf_counter()
     engine = sgl.Engine(**kwargs)
     start_s = time.perf_counter() - t0

@@ -441,6 +441,20 @@ def gpu_tag(device=None) -> str:
     return torch.cuda.get_device_name(device).split()[-1].lower()
 
 
+def engine_arguments(engine_kwargs: dict, span_backend: str | None = None) -> dict:
+    """A variant's engine arguments in its process: a model path relative to the repository made
+    absolute; with ``span_backend`` (a span variant), that position-free attention backend and
+    the span radix cache."""
+    kwargs = dict(engine_kwargs)
+    path = Path(kwargs["model_path"])
+    if not path.is_absolute() and (REPO / path).exists():
+        kwargs["model_path"] = str(REPO / path)
+    if span_backend is not None:
+        kwargs["attention_backend"] = span_backend
+        kwargs["radix_cache_backend"] = "pic_span"
+    return kwargs
+
+
 def smoke_dir() -> str:
     """Where ``--smoke`` / ``--quick`` runs write (never the tracked ``benchmark/results``)."""
     folder = Path(tempfile.gettempdir()) / "sglang-pic-bench"

@@ -14,6 +14,17 @@ def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=240, env=None if env is None else {**os.environ, **env})
 
 
+def _refused(setup: str) -> str:
+    """Run ``setup``, then SGLang's plugin loader, in a fresh interpreter; the process must
+    stop instead of serving. Returns its stderr."""
+    out = _run(setup + "\nfrom sglang.srt.plugins import load_plugins; load_plugins(); "
+               "print('SERVED')")
+    assert out.returncode != 0
+    assert "SERVED" not in out.stdout
+    assert "refusing to start" in out.stderr
+    return out.stderr
+
+
 def test_every_hook_of_the_plugin_applies():
     """All our hooks patch their targets in the pinned SGLang: the count printed is the number of
     targets verified, and it matches the registry's own record. ``--ptstore-trace`` adds the
@@ -32,15 +43,10 @@ def test_every_hook_of_the_plugin_applies():
 def test_missing_hook_target_stops_the_process_naming_symbol_and_feature():
     """A hook whose target moved in SGLang (simulated by deleting it) ends the process with a
     message naming the symbol and our feature; SGLang alone would only log it and serve."""
-    code = ("import sglang.srt.managers.tokenizer_manager as tm; "
-            "del tm.TokenizerManager.generate_request; "
-            "from sglang.srt.plugins import load_plugins; load_plugins(); print('SERVED')")
-    out = _run(code)
-    assert out.returncode != 0
-    assert "SERVED" not in out.stdout
-    assert "refusing to start" in out.stderr
-    assert "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request" in out.stderr
-    assert "needed by request-validation, spans" in out.stderr
+    err = _refused("import sglang.srt.managers.tokenizer_manager as tm\n"
+                   "del tm.TokenizerManager.generate_request")
+    assert "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request" in err
+    assert "needed by request-validation, spans" in err
 
 
 def test_apply_and_verify_names_a_missing_target():
@@ -68,14 +74,10 @@ def test_a_feature_that_fails_to_register_stops_the_process():
     """An exception in a feature's registration (an ImportError from a moved SGLang module) is a
     SeamError naming the feature, under SGLang's own plugin loader: it would log and swallow an
     Exception and serve with the features registered before it."""
-    code = ("import sglang_pic.eviction as ev\n"
-            "def broken(): raise ImportError('cannot import name X from sglang.srt.demo')\n"
-            "ev.register = broken\n"
-            "from sglang.srt.plugins import load_plugins; load_plugins(); print('SERVED')")
-    out = _run(code)
-    assert out.returncode != 0
-    assert "SERVED" not in out.stdout
-    assert "refusing to start: feature eviction failed to register: ImportError" in out.stderr
+    err = _refused("import sglang_pic.eviction as ev\n"
+                   "def broken(): raise ImportError('cannot import name X from sglang.srt.demo')\n"
+                   "ev.register = broken")
+    assert "refusing to start: feature eviction failed to register: ImportError" in err
 
 
 def test_no_hook_target_is_wrapped_twice_by_default():
