@@ -403,8 +403,8 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     auto = AutoStrategy(experts=("gdsf", "lru"))
     for req in trace:
         ctx = RequestContext(prompt_len=len(req.prompt), now=req.t)
-        auto.on_lookup(req.prompt, ctx)
-        auto.on_store(req.prompt + req.output, ctx, capacity)
+        auto.on_lookup(req.prompt, ctx, 1)
+        auto.on_store(req.prompt + req.output, ctx, 1, capacity)
     assert auto.names[auto.chosen] == "lru"
     hits = dict(zip(auto.names, auto.shadow_hits, strict=True))
     assert hits["lru"] > 1.5 * hits["gdsf"]

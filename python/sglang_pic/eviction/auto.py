@@ -150,65 +150,53 @@ class AutoStrategy(EvictionStrategy):
     # ---- shadow caches (selection="shadow") ------------------------------------------------
 
     def _shadow_context(self, ctx):
-        """A copy of ``ctx`` for the shadows' own hooks, in the shadows' units (one key per
-        ``shadow.BLOCK`` tokens); fresh, since the real cache's hooks mark a request reported
-        and ``sae`` writes what it inferred into it."""
+        """A copy of ``ctx`` for the shadows' own hooks: the real cache's hooks mark a request
+        reported and ``sae`` writes what it inferred into it."""
         from dataclasses import replace
-
-        from .shadow import BLOCK
 
         if ctx is None:
             return None
-        return replace(
-            ctx, announced=False, anchor=None, app_inferred=False,
-            app_type=None if ctx.app_inferred else ctx.app_type,
-            segments=[(start // BLOCK, kind) for start, kind in ctx.segments],
-            output_segments=[(start // BLOCK, kind) for start, kind in ctx.output_segments],
-            decode_start=None if ctx.decode_start is None else ctx.decode_start // BLOCK,
-            prompt_len=ctx.prompt_len // BLOCK, key_start=ctx.key_start // BLOCK)
+        return replace(ctx, announced=False, anchor=None, app_inferred=False,
+                       app_type=None if ctx.app_inferred else ctx.app_type)
 
-    def _ensure_shadows(self) -> list:
+    def _ensure_shadows(self, page_size: int) -> list:
         if self.shadows is None:
             from .shadow import ShadowCache
 
-            self.shadows = [ShadowCache(name) for name in self.names]
+            self.shadows = [ShadowCache(name, page_size) for name in self.names]
             for shadow in self.shadows:
                 if hasattr(shadow.strategy, "now_fn"):
                     shadow.strategy.now_fn = self._now_fn
         return self.shadows
 
-    def on_lookup(self, tokens, ctx) -> None:
+    def on_lookup(self, tokens, ctx, page_size: int) -> None:
         """A request's prompt: each shadow's hit, and the expert the real cache follows."""
         if self.selection != "shadow" or not len(tokens):
             return
         from .context import using
-        from .shadow import block_keys
 
-        shadows = self._ensure_shadows()
-        keys = block_keys(tokens)
+        shadows = self._ensure_shadows(page_size)
         d = self._decay
         self.shadow_tokens = self.shadow_tokens * d + len(tokens)
         with using(self._shadow_context(ctx)):
             for i, shadow in enumerate(shadows):
-                self.shadow_hits[i] = self.shadow_hits[i] * d + shadow.lookup(keys)
+                self.shadow_hits[i] = self.shadow_hits[i] * d + shadow.lookup(tokens)
         best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
         lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
         if lead > SWITCH_MARGIN * self.shadow_tokens:
             self.chosen = best
 
-    def on_store(self, tokens, ctx, used: int) -> None:
+    def on_store(self, tokens, ctx, page_size: int, used: int) -> None:
         """An insert into the real cache (``used``: its tokens after it): into every shadow,
         each evicting down to the real cache's size."""
         if self.selection != "shadow" or not len(tokens):
             return
         from .context import using
-        from .shadow import block_keys
 
         self.capacity = max(self.capacity, used)
-        keys = block_keys(tokens)
         with using(self._shadow_context(ctx)):
-            for shadow in self._ensure_shadows():
-                shadow.store(keys, self.capacity)
+            for shadow in self._ensure_shadows(page_size):
+                shadow.store(tokens, self.capacity)
 
     # ---- events -----------------------------------------------------------------------------
 

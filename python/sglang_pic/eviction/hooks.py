@@ -165,7 +165,7 @@ def around_match_prefix(original, self, params, *args, **kwargs):
         for node in nodes:
             strategy.on_hit(node, len(node.key), ctx)
         if hasattr(strategy, "on_lookup"):
-            strategy.on_lookup(params.key.token_ids, ctx)
+            strategy.on_lookup(params.key.token_ids, ctx, self.page_size)
         return result
     # The scheduler matches a waiting request on every scheduling round; what it reuses is the
     # match of the round that admits it, which may include blocks another request inserted
@@ -229,10 +229,11 @@ def around_insert(original, self, params, *args, **kwargs):
             # blocks themselves)
             _report_pending_hits(self, strategy, ctx)
             if hasattr(strategy, "on_lookup"):  # the prompt, as the request's own lookup
-                strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx)
+                strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx,
+                                   self.page_size)
     result = original(self, params, *args, **kwargs)
     if hasattr(strategy, "on_store"):
-        strategy.on_store(params.key.token_ids, ctx,
+        strategy.on_store(params.key.token_ids, ctx, self.page_size,
                           self.evictable_size() + self.protected_size())
     if hasattr(strategy, "on_insert"):
         last = result.last_device_node

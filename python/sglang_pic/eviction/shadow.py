@@ -7,32 +7,13 @@ down to the real cache's size. Unlike weights learned from the real cache's evic
 CACHEUS), a shadow's hits do not depend on which expert evicted in the real cache, so they rank
 the experts as they would do on their own, and ``auto`` follows the best of them.
 
-Shapes and cost: a shadow's tree holds one key per ``BLOCK`` tokens (a hash of the block's
-tokens; the path from the root still spells the whole prefix), so a 40K-token prompt is a walk
-over 2,500 keys, not 40,000; hits and sizes are counted in whole blocks (a prompt's partial last
-block is left out, for every expert alike). Per request: one hash pass (numpy) and one match and
-one insert per shadow.
+Shapes and cost: a shadow stores the same token keys as the real tree (int64 per token, about
+8 MB per million tokens cached); per request one match and one insert per shadow.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
-
-BLOCK = 16
-"""Tokens per key of a shadow tree."""
-_WEIGHTS = np.random.default_rng(0x5AEC).integers(1, 1 << 61, size=BLOCK, dtype=np.int64) | 1
-
-
-def block_keys(tokens: Any) -> list[int]:
-    """One 64-bit hash per whole ``BLOCK`` of ``tokens`` (ids; a list or an ``array('q')``)."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    n = len(ids) // BLOCK * BLOCK
-    if n == 0:
-        return []
-    with np.errstate(over="ignore"):
-        return (ids[:n].reshape(-1, BLOCK) * _WEIGHTS).sum(axis=1).tolist()
 
 
 class KeysOnlyAllocator:
@@ -55,16 +36,17 @@ class ShadowCache:
     """A token-only radix tree evicting with one policy (``policy``: a registered eviction
     policy name), sized to the real cache (``capacity``, tokens)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, page_size: int) -> None:
         import torch
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache
 
         params = CacheInitParams(disable=False, req_to_token_pool=None,
                                  token_to_kv_pool_allocator=KeysOnlyAllocator(),
-                                 page_size=1, eviction_policy=policy)
+                                 page_size=page_size, eviction_policy=policy)
         self.cache = RadixCache(params)
         self.strategy = self.cache.eviction_strategy
+        self.page_size = page_size
         self._values = torch.arange(0)
 
     def _slots(self, n: int):
@@ -75,25 +57,24 @@ class ShadowCache:
             self._values = torch.arange(max(n, 2 * len(self._values)))
         return self._values[:n]
 
-    def lookup(self, keys: list[int]) -> int:
-        """Tokens of a prompt (its ``block_keys``) this cache holds as a prefix."""
+    def lookup(self, tokens: Any) -> int:
+        """Tokens of ``tokens`` (a prompt) this cache holds as a prefix."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        if not keys:
-            return 0
-        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(keys, None)))
-        return len(match.device_indices) * BLOCK
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, None)))
+        return len(match.device_indices)
 
-    def store(self, keys: list[int], capacity: int) -> None:
-        """Insert a sequence (its ``block_keys``), then evict down to ``capacity`` tokens with
-        this cache's policy."""
+    def store(self, tokens: Any, capacity: int) -> None:
+        """Insert ``tokens``, then evict down to ``capacity`` tokens with this cache's policy."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        if not keys:
+        n = len(tokens) // self.page_size * self.page_size
+        if n == 0:
             return
-        self.cache.insert(InsertParams(key=RadixKey(keys, None), value=self._slots(len(keys))))
-        over = self.cache.evictable_size() + self.cache.protected_size() - capacity // BLOCK
+        key = RadixKey(tokens[:n], None)
+        self.cache.insert(InsertParams(key=key, value=self._slots(n)))
+        over = self.cache.evictable_size() + self.cache.protected_size() - capacity
         if over > 0:
             self.cache.evict(EvictParams(num_tokens=over))
