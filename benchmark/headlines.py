@@ -159,6 +159,17 @@ def _worst_cell(policy: str, metric: str = "token_hit_rate"):
     return extract
 
 
+def _replay_ms_per_request(baseline: str, ours: str):
+    """Real-trace replay: each policy's wall time per request, in ms, one sample per cache
+    size."""
+    def extract(report: dict) -> tuple[list[float], list[float], str | None]:
+        def per_request(policy: str) -> list[float]:
+            return [1000 * r["wall_s"] / r["requests"] for r in report["rows"]
+                    if r["policy"] == policy]
+        return per_request(baseline), per_request(ours), None
+    return extract
+
+
 def _e2e_samples(result: dict, metric: str) -> list[float]:
     """A ``bench_e2e.py`` variant's per-run values of ``metric``; ``ttft_mean_ms`` per run from
     every request's TTFT (``request_ttft_ms_all``), which the report keeps for each run."""
@@ -689,6 +700,12 @@ CLAIMS: list[Claim] = [
            "replayed)"))
       for policy in ("auto", "sae")
       for part, metric in (("", "token_hit_rate"), (".heldout", "heldout_hit_rate"))],
+    Claim("eviction.replay.mooncake_synthetic.auto_ms_per_request",
+          "eviction_auto_mooncake_synthetic.json", "wall_s", baseline_variant="gdsf",
+          ours_variant="auto", path="replay of the Mooncake synthetic trace (3,993 requests of "
+          "20K-40K tokens) through SGLang's RadixCache on the 2-core CPU machine: the replay's "
+          "wall time per request (cache work, hooks and policy), one value per cache size",
+          extract=_replay_ms_per_request("gdsf", "auto")),
     *[Claim(f"eviction.two_tier.generated_{w}", TWO_TIER_GENERATED, "token_hit_rate",
             baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
             center=statistics.mean, path=TWO_TIER_GENERATED_PATH,
