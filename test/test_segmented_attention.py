@@ -182,6 +182,50 @@ def test_a_wrong_turn_is_caught():
     assert (out - _reference_decode(c, q)).abs().max() > 1e-2
 
 
+def test_turn_in_row_blocks_equals_one_pass(monkeypatch):
+    from sglang_pic.position_free import run_kernels
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(50, H, D, generator=g)
+    rows = torch.randint(0, 50, (333,), generator=g)
+    table = run_kernels.turn_table(torch.randint(-40, 40, (333,), generator=g), _cos_sin(64, D))
+    whole = run_kernels.turn(q, rows, table)
+    monkeypatch.setattr(run_kernels, "TURN_ROWS", 7)
+    torch.testing.assert_close(run_kernels.turn(q, rows, table), whole, rtol=0, atol=0)
+
+
+def test_a_graph_replay_of_a_shifted_batch_is_refused():
+    """Segmented attention has no CUDA graph path: a replay that reached it would run the
+    captured dense kernels on stale metadata, so it raises instead."""
+    seg = SegmentedAttention.__new__(SegmentedAttention)
+    with pytest.raises(RuntimeError, match="must not replay a CUDA graph"):
+        seg.init_forward_metadata_out_graph(None)
+    with pytest.raises(RuntimeError, match="must not replay a CUDA graph"):
+        seg.init_forward_metadata_in_graph(None)
+
+
+def test_the_graph_guard_sees_pic_flashinfer_inside_a_hybrid_backend():
+    """Different prefill and decode backends: SGLang wraps them in HybridAttnBackend; the decode
+    runner's graphs hold the decode backend's kernels, the prefill runner's the prefill one's."""
+    from sglang_pic.position_free import span_graphs
+    from sglang_pic.position_free.backends import PositionFreeFlashInferBackend
+
+    twin = PositionFreeFlashInferBackend.__new__(PositionFreeFlashInferBackend)
+    other = object()
+    decode_cls, prefill_cls = span_graphs._types()[1], object
+    hybrid = types.SimpleNamespace(decode_backend=twin, prefill_backend=other)
+
+    def runner(cls):
+        r = cls.__new__(cls)
+        r.model_runner = types.SimpleNamespace(attn_backend=hybrid)
+        return r
+
+    assert span_graphs._flashinfer_twin(runner(decode_cls)) is twin
+    assert span_graphs._flashinfer_twin(runner(type("Prefill", (prefill_cls,), {}))) is None
+    hybrid.prefill_backend, hybrid.decode_backend = twin, other
+    assert span_graphs._flashinfer_twin(runner(type("Prefill", (prefill_cls,), {}))) is twin
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1])
 def test_flashinfer_kernels_equal_torch_kernels(seed):
@@ -190,8 +234,9 @@ def test_flashinfer_kernels_equal_torch_kernels(seed):
     c = _case(seed, "cuda", torch.bfloat16)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for use_tensor_cores in (False, True):
-        fi = _backend(c, FlashInferRunKernels(workspace, H, HKV, D, torch.bfloat16, D ** -0.5,
-                                              use_tensor_cores), "cuda")
+        fi = _backend(c, FlashInferRunKernels(workspace, H, HKV, D, torch.bfloat16,
+                                              torch.bfloat16, D ** -0.5, use_tensor_cores),
+                      "cuda")
         ref = _backend(c, TorchRunKernels(D ** -0.5), "cuda")
         q, out = _decode(c, fi, "cuda", seed)
         _, expected = _decode(c, ref, "cuda", seed)

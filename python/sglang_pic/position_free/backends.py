@@ -5,8 +5,10 @@ span reused at another offset is turned by the distance it moved when read. So:
 
 ``pic_flashinfer`` (GPU default): SGLang's ``FlashInferAttnBackend`` for every batch that reads
 no moved key (plain prompts, span prefills: what vanilla runs, CUDA graphs included), and
-``ShiftedTritonBackend`` for batches that do (``shifted_batches``). The choice is per forward
-batch, and a batch's metadata and forward calls all go to the backend chosen for it.
+segmented attention on FlashInfer's batch kernels (``segmented_backend``) for batches that do
+(``shifted_batches``), eagerly; ``ShiftedTritonBackend`` instead with
+``--position-free-span-graphs`` (its decode graphs) or without the span radix cache. The choice
+is per forward batch, and a batch's metadata and forward calls all go to the backend chosen.
 
 ``pic_triton``: ``ShiftedTritonBackend`` for every batch: SGLang's ``TritonAttnBackend`` with its
 two kernel entry points (``decode_attention_fwd``, ``extend_attention_fwd`` - instance attributes
@@ -14,10 +16,10 @@ it calls for every layer) swapped for ``sglang_pic_kernel.rotating_attention``'s
 the slot table. Metadata, CUDA graphs, paging and KV writes stay SGLang's. For a batch without
 moved keys the kernels read no RoPE table (every key's shift is zero).
 
-``pic_torch_native`` (CPU): SGLang's ``TorchNativeAttnBackend`` with the key buffer wrapped so
-that the per-request key gather ``k_cache[req_to_token[r, :len]]`` turns moved keys by the
-distance they moved, with SGLang's own rotation code; keys that did not move are returned as
-stored, so requests without spans are bit-identical to vanilla.
+``pic_torch_native`` (CPU): SGLang's ``TorchNativeAttnBackend``; with the span radix cache a
+batch with moved keys runs segmented attention on torch kernels (the GPU path's logic), else the
+key buffer is wrapped so that the per-request key gather ``k_cache[req_to_token[r, :len]]`` turns
+moved keys by the distance they moved; requests without spans are bit-identical to vanilla.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class ShiftedTritonBackend(TritonAttnBackend):
 
 
 class PositionFreeFlashInferBackend(AttentionBackend):
-    """FlashInfer for batches without moved keys, ``ShiftedTritonBackend`` for the others.
+    """FlashInfer for batches without moved keys, segmented attention (or
+    ``ShiftedTritonBackend``, see the module docstring) for the others.
 
     CUDA graphs are captured with FlashInfer; with ``--position-free-span-graphs`` (``span_graphs``)
     the decode graphs are captured a second time with ``ShiftedTritonBackend`` for shifted
@@ -149,12 +152,15 @@ class PositionFreeFlashInferBackend(AttentionBackend):
 
 
 def _flashinfer_run_kernels(model_runner, dense) -> FlashInferRunKernels:
-    """Segmented attention's FlashInfer kernels, shaped and configured as ``dense``'s."""
+    """Segmented attention's FlashInfer kernels, shaped and configured as ``dense``'s (heads per
+    attention-TP rank, query and pool dtypes, tensor-core decode)."""
+    from sglang.srt.runtime_context import get_parallel
+
     cfg = model_runner.model_config
-    tp = int(getattr(model_runner, "tp_size", 1) or 1)
+    tp = get_parallel().attn_tp_size
     return FlashInferRunKernels(
         dense.workspace_buffer, cfg.num_attention_heads // tp, cfg.get_num_kv_heads(tp),
-        cfg.head_dim, model_runner.kv_cache_dtype, cfg.head_dim ** -0.5,
+        cfg.head_dim, model_runner.dtype, dense.flashinfer_kv_cache_dtype, cfg.head_dim ** -0.5,
         dense.decode_use_tensor_cores)
 
 

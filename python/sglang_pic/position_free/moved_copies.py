@@ -2,11 +2,10 @@
 span's pages with the keys turned to where they now stand (made for it, or shared with the
 requests reading the same pages at the same offset).
 
-Why. In the shifted layout (``stored_positions``) a span cached at one offset and reused at
-another is read through our shift-aware kernels, which turn each moved key while attending. A
-batch holding such a request therefore runs ``ShiftedTritonBackend`` on ``pic_flashinfer``,
-off FlashInfer's kernels and its CUDA graphs, for the request's whole life: its last piece's
-prefill and every decode step. Turning the moved keys *once*, into pool slots of the request's
+Why (``--span-copy-on-reuse on``). In the shifted layout (``stored_positions``) a span cached at
+one offset and reused at another is read by segmented attention (``segmented_backend``): a batch
+holding such a request runs eagerly, off the CUDA graphs, for the request's whole life: its
+last piece's prefill and every decode step. Turning the moved keys *once*, into pool slots of the request's
 own, makes its row read every key at the position it was computed at: from then on its batches
 are vanilla attention (FlashInfer, CUDA graphs). The price is pool memory: one copy of each
 moved page per running request instead of one shared copy, and one gather / turn / scatter per

@@ -42,13 +42,24 @@ def turn_table(shift: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor
     return cos[:, None, :].contiguous(), sin[:, None, :].contiguous()
 
 
+TURN_ROWS = 8192
+"""Rows turned per step (``turn``): bounds the float32 temporaries of a long extend's queries."""
+
+
 def turn(q: torch.Tensor, rows: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]
          ) -> torch.Tensor:
     """``q[rows]`` turned by ``table`` (``turn_table``): ``[len(rows), H, D]``; math in float32,
-    the result in ``q.dtype`` (a shift of 0 returns the rows exactly)."""
+    ``TURN_ROWS`` rows at a time, the result in ``q.dtype`` (a shift of 0 returns the rows
+    exactly)."""
     cos, sin = table
-    x1, x2 = q.index_select(0, rows).float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(q.dtype)
+    out = q.new_empty((rows.numel(), *q.shape[1:]))
+    half = q.shape[-1] // 2
+    for a in range(0, rows.numel(), TURN_ROWS):
+        b = min(a + TURN_ROWS, rows.numel())
+        x1, x2 = q.index_select(0, rows[a:b]).float().chunk(2, dim=-1)
+        out[a:b, :, :half] = x1 * cos[a:b] - x2 * sin[a:b]
+        out[a:b, :, half:] = x2 * cos[a:b] + x1 * sin[a:b]
+    return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
@@ -127,7 +138,11 @@ class FlashInferRunKernels:
     between a plan and its run)."""
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, scale: float, use_tensor_cores: bool) -> None:
+                 head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float,
+                 use_tensor_cores: bool) -> None:
+        """As vanilla's ``FlashInferAttnBackend`` builds and plans its wrappers: queries (and the
+        ragged call's new keys) in the model's dtype, the pool in the KV cache's; the paged
+        prefill on FlashInfer's ``fa2`` kernels, the ragged one on ``auto``."""
         from flashinfer import (
             BatchDecodeWithPagedKVCacheWrapper,
             BatchPrefillWithPagedKVCacheWrapper,
@@ -136,30 +151,30 @@ class FlashInferRunKernels:
 
         self._decode = BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=use_tensor_cores)
-        self._paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        self._paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        self._ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.dtype = dtype
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.scale = scale
         self.has_paged = False
 
     def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         n = kv_indptr.numel() - 1
         self._decode.plan(kv_indptr, kv_indices, torch.ones(n, dtype=torch.int32), *self.heads,
-                          1, q_data_type=self.dtype, kv_data_type=self.dtype,
+                          1, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
                           sm_scale=self.scale, non_blocking=True)
 
     def plan_extend(self, qo_indptr: torch.Tensor, run_qo_indptr: torch.Tensor | None,
                     run_kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None) -> None:
         self._ragged.plan(qo_indptr, qo_indptr, *self.heads, causal=True, sm_scale=self.scale,
-                          q_data_type=self.dtype, kv_data_type=self.dtype)
+                          q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
         self.has_paged = run_qo_indptr is not None
         if self.has_paged:
             n = run_kv_indptr.numel() - 1
             self._paged.plan(run_qo_indptr, run_kv_indptr, kv_indices,
                              torch.ones(n, dtype=torch.int32), *self.heads, 1, causal=False,
-                             sm_scale=self.scale, q_data_type=self.dtype,
-                             kv_data_type=self.dtype, non_blocking=True)
+                             sm_scale=self.scale, q_data_type=self.q_dtype,
+                             kv_data_type=self.kv_dtype, non_blocking=True)
 
     def decode(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode.run(q, kv, return_lse=True)

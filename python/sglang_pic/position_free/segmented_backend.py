@@ -99,6 +99,14 @@ class SegmentedAttention(AttentionBackend):
         self.run_turns = turn_table(torch.cat(shifts).to(**to), self.cos_sin)
         self.merge_index = index.to(**to)
 
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        raise RuntimeError("segmented attention runs eagerly: a batch with moved keys must not "
+                           "replay a CUDA graph (span_graphs.around_can_run_graph)")
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any):
+        raise RuntimeError("segmented attention runs eagerly: a batch with moved keys must not "
+                           "replay a CUDA graph (span_graphs.around_can_run_graph)")
+
     def _save(self, layer: Any, forward_batch: Any, k: torch.Tensor | None,
               v: torch.Tensor | None, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None:

@@ -4,8 +4,9 @@ In the shifted layout (``stored_positions``) a request without spans reads every
 position it was computed at, so a batch of such requests is vanilla attention: ``pic_flashinfer``
 runs it on FlashInfer, CUDA graphs included. A request whose prompt reuses a cached span at
 another offset (the span cache sets ``req.pic_segments``) reads moved keys; a batch holding one
-runs our Triton kernels, which turn each key by the distance it moved (which CUDA graphs such a
-batch may replay: ``span_graphs``).
+runs segmented attention (``segmented_backend``: each run of keys moved by one distance attended
+with the query turned back), eagerly, and with the batch its requests' key runs
+(``current_runs``); which CUDA graphs such a batch may replay: ``span_graphs``.
 
 AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, registered by
 ``position_free.register``): records the positions of the batch's new keys in the slot table,
@@ -29,7 +30,7 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
     "shifted_batches": ("sglang_pic:shifted_batches",
                         "Forward batches holding a request that reads cached span pages at "
                         "another offset than they were computed at (on pic_flashinfer: run "
-                        "with the shift-aware kernels, off FlashInfer and its CUDA graphs)."),
+                        "eagerly by segmented attention, off the CUDA graphs)."),
     "copied_requests": ("sglang_pic:span_copied_requests",
                         "Span requests reading turned copies of the pages they read moved "
                         "(--span-copy-on-reuse), made for them or shared."),
@@ -39,8 +40,9 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
                            "Tokens of moved span pages a request read from a turned copy "
                            "another running request had made (same pages, same shift)."),
     "shared_requests": ("sglang_pic:span_shared_requests",
-                        "Span requests that read moved pages shared, with the shift-aware "
-                        "kernels, for their whole life (a moved key in a partial page)."),
+                        "Span requests that read the moved pages shared (by segmented "
+                        "attention) for their whole life: not copied (--span-copy-on-reuse "
+                        "off, or a moved key in a partial page)."),
     "waiting_requests": ("sglang_pic:span_waiting_requests",
                          "Times a span request's copy did not fit the pool (it read the shared "
                          "pages meanwhile, and was copied once the pool had room)."),

@@ -74,9 +74,15 @@ def _types() -> tuple[type, type]:
 
 
 def _flashinfer_twin(runner: Any):
-    """The runner's backend if it is ``pic_flashinfer`` (graphs that hold dense kernels)."""
+    """The backend this graph runner captures with, if it is ``pic_flashinfer`` (graphs that
+    hold dense kernels). With different prefill and decode backends SGLang wraps them in its
+    ``HybridAttnBackend``: the decode runner captures its ``decode_backend``, the prefill
+    runner its ``prefill_backend``."""
     model_runner = getattr(runner, "model_runner", None)
     backend = getattr(model_runner, "attn_backend", None)
+    if not isinstance(backend, _types()[0]) and hasattr(backend, "decode_backend"):
+        backend = getattr(backend, "decode_backend" if _is_decode_runner(runner)
+                          else "prefill_backend", None)
     return backend if isinstance(backend, _types()[0]) else None
 
 
