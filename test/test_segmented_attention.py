@@ -156,7 +156,7 @@ def test_runs_cover_the_prefix_then_shift_zero():
     assert request_runs(None, 0) == []
     layout = KeyRuns.build([[(0, 2, 0), (2, 5, 5)], [], [(0, 3, 0)]], "cpu")
     assert layout.kv_indptr.tolist() == [0, 2, 5, 8]
-    assert layout.owner.tolist() == [0, 0, 2] and layout.shift.tolist() == [0, 5, 0]
+    assert layout.owners == [0, 0, 2] and layout.shifts == [0, 5, 0]
     assert layout.runs_of.tolist() == [[0, 1], [3, 3], [2, 3]]  # 3: the padding state
     req_to_token = torch.arange(40).view(4, 10)
     assert layout.kv_indices(req_to_token, torch.tensor([2, 0, 1])).tolist() == [

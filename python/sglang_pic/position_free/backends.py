@@ -95,7 +95,7 @@ class PositionFreeFlashInferBackend(AttentionBackend):
                 model_runner, self.dense))
         else:  # the shift-aware kernels: no span cache to find runs, or graphs captured of them
             self.shifted = ShiftedTritonBackend(model_runner)
-        self.needs_cpu_seq_lens = True  # segmented attention reads seq_lens_cpu
+        self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
         self.capture_shifted = False  # capturing the second decode graph set (span_graphs)
         self.replay_shifted = False  # the decode graph about to be replayed is a shifted one
 

@@ -16,8 +16,8 @@ by the request where it is read (shift 0).
 
 Shapes (``P`` runs, ``B`` requests, ``S`` most runs of one request):
 ``kv_indptr`` int32 [P + 1] (bounds of the runs in the batch's key list, which is vanilla's:
-each request's slots in order); ``owner`` int64 [P] (the request of each run); ``shift`` int64
-[P]; ``runs_of`` int64 [B, S] (each request's runs, padded with ``P``, a state that weighs
+each request's slots in order); ``owners`` [P] (the request of each run); ``shifts`` [P];
+``runs_of`` int64 [B, S] (each request's runs, padded with ``P``, a state that weighs
 nothing).
 """
 
@@ -59,30 +59,32 @@ def request_runs(runs: Sequence[tuple[int, int, int]] | None, length: int
 
 @dataclass
 class KeyRuns:
-    """One batch's runs (see the module docstring for the shapes), on ``device``."""
+    """One batch's runs (see the module docstring for the shapes): on the host, what planning
+    reads; ``kv_lens`` on the device, for the key list."""
 
-    kv_indptr: torch.Tensor
-    owner: torch.Tensor
-    shift: torch.Tensor
-    runs_of: torch.Tensor
-    kv_lens: torch.Tensor  # int64 [B]: keys of each request in the key list
+    kv_indptr: torch.Tensor  # int32 [P + 1], CPU
+    owners: list[int]  # [P]: the request of each run
+    shifts: list[int]  # [P]
+    runs_of: torch.Tensor  # int64 [B, S], CPU
+    kv_lens: torch.Tensor  # int64 [B] on the device: keys of each request in the key list
     num_keys: int
-    num_runs: int
-    kv_indptr_cpu: torch.Tensor  # int32 [P + 1]
-    run_lens_cpu: list[int]
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.owners)
 
     @classmethod
     def build(cls, per_request: Sequence[list[tuple[int, int, int]]], device: torch.device | str
               ) -> KeyRuns:
         """From each request's ``(start, end, shift)`` runs (``request_runs``; an empty list for a
         request with no keys in the list, e.g. an extend without prefix)."""
-        lens, owner, shift, runs_of = [], [], [], []
+        lens, owners, shifts, runs_of = [], [], [], []
         for i, runs in enumerate(per_request):
             runs_of.append(list(range(len(lens), len(lens) + len(runs))))
             for start, end, s in runs:
                 lens.append(end - start)
-                owner.append(i)
-                shift.append(s)
+                owners.append(i)
+                shifts.append(s)
         p = len(lens)
         width = max((len(r) for r in runs_of), default=0) or 1
         padded = np.full((len(per_request), width), p, dtype=np.int64)
@@ -91,18 +93,11 @@ class KeyRuns:
         indptr = np.zeros(p + 1, dtype=np.int32)
         np.cumsum(lens, out=indptr[1:])
         kv_lens = [sum(e - a for a, e, _ in runs) for runs in per_request]
-        indptr_cpu = torch.from_numpy(indptr)
-        to = dict(device=device, non_blocking=True)
         return cls(
-            kv_indptr=indptr_cpu.to(**to),
-            owner=torch.tensor(owner, dtype=torch.int64).to(**to),
-            shift=torch.tensor(shift, dtype=torch.int64).to(**to),
-            runs_of=torch.from_numpy(padded).to(**to),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int64).to(**to),
+            kv_indptr=torch.from_numpy(indptr), owners=owners, shifts=shifts,
+            runs_of=torch.from_numpy(padded),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int64).to(device, non_blocking=True),
             num_keys=int(indptr[-1]),
-            num_runs=p,
-            kv_indptr_cpu=indptr_cpu,
-            run_lens_cpu=lens,
         )
 
     def kv_indices(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor

@@ -156,7 +156,6 @@ class FlashInferRunKernels:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.scale = scale
-        self.has_paged = False
 
     def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         n = kv_indptr.numel() - 1
@@ -168,8 +167,7 @@ class FlashInferRunKernels:
                     run_kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None) -> None:
         self._ragged.plan(qo_indptr, qo_indptr, *self.heads, causal=True, sm_scale=self.scale,
                           q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
-        self.has_paged = run_qo_indptr is not None
-        if self.has_paged:
+        if run_qo_indptr is not None:
             n = run_kv_indptr.numel() - 1
             self._paged.plan(run_qo_indptr, run_kv_indptr, kv_indices,
                              torch.ones(n, dtype=torch.int32), *self.heads, 1, causal=False,

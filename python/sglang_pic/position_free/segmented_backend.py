@@ -55,18 +55,19 @@ class SegmentedAttention(AttentionBackend):
         if forward_batch.forward_mode.is_decode_or_idle():
             self._plan_decode(runs, kv_indices)
         else:
-            self._plan_extend(runs, kv_indices, per_request,
+            self._plan_extend(runs, kv_indices,
                               [int(n) for n in forward_batch.extend_seq_lens_cpu])
 
     def _plan_decode(self, runs: KeyRuns, kv_indices: torch.Tensor) -> None:
         """One query row per run (its request's), merged back per request."""
-        self.kernels.plan_decode(runs.kv_indptr_cpu, kv_indices)
-        self.run_rows = runs.owner
-        self.run_turns = turn_table(runs.shift, self.cos_sin)
-        self.merge_index = runs.runs_of
+        self.kernels.plan_decode(runs.kv_indptr, kv_indices)
+        to = dict(device=self.device, non_blocking=True)
+        self.run_rows = torch.tensor(runs.owners, dtype=torch.int64).to(**to)
+        self.run_turns = turn_table(torch.tensor(runs.shifts, dtype=torch.int64).to(**to),
+                                    self.cos_sin)
+        self.merge_index = runs.runs_of.to(**to)
 
-    def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor,
-                     per_request: list[list[tuple[int, int, int]]], new: list[int]) -> None:
+    def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor, new: list[int]) -> None:
         """The new tokens over themselves (ragged, causal), and each run of the prefix with a
         copy of its request's new tokens (paged); the merge's states per token are its ragged
         row (column 0), then its runs' rows, padded."""
@@ -78,20 +79,19 @@ class SegmentedAttention(AttentionBackend):
             self.merge_index = torch.arange(total, device=self.device)[:, None]
             self.run_rows = None
             return
-        owners = [i for i, request_runs in enumerate(per_request) for _ in request_runs]
-        shift_cpu = [s for request_runs in per_request for _, _, s in request_runs]
         run_qo = torch.zeros(runs.num_runs + 1, dtype=torch.int32)
-        run_qo[1:] = torch.cumsum(torch.tensor([new[i] for i in owners], dtype=torch.int32), 0)
-        self.kernels.plan_extend(qo_indptr, run_qo, runs.kv_indptr_cpu, kv_indices)
-        width = 1 + max(len(r) for r in per_request)
+        run_qo[1:] = torch.cumsum(torch.tensor([new[i] for i in runs.owners],
+                                               dtype=torch.int32), 0)
+        self.kernels.plan_extend(qo_indptr, run_qo, runs.kv_indptr, kv_indices)
+        width = 1 + runs.runs_of.shape[1]
         index = torch.full((total, width), total + int(run_qo[-1]), dtype=torch.int64)
         index[:, 0] = torch.arange(total)
         column = [1] * len(new)
         rows, shifts = [], []
-        for r, i in enumerate(owners):
+        for r, (i, shift) in enumerate(zip(runs.owners, runs.shifts, strict=True)):
             a, n = int(qo_indptr[i]), new[i]
             rows.append(torch.arange(a, a + n))
-            shifts.append(torch.full((n,), shift_cpu[r], dtype=torch.int64))
+            shifts.append(torch.full((n,), shift, dtype=torch.int64))
             index[a : a + n, column[i]] = total + torch.arange(int(run_qo[r]), int(run_qo[r + 1]))
             column[i] += 1
         to = dict(device=self.device, non_blocking=True)
