@@ -100,7 +100,8 @@ class AutoStrategy(EvictionStrategy):
     @now_fn.setter
     def now_fn(self, fn) -> None:
         self._now_fn = fn
-        for s in self.experts.values():
+        shadows = [shadow.strategy for shadow in self.shadows or ()]
+        for s in [*self.experts.values(), *shadows]:
             if hasattr(s, "now_fn"):
                 s.now_fn = fn
 
@@ -139,11 +140,16 @@ class AutoStrategy(EvictionStrategy):
             if hasattr(s, "end_evict"):
                 s.end_evict()
 
+    def _leader(self) -> str:
+        """The expert the cache follows: the shadows' choice, or (``regret``) the heaviest."""
+        if self.selection == "shadow":
+            return self.names[self.chosen]
+        return self.names[max(range(len(self.weights)), key=self.weights.__getitem__)]
+
     def worth_host_copy(self, node, ctx=None, offset: int = 0) -> bool:
-        """``sae``'s deferral of host copies, while ``sae`` is the likeliest expert."""
+        """``sae``'s deferral of host copies, while ``sae`` leads."""
         sae = self.experts.get("sae")
-        if sae is None or self.names[max(range(len(self.weights)),
-                                         key=self.weights.__getitem__)] != "sae":
+        if sae is None or self._leader() != "sae":
             return True
         return sae.worth_host_copy(node, ctx, offset)
 
@@ -164,9 +170,7 @@ class AutoStrategy(EvictionStrategy):
             from .shadow import ShadowCache
 
             self.shadows = [ShadowCache(name, page_size) for name in self.names]
-            for shadow in self.shadows:
-                if hasattr(shadow.strategy, "now_fn"):
-                    shadow.strategy.now_fn = self._now_fn
+            self.now_fn = self._now_fn  # the experts' clock, the shadows' too
         return self.shadows
 
     def on_lookup(self, tokens, ctx, page_size: int) -> None:
@@ -201,12 +205,13 @@ class AutoStrategy(EvictionStrategy):
     # ---- events -----------------------------------------------------------------------------
 
     def on_evict(self, node) -> None:
-        self.evictions += 1
-        key = block_key(node)
-        self.ghost[key] = (self.chosen, self.evictions)
-        self.ghost.move_to_end(key)
-        if len(self.ghost) > self.ghost_capacity:
-            self.ghost.popitem(last=False)
+        if self.selection == "regret":  # the ghost list the regrets come from
+            self.evictions += 1
+            key = block_key(node)
+            self.ghost[key] = (self.chosen, self.evictions)
+            self.ghost.move_to_end(key)
+            if len(self.ghost) > self.ghost_capacity:
+                self.ghost.popitem(last=False)
         for s in self._learners:
             s.on_evict(node)
 
@@ -215,7 +220,7 @@ class AutoStrategy(EvictionStrategy):
             (getattr(s, "on_demote", None) or s.on_evict)(node)
 
     def on_insert(self, node, ctx, offset: int, is_new: bool) -> None:
-        if is_new:
+        if is_new and self.selection == "regret":
             blamed = self.ghost.pop(block_key(node), None)
             if blamed is not None:
                 self._regret(*blamed)
