@@ -37,7 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY, engine_arguments, stream_generate
+from harness import (
+    LLAMA3_8B_DUMMY,
+    current_variant,
+    engine_arguments,
+    percentile,
+    stream_generate,
+)
 
 SSEP, PDEP = -1, -2
 SPAN_SWITCHES = {  # variants of the span server: the settings they change
@@ -58,15 +64,6 @@ CELLS = {
 }
 DEFAULT_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4",
                  "fixed_k6_p1024_z07_t4")
-
-
-def _variant() -> str:
-    return os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def doc_lengths(rng, kind: str, n: int, params: dict) -> list[int]:
@@ -174,7 +171,7 @@ async def _stream(engine, prompts: list[list[int]], sp: dict, rate: float, rng) 
 def workload(engine_kwargs: dict, params: dict) -> dict:
     import numpy as np
 
-    variant = _variant()
+    variant = current_variant()
     spans = variant.startswith("sglang-pic")
     if spans:
         os.environ.update(SPAN_SWITCHES.get(variant, {}))  # read by the scheduler it starts
@@ -212,8 +209,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 ttfts = [o[0] for o in outs]
                 out["ideal"].append(ideal(draw))
                 out["requests_per_s"].append(len(prompts) / elapsed)
-                out["ttft_p50_ms"].append(1000 * _percentile(ttfts, 50))
-                out["ttft_p99_ms"].append(1000 * _percentile(ttfts, 99))
+                out["ttft_p50_ms"].append(1000 * percentile(ttfts, 50))
+                out["ttft_p99_ms"].append(1000 * percentile(ttfts, 99))
                 out["peak_running"].append(peaks.get("running"))
                 out["peak_used_tokens"].append(peaks.get("used_tokens"))
                 out["pool_tokens"] = peaks.get("pool_tokens")
@@ -233,8 +230,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 ttfts = [o[0] for o in outs]
                 out["stream_rate"] = rate
                 out["stream_ttft_ms_all"] = [round(1000 * t, 2) for t in ttfts]
-                out["stream_ttft_p50_ms"] = 1000 * _percentile(ttfts, 50)
-                out["stream_ttft_p99_ms"] = 1000 * _percentile(ttfts, 99)
+                out["stream_ttft_p50_ms"] = 1000 * percentile(ttfts, 50)
+                out["stream_ttft_p99_ms"] = 1000 * percentile(ttfts, 99)
             for key in ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "ideal"):
                 out[f"{key}_median"] = statistics.median(out[key])
             result["cells"][name] = out

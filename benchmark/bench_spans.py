@@ -39,7 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY, engine_arguments, stream_generate
+from harness import (
+    LLAMA3_8B_DUMMY,
+    current_variant,
+    engine_arguments,
+    percentile,
+    stream_generate,
+)
 
 SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
@@ -50,20 +56,11 @@ SPAN_SWITCHES = {
 }
 
 
-def _variant() -> str:
-    return os.environ.get("SGLANG_PIC_BENCH_VARIANT", "vanilla")
-
-
 def _prompt(system: list[int], docs: list[list[int]], question: list[int], spans: bool) -> list[int]:
     ids = list(system)
     for d in docs:
         ids += ([SSEP] if spans else []) + d
     return ids + ([PDEP] if spans else []) + question
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 async def _stream_one(engine, ids: list[int], sp: dict) -> tuple[float, float, int]:
@@ -74,7 +71,7 @@ async def _stream_one(engine, ids: list[int], sp: dict) -> tuple[float, float, i
 def workload(engine_kwargs: dict, params: dict) -> dict:
     import numpy as np
 
-    variant = _variant()
+    variant = current_variant()
     spans = variant.startswith("sglang-pic")
     if spans:
         os.environ["SGLANG_PIC_SPAN_SCHEDULE"] = SCHEDULE.get(variant, "isps")
@@ -160,9 +157,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             for key, value in (
                 ("rag_batch_s", rag_s),
                 ("rag_requests_per_s", len(prompts) / rag_s),
-                ("rag_ttft_p50_ms", 1000 * _percentile(ttfts, 50)),
-                ("rag_ttft_p99_ms", 1000 * _percentile(ttfts, 99)),
-                ("rag_latency_p50_ms", 1000 * _percentile([o[1] for o in outs], 50)),
+                ("rag_ttft_p50_ms", 1000 * percentile(ttfts, 50)),
+                ("rag_ttft_p99_ms", 1000 * percentile(ttfts, 99)),
+                ("rag_latency_p50_ms", 1000 * percentile([o[1] for o in outs], 50)),
                 ("rag_cached_tokens_total", sum(o[2] for o in outs)),
             ):
                 samples.setdefault(key, []).append(value)

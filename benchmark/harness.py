@@ -121,7 +121,7 @@ def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, 
     if variant.startswith("sglang-pic"):  # "sglang-pic" and its configurations ("sglang-pic-x")
         parts = [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), *parts]
     env["PYTHONPATH"] = os.pathsep.join(parts)
-    env["SGLANG_PIC_BENCH_VARIANT"] = variant
+    env[VARIANT_ENV] = variant
     return env
 
 
@@ -439,6 +439,21 @@ def gpu_tag(device=None) -> str:
     if torch.device(device).type != "cuda":
         return "cpu"
     return torch.cuda.get_device_name(device).split()[-1].lower()
+
+
+VARIANT_ENV = "SGLANG_PIC_BENCH_VARIANT"
+"""The variant a child process runs (``variant_env`` sets it)."""
+
+
+def current_variant() -> str:
+    """The variant this child process runs."""
+    return os.environ.get(VARIANT_ENV, "vanilla")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``xs`` (nearest rank, no interpolation)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def engine_arguments(engine_kwargs: dict, span_backend: str | None = None) -> dict:

@@ -41,12 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from harness import LLAMA3_8B_DUMMY  # noqa: E402
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+from harness import LLAMA3_8B_DUMMY, percentile  # noqa: E402
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
@@ -116,8 +111,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
     ttft = [o[0] for o in outs]
     cached, prompt = sum(o[1] for o in outs), sum(o[2] for o in outs)
     profile = _policy_profile(stats_file) if stats_file else {}
-    per_run = {"token_hit_rate": cached / prompt, "ttft_p50_ms": 1000 * _percentile(ttft, 50),
-               "ttft_p99_ms": 1000 * _percentile(ttft, 99),
+    per_run = {"token_hit_rate": cached / prompt, "ttft_p50_ms": 1000 * percentile(ttft, 50),
+               "ttft_p99_ms": 1000 * percentile(ttft, 99),
                "ttft_mean_ms": 1000 * sum(ttft) / len(ttft)}
     return {**profile, **{f"{k}_all": [v] for k, v in per_run.items()},
         # every request's TTFT in arrival order, one list per run (the plot's CDFs)
