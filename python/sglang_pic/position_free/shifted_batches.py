@@ -62,17 +62,19 @@ def reads_moved_keys(req: Any) -> bool:
     return moved_copies.copier() is None or moved_copies.reads_shared_pages(req)
 
 
-def batch_runs(reqs: Any, forward_batch: Any) -> list[list[tuple[int, int, int]]]:
+def batch_runs(reqs: Any, moved: list[bool], forward_batch: Any
+               ) -> list[list[tuple[int, int, int]]]:
     """Each request's ``(start, end, shift)`` runs over the keys the batch reads from the pool:
-    its whole sequence for a decode step, its prefix for an extend (``key_runs``)."""
+    its whole sequence for a decode step, its prefix for an extend (``key_runs``). ``moved``:
+    per request, whether it reads moved keys (``reads_moved_keys``)."""
     if forward_batch.forward_mode.is_extend():
         lens = list(forward_batch.extend_prefix_lens_cpu)
     else:
         lens = forward_batch.seq_lens_cpu.tolist()
     out = []
-    for req, n in zip(reqs, lens, strict=True):
+    for req, reads_moved, n in zip(reqs, moved, lens, strict=True):
         runs = None
-        if reads_moved_keys(req):
+        if reads_moved:
             if not hasattr(req, RUNS_ATTR):
                 raise RuntimeError(f"request {req.rid}: reads moved keys but its runs were "
                                    "never found (not prepared at its first extend)")
@@ -134,12 +136,13 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
             copier.retry(reqs)
     global _current, _runs
     if copier is not None and not copier.reads_shared_anywhere():
-        shifted = False  # every span request reads its own turned copies (or moved nothing)
+        moved = None  # every span request reads its own turned copies (or moved nothing)
     else:
-        shifted = any(reads_moved_keys(r) for r in reqs)
+        moved = [reads_moved_keys(r) for r in reqs]
+    shifted = moved is not None and any(moved)
     setattr(result, ATTR, shifted)
     _current = shifted
-    _runs = batch_runs(reqs, result) if shifted and copier is not None else None
+    _runs = batch_runs(reqs, moved, result) if shifted and copier is not None else None
     if shifted and _counters is not None:
         _counters.inc("shifted_batches")
 
