@@ -62,6 +62,14 @@ def turn(q: torch.Tensor, rows: torch.Tensor, table: tuple[torch.Tensor, torch.T
     return out
 
 
+def with_padding_state(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o`` [N, H, D] and ``lse`` [N, H] with the padding state appended at row N: a zero
+    output whose log-sum-exp (``EMPTY_LSE``, float32) gives it no weight in a merge."""
+    return (torch.cat((o, o.new_zeros((1, *o.shape[1:])))),
+            torch.cat((lse.float(), lse.new_full((1, lse.shape[1]), EMPTY_LSE,
+                                                 dtype=torch.float32))))
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: ``q`` [n, Hq, D] over ``k``/``v`` [m, Hkv, D]; causal aligns the last query
@@ -124,8 +132,7 @@ class TorchRunKernels:
     def merge(o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``o`` [N, H, D] and ``lse`` [N, H] (base 2), merged along ``index`` [M, S] (entries
         < N, or N: padding) into [M, H, D]."""
-        o = torch.cat((o, o.new_zeros((1, *o.shape[1:]))))
-        lse = torch.cat((lse, lse.new_full((1, lse.shape[1]), EMPTY_LSE)))
+        o, lse = with_padding_state(o, lse)
         s = lse[index]  # [M, S, H]
         w = torch.exp2(s - s.amax(dim=1, keepdim=True))
         out = (o[index].float() * w[..., None]).sum(1) / w.sum(1)[..., None]
@@ -191,8 +198,7 @@ class FlashInferRunKernels:
         the output at once (8K tokens x 12 runs x 32 heads x 128: 0.8 GB per layer in bf16)."""
         from flashinfer import merge_states
 
-        o = torch.cat((o, o.new_zeros((1, *o.shape[1:]))))
-        lse = torch.cat((lse.float(), lse.new_full((1, lse.shape[1]), EMPTY_LSE)))
+        o, lse = with_padding_state(o, lse)
         parts = [merge_states(o[rows].contiguous(), lse[rows].contiguous())[0]
                  for rows in index.split(MERGE_ROWS)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
