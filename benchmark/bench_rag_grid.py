@@ -10,9 +10,11 @@ Each cell is one RAG workload family member:
 * a question (64 tokens) and 64 output tokens (``ignore_eos``).
 
 Per cell and variant: ``samples`` closed bursts of ``burst`` requests (each over a fresh pool
-and fresh system prompts, the cache flushed before each), then one Poisson stream of ``stream``
-requests at ``stream_load`` x vanilla's burst throughput in that cell (vanilla runs first and
-writes its rates to ``rates_file``; another call of the same run reads them). Recorded: requests/s
+and fresh system prompts, the cache flushed before each). The last burst is followed by a Poisson
+stream of ``stream`` new requests over the same pool and tenants, with the cache as the burst
+left it (a service that has been running), at ``stream_load`` x vanilla's burst throughput in
+that cell (vanilla runs first and writes its rates to ``rates_file``; another call of the same
+run reads them). Recorded: requests/s
 and TTFT p50/p99 per burst, the stream's TTFT p50/p99, the most requests running at once and the
 most KV pool tokens in use (sampled every 0.2 s from the scheduler's load report), and each
 cell's *ideal*: prompt tokens over the tokens that must be computed (each distinct document
@@ -77,9 +79,9 @@ def doc_lengths(rng, kind: str, n: int, params: dict) -> list[int]:
     return [int(x) for x in np.clip(lengths, lo, hi)]
 
 
-def draw_requests(rng, cell: tuple, n: int, params: dict) -> dict:
-    """A fresh pool and fresh tenants, and ``n`` requests over them: each request's tenant,
-    sorted document ids and question."""
+def draw_requests(rng, cell: tuple, n: int, params: dict, over: dict | None = None) -> dict:
+    """``n`` requests (each one's tenant, sorted document ids and question) over a fresh pool and
+    fresh tenants, or over ``over``'s pool and tenants."""
     import numpy as np
 
     kind, k, pool_size, zipf, tenants = cell
@@ -88,10 +90,12 @@ def draw_requests(rng, cell: tuple, n: int, params: dict) -> dict:
     def toks(m: int) -> list[int]:
         return [int(t) for t in rng.integers(1000, vocab, size=m)]
 
-    lengths = doc_lengths(rng, kind, pool_size, params)
-    pool = [toks(m) for m in lengths]
-    lo, hi = params["system_min"], params["system_max"]
-    systems = [toks(int(rng.integers(lo, hi + 1))) for _ in range(tenants)]
+    if over is not None:
+        pool, systems = over["pool"], over["systems"]
+    else:
+        pool = [toks(m) for m in doc_lengths(rng, kind, pool_size, params)]
+        lo, hi = params["system_min"], params["system_max"]
+        systems = [toks(int(rng.integers(lo, hi + 1))) for _ in range(tenants)]
     weights = 1.0 / np.arange(1, pool_size + 1) ** zipf
     weights /= weights.sum()
     requests = []
@@ -197,11 +201,12 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
         for name in params["cells"]:
             cell = CELLS[name]
             cell_rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
-            out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [],
-                         "ttft_p99_ms": [], "peak_running": [], "peak_used_tokens": [],
-                         "prompt_tokens": []}
+            burst = params.get("bursts", {}).get(name, params["burst"])
+            out: dict = {"burst": burst, "ideal": [], "requests_per_s": [],
+                         "ttft_p50_ms": [], "ttft_p99_ms": [], "peak_running": [],
+                         "peak_used_tokens": [], "prompt_tokens": []}
             for _ in range(params["samples"]):
-                draw = draw_requests(cell_rng, cell, params["burst"], params)
+                draw = draw_requests(cell_rng, cell, burst, params)
                 prompts = [prompt(draw, r, spans) for r in draw["requests"]]
                 engine.flush_cache()
                 outs, elapsed, peaks = engine.loop.run_until_complete(
@@ -222,8 +227,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 rates[name] = params["stream_load"] * capacity
             rate = rates.get(name) or params.get("stream_rate")
             if rate and params["stream"]:
-                draw = draw_requests(cell_rng, cell, params["stream"], params)
-                engine.flush_cache()
+                draw = draw_requests(cell_rng, cell, params["stream"], params, over=draw)
                 outs = engine.loop.run_until_complete(_stream(
                     engine, [prompt(draw, r, spans) for r in draw["requests"]], sp, rate,
                     cell_rng))
@@ -343,8 +347,8 @@ def combine(paths: list[str], out: str | None) -> dict:
     merged["merged_from_earlier_call"] = len(docs) > 1
 
     def settings(r: dict) -> dict:  # the run's parameters, less where its files went
-        return {k: v for k, v in r["params"].items() if k not in ("rates_file", "partial_dir",
-                                                                  "cells")}
+        return {k: v for k, v in r["params"].items()
+                if k not in ("rates_file", "partial_dir", "cells", "burst", "bursts", "stream")}
 
     for d in docs:
         if "results" in d:
@@ -374,6 +378,9 @@ def main() -> None:
                     help=f"cells to run, of {', '.join(CELLS)}")
     ap.add_argument("--samples", type=int, default=PARAMS["samples"])
     ap.add_argument("--burst", type=int, default=PARAMS["burst"])
+    ap.add_argument("--burst-of", default="", metavar="CELL=N,...",
+                    help="a burst size for named cells (e.g. aligned=128: more requests than "
+                         "vanilla's pool holds at once, to count how many each side runs)")
     ap.add_argument("--stream", type=int, default=PARAMS["stream"])
     ap.add_argument("--rates-file", default=None,
                     help="vanilla's per-cell stream rates (written by vanilla, read by the "
@@ -391,8 +398,14 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown cells {sorted(unknown)}; known: {', '.join(CELLS)}")
     engine_kwargs = ENGINE_KWARGS
+    try:
+        bursts = {c: int(n) for c, n in (kv.split("=") for kv in args.burst_of.split(",") if kv)}
+    except ValueError:
+        ap.error(f"--burst-of: expected CELL=N,..., got {args.burst_of!r}")
+    if set(bursts) - set(CELLS) or any(n < 1 for n in bursts.values()):
+        ap.error(f"--burst-of: known cells and positive sizes only, got {args.burst_of!r}")
     params = dict(PARAMS, samples=args.samples, burst=args.burst, stream=args.stream,
-                  cells=args.cells.split(","))
+                  cells=args.cells.split(","), bursts=bursts)
     name = args.name
     if args.smoke:
         engine_kwargs = cpu_smoke_engine(disable_radix_cache=False, **SMOKE["engine_kwargs"])
