@@ -26,9 +26,9 @@ from sglang_pic.eviction.estimators import (  # noqa: E402
 @pytest.fixture(scope="module", autouse=True)
 def policies_registered():
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_pic import eviction
+    from sglang_pic.plugin import register_feature
 
-    eviction.register()
+    register_feature("eviction")
     HookRegistry.apply_hooks()
 
 

@@ -32,8 +32,10 @@ def test_every_hook_of_the_plugin_applies():
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
             "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
             "print(sorted(t for t in H._hooks if t not in H._patched)); "
-            "from sglang_pic.store.prefetch_trace import TARGET, PREFILL_TARGET; "
-            "print(TARGET in H._patched and PREFILL_TARGET in H._patched)")
+            "from sglang_pic.compat import for_feature; "
+            "trace = [s.target for s in for_feature('hicache-storage') "
+            "if s.condition == 'ptstore_trace']; "
+            "print(len(trace) == 2 and all(t in H._patched for t in trace))")
     out = _run(code, {"SGLANG_PIC_STORE_TRACE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]
@@ -62,12 +64,12 @@ def test_apply_and_verify_names_a_missing_target():
         HookRegistry._hooks.pop(target, None)
 
 
-def test_seam_outside_the_registry_is_checked(monkeypatch):
+def test_seam_outside_the_registry_is_checked():
     from sglang_pic import plugin
+    from sglang_pic.compat import Seam
 
-    monkeypatch.setitem(plugin.SEAMS, "demo.seam", ("demo", lambda: False))
     with pytest.raises(plugin.SeamError, match=r"demo.seam \(needed by demo\)"):
-        plugin.check_seams()
+        plugin.check_seams([Seam("demo.seam", None, "call", "demo")])
 
 
 def test_a_feature_that_fails_to_register_stops_the_process():

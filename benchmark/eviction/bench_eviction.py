@@ -230,11 +230,11 @@ def main() -> None:
 
     import sglang
     from harness import smoke_dir
-    from sglang_pic import eviction
+    from sglang_pic.plugin import register_feature
     from simulator import replay
     from traces import generate, load_bailian, load_mooncake, session_params, unique_tokens
 
-    eviction.register()  # our policies in SGLang's table, as the plugin does in a server
+    register_feature("eviction")  # our policies and hooks, as the plugin does in a server
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     HookRegistry.apply_hooks()

@@ -49,13 +49,13 @@ def build(policy: str, leaves: int):
 def main() -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_pic import eviction
+    from sglang_pic.plugin import register_feature
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--leaves", type=int, nargs="+", default=[10000, 20000])
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_overhead.json"))
     args = ap.parse_args()
-    eviction.register()
+    register_feature("eviction")
     HookRegistry.apply_hooks()
     rows = []
     for n in args.leaves:

@@ -56,9 +56,9 @@ def _register() -> None:
     """Our policies in SGLang's table and the hooks on RadixCache, as the plugin does in a
     server; done once in the parent, which the workers fork from."""
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_pic import eviction
+    from sglang_pic.plugin import register_feature
 
-    eviction.register()
+    register_feature("eviction")
     HookRegistry.apply_hooks()
 
 

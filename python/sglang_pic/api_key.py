@@ -345,9 +345,6 @@ def to_sglang(argv: list[str]) -> list[str]:
     return argv
 
 
-AUTH_DECISION = "sglang.srt.utils.auth.decide_request_auth"
-
-
 def decide_auth(original: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang's auth decision, with two changes: a request whose ``Authorization`` header is not
     ASCII is decided as one without the header (``compare_digest`` raises on such text: a 500),
@@ -369,12 +366,6 @@ def decide_auth(original: Any, *args: Any, **kwargs: Any) -> Any:
     elif path == "/health_generate":  # generates on demand: the key, as /generate
         kwargs["path"] = "/keyed" + path
     return original(*args, **kwargs)
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(AUTH_DECISION, decide_auth, HookType.AROUND)
 
 
 def client_key(url: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -8,17 +8,15 @@ server down on CPU (the scheduler process dies, every request after it fails):
 * ``XGrammarGrammar.apply_vocab_mask`` knows CUDA/XPU/MUSA/NPU logits only and raises otherwise.
 
 xgrammar itself ships a CPU kernel (``xgrammar.apply_token_bitmask_inplace`` dispatches on the
-tensors' device), so the two hooks below are all it takes. ``register_cpu_grammar_hooks`` belongs
-with the other CPU registrations (``cpu_support.register_cpu_hooks``); until it has run in the
-server process, ``request_validation`` refuses constrained requests on CPU with a 400 instead of
-letting them crash the scheduler.
+tensors' device), so the two hooks below are all it takes (rows of the seam table,
+``sglang_pic.compat.platform``, registered by the plugin on the CPU engine with the other CPU
+seams). Until ``register`` has run in the server process, ``request_validation`` refuses
+constrained requests on CPU with a 400 instead of letting them crash the scheduler.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-_BACKEND = "sglang.srt.constrained.xgrammar_backend"
 
 _registered = False
 
@@ -59,18 +57,9 @@ def apply_vocab_mask(original: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-def register_cpu_grammar_hooks() -> None:
-    """Register both hooks; call once per process from the CPU registrations, before SGLang
-    applies hooks. Idempotent."""
+def register() -> None:
+    """Mark this process as serving constrained requests on CPU; called by the CPU set-up
+    (``cpu_support.register_cpu_support``), right before the plugin registers the two hooks
+    (a failure there stops the process)."""
     global _registered
-    if _registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(
-        f"{_BACKEND}._allocate_token_bitmask", allocate_token_bitmask, HookType.REPLACE
-    )
-    HookRegistry.register(
-        f"{_BACKEND}.XGrammarGrammar.apply_vocab_mask", apply_vocab_mask, HookType.AROUND
-    )
     _registered = True

@@ -21,9 +21,11 @@ Llama/Qwen correctly once five gaps are closed; this module is the one place tha
 4. HiCache's host pool assumes CUDA: `cudaHostRegister` for pinning
    (`sglang.srt.mem_cache.pool_host.common._cuda_host_register`), `pin_memory=True` allocations,
    `torch.cpu.Stream` without `synchronize`/`wait_stream`, and `transfer_kv_direct`, which is only
-   imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. `register_cpu_hooks` closes these
-   through SGLang's HookRegistry (and a pure-torch `transfer_kv_direct`), so HiCache L2/L3 run on CPU
-   with `--hicache-io-backend direct --hicache-mem-layout layer_first`.
+   imported from `sgl_kernel.kvcacheio` on CUDA/ROCm. The hooks below close these through
+   SGLang's HookRegistry (rows of `sglang_pic.compat.platform`, which the plugin registers on the
+   CPU engine), and `register_cpu_support` puts a pure-torch `transfer_kv_direct` and the stream
+   methods in place, so HiCache L2/L3 run on CPU with `--hicache-io-backend direct
+   --hicache-mem-layout layer_first`.
 5. `--page-size` > 1: the paged allocator launches Triton kernels (`alloc_extend_kernel`,
    `alloc_decode_kernel`) that Triton 3.6's CPU interpreter cannot run or runs very slowly; torch
    versions replace them (for extend, SGLang's own `alloc_extend_naive`). Other Triton kernels run
@@ -346,11 +348,12 @@ def _fork_children(result, server_args) -> None:
         mp.set_start_method("fork", force=True)
 
 
-def register_cpu_hooks() -> None:
-    """Register the CPU replacements (paged allocator, HiCache host pool); call from the plugin."""
+def register_cpu_support() -> None:
+    """The ``cpu-support`` feature's set-up (the plugin, on the CPU engine): the names torch and
+    SGLang lack on CPU, the paged allocator's kernels in torch, and Triton's interpreter fixes.
+    Its hooks (HiCache host pool, process start, xgrammar) are rows of the seam table."""
     import importlib
 
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang_pic_kernel._interpreter import (
         fix_interpreter_scalar_index,
         skip_nested_lang_patching,
@@ -359,19 +362,9 @@ def register_cpu_hooks() -> None:
     fix_interpreter_scalar_index()  # Triton interpreter vs NumPy >= 2.4 (see that module)
     skip_nested_lang_patching()  # and its repeated patching of triton.language (same module)
 
-    common = "sglang.srt.mem_cache.pool_host.common"
-    HookRegistry.register(f"{common}._cuda_host_register", _no_host_register, HookType.REPLACE)
-    HookRegistry.register(f"{common}._cuda_host_unregister", _no_host_register, HookType.REPLACE)
-    HookRegistry.register(
-        "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__",
-        _host_pool_without_pinning,
-        HookType.AFTER,
-    )
-    HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config", _fork_children,
-                          HookType.AFTER)
-    from sglang_pic.cpu_grammar import register_cpu_grammar_hooks
+    from sglang_pic import cpu_grammar
 
-    register_cpu_grammar_hooks()  # constrained decoding (xgrammar) on CPU
+    cpu_grammar.register()  # constrained decoding (xgrammar) on CPU
     _patch_cpu_stream()
     patch_paged_allocator()
     # HookRegistry can only wrap names that exist; these modules never define the name on CPU.

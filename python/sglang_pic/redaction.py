@@ -13,12 +13,11 @@ So those three are wrapped, and a secret that is set is shown as ``REDACTED`` (o
 ``None``, so the answer still says whether a key is set). SGLang itself keeps reading the real
 values from ``ServerArgs``: only what it prints or returns changes.
 
-| SGLang seam | hook |
-|---|---|
-| ``ServerArgs.__repr__`` | AROUND: the secrets' values replaced in the text |
-| ``TokenizerManager.resolved_config_dict`` | AFTER: the secrets' fields replaced |
-| ``RuntimeContext.resolved_server_args_dict`` | AFTER: the same, in each scheduler |
-| ``TokenizerManager._dump_data_to_file``, ``dump_requests_before_crash`` | AROUND: request and crash dumps pickle ``ServerArgs`` itself and the launch command line; while they are built, both are redacted copies |
+The hooks (the ``secret-redaction`` rows of ``sglang_pic.compat``): ``redact_repr`` replaces the
+secrets' values in ``ServerArgs.__repr__``'s text; ``redact_config`` their fields in
+``TokenizerManager.resolved_config_dict`` and each scheduler's
+``RuntimeContext.resolved_server_args_dict``; ``redacted_dump`` builds request and crash dumps,
+which pickle ``ServerArgs`` itself and the launch command line, from redacted copies of both.
 """
 
 from __future__ import annotations
@@ -94,23 +93,3 @@ def redacted_dump(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any
     finally:
         manager.server_args, sys.argv = real_args, real_argv
 
-
-_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-
-HOOKS = [
-    ("sglang.srt.server_args.ServerArgs.__repr__", redact_repr, "AROUND"),
-    (f"{_TOKENIZER_MANAGER}.resolved_config_dict",
-     redact_config, "AFTER"),
-    ("sglang.srt.runtime_context.RuntimeContext.resolved_server_args_dict", redact_config,
-     "AFTER"),
-    (f"{_TOKENIZER_MANAGER}._dump_data_to_file", redacted_dump, "AROUND"),
-    (f"{_TOKENIZER_MANAGER}.dump_requests_before_crash", redacted_dump, "AROUND"),
-]
-"""(SGLang target, hook, HookType name)."""
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, hook, kind in HOOKS:
-        HookRegistry.register(target, hook, HookType[kind])

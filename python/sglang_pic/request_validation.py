@@ -333,4 +333,3 @@ def refuse_openai_span_markers(data: Any) -> None:
             refuse_span_markers(f"messages[{i}].content", content)
 
 
-HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"

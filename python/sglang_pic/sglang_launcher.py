@@ -24,9 +24,6 @@ import sys
 
 from sglang_pic import server_flags
 
-ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-PREPARE_SERVER_ARGS = "sglang.srt.server_args.prepare_server_args"
-
 
 def around_add_cli_args(original, parser):
     """Add our groups, then SGLang's flags; our groups go first in ``--help`` (argparse lists the
@@ -65,10 +62,3 @@ def around_prepare_server_args(original, argv):
     from sglang_pic import api_key
 
     return original(api_key.to_sglang(argv))
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(ADD_CLI_ARGS, around_add_cli_args, HookType.AROUND)
-    HookRegistry.register(PREPARE_SERVER_ARGS, around_prepare_server_args, HookType.AROUND)

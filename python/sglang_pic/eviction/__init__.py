@@ -1,6 +1,6 @@
 """Semantic adaptive eviction (SAECache) and strong baselines for SGLang's prefix cache.
 
-Registered by ``register()`` (called from ``sglang_pic/plugin.py``):
+In SGLang (the ``eviction`` rows of the seam table, ``sglang_pic.compat``):
 
 1. policies ``auto`` (``auto.AutoStrategy``: follows whichever of ``sae``, ``gdsf``, ``s3fifo``,
    ``lru`` and ``tlru`` hits most in its shadow cache, ``shadow``), ``sae``
@@ -9,6 +9,9 @@ Registered by ``register()`` (called from ``sglang_pic/plugin.py``):
    ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
 2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to policies
    that learn from them; SGLang's own policies are untouched.
+
+``register()`` does the first; the plugin registers the hooks. A program that replays traces
+without a server calls ``sglang_pic.plugin.register_feature("eviction")``, which does both.
 
 The trace-driven simulator that drives SGLang's real ``RadixCache`` with these policies lives in
 ``benchmark/eviction/``; how it all works: ``docs/eviction.md``.
@@ -20,10 +23,10 @@ POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru")
 
 
 def register() -> None:
+    """The feature's set-up: our policies in SGLang's table and choices."""
     from sglang.srt.mem_cache import utils as cache_utils
     from sglang.srt.server_args import add_radix_eviction_policy_choices
 
-    from . import hooks
     from .auto import AutoStrategy
     from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
     from .sae import SAEStrategy
@@ -36,4 +39,3 @@ def register() -> None:
     # the table is a choice (the docs list them all)
     add_radix_eviction_policy_choices(
         [*POLICIES, *(p for p in cache_utils._EVICTION_POLICY_FACTORIES if p not in POLICIES)])
-    hooks.register()

@@ -54,15 +54,9 @@ from __future__ import annotations
 
 import time
 
-from sglang_pic.server_flags import setting
-
 from . import context as ctxmod
 from . import segmentation
 
-RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
-SPAN = "sglang_pic.spans.radix_cache.SpanRadixCache"
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
 _MAX_SEEN = 4096
 # with SGLANG_PIC_SAE_STATS: the scheduler's batches and busy time (the time from one batch to
 # the next when the scheduler did not go idle in between), what the policy's time is compared with
@@ -458,33 +452,3 @@ def around_on_idle(original, self, *args, **kwargs):
     """The scheduler found nothing to run: the time until its next batch is not busy time."""
     _last_step.clear()
     return original(self, *args, **kwargs)
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if setting("--sae-stats"):
-        HookRegistry.register(f"{SCHEDULER}.run_batch", around_run_batch, HookType.AROUND)
-        HookRegistry.register(f"{SCHEDULER}.on_idle", around_on_idle, HookType.AROUND)
-
-    HookRegistry.register(f"{RADIX}.match_prefix", around_match_prefix, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}.insert", around_insert, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}._delete_leaf", around_delete_leaf, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}._split_node", around_split_node, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}.evict", around_evict, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}.cache_finished_req", around_cache_req, HookType.AROUND)
-    HookRegistry.register(f"{RADIX}.cache_unfinished_req", around_cache_req, HookType.AROUND)
-    # HiCache's tree overrides these without calling RadixCache's
-    HookRegistry.register(f"{HIRADIX}.match_prefix", around_match_prefix, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}.insert", around_insert, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}._split_node", around_split_node, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}.evict", around_evict, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}._evict_backuped", around_evict_backuped, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}.evict_host", around_evict_host, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}.write_backup", around_write_backup, HookType.AROUND)
-    HookRegistry.register(f"{HIRADIX}._drop_subtree_no_host", around_drop_subtree,
-                          HookType.AROUND)
-    # the span cache matches per segment and caches segmented requests itself
-    HookRegistry.register(f"{SPAN}.match_prefix", around_match_prefix, HookType.AROUND)
-    HookRegistry.register(f"{SPAN}.cache_finished_req", around_cache_req, HookType.AROUND)
-    HookRegistry.register(f"{SPAN}.cache_unfinished_req", around_cache_req, HookType.AROUND)

@@ -9,11 +9,12 @@
 * ``settings``: the flags' values in the server process;
 * ``unauthorized``: a 401 that names the header and the generated key's file.
 
-Seams (``register``): a BEFORE hook on SGLang's ``http_server.launch_server`` adds the middleware
-(SGLang's API key middleware, added later, runs outside it), an AROUND hook on uvicorn's
-``Config.load`` guards the protocol class, an AFTER hook on
-``TokenizerManager.init_tokenizer_and_processor`` bounds ``model_max_length``, an AFTER hook on
-SGLang's ``add_api_key_middleware`` puts ``UnauthorizedHint`` outside its key check. The admin routes' auth level is raised in
+Seams (the ``front-door`` rows of ``sglang_pic.compat``): a BEFORE hook on SGLang's
+``http_server.launch_server`` adds the middleware (``install``; SGLang's API key middleware,
+added later, runs outside it), an AROUND hook on uvicorn's ``Config.load`` guards the protocol
+class, an AFTER hook on ``TokenizerManager.init_tokenizer_and_processor`` bounds
+``model_max_length``, an AFTER hook on SGLang's ``add_api_key_middleware`` puts
+``UnauthorizedHint`` outside its key check. The admin routes' auth level is raised in
 ``api_key.decide_auth``.
 """
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import os
 from typing import Any
-
-LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
 
 
 def install(server_args: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -41,10 +40,6 @@ def install(server_args: Any = None, *args: Any, **kwargs: Any) -> None:
         http_server.app.state.pic_front_door = True
 
 
-TOKENIZER_INIT = ("sglang.srt.managers.tokenizer_manager.TokenizerManager."
-                  "init_tokenizer_and_processor")
-
-
 def bound_model_max_length(result: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook for ``TokenizerManager.init_tokenizer_and_processor``: a tokenizer without a
     length limit carries transformers' sentinel (1e30) as ``model_max_length``, which SGLang's
@@ -55,15 +50,3 @@ def bound_model_max_length(result: Any, manager: Any, *args: Any, **kwargs: Any)
     if isinstance(limit, (int, float)) and limit > 2**31 - 1 and context:
         tokenizer.model_max_length = int(context)
     return result
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from .connections import CONFIG_LOAD, around_config_load
-    from .unauthorized import ADD_API_KEY_MIDDLEWARE, add_hint
-
-    HookRegistry.register(LAUNCH_SERVER, install, HookType.BEFORE)
-    HookRegistry.register(ADD_API_KEY_MIDDLEWARE, add_hint, HookType.AFTER)
-    HookRegistry.register(CONFIG_LOAD, around_config_load, HookType.AROUND)
-    HookRegistry.register(TOKENIZER_INIT, bound_model_max_length, HookType.AFTER)

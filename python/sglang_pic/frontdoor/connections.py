@@ -91,9 +91,6 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
     return Guarded
 
 
-CONFIG_LOAD = "uvicorn.config.Config.load"
-
-
 def connection_limits() -> ConnectionLimits:
     """The limits of ``--http-header-timeout-s`` and ``--max-connections``."""
     from sglang_pic.server_flags import setting

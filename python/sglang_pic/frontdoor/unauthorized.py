@@ -15,8 +15,6 @@ import orjson
 
 from .endpoints import ADMIN
 
-ADD_API_KEY_MIDDLEWARE = "sglang.srt.utils.auth.add_api_key_middleware"
-
 
 class UnauthorizedHint:
     def __init__(self, app: Any, key_file: str) -> None:

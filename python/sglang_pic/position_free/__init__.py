@@ -3,7 +3,7 @@
 Layout (``stored_positions``): the model rotates keys as vanilla SGLang does and the pool keeps
 them where they were computed, with that position per slot; a span reused at another offset is
 turned by the distance it moved when read. A pool without spans in use is vanilla's pool. What
-this changes in SGLang, all registered by ``register()``:
+this changes in SGLang (the ``position-free-kv`` rows of the seam table, ``sglang_pic.compat``):
 
 1. attention backends ``pic_flashinfer`` (GPU default: FlashInfer for every batch without moved
    keys, our Triton kernels for the others), ``pic_triton`` (our Triton kernels for every batch)
@@ -33,18 +33,14 @@ FLAG = "--enable-position-free-kv"
 
 
 def register() -> None:
+    """The feature's set-up: our attention backends in SGLang's registry and choices (its hooks
+    are rows of ``sglang_pic.compat``, registered by the plugin)."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import backends, shifted_batches, span_graphs
+    from . import backends
 
     register_attention_backend("pic_flashinfer")(backends.create_pic_flashinfer)
     register_attention_backend("pic_triton")(backends.create_pic_triton)
     register_attention_backend("pic_torch_native")(backends.create_pic_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
-    HookRegistry.register(
-        shifted_batches.INIT_NEW_TARGET, shifted_batches.mark_forward_batch, HookType.AFTER
-    )
-    for target, hook in span_graphs.targets().items():
-        HookRegistry.register(target, getattr(span_graphs, hook), HookType.AROUND)

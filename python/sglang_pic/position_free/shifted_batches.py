@@ -25,7 +25,6 @@ from . import moved_copies, stored_positions
 from .key_runs import RUNS_ATTR, request_runs
 
 ATTR = "pic_shifted"
-INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
     "shifted_batches": ("sglang_pic:shifted_batches",
                         "Forward batches holding a request that reads cached span pages at "

@@ -12,7 +12,7 @@ variant label ``shifted`` (SGLang keys graphs by a variant label - its LoRA / no
 the sparse decoder's second set, ``sparse/graphs.py``, uses the same mechanism), and a shifted
 decode batch replays the second set. Prefill graphs never hold the shifted kernels.
 
-AROUND hooks (registered by ``position_free.register``):
+AROUND hooks (rows of ``sglang_pic.compat.graph_runner``):
 
 * ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
   (``around_can_run_graph``): a shifted batch on ``pic_flashinfer`` replays only the second decode
@@ -23,6 +23,9 @@ AROUND hooks (registered by ``position_free.register``):
   with the flag, the second time with the backend's ``capture_shifted`` set;
 * ``DecodeCudaGraphRunner._make_graph_key``: adds ``shifted`` to the variant label while
   capturing the second set and when replaying for a shifted batch.
+
+The last two are hooked only with ``--position-free-span-graphs``: a process without it keeps
+SGLang's capture path to the sparse decoder's hooks alone.
 """
 
 from __future__ import annotations
@@ -31,28 +34,7 @@ from typing import Any
 
 from . import shifted_batches
 
-RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
-PREFILL_RUNNER = (
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
-)
 LABEL = "shifted"
-TARGETS = {
-    f"{RUNNER}.can_run_graph": "around_can_run_graph",
-    f"{PREFILL_RUNNER}.can_run_graph": "around_can_run_graph",
-}
-GRAPH_SET_TARGETS = {
-    f"{RUNNER}._capture_one_stream": "around_capture_one_stream",
-    f"{RUNNER}._make_graph_key": "around_make_graph_key",
-}
-"""Hooked only with ``--position-free-span-graphs`` (the second graph set): a process without it
-keeps SGLang's capture path to the sparse decoder's hooks alone."""
-
-
-def targets() -> dict[str, str]:
-    """The targets this process hooks (``TARGETS``, and ``GRAPH_SET_TARGETS`` with the flag)."""
-    from sglang_pic.server_flags import setting
-
-    return {**TARGETS, **GRAPH_SET_TARGETS} if setting("--position-free-span-graphs") else TARGETS
 
 
 _classes: tuple[type, type] | None = None  # (PositionFreeFlashInferBackend, DecodeCudaGraphRunner)

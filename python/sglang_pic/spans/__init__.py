@@ -4,20 +4,11 @@ A prompt may be cut into pieces by markers (``<|ssep|>`` opens an independent sp
 dependent segment; ``-1`` / ``-2`` in ``input_ids``; or the ``spans`` request field). An independent
 span is computed as if it stood alone and cached under its own hash chain, so one physical copy of
 its KV serves every request that contains it, at any offset, after any prefix (this needs the
-position-free KV of ``sglang_pic.position_free``). What this changes in SGLang, all registered by
-``register()``:
-
-| where (process)   | SGLang seam                                                    | module         |
-|-------------------|----------------------------------------------------------------|----------------|
-| tokenizer         | AFTER ``TokenizerManager.init_tokenizer_and_processor``: markers become special tokens | ``request`` |
-| tokenizer         | BEFORE ``TokenizerManager.generate_request``: markers -> padded ids + layout (400 on bad input) | ``request`` |
-| scheduler         | ``register_radix_cache_backend("pic_span")``: segmented matching and insertion | ``radix_cache`` |
-| scheduler         | AROUND ``Scheduler.handle_generate_request`` / ``_add_request_to_queue``: span sub-requests, holding | ``planner`` |
-| scheduler         | AROUND ``Scheduler.get_new_batch_prefill``: requests whose sub-requests the last batch completed join this batch; span prefills alone that overshoot the chunk budget by at most 1/8 go in one pass | ``planner`` |
-| scheduler         | AFTER ``Scheduler.abort_request``: release what aborted requests held, cancel unneeded sub-requests | ``planner`` |
-| scheduler         | AROUND ``SchedulerOutputStreamer.stream_output``: internal span prefills are not streamed | here |
-| scheduler         | AROUND ``SchedulerOutputStreamer.get_cached_tokens_details``: the split of ``cached_tokens`` | ``planner`` |
-| scheduler         | AFTER ``Scheduler.init_load_inquirer``: held requests in ``/v1/loads`` | ``load`` |
+position-free KV of ``sglang_pic.position_free``). What this changes in SGLang is the ``spans``
+rows of the seam table (``sglang_pic.compat``; listed in docs/architecture.md): ``register()``
+puts ``SpanRadixCache`` in SGLang's radix-cache registry (``pic_span``), the tokenizer manager's
+hooks are in ``request``, and the scheduler's hooks below hand over to the planner (``planner``)
+and the load inquirer (``load``).
 
 ``sglang-pic serve --enable-span-cache`` selects all of it; semantics and API: ``docs/spans.md``.
 
@@ -37,40 +28,14 @@ from .segments import SpanError
 
 __all__ = ["BACKEND", "PDEP_ID", "SSEP_ID", "SpanError", "register", "spans_to_prompt"]
 
-_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-
-
 def register() -> None:
+    """The ``spans`` feature's set-up: our cache in SGLang's radix-cache registry (its hooks are
+    rows of ``sglang_pic.compat``, registered by the plugin)."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import request
     from .factory import create_span_radix_cache
 
     register_radix_cache_backend(BACKEND, create_span_radix_cache)
-    hooks = [
-        (
-            f"{_TOKENIZER_MANAGER}.init_tokenizer_and_processor",
-            request.install_resolver,
-            HookType.AFTER,
-        ),
-        (
-            f"{_TOKENIZER_MANAGER}.generate_request",
-            request.resolve_generate_request,
-            HookType.BEFORE,
-        ),
-        (f"{_SCHEDULER}.handle_generate_request", _on_generate_request, HookType.AROUND),
-        (f"{_SCHEDULER}._add_request_to_queue", _on_add_to_queue, HookType.AROUND),
-        (f"{_SCHEDULER}.get_new_batch_prefill", _on_new_prefill_batch, HookType.AROUND),
-        (f"{_SCHEDULER}.abort_request", _on_abort, HookType.AFTER),
-        (f"{_STREAMER}.stream_output", _hide_span_prefills, HookType.AROUND),
-        (f"{_STREAMER}.get_cached_tokens_details", _cached_details, HookType.AROUND),
-        (f"{_SCHEDULER}.init_load_inquirer", _on_load_inquirer, HookType.AFTER),
-    ]
-    for target, hook, kind in hooks:
-        HookRegistry.register(target, hook, kind)
 
 
 def _planner(scheduler: Any) -> Any:

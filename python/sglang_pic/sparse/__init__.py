@@ -12,13 +12,15 @@
   ``pariskv_torch_native``, picked by ``sglang-pic serve --sparse-decode pariskv``), ``decode_state`` (which requests
   decode sparsely and what they attend), ``index_ops`` (kernels or torch), ``config`` (knobs).
 
-What this changes in SGLang, all registered by ``register()``: the three attention backends
-(``attention_registry.register_attention_backend`` + ``add_attention_backend_choices``), two
-AROUND hooks on SGLang's decode CUDA-graph runner (``graphs``: a second graph set with the sparse
-part) and a BEFORE hook on ``TokenizerManager._validate_one_request`` (``admission``: with
-``--sparse-offload``, a request longer than its host region is an HTTP 400); with
-``--sparse-offload``, one AROUND hook on ``Scheduler.get_new_batch_prefill`` and the
-allocator's ``free`` wrapped (``offload``). ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
+What this changes in SGLang (the ``sparse-decode`` rows of the seam table, ``sglang_pic.compat``):
+the three attention backends (``attention_registry.register_attention_backend`` +
+``add_attention_backend_choices``, by ``register()``), AROUND hooks on SGLang's decode CUDA-graph
+runner (``graphs``: a second graph set with the sparse part), an AFTER hook on
+``ForwardBatch.init_new`` (``backends.record_request_rows``) and a BEFORE hook on
+``TokenizerManager._validate_one_request`` (``admission``: with ``--sparse-offload``, a request
+longer than its host region is an HTTP 400); with ``--sparse-offload``, an AROUND hook on
+``Scheduler.get_new_batch_prefill`` and the allocator's ``free`` wrapped (``offload``), and the
+hooks of ``prefill_offload`` for prompts longer than the pool. ``pariskv_torch_native`` answers ``support_triton`` like ``torch_native``
 (``CPU_BACKENDS``, in the plugin's one hook on it).
 """
 
@@ -45,33 +47,13 @@ OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
 
 
 def register() -> None:
-    import os
-
+    """The feature's set-up: our attention backends in SGLang's registry and choices."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from . import admission, backends, graphs, offload, prefill_offload
+    from . import backends
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_flashinfer")(backends.create_pariskv_flashinfer)
     register_attention_backend("pariskv_torch_native")(backends.create_pariskv_torch_native)
     add_attention_backend_choices(list(BACKEND_FOR.values()))
-    graphs.register()
-    HookRegistry.register(backends.INIT_NEW_HOOK, backends.record_request_rows, HookType.AFTER)
-    # always registered: it reads the variables per request (SGLang's own launcher sets them
-    # after this ran) and returns at once without --sparse-offload
-    HookRegistry.register(admission.HOOK_TARGET, admission.check_request_length,
-                          HookType.BEFORE)
-    if os.environ.get("SGLANG_PIC_SPARSE_OFFLOAD") == "1":
-        HookRegistry.register(offload.SCHEDULER_HOOK, offload.around_get_new_batch_prefill,
-                              HookType.AROUND)
-        # long prompts prefilled with their finished chunks in host memory (prefill_offload)
-        HookRegistry.register(prefill_offload.WORKER_INFO_HOOK, prefill_offload.raise_input_limit,
-                              HookType.AFTER)
-        HookRegistry.register(prefill_offload.ADMISSION_HOOK,
-                              prefill_offload.admit_offloaded_prompt, HookType.AROUND)
-        HookRegistry.register(prefill_offload.NEW_TOKENS_HOOK, prefill_offload.clip_new_tokens,
-                              HookType.AROUND)
-        HookRegistry.register(prefill_offload.PREFILL_GRAPH_HOOK,
-                              prefill_offload.keep_offloaded_prefill_eager, HookType.AROUND)

@@ -23,7 +23,6 @@ import os
 
 from .config import SparseDecodeConfig, host_kv_bytes
 
-HOOK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 DEFAULT_NEW_TOKENS = 128  # SGLang's SamplingParams.max_new_tokens when a request names none
 _HALF = ("bf16", "bfloat16", "fp16", "float16", "half")
 

@@ -139,7 +139,6 @@ def check_offloaded_prefill_fits(model_runner, cfg: SparseDecodeConfig, max_cont
                 "--chunked-prefill-size, or give the pool more memory)")
 
 
-INIT_NEW_HOOK = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 REQUEST_ROWS = "sparse_request_rows"
 """The ForwardBatch attribute ``record_request_rows`` sets: each request's ``req_to_token`` row."""
 

@@ -12,9 +12,9 @@ request rows are all sparse, on backends that can write the new K/V without thei
 anyone reads, yet costs its launches in every layer). Such a batch holds at most ``--sparse-max-requests`` rows, so this
 set is captured only for the batch sizes it can be padded to.
 
-What this patches, with AROUND hooks on ``DecodeCudaGraphRunner``
-(``sglang.srt.model_executor.runner.decode_cuda_graph_runner``), only when the runner's attention
-backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
+What this patches, with AROUND hooks on SGLang's ``DecodeCudaGraphRunner`` (rows of
+``sglang_pic.compat.graph_runner``), only when the runner's attention backend is
+``pariskv_triton`` or ``pariskv_flashinfer``:
 
 - ``_capture_one_stream``: runs the original twice, the second time with the backend's
   ``capture_sparse`` set (``forward_decode`` then records the sparse part), and a third time
@@ -28,18 +28,8 @@ backend is ``pariskv_triton`` or ``pariskv_flashinfer``:
 
 from __future__ import annotations
 
-RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 LABEL = "pariskv"
 LABEL_ONLY_SPARSE = "pariskv-all"
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{RUNNER}._capture_one_stream", around_capture_one_stream,
-                          HookType.AROUND)
-    HookRegistry.register(f"{RUNNER}._make_graph_key", around_make_graph_key, HookType.AROUND)
-    HookRegistry.register(f"{RUNNER}.load_batch", around_load_batch, HookType.AROUND)
 
 
 _mixin: type | None = None

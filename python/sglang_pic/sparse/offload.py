@@ -34,7 +34,6 @@ import torch
 from .prefill_offload import release_finished_slots
 
 PADDING_SLOT = 0  # SGLang's allocators never hand out slot 0 (padded tokens write there)
-SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 _freed_since_admission = False  # slots released since the scheduler last tried to admit
 
 

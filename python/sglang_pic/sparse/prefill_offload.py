@@ -39,11 +39,6 @@ import torch
 
 from .config import SparseDecodeConfig
 
-WORKER_INFO_HOOK = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
-ADMISSION_HOOK = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
-NEW_TOKENS_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
-PREFILL_GRAPH_HOOK = ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
-                      "PrefillCudaGraphRunner.can_run_graph")
 _SCORE_ELEMENTS = 1 << 26
 """fp32 scores per block of the fallback attention (256 MiB)."""
 

@@ -27,7 +27,7 @@ the GIL between naps each section would wait for the next nap
 (``benchmark/store/bench_lookup_beside_scheduler.py`` compares the two).
 
 Seams: AROUND hooks on ``Scheduler.on_idle`` and ``HiCacheController._storage_hit_query``
-(listed in ``plugin.py``), both only while the flag is not 0.
+(rows of ``sglang_pic.compat``), both only while the flag is not 0.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-HIT_QUERY = "sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query"
 _nap_s = 0.0
 
 LOOKUP_WAIT_S = 0.002
@@ -129,13 +127,10 @@ def around_hit_query(original, self, *args, **kwargs):
 
 
 def register() -> None:
-    """Hook ``Scheduler.on_idle`` and the storage hit query unless the flag is 0."""
+    """The ``hicache-storage`` feature's set-up: this process's nap, from
+    ``--hicache-storage-idle-yield-us`` (the plugin hooks ``Scheduler.on_idle`` and the storage
+    hit query unless it is 0)."""
     global _nap_s
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from sglang_pic.server_flags import setting
 
     _nap_s = setting("--hicache-storage-idle-yield-us") / 1e6
-    if _nap_s:
-        HookRegistry.register(f"{SCHEDULER}.on_idle", around_on_idle, HookType.AROUND)
-        HookRegistry.register(HIT_QUERY, around_hit_query, HookType.AROUND)

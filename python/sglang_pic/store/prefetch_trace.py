@@ -16,7 +16,7 @@ batch the scheduler forms (every chunk of a chunked prefill), so the benchmark's
 can say which.
 
 Seams: an AROUND hook on ``HiRadixCache.check_prefetch_progress`` and an AFTER hook on
-``Scheduler.get_new_batch_prefill`` (listed in ``plugin.py``), registered only with
+``Scheduler.get_new_batch_prefill`` (rows of ``sglang_pic.compat``), registered only with
 ``--ptstore-trace``.
 """
 
@@ -25,9 +25,6 @@ from __future__ import annotations
 import time
 
 from .trace import trace
-
-TARGET = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress"
-PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 
 
 def around_check_prefetch_progress(original, self, req_id: str, *args, **kwargs):
@@ -53,13 +50,3 @@ def after_new_prefill_batch(plan, scheduler, *args, **kwargs):
               f"tokens, {len(reqs)} requests")
     return plan
 
-
-def register() -> None:
-    """Hook the check and the prefill batch when ``--ptstore-trace`` is on."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_pic.server_flags import setting
-
-    if setting("--ptstore-trace"):
-        HookRegistry.register(TARGET, around_check_prefetch_progress, HookType.AROUND)
-        HookRegistry.register(PREFILL_TARGET, after_new_prefill_batch, HookType.AFTER)

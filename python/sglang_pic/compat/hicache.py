@@ -1,0 +1,40 @@
+"""Seams in SGLang's hierarchical cache (HiCache): the host tier's tree (``HiRadixCache``), its
+cache controller, and the storage tier PTStore serves."""
+
+from __future__ import annotations
+
+from .seam import Seam
+
+TITLE = "HiCache"
+
+_HR = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
+_OVERRIDES = {  # HiRadixCache method -> our AROUND hook: it overrides RadixCache's without calling it
+    "match_prefix": ("around_match_prefix", "hits, its host-tier part too"),
+    "insert": ("around_insert", "inserts (the path found by a read-only walk)"),
+    "_split_node": ("around_split_node", "splits"),
+    "evict": ("around_evict", "device evict passes"),
+    "_evict_backuped": ("around_evict_backuped",
+                        "a device eviction that keeps the block on the host: `on_demote`"),
+    "evict_host": ("around_evict_host", "a host-tier evict pass, `on_evict` per block removed"),
+    "write_backup": ("around_write_backup",
+                     "write-through asks the policy first (`worth_host_copy`: `sae` defers)"),
+    "_drop_subtree_no_host": ("around_drop_subtree",
+                              "`write_back` finding no host room drops a subtree: `on_evict`"),
+}
+
+ROWS: tuple[Seam, ...] = (
+    *(Seam(f"{_HR}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why)
+      for method, (hook, why) in _OVERRIDES.items()),
+    Seam(f"{_HR}.check_prefetch_progress",
+         "sglang_pic.store.prefetch_trace:around_check_prefetch_progress", "AROUND",
+         "hicache-storage", "ptstore_trace",
+         why="a trace line when the scheduler takes a finished prefetch"),
+    Seam("sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query",
+         "sglang_pic.store.idle_yield:around_hit_query", "AROUND", "hicache-storage",
+         "storage_idle_yield",
+         why="a storage lookup in flight: the idle pass waits for its end instead of napping"),
+    Seam("sglang.srt.mem_cache.hicache_storage.HiCacheStorage",
+         "sglang_pic.store.hicache_backend:PTStoreHiCacheStorage", "call", "hicache-storage",
+         why="PTStore implements SGLang's storage interface; SGLang loads it as the `dynamic` "
+             "backend named in `--hicache-storage-backend-extra-config`"),
+)
