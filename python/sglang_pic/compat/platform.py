@@ -14,6 +14,12 @@ _INTERPRETER = "triton.runtime.interpreter"
 _CPU = "sglang_pic.cpu_support"
 
 ROWS: tuple[Seam, ...] = (
+    Seam("sys.meta_path", f"{_CPU}:install_import_stand_ins", "instance-patch", "cpu-support",
+         "cpu",
+         why="stand-ins for `torchvision` and `sgl_kernel`, which SGLang imports before plugins "
+             "load: a finder at the end of the path, installed at interpreter start by "
+             "`sglang_pic_cpu.pth` (`sglang-pic setup-cpu`) and again when the plugin selects "
+             "the CPU engine"),
     Seam(f"{_HOST_POOL}.common._cuda_host_register", f"{_CPU}:_no_host_register", "REPLACE",
          "cpu-support", "cpu", why="HiCache's host pool: no CUDA to pin memory for"),
     Seam(f"{_HOST_POOL}.common._cuda_host_unregister", f"{_CPU}:_no_host_register", "REPLACE",

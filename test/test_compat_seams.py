@@ -1,0 +1,180 @@
+"""The seam table (``sglang_pic.compat``): complete, current, the only place a target is written,
+and enforced by the plugin."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_pic import compat, plugin
+from sglang_pic.compat import HOOK_KINDS, SEAMS, Seam, resolve
+from sglang_pic.compat.__main__ import section, updated
+from sglang_pic.compat.conditions import CONDITIONS
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "python" / "sglang_pic"
+DOC = REPO / "docs" / "architecture.md"
+EVERY_CONDITION = {  # every condition of the table on, as variables the features read
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "SGLANG_PIC_SPARSE_OFFLOAD": "1",
+    "SGLANG_PIC_SPAN_GRAPHS": "1",
+    "SGLANG_PIC_SAE_STATS": "/tmp/sglang-pic-test-sae-stats.json",
+    "SGLANG_PIC_STORE_TRACE": "1",
+    "SGLANG_PIC_STORAGE_IDLE_YIELD_US": "100",
+}
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, **(env or {})})
+
+
+def _refused(setup: str) -> str:
+    """Run ``setup``, then SGLang's plugin loader, in a fresh interpreter; the process must stop
+    instead of serving. Returns its stderr."""
+    out = _run(setup + "\nfrom sglang.srt.plugins import load_plugins; load_plugins(); "
+               "print('SERVED')")
+    assert out.returncode != 0
+    assert "SERVED" not in out.stdout
+    assert "refusing to start" in out.stderr
+    return out.stderr
+
+
+def test_the_doc_holds_the_generated_table():
+    """docs/architecture.md's seam section is the table's: regenerate it with
+    ``python -m sglang_pic.compat --update docs/architecture.md``."""
+    text = DOC.read_text()
+    assert section(text) == compat.markdown(), \
+        "stale: run .venv/bin/python -m sglang_pic.compat --update docs/architecture.md"
+    assert updated(text) == text
+
+
+def test_rows_are_well_formed():
+    """Every row names a plugin feature and a known condition; a hook row says how to find its
+    hook; a registry row names its entry; no row is there twice."""
+    for seam in SEAMS:
+        assert seam.feature in plugin.FEATURES, seam
+        assert seam.condition is None or seam.condition in CONDITIONS, seam
+        assert (seam.key is not None) == (seam.kind == "registry"), seam
+    keys = [(s.target, s.key, s.hook, s.kind) for s in SEAMS]
+    assert len(keys) == len(set(keys))
+    with pytest.raises(ValueError, match="unknown kind"):
+        Seam("sglang.srt.x.y", "sglang_pic.x:y", "PATCH", "demo")
+    with pytest.raises(ValueError, match="module:name"):
+        Seam("sglang.srt.x.y", "sglang_pic.x.y", "AROUND", "demo")
+
+
+def test_every_hook_resolves_to_a_callable():
+    for seam in SEAMS:
+        if seam.hook is not None:
+            assert callable(resolve(seam.hook)), seam
+
+
+def test_every_target_resolves():
+    """Every target exists in the installed SGLang (and uvicorn, torch, Triton); for a name we
+    replace or hang at run time, its owner does."""
+    for seam in SEAMS:
+        if seam.kind in ("instance-patch", "attribute"):
+            resolve(seam.owner)
+        else:
+            resolve(seam.target)
+        if seam.kind in HOOK_KINDS:
+            assert callable(resolve(seam.target)), seam
+
+
+def test_overrides_calls_and_attributes_check_out():
+    """What can be checked without a feature's set-up (registry entries and module attributes
+    need it: the next test): our subclasses still override a method their SGLang base has, the
+    APIs we call exist, and SGLang's classes define none of the attributes we hang on them."""
+    for seam in SEAMS:
+        if seam.kind in ("override", "call") or (seam.kind == "attribute"
+                                                 and seam.target != "sglang.span"):
+            assert compat.check(seam) is None, seam
+
+
+def test_every_row_applies_with_every_condition_on():
+    """With every condition on (CPU engine, sparse offload, span graphs, SAE statistics, store
+    trace, idle yield), the plugin registers every row: each hook target patched, each other row
+    checked, and the count of targets it announces is the table's."""
+    targets = {s.target for s in SEAMS if s.kind in HOOK_KINDS}
+    out = _run("from sglang.srt.plugins import load_plugins; load_plugins(); "
+               "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
+               "from sglang_pic.compat import SEAMS, HOOK_KINDS; "
+               "print(sorted(s.target for s in SEAMS if s.kind in HOOK_KINDS "
+               "and s.target not in H._patched))", EVERY_CONDITION)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert f"features: {', '.join(plugin.FEATURES)}; {len(targets)} hooks verified" in out.stderr
+
+
+def _feature_sources() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if "compat" not in p.relative_to(PACKAGE).parts]
+
+
+def _strings(tree: ast.AST) -> list[str]:
+    """Every string literal of a module, the literal parts of f-strings too."""
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)]
+
+
+def test_no_target_string_outside_the_table():
+    """Outside ``compat/`` no module calls ``HookRegistry.register`` but the plugin, which takes
+    its targets from the table, and no string names a hook target or the class or module it is on."""
+    names = set()
+    for seam in SEAMS:
+        if seam.kind in HOOK_KINDS:
+            names.update({seam.target, seam.owner, seam.owner + "."})
+    for path in _feature_sources():
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(REPO)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "register" \
+                    and getattr(node.func.value, "id", None) == "HookRegistry":
+                assert path.name == "plugin.py", f"{where}:{node.lineno} registers a hook"
+                first = node.args[0]
+                assert not isinstance(first, (ast.Constant, ast.JoinedStr)), \
+                    f"{where}:{node.lineno} writes its target"
+        found = sorted(names.intersection(_strings(tree)))
+        assert not found, f"{where} names {found}: a target belongs in sglang_pic.compat"
+
+
+def test_a_missing_hook_target_stops_the_process_naming_feature_and_symbol():
+    """A hook row whose target is gone from SGLang (a row moved to a name that does not exist)
+    ends the process with the symbol and the feature named."""
+    err = _refused(
+        "import dataclasses, sglang_pic.compat as c\n"
+        "c.SEAMS = tuple(dataclasses.replace(s, target='sglang.srt.utils.auth.no_such_auth')\n"
+        "    if s.feature == 'api-key' else s for s in c.SEAMS)")
+    assert "sglang.srt.utils.auth.no_such_auth (needed by api-key)" in err
+
+
+def test_a_base_method_gone_stops_the_process_naming_feature_and_symbol():
+    """An override whose SGLang base method is gone (our method would never be called) ends the
+    process, naming the method and each feature whose subclass overrides it."""
+    err = _refused(
+        "from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend as F\n"
+        "del F._prepare_cuda_graph_metadata")
+    assert ("sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend."
+            "_prepare_cuda_graph_metadata (needed by sparse-decode)") in err
+
+
+def test_a_registry_entry_that_is_not_ours_stops_the_process():
+    err = _refused(
+        "import dataclasses, sglang_pic.compat as c\n"
+        "c.SEAMS = tuple(dataclasses.replace(s, key='no_such_backend') if s.kind == 'registry'\n"
+        "    and s.key == 'pic_triton' and s.hook else s for s in c.SEAMS)")
+    assert "ATTENTION_BACKENDS['no_such_backend'] (needed by position-free-kv)" in err
+
+
+def test_a_row_whose_hook_cannot_be_imported_stops_the_process():
+    err = _refused(
+        "import dataclasses, sglang_pic.compat as c\n"
+        "c.SEAMS = tuple(dataclasses.replace(s, hook='sglang_pic.no_such_module:hook')\n"
+        "    if s.feature == 'secret-redaction' and s.kind == 'AROUND' else s for s in c.SEAMS)")
+    assert "feature secret-redaction failed to register sglang.srt.server_args.ServerArgs" \
+           ".__repr__" in err
