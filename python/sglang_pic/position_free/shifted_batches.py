@@ -8,8 +8,8 @@ runs segmented attention (``segmented_backend``: each run of keys moved by one d
 with the query turned back), eagerly, and with the batch its requests' key runs
 (``current_runs``); which CUDA graphs such a batch may replay: ``span_graphs``.
 
-AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, registered by
-``position_free.register``): records the positions of the batch's new keys in the slot table,
+AFTER hook on ``ForwardBatch.init_new`` (``mark_forward_batch``, a row of
+``sglang_pic.compat.forward_batch``): records the positions of the batch's new keys in the slot table,
 gives span requests turned copies of the pages they read moved (``moved_copies``, with
 ``--span-copy-on-reuse``), and sets ``forward_batch.pic_shifted``: whether a request of the batch
 still reads moved keys.
