@@ -342,21 +342,28 @@ def combine(paths: list[str], out: str | None) -> dict:
         raise SystemExit("--combine: at least one harness report is needed (its parameters)")
     merged = {k: v for k, v in reports[0].items() if k not in ("ratios", "summary")}
     merged["results"] = {}
-    merged["calls"] = [{"file": Path(p).name, "variants": list(d["results"]) if "results" in d
-                        else [d["variant"]]} for p, d in zip(paths, docs, strict=True)]
+    merged["calls"] = [{"file": Path(p).name,
+                        "variants": list(d["results"]) if "results" in d else [d["variant"]],
+                        "cells": d["params"]["cells"] if "params" in d else list(d["cells"])}
+                       for p, d in zip(paths, docs, strict=True)]
     merged["merged_from_earlier_call"] = len(docs) > 1
 
     def settings(r: dict) -> dict:  # the run's parameters, less where its files went
         return {k: v for k, v in r["params"].items()
                 if k not in ("rates_file", "partial_dir", "cells", "burst", "bursts", "stream")}
 
+    def add(variant: str, result: dict) -> None:  # a variant's cells from several calls
+        into = merged["results"].setdefault(variant, {**result, "cells": {}})
+        into["cells"].update(result.get("cells", {}))
+
     for d in docs:
         if "results" in d:
             if settings(d) != settings(reports[0]):
                 raise SystemExit(f"--combine: {paths} were run with different params")
-            merged["results"].update(d["results"])
+            for variant, result in d["results"].items():
+                add(variant, result)
         else:
-            merged["results"].setdefault(d["variant"], d)
+            add(d["variant"], d)
     merged["summary"] = summarize(merged)
     target = Path(out or Path(paths[0]).with_name("spans_rag_grid_h200.json"))
     target.write_text(json.dumps(merged, indent=1))
