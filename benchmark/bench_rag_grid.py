@@ -331,11 +331,13 @@ def print_summary(rows: list[dict]) -> None:
               f"(ideal {worst['ideal']:.2f})")
 
 
-def combine(paths: list[str], out: str | None) -> dict:
+def combine(paths: list[str], out: str | None, one_machine: bool = False) -> dict:
     """The calls of one run on one machine, as one report: harness reports, and the per-variant
     partial files a call cut by its time limit left (``rag_grid.<variant>.partial.json``; the
     first harness report gives the parameters and the machine). Flagged
-    ``merged_from_earlier_call``: the variants did not alternate within one call."""
+    ``merged_from_earlier_call``: the variants did not alternate within one call;
+    ``one_machine``: the calls ran back to back on one machine (one run, as ``headlines.py``
+    counts runs)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     reports = [d for d in docs if "results" in d]
     if not reports:
@@ -347,6 +349,7 @@ def combine(paths: list[str], out: str | None) -> dict:
                         "cells": d["params"]["cells"] if "params" in d else list(d["cells"])}
                        for p, d in zip(paths, docs, strict=True)]
     merged["merged_from_earlier_call"] = len(docs) > 1
+    merged["one_machine"] = one_machine
 
     def settings(r: dict) -> dict:  # the run's parameters, less where its files went
         return {k: v for k, v in r["params"].items()
@@ -396,10 +399,12 @@ def main() -> None:
     ap.add_argument("--combine", nargs="+", default=None, metavar="REPORT",
                     help="merge the reports (and partial files) of one run's calls into one "
                          "(--out: the file) and print the summary")
+    ap.add_argument("--one-machine", action="store_true",
+                    help="with --combine: the calls ran back to back on one machine")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     if args.combine:
-        combine(args.combine, args.out)
+        combine(args.combine, args.out, args.one_machine)
         return
     unknown = set(args.cells.split(",")) - set(CELLS)
     if unknown:
