@@ -412,6 +412,74 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     assert alone["lru"] > 1.5 * alone["gdsf"]
 
 
+def _tree_paths(root) -> list:
+    """Every node below ``root`` with the tokens of its path from the root."""
+    out, stack = [], [(child, []) for child in root.children.values()]
+    while stack:
+        node, above = stack.pop()
+        path = above + list(node.key.raw_token_ids())
+        out.append((node, path))
+        stack.extend((child, path) for child in node.children.values())
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drop_marks_are_what_each_shadow_no_longer_holds(seed):
+    """Drop marks kept up incrementally (a path cleared per insert, the evicted blocks marked)
+    over prompts that share prefixes and branch mid-node: on every node of the real tree, a
+    shadow's bit is set exactly where SGLang's own ``match_prefix`` (the reference) no longer
+    finds the node's whole path in that shadow."""
+    from array import array
+
+    from sglang_pic.eviction.shadow import DROPS, ShadowCache, clear_path, mark_dropped
+
+    rng = np.random.default_rng(seed)
+    real = ShadowCache("lru", 1)  # a tree that keeps everything, as a large real cache would
+    shadows = [ShadowCache("lru", 1), ShadowCache("gdsf", 1)]
+    stems = [array("q", rng.integers(1, 50, size=int(rng.integers(5, 40)))) for _ in range(6)]
+    for _ in range(80):
+        stem = stems[int(rng.integers(len(stems)))]
+        cut = int(rng.integers(1, len(stem) + 1))
+        tokens = stem[:cut] + array("q", rng.integers(1, 50, size=int(rng.integers(0, 30))))
+        real.insert(tokens)
+        for shadow in shadows:
+            shadow.insert(tokens)
+        clear_path(real.cache.root_node, tokens, 0b11, 1)
+        for i, shadow in enumerate(shadows):
+            for node in shadow.evict_to(500):
+                mark_dropped(real.cache.root_node, node, 1 << i, 1)
+    nodes = _tree_paths(real.cache.root_node)
+    for i, shadow in enumerate(shadows):
+        want = {id(n) for n, path in nodes if shadow.lookup(array("q", path)) < len(path)}
+        got = {id(n) for n, _ in nodes if getattr(n, DROPS, 0) & (1 << i)}
+        assert 0 < len(want) < len(nodes)
+        assert got == want, shadow.strategy
+
+
+def test_auto_evicts_first_what_the_shadows_dropped():
+    """``auto`` orders a block every shadow has dropped before one they all hold, whichever
+    expert leads."""
+    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.context import RequestContext
+    from sglang_pic.eviction.shadow import ShadowCache
+
+    real = ShadowCache("lru", 1)  # stands in for the real tree (SGLang's own node class)
+    for leader in (0, 1):
+        auto = AutoStrategy(experts=("gdsf", "lru"))
+        auto.real_cache = real.cache
+        old, new = list(range(1, 101)), list(range(1000, 1100))
+        for i, tokens in enumerate((old, new)):
+            ctx = RequestContext(prompt_len=len(tokens), now=float(i))
+            auto.on_lookup(tokens, ctx, 1)
+            real.insert(tokens)
+            auto.on_store(tokens, ctx, 1, 150)  # each shadow keeps one of the two
+        auto.chosen = leader
+        auto.begin_evict()
+        first = {n.key.raw_token_ids()[0]: n for n in real.cache.root_node.children.values()}
+        assert auto.get_priority(first[1]) < auto.get_priority(first[1000])
+        auto.end_evict()
+
+
 @pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf", "auto"])
 def test_replay_under_pressure_stays_within_capacity(policy):
     from simulator import replay

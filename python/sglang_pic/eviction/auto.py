@@ -15,6 +15,10 @@ which to pick. ``auto`` measures it online.
 * **Choice**: each expert's shadow hits, decayed with a half-life of ``HALF_LIFE`` requests; the
   real cache evicts with the expert whose decayed hits are highest, and changes expert only
   when another leads by ``SWITCH_MARGIN`` of the decayed prompt tokens (no flapping).
+* **Vote**: an evict pass first takes what most of the ``VOTERS`` best experts' shadows no
+  longer hold (drop marks on the real tree's nodes, ``shadow.DROPS``), then the rest in the
+  leader's order. Where the experts agree a block is done, it goes whoever leads; the leader
+  decides among the rest.
 * ``selection="regret"``: the earlier design, LeCaR's (Vietri et al., HotStorage'18) weights
   from regrets on a ghost list of the real cache's evictions, one expert drawn per pass. Kept
   for the ablation (``auto-regret`` in the trace replay): mixing experts pass by pass lost to
@@ -35,12 +39,15 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 
 from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
+from .shadow import DROPS, ShadowCache, clear_path, mark_dropped
 
 EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
 HALF_LIFE = 1000
 """Requests after which an expert's shadow hits weigh half (``selection="shadow"``)."""
 SWITCH_MARGIN = 0.005
 """Lead (a share of the decayed prompt tokens) another expert needs to take over."""
+VOTERS = 3
+"""The experts (those whose shadows hit most) whose evictions an evict pass takes first."""
 LEARNING_RATE = 0.45
 """LeCaR's learning rate."""
 WEIGHT_FLOOR = 0.02
@@ -85,12 +92,17 @@ class AutoStrategy(EvictionStrategy):
         self.regrets = [0.0] * len(experts)
         self._learners = [s for s in self.experts.values() if hasattr(s, "on_evict")]
         self._now_fn = time.monotonic
+        self.real_cache = None  # the tree this policy orders: set by the hooks before use
+        self._voters = 0  # this pass: bit mask of the experts whose drops count
 
     # ---- what the hooks and the simulator read --------------------------------------------
 
     @property
     def sample_size(self) -> int:
-        """The chosen expert's leaf sample per pass (``sae`` samples; the others order all)."""
+        """The chosen expert's leaf sample per pass (``sae`` samples; the others order all).
+        None with shadow selection: a sample could miss the leaves the experts dropped."""
+        if self.selection == "shadow":
+            return 0
         return getattr(self.experts[self.names[self.chosen]], "sample_size", 0)
 
     @property
@@ -121,11 +133,17 @@ class AutoStrategy(EvictionStrategy):
     # ---- the policy -----------------------------------------------------------------------
 
     def get_priority(self, node):
-        return self.experts[self.names[self.chosen]].get_priority(node)
+        priority = self.experts[self.names[self.chosen]].get_priority(node)
+        if self.selection != "shadow":
+            return priority
+        votes = (getattr(node, DROPS, 0) & self._voters).bit_count()
+        return (-votes, priority)  # what most experts dropped goes first
 
     def begin_evict(self) -> None:
-        if self.selection == "shadow":
-            pass  # self.chosen follows the shadows (on_lookup)
+        if self.selection == "shadow":  # self.chosen follows the shadows (on_lookup)
+            ranked = sorted(range(len(self.names)), key=self.shadow_hits.__getitem__,
+                            reverse=True)
+            self._voters = sum(1 << i for i in ranked[:VOTERS])
         elif self.greedy and self.rng.random() >= EXPLORE:
             self.chosen = max(range(len(self.weights)), key=self.weights.__getitem__)
         else:
@@ -167,8 +185,6 @@ class AutoStrategy(EvictionStrategy):
 
     def _ensure_shadows(self, page_size: int) -> list:
         if self.shadows is None:
-            from .shadow import ShadowCache
-
             self.shadows = [ShadowCache(name, page_size) for name in self.names]
             self.now_fn = self._now_fn  # the experts' clock, the shadows' too
         return self.shadows
@@ -198,9 +214,17 @@ class AutoStrategy(EvictionStrategy):
         from .context import using
 
         self.capacity = max(self.capacity, used)
+        shadows = self._ensure_shadows(page_size)
+        root = self.real_cache.root_node if self.real_cache is not None else None
         with using(self._shadow_context(ctx)):
-            for shadow in self._ensure_shadows(page_size):
-                shadow.store(tokens, self.capacity)
+            for shadow in shadows:
+                shadow.insert(tokens)
+            if root is not None:  # every shadow holds what was just inserted
+                clear_path(root, tokens, (1 << len(shadows)) - 1, page_size)
+            for i, shadow in enumerate(shadows):
+                for node in shadow.evict_to(self.capacity):
+                    if root is not None:
+                        mark_dropped(root, node, 1 << i, page_size)
 
     # ---- events -----------------------------------------------------------------------------
 

@@ -226,6 +226,8 @@ def around_insert(original, self, params, *args, **kwargs):
                 strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx,
                                    self.page_size)
     result = original(self, params, *args, **kwargs)
+    if hasattr(strategy, "real_cache"):
+        strategy.real_cache = self
     if hasattr(strategy, "on_store"):
         strategy.on_store(params.key.token_ids, ctx, self.page_size,
                           self.evictable_size() + self.protected_size())
@@ -285,15 +287,18 @@ class _evict_pass:
     """``begin_evict`` / ``end_evict`` around the outermost of nested passes (HiCache's device
     evict can write a block back, which can evict from the host tier)."""
 
-    def __init__(self, strategy, need: int | None = None) -> None:
+    def __init__(self, strategy, need: int | None = None, tree=None) -> None:
         self.strategy = strategy if hasattr(strategy, "begin_evict") else None
         self.need = need
+        self.tree = tree
 
     def __enter__(self) -> None:
         s = self.strategy
         if s is not None:
             s._pic_pass_depth = getattr(s, "_pic_pass_depth", 0) + 1
             if s._pic_pass_depth == 1:
+                if hasattr(s, "real_cache"):  # a policy that reads the tree it orders
+                    s.real_cache = self.tree
                 s.begin_evict()
                 if hasattr(s, "evict_need"):
                     s.evict_need = self.need
@@ -310,7 +315,7 @@ def around_evict(original, self, params, *args, **kwargs):
     strategy = _learner(self)
     if strategy is None or not hasattr(strategy, "begin_evict"):
         return original(self, params, *args, **kwargs)
-    with _evict_pass(strategy, params.num_tokens):
+    with _evict_pass(strategy, params.num_tokens, self):
         k = getattr(strategy, "sample_size", 0)
         if not k or len(self.evictable_leaves) <= k:
             return original(self, params, *args, **kwargs)
@@ -367,7 +372,7 @@ def around_evict_host(original, self, num_tokens, *args, **kwargs):
         return original(self, num_tokens, *args, **kwargs)
     leaves = list(self.evictable_host_leaves)
     try:
-        with _evict_pass(strategy, num_tokens):
+        with _evict_pass(strategy, num_tokens, self):
             return original(self, num_tokens, *args, **kwargs)
     finally:
         # a removed node is gone from its parent's children; its parent, removed after it
