@@ -4,12 +4,10 @@ and enforced by the plugin."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from plugin_process import refused, run_python
 from sglang_pic import compat, plugin
 from sglang_pic.compat import HOOK_KINDS, SEAMS, Seam, resolve
 from sglang_pic.compat.__main__ import section, updated
@@ -26,22 +24,6 @@ EVERY_CONDITION = {  # every condition of the table on, as variables the feature
     "SGLANG_PIC_STORE_TRACE": "1",
     "SGLANG_PIC_STORAGE_IDLE_YIELD_US": "100",
 }
-
-
-def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, **(env or {})})
-
-
-def _refused(setup: str) -> str:
-    """Run ``setup``, then SGLang's plugin loader, in a fresh interpreter; the process must stop
-    instead of serving. Returns its stderr."""
-    out = _run(setup + "\nfrom sglang.srt.plugins import load_plugins; load_plugins(); "
-               "print('SERVED')")
-    assert out.returncode != 0
-    assert "SERVED" not in out.stdout
-    assert "refusing to start" in out.stderr
-    return out.stderr
 
 
 def test_the_doc_holds_the_generated_table():
@@ -101,7 +83,7 @@ def test_every_row_applies_with_every_condition_on():
     trace, idle yield), the plugin registers every row: each hook target patched, each other row
     checked, and the count of targets it announces is the table's."""
     targets = {s.target for s in SEAMS if s.kind in HOOK_KINDS}
-    out = _run("from sglang.srt.plugins import load_plugins; load_plugins(); "
+    out = run_python("from sglang.srt.plugins import load_plugins; load_plugins(); "
                "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
                "from sglang_pic.compat import SEAMS, HOOK_KINDS; "
                "print(sorted(s.target for s in SEAMS if s.kind in HOOK_KINDS "
@@ -146,7 +128,7 @@ def test_no_target_string_outside_the_table():
 def test_a_missing_hook_target_stops_the_process_naming_feature_and_symbol():
     """A hook row whose target is gone from SGLang (a row moved to a name that does not exist)
     ends the process with the symbol and the feature named."""
-    err = _refused(
+    err = refused(
         "import dataclasses, sglang_pic.compat as c\n"
         "c.SEAMS = tuple(dataclasses.replace(s, target='sglang.srt.utils.auth.no_such_auth')\n"
         "    if s.feature == 'api-key' else s for s in c.SEAMS)")
@@ -156,7 +138,7 @@ def test_a_missing_hook_target_stops_the_process_naming_feature_and_symbol():
 def test_a_base_method_gone_stops_the_process_naming_feature_and_symbol():
     """An override whose SGLang base method is gone (our method would never be called) ends the
     process, naming the method and each feature whose subclass overrides it."""
-    err = _refused(
+    err = refused(
         "from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend as F\n"
         "del F._prepare_cuda_graph_metadata")
     assert ("sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend."
@@ -164,7 +146,7 @@ def test_a_base_method_gone_stops_the_process_naming_feature_and_symbol():
 
 
 def test_a_registry_entry_that_is_not_ours_stops_the_process():
-    err = _refused(
+    err = refused(
         "import dataclasses, sglang_pic.compat as c\n"
         "c.SEAMS = tuple(dataclasses.replace(s, key='no_such_backend') if s.kind == 'registry'\n"
         "    and s.key == 'pic_triton' and s.hook else s for s in c.SEAMS)")
@@ -172,7 +154,7 @@ def test_a_registry_entry_that_is_not_ours_stops_the_process():
 
 
 def test_a_row_whose_hook_cannot_be_imported_stops_the_process():
-    err = _refused(
+    err = refused(
         "import dataclasses, sglang_pic.compat as c\n"
         "c.SEAMS = tuple(dataclasses.replace(s, hook='sglang_pic.no_such_module:hook')\n"
         "    if s.feature == 'secret-redaction' and s.kind == 'AROUND' else s for s in c.SEAMS)")

@@ -2,27 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-
-def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240, env=None if env is None else {**os.environ, **env})
-
-
-def _refused(setup: str) -> str:
-    """Run ``setup``, then SGLang's plugin loader, in a fresh interpreter; the process must
-    stop instead of serving. Returns its stderr."""
-    out = _run(setup + "\nfrom sglang.srt.plugins import load_plugins; load_plugins(); "
-               "print('SERVED')")
-    assert out.returncode != 0
-    assert "SERVED" not in out.stdout
-    assert "refusing to start" in out.stderr
-    return out.stderr
+from plugin_process import refused, run_python
 
 
 def test_every_hook_of_the_plugin_applies():
@@ -36,7 +17,7 @@ def test_every_hook_of_the_plugin_applies():
             "trace = [s.target for s in for_feature('hicache-storage') "
             "if s.condition == 'ptstore_trace']; "
             "print(len(trace) == 2 and all(t in H._patched for t in trace))")
-    out = _run(code, {"SGLANG_PIC_STORE_TRACE": "1"})
+    out = run_python(code, {"SGLANG_PIC_STORE_TRACE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]
     assert "hooks verified" in out.stderr
@@ -45,7 +26,7 @@ def test_every_hook_of_the_plugin_applies():
 def test_missing_hook_target_stops_the_process_naming_symbol_and_feature():
     """A hook whose target moved in SGLang (simulated by deleting it) ends the process with a
     message naming the symbol and our feature; SGLang alone would only log it and serve."""
-    err = _refused("import sglang.srt.managers.tokenizer_manager as tm\n"
+    err = refused("import sglang.srt.managers.tokenizer_manager as tm\n"
                    "del tm.TokenizerManager.generate_request")
     assert "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request" in err
     assert "needed by request-validation, spans" in err
@@ -76,7 +57,7 @@ def test_a_feature_that_fails_to_register_stops_the_process():
     """An exception in a feature's registration (an ImportError from a moved SGLang module) is a
     SeamError naming the feature, under SGLang's own plugin loader: it would log and swallow an
     Exception and serve with the features registered before it."""
-    err = _refused("import sglang_pic.eviction as ev\n"
+    err = refused("import sglang_pic.eviction as ev\n"
                    "def broken(): raise ImportError('cannot import name X from sglang.srt.demo')\n"
                    "ev.register = broken")
     assert "refusing to start: feature eviction failed to register: ImportError" in err
@@ -86,9 +67,9 @@ def test_no_hook_target_is_wrapped_twice_by_default():
     """Two AROUND hooks of ours on one target make SGLang warn at every start; the second decode
     graph set of span requests hooks the graph runner only with --position-free-span-graphs."""
     code = ("from sglang.srt.plugins import load_plugins; load_plugins()")
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Multiple AROUND hooks" not in out.stderr
-    out = _run(code, {"SGLANG_PIC_SPAN_GRAPHS": "1"})
+    out = run_python(code, {"SGLANG_PIC_SPAN_GRAPHS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "_capture_one_stream" in out.stderr  # both graph sets hook it: SGLang says so

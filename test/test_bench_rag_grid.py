@@ -1,0 +1,54 @@
+"""``bench_rag_grid.py --combine``: the calls of one device run as one report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
+import bench_rag_grid  # noqa: E402
+
+
+def _cell(rate: float, ttft: float) -> dict:
+    return {"ideal": [3.0], "requests_per_s": [rate], "ttft_p50_ms": [ttft],
+            "ttft_p99_ms": [ttft], "peak_running": [8], "peak_used_tokens": [100],
+            "prompt_tokens": [1000], "stream_ttft_ms_all": [ttft], "stream_ttft_p50_ms": ttft,
+            "stream_ttft_p99_ms": ttft, "requests_per_s_median": rate,
+            "ttft_p50_ms_median": ttft, "ttft_p99_ms_median": ttft, "ideal_median": 3.0}
+
+
+def _report(tmp: Path, name: str, cells: list[str], variants: list[str], **params) -> str:
+    rates = {"vanilla": 2.0, "sglang-pic": 5.0}
+    doc = {"params": {"seed": 1, "burst": 64, "cells": cells, **params},
+           "results": {v: {"variant": v, "cells": {c: _cell(rates[v], 100.0 / rates[v])
+                                                  for c in cells}} for v in variants}}
+    path = tmp / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_combine_merges_each_variants_cells_across_calls(tmp_path):
+    """Vanilla's aligned cell from one call and its corner from another both reach the report,
+    with a summary row per cell; the run counts as one when the calls shared a machine."""
+    a = _report(tmp_path, "a.json", ["aligned"], ["vanilla"], bursts={"aligned": 128})
+    b = _report(tmp_path, "b.json", ["aligned"], ["sglang-pic"], bursts={"aligned": 128})
+    c = _report(tmp_path, "c.json", ["corner"], ["vanilla", "sglang-pic"])
+    out = tmp_path / "grid.json"
+    merged = bench_rag_grid.combine([a, b, c], str(out), one_machine=True)
+    assert sorted(merged["results"]["vanilla"]["cells"]) == ["aligned", "corner"]
+    assert sorted(merged["results"]["sglang-pic"]["cells"]) == ["aligned", "corner"]
+    rows = {r["cell"]: r for r in merged["summary"]}
+    assert rows["aligned"]["throughput_ratio"] == pytest.approx(2.5)
+    assert rows["corner"]["stream_ttft_p50_ratio"] == pytest.approx(2.5)
+    assert merged["merged_from_earlier_call"] and merged["one_machine"]
+    assert json.loads(out.read_text())["calls"][2]["cells"] == ["corner"]
+
+
+def test_combine_refuses_calls_run_with_other_settings(tmp_path):
+    a = _report(tmp_path, "a.json", ["aligned"], ["vanilla"])
+    b = _report(tmp_path, "b.json", ["corner"], ["sglang-pic"], seed=2)
+    with pytest.raises(SystemExit, match="different params"):
+        bench_rag_grid.combine([a, b], str(tmp_path / "grid.json"))
