@@ -232,6 +232,12 @@ def ptstore_args(argv: list[str], servers: str, server_key: str | None,
                              "(/get_server_info shows it): use "
                              f"{PTSTORE_TOKEN_FILE_FLAG} PATH or {PTSTORE_TOKEN_ENV}")
         config |= given
+    from sglang_pic.store.config import PTStoreConfig
+
+    try:
+        PTStoreConfig.from_extra(config)
+    except ValueError as e:
+        raise SystemExit(f"error: --hicache-storage-backend-extra-config: {e}") from None
     extra = [] if "--enable-hierarchical-cache" in argv else ["--enable-hierarchical-cache"]
     wanted = {"--hicache-storage-backend": "dynamic",
               "--hicache-storage-backend-extra-config": json.dumps(config)}

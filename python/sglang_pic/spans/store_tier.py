@@ -91,14 +91,18 @@ def unsupported_pool(pool: Any) -> str | None:
     return None
 
 
-def config_from_env() -> dict | None:
+def config_from_env():
+    """The tier's ``store.config.PTStoreConfig`` from ``SGLANG_PIC_SPAN_STORE`` (JSON, checked
+    as strictly as the HiCache extra config), or None when it is not set."""
     raw = os.environ.get(ENV)
     if not raw:
         return None
+    from sglang_pic.store.config import PTStoreConfig
+
     cfg = json.loads(raw)
-    if not isinstance(cfg, dict) or not cfg.get("servers"):
+    if not isinstance(cfg, dict):
         raise ValueError(f"{ENV} must be a JSON object with a non-empty 'servers' list")
-    return cfg
+    return PTStoreConfig.from_extra(cfg)
 
 
 class SpanStoreTier:
@@ -329,10 +333,9 @@ def create_span_store(cache: RadixCache, model: str, tp_size: int = 1,
     from sglang_pic.store.auth import SERVE_TOKEN_ENV, client_token
     from sglang_pic.store.client import StoreClient
 
-    client = StoreClient(list(cfg["servers"]), token=client_token(None, SERVE_TOKEN_ENV),
-                         server_key=cfg.get("server_key"),
-                         timeout_ms=int(cfg.get("timeout_ms", 2000)), shm=False)
+    client = StoreClient(list(cfg.servers), token=client_token(None, SERVE_TOKEN_ENV),
+                         server_key=cfg.server_key, timeout_ms=cfg.timeout_ms, shm=False)
     tier = SpanStoreTier(cache, client, model)
-    logger.info("span store: span pages go to PTStore %s (%d B per page)", cfg["servers"],
+    logger.info("span store: span pages go to PTStore %s (%d B per page)", list(cfg.servers),
                 tier.page_bytes)
     return tier

@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from .auth import SERVE_TOKEN_ENV, client_token
 from .client import StoreClient
+from .config import PTStoreConfig
 from .shm import address_of
 from .trace import trace
 
@@ -105,33 +106,21 @@ def _never_raise(failure):
 
 class PTStoreHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
-        extra = storage_config.extra_config or {}
-        servers = extra.get("servers")
-        if not servers or not isinstance(servers, list):
-            raise ValueError("PTStore backend: extra_config needs 'servers': [endpoints]")
-        if "token" in extra:
-            raise ValueError("PTStore backend: a token in extra_config is shown by "
-                             f"/get_server_info; set {SERVE_TOKEN_ENV} (sglang-pic serve "
-                             "--ptstore-token-file) instead")
-        self.client = StoreClient(servers, client_token(None, SERVE_TOKEN_ENV),
-                                  server_key=extra.get("server_key"),
-                                  timeout_ms=int(extra.get("timeout_ms", 2000)),
-                                  local=extra.get("local"),
-                                  replicate_after=int(extra.get("replicate_after", 2)),
-                                  shm=bool(extra.get("shm", True)),
-                                  shm_bytes=int(float(extra.get("shm_mb", 256)) * (1 << 20)),
-                                  data_plane=str(extra.get("data_plane", "auto")),
-                                  data_streams=int(extra.get("data_streams", 4)),
-                                  data_tls=bool(extra.get("data_tls", False)))
+        config = PTStoreConfig.from_extra(storage_config.extra_config)
+        self.client = StoreClient(list(config.servers), client_token(None, SERVE_TOKEN_ENV),
+                                  server_key=config.server_key, timeout_ms=config.timeout_ms,
+                                  local=config.local, replicate_after=config.replicate_after,
+                                  shm=config.shm, shm_bytes=int(config.shm_mb * (1 << 20)),
+                                  data_plane=config.data_plane,
+                                  data_streams=config.data_streams, data_tls=config.data_tls)
         self.client.prepare_shm()  # a no-op with "shm": false
-        switch_ms = extra.get("gil_switch_ms")
-        if switch_ms is not None:
-            self._set_switch_interval(float(switch_ms))
+        if config.gil_switch_ms is not None:
+            self._set_switch_interval(config.gil_switch_ms)
         model = "-".join((storage_config.model_name or "").split("/"))
         self.suffix = f"@{model}"
         if not storage_config.is_mla_model:
             self.suffix += f"@tp{storage_config.tp_rank}of{storage_config.tp_size}"
-        self.zero_copy = bool(extra.get("interface_v1", 0))
+        self.zero_copy = config.interface_v1
         self.blocks = 1  # memory blocks per page in the host pool (zero copy)
         self.stats = {"get_pages": 0, "get_hits": 0, "set_pages": 0, "set_bytes": 0}
 
