@@ -226,6 +226,8 @@ def test_sigterm_drains_and_stops_everything(fleet):
     (["--router-args=--health-check-interval-secs=x"], "--router-args: "
                                                        "--health-check-interval-secs: invalid"),
     (["--store-memory-gb", "100000"], "--store-memory-gb: 100000 GB is not in"),
+    (["--gpu-per-instance", "--base-gpu-id", "1"], "--base-gpu-id: with --gpu-per-instance"),
+    (["--gpu-per-instance"], "--gpu-per-instance: no GPU in this process"),
 ])
 def test_bad_flags_are_refused_in_one_line_before_anything_starts(args, needle, tmp_path):
     out = subprocess.run(_fleet_cmd("--log-dir", str(tmp_path / "logs"), *args),

@@ -104,6 +104,15 @@ class Fleet:
         shares that cannot fit together are refused (``UsageError``)."""
         n = self.config.instances
         given = value_of(self.config.serve_args, "--mem-fraction-static")
+        if self.config.gpu_per_instance:
+            if not on_gpu:
+                raise UsageError("--gpu-per-instance: no GPU in this process")
+            import torch
+
+            if n > torch.cuda.device_count():
+                raise UsageError(f"--gpu-per-instance: {n} instances need {n} GPUs, "
+                                 f"{torch.cuda.device_count()} are visible")
+            return []
         if not on_gpu or n == 1:
             return []
         if given is not None:
@@ -181,6 +190,8 @@ class Fleet:
             endpoints = ",".join(f"tcp://127.0.0.1:{p}" for p in c.store_ports)
             cmd += ["--ptstore", endpoints, "--ptstore-token-file", str(self.token_file)]
         cmd += [*gpu_args, *c.serve_args]
+        if c.gpu_per_instance:
+            cmd += ["--base-gpu-id", str(i)]
         return Child(f"instance {i}", "instance", cmd,
                      self._env(**{api_key.ENV: self.key}, **threads),
                      self.log_dir / f"instance-{i}.log", url,

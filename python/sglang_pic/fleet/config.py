@@ -84,6 +84,7 @@ class FleetConfig:
     router_args: list[str]
     start_timeout_s: float
     serve_args: list[str] = field(default_factory=list)
+    gpu_per_instance: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -175,6 +176,9 @@ def parser() -> _Parser:
                    help="more flags for the router, in one quoted string (e.g. "
                         "'--health-check-interval-secs 10'); see python -m "
                         "sglang_router.launch_router --help")
+    p.add_argument("--gpu-per-instance", action="store_true",
+                   help="instance i runs on GPU i with the whole of it (SGLang's "
+                        "--base-gpu-id); default: the instances share GPU 0")
     p.add_argument("--start-timeout", type=_positive, default=DEFAULT_START_TIMEOUT_S,
                    metavar="S", help="seconds an instance may take to start (default "
                                      f"{DEFAULT_START_TIMEOUT_S:.0f})")
@@ -207,7 +211,11 @@ def parse(argv: list[str]) -> FleetConfig | None:
         policy=args.policy, instance_ports=instance_ports, store_ports=store_ports,
         metrics_port=args.metrics_port or 0, store_memory_gb=args.store_memory_gb,
         api_key_file=args.api_key_file, log_dir=args.log_dir, router_args=router_args,
-        start_timeout_s=args.start_timeout, serve_args=rest)
+        start_timeout_s=args.start_timeout, serve_args=rest,
+        gpu_per_instance=args.gpu_per_instance)
+    if args.gpu_per_instance and any(a.split("=", 1)[0] == "--base-gpu-id" for a in rest):
+        raise UsageError("--base-gpu-id: with --gpu-per-instance the fleet gives instance i "
+                         "GPU i")
     assign_ports(config)
     return config
 
