@@ -1,0 +1,418 @@
+"""RAG through a fleet behind SGLang's router: vanilla SGLang instances with the router's
+cache-aware policy against an sglang-pic fleet (span caching, PTStore) with the same router.
+
+Sides, each started and stopped by this script, vanilla first (it sets the stream's rate):
+
+* ``vanilla``: N ``python3 -m sglang.launch_server`` on FlashInfer and
+  ``sglang_router.launch_router --policy cache_aware`` (loopback, no key); a request's documents
+  sorted, no markers, as a careful user would send them to share prefixes. On the CPU smoke run
+  its stand-in is ``sglang-pic fleet`` without spans or stores (SGLang needs our CPU support).
+* ``sglang-pic``: ``sglang-pic fleet --instances N --stores M --policy cache_aware
+  --enable-span-cache``: each document a span.
+* ``sglang-pic-rr``: the same fleet with ``--policy round_robin`` (the router's prefix match
+  does not see spans: how does spreading requests evenly compare).
+
+On one GPU the N instances share it (each 0.8/N of its memory); ``--gpus G`` runs one instance
+per GPU on G GPUs (``--gpu-per-instance``), for weak scaling on 2-8 GPU hosts.
+
+Workload: the cells of ``bench_rag_grid.py``. Per cell and side: ``samples`` closed bursts over
+fresh pools, then a Poisson stream over the last burst's documents at ``stream_load`` x
+vanilla's burst throughput. Recorded: requests/s, TTFT p50/p99 of each burst (the first
+streamed chunk), the stream's TTFT, the prompt tokens found cached per source (device, host,
+storage) from each response, and the share of requests each instance served (the router's
+per-worker counts), failed requests.
+
+    python3 benchmark/bench_fleet_rag.py --out $OUT --cells aligned,varlen_k6_p256_z07_t4
+    python3 benchmark/bench_fleet_rag.py --out $OUT --gpus 4 --instances 4    # one per GPU
+    .venv/bin/python benchmark/bench_fleet_rag.py --smoke   # CPU: SmolLM2, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, prompt
+from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
+
+REPO = Path(__file__).resolve().parent.parent
+SIDES = {  # side -> (fleet policy, span cache); vanilla is plain SGLang
+    "vanilla": ("cache_aware", False),
+    "sglang-pic": ("cache_aware", True),
+    "sglang-pic-rr": ("round_robin", True),
+}
+MODEL_FLAGS = {  # the device run: Llama-3-8B's shape with dummy weights, as bench_rag_grid's
+    "model_path": LLAMA3_8B_DUMMY["model_path"], "load_format": "dummy",
+    "skip_tokenizer_init": True, "dtype": "bfloat16", "context_length": 65536,
+}
+HEALTHY = re.compile(r'smg_worker_cb_state\{worker="[^"]+"\}\s+0\b')
+WORKER_COUNT = re.compile(r'smg_worker_cb_outcomes_total\{worker="([^"]+)",outcome="success"\}'
+                          r"\s+([0-9.e+]+)")
+
+
+def flags(kwargs: dict) -> list[str]:
+    """Engine keyword arguments as command-line flags."""
+    out = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False and v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+class Side:
+    """One side's processes (their own process group each), its router URL and API key."""
+
+    def __init__(self, name: str, args, smoke: bool, log_dir: Path) -> None:
+        self.name, self.args, self.smoke, self.log_dir = name, args, smoke, log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.ports = _distinct_ports(2 + 2 * args.instances + args.stores)
+        self.port, self.metrics_port = self.ports[0], self.ports[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key = "sk-" + secrets.token_hex(16)
+        self.key_file = log_dir / f"{name}.key"
+        self.key_file.write_text(self.key)
+        self.key_file.chmod(0o600)
+        self.instance_urls: list[str] = []
+
+    def _spawn(self, cmd: list[str], log: str, env: dict | None = None) -> None:
+        out = open(self.log_dir / log, "w")  # noqa: SIM115 - the child writes it until stop()
+        self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **(env or {})}, cwd=REPO,
+                                           start_new_session=True))
+
+    def start(self) -> float:
+        """Start the side; return the seconds until its router answered."""
+        t0 = time.perf_counter()
+        policy, spans = SIDES.get(self.name, ("cache_aware", False))
+        n, model = self.args.instances, [] if self.smoke else flags(MODEL_FLAGS)
+        if self.name == "vanilla" and not self.smoke:
+            ports = self.ports[2:2 + n]
+            for i, p in enumerate(ports):
+                share = ["--base-gpu-id", str(i)] if self.args.gpus > 1 else \
+                    ["--mem-fraction-static", f"{0.8 / n:.3f}"]
+                self._spawn([sys.executable, "-m", "sglang.launch_server", *model,
+                             "--attention-backend", "flashinfer", "--host", "127.0.0.1",
+                             "--port", str(p), *share],
+                            f"vanilla-{i}.log")
+            self.instance_urls = [f"http://127.0.0.1:{p}" for p in ports]
+            self._wait(lambda: all(_get(u + "/health", self.key) == 200
+                                   for u in self.instance_urls))
+            self._spawn([sys.executable, "-m", "sglang_router.launch_router", "--host",
+                         "127.0.0.1", "--port", str(self.port), "--policy", policy,
+                         "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                         str(self.metrics_port), "--worker-urls",
+                         *self.instance_urls], "vanilla-router.log")
+        else:  # our fleet; on the CPU smoke run also vanilla's stand-in (no spans, no store)
+            stores = self.args.stores if spans else 0
+            fleet_dir = self.log_dir / f"{self.name}-fleet"
+            instance_ports, store_ports = self.ports[2:2 + n], self.ports[2 + n:2 + n + stores]
+            cmd = [sys.executable, "-m", "sglang_pic", "fleet", "--instances", str(n),
+                   "--stores", str(stores), "--policy", policy, "--port", str(self.port),
+                   "--metrics-port", str(self.metrics_port), "--instance-ports",
+                   ",".join(map(str, instance_ports)), "--api-key-file", str(self.key_file),
+                   "--log-dir", str(fleet_dir), *model,
+                   *(["--store-ports", ",".join(map(str, store_ports))] if stores else []),
+                   *(["--enable-span-cache"] if spans else [])]
+            if self.args.gpus > 1:
+                cmd.append("--gpu-per-instance")
+            if self.smoke:
+                cmd += flags(SMOKE["engine_kwargs"])
+            self._spawn(cmd, f"{self.name}-fleet.log",
+                        env={"PYTHONPATH": os.pathsep.join(
+                            [str(REPO / "python"), os.environ.get("PYTHONPATH", "")])})
+            self._wait(lambda: (fleet_dir / "fleet.json").exists())  # written once all are up
+        self._wait(lambda: self.healthy_workers() >= n)
+        return time.perf_counter() - t0
+
+    def _wait(self, ready) -> None:
+        deadline = time.monotonic() + self.args.start_timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"{self.name}: a process exited while starting; logs in "
+                                   f"{self.log_dir}")
+            if ready():
+                return
+            time.sleep(2)
+        raise RuntimeError(f"{self.name}: not up after {self.args.start_timeout:.0f} s; logs in "
+                           f"{self.log_dir}")
+
+    def _metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
+    def worker_counts(self) -> dict[str, float]:
+        """Requests each instance served so far (the router's count per worker)."""
+        return {w: float(c) for w, c in WORKER_COUNT.findall(self._metrics())}
+
+    def healthy_workers(self) -> int:
+        """Workers the router takes requests for (its circuit breaker closed)."""
+        return len(HEALTHY.findall(self._metrics()))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _distinct_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def _get(url: str, key: str) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+async def one_request(session, side: Side, ids: list[int], sp: dict) -> dict:
+    """One streamed ``/generate`` through the router: TTFT, latency, cached tokens by source."""
+    body = {"input_ids": ids, "sampling_params": sp, "stream": True}
+    t0 = time.perf_counter()
+    out = {"ttft": None, "latency": None, "cached": {}, "error": None}
+    try:
+        async with session.post(side.url + "/generate", json=body,
+                                headers={"Authorization": f"Bearer {side.key}"}) as r:
+            if r.status != 200:
+                out["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return out
+            last = None
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                if out["ttft"] is None:
+                    out["ttft"] = time.perf_counter() - t0
+                last = line
+            if last is not None:
+                meta = json.loads(last[6:]).get("meta_info", {})
+                out["cached"] = meta.get("cached_tokens_details") or {
+                    "device": meta.get("cached_tokens", 0)}
+    except Exception as e:  # noqa: BLE001 - a failed request is recorded, the run goes on
+        out["error"] = repr(e)
+    out["latency"] = time.perf_counter() - t0
+    return out
+
+
+async def burst(side: Side, prompts: list[list[int]], sp: dict) -> tuple[list[dict], float]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one_request(s, side, p, sp) for p in prompts))
+        return outs, time.perf_counter() - t0
+
+
+async def stream(side: Side, prompts: list[list[int]], sp: dict, rate: float, rng) -> list:
+    import aiohttp
+
+    async def later(s, delay: float, p: list[int]) -> dict:
+        await asyncio.sleep(delay)
+        return await one_request(s, side, p, sp)
+
+    delays, at = [], 0.0
+    for _ in prompts:
+        at += float(rng.exponential(1.0 / rate))
+        delays.append(at)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        return await asyncio.gather(*(later(s, d, p) for d, p in zip(delays, prompts,
+                                                                      strict=True)))
+
+
+def _summed(outs: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for o in outs:
+        for source, n in (o["cached"] or {}).items():
+            if isinstance(n, int):
+                total[source] = total.get(source, 0) + n
+    return total
+
+
+def run_side(side: Side, params: dict, rates: dict, progress) -> dict:
+    """Every cell of ``params`` on a started side."""
+    import numpy as np
+
+    spans = side.name != "vanilla"
+    sp = {"max_new_tokens": params["output_tokens"], "temperature": 0, "ignore_eos": True}
+    result: dict = {"cells": {}}
+    for name in params["cells"]:
+        cell = CELLS[name]
+        rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
+        out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [], "ttft_p99_ms": [],
+                     "cached_tokens": [], "prompt_tokens": [], "per_instance": [],
+                     "errors": 0}
+        draw = None
+        for _ in range(params["samples"]):
+            draw = draw_requests(rng, cell, params["burst"], params)
+            before = side.worker_counts()
+            outs, elapsed = asyncio.run(burst(side, [prompt(draw, r, spans)
+                                                     for r in draw["requests"]], sp))
+            after = side.worker_counts()
+            ok = [o for o in outs if o["error"] is None and o["ttft"] is not None]
+            out["errors"] += len(outs) - len(ok)
+            out["ideal"].append(ideal(draw))
+            out["requests_per_s"].append(len(ok) / elapsed)
+            ttfts = [o["ttft"] for o in ok] or [float("nan")]
+            out["ttft_p50_ms"].append(1000 * percentile(ttfts, 50))
+            out["ttft_p99_ms"].append(1000 * percentile(ttfts, 99))
+            out["cached_tokens"].append(_summed(ok))
+            out["prompt_tokens"].append(sum(len(prompt(draw, r, False))
+                                            for r in draw["requests"]))
+            out["per_instance"].append({w: after.get(w, 0) - before.get(w, 0) for w in after})
+            out["first_errors"] = [o["error"] for o in outs if o["error"]][:3]
+        capacity = statistics.median(out["requests_per_s"])
+        if side.name == "vanilla":
+            rates[name] = params["stream_load"] * capacity
+        if rates.get(name) and params["stream"] and draw is not None:
+            later = draw_requests(rng, cell, params["stream"], params, over=draw)
+            outs = asyncio.run(stream(side, [prompt(later, r, spans)
+                                             for r in later["requests"]], sp, rates[name],
+                                      rng))
+            ok = [o["ttft"] for o in outs if o["error"] is None and o["ttft"] is not None]
+            out["errors"] += len(outs) - len(ok)
+            out["stream_rate"] = rates[name]
+            out["stream_ttft_ms_all"] = [round(1000 * t, 2) for t in ok]
+            if ok:
+                out["stream_ttft_p50_ms"] = 1000 * percentile(ok, 50)
+                out["stream_ttft_p99_ms"] = 1000 * percentile(ok, 99)
+        for key in ("requests_per_s", "ttft_p50_ms", "ideal"):
+            out[f"{key}_median"] = statistics.median(out[key])
+        result["cells"][name] = out
+        progress(f"[fleet-rag] {side.name} {name}: {capacity:.2f} req/s, TTFT p50 "
+                 f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
+                 f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, per instance "
+                 f"{out['per_instance'][-1]}, cached {out['cached_tokens'][-1]}, errors "
+                 f"{out['errors']}")
+    return result
+
+
+def summarize(report: dict) -> list[dict]:
+    res = report["results"]
+    van = res.get("vanilla", {}).get("cells", {})
+    rows = []
+    for side, r in res.items():
+        if side == "vanilla" or "cells" not in r:
+            continue
+        for name, c in r["cells"].items():
+            v = van.get(name)
+            if not v:
+                continue
+            row = {"side": side, "cell": name, "ideal": c["ideal_median"],
+                   "requests_per_s": c["requests_per_s_median"],
+                   "throughput_ratio": c["requests_per_s_median"]
+                   / v["requests_per_s_median"],
+                   "ttft_p50_ratio": v["ttft_p50_ms_median"] / c["ttft_p50_ms_median"],
+                   "errors": c["errors"], "vanilla_errors": v["errors"]}
+            if "stream_ttft_p50_ms" in c and "stream_ttft_p50_ms" in v:
+                row["stream_ttft_p50_ratio"] = v["stream_ttft_p50_ms"] / c["stream_ttft_p50_ms"]
+            rows.append(row)
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"\n{'side':<16}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
+          f"{'stream x':>9}{'errors':>8}")
+    for r in rows:
+        print(f"{r['side']:<16}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
+              f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
+              f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
+              f"{r['errors']:>5}/{r['vanilla_errors']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
+    ap.add_argument("--name", default="fleet_rag", help="the report's file name")
+    ap.add_argument("--sides", default="vanilla,sglang-pic",
+                    help=f"any of {', '.join(SIDES)}; vanilla runs first (the stream's rate)")
+    ap.add_argument("--cells", default="aligned,varlen_k6_p256_z07_t4",
+                    help=f"cells of bench_rag_grid.py: {', '.join(CELLS)}")
+    ap.add_argument("--instances", type=int, default=2, help="instances per side")
+    ap.add_argument("--stores", type=int, default=2, help="store servers of our fleet")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="1: the instances share GPU 0; G > 1: one instance per GPU")
+    ap.add_argument("--samples", type=int, default=PARAMS["samples"])
+    ap.add_argument("--burst", type=int, default=64)
+    ap.add_argument("--stream", type=int, default=64)
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
+    args = ap.parse_args()
+    sides = args.sides.split(",")
+    cells = args.cells.split(",")
+    if set(sides) - set(SIDES) or set(cells) - set(CELLS):
+        ap.error(f"unknown sides or cells: {sorted(set(sides) - set(SIDES))} "
+                 f"{sorted(set(cells) - set(CELLS))}")
+    if args.gpus > 1 and args.instances != args.gpus:
+        ap.error("--gpus G runs one instance per GPU: give --instances G")
+    params = {**PARAMS, "samples": args.samples, "burst": args.burst, "stream": args.stream,
+              "cells": cells}
+    if args.smoke:
+        params = {**PARAMS, **SMOKE["params"], "cells": ["smoke"]}
+        args.out = args.out or smoke_dir()
+    out_dir = Path(args.out) if args.out else REPO / "benchmark" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{args.name}{'_cpu_smoke' if args.smoke else ''}.json"
+    report = {"benchmark": "bench_fleet_rag", "environment": environment(),
+              "config": {"instances": args.instances, "stores": args.stores,
+                         "gpus": args.gpus, "sides": sides, "smoke": args.smoke,
+                         "model": "SmolLM2-135M (CPU)" if args.smoke else MODEL_FLAGS},
+              "params": params, "results": {}}
+    rates: dict = {}
+    with tempfile.TemporaryDirectory(prefix="fleet-rag-") as tmp:
+        log_dir = Path(tmp)
+        for name in sides:
+            side = Side(name, args, args.smoke, log_dir)
+            try:
+                start_s = side.start()
+                print(f"[fleet-rag] {name} up in {start_s:.0f} s", flush=True)
+                report["results"][name] = {"start_s": start_s,
+                                           **run_side(side, params, rates,
+                                                      lambda m: print(m, flush=True))}
+            except Exception as e:
+                report["results"][name] = {"error": repr(e)}
+                for log in sorted(log_dir.glob(f"{name}*.log")):
+                    print(f"--- {log.name}\n{log.read_text()[-3000:]}", flush=True)
+                raise
+            finally:
+                side.stop()
+                report["summary"] = summarize(report)
+                path.write_text(json.dumps(report, indent=1))
+    print_summary(report["summary"])
+    print(f"[bench] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
