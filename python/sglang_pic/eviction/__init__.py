@@ -7,8 +7,9 @@ In SGLang (the ``eviction`` rows of the seam table, ``sglang_pic.compat``):
    (``sae.SAEStrategy``), ``gdsf``, ``s3fifo`` and ``tlru`` (``baselines``) in SGLang's
    eviction-policy table ``sglang.srt.mem_cache.utils._EVICTION_POLICY_FACTORIES`` and as
    ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
-2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to policies
-   that learn from them; SGLang's own policies are untouched.
+2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to the
+   cache's policy through ``policy.CachePolicy``; SGLang's own policies are seen through an
+   adapter whose events do nothing (``policy.as_policy``), so they are untouched.
 
 ``register()`` does the first; the plugin registers the hooks. A program that replays traces
 without a server calls ``sglang_pic.plugin.register_feature("eviction")``, which does both.

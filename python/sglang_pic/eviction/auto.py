@@ -35,10 +35,11 @@ import random
 import time
 from collections import OrderedDict
 
-from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
+from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
 from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
+from .policy import CachePolicy, as_policy
 from .shadow import DROPS, ShadowCache, clear_path, mark_dropped
 
 EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
@@ -59,7 +60,7 @@ GHOST_CAPACITY = 32768
 """Evicted block keys remembered (each with its expert and eviction serial)."""
 
 
-class AutoStrategy(EvictionStrategy):
+class AutoStrategy(CachePolicy):
     name = "auto"
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, learning_rate: float = LEARNING_RATE,
@@ -79,6 +80,9 @@ class AutoStrategy(EvictionStrategy):
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self.experts = {name: makers[name]() for name in experts}
         self.names = list(experts)
+        # the experts as policies, in ``names``' order: the events go to these (SGLang's
+        # ``lru`` through its adapter); ``get_priority`` is the expert's own
+        self.policies = [as_policy(self.experts[name]) for name in self.names]
         self.weights = [1.0 / len(experts)] * len(experts)
         self.learning_rate = learning_rate
         self.greedy = greedy
@@ -90,7 +94,6 @@ class AutoStrategy(EvictionStrategy):
         self.chosen = 0
         self.choices = [0] * len(experts)
         self.regrets = [0.0] * len(experts)
-        self._learners = [s for s in self.experts.values() if hasattr(s, "on_evict")]
         self._now_fn = time.monotonic
         self.real_cache = None  # the tree this policy orders: set by the hooks before use
         self._voters = 0  # this pass: bit mask of the experts whose drops count
@@ -103,7 +106,7 @@ class AutoStrategy(EvictionStrategy):
         None with shadow selection: a sample could miss the leaves the experts dropped."""
         if self.selection == "shadow":
             return 0
-        return getattr(self.experts[self.names[self.chosen]], "sample_size", 0)
+        return self.policies[self.chosen].sample_size
 
     @property
     def now_fn(self):
@@ -112,10 +115,9 @@ class AutoStrategy(EvictionStrategy):
     @now_fn.setter
     def now_fn(self, fn) -> None:
         self._now_fn = fn
-        shadows = [shadow.strategy for shadow in self.shadows or ()]
-        for s in [*self.experts.values(), *shadows]:
-            if hasattr(s, "now_fn"):
-                s.now_fn = fn
+        shadows = [as_policy(shadow.strategy) for shadow in self.shadows or ()]
+        for s in [*self.policies, *shadows]:
+            s.now_fn = fn
 
     @property
     def evict_need(self):
@@ -123,9 +125,8 @@ class AutoStrategy(EvictionStrategy):
 
     @evict_need.setter
     def evict_need(self, need) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "evict_need"):
-                s.evict_need = need
+        for s in self.policies:
+            s.evict_need = need
 
     def weight_of(self) -> dict[str, float]:
         return dict(zip(self.names, self.weights, strict=True))
@@ -149,14 +150,12 @@ class AutoStrategy(EvictionStrategy):
         else:
             self.chosen = self.rng.choices(range(len(self.names)), weights=self.weights)[0]
         self.choices[self.chosen] += 1
-        for s in self.experts.values():
-            if hasattr(s, "begin_evict"):
-                s.begin_evict()
+        for s in self.policies:
+            s.begin_evict()
 
     def end_evict(self) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "end_evict"):
-                s.end_evict()
+        for s in self.policies:
+            s.end_evict()
 
     def _leader(self) -> str:
         """The expert the cache follows: the shadows' choice, or (``regret``) the heaviest."""
@@ -236,21 +235,20 @@ class AutoStrategy(EvictionStrategy):
             self.ghost.move_to_end(key)
             if len(self.ghost) > self.ghost_capacity:
                 self.ghost.popitem(last=False)
-        for s in self._learners:
+        for s in self.policies:
             s.on_evict(node)
 
     def on_demote(self, node) -> None:
-        for s in self._learners:
-            (getattr(s, "on_demote", None) or s.on_evict)(node)
+        for s in self.policies:
+            s.on_demote(node)
 
     def on_insert(self, node, ctx, offset: int, is_new: bool) -> None:
         if is_new and self.selection == "regret":
             blamed = self.ghost.pop(block_key(node), None)
             if blamed is not None:
                 self._regret(*blamed)
-        for s in self.experts.values():
-            if hasattr(s, "on_insert"):
-                s.on_insert(node, ctx, offset, is_new)
+        for s in self.policies:
+            s.on_insert(node, ctx, offset, is_new)
 
     def _regret(self, expert: int, serial: int) -> None:
         age = self.evictions - serial
@@ -263,24 +261,20 @@ class AutoStrategy(EvictionStrategy):
         self.weights = [w / total for w in weights]
 
     def on_hit(self, node, tokens: int, ctx) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "on_hit"):
-                s.on_hit(node, tokens, ctx)
+        for s in self.policies:
+            s.on_hit(node, tokens, ctx)
 
     def on_split(self, head, tail) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "on_split"):
-                s.on_split(head, tail)
+        for s in self.policies:
+            s.on_split(head, tail)
 
     def on_match(self, nodes: list, ctx, tokens=None) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "on_match"):
-                s.on_match(nodes, ctx, tokens)
+        for s in self.policies:
+            s.on_match(nodes, ctx, tokens)
 
     def on_request(self, ctx, now: float) -> None:
-        for s in self.experts.values():
-            if hasattr(s, "on_request"):
-                s.on_request(ctx, now)
+        for s in self.policies:
+            s.on_request(ctx, now)
 
     def dump_stats(self, path: str) -> None:
         sae = self.experts.get("sae")

@@ -1,7 +1,8 @@
 """Strong baselines SGLang 0.5.17 does not ship, as radix-cache eviction policies.
 
 SGLang evicts the leaf with the lowest ``get_priority(node)`` (``RadixCache.evict``), so a policy
-is a priority function; these two also learn from evictions through ``on_evict`` (our hooks).
+is a priority function; these also learn from the cache's events (``policy.CachePolicy``, reported
+by our hooks).
 
 - ``gdsf`` (Greedy-Dual-Size-Frequency, Cherkasova 1998): ``H = L + F * C / S``; F = hits + 1,
   S = tokens, C = the block's recompute cost (linear layers plus attention over its offset), and
@@ -19,19 +20,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sglang.srt.mem_cache.evict_policy import EvictionStrategy
-
 from sglang_pic.server_flags import setting
 
 from .context import block_key, block_offset
+from .policy import CachePolicy
 
 # Offset (tokens) at which a token's attention costs as much as its linear layers; ~30K for
 # Llama-3-8B (16 GFLOP/token of weights vs 4 * 4096 * 32 FLOP per token of context).
 ATTENTION_CROSSOVER_TOKENS = 30000.0
 
 
-class GDSFStrategy(EvictionStrategy):
+class GDSFStrategy(CachePolicy):
     name = "gdsf"
+    # the hooks leave its inserted blocks unmarked: ``block_offset`` in its cost is the offset a
+    # split gave a block, else 0 (the attention term counts the block's own tokens)
+    records_offsets = False
 
     def __init__(self) -> None:
         self.inflation = 0.0
@@ -54,7 +57,7 @@ class GDSFStrategy(EvictionStrategy):
         self.inflation = max(self.inflation, getattr(node, "gdsf_h", self.inflation))
 
 
-class S3FIFOStrategy(EvictionStrategy):
+class S3FIFOStrategy(CachePolicy):
     name = "s3fifo"
 
     def __init__(self, ghost_capacity: int = 65536) -> None:
@@ -87,7 +90,7 @@ class S3FIFOStrategy(EvictionStrategy):
 # T-LRU is LRU. The replay's ``tlru`` sets its own (``simulator.ABLATIONS``).
 
 
-class TLRUStrategy(EvictionStrategy):
+class TLRUStrategy(CachePolicy):
     """Tail-Optimized LRU (Zhang, Li, Moallemi, Peng, "Tail-Optimized Caching for LLM
     Inference", NeurIPS'25, arXiv:2510.15152), the rule of SGLang's ``TLRUStrategy``
     (``python/sglang/srt/mem_cache/evict_policy.py``, sgl-project/sglang PR #34012, "Add
@@ -141,6 +144,3 @@ class TLRUStrategy(EvictionStrategy):
     def on_split(self, head, tail) -> None:
         head.tlru_history_len = max(getattr(head, "tlru_history_len", 0),
                                     getattr(tail, "tlru_history_len", 0))
-
-    def on_evict(self, node) -> None:
-        """Nothing to learn; present so the hooks report inserts and splits to this policy."""

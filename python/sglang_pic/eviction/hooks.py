@@ -1,8 +1,9 @@
 """How learning eviction policies see cache events: hooks on SGLang's ``RadixCache``.
 
 SGLang's eviction policies are pure priority functions (``EvictionStrategy.get_priority``); ours
-also learn from what happens to blocks. Three AROUND hooks (HookRegistry) report those events to
-the cache's strategy when it has the matching method, and do nothing for SGLang's own policies:
+also learn from what happens to blocks. AROUND hooks (HookRegistry) report those events to the
+cache's policy, the ``CachePolicy`` (``policy``) its strategy is (``as_policy``: SGLang's own
+policies get an adapter whose events do nothing):
 
 - ``RadixCache.match_prefix``: ``on_hit(node, tokens, ctx)`` for every matched node, once per
   request: the scheduler matches a waiting request on every round, so the latest match is kept
@@ -12,12 +13,13 @@ the cache's strategy when it has the matching method, and do nothing for SGLang'
 - ``RadixCache.insert``: ``on_match(nodes, ctx)`` with the request's admitted match (deepest
   node first; in the trace replay, where the match is a hit at once, from ``match_prefix``
   before its ``on_hit`` calls) and ``on_request(ctx, now)`` once per request, then
-  ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path;
+  ``on_store`` and ``on_insert(node, ctx, offset, is_new)`` for every node on the inserted path
+  (top-down, each marked with its offset first where the policy ``records_offsets``);
 - ``RadixCache._delete_leaf``: ``on_evict(node)``;
 - ``RadixCache._split_node``: ``on_split(head, tail)`` (SGLang cuts a node in two when a new key
   diverges inside it; the policy re-derives what each half holds);
 - ``RadixCache.evict``: ``begin_evict()`` / ``end_evict()`` around a pass, so a policy reads the
-  clock once per pass rather than once per leaf; a policy with ``sample_size`` has SGLang's
+  clock once per pass rather than once per leaf; a policy with a ``sample_size`` has SGLang's
   evict run over random samples of that many leaves (``_sampled_evict``).
 
 With ``--enable-hierarchical-cache`` SGLang uses ``HiRadixCache``, which overrides
@@ -25,12 +27,12 @@ With ``--enable-hierarchical-cache`` SGLang uses ``HiRadixCache``, which overrid
 same hooks are registered on those overrides (its ``insert`` returns no last node, so the inserted
 path is found by a read-only walk). Its match's host-tier part (down to ``last_host_node``) is
 reported as hits too; ``_evict_backuped`` - a device eviction that keeps the block on the host
-tier - is ``on_demote`` for a policy that has it (the block is still cached), else ``on_evict``;
+tier - is ``on_demote`` (by default ``on_evict``; ``sae`` counts the block as still cached);
 ``evict_host`` (ordered by SGLang with the policy's ``get_priority``) is one evict pass for the
 policy and reports ``on_evict`` for every block it removes from the tree, as does
 ``_drop_subtree_no_host`` (``write_back`` finding no host room drops a subtree from both tiers).
-What write-through copies to the host tier is the policy's too: ``write_backup`` asks a policy
-with ``worth_host_copy(node)`` first (``sae`` defers the blocks it would evict first until they
+What write-through copies to the host tier is the policy's too: ``write_backup`` asks the
+policy's ``worth_host_copy(node)`` first (``sae`` defers the blocks it would evict first until they
 are reused); ``write_back``'s copies, of blocks the device evict has chosen, are not asked.
 
 With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_prefix`` runs
@@ -56,6 +58,7 @@ import time
 
 from . import context as ctxmod
 from . import segmentation
+from .policy import CachePolicy, as_policy
 
 _MAX_SEEN = 4096
 # with SGLANG_PIC_SAE_STATS: the scheduler's batches and busy time (the time from one batch to
@@ -64,9 +67,12 @@ SCHEDULER_STEPS = {"steps": 0, "busy_seconds": 0.0}
 _last_step: list[float] = []
 
 
-def _learner(cache):
+def _learner(cache) -> CachePolicy | None:
+    """The policy of ``cache`` the events go to; None for a cache without an eviction strategy.
+    The cache's ``eviction_strategy`` itself is left as it is: SGLang orders evictions with its
+    ``get_priority``."""
     strategy = getattr(cache, "eviction_strategy", None)
-    return strategy if hasattr(strategy, "on_evict") else None
+    return None if strategy is None else as_policy(strategy)
 
 
 def request_context(req) -> ctxmod.RequestContext:
@@ -109,7 +115,7 @@ def _path_up(cache, node):
         node = node.parent
 
 
-def _now(strategy, ctx) -> float:
+def _now(strategy: CachePolicy, ctx) -> float:
     return ctx.now if ctx is not None and ctx.now is not None else strategy.now_fn()
 
 
@@ -142,7 +148,7 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     finally:
         ctxmod.matching.reset(token)
     strategy = _learner(self)
-    if strategy is None or not hasattr(strategy, "on_hit"):
+    if strategy is None:
         return result
     req = getattr(params, "req", None)
     ctx = ctxmod.current()
@@ -154,12 +160,10 @@ def around_match_prefix(original, self, params, *args, **kwargs):
             # before it runs a span prefill); the request itself reports its match
             return result
         nodes = _matched_nodes(self, result)  # the trace replay: a hit now
-        if hasattr(strategy, "on_match"):
-            strategy.on_match(nodes, ctx, params.key.token_ids)
+        strategy.on_match(nodes, ctx, params.key.token_ids)
         for node in nodes:
             strategy.on_hit(node, len(node.key), ctx)
-        if hasattr(strategy, "on_lookup"):
-            strategy.on_lookup(params.key.token_ids, ctx, self.page_size)
+        strategy.on_lookup(params.key.token_ids, ctx, self.page_size)
         return result
     # The scheduler matches a waiting request on every scheduling round; what it reuses is the
     # match of the round that admits it, which may include blocks another request inserted
@@ -175,7 +179,7 @@ def around_match_prefix(original, self, params, *args, **kwargs):
     return result
 
 
-def _report_pending_hits(cache, strategy, ctx) -> None:
+def _report_pending_hits(cache, strategy: CachePolicy, ctx) -> None:
     """The admitted match of request ``ctx.rid`` (``around_match_prefix``), as hits."""
     matched = cache.__dict__.get("_pic_pending_hits", {}).pop(ctx.rid, None)
     if matched is None or not _first_time(cache, "_pic_hit_counted", ctx.rid):
@@ -212,36 +216,33 @@ def around_insert(original, self, params, *args, **kwargs):
     if strategy is None or ctx is None:
         return original(self, params, *args, **kwargs)
     if _first_report(self, ctx):
-        if hasattr(strategy, "on_match") and ctx.rid is not None:
+        if ctx.rid is not None:
             # the admitted match (reported as hits just below), deepest node first
             matched = self.__dict__.get("_pic_pending_hits", {}).get(ctx.rid, ())
             strategy.on_match([node for node, _ in matched], ctx, params.key.token_ids)
-        if hasattr(strategy, "on_request"):
-            strategy.on_request(ctx, _now(strategy, ctx))
-        if ctx.rid is not None and hasattr(strategy, "on_hit") and not ctx.on_behalf:
+        strategy.on_request(ctx, _now(strategy, ctx))
+        if ctx.rid is not None and not ctx.on_behalf:
             # (a span prefill's match is not a reuse: the requests it runs for match the
             # blocks themselves)
             _report_pending_hits(self, strategy, ctx)
-            if hasattr(strategy, "on_lookup"):  # the prompt, as the request's own lookup
-                strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx,
-                                   self.page_size)
+            # the prompt, as the request's own lookup
+            strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx,
+                               self.page_size)
     result = original(self, params, *args, **kwargs)
-    if hasattr(strategy, "real_cache"):
-        strategy.real_cache = self
-    if hasattr(strategy, "on_store"):
-        strategy.on_store(params.key.token_ids, ctx, self.page_size,
-                          self.evictable_size() + self.protected_size())
-    if hasattr(strategy, "on_insert"):
-        last = result.last_device_node
-        if last is None:
-            last = _end_of_path(self, params.key)
-        offset = 0
-        for node in reversed(list(_path_up(self, last))):
-            is_new = not hasattr(node, "_pic_seen")
+    strategy.real_cache = self
+    strategy.on_store(params.key.token_ids, ctx, self.page_size,
+                      self.evictable_size() + self.protected_size())
+    last = result.last_device_node
+    if last is None:
+        last = _end_of_path(self, params.key)
+    offset = 0
+    for node in reversed(list(_path_up(self, last))):
+        is_new = not hasattr(node, "_pic_seen")
+        if strategy.records_offsets:
             node._pic_seen = True
             node._pic_offset = offset
-            strategy.on_insert(node, ctx, offset, is_new)
-            offset += len(node.key)
+        strategy.on_insert(node, ctx, offset, is_new)
+        offset += len(node.key)
     return result
 
 
@@ -274,12 +275,12 @@ def around_delete_leaf(original, self, node, *args, **kwargs):
 
 
 def around_evict_backuped(original, self, node, *args, **kwargs):
-    """HiCache drops a block's device copy and keeps it on the host tier: a policy with
-    ``on_demote`` counts the block as still cached (its eviction is the host tier's,
-    ``around_evict_host``); for the others it is an eviction, as before."""
+    """HiCache drops a block's device copy and keeps it on the host tier: ``on_demote`` (a
+    policy may count the block as still cached, its eviction then being the host tier's,
+    ``around_evict_host``; by default it is an eviction)."""
     strategy = _learner(self)
     if strategy is not None:
-        (getattr(strategy, "on_demote", None) or strategy.on_evict)(node)
+        strategy.on_demote(node)
     return original(self, node, *args, **kwargs)
 
 
@@ -287,36 +288,32 @@ class _evict_pass:
     """``begin_evict`` / ``end_evict`` around the outermost of nested passes (HiCache's device
     evict can write a block back, which can evict from the host tier)."""
 
-    def __init__(self, strategy, need: int | None = None, tree=None) -> None:
-        self.strategy = strategy if hasattr(strategy, "begin_evict") else None
+    def __init__(self, strategy: CachePolicy, need: int | None = None, tree=None) -> None:
+        self.strategy = strategy
         self.need = need
         self.tree = tree
 
     def __enter__(self) -> None:
         s = self.strategy
-        if s is not None:
-            s._pic_pass_depth = getattr(s, "_pic_pass_depth", 0) + 1
-            if s._pic_pass_depth == 1:
-                if hasattr(s, "real_cache"):  # a policy that reads the tree it orders
-                    s.real_cache = self.tree
-                s.begin_evict()
-                if hasattr(s, "evict_need"):
-                    s.evict_need = self.need
+        s.evict_depth += 1
+        if s.evict_depth == 1:
+            s.real_cache = self.tree  # for a policy that reads the tree it orders
+            s.begin_evict()
+            s.evict_need = self.need
 
     def __exit__(self, *exc) -> None:
         s = self.strategy
-        if s is not None:
-            s._pic_pass_depth -= 1
-            if s._pic_pass_depth == 0:
-                s.end_evict()
+        s.evict_depth -= 1
+        if s.evict_depth == 0:
+            s.end_evict()
 
 
 def around_evict(original, self, params, *args, **kwargs):
     strategy = _learner(self)
-    if strategy is None or not hasattr(strategy, "begin_evict"):
+    if strategy is None:
         return original(self, params, *args, **kwargs)
     with _evict_pass(strategy, params.num_tokens, self):
-        k = getattr(strategy, "sample_size", 0)
+        k = strategy.sample_size
         if not k or len(self.evictable_leaves) <= k:
             return original(self, params, *args, **kwargs)
         return _sampled_evict(original, self, params, k, strategy.rng)
@@ -345,20 +342,19 @@ def around_write_backup(original, self, node, *args, **kwargs):
     """HiCache copies a block to the host tier: on insert or reuse with ``write_through`` (and
     ``write_through_selective`` past its hit count), or as the device tier evicts it with
     ``write_back``. A write-through copy of a block the policy finds not worth it
-    (``worth_host_copy``) is skipped, as SGLang skips one whose parent has no copy (0 tokens
+    (``worth_host_copy`` False) is skipped, as SGLang skips one whose parent has no copy (0 tokens
     written; SGLang asks again at the block's next insert). A ``write_back`` copy is not asked:
     the device evict has chosen the block, and without a copy SGLang drops its subtree."""
     write_back = kwargs.get("write_back", args[0] if args else False)
     strategy = _learner(self)
-    worth = getattr(strategy, "worth_host_copy", None)
-    if not write_back and worth is not None:
+    if not write_back and strategy is not None:
         offset = 0
         if not getattr(node, "_pic_seen", False):  # a new block, not typed yet: its depth types it
             up = node.parent
             while up is not None and up is not self.root_node:
                 offset += len(up.key)
                 up = up.parent
-        if not worth(node, ctxmod.current(), offset):
+        if not strategy.worth_host_copy(node, ctxmod.current(), offset):
             return 0
     return original(self, node, *args, **kwargs)
 
@@ -428,8 +424,7 @@ def around_split_node(original, self, key, child, split_len, *args, **kwargs):
         head._pic_seen = getattr(child, "_pic_seen", False)
         head._pic_offset = ctxmod.block_offset(child)
         child._pic_offset = head._pic_offset + len(head.key)
-        if hasattr(strategy, "on_split"):
-            strategy.on_split(head, child)
+        strategy.on_split(head, child)
     return head
 
 

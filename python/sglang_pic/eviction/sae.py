@@ -49,8 +49,6 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
-from sglang.srt.mem_cache.evict_policy import EvictionStrategy
-
 from sglang_pic.server_flags import setting
 
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
@@ -63,6 +61,7 @@ from .estimators import (
     SessionIndex,
     softmax_weights,
 )
+from .policy import CachePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class BlockInfo:
     anchor: int | None = None
 
 
-class SAEStrategy(EvictionStrategy):
+class SAEStrategy(CachePolicy):
     """``--radix-eviction-policy sae``; one instance per radix cache."""
 
     name = "sae"
