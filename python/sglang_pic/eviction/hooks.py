@@ -2,8 +2,8 @@
 
 SGLang's eviction policies are pure priority functions (``EvictionStrategy.get_priority``); ours
 also learn from what happens to blocks. AROUND hooks (HookRegistry) report those events to the
-cache's policy, the ``CachePolicy`` (``policy``) its strategy is (``as_policy``: SGLang's own
-policies get an adapter whose events do nothing):
+cache's policy when it is one of ours, a ``CachePolicy`` (``policy``); a cache on one of SGLang's
+own policies goes straight to SGLang's code (``auto`` adapts those as experts: ``as_policy``):
 
 - ``RadixCache.match_prefix``: ``on_hit(node, tokens, ctx)`` for every matched node, once per
   request: the scheduler matches a waiting request on every round, so the latest match is kept
@@ -58,7 +58,7 @@ import time
 
 from . import context as ctxmod
 from . import segmentation
-from .policy import CachePolicy, as_policy
+from .policy import CachePolicy
 
 _MAX_SEEN = 4096
 # with SGLANG_PIC_SAE_STATS: the scheduler's batches and busy time (the time from one batch to
@@ -68,11 +68,12 @@ _last_step: list[float] = []
 
 
 def _learner(cache) -> CachePolicy | None:
-    """The policy of ``cache`` the events go to; None for a cache without an eviction strategy.
-    The cache's ``eviction_strategy`` itself is left as it is: SGLang orders evictions with its
+    """The policy of ``cache`` the events go to: one of ours. None for SGLang's own policies
+    (they take no events), so a server on ``lru`` pays for no hook beyond this call. The
+    cache's ``eviction_strategy`` is left as it is: SGLang orders evictions with its
     ``get_priority``."""
     strategy = getattr(cache, "eviction_strategy", None)
-    return None if strategy is None else as_policy(strategy)
+    return strategy if isinstance(strategy, CachePolicy) else None
 
 
 def request_context(req) -> ctxmod.RequestContext:
