@@ -45,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, prompt
+from bench_rag_grid import summarize as grid_summary
 from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -320,33 +321,15 @@ def run_side(side: Side, params: dict, rates: dict, progress) -> dict:
 
 
 def summarize(report: dict) -> list[dict]:
-    res = report["results"]
-    van = res.get("vanilla", {}).get("cells", {})
-    rows = []
-    for side, r in res.items():
-        if side == "vanilla" or "cells" not in r:
-            continue
-        for name, c in r["cells"].items():
-            v = van.get(name)
-            if not v:
-                continue
-            row = {"side": side, "cell": name, "ideal": c["ideal_median"],
-                   "requests_per_s": c["requests_per_s_median"],
-                   "throughput_ratio": c["requests_per_s_median"]
-                   / v["requests_per_s_median"],
-                   "ttft_p50_ratio": v["ttft_p50_ms_median"] / c["ttft_p50_ms_median"],
-                   "errors": c["errors"], "vanilla_errors": v["errors"]}
-            if "stream_ttft_p50_ms" in c and "stream_ttft_p50_ms" in v:
-                row["stream_ttft_p50_ratio"] = v["stream_ttft_p50_ms"] / c["stream_ttft_p50_ms"]
-            rows.append(row)
-    return rows
+    """``bench_rag_grid``'s rows per side and cell, with each side's failed requests."""
+    return grid_summary(report, counts=("errors",))
 
 
 def print_summary(rows: list[dict]) -> None:
     print(f"\n{'side':<16}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
           f"{'stream x':>9}{'errors':>8}")
     for r in rows:
-        print(f"{r['side']:<16}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
+        print(f"{r['variant']:<16}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
               f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
               f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
               f"{r['errors']:>5}/{r['vanilla_errors']}")

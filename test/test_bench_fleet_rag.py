@@ -38,12 +38,12 @@ def test_the_routers_metrics_give_each_workers_successes_and_closed_circuits(mon
 def test_the_summary_compares_each_side_with_vanilla_per_cell():
     def cell(rate: float, ttft: float) -> dict:
         return {"ideal_median": 3.0, "requests_per_s_median": rate, "ttft_p50_ms_median": ttft,
-                "stream_ttft_p50_ms": ttft / 2, "errors": 0}
+                "stream_ttft_p50_ms": ttft / 2, "stream_ttft_p99_ms": ttft, "errors": 0}
 
     report = {"results": {"vanilla": {"cells": {"a": cell(2.0, 400.0)}},
                           "sglang-pic": {"cells": {"a": cell(5.0, 100.0)}},
                           "sglang-pic-rr": {"error": "did not start"}}}
     (row,) = bench_fleet_rag.summarize(report)
-    assert row["side"] == "sglang-pic" and row["throughput_ratio"] == pytest.approx(2.5)
+    assert row["variant"] == "sglang-pic" and row["throughput_ratio"] == pytest.approx(2.5)
     assert row["ttft_p50_ratio"] == pytest.approx(4.0)
     assert row["stream_ttft_p50_ratio"] == pytest.approx(4.0)
