@@ -44,7 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, prompt
+from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, print_summary, prompt
 from bench_rag_grid import summarize as grid_summary
 from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
 
@@ -325,16 +325,6 @@ def summarize(report: dict) -> list[dict]:
     return grid_summary(report, counts=("errors",))
 
 
-def print_summary(rows: list[dict]) -> None:
-    print(f"\n{'side':<16}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
-          f"{'stream x':>9}{'errors':>8}")
-    for r in rows:
-        print(f"{r['variant']:<16}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
-              f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
-              f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
-              f"{r['errors']:>5}/{r['vanilla_errors']}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -393,7 +383,7 @@ def main() -> None:
                 side.stop()
                 report["summary"] = summarize(report)
                 path.write_text(json.dumps(report, indent=1))
-    print_summary(report["summary"])
+    print_summary(report["summary"], count="errors", label="errors")
     print(f"[bench] wrote {path}")
 
 

@@ -322,14 +322,15 @@ def _most(x) -> int:
     return max(n or 0 for n in x) if isinstance(x, list) else int(x or 0)
 
 
-def print_summary(rows: list[dict]) -> None:
+def print_summary(rows: list[dict], count: str = "peak_running", label: str = "running") -> None:
+    """The summary's table; ``count``: the per-cell count shown as ours/vanilla's."""
     print(f"\n{'variant':<18}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
-          f"{'stream x':>9}{'running':>9}")
+          f"{'stream x':>9}{label:>9}")
     for r in rows:
         print(f"{r['variant']:<18}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
               f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
               f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
-              f"{r['peak_running']:>5}/{r['vanilla_peak_running']:<3}")
+              f"{r[count]:>5}/{r[f'vanilla_{count}']:<3}")
     for variant in sorted({r["variant"] for r in rows}):
         mine = [r for r in rows if r["variant"] == variant]
         worst = min(mine, key=lambda r: r["throughput_ratio"])
