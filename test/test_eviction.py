@@ -457,15 +457,15 @@ def test_drop_marks_are_what_each_shadow_no_longer_holds(seed):
 
 
 def test_auto_evicts_first_what_the_shadows_dropped():
-    """``auto`` orders a block every shadow has dropped before one they all hold, whichever
-    expert leads."""
+    """``auto`` with a vote orders a block every shadow has dropped before one they all hold,
+    whichever expert leads."""
     from sglang_pic.eviction.auto import AutoStrategy
     from sglang_pic.eviction.context import RequestContext
     from sglang_pic.eviction.shadow import ShadowCache
 
     real = ShadowCache("lru", 1)  # stands in for the real tree (SGLang's own node class)
     for leader in (0, 1):
-        auto = AutoStrategy(experts=("gdsf", "lru"))
+        auto = AutoStrategy(experts=("gdsf", "lru"), voters=2)
         auto.real_cache = real.cache
         old, new = list(range(1, 101)), list(range(1000, 1100))
         for i, tokens in enumerate((old, new)):
