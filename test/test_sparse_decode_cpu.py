@@ -228,3 +228,17 @@ def test_serve_help_lists_every_flag_of_ours():
                  "--ptstore-token-file",
                  "--enable-position-free-kv", "--enable-span-cache"]:
         assert f"  {flag} " in text, flag
+
+
+def test_the_admission_config_is_parsed_once_per_setting(monkeypatch):
+    """``SparseDecodeConfig.current()``, which the per-request admission hook asks, equals a fresh
+    parse of the environment, is one object while the variables stay, and follows a change."""
+    from sglang_pic.sparse.config import SparseDecodeConfig
+
+    name = SparseDecodeConfig.env_name("reselect_interval")
+    monkeypatch.setenv(name, "4")
+    first = SparseDecodeConfig.current()
+    assert first == SparseDecodeConfig.from_env() and first.reselect_interval == 4
+    assert SparseDecodeConfig.current() is first
+    monkeypatch.setenv(name, "2")
+    assert SparseDecodeConfig.current().reselect_interval == 2

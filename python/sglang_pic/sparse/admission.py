@@ -56,7 +56,7 @@ def check_request_length(self, obj, input_ids, *args, **kwargs) -> None:
     params = getattr(obj, "sampling_params", None)
     if not isinstance(params, dict):  # embedding requests, or SGLang's own error to come
         return
-    limit = region_tokens(SparseDecodeConfig.from_env(), int(self.context_len))
+    limit = region_tokens(SparseDecodeConfig.current(), int(self.context_len))
     if limit is None:
         return
     prompt = len(input_ids) if input_ids is not None else 0

@@ -9,6 +9,7 @@ the variables say. Standard library only: the launcher imports this before SGLan
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, fields
 
@@ -69,6 +70,12 @@ class SparseDecodeConfig:
     moved on by a row a step, with its own query and takes its own top-k: only the vote is
     reused, not the selection. Same extra selections as ``reselect_interval`` (first step,
     keys entering the region); the two are not combined."""
+
+    @classmethod
+    def current(cls) -> SparseDecodeConfig:
+        """``from_env()`` of this process, parsed once per distinct set of values (a hook that
+        asks on every request reads the variables, not a new parse)."""
+        return _parsed(cls, tuple(os.environ.get(cls.env_name(f.name)) for f in fields(cls)))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SparseDecodeConfig:
@@ -198,3 +205,10 @@ def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -
                                                                       inactive)
         available = min(available, max(0, limit - max(0, usage)))
     return available
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(cls: type[SparseDecodeConfig], values: tuple[str | None, ...]) -> SparseDecodeConfig:
+    env = {cls.env_name(f.name): v for f, v in zip(fields(cls), values, strict=True)
+           if v is not None}
+    return cls.from_env(env)
