@@ -86,7 +86,7 @@ def test_a_cache_on_an_sglang_policy_takes_no_events(monkeypatch):
         ctx = RequestContext(f"s{i}", "chat", [(0, "user")], decode_start=20, prompt_len=20)
         with using(ctx):
             cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), None)))
-            tree.insert(array("q", tokens))
+            tree.store(array("q", tokens), 10**9)  # nothing evicted here
     nodes = list(cache.evictable_leaves)
     cache.evict(EvictParams(num_tokens=40))
 

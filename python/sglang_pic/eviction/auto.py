@@ -15,9 +15,6 @@ which to pick. ``auto`` measures it online.
 * **Choice**: each expert's shadow hits, decayed with a half-life of ``HALF_LIFE`` requests; the
   real cache evicts with the expert whose decayed hits are highest, and changes expert only
   when another leads by ``SWITCH_MARGIN`` of the decayed prompt tokens (no flapping).
-* **Vote** (``voters`` > 0; off by default, ``VOTERS``): an evict pass first takes what most of
-  the ``voters`` best experts' shadows no longer hold (drop marks on the real tree's nodes,
-  ``shadow.DROPS``), then the rest in the leader's order.
 * ``selection="regret"``: the earlier design, LeCaR's (Vietri et al., HotStorage'18) weights
   from regrets on a ghost list of the real cache's evictions, one expert drawn per pass. Kept
   for the ablation (``auto-regret`` in the trace replay): mixing experts pass by pass lost to
@@ -39,17 +36,13 @@ from sglang.srt.mem_cache.evict_policy import LRUStrategy
 from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
 from .policy import CachePolicy, as_policy
-from .shadow import DROPS, ShadowCache, clear_path, mark_dropped
+from .shadow import ShadowCache
 
 EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
 HALF_LIFE = 1000
 """Requests after which an expert's shadow hits weigh half (``selection="shadow"``)."""
 SWITCH_MARGIN = 0.005
 """Lead (a share of the decayed prompt tokens) another expert needs to take over."""
-VOTERS = 0
-"""The experts (those whose shadows hit most) whose evictions an evict pass takes first; 0: the
-leader's order alone. Three voters gained on the Mooncake synthetic trace (which chose the
-number) and lost 1.5-7 pp on generated traffic of unseen seeds: off by default."""
 LEARNING_RATE = 0.45
 """LeCaR's learning rate."""
 WEIGHT_FLOOR = 0.02
@@ -66,7 +59,7 @@ class AutoStrategy(CachePolicy):
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, learning_rate: float = LEARNING_RATE,
                  ghost_capacity: int = GHOST_CAPACITY, seed: int = 0,
-                 greedy: bool = False, selection: str = "shadow", voters: int = VOTERS) -> None:
+                 greedy: bool = False, selection: str = "shadow") -> None:
         from .sae import SAEStrategy
 
         makers = {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
@@ -74,7 +67,6 @@ class AutoStrategy(CachePolicy):
         if selection not in ("shadow", "regret"):
             raise ValueError(f"auto: selection {selection!r} is not shadow or regret")
         self.selection = selection
-        self.voters = voters  # with shadow selection: the best experts whose drops go first
         self.shadows: list | None = None  # ShadowCache per expert, made at the first request
         self.shadow_hits = [0.0] * len(experts)  # decayed (HALF_LIFE)
         self.shadow_tokens = 0.0  # decayed prompt tokens looked up
@@ -97,17 +89,12 @@ class AutoStrategy(CachePolicy):
         self.choices = [0] * len(experts)
         self.regrets = [0.0] * len(experts)
         self._now_fn = time.monotonic
-        self.real_cache = None  # the tree this policy orders: set by the hooks before use
-        self._voters = 0  # this pass: bit mask of the experts whose drops count
 
     # ---- what the hooks and the simulator read --------------------------------------------
 
     @property
     def sample_size(self) -> int:
-        """The chosen expert's leaf sample per pass (``sae`` samples; the others order all).
-        None with a vote: a sample could miss the leaves the experts dropped."""
-        if self.selection == "shadow" and self.voters:
-            return 0
+        """The chosen expert's leaf sample per pass (``sae`` samples; the others order all)."""
         return self.policies[self.chosen].sample_size
 
     @property
@@ -136,17 +123,11 @@ class AutoStrategy(CachePolicy):
     # ---- the policy -----------------------------------------------------------------------
 
     def get_priority(self, node):
-        priority = self.experts[self.names[self.chosen]].get_priority(node)
-        if self.selection != "shadow":
-            return priority
-        votes = (getattr(node, DROPS, 0) & self._voters).bit_count()
-        return (-votes, priority)  # what most experts dropped goes first
+        return self.experts[self.names[self.chosen]].get_priority(node)
 
     def begin_evict(self) -> None:
-        if self.selection == "shadow":  # self.chosen follows the shadows (on_lookup)
-            ranked = sorted(range(len(self.names)), key=self.shadow_hits.__getitem__,
-                            reverse=True)
-            self._voters = sum(1 << i for i in ranked[:self.voters])
+        if self.selection == "shadow":
+            pass  # self.chosen follows the shadows (on_lookup)
         elif self.greedy and self.rng.random() >= EXPLORE:
             self.chosen = max(range(len(self.weights)), key=self.weights.__getitem__)
         else:
@@ -215,18 +196,9 @@ class AutoStrategy(CachePolicy):
         from .context import using
 
         self.capacity = max(self.capacity, used)
-        shadows = self._ensure_shadows(page_size)
-        root = self.real_cache.root_node if self.real_cache is not None and self.voters \
-            else None  # drop marks only for a vote
         with using(self._shadow_context(ctx)):
-            for shadow in shadows:
-                shadow.insert(tokens)
-            if root is not None:  # every shadow holds what was just inserted
-                clear_path(root, tokens, (1 << len(shadows)) - 1, page_size)
-            for i, shadow in enumerate(shadows):
-                for node in shadow.evict_to(self.capacity):
-                    if root is not None:
-                        mark_dropped(root, node, 1 << i, page_size)
+            for shadow in self._ensure_shadows(page_size):
+                shadow.store(tokens, self.capacity)
 
     # ---- events -----------------------------------------------------------------------------
 

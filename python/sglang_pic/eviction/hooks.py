@@ -230,7 +230,6 @@ def around_insert(original, self, params, *args, **kwargs):
             strategy.on_lookup(params.key.token_ids[: ctx.prompt_len or None], ctx,
                                self.page_size)
     result = original(self, params, *args, **kwargs)
-    strategy.real_cache = self
     strategy.on_store(params.key.token_ids, ctx, self.page_size,
                       self.evictable_size() + self.protected_size())
     last = result.last_device_node
@@ -289,16 +288,14 @@ class _evict_pass:
     """``begin_evict`` / ``end_evict`` around the outermost of nested passes (HiCache's device
     evict can write a block back, which can evict from the host tier)."""
 
-    def __init__(self, strategy: CachePolicy, need: int | None = None, tree=None) -> None:
+    def __init__(self, strategy: CachePolicy, need: int | None = None) -> None:
         self.strategy = strategy
         self.need = need
-        self.tree = tree
 
     def __enter__(self) -> None:
         s = self.strategy
         s.evict_depth += 1
         if s.evict_depth == 1:
-            s.real_cache = self.tree  # for a policy that reads the tree it orders
             s.begin_evict()
             s.evict_need = self.need
 
@@ -313,7 +310,7 @@ def around_evict(original, self, params, *args, **kwargs):
     strategy = _learner(self)
     if strategy is None:
         return original(self, params, *args, **kwargs)
-    with _evict_pass(strategy, params.num_tokens, self):
+    with _evict_pass(strategy, params.num_tokens):
         k = strategy.sample_size
         if not k or len(self.evictable_leaves) <= k:
             return original(self, params, *args, **kwargs)
@@ -369,7 +366,7 @@ def around_evict_host(original, self, num_tokens, *args, **kwargs):
         return original(self, num_tokens, *args, **kwargs)
     leaves = list(self.evictable_host_leaves)
     try:
-        with _evict_pass(strategy, num_tokens, self):
+        with _evict_pass(strategy, num_tokens):
             return original(self, num_tokens, *args, **kwargs)
     finally:
         # a removed node is gone from its parent's children; its parent, removed after it

@@ -7,10 +7,11 @@ learn from what happens to blocks, which our hooks on SGLang's trees (``hooks``,
 events it learns from; the defaults do nothing, so the hooks call every event on every policy
 without asking first.
 
-SGLang's own policies (``lru``, ``lfu``, ``fifo``, ...) are not ``CachePolicy``: ``as_policy``
-wraps one in ``SGLangPolicy``, which forwards ``get_priority`` and ignores the events. The cache's
-``eviction_strategy`` stays the object SGLang built: SGLang calls ``get_priority`` on it, and the
-hooks call the events on ``as_policy(cache.eviction_strategy)``.
+SGLang's own policies (``lru``, ``lfu``, ``fifo``, ...) are not ``CachePolicy``: a cache on one
+takes no events (the hooks pass it straight to SGLang's code), and where ``auto`` runs one as an
+expert ``as_policy`` wraps it in ``SGLangPolicy``, which forwards ``get_priority`` and ignores
+the events. A cache's ``eviction_strategy`` stays the object SGLang built: SGLang calls
+``get_priority`` on it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ class CachePolicy(EvictionStrategy):
       drawing them); 0 lets SGLang score every evictable leaf, as it does by default.
     * ``rng``: the random source of those samples (read only with ``sample_size``).
     * ``evict_need``: set by the hooks at the start of an evict pass to the tokens it must free.
-    * ``real_cache``: set by the hooks to the tree the policy orders (before an insert is
-      reported and at the start of an evict pass), for a policy that reads the tree itself.
     * ``now_fn``: the clock ``on_request`` is given when the request context carries none
       (the trace replay sets a virtual one).
     * ``evict_depth``: nesting of evict passes (HiCache's device evict can write a block back,
@@ -47,7 +46,6 @@ class CachePolicy(EvictionStrategy):
     sample_size: int = 0
     rng: random.Random
     evict_need: int | None = None
-    real_cache: Any = None
     now_fn: Callable[[], float] = time.monotonic
     evict_depth: int = 0
     records_offsets: bool = True

@@ -9,22 +9,11 @@ the experts as they would do on their own, and ``auto`` follows the best of them
 
 Shapes and cost: a shadow stores the same token keys as the real tree (int64 per token, about
 8 MB per million tokens cached); per request one match and one insert per shadow.
-
-*Drop marks*: each real-tree node carries a bit mask (attribute ``DROPS``) of the shadows that no
-longer hold its tokens to the node's end. A shadow's eviction marks the real node holding the
-evicted block's first token and everything below it; a request's insert, which every shadow
-also gets, clears its path. Both are walks along one path of the real tree (slices compared in
-C), so the marks cost a few walks per request whatever the tree's size.
 """
 
 from __future__ import annotations
 
-from functools import reduce
-from operator import add
 from typing import Any
-
-DROPS = "_pic_shadow_drops"
-"""Attribute on the real tree's nodes: the bit mask of shadows that no longer hold the node."""
 
 
 class KeysOnlyAllocator:
@@ -59,14 +48,6 @@ class ShadowCache:
         self.strategy = self.cache.eviction_strategy
         self.page_size = page_size
         self._values = torch.arange(0)
-        self.dropped: list = []  # the nodes the last evict took (a leaf at a time)
-        delete_leaf = self.cache._delete_leaf
-
-        def record(node: Any) -> None:
-            self.dropped.append(node)
-            delete_leaf(node)
-
-        self.cache._delete_leaf = record  # this shadow's own tree only
 
     def _slots(self, n: int):
         """Values for an insert of ``n`` tokens: views of one range (nothing reads them)."""
@@ -84,82 +65,16 @@ class ShadowCache:
         match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, None)))
         return len(match.device_indices)
 
-    def insert(self, tokens: Any) -> None:
-        """Insert ``tokens`` (whole pages of them)."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    def store(self, tokens: Any, capacity: int) -> None:
+        """Insert ``tokens``, then evict down to ``capacity`` tokens with this cache's policy."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         n = len(tokens) // self.page_size * self.page_size
-        if n:
-            self.cache.insert(InsertParams(key=RadixKey(tokens[:n], None),
-                                           value=self._slots(n)))
-
-    def evict_to(self, capacity: int) -> list:
-        """Evict down to ``capacity`` tokens with this cache's policy: the nodes evicted."""
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        self.dropped = []
+        if n == 0:
+            return
+        key = RadixKey(tokens[:n], None)
+        self.cache.insert(InsertParams(key=key, value=self._slots(n)))
         over = self.cache.evictable_size() + self.cache.protected_size() - capacity
         if over > 0:
             self.cache.evict(EvictParams(num_tokens=over))
-        return self.dropped
-
-    def store(self, tokens: Any, capacity: int) -> None:
-        """Insert ``tokens``, then evict down to ``capacity`` tokens with this cache's policy."""
-        self.insert(tokens)
-        self.evict_to(capacity)
-
-
-def path_tokens(node: Any) -> Any:
-    """The tokens from a tree's root to the end of ``node``."""
-    keys = []
-    while node is not None and node.key is not None and len(node.key):
-        keys.append(node.key.raw_token_ids())
-        node = node.parent
-    return reduce(add, reversed(keys))
-
-
-def _child(node: Any, tokens: Any, at: int, page: int) -> Any:
-    return node.children.get(tokens[at] if page == 1 else tuple(tokens[at:at + page]))
-
-
-def clear_path(root: Any, tokens: Any, bits: int, page: int) -> None:
-    """Clear ``bits`` on the real tree's nodes (``root``) that ``tokens`` cover to their end:
-    every shadow holds what was just inserted."""
-    node, at, n = root, 0, len(tokens)
-    while at < n:
-        node = _child(node, tokens, at, page)
-        if node is None:
-            return
-        key = node.key.raw_token_ids()
-        if at + len(key) > n or key != tokens[at:at + len(key)]:
-            return
-        mask = getattr(node, DROPS, 0)
-        if mask & bits:
-            setattr(node, DROPS, mask & ~bits)
-        at += len(key)
-
-
-def mark_dropped(root: Any, dropped: Any, bit: int, page: int) -> None:
-    """Set ``bit`` on the real tree's node (``root``) holding the first token of ``dropped`` (a
-    node a shadow just evicted), and on everything below it: the shadow no longer holds them to
-    their end."""
-    tokens = path_tokens(dropped)
-    first = len(tokens) - len(dropped.key)
-    node, at = root, 0
-    while True:
-        node = _child(node, tokens, at, page)
-        if node is None:
-            return
-        key = node.key.raw_token_ids()
-        upto = min(len(key), first + 1 - at)  # compare through the dropped block's first token
-        if key[:upto] != tokens[at:at + upto]:
-            return
-        if at + len(key) > first:
-            break
-        at += len(key)
-    below = [node]
-    while below:
-        n = below.pop()
-        setattr(n, DROPS, getattr(n, DROPS, 0) | bit)
-        below.extend(n.children.values())
