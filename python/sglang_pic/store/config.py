@@ -52,8 +52,9 @@ class PTStoreConfig:
         key neither we nor SGLang read, a value of the wrong type, or one out of range."""
         extra = dict(extra or {})
         if "token" in extra:
-            raise ValueError("PTStore: a token in the extra config is shown by "
-                             "/get_server_info; use sglang-pic serve --ptstore-token-file")
+            raise ValueError("PTStore: no token in the extra config (/get_server_info shows "
+                             "it): use sglang-pic serve --ptstore-token-file PATH or "
+                             "$SGLANG_PIC_PTSTORE_TOKEN")
         ours = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - ours - SGLANG_KEYS)
         if unknown:
