@@ -2,7 +2,10 @@
 
 ``--markdown`` prints the seam section of docs/architecture.md; ``--update FILE`` writes it into
 ``FILE`` between the ``<!-- seams:begin -->`` and ``<!-- seams:end -->`` lines (the test of the
-table fails while the committed doc differs from it). Reading the table imports no SGLang.
+table fails while the committed doc differs from it). ``--static WHEEL_OR_FOLDER`` lists the rows
+an SGLang release (a wheel, or a folder holding ``sglang/``) lacks the symbol of, by feature,
+without installing it (``compat.static``); it exits 1 when there is any. Reading the table
+imports no SGLang.
 """
 
 from __future__ import annotations
@@ -39,12 +42,43 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--markdown", action="store_true", help="print the seam section")
     group.add_argument("--update", metavar="FILE", type=Path,
                        help="write the seam section into FILE between its markers")
+    group.add_argument("--static", metavar="WHEEL_OR_FOLDER", type=Path,
+                       help="list the rows an SGLang release lacks the symbol of")
+    parser.add_argument("--against", metavar="WHEEL_OR_FOLDER", type=Path,
+                        help="with --static: also the rows whose function's parameters differ "
+                             "from this release's (the one the table was written for)")
     args = parser.parse_args(argv)
+    if args.against and not args.static:
+        parser.error("--against goes with --static")
+    if args.static:
+        return _static(args.static, args.against, parser)
     if args.markdown:
         sys.stdout.write(markdown())
         return 0
     args.update.write_text(updated(args.update.read_text()))
     return 0
+
+
+def _static(path: Path, against: Path | None, parser: argparse.ArgumentParser) -> int:
+    from . import SEAMS
+    from .static import SourceTree, report
+
+    try:
+        tree = SourceTree(path)
+        old = SourceTree(against) if against else None
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    rows = report(tree, SEAMS, old)
+    checked = sum(s.target.startswith("sglang.") for s in SEAMS)
+    print(f"SGLang {tree.version or '(version unknown)'} ({path.name}): {len(rows)} of the "
+          f"{checked} rows on SGLang cannot apply"
+          + (f" or take other parameters than in {old.version}" if old else ""))
+    for feature in dict.fromkeys(s.feature for s, _ in rows):
+        print(f"\n{feature}:")
+        for seam, problem in rows:
+            if seam.feature == feature:
+                print(f"  {seam.kind:<14} {seam.label}\n  {'':<14} {problem}")
+    return 1 if rows else 0
 
 
 if __name__ == "__main__":

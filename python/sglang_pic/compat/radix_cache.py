@@ -30,10 +30,23 @@ _EVENTS = {  # RadixCache method -> our AROUND hook: the events learning policie
     "cache_unfinished_req": ("around_cache_req", "likewise, without counting its re-match"),
 }
 
+_SPAN_OVERRIDES = {  # RadixCache method -> what SpanRadixCache's override does
+    "match_prefix": "a request with spans matches segment by segment",
+    "inc_lock_ref": "locks every node of a segmented match (a handle over several paths)",
+    "dec_lock_ref": "unlocks them",
+    "resolve_node_handle": "the handle's last node for SGLang's bookkeeping",
+    "cache_finished_req": "inserts a finished span request's KV per segment",
+    "cache_unfinished_req": "the same for a chunk of a prefill still running",
+}
+
 ROWS: tuple[Seam, ...] = (
     Seam("sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY",
          "sglang_pic.spans.factory:create_span_radix_cache", "registry", "spans", key="pic_span",
          why="`SpanRadixCache` (segmented match and insert) as `--radix-cache-backend pic_span`"),
+    *(Seam(f"{_R}.{method}", f"sglang_pic.spans.radix_cache:SpanRadixCache.{method}",
+           "override", "spans",
+           why=why + " (SGLang must still call this method, or the override is dead code)")
+      for method, why in _SPAN_OVERRIDES.items()),
     *(Seam(_POLICIES, factory, "registry", "eviction", key=name,
            why="our policy in SGLang's eviction-policy table")
       for name, factory in _OUR_POLICIES.items()),
