@@ -325,6 +325,45 @@ def run_side_by_side(
     return report
 
 
+def combine_reports(paths: list[Path], volatile: tuple[str, ...] = ("profile_dir",)) -> dict:
+    """One report from complete reports of the same benchmark, engine arguments and parameters
+    (``volatile`` parameters aside), each a device call that ran some of the variants: a
+    variant in several reports has its samples pooled (``merge_rounds``); ``calls`` counts the
+    reports and ``combined_from`` keeps each one's variants, in the order they ran, and its
+    machine. Raises ValueError naming the first report that differs or failed."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+
+    def settings(r: dict) -> tuple:
+        params = {k: v for k, v in r.get("params", {}).items() if k not in volatile}
+        return (r.get("benchmark"), r.get("engine_kwargs"), params)
+
+    for path, r in zip(paths, reports, strict=True):
+        if r.get("failed_variants") or r.get("partial"):
+            raise ValueError(f"{path}: a failed or partial run is not combined")
+        if settings(r) != settings(reports[0]):
+            raise ValueError(f"{path}: other benchmark, engine arguments or parameters than "
+                             f"{paths[0]}")
+    runs: dict[str, list[dict]] = {}
+    for r in reports:
+        for variant, result in r["results"].items():
+            runs.setdefault(variant, []).append(result)
+    results = {v: merge_rounds(rs) for v, rs in runs.items()}
+    higher = {row["metric"] for r in reports for row in r.get("ratios", [])
+              if row.get("better") == "higher"}
+    first = reports[0]
+    return {
+        "benchmark": first["benchmark"], "environment": first["environment"],
+        "engine_kwargs": first["engine_kwargs"],
+        "variant_kwargs": {k: v for r in reports for k, v in r.get("variant_kwargs", {}).items()},
+        "params": first["params"], "rounds": max(len(rs) for rs in runs.values()),
+        "calls": len(reports),
+        "combined_from": [{"file": Path(p).name, "variants": list(r["results"]),
+                           "environment": r.get("environment")}
+                          for p, r in zip(paths, reports, strict=True)],
+        "results": results, "ratios": ratio_table(results, higher),
+    }
+
+
 class BenchmarkFailed(SystemExit):
     """A variant of a side-by-side run failed: the run writes ``<name>.failed.json`` (for the
     post-mortem) instead of a result and the benchmark exits non-zero."""

@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 from harness import (  # noqa: E402
     LLAMA3_8B_DUMMY,
     RESULTS,
+    combine_reports,
     print_table,
     ratio_table,
     reselect_variant,
@@ -272,8 +273,11 @@ def plot(report: dict, out_dir: Path) -> Path | None:
     ax.set_xticks(range(len(cases)), [c.replace("x", " x ") for c in cases])
     ax.set_xlabel("batch x context tokens")
     ax.set_ylabel("TPOT (ms)")
-    ax.set_title("Decode TPOT, Llama-3-8B shape (dummy weights, bf16, CUDA graphs), H200")
-    ax.legend()
+    gpu = report.get("environment", {}).get("gpu") or "GPU"
+    ax.set_title(f"Decode TPOT, Llama-3-8B shape (dummy weights, bf16, CUDA graphs), {gpu}",
+                 fontsize=9)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.35)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper left")
     return save_figure(fig, out_dir / "sparse_e2e_decode.png")
 
 
@@ -333,8 +337,26 @@ def main() -> None:
                     help="profile CPU activity too (runtime calls, operators per step)")
     ap.add_argument("--profile-dir", default=None,
                     help="where the traces go (default: a temporary folder)")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="REPORT",
+                    help="write one report from complete reports of the same cases and "
+                         "settings, each a device call that ran some of the variants (samples "
+                         "of a variant in several are pooled); runs nothing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.combine:
+        try:
+            report = combine_reports([Path(p) for p in args.combine])
+        except (ValueError, OSError, KeyError) as e:
+            ap.error(f"--combine: {e}")
+        out_dir = Path(args.out) if args.out else RESULTS
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "sparse_e2e_decode.json"
+        path.write_text(json.dumps(report, indent=2))
+        print_table(report["ratios"])
+        print_speedups(report)
+        print(f"[bench] wrote {path}")
+        plot(report, out_dir)
+        return
     if args.repeats < 1 or args.rounds < 1:
         ap.error("--repeats and --rounds must be at least 1")
     if not 0 <= args.profile_steps <= 256:
@@ -366,7 +388,10 @@ def main() -> None:
     params = {"cases": cases, "seed": 0, "vocab": 128000, "repeats": args.repeats,
               "sparse_env": sparse_env, "profile_steps": args.profile_steps,
               "profile_cpu": args.profile_cpu,
-              "profile_dir": args.profile_dir or tempfile.mkdtemp(prefix="sparse_profile_")}
+              # a temporary folder only when traces are written: the parameters of two calls
+              # must compare equal for --resume-from and --combine
+              "profile_dir": args.profile_dir or (
+                  tempfile.mkdtemp(prefix="sparse_profile_") if args.profile_steps else None)}
     report = run_side_by_side(
         "sparse_e2e_decode", "sparse.bench_e2e_decode", "workload", engine_kwargs, params,
         higher_is_better={f"tokens_per_s_{c}" for c in cases},
@@ -375,8 +400,14 @@ def main() -> None:
         variant_kwargs=variant_kwargs)
     out_dir = Path(args.out) if args.out else RESULTS
     report = _merge_earlier(report, out_dir / "sparse_e2e_decode.json.prev")
-    res = report["results"]
-    # every sparse variant against vanilla (the ratio table above pairs vanilla with one)
+    print_speedups(report)
+    plot(report, out_dir)
+
+
+def print_speedups(report: dict) -> None:
+    """Every sparse variant against vanilla, per case (the ratio table pairs vanilla with one),
+    and the share of output ids equal to vanilla's."""
+    res, cases = report["results"], report["params"]["cases"]
     print(f"\n{'variant':>22} {'case':>12} {'vanilla TPOT':>13} {'sparse TPOT':>12} "
           f"{'speed-up':>9} {'same ids':>9}")
     for variant in (v for v in res if v in SPARSE_VARIANTS or reselect_variant(v)):
@@ -390,9 +421,6 @@ def main() -> None:
             speed = f"{v / s:.2f}x" if v and s else "-"
             print(f"{variant:>22} {c:>12} {v or float('nan'):>12.2f}  "
                   f"{s or float('nan'):>11.2f} {speed:>9} {same:>9.2f}")
-    path = plot(report, out_dir)
-    if path:
-        print(f"[bench] wrote {path}")
 
 
 if __name__ == "__main__":
