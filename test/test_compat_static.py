@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys

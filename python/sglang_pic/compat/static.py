@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .seam import HOOK_KINDS, Seam
+from .seam import Seam
 
 PACKAGE = "sglang"
 
