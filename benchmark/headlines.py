@@ -399,6 +399,17 @@ SPARSE_E2E_RESELECT = "sparse_e2e_decode_flashinfer_h200_reselect.json"
 SPARSE_RESELECT_PATH = ("one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, 128K "
                         "then 256K in one engine per side; pariskv_flashinfer (threshold 32K, "
                         "top-k 100, 4096 candidates, 6-bit vote planes)")
+# per-step selection and --sparse-vote-interval 4 against vanilla on an H100, 128K then 256K
+SPARSE_E2E_VOTE_H100 = "sparse_e2e_decode_flashinfer_h100_vote.json"
+SPARSE_E2E_VOTE_H100_PATH = (
+    "one request, Llama-3-8B shape, dummy weights, decode CUDA graphs, 128K then 256K in one "
+    "engine per side, H100 80GB (--mem-fraction 0.75: the H200 runs' 0.55 holds no dense "
+    "256K pool on 80 GB); pariskv_flashinfer (threshold 32K, top-k 100, 4096 candidates, "
+    "one sparse request)")
+SPARSE_E2E_VOTE_H100_NOTE = (
+    "6 TPOT samples per side (each from a 145- and a 17-token generation) in three consecutive "
+    "calls of one machine: vanilla then the vote server; the per-step server; the vote server, "
+    "the per-step server, then vanilla (2026-12-05)")
 # the 1x131072 case again after the kernel changes of 2026-12-03 (radix top-k, reverted since)
 SPARSE_E2E_RADIX_TOPK = "sparse_e2e_decode_flashinfer_h200_128k_radix_topk.json"
 
@@ -748,6 +759,16 @@ CLAIMS: list[Claim] = [
             note="3 TPOT samples per side; the sparse server in the device call after the one "
             "of vanilla and the interval-4 server, on the same machine (2026-12-04)")
       for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))],
+    *[Claim(f"sparse.tpot_{name}.h100{suffix}", SPARSE_E2E_VOTE_H100, f"tpot_ms_{case}",
+            ours_variant=variant, target=target, same_run=True,
+            path=SPARSE_E2E_VOTE_H100_PATH + what + " vs vanilla dense FlashInfer decode",
+            note=SPARSE_E2E_VOTE_H100_NOTE)
+      for name, case, target in (("128k", "1x131072", 1.3), ("256k", "1x262144", 2.0))
+      for suffix, variant, what in (
+          ("", "sglang-pic-flashinfer", ", a selection at every step (the default)"),
+          (".vote4", "sglang-pic-flashinfer-v4",
+           " with --sparse-vote-interval 4 (a vote every 4 steps, its candidates reranked "
+           "between)"))],
     Claim("sparse.tpot_b4_128k", SPARSE_E2E["4x131072"], "tpot_ms_4x131072",
           ours_variant="sglang-pic-flashinfer", target=1.5, same_run=True,
           path=B4_128K_PATH + ", the step of the seventh session",
