@@ -58,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("serve", "fleet", "setup-cpu"):  # the commands that run SGLang
+        from sglang_pic.compat.versions import UnsupportedSGLang, require_supported_sglang
+
+        try:
+            require_supported_sglang()
+        except UnsupportedSGLang as e:
+            print(f"sglang-pic: {e}", file=sys.stderr)
+            return 2
     if argv and argv[0] == "serve":
         from sglang_pic.launch_server import serve
 

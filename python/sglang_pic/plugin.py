@@ -89,6 +89,12 @@ def _register() -> None:
     global _loaded
     from sglang_pic import cpu_support
     from sglang_pic.compat.conditions import cpu_engine
+    from sglang_pic.compat.versions import UnsupportedSGLang, require_supported_sglang
+
+    try:
+        require_supported_sglang()
+    except UnsupportedSGLang as e:
+        raise SeamError(f"sglang-pic: refusing to start: {e}") from None
 
     features = list(FEATURES)
     # SGLang's CPU engine when asked for, or when there is no accelerator: SGLang's own launchers
@@ -163,7 +169,7 @@ def apply_and_verify(needed: dict[str, list[str]]) -> None:
         lines = "\n".join(f"  - {t} (needed by {', '.join(needed[t])})" for t in missing)
         raise SeamError(
             f"sglang-pic: refusing to start: {len(missing)} SGLang symbol(s) could not be patched "
-            f"(sglang-pic {__version__} needs sglang==0.5.17; see the traceback above):\n{lines}")
+            f"(see the traceback above):\n{lines}")
 
 
 def check_seams(rows: list[Seam]) -> None:
@@ -174,8 +180,8 @@ def check_seams(rows: list[Seam]) -> None:
     bad = [f"  - {seam.label} (needed by {seam.feature}): {problem}" for seam in rows
            if (problem := check(seam)) is not None]
     if bad:
-        raise SeamError(f"sglang-pic: refusing to start: seam(s) not in place "
-                        f"(sglang-pic {__version__} needs sglang==0.5.17):\n" + "\n".join(bad))
+        raise SeamError("sglang-pic: refusing to start: seam(s) not in place:\n"
+                        + "\n".join(bad))
 
 
 def _gather_cpu_twins() -> None:

@@ -1,0 +1,41 @@
+"""The SGLang releases this sglang-pic supports, and the one-line refusal of any other.
+
+The seam table is written against these releases (``python -m sglang_pic.compat --static``
+checks another one's source). Any other installed SGLang stops the plugin and the ``sglang-pic``
+commands that run SGLang before anything is patched, with one line naming the supported
+releases: a partly applied plugin on an unknown release would fail later and less clearly.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17",)
+"""SGLang releases the seam table is written and tested against."""
+
+
+class UnsupportedSGLang(RuntimeError):
+    """The installed SGLang is not one of ``SUPPORTED_SGLANG`` (or is not installed)."""
+
+
+def installed_sglang() -> str | None:
+    """The installed SGLang's version from its package metadata (None: not installed); reading
+    it imports no SGLang."""
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_supported_sglang() -> str:
+    """The installed SGLang's version; raises ``UnsupportedSGLang`` with one line when it is
+    missing or not supported."""
+    from sglang_pic import __version__
+
+    found = installed_sglang()
+    if found not in SUPPORTED_SGLANG:
+        wanted = " or ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG)
+        raise UnsupportedSGLang(
+            f"sglang-pic {__version__} supports SGLang {', '.join(SUPPORTED_SGLANG)}; found "
+            f"{'no SGLang' if found is None else f'SGLang {found}'} (pip install '{wanted}')")
+    return found
