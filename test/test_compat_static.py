@@ -7,7 +7,6 @@ import inspect
 import os
 import pkgutil
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -64,11 +63,15 @@ def _imported(symbol: str) -> bool:
             if c.__module__.startswith("sglang."))
 
 
-def _tree_with(tmp_path: Path, edit) -> Path:
-    """A release like the installed one but for ``radix_cache.py``, edited by ``edit``, as a
-    wheel (the form a new release is checked in)."""
-    text = edit((SITE / RADIX).read_text())
-    wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
+@pytest.fixture(scope="module")
+def changed(tmp_path_factory) -> Path:
+    """A release like the installed one as a wheel (the form a new release is checked in), but
+    for ``radix_cache.py``: ``RadixCache._split_node`` renamed, ``RadixCache.evict`` given a
+    parameter in front."""
+    text = (SITE / RADIX).read_text()
+    text = text.replace("def _split_node(", "def _split(", 1)
+    text = text.replace("def evict(self, params", "def evict(self, budget, params", 1)
+    wheel = tmp_path_factory.mktemp("release") / "sglang-9.9.9-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for path in (SITE / "sglang").rglob("*.py"):
             rel = path.relative_to(SITE).as_posix()
@@ -77,37 +80,32 @@ def _tree_with(tmp_path: Path, edit) -> Path:
     return wheel
 
 
-def test_a_removed_method_is_named_with_each_feature_that_needs_it(tmp_path):
-    wheel = _tree_with(tmp_path, lambda t: t.replace("def _split_node(", "def _split(", 1))
-    tree = SourceTree(wheel)
+def test_a_removed_method_is_named_with_the_feature_that_needs_it(changed):
+    tree = SourceTree(changed)
     assert tree.version == "9.9.9"
-    rows = report(tree, SEAMS)
-    assert [(s.feature, s.kind, s.target, why) for s, why in rows] == [
+    assert [(s.feature, s.kind, s.target, why) for s, why in report(tree, SEAMS)] == [
         ("eviction", "AROUND", "sglang.srt.mem_cache.radix_cache.RadixCache._split_node",
          "sglang.srt.mem_cache.radix_cache.RadixCache has no _split_node")]
 
 
-def test_changed_parameters_are_reported_against_the_release_the_table_was_written_for(tmp_path):
-    wheel = _tree_with(tmp_path, lambda t: t.replace(
-        "def evict(self, params", "def evict(self, budget, params", 1))
-    rows = report(SourceTree(wheel), SEAMS, against=SourceTree(SITE))
-    changed = [(s.target, why) for s, why in rows if "parameters changed" in why]
-    assert [t for t, _ in changed] == ["sglang.srt.mem_cache.radix_cache.RadixCache.evict"]
-    assert "(self, budget, params)" in changed[0][1]
-    assert report(SourceTree(SITE), SEAMS, against=SourceTree(SITE)) == []
+def test_changed_parameters_are_reported_against_the_release_the_table_was_written_for(
+        changed, installed):
+    rows = report(SourceTree(changed), SEAMS, against=installed.tree)
+    changed_rows = [(s.target, why) for s, why in rows if "parameters changed" in why]
+    assert [t for t, _ in changed_rows] == ["sglang.srt.mem_cache.radix_cache.RadixCache.evict"]
+    assert "(self, budget, params)" in changed_rows[0][1]
+    assert report(installed.tree, SEAMS, against=installed.tree) == []
 
 
-def test_the_command_line_reports_and_refuses_what_is_not_a_release(tmp_path):
-    wheel = _tree_with(tmp_path, lambda t: t.replace("class RadixCache(", "class Radix(", 1))
+def test_the_command_line_reports_and_refuses_what_is_not_a_release(changed, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
-    run = subprocess.run([sys.executable, "-m", "sglang_pic.compat", "--static", str(wheel)],
+    run = subprocess.run([sys.executable, "-m", "sglang_pic.compat", "--static", str(changed)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 1
-    assert "SGLang 9.9.9" in run.stdout and "radix_cache has no RadixCache" in run.stdout
-    assert "spans:" in run.stdout and "eviction:" in run.stdout
+    assert "SGLang 9.9.9" in run.stdout and "RadixCache has no _split_node" in run.stdout
+    assert "eviction:" in run.stdout
     (tmp_path / "empty").mkdir()
     for bad in (tmp_path / "empty", tmp_path / "missing.whl"):
         run = subprocess.run([sys.executable, "-m", "sglang_pic.compat", "--static", str(bad)],
                              capture_output=True, text=True, env=env, timeout=120)
         assert run.returncode == 2 and "neither a wheel nor a folder" in run.stderr, run.stderr
-    shutil.rmtree(tmp_path / "empty")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import zipfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from .seam import Seam
@@ -46,6 +45,7 @@ class SourceTree:
         else:
             raise ValueError(f"{path}: neither a wheel nor a folder holding {PACKAGE}/")
         self.version = self._version()
+        self.scopes: dict[str, _Scope] = {}  # StaticChecker's parsed modules
 
     def source(self, module: str) -> str | None:
         """The text of dotted ``module`` (a file or a package's ``__init__``; ``""`` for a
@@ -114,7 +114,13 @@ class StaticChecker:
 
     def __init__(self, tree: SourceTree) -> None:
         self.tree = tree
-        self._scope = cache(self._module_scope)
+
+    def _scope(self, module: str) -> _Scope:
+        """``module``'s names, parsed once per tree (whichever checker reads it)."""
+        scopes = self.tree.scopes
+        if module not in scopes:
+            scopes[module] = self._module_scope(module)
+        return scopes[module]
 
     @staticmethod
     def symbol(seam: Seam) -> str | None:
