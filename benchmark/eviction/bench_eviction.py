@@ -192,9 +192,11 @@ def markdown_table(report: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    ap.add_argument("--scale", type=int, default=100, help="sessions per workload (size knob)")
+    ap.add_argument("--scale", type=int, default=None,
+                    help="sessions per workload (size knob; default 100, 40 with --quick)")
     ap.add_argument("--quick", action="store_true",
-                    help="two workloads, two sizes; writes to $TMPDIR/sglang-pic-bench, no plot")
+                    help="two workloads of 40 sessions, two sizes; writes to "
+                         "$TMPDIR/sglang-pic-bench, no plot")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
@@ -230,6 +232,10 @@ def main() -> None:
         return
 
     policies = check_policies(args.policies)
+    if args.scale is None:
+        args.scale = 40 if args.quick else 100
+    elif args.scale < 1:
+        ap.error(f"--scale must be at least 1, got {args.scale}")
 
     import sglang
     from harness import smoke_dir
