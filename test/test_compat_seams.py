@@ -125,16 +125,6 @@ def test_no_target_string_outside_the_table():
         assert not found, f"{where} names {found}: a target belongs in sglang_pic.compat"
 
 
-def test_a_missing_hook_target_stops_the_process_naming_feature_and_symbol():
-    """A hook row whose target is gone from SGLang (a row moved to a name that does not exist)
-    ends the process with the symbol and the feature named."""
-    err = refused(
-        "import dataclasses, sglang_pic.compat as c\n"
-        "c.SEAMS = tuple(dataclasses.replace(s, target='sglang.srt.utils.auth.no_such_auth')\n"
-        "    if s.feature == 'api-key' else s for s in c.SEAMS)")
-    assert "sglang.srt.utils.auth.no_such_auth (needed by api-key)" in err
-
-
 def test_a_base_method_gone_stops_the_process_naming_feature_and_symbol():
     """An override whose SGLang base method is gone (our method would never be called) ends the
     process, naming the method and each feature whose subclass overrides it."""

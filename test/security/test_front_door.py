@@ -444,7 +444,7 @@ def test_dumps_hold_no_secret(guarded):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FUZZ_SECONDS = float(os.environ.get("SGLANG_PIC_FUZZ_SECONDS", "30"))
+FUZZ_SECONDS = float(os.environ.get("SGLANG_PIC_FUZZ_SECONDS", "20"))
 """Wall-clock budget of ``test_fuzzed_bodies`` (the suite's default; a long run sets more)."""
 BOUNDARY_INTS = [-2**63, -2**31 - 1, -2**31, -6, -5, -2, -1, 0, 1, 2, 5, 127, 128, 129, 1024,
                  49151, 49152, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64]
