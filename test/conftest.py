@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import requests
 from server_zygote import ZygoteClient
-from sglang_pic.api_key import ENV as API_KEY_ENV
-from sglang_pic.api_key import KEY_DIR as API_KEY_DIR
 from sglang_pic.cpu_support import has_cuda
+from sglang_pic.security.api_key import ENV as API_KEY_ENV
+from sglang_pic.security.api_key import KEY_DIR as API_KEY_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ENV = "SGLANG_PIC_CACHE"

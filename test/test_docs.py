@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Server, start_server, stop_server, use_generated_key
-from sglang_pic import api_key
+from sglang_pic.security import api_key
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}

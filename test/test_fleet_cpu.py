@@ -30,8 +30,8 @@ import psutil
 import pytest
 import requests
 from conftest import START_TIMEOUT_S, free_port, start_slot, wait_for_host_memory
-from sglang_pic import api_key
 from sglang_pic.fleet import config, router
+from sglang_pic.security import api_key
 
 INSTANCE_ARGS = ["--max-total-tokens", "2048", "--page-size", "16", "--hicache-ratio", "4",
                  "--hicache-storage-prefetch-policy", "wait_complete"]

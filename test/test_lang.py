@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 from conftest import Server
-from sglang_pic.request_validation import refuse_openai_span_markers, refuse_span_markers
+from sglang_pic.security.request_validation import refuse_openai_span_markers, refuse_span_markers
 from sglang_pic.spans.segments import SpanError
 
 MARKED = "Intro<|ssep|>Doc<|pdep|>Q?"

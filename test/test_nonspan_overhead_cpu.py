@@ -229,7 +229,8 @@ def test_each_prompt_is_scanned_once_per_request(monkeypatch):
     once per prompt, and not kept past the request (the same lists, changed, are checked
     afresh)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-    from sglang_pic import prompt_ids, request_validation
+    from sglang_pic import prompt_ids
+    from sglang_pic.security import request_validation
     from sglang_pic.spans.request import SpanRequestResolver, resolve_generate_request
 
     scanned: list = []

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from sglang_pic.prompt_ids import id_range
-from sglang_pic.request_validation import (
+from sglang_pic.security.request_validation import (
     MAX_TOP_LOGPROBS,
     constrained_decoding_available,
     constrained_field,

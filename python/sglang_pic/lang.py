@@ -55,7 +55,7 @@ def endpoint(url: str, api_key: str | None = None, **kwargs: Any) -> Any:
     for the URL's port (``api_key.client_key``); ``kwargs`` go to ``RuntimeEndpoint``."""
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-    from sglang_pic.api_key import client_key
+    from sglang_pic.security.api_key import client_key
 
     return RuntimeEndpoint(url, api_key=api_key or client_key(url), **kwargs)
 

@@ -58,7 +58,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sglang_pic import api_key, serve_conflicts, server_flags, sglang_flags
+from sglang_pic import serve_conflicts, server_flags, sglang_flags
+from sglang_pic.security import api_key
 from sglang_pic.server_flags import FLAGS, UsageError
 
 PROG = "sglang-pic serve"

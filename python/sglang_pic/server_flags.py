@@ -233,7 +233,7 @@ def _sparse_flags() -> list[Flag]:
 
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
-    # sglang_pic.api_key: the key SGLang's --api-key check uses; without one of these sources
+    # sglang_pic.security.api_key: the key SGLang's --api-key check uses; without one of these sources
     # sglang-pic serve generates a key into a file (the path goes to stderr)
     Flag("--api-key-file", "api_key",
          "file holding the HTTP API key clients send (Authorization: Bearer KEY): a regular "

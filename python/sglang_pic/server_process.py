@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang.srt.plugins import load_plugins
 
-    from sglang_pic import api_key, plugin, plugin_site, sglang_flags
+    from sglang_pic import plugin, plugin_site, sglang_flags
+    from sglang_pic.security import api_key
     from sglang_pic.server_flags import UsageError
     from sglang_pic.sglang_flags import sglang_parser
 

@@ -59,6 +59,6 @@ def around_prepare_server_args(original, argv):
 
         model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")
         argv += cpu_support.cpu_server_defaults(argv, model_path)
-    from sglang_pic import api_key
+    from sglang_pic.security import api_key
 
     return original(api_key.to_sglang(argv))

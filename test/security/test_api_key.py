@@ -1,4 +1,4 @@
-"""`sglang-pic serve` requires an API key unless ``--insecure`` (``sglang_pic.api_key``).
+"""`sglang-pic serve` requires an API key unless ``--insecure`` (``sglang_pic.security.api_key``).
 
 Against the shared plain server (``server``: its key handed over in ``$SGLANG_PIC_API_KEY``, as
 every test server's is): requests without the key or with a wrong one get 401, with it 200;
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_pic import api_key, launch_server, secret_files
-from sglang_pic.redaction import REDACTED, redact_config, redact_repr
+from sglang_pic import launch_server
+from sglang_pic.security import api_key, secret_files
+from sglang_pic.security.redaction import REDACTED, redact_config, redact_repr
 from sglang_pic.server_flags import UsageError
 
 KEY = "k3y-of-24-characters-ok"

@@ -29,7 +29,7 @@ import requests
 from conftest import Server, start_server, stop_server
 from sglang_pic.frontdoor import endpoints, paths, schemas
 from sglang_pic.frontdoor.endpoints import Access
-from sglang_pic.redaction import REDACTED, redact_argv
+from sglang_pic.security.redaction import REDACTED, redact_argv
 
 PROBE = {"text": "The capital of France is",
          "sampling_params": {"max_new_tokens": 8, "temperature": 0}}

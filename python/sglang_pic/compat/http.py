@@ -26,7 +26,7 @@ ROWS: tuple[Seam, ...] = (
     Seam(f"{_AUTH}.add_api_key_middleware", "sglang_pic.frontdoor.unauthorized:add_hint",
          "AFTER", "front-door",
          why="a 401 that names the header and the key file"),
-    Seam(f"{_AUTH}.decide_request_auth", "sglang_pic.api_key:decide_auth", "AROUND", "api-key",
+    Seam(f"{_AUTH}.decide_request_auth", "sglang_pic.security.api_key:decide_auth", "AROUND", "api-key",
          why="a non-ASCII `Authorization` header is decided as none (401, not a 500 with a "
              "traceback); the admin routes of `frontdoor.endpoints` need the admin key; "
              "`/health_generate` the API key"),

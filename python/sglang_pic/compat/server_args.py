@@ -17,11 +17,11 @@ ROWS: tuple[Seam, ...] = (
          "AROUND", "server-flags",
          why="our flags taken out of argv, checked and translated; the API key handed over as "
              "`--api-key` in memory (`api_key.to_sglang`); the CPU engine's defaults"),
-    Seam(f"{_ARGS}.ServerArgs.__repr__", "sglang_pic.redaction:redact_repr", "AROUND",
+    Seam(f"{_ARGS}.ServerArgs.__repr__", "sglang_pic.security.redaction:redact_repr", "AROUND",
          "secret-redaction",
          why="the start-up log shows `api_key`, `admin_api_key`, `ssl_keyfile_password` as "
              "`<redacted>`"),
     Seam("sglang.srt.runtime_context.RuntimeContext.resolved_server_args_dict",
-         "sglang_pic.redaction:redact_config", "AFTER", "secret-redaction",
+         "sglang_pic.security.redaction:redact_config", "AFTER", "secret-redaction",
          why="`/server_info` shows the secrets as `<redacted>`"),
 )

@@ -10,7 +10,7 @@ TITLE = "Tokenizer manager"
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 ROWS: tuple[Seam, ...] = (
-    Seam(f"{_TM}.generate_request", "sglang_pic.request_validation:check_generate_request",
+    Seam(f"{_TM}.generate_request", "sglang_pic.security.request_validation:check_generate_request",
          "BEFORE", "request-validation",
          why="a wrong-typed or unknown sampling parameter is a 400 naming the field (SGLang: a "
              "500); runs before the span resolver"),
@@ -32,17 +32,17 @@ ROWS: tuple[Seam, ...] = (
          why="with `--sparse-offload`, a request longer than its host region is a 400 naming the "
              "GiB (always registered: it reads the hand-off per request and returns at once "
              "without it)"),
-    Seam(f"{_TM}.resolved_config_dict", "sglang_pic.redaction:redact_config", "AFTER",
+    Seam(f"{_TM}.resolved_config_dict", "sglang_pic.security.redaction:redact_config", "AFTER",
          "secret-redaction",
          why="`/server_info` shows `api_key`, `admin_api_key`, `ssl_keyfile_password` as "
              "`<redacted>`"),
-    Seam(f"{_TM}._dump_data_to_file", "sglang_pic.redaction:redacted_dump", "AROUND",
+    Seam(f"{_TM}._dump_data_to_file", "sglang_pic.security.redaction:redacted_dump", "AROUND",
          "secret-redaction",
          why="request dumps pickle redacted server arguments and command line"),
-    Seam(f"{_TM}.dump_requests_before_crash", "sglang_pic.redaction:redacted_dump", "AROUND",
+    Seam(f"{_TM}.dump_requests_before_crash", "sglang_pic.security.redaction:redacted_dump", "AROUND",
          "secret-redaction",
          why="crash dumps likewise"),
-    Seam(f"{_TM}.server_args", "sglang_pic.redaction:redacted_dump", "instance-patch",
+    Seam(f"{_TM}.server_args", "sglang_pic.security.redaction:redacted_dump", "instance-patch",
          "secret-redaction",
          why="the redacted copy stands in for the manager's `server_args` (and `sys.argv`) "
              "while a dump is built"),

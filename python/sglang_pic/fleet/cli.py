@@ -36,10 +36,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_pic import api_key
 from sglang_pic.fleet import router
 from sglang_pic.fleet.config import PROG, FleetConfig, help_text, parse
 from sglang_pic.fleet.supervisor import Child, Supervisor, exit_text
+from sglang_pic.security import api_key
 from sglang_pic.serve_conflicts import value_of
 from sglang_pic.server_flags import UsageError
 
@@ -153,7 +153,7 @@ class Fleet:
             self.key, path = api_key.generate(c.port)
             self.key_source = str(path)
         if c.stores:
-            from sglang_pic.secret_files import write_private
+            from sglang_pic.security.secret_files import write_private
 
             self.token_file = write_private(self.log_dir, "ptstore.token",
                                             secrets.token_urlsafe(32) + "\n")

@@ -19,7 +19,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_pic import api_key
+from sglang_pic.security import api_key
 from sglang_pic.server_flags import UsageError
 
 PROG = "sglang-pic fleet"

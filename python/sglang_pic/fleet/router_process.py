@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sglang_pic.api_key import ENV
+from sglang_pic.security.api_key import ENV
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,7 +131,7 @@ class FrontDoor:
                                "--enable-weights-from-tensor")
 
     def _checked(self, path: str, raw: bytes) -> bytes:
-        from sglang_pic.request_validation import refuse_openai_span_markers
+        from sglang_pic.security.request_validation import refuse_openai_span_markers
         from sglang_pic.spans import http as span_http
 
         try:

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from sglang_pic.request_validation import per_item
+from sglang_pic.security.request_validation import per_item
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1

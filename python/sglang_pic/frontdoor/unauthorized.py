@@ -55,7 +55,7 @@ def add_hint(result: Any, app: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook for ``add_api_key_middleware(app, ...)``: the hint outside SGLang's check."""
     from sglang.srt.server_args import get_global_server_args
 
-    from sglang_pic.api_key import DEFAULT_PORT, key_file
+    from sglang_pic.security.api_key import DEFAULT_PORT, key_file
 
     try:
         port = int(get_global_server_args().port)

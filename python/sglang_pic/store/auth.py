@@ -37,7 +37,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from sglang_pic.secret_files import MIN_SECRET_CHARS, check_strength, read_private
+from sglang_pic.security.secret_files import MIN_SECRET_CHARS, check_strength, read_private
 
 SERVE_TOKEN_ENV = "SGLANG_PIC_PTSTORE_TOKEN"
 """Where ``sglang-pic serve``'s processes (SGLang's schedulers inherit it) find the token."""

@@ -59,7 +59,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sglang_pic.default_model import cache_dir
-from sglang_pic.secret_files import MAKE_ONE, MIN_SECRET_CHARS, read_private, write_private
+from sglang_pic.security.secret_files import MAKE_ONE, MIN_SECRET_CHARS, read_private, write_private
 from sglang_pic.serve_conflicts import value_of
 from sglang_pic.server_flags import UsageError, parse
 
