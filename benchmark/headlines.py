@@ -747,10 +747,10 @@ CLAIMS: list[Claim] = [
             "eviction_sim_heldout_seeds_hints_none.json", "token_hit_rate",
             baseline_variant="best baseline", ours_variant=policy, higher_is_better=True,
             target=0.005, target_kind="points",
-            path="generated traffic of seeds 100 and 101 (no policy setting was chosen on them), "
+            path="generated traffic of seeds 100-109 (no policy setting was chosen on them), "
             "every workload of bench_eviction.py, no client hints (--hints none), replayed "
             "through SGLang's RadixCache (CPU) at 5 / 10 / 20 / 40 % of the unique tokens: the "
-            "worst workload and size, each cell the mean of the two seeds",
+            "worst workload and size, each cell the mean of the ten seeds",
             extract=_generated_worst_cell(policy))
       for policy in ("auto", "sae")],
     Claim("eviction.replay.mooncake_synthetic.auto_ms_per_request",
