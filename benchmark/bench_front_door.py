@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
 
-    from sglang_pic import cpu_support
+    from sglang_pic.cpu import support as cpu_support
 
     cpu_support.enable_cpu_engine()
     from harness import environment, gpu_tag, save_figure

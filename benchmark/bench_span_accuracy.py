@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "spans_accuracy_cpu.json"))
     args = ap.parse_args()
 
-    from sglang_pic.cpu_support import enable_cpu_engine
+    from sglang_pic.cpu.support import enable_cpu_engine
     from sglang_pic.default_model import ensure_default_model
 
     enable_cpu_engine()

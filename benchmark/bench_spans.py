@@ -242,7 +242,7 @@ def main() -> None:
     params = dict(PARAMS, repeats=args.repeats, rag_requests=args.requests,
                   rag_repeats=args.rag_repeats)
     if args.smoke:
-        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.cpu.support import enable_cpu_engine
         from sglang_pic.default_model import ensure_default_model
 
         enable_cpu_engine()

@@ -458,7 +458,7 @@ def cpu_smoke_engine(**overrides) -> dict:
     """Engine arguments of a ``--smoke`` run: SGLang's CPU engine (selected here, before SGLang
     is imported) on the embedded SmolLM2, no radix cache, no CUDA graphs; ``overrides`` win."""
     sys.path.insert(0, str(REPO / "python"))
-    from sglang_pic.cpu_support import enable_cpu_engine
+    from sglang_pic.cpu.support import enable_cpu_engine
     from sglang_pic.default_model import ensure_default_model
 
     enable_cpu_engine()

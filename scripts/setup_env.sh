@@ -16,6 +16,11 @@ PY="${PYTHON:-python3}"
 stamp_src=$(cat scripts/setup_env.sh python/requirements-cpu.txt python/requirements-dev.txt \
   python/requirements-fleet.txt | sha256sum | cut -c1-16)
 if [ -f "$VENV/.sglang-pic-env" ] && [ "$(cat "$VENV/.sglang-pic-env")" = "$stamp_src" ]; then
+  # the CPU start-up hook (.pth) names a module of this tree: rewritten in case it moved
+  if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+      2>/dev/null; then
+    "$VENV/bin/sglang-pic" setup-cpu >/dev/null 2>&1
+  fi
   exit 0
 fi
 t0=$(date +%s)

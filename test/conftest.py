@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import requests
 from server_zygote import ZygoteClient
-from sglang_pic.cpu_support import has_cuda
+from sglang_pic.cpu.support import has_cuda
 from sglang_pic.security.api_key import ENV as API_KEY_ENV
 from sglang_pic.security.api_key import KEY_DIR as API_KEY_DIR
 
@@ -82,7 +82,7 @@ os.environ.setdefault("OMP_NUM_THREADS", TEST_THREADS)
 if not has_cuda():
     # Triton kernels bind the interpreter when first decorated, which may happen while any test
     # module is collected (store and HiCache modules import SGLang's kernels): set it before all
-    # of them. The CPU engine sets the same for its servers (sglang_pic.cpu_support).
+    # of them. The CPU engine sets the same for its servers (sglang_pic.cpu.support).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 START_TIMEOUT_S = 240
 """Seconds from a server's launch (once it holds a start slot) to its first healthy answer."""

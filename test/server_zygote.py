@@ -80,7 +80,7 @@ def _run_server(argv: list[str], env: dict[str, str], log: str, reply_fd: int) -
 
 
 def main() -> None:
-    from sglang_pic import cpu_support
+    from sglang_pic.cpu import support as cpu_support
 
     cpu_support.enable_cpu_engine()  # before SGLang's first import, as server_process does
     for name in PRELOAD:

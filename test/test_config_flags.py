@@ -21,7 +21,7 @@ import pytest
 import requests
 from conftest import REPO, start_server, stop_server, use_generated_key
 from sglang_pic import serve_conflicts, server_flags
-from sglang_pic.cpu_support import has_cuda
+from sglang_pic.cpu.support import has_cuda
 from sglang_pic.server_flags import FLAGS, UsageError
 
 SERVE = [sys.executable, "-m", "sglang_pic", "serve"]

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from sglang_pic import cpu_support
+from sglang_pic.cpu import support as cpu_support
 
 
 def _run(code: str, extra_path: str | None = None) -> str:
@@ -20,7 +20,7 @@ def _run(code: str, extra_path: str | None = None) -> str:
 
 def test_stand_ins_serve_missing_packages():
     out = _run("""
-        import sglang_pic.cpu_support as c; c.install_import_stand_ins()
+        import sglang_pic.cpu.support as c; c.install_import_stand_ins()
         import torchvision, sgl_kernel
         from torchvision.io import ImageReadMode
         print(c.is_stand_in(torchvision), c.is_stand_in(sgl_kernel))
@@ -41,7 +41,7 @@ def test_real_package_wins_over_stand_in(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("REAL = True\n")
     out = _run("""
-        import sglang_pic.cpu_support as c; c.install_import_stand_ins()
+        import sglang_pic.cpu.support as c; c.install_import_stand_ins()
         import torchvision
         print(getattr(torchvision, "REAL", False), c.is_stand_in(torchvision))
     """, extra_path=str(tmp_path))
@@ -52,7 +52,7 @@ def test_pth_line_installs_finder(tmp_path):
     path = cpu_support.write_pth(str(tmp_path))
     out = _run(f"""
         import site; site.addsitedir({str(tmp_path)!r})
-        import sys, sglang_pic.cpu_support as c
+        import sys, sglang_pic.cpu.support as c
         print(sum(isinstance(f, c._StandInFinder) for f in sys.meta_path))
     """)
     assert out == "1"
@@ -93,7 +93,7 @@ def test_alloc_decode_torch_matches_sglang_triton_kernel():
         import os; os.environ["TRITON_INTERPRET"] = "1"
         import torch
         from sglang.kernels.ops.memory.allocator import alloc_decode_kernel
-        from sglang_pic.cpu_support import alloc_decode_torch
+        from sglang_pic.cpu.support import alloc_decode_torch
         ps = 4
         seq_lens = torch.tensor([5, 7, 9, 13, 2], dtype=torch.int64)   # 5, 9, 13 start new pages
         last_loc = torch.tensor([43, 21, 63, 95, 100], dtype=torch.int64)

@@ -338,7 +338,7 @@ def main() -> None:
         name += f"_scale{args.scale}"
     if args.smoke:
         sys.path.insert(0, str(HERE.parent.parent / "python"))
-        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.cpu.support import enable_cpu_engine
         from sglang_pic.default_model import ensure_default_model
 
         enable_cpu_engine()

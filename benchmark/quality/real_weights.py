@@ -170,7 +170,7 @@ def main() -> None:
     if args.smoke:
         args.prompts, args.new_tokens = 4, 8
         args.out = args.out or smoke_dir()
-        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.cpu.support import enable_cpu_engine
 
         enable_cpu_engine()
         base = {"device": "cpu", "attention_backend": "torch_native", "max_total_tokens": 8192,

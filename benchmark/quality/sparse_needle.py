@@ -171,7 +171,7 @@ def engine_settings(model_dir: str, cpu: bool, max_requests: int, metrics: bool 
               "max_running_requests": max_requests, "enable_metrics": metrics,
               "log_level": "warning"}
     if cpu:
-        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.cpu.support import enable_cpu_engine
 
         enable_cpu_engine()
         return ({**common, "device": "cpu", "attention_backend": "torch_native",

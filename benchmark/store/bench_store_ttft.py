@@ -777,7 +777,7 @@ def main() -> None:
     page_mb = 4  # a K or V block of a Llama-3-8B page of 64 tokens
     if args.smoke:
         sys.path.insert(0, str(REPO / "python"))
-        from sglang_pic.cpu_support import enable_cpu_engine
+        from sglang_pic.cpu.support import enable_cpu_engine
         from sglang_pic.default_model import ensure_default_model
 
         enable_cpu_engine()

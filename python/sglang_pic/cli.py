@@ -36,7 +36,7 @@ def versions() -> dict[str, str]:
 def _setup_cpu() -> int:
     import sysconfig
 
-    from sglang_pic import cpu_support
+    from sglang_pic.cpu import support as cpu_support
 
     path = cpu_support.write_pth(sysconfig.get_paths()["purelib"])
     print(f"wrote {path}")

@@ -102,7 +102,7 @@ def build_argv(argv: list[str]) -> list[str]:
     """The SGLang argv we run: the user's flags plus our defaults for what they left out; our
     flags checked, turned into SGLang flags and handed-over variables (set in ``os.environ``).
     Raises ``UsageError`` (or a ``SystemExit`` with a message) for what cannot be served."""
-    from sglang_pic import cpu_support
+    from sglang_pic.cpu import support as cpu_support
 
     argv = list(argv)
     if _wants_help(argv):

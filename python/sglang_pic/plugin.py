@@ -77,7 +77,7 @@ FEATURES: dict[str, str | None] = {
     "eviction": "sglang_pic.eviction:register",
     "sparse-decode": "sglang_pic.sparse:register",
     "hicache-storage": "sglang_pic.store.idle_yield:register",
-    "cpu-support": "sglang_pic.cpu_support:register_cpu_support",
+    "cpu-support": "sglang_pic.cpu.support:register_cpu_support",
 }
 """Every feature, in registration order, with its set-up (``"module:function"``, run before its
 seam rows are registered; None: it has only rows). ``cpu-support`` runs on the CPU engine only."""
@@ -87,9 +87,9 @@ CPU_ONLY = ("cpu-support",)
 
 def _register() -> None:
     global _loaded
-    from sglang_pic import cpu_support
     from sglang_pic.compat.conditions import cpu_engine
     from sglang_pic.compat.versions import UnsupportedSGLang, require_supported_sglang
+    from sglang_pic.cpu import support as cpu_support
 
     try:
         require_supported_sglang()

@@ -206,7 +206,7 @@ def sglang_parser():
 
 def _build() -> None:
     """Build SGLang's parser as the server process does, and cache its option strings."""
-    from sglang_pic import cpu_support
+    from sglang_pic.cpu import support as cpu_support
 
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
         cpu_support.enable_cpu_engine()  # before SGLang's first import

@@ -54,7 +54,7 @@ def around_prepare_server_args(original, argv):
         print(f"{prog}: error: {e.code.removeprefix('error: ')}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if on_cpu:  # the CPU engine's flags, each one the user did not give (as sglang-pic serve)
-        from sglang_pic import cpu_support
+        from sglang_pic.cpu import support as cpu_support
         from sglang_pic.launch_server import _value_of
 
         model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")

@@ -137,7 +137,7 @@ def test_sampling_values_the_scheduler_cannot_take(server, params, needle):
      lambda r: r["choices"][0]["message"]["content"].lstrip().startswith("{")),
 ], ids=["regex", "chat-json_object"])
 def test_constrained_decoding_on_cpu(server, path, body, check):
-    """Served on CPU through the CPU grammar hooks (``sglang_pic.cpu_grammar``, registered by
+    """Served on CPU through the CPU grammar hooks (``sglang_pic.cpu.grammar``, registered by
     ``cpu_support``); without them xgrammar killed the scheduler."""
     baseline(server)
     r = server.post(path, json=body, timeout=120)

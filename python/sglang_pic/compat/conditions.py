@@ -36,7 +36,7 @@ def cpu_engine() -> bool:
     engine = os.environ.get("SGLANG_USE_CPU_ENGINE")
     if engine is not None:
         return engine == "1"
-    from sglang_pic.cpu_support import has_cuda
+    from sglang_pic.cpu.support import has_cuda
 
     return not has_cuda()
 

@@ -11,7 +11,7 @@ _HOST_POOL = "sglang.srt.mem_cache.pool_host"
 _GRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _PAGED = "sglang.srt.mem_cache.allocator.paged"
 _INTERPRETER = "triton.runtime.interpreter"
-_CPU = "sglang_pic.cpu_support"
+_CPU = "sglang_pic.cpu.support"
 
 ROWS: tuple[Seam, ...] = (
     Seam("sys.meta_path", f"{_CPU}:install_import_stand_ins", "instance-patch", "cpu-support",
@@ -31,10 +31,10 @@ ROWS: tuple[Seam, ...] = (
          "cpu-support", "cpu",
          why="the scheduler and detokenizer processes are forked, not spawned: they start with "
              "what is already imported"),
-    Seam(f"{_GRAMMAR}._allocate_token_bitmask", "sglang_pic.cpu_grammar:allocate_token_bitmask",
+    Seam(f"{_GRAMMAR}._allocate_token_bitmask", "sglang_pic.cpu.grammar:allocate_token_bitmask",
          "REPLACE", "cpu-support", "cpu",
          why="constrained decoding on CPU: the token bitmask without pinned memory"),
-    Seam(f"{_GRAMMAR}.XGrammarGrammar.apply_vocab_mask", "sglang_pic.cpu_grammar:apply_vocab_mask",
+    Seam(f"{_GRAMMAR}.XGrammarGrammar.apply_vocab_mask", "sglang_pic.cpu.grammar:apply_vocab_mask",
          "AROUND", "cpu-support", "cpu", why="xgrammar's CPU kernel applies the mask"),
     Seam("torch.cpu.Stream.synchronize", f"{_CPU}:_patch_cpu_stream", "instance-patch",
          "cpu-support", "cpu",

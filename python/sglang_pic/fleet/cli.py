@@ -318,7 +318,7 @@ class Fleet:
     def plan(self) -> None:
         """What needs this machine before anything starts: its GPU (``UsageError`` for shares
         that cannot fit), its cores, the embedded model, the log folder, key and token."""
-        from sglang_pic import cpu_support
+        from sglang_pic.cpu import support as cpu_support
 
         on_gpu = cpu_support.has_cuda()
         self.gpu_args = self.instance_gpu_args(on_gpu)

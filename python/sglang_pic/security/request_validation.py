@@ -243,7 +243,7 @@ def constrained_decoding_available(server_args: Any) -> bool:
     CPU engine with xgrammar and ``cpu_grammar``'s hooks registered in this process."""
     if getattr(server_args, "device", None) != "cpu":
         return True
-    from sglang_pic.cpu_grammar import cpu_grammar_registered
+    from sglang_pic.cpu.grammar import cpu_grammar_registered
 
     return getattr(server_args, "grammar_backend", None) == "xgrammar" and cpu_grammar_registered()
 

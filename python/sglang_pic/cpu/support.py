@@ -123,7 +123,7 @@ def is_stand_in(module: types.ModuleType) -> bool:
 
 
 PTH_NAME = "sglang_pic_cpu.pth"
-PTH_LINE = "import sglang_pic.cpu_support as _m; _m.install_import_stand_ins()\n"
+PTH_LINE = "import sglang_pic.cpu.support as _m; _m.install_import_stand_ins()\n"
 
 
 def write_pth(site_packages: str) -> str:
@@ -362,7 +362,7 @@ def register_cpu_support() -> None:
     fix_interpreter_scalar_index()  # Triton interpreter vs NumPy >= 2.4 (see that module)
     skip_nested_lang_patching()  # and its repeated patching of triton.language (same module)
 
-    from sglang_pic import cpu_grammar
+    from sglang_pic.cpu import grammar as cpu_grammar
 
     cpu_grammar.register()  # constrained decoding (xgrammar) on CPU
     _patch_cpu_stream()
