@@ -58,8 +58,9 @@ def _imported(symbol: str) -> bool:
         if isinstance(obj, types.ModuleType):  # bound only under a condition (CUDA) here
             return re.search(rf"^\s+{name},?$|import {name}$", inspect.getsource(obj),
                              re.M) is not None
+        assigned = re.compile(rf"self\.{name}\s*(?::[^=\n]*)?=(?!=)")
         return isinstance(obj, type) and any(
-            f"self.{name} =" in inspect.getsource(c) for c in obj.__mro__
+            assigned.search(inspect.getsource(c)) for c in obj.__mro__
             if c.__module__.startswith("sglang."))
 
 
@@ -109,3 +110,83 @@ def test_the_command_line_reports_and_refuses_what_is_not_a_release(changed, tmp
         run = subprocess.run([sys.executable, "-m", "sglang_pic.compat", "--static", str(bad)],
                              capture_output=True, text=True, env=env, timeout=120)
         assert run.returncode == 2 and "neither a wheel nor a folder" in run.stderr, run.stderr
+
+
+SMALL = {  # a release of a few modules with the shapes the checker must read
+    "sglang/__init__.py": "",
+    # sglang/srt/ has no __init__.py: a namespace package
+    "sglang/srt/a.py": """
+from typing import TYPE_CHECKING, Generic, TypeVar
+from .b import Base
+from .star import *
+T = TypeVar("T")
+if TYPE_CHECKING:
+    from .b import OnlyTyped
+try:
+    from .b import fast
+except ImportError:
+    fast = None
+with open(__file__):
+    WITH_BOUND = 1
+class K(Base):
+    class Inner:
+        def m(self, x, /, y=1, *, z): ...
+    def __init__(self):
+        self.attr: int = 1
+        self.compared == 2
+    def f(self): ...
+class G(Generic[T]):
+    def g(self, a, *args, b=None, **kw): ...
+class H(G[int]): ...
+""",
+    "sglang/srt/b.py": "class Base:\n    def inherited(self): ...\ndef fast(): ...\n"
+                       "class OnlyTyped: ...\n",
+    "sglang/srt/star.py": "def starred(): ...\n",
+    "sglang/srt/broken.py": "def (:\n",
+    "sglang/_version.py": "__version__ = (\n",
+}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> StaticChecker:
+    root = tmp_path_factory.mktemp("small")
+    for rel, text in SMALL.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return StaticChecker(SourceTree(root))
+
+
+@pytest.mark.parametrize("symbol", [
+    "sglang.srt.a.K.f", "sglang.srt.a.K.inherited", "sglang.srt.a.K.attr",
+    "sglang.srt.a.K.Inner.m", "sglang.srt.a.H.g", "sglang.srt.a.starred", "sglang.srt.a.fast",
+    "sglang.srt.a.WITH_BOUND", "sglang.srt.a.K.__repr__", "sglang.srt.b"])
+def test_a_release_s_names_are_found_however_they_are_bound(small, symbol):
+    assert small.find(symbol)[1] is None
+
+
+@pytest.mark.parametrize(("symbol", "why"), [
+    ("sglang.srt.a.OnlyTyped", "sglang.srt.a has no OnlyTyped"),  # imported for type checks
+    ("sglang.srt.a.K.nope", "sglang.srt.a.K has no nope"),
+    ("sglang.srt.a.K.compared", "sglang.srt.a.K has no compared"),  # compared, not assigned
+    ("sglang.srt.a.K.__call__", "sglang.srt.a.K has no __call__"),
+    ("sglang.srt.c.X", "no module sglang.srt.c"),
+])
+def test_a_missing_name_is_named(small, symbol, why):
+    assert small.find(symbol) == (None, why)
+
+
+def test_an_unparsable_module_or_version_file_is_said_not_guessed(small):
+    node, why = small.find("sglang.srt.broken.anything")
+    assert node is None and why.startswith("cannot parse sglang.srt.broken: SyntaxError")
+    assert small.tree.version is None  # no metadata, and its _version.py does not parse
+
+
+def test_parameters_keep_their_kinds_and_defaults(small):
+    from sglang_pic.compat import Seam
+
+    def params(target: str) -> str | None:
+        return small.signature(Seam(target, "x:y", "AROUND", "demo"))
+
+    assert params("sglang.srt.a.K.Inner.m") == "self, x, /, y=1, *, z"
+    assert params("sglang.srt.a.H.g") == "self, a, *args, b=None, **kw"  # through G[int]
+    assert params("sglang.srt.a.K.f.deeper") is None  # below a method: not followed

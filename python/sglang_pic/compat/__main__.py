@@ -4,14 +4,16 @@
 ``FILE`` between the ``<!-- seams:begin -->`` and ``<!-- seams:end -->`` lines (the test of the
 table fails while the committed doc differs from it). ``--static WHEEL_OR_FOLDER`` lists the rows
 an SGLang release (a wheel, or a folder holding ``sglang/``) lacks the symbol of, by feature,
-without installing it (``compat.static``); it exits 1 when there is any. Reading the table
-imports no SGLang.
+without installing it (``compat.static``); with ``--against OLD`` (the release the table was
+written for) also the hooked functions whose parameters changed. It exits 1 when there is any.
+Reading the table imports no SGLang.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from pathlib import Path
 
 from . import markdown
@@ -66,13 +68,13 @@ def _static(path: Path, against: Path | None, parser: argparse.ArgumentParser) -
     try:
         tree = SourceTree(path)
         old = SourceTree(against) if against else None
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        parser.error(f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
     rows = report(tree, SEAMS, old)
     checked = sum(s.target.startswith("sglang.") for s in SEAMS)
     print(f"SGLang {tree.version or '(version unknown)'} ({path.name}): {len(rows)} of the "
           f"{checked} rows on SGLang cannot apply"
-          + (f" or take other parameters than in {old.version}" if old else ""))
+          + (f" or take other parameters than in {old.version or old.path.name}" if old else ""))
     for feature in dict.fromkeys(s.feature for s, _ in rows):
         print(f"\n{feature}:")
         for seam, problem in rows:

@@ -80,8 +80,11 @@ class SourceTree:
         for line in (meta or "").splitlines():
             if line.startswith("Version:"):
                 return line.split(":", 1)[1].strip()
-        text = self.source(f"{PACKAGE}._version") or ""
-        for node in ast.walk(ast.parse(text)):
+        try:
+            tree = ast.parse(self.source(f"{PACKAGE}._version") or "")
+        except (SyntaxError, ValueError):
+            return None
+        for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
                     isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
                 return str(node.value.value)
@@ -98,9 +101,11 @@ class _Scope:
     imports: dict[str, str]
     module: str
     package: bool
+    stars: tuple[str, ...] = ()  # modules it imports ``*`` from
+    error: str | None = None  # why its source could not be parsed
 
 
-_OBJECT_NAMES = frozenset(dir(object)) | {"__init__", "__call__", "__eq__", "__hash__"}
+_OBJECT_NAMES = frozenset(dir(object))
 """Names every class has (a dataclass's ``__repr__`` is generated, not written)."""
 
 _Found = ast.AST | None
@@ -159,8 +164,15 @@ class StaticChecker:
               depth: int) -> tuple[_Found, str | None]:
         if not rest:
             return None, None
+        if scope.error is not None:
+            return None, f"cannot parse {where}: {scope.error}"
         name, rest = rest[0], rest[1:]
         node = scope.names.get(name)
+        if node is None and name not in scope.imports and depth < 8:
+            for star in scope.stars:  # ``from X import *``: X's names are this module's too
+                if star.startswith(f"{PACKAGE}.") and self.find(
+                        ".".join([star, name]), depth + 1)[1] is None:
+                    return self.find(".".join([star, name, *rest]), depth + 1)
         if node is None and name in scope.imports:
             source = scope.imports[name]
             if not source.startswith(f"{PACKAGE}.") or depth >= 8:
@@ -181,11 +193,15 @@ class StaticChecker:
         own = _class_names(node)
         if rest[0] in own:
             inner = own[rest[0]]
-            if len(rest) > 1 and isinstance(inner, ast.ClassDef):
+            if len(rest) == 1:
+                return inner, None
+            if isinstance(inner, ast.ClassDef):
                 return self._in_class(inner, scope, rest[1:], f"{where}.{rest[0]}", depth)
-            return inner, None
+            return None, None  # a name on a member that is not a class: not followed further
+        unresolved = False  # found on a base whose definition is not followed
         for base in node.bases if depth < 8 else ():  # inherited from a base
-            head, _, tail = ast.unparse(base).partition(".")
+            expr = base.value if isinstance(base, ast.Subscript) else base  # Generic[T]
+            head, _, tail = ast.unparse(expr).partition(".")
             if not tail and isinstance(scope.names.get(head), ast.ClassDef):
                 found = self._in_class(scope.names[head], scope, rest, where, depth + 1)
             elif head in scope.imports:
@@ -195,27 +211,32 @@ class StaticChecker:
                 found = self.find(".".join([dotted, *rest]), depth + 1)
             else:
                 continue
-            if found[1] is None:
-                return found
-        if rest[0] in _OBJECT_NAMES:
+            if found[1] is None and found[0] is not None:
+                return found  # the definition itself: its parameters can be read
+            unresolved = unresolved or found[1] is None
+        if unresolved or rest[0] in _OBJECT_NAMES:
             return None, None
         return None, f"{where} has no {rest[0]}"
 
     def _module_scope(self, module: str) -> _Scope:
         text = self.tree.source(module) or ""
+        is_package = self.tree.is_package(module)
         try:
             body = ast.parse(text).body
-        except SyntaxError:
-            body = []
+        except (SyntaxError, ValueError) as e:  # ValueError: a null byte
+            return _Scope({}, {}, module, is_package, error=f"{type(e).__name__}: {e}")
         names: dict[str, ast.AST] = {}
         imports: dict[str, str] = {}
-        is_package = self.tree.is_package(module)
+        stars: list[str] = []
         package = module if is_package else module.rsplit(".", 1)[0]
         for stmt in _flat(body):
             if isinstance(stmt, ast.ImportFrom):
                 base = _absolute(stmt, package)
                 for alias in stmt.names:
-                    imports[alias.asname or alias.name] = f"{base}.{alias.name}"
+                    if alias.name == "*":
+                        stars.append(base)
+                    else:
+                        imports[alias.asname or alias.name] = f"{base}.{alias.name}"
             elif isinstance(stmt, ast.Import):
                 for alias in stmt.names:
                     imports[alias.asname or alias.name.split(".")[0]] = \
@@ -223,19 +244,29 @@ class StaticChecker:
             else:
                 for name in _defined(stmt):
                     names[name] = stmt
-        return _Scope(names, imports, module, is_package)
+        return _Scope(names, imports, module, is_package, tuple(stars))
 
 
 def _flat(body: list[ast.stmt]) -> list[ast.stmt]:
-    """Statements of a body, those inside ``if``/``try`` blocks included (version gates)."""
+    """Statements of a body, those inside ``if``, ``try``, ``with``, ``for``, ``while`` and
+    ``match`` blocks included (version gates, optional imports); not those of an
+    ``if TYPE_CHECKING:`` block, which never run."""
     out: list[ast.stmt] = []
     for stmt in body:
         if isinstance(stmt, ast.If):
-            out += _flat(stmt.body) + _flat(stmt.orelse)
-        elif isinstance(stmt, ast.Try):
+            typing_only = ast.unparse(stmt.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            out += ([] if typing_only else _flat(stmt.body)) + _flat(stmt.orelse)
+        elif isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
             out += _flat(stmt.body) + _flat(stmt.orelse) + _flat(stmt.finalbody)
             for handler in stmt.handlers:
                 out += _flat(handler.body)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            out += _flat(stmt.body)
+        elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            out += _flat(stmt.body) + _flat(stmt.orelse)
+        elif isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                out += _flat(case.body)
         else:
             out.append(stmt)
     return out
