@@ -743,16 +743,27 @@ CLAIMS: list[Claim] = [
            "replayed)"))
       for policy in ("auto", "sae")
       for part, metric in (("", "token_hit_rate"), (".heldout", "heldout_hit_rate"))],
-    *[Claim(f"eviction.replay.generated_heldout_seeds.{policy}_worst_vs_best",
-            "eviction_sim_heldout_seeds_hints_none.json", "token_hit_rate",
-            baseline_variant="best baseline", ours_variant=policy, higher_is_better=True,
-            target=0.005, target_kind="points",
+    *[Claim(f"eviction.replay.generated_heldout_seeds{suffix}.{policy}_worst_vs_best", raw,
+            "token_hit_rate", baseline_variant="best baseline", ours_variant=policy,
+            higher_is_better=True, target=0.005, target_kind="points",
             path="generated traffic of seeds 100-109 (no policy setting was chosen on them), "
-            "every workload of bench_eviction.py, no client hints (--hints none), replayed "
-            "through SGLang's RadixCache (CPU) at 5 / 10 / 20 / 40 % of the unique tokens: the "
-            "worst workload and size, each cell the mean of the ten seeds",
+            f"every workload of bench_eviction.py, {hints}, replayed through SGLang's "
+            "RadixCache (CPU) at 5 / 10 / 20 / 40 % of the unique tokens: the worst workload "
+            "and size, each cell the mean of the ten seeds",
             extract=_generated_worst_cell(policy))
+      for suffix, raw, hints in (
+          ("", "eviction_sim_heldout_seeds_hints_none.json", "no client hints (--hints none)"),
+          (".hints", "eviction_sim_heldout_seeds.json",
+           "with the session, application and token-type hints clients can send"))
       for policy in ("auto", "sae")],
+    *[Claim(f"eviction.replay.generated_heldout_seeds.hints.mixed_{int(f * 100)}pct",
+            "eviction_sim_heldout_seeds.json", "token_hit_rate",
+            baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
+            path="the mixed workload of generated traffic of seeds 100-109 with client hints, "
+            "replayed through SGLang's RadixCache (CPU); sae against the best online baseline "
+            "(the held-out check of eviction.replay.generated_mixed_*)",
+            extract=_replay("mix", f, baselines=ONLINE_BASELINES))
+      for f in (0.05, 0.1, 0.2, 0.4)],
     Claim("eviction.replay.mooncake_synthetic.auto_ms_per_request",
           "eviction_auto_mooncake_synthetic.json", "wall_s", baseline_variant="gdsf",
           ours_variant="auto", path="replay of the Mooncake synthetic trace (3,993 requests of "
