@@ -34,17 +34,27 @@ class SourceTree:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        metadata = None  # the release's dist-info METADATA text
         if self.path.is_file() and zipfile.is_zipfile(self.path):
             with zipfile.ZipFile(self.path) as wheel:
-                self._files = {n: wheel.read(n).decode("utf-8", "replace")
-                               for n in wheel.namelist()
+                names = wheel.namelist()
+                self._files = {n: wheel.read(n).decode("utf-8", "replace") for n in names
                                if n.startswith(f"{PACKAGE}/") and n.endswith(".py")}
+                meta = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
+                if meta is not None:
+                    metadata = wheel.read(meta).decode("utf-8", "replace")
+            # every folder holding a module, as dotted-path prefixes ("sglang/srt/")
+            self._folders = {n[:i + 1] for n in self._files
+                             for i, c in enumerate(n) if c == "/"}
             self._root = None
         elif (self.path / PACKAGE).is_dir():
             self._files, self._root = None, self.path
+            found = sorted(self.path.glob(f"{PACKAGE}-*.dist-info/METADATA"))
+            if found:
+                metadata = found[0].read_text(encoding="utf-8", errors="replace")
         else:
             raise ValueError(f"{path}: neither a wheel nor a folder holding {PACKAGE}/")
-        self.version = self._version()
+        self.version = self._version(metadata)
         self.scopes: dict[str, _Scope] = {}  # StaticChecker's parsed modules
 
     def source(self, module: str) -> str | None:
@@ -63,21 +73,13 @@ class SourceTree:
         """Whether dotted ``module`` is a folder of modules (with an ``__init__`` or not)."""
         rel = module.replace(".", "/") + "/"
         if self._files is not None:
-            return any(n.startswith(rel) for n in self._files)
+            return rel in self._folders
         return (self._root / rel).is_dir()
 
-    def _version(self) -> str | None:
-        """The release's version from its ``dist-info`` metadata (or ``sglang/_version.py``)."""
-        meta = None
-        if self._files is not None:
-            with zipfile.ZipFile(self.path) as wheel:
-                name = next((n for n in wheel.namelist()
-                             if n.endswith(".dist-info/METADATA")), None)
-                meta = wheel.read(name).decode("utf-8", "replace") if name else None
-        else:
-            found = sorted(self._root.glob(f"{PACKAGE}-*.dist-info/METADATA"))
-            meta = found[0].read_text(encoding="utf-8", errors="replace") if found else None
-        for line in (meta or "").splitlines():
+    def _version(self, metadata: str | None) -> str | None:
+        """The release's version from its ``dist-info`` ``metadata`` (or
+        ``sglang/_version.py``)."""
+        for line in (metadata or "").splitlines():
             if line.startswith("Version:"):
                 return line.split(":", 1)[1].strip()
         try:
