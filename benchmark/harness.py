@@ -325,6 +325,13 @@ def run_side_by_side(
     return report
 
 
+def run_settings(report: dict, volatile: tuple[str, ...] = ("profile_dir",)) -> tuple:
+    """What two reports must share for their samples to pool: the benchmark, the engine
+    arguments and the parameters, ``volatile`` ones (a per-call temporary folder) aside."""
+    params = {k: v for k, v in report.get("params", {}).items() if k not in volatile}
+    return (report.get("benchmark"), report.get("engine_kwargs"), params)
+
+
 def combine_reports(paths: list[Path], volatile: tuple[str, ...] = ("profile_dir",)) -> dict:
     """One report from complete reports of the same benchmark, engine arguments and parameters
     (``volatile`` parameters aside), each a device call that ran some of the variants: a
@@ -332,15 +339,10 @@ def combine_reports(paths: list[Path], volatile: tuple[str, ...] = ("profile_dir
     reports and ``combined_from`` keeps each one's variants, in the order they ran, and its
     machine. Raises ValueError naming the first report that differs or failed."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-
-    def settings(r: dict) -> tuple:
-        params = {k: v for k, v in r.get("params", {}).items() if k not in volatile}
-        return (r.get("benchmark"), r.get("engine_kwargs"), params)
-
     for path, r in zip(paths, reports, strict=True):
         if r.get("failed_variants") or r.get("partial"):
             raise ValueError(f"{path}: a failed or partial run is not combined")
-        if settings(r) != settings(reports[0]):
+        if run_settings(r, volatile) != run_settings(reports[0], volatile):
             raise ValueError(f"{path}: other benchmark, engine arguments or parameters than "
                              f"{paths[0]}")
     runs: dict[str, list[dict]] = {}

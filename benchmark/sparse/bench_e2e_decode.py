@@ -53,6 +53,7 @@ from harness import (  # noqa: E402
     print_table,
     ratio_table,
     reselect_variant,
+    run_settings,
     run_side_by_side,
     save_figure,
     sparse_variant_kwargs,
@@ -285,18 +286,11 @@ def _merge_earlier(report: dict, prev: Path) -> dict:
     """Add the results of variants this call did not run from an earlier report of the same
     cases and settings (the variants can then run in separate device calls, each under its
     time limit); the ratios are recomputed, the file rewritten."""
-    import json
-
     if not prev.exists():
         return report
     old = json.loads(prev.read_text())
     prev.unlink()
-
-    def settings(r: dict) -> dict:  # the profile's folder is a temporary one per call
-        return {k: v for k, v in r.get("params", {}).items() if k != "profile_dir"}
-
-    if settings(old) != settings(report) or old.get("engine_kwargs") != report.get(
-            "engine_kwargs"):
+    if run_settings(old) != run_settings(report):
         print(f"[bench] {prev} is of other cases or settings: not merged", flush=True)
         return report
     for variant, result in old.get("results", {}).items():
