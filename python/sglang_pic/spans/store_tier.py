@@ -50,6 +50,7 @@ from sglang_pic.position_free import stored_positions
 
 if TYPE_CHECKING:
     from sglang_pic.store.client import StoreClient
+    from sglang_pic.store.config import PTStoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def unsupported_pool(pool: Any) -> str | None:
     return None
 
 
-def config_from_env():
+def config_from_env() -> PTStoreConfig | None:
     """The tier's ``store.config.PTStoreConfig`` from ``SGLANG_PIC_SPAN_STORE`` (JSON, checked
     as strictly as the HiCache extra config), or None when it is not set."""
     raw = os.environ.get(ENV)
