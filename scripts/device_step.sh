@@ -12,6 +12,8 @@
 #   bash scripts/device_step.sh model 2        carry .devkit/m2   (and so on; the part marked
 #   bash scripts/device_step.sh model 3        carry .devkit/m3    last joins them)
 #   source scripts/device_step.sh install      carry .devkit/b, .devkit/c, .devkit/extra
+#   bash scripts/device_step.sh router       carry .devkit/router (SGLang's router, after install,
+#                                              for the fleet: with the fleet's command is fine)
 #   bash scripts/device_step.sh jit-part       carry .devkit/jitN (a saved JIT cache, in parts)
 #   source scripts/device_step.sh env          every later call, before its command
 #   bash scripts/device_step.sh save-jit       the machine's JIT caches to $OUT in 8 MB parts
@@ -40,6 +42,10 @@ _device_step() {
       tar xzf .devkit/extra/jit-caches.tgz -C "$HOME"
       _device_step jit-unpack
       _device_step env ;;
+    router)  # its other requirements (aiohttp, fastapi, uvicorn, orjson) come with SGLang
+      python3 -m pip install -q --no-index --no-deps --target "$HOME/devkit-site" \
+        .devkit/router/*.whl >/dev/null 2>&1 || { echo "devkit: router install failed" >&2; return 1; }
+      PYTHONPATH="$HOME/devkit-site" python3 -c "import sglang_router; print('router', sglang_router.__file__)" ;;
     jit-part)
       mkdir -p "$HOME/jit-stage" && cp .devkit/jit*/jit.part.* "$HOME/jit-stage/" ;;
     jit-unpack)  # the staged parts, if any, over the kit's cache (install runs it)
@@ -56,7 +62,7 @@ _device_step() {
         2>/dev/null) | split -b 8M -d - "${OUT:?}/jit.part."
       ls -la "$OUT" ;;
     *)
-      echo "usage: device_step.sh stage a|a2|b0|b1 | model N | install | jit-part | jit-unpack | env" \
+      echo "usage: device_step.sh stage a|a2|b0|b1 | model N | install | router | jit-part | jit-unpack | env" \
         "| save-jit" >&2
       return 2 ;;
   esac
