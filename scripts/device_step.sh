@@ -12,8 +12,8 @@
 #   bash scripts/device_step.sh model 2        carry .devkit/m2   (and so on; the part marked
 #   bash scripts/device_step.sh model 3        carry .devkit/m3    last joins them)
 #   source scripts/device_step.sh install      carry .devkit/b, .devkit/c, .devkit/extra
-#   bash scripts/device_step.sh router       carry .devkit/router (SGLang's router, after install,
-#                                              for the fleet: with the fleet's command is fine)
+#   bash scripts/device_step.sh router       carry .devkit/router (SGLang's router, for fleet runs;
+#                                              before or after install)
 #   bash scripts/device_step.sh jit-part       carry .devkit/jitN (a saved JIT cache, in parts)
 #   source scripts/device_step.sh env          every later call, before its command
 #   bash scripts/device_step.sh save-jit       the machine's JIT caches to $OUT in 8 MB parts
