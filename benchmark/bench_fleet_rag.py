@@ -11,6 +11,9 @@ Sides, each started and stopped by this script, vanilla first (it sets the strea
   --enable-span-cache``: each document a span.
 * ``sglang-pic-rr``: the same fleet with ``--policy round_robin`` (the router's prefix match
   does not see spans: how does spreading requests evenly compare).
+* ``sglang-pic-span``: the same fleet with ``--policy manual``, each request carrying its span
+  routing key (``sglang_pic.fleet.routing``: a MinHash of its documents) in
+  ``X-SMG-Routing-Key``: requests sharing documents meet on one instance.
 
 On one GPU the N instances share it (each 0.8/N of its memory); ``--gpus G`` runs one instance
 per GPU on G GPUs (``--gpu-per-instance``), for weak scaling on 2-8 GPU hosts.
@@ -47,12 +50,14 @@ from pathlib import Path
 from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, print_summary, prompt
 from bench_rag_grid import summarize as grid_summary
 from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
+from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
 
 REPO = Path(__file__).resolve().parent.parent
 SIDES = {  # side -> (fleet policy, span cache); vanilla is plain SGLang
     "vanilla": ("cache_aware", False),
     "sglang-pic": ("cache_aware", True),
     "sglang-pic-rr": ("round_robin", True),
+    "sglang-pic-span": ("manual", True),
 }
 MODEL_FLAGS = {  # the device run: Llama-3-8B's shape with dummy weights, as bench_rag_grid's
     "model_path": LLAMA3_8B_DUMMY["model_path"], "load_format": "dummy",
@@ -199,6 +204,16 @@ def _get(url: str, key: str) -> int:
         return 0
 
 
+def headers(side: Side, ids: list[int]) -> dict[str, str]:
+    """The request's headers: the key, and on the span-routed side the span routing key."""
+    out = {"Authorization": f"Bearer {side.key}"}
+    if SIDES.get(side.name, ("",))[0] == "manual":
+        key = span_routing_key(ids)
+        if key is not None:
+            out[ROUTING_KEY_HEADER] = key
+    return out
+
+
 async def one_request(session, side: Side, ids: list[int], sp: dict) -> dict:
     """One streamed ``/generate`` through the router: TTFT, latency, cached tokens by source."""
     body = {"input_ids": ids, "sampling_params": sp, "stream": True}
@@ -206,7 +221,7 @@ async def one_request(session, side: Side, ids: list[int], sp: dict) -> dict:
     out = {"ttft": None, "latency": None, "cached": {}, "error": None}
     try:
         async with session.post(side.url + "/generate", json=body,
-                                headers={"Authorization": f"Bearer {side.key}"}) as r:
+                                headers=headers(side, ids)) as r:
             if r.status != 200:
                 out["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return out
