@@ -83,14 +83,14 @@ def flags(kwargs: dict) -> list[str]:
 class Side:
     """One side's processes (their own process group each), its router URL and API key."""
 
-    def __init__(self, name: str, args, smoke: bool, log_dir: Path) -> None:
+    def __init__(self, name: str, args, smoke: bool, log_dir: Path, key_dir: Path) -> None:
         self.name, self.args, self.smoke, self.log_dir = name, args, smoke, log_dir
         self.procs: list[subprocess.Popen] = []
         self.ports = _distinct_ports(2 + 2 * args.instances + args.stores)
         self.port, self.metrics_port = self.ports[0], self.ports[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = "sk-" + secrets.token_hex(16)
-        self.key_file = log_dir / f"{name}.key"
+        self.key_file = key_dir / f"{name}.key"  # never beside the logs that come back
         self.key_file.write_text(self.key)
         self.key_file.chmod(0o600)
         self.instance_urls: list[str] = []
@@ -115,7 +115,10 @@ class Side:
                              "--attention-backend", "flashinfer", "--host", "127.0.0.1",
                              "--port", str(p), *share],
                             f"vanilla-{i}.log")
-            self.instance_urls = [f"http://127.0.0.1:{p}" for p in ports]
+                self.instance_urls.append(f"http://127.0.0.1:{p}")
+                if self.args.gpus == 1:  # one GPU shared: one after another, as the fleet does
+                    url = self.instance_urls[-1]
+                    self._wait(lambda url=url: _get(url + "/health", self.key) == 200)
             self._wait(lambda: all(_get(u + "/health", self.key) == 200
                                    for u in self.instance_urls))
             self._spawn([sys.executable, "-m", "sglang_router.launch_router", "--host",
@@ -146,13 +149,18 @@ class Side:
         return time.perf_counter() - t0
 
     def _wait(self, ready) -> None:
-        deadline = time.monotonic() + self.args.start_timeout
+        t0 = time.monotonic()
+        deadline, said = t0 + self.args.start_timeout, t0
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"{self.name}: a process exited while starting; logs in "
                                    f"{self.log_dir}")
             if ready():
                 return
+            if time.monotonic() - said >= 30:  # progress: the newest log's last line
+                said = time.monotonic()
+                print(f"[fleet-rag] {self.name} starting ({said - t0:.0f} s): "
+                      f"{_last_line(self.log_dir)}", flush=True)
             time.sleep(2)
         raise RuntimeError(f"{self.name}: not up after {self.args.start_timeout:.0f} s; logs in "
                            f"{self.log_dir}")
@@ -184,6 +192,18 @@ class Side:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for secret in [*self.log_dir.rglob("*.token"), *self.log_dir.rglob("*.key")]:
+            secret.unlink()  # the fleet removes its store token when it stops; a killed one not
+
+
+def _last_line(folder: Path) -> str:
+    """The last line of the most recently written log under ``folder`` (the router's, which
+    logs every health probe, only when there is no other)."""
+    logs = sorted(folder.rglob("*.log"), key=lambda p: (p.name != "router.log", p.stat().st_mtime))
+    if not logs:
+        return ""
+    lines = logs[-1].read_text(errors="replace").replace("\r", "\n").strip().splitlines()
+    return f"{logs[-1].name}: {lines[-1][:160]}" if lines else logs[-1].name
 
 
 def _distinct_ports(n: int) -> list[int]:
@@ -277,13 +297,13 @@ def _summed(outs: list[dict]) -> dict[str, int]:
     return total
 
 
-def run_side(side: Side, params: dict, rates: dict, progress) -> dict:
-    """Every cell of ``params`` on a started side."""
+def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save) -> None:
+    """Every cell of ``params`` on a started side, each into ``cells`` and then ``save``d (a
+    call cut off keeps the cells it finished)."""
     import numpy as np
 
     spans = side.name != "vanilla"
     sp = {"max_new_tokens": params["output_tokens"], "temperature": 0, "ignore_eos": True}
-    result: dict = {"cells": {}}
     for name in params["cells"]:
         cell = CELLS[name]
         rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
@@ -326,13 +346,13 @@ def run_side(side: Side, params: dict, rates: dict, progress) -> dict:
                 out["stream_ttft_p99_ms"] = 1000 * percentile(ok, 99)
         for key in ("requests_per_s", "ttft_p50_ms", "ideal"):
             out[f"{key}_median"] = statistics.median(out[key])
-        result["cells"][name] = out
+        cells[name] = out
+        save()
         progress(f"[fleet-rag] {side.name} {name}: {capacity:.2f} req/s, TTFT p50 "
                  f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, per instance "
                  f"{out['per_instance'][-1]}, cached {out['cached_tokens'][-1]}, errors "
                  f"{out['errors']}")
-    return result
 
 
 def summarize(report: dict) -> list[dict]:
@@ -356,6 +376,12 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=64)
     ap.add_argument("--stream", type=int, default=64)
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--log-dir", default=None,
+                    help="the processes' logs (default: NAME-logs beside the report with --out, "
+                         "else a temporary folder)")
+    ap.add_argument("--resume-from", default=None,
+                    help="an earlier report of this machine: its sides are kept (vanilla's sets "
+                         "the stream's rate) and the sides it lacks run")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     sides = args.sides.split(",")
@@ -379,25 +405,43 @@ def main() -> None:
                          "model": "SmolLM2-135M (CPU)" if args.smoke else MODEL_FLAGS},
               "params": params, "results": {}}
     rates: dict = {}
+    if args.resume_from:
+        earlier = json.loads(Path(args.resume_from).read_text())
+        if earlier["params"] != params or earlier["config"]["instances"] != args.instances:
+            ap.error(f"--resume-from {args.resume_from}: another workload or fleet size")
+        report["results"] = {k: v for k, v in earlier["results"].items() if "cells" in v}
+        report["resumed_environment"] = earlier["environment"]
+        for name, c in report["results"].get("vanilla", {}).get("cells", {}).items():
+            rates[name] = params["stream_load"] * statistics.median(c["requests_per_s"])
+    # a SIGTERM (the device call's limit, a user's kill) stops the sides started and keeps the
+    # report of what finished
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    def save() -> None:
+        report["summary"] = summarize(report)
+        path.write_text(json.dumps(report, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="fleet-rag-") as tmp:
-        log_dir = Path(tmp)
-        for name in sides:
-            side = Side(name, args, args.smoke, log_dir)
+        log_dir = Path(args.log_dir) if args.log_dir else \
+            out_dir / f"{args.name}-logs" if args.out and not args.smoke else Path(tmp)
+        for name in (s for s in sides if s not in report["results"]):
+            side = Side(name, args, args.smoke, log_dir / name, Path(tmp))
+            side.log_dir.mkdir(parents=True, exist_ok=True)
             try:
                 start_s = side.start()
                 print(f"[fleet-rag] {name} up in {start_s:.0f} s", flush=True)
-                report["results"][name] = {"start_s": start_s,
-                                           **run_side(side, params, rates,
-                                                      lambda m: print(m, flush=True))}
+                report["results"][name] = {"start_s": start_s, "cells": {}}
+                run_side(side, params, rates, lambda m: print(m, flush=True),
+                         report["results"][name]["cells"], save)
             except Exception as e:
                 report["results"][name] = {"error": repr(e)}
-                for log in sorted(log_dir.glob(f"{name}*.log")):
-                    print(f"--- {log.name}\n{log.read_text()[-3000:]}", flush=True)
+                for log in sorted(side.log_dir.rglob("*.log")):
+                    print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}",
+                          flush=True)
                 raise
             finally:
                 side.stop()
-                report["summary"] = summarize(report)
-                path.write_text(json.dumps(report, indent=1))
+                save()
     print_summary(report["summary"], count="errors", label="errors")
     print(f"[bench] wrote {path}")
 

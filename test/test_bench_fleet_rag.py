@@ -47,3 +47,29 @@ def test_the_summary_compares_each_side_with_vanilla_per_cell():
     assert row["variant"] == "sglang-pic" and row["throughput_ratio"] == pytest.approx(2.5)
     assert row["ttft_p50_ratio"] == pytest.approx(4.0)
     assert row["stream_ttft_p50_ratio"] == pytest.approx(4.0)
+
+
+def test_only_the_span_routed_side_sends_a_routing_key_and_only_for_span_prompts():
+    from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
+
+    def side(name: str):
+        s = object.__new__(bench_fleet_rag.Side)
+        s.name, s.key = name, "sk-test"
+        return s
+
+    spans = [5, -1, 1, 2, -1, 3, -2, 9]
+    got = bench_fleet_rag.headers(side("sglang-pic-span"), spans)
+    assert got == {"Authorization": "Bearer sk-test", ROUTING_KEY_HEADER: span_routing_key(spans)}
+    assert ROUTING_KEY_HEADER not in bench_fleet_rag.headers(side("sglang-pic-span"), [1, 2])
+    assert ROUTING_KEY_HEADER not in bench_fleet_rag.headers(side("sglang-pic"), spans)
+
+
+def test_progress_names_the_newest_log_and_its_last_line(tmp_path):
+    import os
+
+    (tmp_path / "old.log").write_text("first\nolder line\n")
+    (tmp_path / "fleet").mkdir()
+    (tmp_path / "fleet" / "instance-0.log").write_text("loading\rCapturing 3/58\n")
+    os.utime(tmp_path / "old.log", (1, 1))
+    assert bench_fleet_rag._last_line(tmp_path) == "instance-0.log: Capturing 3/58"
+    assert bench_fleet_rag._last_line(tmp_path / "fleet" / "none") == ""

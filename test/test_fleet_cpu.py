@@ -262,3 +262,20 @@ def test_the_router_command_line():
     assert args.health_check_interval_secs == 5
     policy = next(a for a in router.parser()._actions if "--policy" in a.option_strings)
     assert set(config.POLICIES) == set(policy.choices)
+
+
+def test_instances_sharing_a_gpu_start_one_after_another_and_the_router_knows_them_all():
+    """On one GPU SGLang sizes an instance's pool from the memory free around its weight load, so
+    the instances start one by one; the router, started beside the first, is given every
+    instance's URL, not only those already started."""
+    from sglang_pic.fleet.cli import Fleet
+
+    fleet = Fleet(config.parse(["--instances", "3", "--stores", "0"]))
+    assert not fleet.shares_one_gpu  # on CPU: all at once
+    fleet.on_gpu = True
+    assert fleet.shares_one_gpu
+    fleet.config = config.parse(["--instances", "3", "--stores", "0", "--gpu-per-instance"])
+    assert not fleet.shares_one_gpu
+    child = fleet.router_child()
+    urls = [f"http://127.0.0.1:{p}" for p in fleet.config.instance_ports]
+    assert len(urls) == 3 and all(u in child.cmd for u in urls), child.cmd

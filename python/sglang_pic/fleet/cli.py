@@ -10,7 +10,9 @@ Order, each step only once the one before it is done:
 3. the store servers, until each prints that it serves: an instance's store client probes its
    servers as it starts (a same-node server gets pages through shared memory), so the stores
    come first;
-4. the instances, all at once, until each answers ``/health``;
+4. the instances, until each answers ``/health``: all at once, except instances sharing one GPU,
+   which start one after another (SGLang sizes an instance's KV pool from the GPU memory free
+   around its weight load, so a neighbour allocating its pool in between leaves it none);
 5. the router, started beside the instances (it checks a worker that is not up yet every
    second), until it holds every instance healthy;
 6. the summary: ports, the key file, each child's log, and ``fleet.json`` in the log folder with
@@ -92,6 +94,7 @@ class Fleet:
         self.log_dir = Path()
         self.stop_signal: int | None = None
         self.gpu_args: list[str] = []
+        self.on_gpu = False
         self.threads: dict[str, str] = {}
         self.stopping = False
         self.started = time.monotonic()
@@ -122,6 +125,11 @@ class Fleet:
                                  f"{GPU_MEMORY_MAX}; each also needs room beyond its share)")
             return []
         return ["--mem-fraction-static", f"{GPU_MEMORY_SHARE / n:.3f}"]
+
+    @property
+    def shares_one_gpu(self) -> bool:
+        """Several instances on one GPU (``plan`` found one, and no ``--gpu-per-instance``)."""
+        return self.on_gpu and not self.config.gpu_per_instance and self.config.instances > 1
 
     def instance_threads(self, on_gpu: bool) -> dict[str, str]:
         """On CPU, the cores split between the instances (torch's default, every core for each
@@ -182,9 +190,12 @@ class Fleet:
         return Child(f"store {i}", "store", cmd, self._env(), self.log_dir / f"store-{i}.log",
                      endpoint, ready)
 
+    def instance_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.config.instance_ports[i]}"
+
     def instance_child(self, i: int, gpu_args: list[str], threads: dict[str, str]) -> Child:
         c = self.config
-        url = f"http://127.0.0.1:{c.instance_ports[i]}"
+        url = self.instance_url(i)
         cmd = [sys.executable, "-m", "sglang_pic", "serve", "--port", str(c.instance_ports[i])]
         if c.stores:
             endpoints = ",".join(f"tcp://127.0.0.1:{p}" for p in c.store_ports)
@@ -200,7 +211,8 @@ class Fleet:
     def router_child(self) -> Child:
         c = self.config
         url = _url(c.host, c.port)
-        instances = [i.address for i in self.supervisor.of_kind("instance")]
+        # every instance, also those that start after the router (on a shared GPU)
+        instances = [self.instance_url(i) for i in range(c.instances)]
         argv = router.router_argv(c.host, c.port, c.policy, instances, c.metrics_port,
                                   c.router_args, c.start_timeout_s)
 
@@ -320,7 +332,7 @@ class Fleet:
         that cannot fit), its cores, the embedded model, the log folder, key and token."""
         from sglang_pic.cpu import support as cpu_support
 
-        on_gpu = cpu_support.has_cuda()
+        on_gpu = self.on_gpu = cpu_support.has_cuda()
         self.gpu_args = self.instance_gpu_args(on_gpu)
         self.threads = self.instance_threads(on_gpu)
         if not any(value_of(self.config.serve_args, f) for f in ("--model-path", "--model")):
@@ -345,14 +357,21 @@ class Fleet:
         stores = [self.supervisor.start(self.store_child(i)) for i in range(c.stores)]
         if not self.wait_ready(stores, 60.0):
             return False
-        instances = [self.supervisor.start(self.instance_child(i, self.gpu_args, self.threads))
-                     for i in range(c.instances)]
-        _say(f"starting {len(instances)} instance{'s' * (len(instances) != 1)} "
-             f"({', '.join(str(p) for p in c.instance_ports)}); logs: "
-             f"{', '.join(i.log.name for i in instances)}")
-        # the router starts beside them: its import and start (seconds) overlap their loads,
-        # and it registers each one within a second of its first answer
-        self.supervisor.start(self.router_child())
+        one_by_one = self.shares_one_gpu
+        _say(f"starting {c.instances} instance{'s' * (c.instances != 1)} "
+             f"({', '.join(str(p) for p in c.instance_ports)})"
+             f"{', one after another (they share one GPU)' if one_by_one else ''}")
+        instances: list[Child] = []
+        for i in range(c.instances):
+            instances.append(self.supervisor.start(
+                self.instance_child(i, self.gpu_args, self.threads)))
+            if i == 0:
+                # the router starts beside them: its import and start (seconds) overlap their
+                # loads, and it registers each one within a second of its first answer
+                self.supervisor.start(self.router_child())
+            if one_by_one and not self.wait_ready(instances[-1:], c.start_timeout_s):
+                return False
+        _say(f"instance logs: {', '.join(i.log.name for i in instances)}")
         if not self.wait_ready(instances, c.start_timeout_s):
             return False
         return self.wait_ready(self.supervisor.of_kind("router"),
