@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from sglang_pic.cpu.support import enable_cpu_engine
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
 
     enable_cpu_engine()
     model = str(ensure_default_model())

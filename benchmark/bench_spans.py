@@ -243,7 +243,7 @@ def main() -> None:
                   rag_repeats=args.rag_repeats)
     if args.smoke:
         from sglang_pic.cpu.support import enable_cpu_engine
-        from sglang_pic.default_model import ensure_default_model
+        from sglang_pic.launcher.default_model import ensure_default_model
 
         enable_cpu_engine()
         engine_kwargs = {"model_path": str(ensure_default_model()), **SMOKE["engine_kwargs"]}

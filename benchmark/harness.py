@@ -58,9 +58,9 @@ LLAMA3_8B_DUMMY = {
 
 def plugin_site(root: Path) -> Path:
     """A folder that makes our source tree an installed distribution for importlib.metadata
-    (``sglang_pic.plugin_site.write_site``)."""
+    (``sglang_pic.launcher.plugin_site.write_site``)."""
     sys.path.insert(0, str(REPO / "python"))
-    from sglang_pic.plugin_site import write_site
+    from sglang_pic.launcher.plugin_site import write_site
 
     return write_site(root)
 
@@ -461,7 +461,7 @@ def cpu_smoke_engine(**overrides) -> dict:
     is imported) on the embedded SmolLM2, no radix cache, no CUDA graphs; ``overrides`` win."""
     sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.cpu.support import enable_cpu_engine
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
 
     enable_cpu_engine()
     return {"model_path": str(ensure_default_model()), "device": "cpu",

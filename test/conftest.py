@@ -515,6 +515,6 @@ def span_server(tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
 
     return ensure_default_model()

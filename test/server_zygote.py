@@ -1,7 +1,7 @@
 """Test servers forked from a process that has already imported SGLang (CPU machines only).
 
 A CPU test server spends about half of its ~22 s start in a fresh Python importing torch, SGLang
-and our plugin (``sglang_pic.server_process``: 11-13 s of CPU on an idle core), and the suite
+and our plugin (``sglang_pic.launcher.server_process``: 11-13 s of CPU on an idle core), and the suite
 starts about twenty of them. A zygote imports those modules once per test worker and forks each
 server from there: the child runs ``server_process.main`` on the server's argv, as the
 ``sglang-pic serve`` launcher's child would, in its own session with its log as stdout/stderr.
@@ -42,8 +42,8 @@ PRELOAD = (
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.models.llama",
     "sglang.launch_server",
-    "sglang_pic.server_process",
-    "sglang_pic.launch_server",
+    "sglang_pic.launcher.server_process",
+    "sglang_pic.launcher.launch_server",
 )
 """Modules every CPU test server imports (the SmolLM2 model is a Llama)."""
 
@@ -63,10 +63,10 @@ def _run_server(argv: list[str], env: dict[str, str], log: str, reply_fd: int) -
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = ["sglang_pic.server_process", *argv]
+    sys.argv = ["sglang_pic.launcher.server_process", *argv]
     code = 1
     try:
-        from sglang_pic import server_process
+        from sglang_pic.launcher import server_process
 
         code = server_process.main(argv)
     except SystemExit as e:

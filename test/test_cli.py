@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import requests
-from sglang_pic.launch_server import build_argv
+from sglang_pic.launcher.launch_server import build_argv
 
 
 def test_version_prints_three_versions():
@@ -102,7 +102,7 @@ def test_top_level_help_describes_each_command_in_one_line():
 def test_a_mistyped_flag_is_one_line_naming_the_nearest(typo, meant):
     """Issue 26 item 9: a typo took 16 s and printed 432 lines of usage. SGLang's flag names are
     cached (built once, quietly, if missing) so the launcher answers without importing SGLang."""
-    from sglang_pic import sglang_flags
+    from sglang_pic.launcher import sglang_flags
 
     assert sglang_flags.names()  # the cache, built here if this is the first launch
     out, seconds = _cli("serve", "--port", "30001", typo, "4", "--enable-span-cache")

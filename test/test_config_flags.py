@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import REPO, start_server, stop_server, use_generated_key
-from sglang_pic import serve_conflicts, server_flags
 from sglang_pic.cpu.support import has_cuda
-from sglang_pic.server_flags import FLAGS, UsageError
+from sglang_pic.launcher import serve_conflicts, server_flags
+from sglang_pic.launcher.server_flags import FLAGS, UsageError
 
 SERVE = [sys.executable, "-m", "sglang_pic", "serve"]
 
@@ -197,7 +197,7 @@ def test_what_can_be_served_passes_the_checks():
 
 
 def test_flags_reach_sglangs_processes_as_variables(model_dir, monkeypatch):
-    from sglang_pic.launch_server import build_argv
+    from sglang_pic.launcher.launch_server import build_argv
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     for flag in FLAGS.values():

@@ -331,7 +331,7 @@ def test_auto_blames_the_expert_that_chose_the_eviction():
 def test_policies_are_in_sglangs_table():
     from sglang.srt.mem_cache.utils import get_eviction_strategy
     from sglang.srt.server_args import RADIX_EVICTION_POLICY_CHOICES
-    from sglang_pic.serve_conflicts import EVICTION_POLICIES
+    from sglang_pic.launcher.serve_conflicts import EVICTION_POLICIES
 
     for name in ("auto", "sae", "gdsf", "s3fifo", "tlru"):
         assert get_eviction_strategy(name).name == name
@@ -1305,9 +1305,9 @@ def test_tlru_settings_are_validated_flags_that_reach_the_policy(monkeypatch, ca
     ``--radix-eviction-policy tlru``, listed in ``--help``, handed to the scheduler as variables
     the policy reads when it is built; the replay scripts take ``tlru:<xi>:<q_hat>``."""
     from bench_eviction import check_policies
-    from sglang_pic import serve_conflicts, server_flags
     from sglang_pic.eviction.baselines import TLRUStrategy
-    from sglang_pic.server_flags import UsageError
+    from sglang_pic.launcher import serve_conflicts, server_flags
+    from sglang_pic.launcher.server_flags import UsageError
 
     def refuse(args):
         serve_conflicts.refuse(*server_flags.parse(args))

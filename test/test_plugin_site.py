@@ -10,7 +10,7 @@ import tempfile
 from importlib.metadata import distributions
 from pathlib import Path
 
-from sglang_pic import plugin_site
+from sglang_pic.launcher import plugin_site
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_a_server_process_without_the_plugin_refuses_to_start():
     """SGLANG_PLUGINS leaving ours out: SGLang's load_plugins skips it, and the server process
     stops with status 2 and the reason before any model is loaded."""
     env = dict(os.environ, SGLANG_PLUGINS="not_ours")
-    proc = subprocess.run([sys.executable, "-m", "sglang_pic.server_process", "--model-path",
+    proc = subprocess.run([sys.executable, "-m", "sglang_pic.launcher.server_process", "--model-path",
                            tempfile.gettempdir()],  # a folder, no model: nothing gets that far
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]

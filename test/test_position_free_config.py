@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_pic.launch_server import _with_position_free_backend
+from sglang_pic.launcher.launch_server import _with_position_free_backend
 from sglang_pic.position_free.model_check import (
     PositionFreeUnsupported,
     check_server_settings,

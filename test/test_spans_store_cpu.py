@@ -198,7 +198,7 @@ def test_store_down_means_prefill_not_errors(stores, two_span_servers, hf):
 
 
 def test_span_store_flag_without_endpoints_is_refused():
-    from sglang_pic.launch_server import build_argv
+    from sglang_pic.launcher.launch_server import build_argv
 
     with pytest.raises(SystemExit, match="needs store endpoints"):
         build_argv(["--model-path", "x", "--enable-span-cache", "--ptstore", " , "])

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import start_servers, stop_server
-from sglang_pic.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
+from sglang_pic.launcher.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
                 "128", "--sparse-update", "16", "--sparse-topk", "64", "--max-total-tokens",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sglang_pic.launch_server import ptstore_args
+from sglang_pic.launcher.launch_server import ptstore_args
 from sglang_pic.store.config import SGLANG_KEYS, PTStoreConfig
 
 SERVERS = {"servers": ["tcp://127.0.0.1:7400"]}

@@ -67,7 +67,7 @@ tokens, what ``--tlru-threshold`` / ``--tlru-next-prompt-estimate`` set in the s
 def _bad_tlru_setting(name: str) -> str | None:
     """Why ``tlru:<xi>:<q_hat>`` is refused (None: it is not one, or a good one); the values
     are checked by the server flags' own parser."""
-    from sglang_pic.server_flags import FLAGS, BadValue
+    from sglang_pic.launcher.server_flags import FLAGS, BadValue
 
     parts = name.split(":")
     if parts[0] != "tlru" or len(parts) == 1:

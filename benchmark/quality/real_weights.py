@@ -2,7 +2,7 @@
 FlashInfer (non-span prompts) and against the HF block-attention reference (span prompts).
 
 Dummy weights prove speed, never quality: this run uses SmolLM2-135M-Instruct, the embedded
-default model, converted once from its GGUF (``sglang_pic.default_model``), in bf16.
+default model, converted once from its GGUF (``sglang_pic.launcher.default_model``), in bf16.
 
 - ``vanilla``: SGLang 0.5.17 on FlashInfer serves ``prompts`` x ``new_tokens`` greedy tokens.
 - ``sglang-pic-spans``: the span-cache server (``pic_flashinfer`` + ``pic_span``, what
@@ -153,7 +153,7 @@ def main() -> None:
     import json
 
     from harness import run_side_by_side, smoke_dir
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

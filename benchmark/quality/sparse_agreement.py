@@ -90,7 +90,7 @@ def first_divergence(ids: list[int], ref: list[int]) -> int:
 
 def main() -> None:
     from harness import RESULTS, environment, run_side_by_side
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -3,7 +3,7 @@ context, decoded sparsely (ParisKV) and densely by SGLang in the same run.
 
 Dummy weights give flat logits, so identical tokens there prove nothing about accuracy. This run
 uses SmolLM2-135M-Instruct, the embedded default model, converted once from its GGUF
-(``sglang_pic.default_model``; what ``real_weights.py`` runs), in bf16 on the H200:
+(``sglang_pic.launcher.default_model``; what ``real_weights.py`` runs), in bf16 on the H200:
 
 - the cases: ``bench_ruler.make_task``'s one-needle and four-needle tasks (a 7-digit "special
   magic number" for a key, hidden at a random depth of a filler haystack; asked for one of them),
@@ -288,7 +288,7 @@ def main() -> None:
     import tempfile
 
     from harness import RESULTS, environment, ratio_table, run_side_by_side, smoke_dir
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from sglang_pic.sparse.retrieval import (
         KeyIndex,
         ParisConfig,

@@ -132,7 +132,7 @@ def main() -> None:
 
     import torch
     from harness import environment
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)

@@ -56,7 +56,7 @@ def main() -> None:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     from harness import RESULTS, environment
-    from sglang_pic.default_model import ensure_default_model
+    from sglang_pic.launcher.default_model import ensure_default_model
     from sglang_pic.sparse.index_ops import KernelIndexOps, TorchIndexOps
     from sparse_needle import TASKS, build_cases, capture_qk, selection_recall
     from transformers import AutoModelForCausalLM, AutoTokenizer

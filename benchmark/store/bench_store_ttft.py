@@ -778,7 +778,7 @@ def main() -> None:
     if args.smoke:
         sys.path.insert(0, str(REPO / "python"))
         from sglang_pic.cpu.support import enable_cpu_engine
-        from sglang_pic.default_model import ensure_default_model
+        from sglang_pic.launcher.default_model import ensure_default_model
 
         enable_cpu_engine()
         kwargs = {"model_path": str(ensure_default_model()), **SMOKE_KWARGS}

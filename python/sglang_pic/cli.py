@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sglang-pic: {e}", file=sys.stderr)
             return 2
     if argv and argv[0] == "serve":
-        from sglang_pic.launch_server import serve
+        from sglang_pic.launcher.launch_server import serve
 
         return serve(argv[1:])
     if argv and argv[0] == "setup-cpu":

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_pic import launch_server
+from sglang_pic.launcher import launch_server
+from sglang_pic.launcher.server_flags import UsageError
 from sglang_pic.security import api_key, secret_files
 from sglang_pic.security.redaction import REDACTED, redact_config, redact_repr
-from sglang_pic.server_flags import UsageError
 
 KEY = "k3y-of-24-characters-ok"
 OTHER = "an0ther-key-of-24-chars"

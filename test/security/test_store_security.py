@@ -263,7 +263,7 @@ def test_serve_keeps_the_token_out_of_argv_and_the_extra_config(tmp_path, model_
                                                                 monkeypatch):
     """The extra config is what ``/get_server_info`` returns and SGLang logs; argv is in ``ps``.
     The token reaches SGLang's schedulers through the environment only."""
-    from sglang_pic.launch_server import SPAN_STORE_ENV, build_argv
+    from sglang_pic.launcher.launch_server import SPAN_STORE_ENV, build_argv
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     for var in (SERVE_TOKEN_ENV, SPAN_STORE_ENV):  # build_argv sets them: undone after the test

@@ -22,7 +22,7 @@ class Condition:
 
 def _setting(flag: str) -> Callable[[], bool]:
     def test() -> bool:
-        from sglang_pic.server_flags import setting
+        from sglang_pic.launcher.server_flags import setting
 
         return bool(setting(flag))
 

@@ -9,11 +9,11 @@ TITLE = "Server arguments"
 _ARGS = "sglang.srt.server_args"
 
 ROWS: tuple[Seam, ...] = (
-    Seam(f"{_ARGS}.ServerArgs.add_cli_args", "sglang_pic.sglang_launcher:around_add_cli_args",
+    Seam(f"{_ARGS}.ServerArgs.add_cli_args", "sglang_pic.launcher.sglang_launcher:around_add_cli_args",
          "AROUND", "server-flags",
          why="our flag groups on SGLang's parser, first in `--help`, so SGLang's own launchers "
              "take them too"),
-    Seam(f"{_ARGS}.prepare_server_args", "sglang_pic.sglang_launcher:around_prepare_server_args",
+    Seam(f"{_ARGS}.prepare_server_args", "sglang_pic.launcher.sglang_launcher:around_prepare_server_args",
          "AROUND", "server-flags",
          why="our flags taken out of argv, checked and translated; the API key handed over as "
              "`--api-key` in memory (`api_key.to_sglang`); the CPU engine's defaults"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sglang_pic.server_flags import setting
+from sglang_pic.launcher.server_flags import setting
 
 from .context import block_key, block_offset
 from .policy import CachePolicy

@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
-from sglang_pic.server_flags import setting
+from sglang_pic.launcher.server_flags import setting
 
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import (

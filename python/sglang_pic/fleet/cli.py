@@ -41,9 +41,9 @@ from typing import Any
 from sglang_pic.fleet import router
 from sglang_pic.fleet.config import PROG, FleetConfig, help_text, parse
 from sglang_pic.fleet.supervisor import Child, Supervisor, exit_text
+from sglang_pic.launcher.serve_conflicts import value_of
+from sglang_pic.launcher.server_flags import UsageError
 from sglang_pic.security import api_key
-from sglang_pic.serve_conflicts import value_of
-from sglang_pic.server_flags import UsageError
 
 STORE_READY = "PTStore server on"
 """The line ``sglang-pic store`` prints once it serves."""
@@ -336,7 +336,7 @@ class Fleet:
         self.gpu_args = self.instance_gpu_args(on_gpu)
         self.threads = self.instance_threads(on_gpu)
         if not any(value_of(self.config.serve_args, f) for f in ("--model-path", "--model")):
-            from sglang_pic.default_model import ensure_default_model
+            from sglang_pic.launcher.default_model import ensure_default_model
 
             try:
                 ensure_default_model()  # once here, not in every instance at the same time

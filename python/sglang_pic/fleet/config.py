@@ -19,8 +19,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_pic.launcher.server_flags import UsageError
 from sglang_pic.security import api_key
-from sglang_pic.server_flags import UsageError
 
 PROG = "sglang-pic fleet"
 DEFAULT_PORT = api_key.DEFAULT_PORT
@@ -242,7 +242,7 @@ def check_serve_args(argv: list[str]) -> None:
     the key's, which the fleet makes once for all instances: our flags and their combinations,
     SGLang's flag names (a typo names the nearest) and the values checked before a load, and
     what SGLang would serve without checking the key. Raises ``UsageError``."""
-    from sglang_pic import serve_conflicts, server_flags, sglang_flags
+    from sglang_pic.launcher import serve_conflicts, server_flags, sglang_flags
 
     given, rest = server_flags.parse(argv, PROG)
     sglang_flags.refuse_unknown(rest)

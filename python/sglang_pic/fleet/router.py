@@ -32,7 +32,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from sglang_pic.server_flags import UsageError
+from sglang_pic.launcher.server_flags import UsageError
 
 MODULE = "sglang_pic.fleet.router_process"
 STARTUP_CHECK_INTERVAL_S = 1

@@ -93,7 +93,7 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
 
 def connection_limits() -> ConnectionLimits:
     """The limits of ``--http-header-timeout-s`` and ``--max-connections``."""
-    from sglang_pic.server_flags import setting
+    from sglang_pic.launcher.server_flags import setting
 
     return ConnectionLimits(header_timeout_s=float(setting("--http-header-timeout-s")),
                             max_connections=int(setting("--max-connections")))

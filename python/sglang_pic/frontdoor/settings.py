@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_pic.server_flags import setting
+from sglang_pic.launcher.server_flags import setting
 
 from .middleware import FrontDoorConfig
 from .paths import roots

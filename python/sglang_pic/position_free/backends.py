@@ -81,7 +81,7 @@ class PositionFreeFlashInferBackend(AttentionBackend):
     def __init__(self, model_runner):
         from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-        from sglang_pic.server_flags import setting
+        from sglang_pic.launcher.server_flags import setting
 
         model_check.check_server_settings(model_runner)
         # built as SGLang's own "flashinfer" factory builds it (attention_registry), workspace

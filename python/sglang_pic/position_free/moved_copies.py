@@ -367,7 +367,7 @@ def wanted(model_runner: Any) -> bool:
 def copies_pages(model_runner: Any) -> bool:
     """``--span-copy-on-reuse on``; ``auto`` (the default) and ``off`` read moved spans from the
     shared pages with segmented attention, which holds a span's KV once whatever its offsets."""
-    from sglang_pic.server_flags import setting
+    from sglang_pic.launcher.server_flags import setting
 
     return setting("--span-copy-on-reuse") == "on"
 

@@ -58,10 +58,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sglang_pic.default_model import cache_dir
+from sglang_pic.launcher.default_model import cache_dir
+from sglang_pic.launcher.serve_conflicts import value_of
+from sglang_pic.launcher.server_flags import UsageError, parse
 from sglang_pic.security.secret_files import MAKE_ONE, MIN_SECRET_CHARS, read_private, write_private
-from sglang_pic.serve_conflicts import value_of
-from sglang_pic.server_flags import UsageError, parse
 
 ENV = "SGLANG_PIC_API_KEY"
 SGLANG_FLAG = "--api-key"

@@ -2,7 +2,7 @@
 
 The launcher checks the flags (`--span-schedule`, `--span-pad-token-id`, `--span-markers`,
 `--span-recompute-tokens`) and hands them over as `SGLANG_PIC_SPAN_*` variables before SGLang
-starts its tokenizer and scheduler processes, which inherit them (`sglang_pic.server_flags`, which
+starts its tokenizer and scheduler processes, which inherit them (`sglang_pic.launcher.server_flags`, which
 also parses them back here). Standard library only: client programs import this (`sglang_pic.lang`).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_pic.server_flags import setting
+from sglang_pic.launcher.server_flags import setting
 
 BACKEND = "pic_span"
 """Name of our radix-cache backend (`--radix-cache-backend pic_span`)."""

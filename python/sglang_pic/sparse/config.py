@@ -1,7 +1,7 @@
 """Knobs of sparse decoding in SGLang, handed over in ``SGLANG_PIC_SPARSE_*`` variables.
 
 ``sglang-pic serve --sparse-decode pariskv --sparse-topk 100 ...`` checks the flags and sets the
-variables in the launcher (``sglang_pic.server_flags``); SGLang's scheduler processes inherit the
+variables in the launcher (``sglang_pic.launcher.server_flags``); SGLang's scheduler processes inherit the
 environment, and the attention backend reads them when it is created. SGLang's own launcher takes
 the same flags through our plugin; the Python ``Engine`` has no flags of ours and reads whatever
 the variables say. Standard library only: the launcher imports this before SGLang.

@@ -131,6 +131,6 @@ def register() -> None:
     ``--hicache-storage-idle-yield-us`` (the plugin hooks ``Scheduler.on_idle`` and the storage
     hit query unless it is 0)."""
     global _nap_s
-    from sglang_pic.server_flags import setting
+    from sglang_pic.launcher.server_flags import setting
 
     _nap_s = setting("--hicache-storage-idle-yield-us") / 1e6

@@ -4,7 +4,7 @@ SGLang's parser is built by ``sglang.srt.server_args``, which imports torch and 
 (4-8 s on 2 cores; 16 s with the rest of a start before argparse said ``unrecognized
 arguments`` under 432 lines of usage). So the option strings are kept in a file in our cache
 directory, named after SGLang's and our versions and our flag names, and launches read the file
-(a few ms). The first launch after an install writes it (``python -m sglang_pic.sglang_flags``,
+(a few ms). The first launch after an install writes it (``python -m sglang_pic.launcher.sglang_flags``,
 quiet, ~5-10 s, once); the server process rewrites it from the parser it builds anyway.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sglang_pic.server_flags import FLAGS, UsageError
+from sglang_pic.launcher.server_flags import FLAGS, UsageError
 
 
 def cache_path() -> Path:
@@ -29,7 +29,7 @@ def cache_path() -> Path:
     ``--api-key`` is ambiguous beside our ``--api-key-file``), and a development install changes
     them without a new version."""
     from sglang_pic import __version__
-    from sglang_pic.default_model import cache_dir
+    from sglang_pic.launcher.default_model import cache_dir
 
     try:
         sglang = version("sglang")
@@ -54,7 +54,7 @@ def names() -> list[str] | None:
     got = cached()
     if got is None:
         try:
-            subprocess.run([sys.executable, "-m", "sglang_pic.sglang_flags"],
+            subprocess.run([sys.executable, "-m", "sglang_pic.launcher.sglang_flags"],
                            capture_output=True, timeout=600, check=False)
         except (OSError, subprocess.TimeoutExpired):
             return None
@@ -173,7 +173,7 @@ GPU_ONLY_BACKENDS = ("flashinfer", "pic_flashinfer", "pariskv_flashinfer", "fa3"
 def refuse_bad_values(argv: list[str], on_cpu: bool | None = None) -> None:
     """``UsageError`` for the first value of ``VALUE_CHECKS`` that is wrong, and (``on_cpu``)
     an attention backend that needs a GPU."""
-    from sglang_pic.serve_conflicts import value_of
+    from sglang_pic.launcher.serve_conflicts import value_of
 
     for flag, check in VALUE_CHECKS.items():
         raw = value_of(argv, flag)
@@ -190,10 +190,10 @@ def refuse_bad_values(argv: list[str], on_cpu: bool | None = None) -> None:
 
 def sglang_parser():
     """SGLang's server parser after the plugins loaded (our flag groups first, see
-    ``sglang_pic.sglang_launcher``), reporting errors in one line."""
+    ``sglang_pic.launcher.sglang_launcher``), reporting errors in one line."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_pic.server_flags import OneLineParser
+    from sglang_pic.launcher.server_flags import OneLineParser
 
     parser = OneLineParser(prog=SERVE_PROG,
                             usage=f"{SERVE_PROG} [sglang-pic flags] [SGLang server flags]")

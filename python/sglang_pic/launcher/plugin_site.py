@@ -59,7 +59,7 @@ def write_site(root: Path) -> Path:
 
 def source_root() -> Path:
     """The folder ``sglang_pic`` is imported from (``python/`` in a source tree)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def kernel_root() -> Path | None:

@@ -1,11 +1,11 @@
 """The SGLang server process that ``sglang-pic serve`` starts and waits for.
 
-``python -m sglang_pic.server_process ARGV...`` (the user's ``sglang-pic serve`` argv) builds
+``python -m sglang_pic.launcher.server_process ARGV...`` (the user's ``sglang-pic serve`` argv) builds
 SGLang's argv (``launch_server.build_argv``: the default model, CPU settings, our flags handed
 over) and runs what SGLang's own launcher runs (``load_plugins``, ``prepare_server_args``,
 ``run_server``). Before that it parses SGLang's argv once with SGLang's parser, so a mistake is one
 line (an unknown flag with the nearest name, a bad value) rather than argparse's 432 lines of
-usage, and it caches SGLang's flag names for the launcher's own check (``sglang_pic.sglang_flags``).
+usage, and it caches SGLang's flag names for the launcher's own check (``sglang_pic.launcher.sglang_flags``).
 Once all of that passed, it generates the API key when none was given (``api_key``).
 
 ``--help`` prints SGLang's help with our flags first and ``--model-path`` optional (the launcher
@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from sglang_pic.sglang_flags import SERVE_PROG as PROG
+from sglang_pic.launcher.sglang_flags import SERVE_PROG as PROG
 
 
 def _die_with_launcher(launcher: int) -> None:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     launcher = os.environ.pop("SGLANG_PIC_LAUNCHER_PID", None)
     if launcher is not None:
         _die_with_launcher(int(launcher))
-    from sglang_pic.launch_server import build_argv, usage_error
+    from sglang_pic.launcher.launch_server import build_argv, usage_error
 
     try:
         # on CPU this selects SGLang's CPU engine (variables, import stand-ins) before SGLang's
@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang.srt.plugins import load_plugins
 
-    from sglang_pic import plugin, plugin_site, sglang_flags
+    from sglang_pic import plugin
+    from sglang_pic.launcher import plugin_site, sglang_flags
+    from sglang_pic.launcher.server_flags import UsageError
+    from sglang_pic.launcher.sglang_flags import sglang_parser
     from sglang_pic.security import api_key
-    from sglang_pic.server_flags import UsageError
-    from sglang_pic.sglang_flags import sglang_parser
 
     load_plugins()
     if not plugin.registered():  # SGLang's processes would serve without our plugin

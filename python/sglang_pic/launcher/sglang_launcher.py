@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sglang_pic import server_flags
+from sglang_pic.launcher import server_flags
 
 
 def around_add_cli_args(original, parser):
@@ -42,7 +42,7 @@ def around_add_cli_args(original, parser):
 def around_prepare_server_args(original, argv):
     if any(a in ("-h", "--help") for a in argv):
         return original(argv)
-    from sglang_pic.launch_server import translate
+    from sglang_pic.launcher.launch_server import translate
 
     prog = "sglang-pic"
     on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
@@ -55,7 +55,7 @@ def around_prepare_server_args(original, argv):
         raise SystemExit(2) from None
     if on_cpu:  # the CPU engine's flags, each one the user did not give (as sglang-pic serve)
         from sglang_pic.cpu import support as cpu_support
-        from sglang_pic.launch_server import _value_of
+        from sglang_pic.launcher.launch_server import _value_of
 
         model_path = _value_of(argv, "--model-path") or _value_of(argv, "--model")
         argv += cpu_support.cpu_server_defaults(argv, model_path)

@@ -1,7 +1,7 @@
-"""`sglang-pic serve` / `python -m sglang_pic.launch_server`: SGLang's server with our plugin.
+"""`sglang-pic serve` / `python -m sglang_pic.launcher.launch_server`: SGLang's server with our plugin.
 
 Every SGLang server flag passes through unchanged; our flags are listed, with defaults and
-ranges, in `sglang_pic/server_flags.py` (`sglang-pic serve --help`, docs/configuration.md). In
+ranges, in `sglang_pic/launcher/server_flags.py` (`sglang-pic serve --help`, docs/configuration.md). In
 order, so that a mistake costs a second and one line, not a model load:
 
 1. `--help` prints our flags and where SGLang's are listed, without importing SGLang or torch.
@@ -58,9 +58,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sglang_pic import serve_conflicts, server_flags, sglang_flags
+from sglang_pic.launcher import serve_conflicts, server_flags, sglang_flags
+from sglang_pic.launcher.server_flags import FLAGS, UsageError
 from sglang_pic.security import api_key
-from sglang_pic.server_flags import FLAGS, UsageError
 
 PROG = "sglang-pic serve"
 POSITION_FREE_FLAG = serve_conflicts.POSITION_FREE_FLAG
@@ -110,7 +110,7 @@ def build_argv(argv: list[str]) -> list[str]:
     given, rest, env = check(argv)
     model_path = _value_of(rest, "--model-path") or _value_of(rest, "--model")
     if model_path is None:
-        from sglang_pic.default_model import ensure_default_model
+        from sglang_pic.launcher.default_model import ensure_default_model
 
         model_path = str(ensure_default_model())
         rest = ["--model-path", model_path, *rest]
@@ -366,9 +366,9 @@ def supervise(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from sglang_pic.plugin_site import plugin_env
+    from sglang_pic.launcher.plugin_site import plugin_env
 
-    cmd = [sys.executable, "-m", "sglang_pic.server_process", *argv]
+    cmd = [sys.executable, "-m", "sglang_pic.launcher.server_process", *argv]
     # run from a source tree (nothing installed): the entry point SGLang's processes load our
     # plugin by, from a folder that lives as long as this launcher
     site = Path(tempfile.mkdtemp(prefix="sglang-pic-site-"))

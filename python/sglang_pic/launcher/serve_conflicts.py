@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sglang_pic.server_flags import FEATURES, FLAGS, UsageError, setting
+from sglang_pic.launcher.server_flags import FEATURES, FLAGS, UsageError, setting
 from sglang_pic.sparse.config import (
     HOST_MEMORY_SHARE,
     SparseDecodeConfig,
