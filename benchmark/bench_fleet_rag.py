@@ -14,6 +14,8 @@ Sides, each started and stopped by this script, vanilla first (it sets the strea
 * ``sglang-pic-span``: the same fleet with ``--policy manual``, each request carrying its span
   routing key (``sglang_pic.fleet.routing``: a MinHash of its documents) in
   ``X-SMG-Routing-Key``: requests sharing documents meet on one instance.
+* ``sglang-pic-group``: the same with the group key (``span_routing_key(..., buckets=N)``): the
+  documents partitioned over the N instances, a request sent where most of its tokens live.
 
 On one GPU the N instances share it (each 0.8/N of its memory); ``--gpus G`` runs one instance
 per GPU on G GPUs (``--gpu-per-instance``), for weak scaling on 2-8 GPU hosts.
@@ -58,6 +60,7 @@ SIDES = {  # side -> (fleet policy, span cache); vanilla is plain SGLang
     "sglang-pic": ("cache_aware", True),
     "sglang-pic-rr": ("round_robin", True),
     "sglang-pic-span": ("manual", True),
+    "sglang-pic-group": ("manual", True),
 }
 MODEL_FLAGS = {  # the device run: Llama-3-8B's shape with dummy weights, as bench_rag_grid's
     "model_path": LLAMA3_8B_DUMMY["model_path"], "load_format": "dummy",
@@ -228,7 +231,8 @@ def headers(side: Side, ids: list[int]) -> dict[str, str]:
     """The request's headers: the key, and on the span-routed side the span routing key."""
     out = {"Authorization": f"Bearer {side.key}"}
     if SIDES.get(side.name, ("",))[0] == "manual":
-        key = span_routing_key(ids)
+        groups = side.args.instances if side.name == "sglang-pic-group" else None
+        key = span_routing_key(ids, buckets=groups)
         if key is not None:
             out[ROUTING_KEY_HEADER] = key
     return out

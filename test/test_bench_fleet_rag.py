@@ -54,7 +54,7 @@ def test_only_the_span_routed_side_sends_a_routing_key_and_only_for_span_prompts
 
     def side(name: str):
         s = object.__new__(bench_fleet_rag.Side)
-        s.name, s.key = name, "sk-test"
+        s.name, s.key, s.args = name, "sk-test", type("Args", (), {"instances": 3})
         return s
 
     spans = [5, -1, 1, 2, -1, 3, -2, 9]
@@ -62,6 +62,8 @@ def test_only_the_span_routed_side_sends_a_routing_key_and_only_for_span_prompts
     assert got == {"Authorization": "Bearer sk-test", ROUTING_KEY_HEADER: span_routing_key(spans)}
     assert ROUTING_KEY_HEADER not in bench_fleet_rag.headers(side("sglang-pic-span"), [1, 2])
     assert ROUTING_KEY_HEADER not in bench_fleet_rag.headers(side("sglang-pic"), spans)
+    assert bench_fleet_rag.headers(side("sglang-pic-group"), spans)[ROUTING_KEY_HEADER] \
+        == span_routing_key(spans, buckets=3)
 
 
 def test_progress_names_the_newest_log_and_its_last_line(tmp_path):

@@ -279,3 +279,14 @@ def test_instances_sharing_a_gpu_start_one_after_another_and_the_router_knows_th
     child = fleet.router_child()
     urls = [f"http://127.0.0.1:{p}" for p in fleet.config.instance_ports]
     assert len(urls) == 3 and all(u in child.cmd for u in urls), child.cmd
+
+
+def test_the_manual_policy_assigns_new_keys_to_the_instance_with_fewest():
+    argv = router.router_argv("127.0.0.1", 30000, "manual", ["http://127.0.0.1:1"], 29001, [])
+    assert router.parse_router_args(argv).assignment_mode == "min_group"
+    argv = router.router_argv("127.0.0.1", 30000, "manual", ["http://127.0.0.1:1"], 29001,
+                              ["--assignment-mode", "random"])
+    assert router.parse_router_args(argv).assignment_mode == "random"
+    argv = router.router_argv("127.0.0.1", 30000, "cache_aware", ["http://127.0.0.1:1"], 29001,
+                              [])
+    assert "--assignment-mode" not in argv

@@ -73,3 +73,29 @@ def test_two_requests_meet_as_often_as_their_span_sets_overlap(shared):
         same += len(keys) == 1
     jaccard = shared / (12 - shared)
     assert abs(same / trials - jaccard) < 0.04, (same / trials, jaccard)
+
+
+def test_with_groups_the_key_names_the_group_holding_most_of_the_span_bytes():
+    from sglang_pic.fleet.routing import key_of_spans, span_digest
+
+    docs = [[i] * (10 * (i + 1)) for i in range(6)]  # sizes 10..60 tokens
+    prompt = ids_prompt([1], docs, [2])
+    weight = [0, 0, 0]
+    for d in docs:
+        content = b"".join(t.to_bytes(4, "little") for t in d)
+        weight[int(span_digest(content), 16) % 3] += len(content)
+    want = f"span-group-{weight.index(max(weight))}"
+    assert span_routing_key(prompt, buckets=3) == want
+    assert span_routing_key(prompt, buckets=1) == "span-group-0"
+    assert span_routing_key([1, 2], buckets=3) is None
+    assert key_of_spans([("00ff", 4), ("0003", 9)], buckets=2) == "span-group-1"
+    with pytest.raises(ValueError, match="at least 1"):
+        span_routing_key(prompt, buckets=0)
+
+
+@given(docs=docs_strategy, seed=st.integers(0, 10**6), buckets=st.integers(1, 8))
+def test_the_group_is_the_same_for_any_order_of_the_spans(docs, seed, buckets):
+    shuffled = docs[:]
+    random.Random(seed).shuffle(shuffled)
+    assert span_routing_key(ids_prompt([], docs, []), buckets=buckets) \
+        == span_routing_key(ids_prompt([5], shuffled, [6]), buckets=buckets)

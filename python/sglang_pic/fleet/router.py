@@ -50,6 +50,10 @@ def router_argv(host: str, port: int, policy: str, worker_urls: list[str], metri
         argv += ["--prometheus-host", "127.0.0.1"]
     if not any(a.split("=", 1)[0] == "--prometheus-port" for a in extra):
         argv += ["--prometheus-port", str(metrics_port)]
+    if policy == "manual" and not any(a.split("=", 1)[0] == "--assignment-mode" for a in extra):
+        # a new routing key goes to the instance holding the fewest keys (the router's default
+        # is a random one): with span group keys (fleet.routing) each instance owns one group
+        argv += ["--assignment-mode", "min_group"]
     return [*argv, *extra]
 
 

@@ -60,9 +60,35 @@ def independent_spans(prompt: str | Sequence[int],
     return spans
 
 
-def span_routing_key(prompt: str | Sequence[int],
-                     markers: tuple[str, str] | None = None) -> str | None:
-    """The request's routing key: the smallest digest of its independent spans (16 hex
-    characters), or None when it has none."""
-    digests = [_digest(s) for s in independent_spans(prompt, markers)]
-    return min(digests) if digests else None
+def span_routing_key(prompt: str | Sequence[int], markers: tuple[str, str] | None = None,
+                     buckets: int | None = None) -> str | None:
+    """The request's routing key, or None when it has no independent spans.
+
+    Without ``buckets``: the smallest digest of its spans (16 hex characters, a MinHash).
+    With ``buckets`` (the fleet's instance count): every span belongs to one of ``buckets``
+    groups by its digest, and the key names the group holding most of the request's span
+    bytes (``span-group-B``); with the router assigning each new key to the instance with the
+    fewest keys (``--assignment-mode min_group``), each instance owns one group, so the spans
+    are partitioned over the fleet and a request goes where most of its spans live."""
+    spans = independent_spans(prompt, markers)
+    return key_of_spans([(_digest(s), len(s)) for s in spans], buckets)
+
+
+def key_of_spans(spans: Sequence[tuple[str, int]], buckets: int | None = None) -> str | None:
+    """``span_routing_key`` from each span's digest and size (for callers that hash their
+    spans once and route many requests over them)."""
+    if not spans:
+        return None
+    if buckets is None:
+        return min(d for d, _ in spans)
+    if buckets < 1:
+        raise ValueError(f"buckets must be at least 1, got {buckets}")
+    weight = [0] * buckets
+    for digest, size in spans:
+        weight[int(digest, 16) % buckets] += size
+    return f"span-group-{max(range(buckets), key=weight.__getitem__)}"
+
+
+def span_digest(content: bytes) -> str:
+    """A span's digest as the routing key uses it (``independent_spans`` gives the bytes)."""
+    return _digest(content)
