@@ -243,6 +243,57 @@ GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4")
 GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
 
 
+FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a side
+ROUTING_SIM = "fleet_routing_sim.json"
+
+
+def _fleet_worst(metric: str, ours: str = "sglang-pic"):
+    """``bench_fleet_rag.py``: the cell where ``ours`` is furthest behind vanilla (both behind
+    the router) on ``metric`` (higher is better), per-burst samples of both sides."""
+    def extract(report: dict) -> tuple:
+        res = report["results"]
+        worst = None
+        for cell, c in res[ours]["cells"].items():
+            base, mine = res["vanilla"]["cells"][cell][metric], c[metric]
+            ratio = statistics.median(mine) / statistics.median(base)
+            if worst is None or ratio < worst[0]:
+                worst = (ratio, cell, base, mine)
+        _, cell, base, mine = worst
+        return base, mine, f"worst cell: {cell}", "vanilla"
+    return extract
+
+
+def _fleet_store_share(report: dict) -> tuple:
+    """The share of each burst's prompt tokens the sglang-pic fleet loaded from the store (a
+    document computed through the other instance, or evicted here), over every cell."""
+    shares = []
+    for c in report["results"]["sglang-pic"]["cells"].values():
+        for cached, prompt in zip(c["cached_tokens"], c["prompt_tokens"], strict=True):
+            shares.append(cached.get("storage", 0) / prompt)
+    return [], shares, None
+
+
+def _routing_sim(policy: str, metric: str, worst: str = "min", baseline: str = "cache_aware"):
+    """``sim_fleet_routing.py``: ``policy`` against ``baseline`` in the cell, fleet size and
+    cache where ``metric`` is worst for ``policy`` (``min``: lowest difference to the baseline,
+    ``max``: highest value of ours), each side's value per seed."""
+    def extract(report: dict) -> tuple:
+        groups: dict[tuple, dict[str, list[float]]] = {}
+        for r in report["rows"]:
+            key = (r["cell"], r["instances"], r["cache"])
+            groups.setdefault(key, {}).setdefault(r["policy"], []).append(r[metric])
+        def score(k):
+            g = groups[k]
+            if worst == "max":
+                return -statistics.mean(g[policy])
+            return statistics.mean(g[policy]) - statistics.mean(g[baseline])
+        key = min(groups, key=score)
+        cell, n, cache = key
+        return (groups[key][baseline], groups[key][policy],
+                f"worst case: {cell}, {n} instances, caches of {cache:.0%} of the pool")
+    return extract
+
+
 def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic"):
     """A grid cell's samples of ``metric`` on vanilla's side and ``ours``: per burst for the
     burst metrics, per request for the stream's TTFT (its median is the p50)."""
@@ -588,6 +639,27 @@ CLAIMS: list[Claim] = [
           extract=_grid_design("varlen_k6_p256_z07_t4"),
           note="design comparison in the variable-length corner: segmented attention over "
           "shared pages against --span-copy-on-reuse on; H100"),
+    Claim("fleet.rag_throughput_2x1gpu", FLEET, "requests_per_s", higher_is_better=True,
+          target=2.5, extract=_fleet_worst("requests_per_s"),
+          path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
+          "cache-aware routing, FlashInfer; ours: spans and two PTStore servers",
+          note="bench_fleet_rag.py, cells aligned and varlen_k6_p256_z07_t4"),
+    Claim("fleet.cross_instance_hit_rate", FLEET, "storage_share", baseline_variant=None,
+          higher_is_better=True, extract=_fleet_store_share,
+          note="prompt tokens the fleet loaded from PTStore per burst (computed through the "
+          "other instance, or evicted here)"),
+    Claim("fleet.routing_sim.span_group_local_share", ROUTING_SIM, "local_share",
+          baseline_variant="cache_aware", ours_variant="span_partition", higher_is_better=True,
+          target=0.0, target_kind="points", extract=_routing_sim("span_partition", "local_share"),
+          path="model (sim_fleet_routing.py), not a server",
+          note="share of document and system-prompt tokens found in the instance's own cache; "
+          "the case where span group keys gain least over the router's default"),
+    Claim("fleet.routing_sim.span_group_busiest", ROUTING_SIM, "busiest_over_mean",
+          baseline_variant="round_robin", ours_variant="span_partition",
+          extract=_routing_sim("span_partition", "busiest_over_mean", "max", "round_robin"),
+          path="model (sim_fleet_routing.py), not a server",
+          note="the busiest instance's requests over the mean: how unevenly span group keys "
+          "spread the load, their worst case"),
     *[Claim(f"spans.nonspan.{case}", NONSPAN, metric, ours_variant="sglang-pic-spans",
             target=0.98, path=SPAN_SERVER, reruns=(NONSPAN_RERUN,),
             note="requests without spans on a --enable-span-cache server")

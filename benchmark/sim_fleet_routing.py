@@ -176,6 +176,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--quick", action="store_true", help="one cell, small: a check")
+    ap.add_argument("--plot", default=None,
+                    help="the figure (default docs/figures/fleet_routing_sim.png; none with "
+                         "--quick unless given)")
+    ap.add_argument("--from-report", default=None,
+                    help="plot and print an earlier report instead of simulating")
     args = ap.parse_args()
     cells = args.cells.split(",")
     if set(cells) - set(CELLS):
@@ -187,6 +192,11 @@ def main() -> None:
         cells, instances, caches, seeds = ["varlen_k6_p256_z07_t4"], [2], [0.25], [1]
         args.requests = 200
         args.out = args.out or smoke_dir()
+    if args.from_report:
+        report = json.loads(Path(args.from_report).read_text())
+        print_table(report["summary"])
+        plot(report["summary"], Path(args.plot or REPO / "docs/figures/fleet_routing_sim.png"))
+        return
     params = {**PARAMS, "requests": args.requests}
     rows, t0 = [], time.perf_counter()
     total = len(cells) * len(instances) * len(caches) * len(seeds)
@@ -211,6 +221,50 @@ def main() -> None:
                                            "requests": args.requests,
                                            "cache_threshold": CACHE_THRESHOLD},
                                 "params": params, "rows": rows, "summary": summary}, indent=1))
+    print(f"[bench] wrote {path}")
+    if args.plot or not args.quick:
+        plot(summary, Path(args.plot or REPO / "docs/figures/fleet_routing_sim.png"))
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    """Per cell (columns): each policy's local share (top) and busiest instance over the mean
+    (bottom) against the fleet size, at each cache size (line style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({s["cell"] for s in summary})
+    caches = sorted({s["cache"] for s in summary})
+    colours = dict(zip(POLICIES, ("tab:gray", "tab:blue", "tab:orange", "tab:red",
+                                  "tab:green"), strict=True))
+    styles = dict(zip(caches, ("-", "--", ":", "-."), strict=False))
+    fig, axes = plt.subplots(2, len(cells), figsize=(3.2 * len(cells), 6), squeeze=False)
+    for j, cell in enumerate(cells):
+        for policy in POLICIES:
+            for cache in caches:
+                pts = sorted((s["instances"], s["local_share"], s["busiest_over_mean"])
+                             for s in summary if s["cell"] == cell and s["policy"] == policy
+                             and s["cache"] == cache)
+                if not pts:
+                    continue
+                n, local, busy = zip(*pts, strict=True)
+                label = policy if cache == caches[0] else None
+                axes[0][j].plot(n, local, styles[cache], color=colours[policy], label=label)
+                axes[1][j].plot(n, busy, styles[cache], color=colours[policy])
+        axes[0][j].set_title(cell, fontsize=8)
+        axes[1][j].set_xlabel("instances")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+    axes[0][0].set_ylabel("tokens from the instance's cache")
+    axes[1][0].set_ylabel("busiest instance / mean")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Routing span requests (model): caches of "
+                 + ", ".join(f"{c:.0%} ({styles[c]})" for c in caches)
+                 + " of the documents' tokens", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     print(f"[bench] wrote {path}")
 
 
