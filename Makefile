@@ -4,7 +4,7 @@
 ARGS ?=
 VENV ?= .venv
 
-.PHONY: serve test test-gpu env
+.PHONY: serve test test-unit test-gpu env
 
 env:
 	@bash scripts/setup_env.sh
@@ -14,6 +14,10 @@ serve: env
 
 test:
 	@bash scripts/run_tests.sh $(ARGS)
+
+# The unit tier alone: every test that starts no SGLang (no server, Engine or fleet), ~2.5 min.
+test-unit:
+	@bash scripts/run_tests.sh -m "not server and not gpu" $(ARGS)
 
 # On the device (after the devkit's three steps, see docs/benchmarks.md): the GPU-marked tests
 # and the kernel tests at model sizes; the log goes to benchmark/results/ with machine and versions.

@@ -109,6 +109,8 @@ _config: pytest.Config | None = None
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
+    config.addinivalue_line("markers", "server: starts SGLang (a server, an Engine, a fleet); "
+                            "the unit tier is `-m 'not server and not gpu'` (make test-unit)")
     global _config
     _config = config
 
@@ -163,6 +165,21 @@ def _session_servers_used(item) -> list[str]:
     return used
 
 
+SERVER_SOURCE = re.compile(r"\bstart_servers?\b|\b_fleet_cmd\(|\bEngine\(|\bServerArgs\(|"
+                           r"sglang\.launch_server")
+"""What marks a module's source as the server tier (besides a session server fixture)."""
+_server_modules: set[Path] = set()
+"""Modules of the server tier (``pytest_collection_modifyitems``); ``_launch`` refuses a start
+from any other: the tier marks are enforced, not guessed."""
+
+
+def _server_tier(path: Path, module_items: list) -> bool:
+    """A module starts SGLang: it uses a session server, or its source starts one."""
+    if any(_session_servers_used(item) for item in module_items):
+        return True
+    return bool(SERVER_SOURCE.search(path.read_text(errors="replace")))
+
+
 def _xdist_group(module_items: list) -> str:
     """A module's xdist group: ``SHARED_GROUP`` when it uses a session server, else its path (one
     module, one worker: its module-scoped servers never start twice)."""
@@ -185,8 +202,13 @@ def pytest_collection_modifyitems(config, items):
     # a group's modules together, groups longest first, then each group's modules; stable
     items.sort(key=lambda item: (group_rank[group[item.path]], group[item.path],
                                  module_rank[item.path]))
+    for path, module_items in by_module.items():
+        if _server_tier(path, module_items):
+            _server_modules.add(path)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group[item.path]))
+        if item.path in _server_modules:
+            item.add_marker(pytest.mark.server)
         for name in _session_servers_used(item):
             _last_users[name] = item
     if has_cuda():
@@ -401,6 +423,10 @@ def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, .
     2-core machine, and SGLang's CPU scheduler polls a core while idle, so multi-threaded torch
     ops would fight them for cores (measured: ~15 s per short request instead of ~1 s).
     """
+    running = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0]
+    if running and _server_modules and (REPO / running).resolve() not in _server_modules:
+        raise RuntimeError(f"{running} starts a server but is not in the server tier: name "
+                           "its start in conftest.SERVER_SOURCE's patterns")
     port = free_port()
     argv = ["--port", str(port), *args]
     forked = forked and launcher == SERVE and env is None and not has_cuda()
