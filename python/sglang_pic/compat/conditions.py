@@ -7,9 +7,10 @@ engine's selection. A row without a condition is always registered.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from sglang_pic import environment
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def cpu_engine() -> bool:
     """SGLang's CPU engine: asked for (``SGLANG_USE_CPU_ENGINE=1``), or nothing asked and no
     CUDA device. The plugin selects the engine by this too, before the rows are read; it sets
     the variable, so the answer does not change afterwards."""
-    engine = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    engine = environment.read("SGLANG_USE_CPU_ENGINE")
     if engine is not None:
         return engine == "1"
     from sglang_pic.cpu.support import has_cuda
@@ -42,8 +43,10 @@ def cpu_engine() -> bool:
 
 
 def _sparse_offload() -> bool:
-    # the variable the --sparse-offload hand-off sets (the launcher sets it before plugins load)
-    return os.environ.get("SGLANG_PIC_SPARSE_OFFLOAD") == "1"
+    # the --sparse-offload hand-off (the launcher sets it before plugins load)
+    from sglang_pic.launcher.server_flags import setting
+
+    return bool(setting("--sparse-offload"))
 
 
 CONDITIONS: dict[str, Condition] = {

@@ -41,6 +41,8 @@ import sys
 import types
 from typing import Any
 
+from sglang_pic import environment
+
 # ---------------------------------------------------------------------------------------------
 # 1 + 2: import stand-ins for torchvision and sgl_kernel
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +157,9 @@ def enable_cpu_engine() -> None:
     global _selected_before_import
     if _selected_before_import is None:
         _selected_before_import = ("sglang" not in sys.modules
-                                   or os.environ.get("SGLANG_USE_CPU_ENGINE") == "1")
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+                                   or environment.is_on("SGLANG_USE_CPU_ENGINE"))
+    environment.default("SGLANG_USE_CPU_ENGINE", "1")
+    environment.default("TRITON_INTERPRET", "1")
     install_import_stand_ins()
 
 

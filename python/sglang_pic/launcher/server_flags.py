@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_pic import environment
 from sglang_pic.sparse.config import MAX_CANDIDATES as SPARSE_MAX_CANDIDATES
 from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL as SPARSE_MAX_RESELECT
 from sglang_pic.sparse.config import MINIMUM as SPARSE_MINIMUM
@@ -367,6 +368,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          parse=integer(0), default=0, range=">= 0", metavar="TOKENS",
          env="SGLANG_PIC_TLRU_NEXT_PROMPT_ESTIMATE"),
 ]}
+for _flag in FLAGS.values():  # the hand-off variables, readable through the registry
+    if _flag.env:
+        environment.declare(_flag.env, "launcher.server_flags.FLAGS")
 
 
 def _from_variable(flag: Flag, raw: str) -> Any:
@@ -377,7 +381,7 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """The value of flag ``name`` in this process: its variable parsed as the flag is, or the
     default. Raises ``ValueError`` naming the variable and the flag for a bad value."""
     flag = FLAGS[name]
-    raw = (os.environ if environ is None else environ).get(flag.env or "")
+    raw = environment.read(flag.env, environ) if flag.env else None
     if raw is None or raw == "":
         return flag.default
     try:
@@ -468,9 +472,9 @@ def handed_over(given: Mapping[str, Any],
             continue
         if flag.name in given:
             out[flag.env] = flag.encode(given[flag.name])
-        elif env.get(flag.env):
+        elif environment.read(flag.env, env):
             try:
-                value = _from_variable(flag, env[flag.env])
+                value = _from_variable(flag, environment.read(flag.env, env))
                 if flag.launch_check is not None:
                     flag.launch_check(value)
             except BadValue as e:

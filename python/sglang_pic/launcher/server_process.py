@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 
+from sglang_pic import environment
 from sglang_pic.launcher.sglang_flags import SERVE_PROG as PROG
 
 
@@ -43,7 +44,7 @@ def _die_with_launcher(launcher: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     given_argv = list(argv)
-    launcher = os.environ.pop("SGLANG_PIC_LAUNCHER_PID", None)
+    launcher = environment.take("SGLANG_PIC_LAUNCHER_PID")
     if launcher is not None:
         _die_with_launcher(int(launcher))
     from sglang_pic.launcher.launch_server import build_argv, usage_error

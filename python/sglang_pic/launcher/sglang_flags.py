@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from sglang_pic import environment
 from sglang_pic.launcher.server_flags import FLAGS, UsageError
 
 
@@ -208,7 +209,7 @@ def _build() -> None:
     """Build SGLang's parser as the server process does, and cache its option strings."""
     from sglang_pic.cpu import support as cpu_support
 
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" or not cpu_support.has_cuda():
+    if environment.is_on("SGLANG_USE_CPU_ENGINE") or not cpu_support.has_cuda():
         cpu_support.enable_cpu_engine()  # before SGLang's first import
     from sglang.srt.plugins import load_plugins
 

@@ -19,9 +19,9 @@ selects SGLang's CPU engine there, so ``python -m sglang.launch_server --model-p
 
 from __future__ import annotations
 
-import os
 import sys
 
+from sglang_pic import environment
 from sglang_pic.launcher import server_flags
 
 
@@ -45,7 +45,7 @@ def around_prepare_server_args(original, argv):
     from sglang_pic.launcher.launch_server import translate
 
     prog = "sglang-pic"
-    on_cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+    on_cpu = environment.is_on("SGLANG_USE_CPU_ENGINE")
     try:
         argv = translate(list(argv), on_cpu=on_cpu, prog=prog)
     except SystemExit as e:  # UsageError, and the PTStore checks' SystemExit("error: ...")

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sglang_pic import environment
 from sglang_pic.launcher.default_model import cache_dir
 from sglang_pic.launcher.serve_conflicts import value_of
 from sglang_pic.launcher.server_flags import UsageError, parse
@@ -135,8 +136,8 @@ def choose(given: Mapping[str, Any], argv: list[str],
         key, source = flag_key, SGLANG_FLAG
     elif FILE_FLAG in given:
         source = f"{FILE_FLAG} {given[FILE_FLAG]}"
-    elif env.get(ENV):
-        key, source = env[ENV], f"${ENV}"
+    elif environment.read(ENV, env):
+        key, source = environment.read(ENV, env), f"${ENV}"
     if source is None:
         return Choice(None, None, insecure)
     if insecure:
@@ -155,8 +156,8 @@ def choose_admin(given: Mapping[str, Any], argv: list[str], api_key: str | None,
         key = check_key(key, ADMIN_SGLANG_FLAG)
     elif ADMIN_FILE_FLAG in given:
         key = read_key_file(given[ADMIN_FILE_FLAG], ADMIN_FILE_FLAG)
-    elif env.get(ADMIN_ENV):
-        key = check_key(env[ADMIN_ENV], f"${ADMIN_ENV}")
+    elif environment.read(ADMIN_ENV, env):
+        key = check_key(environment.read(ADMIN_ENV, env), f"${ADMIN_ENV}")
     if key is not None and api_key is not None and secrets.compare_digest(key, api_key):
         raise UsageError("the admin key must differ from the API key")
     return key
@@ -284,9 +285,9 @@ def hand_over(given: Mapping[str, Any], argv: list[str], prog: str,
     elif require and choice.key is None:
         port_of(argv)
     if choice.key is not None:
-        os.environ[ENV] = choice.key
+        environment.hand_over(ENV, choice.key)
     if admin is not None:
-        os.environ[ADMIN_ENV] = admin
+        environment.hand_over(ADMIN_ENV, admin)
     return argv
 
 
@@ -318,7 +319,7 @@ def generate_unless_given(argv: list[str], prog: str) -> None:
     stderr, and hand it over. A port another process listens on is refused (``UsageError``):
     the server there keeps its key file, and this one could not bind anyway."""
     given, rest = parse(argv, prog)
-    if INSECURE_FLAG in given or os.environ.get(ENV):
+    if INSECURE_FLAG in given or environment.read(ENV):
         return
     port = port_of(rest)
     host = value_of(rest, "--host") or DEFAULT_HOST
@@ -328,7 +329,7 @@ def generate_unless_given(argv: list[str], prog: str) -> None:
     key, path = generate(port)
     print(f"{prog}: API key generated into {path} (mode 600, new at each start); clients send "
           f"it: -H \"Authorization: Bearer $(cat {path})\"", file=sys.stderr, flush=True)
-    os.environ[ENV] = key
+    environment.hand_over(ENV, key)
 
 
 def to_sglang(argv: list[str]) -> list[str]:
@@ -336,7 +337,7 @@ def to_sglang(argv: list[str]) -> list[str]:
     ``--api-key`` set to the key handed over, which leaves this process's environment (SGLang's
     processes get it inside ``ServerArgs``); ``argv`` unchanged when none was."""
     for flag, name in ((SGLANG_FLAG, ENV), (ADMIN_SGLANG_FLAG, ADMIN_ENV)):
-        key = os.environ.pop(name, None)
+        key = environment.take(name)
         if key:
             # one token: argparse reads a separate value that starts with "-" (token_urlsafe's
             # alphabet has it) as the next option and stops with "--api-key: expected one
@@ -375,8 +376,8 @@ def client_key(url: str, environ: Mapping[str, str] | None = None) -> str | None
     ``localhost``: it may resolve to ``::1`` first, where another user's process could listen
     on the same port and would receive the key."""
     env = os.environ if environ is None else environ
-    if env.get(ENV):
-        return env[ENV]
+    if environment.read(ENV, env):
+        return environment.read(ENV, env)
     parts = urlsplit(url)
     try:
         local = ipaddress.IPv4Address(parts.hostname or "").is_loopback

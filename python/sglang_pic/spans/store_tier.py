@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from array import array
@@ -46,6 +45,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from sglang_pic import environment
 from sglang_pic.position_free import stored_positions
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def unsupported_pool(pool: Any) -> str | None:
 def config_from_env() -> PTStoreConfig | None:
     """The tier's ``store.config.PTStoreConfig`` from ``SGLANG_PIC_SPAN_STORE`` (JSON, checked
     as strictly as the HiCache extra config), or None when it is not set."""
-    raw = os.environ.get(ENV)
+    raw = environment.read(ENV)
     if not raw:
         return None
     from sglang_pic.store.config import PTStoreConfig

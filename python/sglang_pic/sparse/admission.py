@@ -19,7 +19,7 @@ so SGLang's own launcher (which sets them after the plugin registered) is covere
 
 from __future__ import annotations
 
-import os
+from sglang_pic import environment
 
 from .config import SparseDecodeConfig, host_kv_bytes
 
@@ -51,7 +51,7 @@ def kv_bytes_per_token(model_config, server_args) -> int:
 
 def check_request_length(self, obj, input_ids, *args, **kwargs) -> None:
     """BEFORE hook for ``TokenizerManager._validate_one_request(self, obj, input_ids)``."""
-    if os.environ.get(SparseDecodeConfig.env_name("offload")) != "1":
+    if not environment.is_on(SparseDecodeConfig.env_name("offload")):
         return
     params = getattr(obj, "sampling_params", None)
     if not isinstance(params, dict):  # embedding requests, or SGLang's own error to come

@@ -13,6 +13,8 @@ import functools
 import os
 from dataclasses import dataclass, fields
 
+from sglang_pic import environment
+
 ENV_PREFIX = "SGLANG_PIC_SPARSE_"
 HOST_MEMORY_SHARE = 0.9
 """Most of the available host memory the ``--sparse-offload`` region may take (the rest is
@@ -75,14 +77,14 @@ class SparseDecodeConfig:
     def current(cls) -> SparseDecodeConfig:
         """``from_env()`` of this process, parsed once per distinct set of values (a hook that
         asks on every request reads the variables, not a new parse)."""
-        return _parsed(cls, tuple(os.environ.get(cls.env_name(f.name)) for f in fields(cls)))
+        return _parsed(cls, tuple(environment.read(cls.env_name(f.name)) for f in fields(cls)))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SparseDecodeConfig:
         env = os.environ if environ is None else environ
         values = {}
         for f in fields(cls):
-            raw = env.get(cls.env_name(f.name))
+            raw = environment.read(cls.env_name(f.name), env)
             if raw is None:
                 continue
             try:
@@ -212,3 +214,9 @@ def _parsed(cls: type[SparseDecodeConfig], values: tuple[str | None, ...]) -> Sp
     env = {cls.env_name(f.name): v for f, v in zip(fields(cls), values, strict=True)
            if v is not None}
     return cls.from_env(env)
+
+
+# the variables of the fields and of --sparse-offload, readable through the registry in any
+# process that imports this module (the launcher's flag table declares them too)
+for _field in [*(f.name for f in fields(SparseDecodeConfig)), "offload"]:
+    environment.declare(SparseDecodeConfig.env_name(_field), "sparse.config.SparseDecodeConfig")

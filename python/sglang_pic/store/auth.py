@@ -37,6 +37,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from sglang_pic import environment
 from sglang_pic.security.secret_files import MIN_SECRET_CHARS, check_strength, read_private
 
 SERVE_TOKEN_ENV = "SGLANG_PIC_PTSTORE_TOKEN"
@@ -106,7 +107,7 @@ def server_tokens(path: str | os.PathLike | None, env: str) -> dict[str, str] | 
     ``env``, else None."""
     if path is not None:
         return read_token_file(path)
-    token = os.environ.get(env)
+    token = environment.read(env)
     return {check_token(token, env): tenant_of(token)} if token else None
 
 
@@ -115,7 +116,7 @@ def client_token(path: str | os.PathLike | None, env: str) -> str | None:
     else None (no authentication)."""
     if path is not None:
         return next(iter(read_token_file(path)))
-    token = os.environ.get(env)
+    token = environment.read(env)
     return check_token(token, env) if token else None
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
 import time
 from typing import Any
@@ -55,6 +54,8 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from sglang_pic.launcher.server_flags import setting
+
 from .auth import SERVE_TOKEN_ENV, client_token
 from .client import StoreClient
 from .config import PTStoreConfig
@@ -62,7 +63,7 @@ from .shm import address_of
 from .trace import trace
 
 logger = logging.getLogger(__name__)
-TRACE = os.environ.get("SGLANG_PIC_STORE_TRACE") == "1"  # log each lookup, load and store
+TRACE = bool(setting("--ptstore-trace"))  # log each lookup, load and store
 
 
 def _traced(method):
