@@ -71,3 +71,12 @@ def test_every_variable_is_documented():
     doc = (REPO / "docs" / "configuration.md").read_text()
     missing = [name for name in environment.VARIABLES if f"`{name}`" not in doc]
     assert not missing, f"docs/configuration.md does not name {missing}"
+
+
+def test_the_kernels_read_no_setting_of_ours():
+    """Kernels take their tuning as arguments (the server passes its flags); the only variable
+    they look at is Triton's own ``TRITON_INTERPRET``."""
+    kernels = REPO / "sgl-kernel" / "python" / "sglang_pic_kernel"
+    found = [f"{p.relative_to(REPO)}" for p in kernels.rglob("*.py")
+             if "SGLANG_PIC_" in p.read_text()]
+    assert not found, found

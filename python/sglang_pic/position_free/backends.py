@@ -60,8 +60,12 @@ class ShiftedTritonBackend(TritonAttnBackend):
             rotating_extend_attention_fwd,
         )
 
+        from sglang_pic.launcher.server_flags import setting
+
+        # the kernel takes its launch configuration as an argument: --position-free-decode-config
         self.decode_attention_fwd = torch.compiler.disable(
-            functools.partial(rotating_decode_attention_fwd, rope=rope, stored_positions=table)
+            functools.partial(rotating_decode_attention_fwd, rope=rope, stored_positions=table,
+                              config=setting("--position-free-decode-config"))
         )
         self.extend_attention_fwd = torch.compiler.disable(
             functools.partial(rotating_extend_attention_fwd, rope=rope, stored_positions=table)

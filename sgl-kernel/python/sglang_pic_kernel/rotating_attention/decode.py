@@ -26,8 +26,6 @@ host-side branching on data, so it is CUDA-graph safe.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,17 +41,9 @@ from .rope import RotaryTable
 
 MIN_BLOCK_KV = 32
 # (BLOCK_N, num_warps, num_stages) of stage 1 on CUDA; measured on the H200 (see
-# benchmark/kernels/bench_rotating_attention.py --tune-decode). Override for experiments with
-# SGLANG_PIC_DECODE_CONFIG="BLOCK_N,WARPS,STAGES".
+# benchmark/kernels/bench_rotating_attention.py --tune-decode). The server passes its
+# --position-free-decode-config; the kernel reads no setting of its own.
 DECODE_CONFIG = (64, 2, 3)
-
-
-def decode_config() -> tuple[int, int, int]:
-    env = os.environ.get("SGLANG_PIC_DECODE_CONFIG")
-    if env:
-        block_n, warps, stages = (int(x) for x in env.split(","))
-        return block_n, warps, stages
-    return DECODE_CONFIG
 
 
 @triton.jit
@@ -230,7 +220,7 @@ def rotating_decode_attention_fwd(
 
     ``rope``: the model's RoPE table (row ``p`` turns a key by ``p``). ``stored_positions``: int32
     ``[pool_slots]``, the position each slot's key was rotated at. ``config`` = (BLOCK_N,
-    num_warps, num_stages) for stage 1 (default: :func:`decode_config`).
+    num_warps, num_stages) for stage 1 (default: ``DECODE_CONFIG``).
 
     The trailing SGLang arguments exist so the backend can call this exactly like
     ``decode_attention_fwd``; features the kernel does not implement (attention sinks, MLA,
@@ -251,7 +241,7 @@ def rotating_decode_attention_fwd(
     half = head_dim // 2
     block_dv = next_pow2(lv)
     interp = not q.is_cuda
-    block_n, warps, stages = config or decode_config()
+    block_n, warps, stages = config or DECODE_CONFIG
     if interp:
         block_n = max(block_n, 16)
 
