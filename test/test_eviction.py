@@ -345,7 +345,7 @@ def test_split_rederives_offset_and_type():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae")
     a = list(range(100, 120))
@@ -365,8 +365,8 @@ def test_split_rederives_offset_and_type():
 
 
 def test_simulator_counts_exact_prefix_hits_and_respects_capacity():
-    from simulator import replay
-    from traces import Request
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import Request
 
     p1, out1 = list(range(1000, 1100)), list(range(5000, 5050))
     trace = [
@@ -387,8 +387,8 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     replays of each alone do."""
     from sglang_pic.eviction.auto import AutoStrategy
     from sglang_pic.eviction.context import RequestContext
-    from simulator import replay
-    from traces import Request
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import Request
 
     hot = list(range(1, 41))
     trace = []
@@ -414,8 +414,8 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
 
 @pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf", "auto"])
 def test_replay_under_pressure_stays_within_capacity(policy):
-    from simulator import replay
-    from traces import generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
 
     trace = generate("mix", scale=12, seed=3)
     res = replay(trace, policy, capacity=4000).summary()
@@ -431,8 +431,8 @@ def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
     one-tier replay: with no host room it makes the same decisions as a ``RadixCache`` of the
     device tier's size; with an unbounded host tier every reuse is a hit, as in an unbounded
     ``RadixCache``, and the host tier serves what the device tier could not hold."""
-    from simulator import replay
-    from traces import generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
     from two_tier import replay_two_tier
 
     trace = generate("mix", scale=12, seed=3)  # its largest request: 16K tokens with output
@@ -451,8 +451,8 @@ def test_replays_leave_out_requests_longer_than_the_cache(policy):
     """A request whose prompt and output exceed the cache is refused, as a server refuses it:
     both replays leave the same requests out of every count and report them apart, and the
     two-tier replay still reduces to the one-tier one with no host room."""
-    from simulator import replay
-    from traces import generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
     from two_tier import replay_two_tier
 
     trace = generate("mix", scale=12, seed=3)
@@ -475,8 +475,8 @@ def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkey
     overhead is measured) and must not change what it evicts."""
     import json
 
-    from simulator import replay
-    from traces import generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
 
     trace = generate("mix", scale=12, seed=3)
     plain = replay(trace, "sae", capacity=4000).summary()
@@ -494,8 +494,8 @@ def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkey
 def test_unwritable_sae_stats_path_is_a_warning_not_a_crash(monkeypatch, caplog):
     """The stats file is written inside SGLang's evict pass: a bad path must not raise there
     (it would take the scheduler down), it turns the stats off with one warning."""
-    from simulator import replay
-    from traces import generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
 
     monkeypatch.setenv("SGLANG_PIC_SAE_STATS", "/nonexistent-dir/sae.json")
     trace = generate("mix", scale=12, seed=3)
@@ -508,8 +508,8 @@ def test_unwritable_sae_stats_path_is_a_warning_not_a_crash(monkeypatch, caplog)
 def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
     """The offline bound evicts the block needed farthest in the future: with room for two of
     three 100-token documents, the one asked for again stays, whatever was used last."""
-    from simulator import replay
-    from traces import Request, generate
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import Request, generate
 
     a, b, c = (list(range(k, k + 100)) for k in (1000, 2000, 3000))
     trace = [Request(float(t), "x", "single", doc, [9]) for t, doc in enumerate((a, b, c, a))]
@@ -530,8 +530,8 @@ def test_ends_oracle_keeps_the_session_that_goes_on():
     contexts that fit one at a time, it keeps the one whose session returns, where ``sae`` (no
     foreknowledge; a chat's chance of returning still rises seconds into its silence) keeps the
     older one, the wrong one."""
-    from simulator import _session_continues, replay
-    from traces import Request
+    from sglang_pic.eviction.replay.simulator import _session_continues, replay
+    from sglang_pic.eviction.replay.traces import Request
 
     a, b, c = (list(range(k, k + 100)) for k in (1000, 2000, 3000))
     seg = [(0, "user")]
@@ -547,7 +547,7 @@ def test_agent_traces_type_only_the_shared_tool_definitions_as_system():
     """The generator's segmentation is what ``sae`` learns from: in agent traces the tokens
     typed ``system`` are the three shared tool-definition prefixes, the task after them is
     ``user`` (it once was typed ``system`` up to its last token)."""
-    from traces import generate
+    from sglang_pic.eviction.replay.traces import generate
 
     trace = generate("agent", scale=40, seed=0)
     system_parts = {tuple(r.prompt[:r.segments[1][0]]) for r in trace}
@@ -560,8 +560,8 @@ def test_agent_traces_type_only_the_shared_tool_definitions_as_system():
 
 
 def test_mooncake_and_bailian_loaders(tmp_path):
-    from simulator import replay
-    from traces import load_bailian, load_mooncake
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import load_bailian, load_mooncake
 
     mc = tmp_path / "mooncake.jsonl"
     mc.write_text("\n".join(json.dumps(r) for r in [
@@ -707,7 +707,7 @@ def test_hits_are_those_of_the_match_that_admitted_the_request():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae")
     sae = cache.eviction_strategy
@@ -744,7 +744,7 @@ def test_sampled_evict_frees_enough_and_keeps_leaf_set_consistent():
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae")
     cache.eviction_strategy.sample_size = 16
@@ -822,7 +822,7 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae")
     slot = 0
@@ -878,7 +878,7 @@ class _SaeCache:
     node a token path ends in."""
 
     def __init__(self) -> None:
-        from simulator import make_cache
+        from sglang_pic.eviction.replay.simulator import make_cache
 
         self.cache, _ = make_cache("sae")
         self.strategy = self.cache.eviction_strategy
@@ -1077,7 +1077,7 @@ def test_reuse_rates_count_unshared_blocks_only():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae")
     strategy = cache.eviction_strategy
@@ -1124,8 +1124,8 @@ def _mooncake_lines(n: int, seed: int = 0) -> list[str]:
 
 
 def test_mooncake_loader_reports_malformed_lines_and_replays_the_rest(tmp_path, capsys):
-    from simulator import replay
-    from traces import load_mooncake
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import load_mooncake
 
     good = _mooncake_lines(4)
     bad = ["{not json", json.dumps({"timestamp": 5, "hash_ids": [1]}),
@@ -1188,8 +1188,8 @@ def test_fast_replay_makes_the_same_evictions_as_the_original(tmp_path, monkeypa
     Python lists, ``match + arange`` slot values per request): the same hits and the same
     evictions in the same order. Ties in priority break in the same (creation) order in both
     (``simulator._node_hash``), and a replay repeats itself exactly."""
-    import simulator
-    from traces import load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay import simulator
+    from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(_mooncake_lines(80, seed=1)) + "\n")
@@ -1210,7 +1210,7 @@ def test_fast_replay_makes_the_same_evictions_as_the_original(tmp_path, monkeypa
 
 
 def _tlru_cache(threshold: float, q_hat: float):
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("tlru")
     cache.eviction_strategy.threshold = threshold
@@ -1226,7 +1226,7 @@ def _insert(cache, tokens: list[int], t: float) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import _Clock, _patched, _TimeProxy
+    from sglang_pic.eviction.replay.simulator import _Clock, _patched, _TimeProxy
 
     clock = _Clock()
     clock.now = t
@@ -1281,8 +1281,8 @@ def test_block_belady_is_the_token_belady_on_block_traces(tmp_path, monkeypatch)
     """The offline bound indexed per block (``BlockBeladyOracle``, what makes it affordable on
     the 145M-token Mooncake trace) makes the same evictions as the per-token one, and no policy
     beats it."""
-    import simulator
-    from traces import load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay import simulator
+    from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(_mooncake_lines(80, seed=2)) + "\n")
@@ -1350,7 +1350,7 @@ def _conv_cache():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache("sae-conv")
 
@@ -1431,8 +1431,8 @@ def test_inferred_conversation_is_kept_for_later_inserts_of_the_request():
 def test_conversation_continues_from_a_block_trace():
     """``sae-conv-ends``'s labels: a request continues when a later one resends its full
     blocks beyond the first (a shared first block alone is a new conversation)."""
-    from simulator import _conversation_continues
-    from traces import Request
+    from sglang_pic.eviction.replay.simulator import _conversation_continues
+    from sglang_pic.eviction.replay.traces import Request
 
     def req(t, blocks, n=None):
         n = 512 * len(blocks) if n is None else n
@@ -1447,8 +1447,8 @@ def test_sae_conv_ends_on_a_block_trace_reaches_belady_and_reads_told_q(tmp_path
     go on) does at least as well as LRU and no better than ``belady``; told a ``q`` instead
     (``told_q``, what ``analyze_trace.py`` uses for predictors of a given quality), it uses
     it: told that every conversation ends, it scores differently than told the truth."""
-    from simulator import _conversation_continues, replay
-    from traces import load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay.simulator import _conversation_continues, replay
+    from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(_mooncake_lines(120, seed=3)) + "\n")

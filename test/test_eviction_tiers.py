@@ -30,7 +30,7 @@ def policies_registered():
 def clock(monkeypatch):
     """Virtual time for SGLang's access times (``radix_cache.time``) and the policy."""
     from sglang.srt.mem_cache import radix_cache as rc
-    from simulator import _Clock, _TimeProxy
+    from sglang_pic.eviction.replay.simulator import _Clock, _TimeProxy
 
     c = _Clock()
     monkeypatch.setattr(rc, "time", _TimeProxy(c))
@@ -47,8 +47,8 @@ class _Pool:
 
 def _span_cache(policy: str, clock):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang_pic.eviction.replay.simulator import CountingAllocator
     from sglang_pic.spans.radix_cache import SpanRadixCache
-    from simulator import CountingAllocator
 
     cache = SpanRadixCache(
         CacheInitParams(
@@ -232,7 +232,7 @@ class _HostController:
     write_policy = "write_through"
 
     def __init__(self) -> None:
-        from simulator import CountingAllocator
+        from sglang_pic.eviction.replay.simulator import CountingAllocator
 
         self.mem_pool_device_allocator = CountingAllocator()
         self.next_host = 0
@@ -257,7 +257,7 @@ def _hicache(policy: str, clock, monkeypatch):
     from sglang.srt.mem_cache import hiradix_cache as hc
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
-    from simulator import CountingAllocator, _TimeProxy
+    from sglang_pic.eviction.replay.simulator import CountingAllocator, _TimeProxy
 
     monkeypatch.setattr(hc, "time", _TimeProxy(clock))
     cache = hc.HiRadixCache.__new__(hc.HiRadixCache)

@@ -37,7 +37,7 @@ REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 from replay_trace import TRACE, _register  # noqa: E402
-from simulator import resent_blocks  # noqa: E402
+from sglang_pic.eviction.replay.simulator import resent_blocks  # noqa: E402
 
 OUT = REPO / "benchmark" / "results" / "eviction_mooncake_analysis.json"
 BLOCK = 512
@@ -114,8 +114,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
-    from simulator import _conversation_continues, replay
-    from traces import load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay.simulator import _conversation_continues, replay
+    from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     trace = load_mooncake(args.trace)
     labels = np.array(_conversation_continues(trace))

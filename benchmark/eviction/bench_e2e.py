@@ -46,7 +46,7 @@ from harness import LLAMA3_8B_DUMMY, percentile  # noqa: E402
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
     import sglang as sgl
-    import traces
+    from sglang_pic.eviction.replay import traces
 
     repo = HERE.parent.parent
     kwargs = dict(engine_kwargs)
@@ -297,7 +297,7 @@ def main() -> None:
     if mooncake:
         import tempfile
 
-        import traces
+        from sglang_pic.eviction.replay import traces
 
         sample = None if args.requests else args.sample_conversations
         lines = mooncake_slice(args.trace_file, sample=sample, requests=args.requests,

@@ -8,7 +8,7 @@ whole trace known in advance) as the upper bound.
 For every workload (chat, agent, single-turn, mix, single-heavy, shift, and chat with
 ShareGPT-like turn counts alone and mixed) and cache size (a
 fraction of the trace's unique tokens), each policy replays the same trace through SGLang's real
-``RadixCache`` (``simulator.py``). Prints a table of token hit rates (and the gain of ``sae``
+``RadixCache`` (``sglang_pic.eviction.replay.simulator``). Prints a table of token hit rates (and the gain of ``sae``
 over the best other policy), writes ``benchmark/results/eviction_sim.json`` and
 ``docs/figures/eviction_hit_rate.png``; ``--quick`` (a smoke run) writes its JSON to
 ``$TMPDIR/sglang-pic-bench/`` (``harness.smoke_dir()``) and draws no figure, leaving the tracked
@@ -239,9 +239,15 @@ def main() -> None:
 
     import sglang
     from harness import smoke_dir
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import (
+        generate,
+        load_bailian,
+        load_mooncake,
+        session_params,
+        unique_tokens,
+    )
     from sglang_pic.plugin import register_feature
-    from simulator import replay
-    from traces import generate, load_bailian, load_mooncake, session_params, unique_tokens
 
     register_feature("eviction")  # our policies and hooks, as the plugin does in a server
     from sglang.srt.plugins.hook_registry import HookRegistry

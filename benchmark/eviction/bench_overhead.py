@@ -26,7 +26,7 @@ def build(policy: str, leaves: int):
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_pic.eviction.context import RequestContext, using
-    from simulator import make_cache
+    from sglang_pic.eviction.replay.simulator import make_cache
 
     cache, _ = make_cache(policy)
     strategy = cache.eviction_strategy

@@ -63,7 +63,7 @@ def _register() -> None:
 
 
 def _run(job: tuple[str, str, int, float | None, int]) -> dict:
-    from simulator import replay
+    from sglang_pic.eviction.replay.simulator import replay
 
     policy, size, cap, split_t, n = job
     res = replay(_trace[:n], policy, cap, split_t=split_t).summary()
@@ -121,7 +121,7 @@ def main() -> None:
     args.fractions = [float(x) for x in args.fractions.split(",") if x]
     args.tokens = [int(float(x)) for x in args.tokens.split(",") if x]
 
-    from traces import load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     global _trace
     _register()

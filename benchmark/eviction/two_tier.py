@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
-from simulator import (  # noqa: E402
+from sglang_pic.eviction.replay.simulator import (  # noqa: E402
     CountingAllocator,
     _Clock,
     _node_hash,
@@ -257,7 +257,7 @@ def _run(job: tuple[tuple[str, int], str, int, int, float | None]) -> dict:
 def main() -> None:
     from bench_eviction import REFERENCE, check_policies
     from replay_trace import POLICIES, TRACE, _register, environment
-    from traces import generate, load_mooncake, unique_tokens
+    from sglang_pic.eviction.replay.traces import generate, load_mooncake, unique_tokens
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACE))

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from traces import Request
+
+from .traces import Request
 
 # Prefill time model t(n) = A*n + B*n^2 ms for n new tokens after `h` cached ones:
 # t = A*(L-h) + B*(L^2-h^2), least-squares fit to vanilla SGLang 0.5.17 on the H200
@@ -379,6 +380,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.radix_cache import RadixKey
+
     from sglang_pic.eviction.context import using
 
     trace, refused, refused_tokens = servable(trace, capacity)
