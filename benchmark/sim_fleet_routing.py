@@ -21,8 +21,9 @@ The model:
   sorted, as ``bench_fleet_rag.py`` sends them);
 * ``span``: ``--policy manual`` with the span routing key (``sglang_pic.fleet.routing``, the
   real function, over the real prompts); a new key goes to a random worker (``random``, the
-  router's default ``--assignment-mode``) or to the worker with the fewest keys
-  (``min_group``);
+  router's default ``--assignment-mode``) or to the worker with the fewest keys assigned
+  (``min_group`` as if it counted assigned keys: the router counts keys in flight, which a
+  sequential replay never has, so this is its behaviour under steady concurrent load);
 * ``span_partition``: the same with the key naming the group (one per instance) holding most of
   the request's document tokens, keys assigned ``min_group``: the documents are partitioned
   over the instances;

@@ -51,8 +51,8 @@ def router_argv(host: str, port: int, policy: str, worker_urls: list[str], metri
     if not any(a.split("=", 1)[0] == "--prometheus-port" for a in extra):
         argv += ["--prometheus-port", str(metrics_port)]
     if policy == "manual" and not any(a.split("=", 1)[0] == "--assignment-mode" for a in extra):
-        # a new routing key goes to the instance holding the fewest keys (the router's default
-        # is a random one): with span group keys (fleet.routing) each instance owns one group
+        # a new routing key goes to the instance with the fewest keys in flight (the router's
+        # default is a random one): span group keys (fleet.routing) spread under load
         argv += ["--assignment-mode", "min_group"]
     return [*argv, *extra]
 

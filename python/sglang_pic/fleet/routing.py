@@ -68,8 +68,9 @@ def span_routing_key(prompt: str | Sequence[int], markers: tuple[str, str] | Non
     With ``buckets`` (the fleet's instance count): every span belongs to one of ``buckets``
     groups by its digest, and the key names the group holding most of the request's span
     bytes (``span-group-B``); with the router assigning each new key to the instance with the
-    fewest keys (``--assignment-mode min_group``), each instance owns one group, so the spans
-    are partitioned over the fleet and a request goes where most of its spans live."""
+    fewest keys in flight (``--assignment-mode min_group``), the groups spread over the
+    instances under concurrent load, so the spans are partitioned over the fleet and a request
+    goes where most of its spans live (sequential requests tie, and the router picks)."""
     spans = independent_spans(prompt, markers)
     return key_of_spans([(_digest(s), len(s)) for s in spans], buckets)
 
