@@ -653,7 +653,8 @@ CLAIMS: list[Claim] = [
           target=0.0, target_kind="points", extract=_routing_sim("span_partition", "local_share"),
           path="model (sim_fleet_routing.py), not a server",
           note="share of document and system-prompt tokens found in the instance's own cache; "
-          "the case where span group keys gain least over the router's default"),
+          "the case where span group keys gain least over the router's default; the model "
+          "gives each group its own instance (the router does under concurrent load only)"),
     Claim("fleet.routing_sim.span_group_busiest", ROUTING_SIM, "busiest_over_mean",
           baseline_variant="round_robin", ours_variant="span_partition",
           extract=_routing_sim("span_partition", "busiest_over_mean", "max", "round_robin"),
