@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmark" / "sparse"))
+import bench_e2e_decode
 
-import bench_e2e_decode  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:

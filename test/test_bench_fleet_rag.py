@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import bench_fleet_rag
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
-import bench_fleet_rag  # noqa: E402
 
 # lines of sglang-router 0.3.2's /metrics, as a fleet of two served them
 METRICS = """\

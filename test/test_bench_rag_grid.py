@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_rag_grid
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
-import bench_rag_grid  # noqa: E402
 
 
 def _cell(rate: float, ttft: float) -> dict:

@@ -9,11 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmark" / "eviction"))
-
-from sglang_pic.eviction.estimators import (  # noqa: E402
+from sglang_pic.eviction.estimators import (
     ClassRate,
     ContinuationModel,
     LogNormalGaps,
@@ -21,6 +17,8 @@ from sglang_pic.eviction.estimators import (  # noqa: E402
     SessionIndex,
     softmax_weights,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,6 @@ stand-in with what the caches read, and the radix cache's clock replaced by a vi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmark" / "eviction"))
 
 
 @pytest.fixture(scope="module", autouse=True)

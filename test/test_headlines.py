@@ -34,7 +34,6 @@ def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_li
         tmp_path, monkeypatch):
     """``sparse.quality.*``: sparse within 1 point of dense (a score of 0-100 from per-case
     0/100 samples, their mean), not a ratio; without its raw file the row says so."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
@@ -61,7 +60,6 @@ def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_li
 
 def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of_runs(
         tmp_path, monkeypatch):
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
@@ -84,7 +82,6 @@ def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of
 def test_a_void_row_quotes_no_number_even_with_its_raw_file_present(tmp_path, monkeypatch):
     """Rows measured with a defect (``Claim.void``) keep their raw file as a record but give no
     baseline, ours or ratio, and say why; README must not cite them as numbers."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import dataclasses
 
     import headlines
@@ -105,7 +102,6 @@ def test_a_void_row_quotes_no_number_even_with_its_raw_file_present(tmp_path, mo
 def test_a_rerun_file_holding_both_sides_of_a_row_is_preferred(tmp_path, monkeypatch):
     """``bench_nonspan_overhead.py --name nonspan_overhead_rerun_h200`` re-measures a subset:
     a row takes the rerun when it holds both variants' samples, else the full run."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
@@ -131,7 +127,6 @@ def test_each_end_to_end_eviction_row_takes_the_vanilla_policy_better_by_its_own
         tmp_path, monkeypatch):
     """A vanilla policy with the best hit rate but a slow run (a fresh machine's compiles in
     its replay) is the hit-rate row's baseline, not the TTFT row's."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
@@ -155,7 +150,6 @@ def test_each_end_to_end_eviction_row_takes_the_vanilla_policy_better_by_its_own
 def test_the_mean_ttft_row_is_each_runs_mean_over_its_requests(tmp_path, monkeypatch):
     """``eviction.e2e_ttft_mean``: a run's mean TTFT comes from its requests' TTFTs
     (``request_ttft_ms_all``), then the row takes the mean over runs of the better vanilla."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
@@ -178,7 +172,6 @@ def test_the_readme_results_table_is_rendered_from_headlines_json():
     """README.md's results table is ``headlines.readme_table`` of headlines.json's rows, between
     its ``results:start`` / ``results:end`` lines (``benchmark/headlines.py`` writes it), and
     every row it shows is a current headline row."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     rows = json.loads(HEADLINES.read_text())["rows"]
@@ -192,7 +185,6 @@ def test_the_readme_results_table_is_rendered_from_headlines_json():
 
 
 def test_the_readme_table_refuses_a_row_that_is_not_current():
-    sys.path.insert(0, str(REPO / "benchmark"))
     import headlines
 
     rows = json.loads(HEADLINES.read_text())["rows"]

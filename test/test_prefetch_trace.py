@@ -4,12 +4,8 @@
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 from sglang_pic.store import prefetch_trace
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmark"
 
 
 class _Cache:
@@ -37,9 +33,6 @@ def test_one_line_when_the_scheduler_takes_a_prefetch(capsys):
     assert check(orig, cache, "a") is True  # nothing in flight any more: no second line
     assert check(orig, cache, "never") is True  # no prefetch at all: no line
     err = capsys.readouterr().err
-    for p in (str(BENCH), str(BENCH / "store")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     bench = importlib.import_module("bench_store_ttft")
     assert [tokens for _, tokens in bench.TRACE_DONE.findall(err)] == ["8192"]
     assert err.count("[ptstore-trace]") == 1
@@ -67,9 +60,6 @@ def test_prefill_batches_traced_and_a_cold_miss_split(capsys):
     assert after(none, object()) is none and after(empty, object()) is empty  # no line
     after(_Plan(_Batch(64, 1)), object())
     err = capsys.readouterr().err
-    for p in (str(BENCH), str(BENCH / "store")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     bench = importlib.import_module("bench_store_ttft")
     got = [(int(k), int(n)) for _, k, n in bench.TRACE_PREFILL.findall(err)]
     assert got == [(8192, 1), (64, 1)]

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
-import sim_fleet_routing as sim  # noqa: E402
-from bench_rag_grid import PARAMS  # noqa: E402
+import sim_fleet_routing as sim
+from bench_rag_grid import PARAMS
 
 SMALL = {**PARAMS, "requests": 120}
 

@@ -8,15 +8,12 @@ case counts as solved exactly when its answer's digits are in the generated text
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+import sparse_needle
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmark" / "quality"))
-
-import sparse_needle  # noqa: E402
 
 
 def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):

@@ -692,12 +692,6 @@ def test_a_stream_that_fails_oddly_is_a_miss_after_every_stream_has_ended(server
 # ---- the TTFT benchmark's bookkeeping (benchmark/store/bench_store_ttft.py) ----------------
 def _bench():
     import importlib
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent / "benchmark"
-    for p in (str(root), str(root / "store")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     return importlib.import_module("bench_store_ttft")
 
 

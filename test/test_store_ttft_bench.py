@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmark"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    for p in (str(BENCH), str(BENCH / "store")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     return importlib.import_module("bench_store_ttft")
 
 
@@ -131,9 +124,6 @@ def test_the_writers_trace_counts_failed_and_slow_stores(bench):
 def test_lookup_bench_pools_samples_and_takes_each_samples_p99():
     """``bench_lookup_beside_writes.summarize``: percentiles over the pooled lookups, one p99
     per sample (what the headline row takes the median of), the median put rate."""
-    for p in (str(BENCH), str(BENCH / "store")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     mod = importlib.import_module("bench_lookup_beside_writes")
     a = {"lookup_ms": [1.0] * 99 + [100.0], "put_gbps": 0.5}
     b = {"lookup_ms": [2.0] * 100, "put_gbps": 0.7}

@@ -11,7 +11,6 @@ GGUF, see benchmark/quality/real_weights.py); skipped on CPU machines.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +92,6 @@ def servers(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(model_dir):
-    sys.path.insert(0, str(REPO / "benchmark"))
     from quality.real_weights import build_prompts
     from transformers import AutoTokenizer
 
@@ -179,8 +177,6 @@ def _bf16_noise(exact: list, bf16: list) -> float:
 def references(prompts, model_dir) -> _Reference:
     """The reference in float32, and in bf16 for its noise (a few seconds each on the GPU)."""
     import torch
-
-    sys.path.insert(0, str(REPO / "benchmark"))
     from quality.real_weights import reference_spans
     from transformers import AutoTokenizer
 
