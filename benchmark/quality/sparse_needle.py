@@ -304,7 +304,7 @@ def main() -> None:
         help="run sglang-pic-dense (not a headline) only if the others finished within this",
     )
     add_sparse_knobs(ap)
-    ap.add_argument("--recall-prompts", type=int, default=4, help="per length")
+    ap.add_argument("--recall-prompts", type=int, default=4, help="per length (0: no recall)")
     ap.add_argument("--cpu", action="store_true", help="SGLang's CPU engine (torch_native)")
     ap.add_argument(
         "--smoke",
@@ -424,8 +424,10 @@ def main() -> None:
         res[variant].pop("texts")
     device = "cpu" if args.cpu else "cuda"
     t = time.perf_counter()
-    report["recall"] = recall_report(model_dir, cases, args.recall_prompts, knobs, device)
-    report["recall"]["seconds"] = time.perf_counter() - t
+    report["recall"] = (recall_report(model_dir, cases, args.recall_prompts, knobs, device)
+                        if args.recall_prompts > 0 else None)  # --recall-prompts 0: none
+    if report["recall"] is not None:
+        report["recall"]["seconds"] = time.perf_counter() - t
     report["environment"] = environment()
     report["wall_s"] = time.perf_counter() - t_start
     folder = Path(args.out) if args.out else RESULTS
@@ -442,7 +444,8 @@ def main() -> None:
         print(
             f"{length:>7}{n:>7}{span:>12}"
             + "".join(f"{summary[length][v]:>20.1f}" for v in variants)
-            + f"{report['recall']['per_length'][length]:>12.3f}"
+            + (f"{report['recall']['per_length'][length]:>12.3f}" if report["recall"]
+               else f"{'-':>12}")
         )
     for variant in (v for v in variants if v.startswith("sglang-pic-sparse")):
         print(f"{variant} counters: {res[variant].get('sparse_counters')}")
