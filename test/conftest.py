@@ -172,7 +172,7 @@ def _session_servers_used(item) -> list[str]:
     return used
 
 
-SERVER_SOURCE = re.compile(r"\bstart_servers?\b|\b_fleet_cmd\(|\bEngine\(|\bServerArgs\(|"
+SERVER_SOURCE = re.compile(r"\bstart_servers?\b|\bLazyServers\b|\b_fleet_cmd\(|\bEngine\(|\bServerArgs\(|"
                            r"sglang\.launch_server")
 """What marks a module's source as the server tier (besides a session server fixture)."""
 _server_modules: set[Path] = set()

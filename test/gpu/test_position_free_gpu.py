@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import start_server, stop_server
+from gpu_servers import LazyServers
 
 pytestmark = pytest.mark.gpu
 
@@ -43,47 +43,11 @@ SERVERS = {
 BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer", "spans_shared": "pic_flashinfer",
             "span_graphs": "pic_flashinfer", "spans_triton": "pic_triton"}
 
-START_TIMEOUT_S = 540
-"""FlashInfer builds its kernels for SmolLM2's shapes (head_dim 64, 9 query / 3 KV heads) with
-nvcc on first use: the devkit's prebuilt JIT cache holds the 8B shapes only. On the H200 the
-vanilla server's decode-graph capture took 102 s and its first request over 45 s with five
-servers compiling at once, past the CPU suite's 240 s start limit."""
-
-
-class _Servers:
-    """The servers of ``SERVERS``, each started on first use: a ``-k`` selection starts only
-    those its tests read (each server spends a minute or more starting and compiling)."""
-
-    def __init__(self, model_dir: Path, logs: Path) -> None:
-        self._model_dir, self._logs, self._up = model_dir, logs, {}
-
-    def __getattr__(self, name: str):
-        if name.startswith("_") or name not in SERVERS:
-            raise AttributeError(name)
-        if name not in self._up:
-            # One at a time, each after the previous one answers /health: SGLang sizes a
-            # server's KV pool as the GPU's free memory after its weights load minus
-            # (1 - mem_fraction_static) of the free memory before they loaded, so a neighbour
-            # allocating its pool in between leaves it none ("Loaded weights leave no GPU
-            # memory for the KV cache"; on the H200 with three of the five started at once, and
-            # on a warm machine with two, vanilla and spans_triton, 2026-12-04).
-            args = ["--model-path", str(self._model_dir), *COMMON, *SERVERS[name]]
-            srv = start_server(args, self._logs / f"{name}.log", timeout_s=START_TIMEOUT_S)
-            self._up[name] = srv
-            # every test reading a server runs on the backend it is named for: checked once,
-            # when it starts, so a ``-k`` selection checks the servers it starts and no others
-            info = srv.get("/get_server_info").json()
-            assert info["attention_backend"] == BACKENDS[name], (name, info["attention_backend"])
-        return self._up[name]
-
-    def stop(self) -> None:
-        for srv in self._up.values():
-            stop_server(srv)
-
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
-    up = _Servers(model_dir, tmp_path_factory.mktemp("position_free_gpu"))
+    up = LazyServers(model_dir, tmp_path_factory.mktemp("position_free_gpu"), COMMON, SERVERS,
+                     BACKENDS)
     try:
         yield up
     finally:

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from conftest import start_server, stop_server
+from gpu_servers import LazyServers
 
 pytestmark = pytest.mark.gpu
 
@@ -54,8 +53,6 @@ SERVERS = {
 }
 BACKENDS = {"dense": "flashinfer", "sparse": "pariskv_flashinfer",
             "offload": "pariskv_flashinfer"}
-START_TIMEOUT_S = 540  # FlashInfer compiles SmolLM2's shapes on a fresh machine (see the
-# position-free GPU test)
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back. "
 KEYS = [random.Random(i).randint(10000, 99999) for i in range(4)]
@@ -73,34 +70,10 @@ def needle(n_fill: int, pos: int, key: int) -> str:
 LONG = [needle(290, pos, key) for pos, key in zip((72, 145, 218, 280), KEYS, strict=True)]
 
 
-class _Servers:
-    """The servers of ``SERVERS``, each started on first use and one at a time (SGLang sizes a
-    server's pool from the free memory around its weight load: a neighbour allocating in
-    between leaves it none)."""
-
-    def __init__(self, model_dir: Path, logs: Path) -> None:
-        self._model_dir, self._logs, self._up = model_dir, logs, {}
-
-    def __getattr__(self, name: str):
-        if name.startswith("_") or name not in SERVERS:
-            raise AttributeError(name)
-        if name not in self._up:
-            args = ["--model-path", str(self._model_dir), *COMMON, *SERVERS[name]]
-            srv = start_server(args, self._logs / f"{name}.log", timeout_s=START_TIMEOUT_S)
-            self._up[name] = srv
-            info = srv.get("/get_server_info").json()
-            assert info["attention_backend"] == BACKENDS[name], (name, info["attention_backend"])
-            assert not info["disable_cuda_graph"], name  # the decode graphs are under test
-        return self._up[name]
-
-    def stop(self) -> None:
-        for srv in self._up.values():
-            stop_server(srv)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
-    up = _Servers(model_dir, tmp_path_factory.mktemp("sparse_gpu"))
+    up = LazyServers(model_dir, tmp_path_factory.mktemp("sparse_gpu"), COMMON, SERVERS, BACKENDS,
+                     cuda_graphs=True)  # the decode graphs are under test
     try:
         yield up
     finally:
