@@ -43,6 +43,6 @@ def test_cache_aware_follows_the_longest_prefix_above_the_threshold():
     fleet = [sim.Instance(100), sim.Instance(100)]
     units = [(("system", 0), 50), (("doc", 1), 50), (("doc", 2), 10)]
     fleet[1].remember(units)
-    assert sim.route("cache_aware", fleet, units, [], [], {}, None) == 1
+    assert sim.route("cache_aware", fleet, units, list, [], {}, None) == 1
     other = [(("system", 1), 50), (("doc", 3), 50)]
-    assert sim.route("cache_aware", fleet, other, [], [], {}, None) == 0  # smallest tree
+    assert sim.route("cache_aware", fleet, other, list, [], {}, None) == 0  # smallest tree

@@ -27,8 +27,9 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """The header the router's ``manual`` policy routes on."""
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+def span_digest(content: bytes) -> str:
+    """A span's digest as the routing key uses it (``independent_spans`` gives the bytes)."""
+    return hashlib.blake2b(content, digest_size=8).hexdigest()
 
 
 def independent_spans(prompt: str | Sequence[int],
@@ -72,7 +73,7 @@ def span_routing_key(prompt: str | Sequence[int], markers: tuple[str, str] | Non
     instances under concurrent load, so the spans are partitioned over the fleet and a request
     goes where most of its spans live (sequential requests tie, and the router picks)."""
     spans = independent_spans(prompt, markers)
-    return key_of_spans([(_digest(s), len(s)) for s in spans], buckets)
+    return key_of_spans([(span_digest(s), len(s)) for s in spans], buckets)
 
 
 def key_of_spans(spans: Sequence[tuple[str, int]], buckets: int | None = None) -> str | None:
@@ -88,8 +89,3 @@ def key_of_spans(spans: Sequence[tuple[str, int]], buckets: int | None = None) -
     for digest, size in spans:
         weight[int(digest, 16) % buckets] += size
     return f"span-group-{max(range(buckets), key=weight.__getitem__)}"
-
-
-def span_digest(content: bytes) -> str:
-    """A span's digest as the routing key uses it (``independent_spans`` gives the bytes)."""
-    return _digest(content)
