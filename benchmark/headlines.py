@@ -247,22 +247,6 @@ FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a s
 ROUTING_SIM = "fleet_routing_sim.json"
 
 
-def _fleet_worst(metric: str, ours: str = "sglang-pic"):
-    """``bench_fleet_rag.py``: the cell where ``ours`` is furthest behind vanilla (both behind
-    the router) on ``metric`` (higher is better), per-burst samples of both sides."""
-    def extract(report: dict) -> tuple:
-        res = report["results"]
-        worst = None
-        for cell, c in res[ours]["cells"].items():
-            base, mine = res["vanilla"]["cells"][cell][metric], c[metric]
-            ratio = statistics.median(mine) / statistics.median(base)
-            if worst is None or ratio < worst[0]:
-                worst = (ratio, cell, base, mine)
-        _, cell, base, mine = worst
-        return base, mine, f"worst cell: {cell}", "vanilla"
-    return extract
-
-
 def _fleet_store_share(report: dict) -> tuple:
     """The share of each burst's prompt tokens the sglang-pic fleet loaded from the store (a
     document computed through the other instance, or evicted here), over every cell."""
@@ -640,7 +624,7 @@ CLAIMS: list[Claim] = [
           note="design comparison in the variable-length corner: segmented attention over "
           "shared pages against --span-copy-on-reuse on; H100"),
     Claim("fleet.rag_throughput_2x1gpu", FLEET, "requests_per_s", higher_is_better=True,
-          target=2.5, extract=_fleet_worst("requests_per_s"),
+          target=2.5, extract=_grid_worst("requests_per_s", True),
           path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
           "cache-aware routing, FlashInfer; ours: spans and two PTStore servers",
           note="bench_fleet_rag.py, cells aligned and varlen_k6_p256_z07_t4"),
