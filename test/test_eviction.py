@@ -410,6 +410,75 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     assert alone["lru"] > 1.5 * alone["gdsf"]
 
 
+def test_each_shadow_cache_hits_what_its_expert_hits_alone():
+    """``auto``'s shadows against replays of each expert alone (SGLang's ``RadixCache``
+    evicting with it) on generated traffic under pressure: a shadow caches as the real cache
+    does (the prefix it holds locked, room made before the insert), so its hits are its
+    expert's own; ``sae`` samples leaves at random, so its shadow is within 1 %."""
+    from sglang.srt.mem_cache import radix_cache
+    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.replay import simulator
+    from sglang_pic.eviction.replay.simulator import policy_spec, replay, replay_context
+    from sglang_pic.eviction.replay.traces import generate
+
+    trace = generate("mix", scale=12, seed=3)
+    capacity = 4000
+    auto = AutoStrategy()
+    clock = simulator._Clock()
+    auto.now_fn = clock.monotonic  # the trace's clock, for the policies and SGLang's tree
+    with simulator._patched(radix_cache, "time", simulator._TimeProxy(clock)):
+        for req in trace:
+            if len(req.prompt) + len(req.output) > capacity:
+                continue  # the replay refuses it, as a server would
+            clock.now = req.t
+            ctx = replay_context(req)
+            auto.on_lookup(req.prompt, ctx, 1)
+            auto.on_store(req.prompt + req.output, ctx, 1, capacity)
+    shadow = dict(zip(auto.names, auto.shadow_totals, strict=True))
+    alone = {}
+    for name in auto.names:
+        spec = "tlru" if name == "tlru" else name  # the replay's tlru has auto's settings
+        assert policy_spec(spec)[1] == auto.settings.get(name, {})
+        alone[name] = replay(trace, spec, capacity=capacity).hit_tokens
+    assert len(set(alone.values())) >= 4, alone  # the experts differ on this traffic
+    for name in ("lru", "gdsf", "s3fifo", "tlru"):
+        assert shadow[name] == alone[name], (name, shadow, alone)
+    assert abs(shadow["sae"] - alone["sae"]) <= 0.01 * alone["sae"], (shadow, alone)
+
+
+@pytest.mark.parametrize("workload", ["chat", "single_heavy"])
+def test_drop_marks_on_the_real_tree_say_which_blocks_each_shadow_lacks(workload):
+    """``auto``'s mirror reads drop marks on the real tree: checked every third request of a
+    replay under pressure, a node carries a shadow's bit exactly when that shadow does not hold
+    the node's tokens to its end (SGLang's match on the shadow as the reference)."""
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
+    from sglang_pic.eviction.shadow import DROPS, path_tokens
+
+    seen = {"checks": 0, "marked": 0, "wrong": []}
+
+    def check(i: int, cache) -> None:
+        if i % 3:
+            return
+        shadows = cache.eviction_strategy.shadows
+        stack = list(cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            path = path_tokens(node)
+            for bit, shadow in enumerate(shadows):
+                marked = bool(getattr(node, DROPS, 0) >> bit & 1)
+                held = shadow.lookup(path) == len(path)
+                seen["checks"] += 1
+                seen["marked"] += marked
+                if marked == held:
+                    seen["wrong"].append((i, bit, marked))
+
+    replay(generate(workload, scale=20, seed=3), "auto", capacity=3000, observe=check)
+    assert seen["checks"] > 300 and seen["marked"] > 20, seen
+    assert not seen["wrong"], seen["wrong"][:10]
+
+
 @pytest.mark.parametrize("policy", ["lru", "sae", "s3fifo", "gdsf", "auto"])
 def test_replay_under_pressure_stays_within_capacity(policy):
     from sglang_pic.eviction.replay.simulator import replay

@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; tlru:<xi>:<q_hat> is T-LRU at those settings "
-                         "(tokens; tlru alone: the replay's, simulator.TLRU_REPLAY)")
+                         "(tokens; tlru alone: the replay's, baselines.TLRU_TUNED)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                     help="cache sizes as fractions of the trace's unique tokens")
     ap.add_argument("--tokens", default=",".join(map(str, DEPLOYMENT_TOKENS)),
@@ -121,6 +121,7 @@ def main() -> None:
     args.fractions = [float(x) for x in args.fractions.split(",") if x]
     args.tokens = [int(float(x)) for x in args.tokens.split(",") if x]
 
+    from sglang_pic.eviction.baselines import TLRU_TUNED
     from sglang_pic.eviction.replay.traces import load_mooncake, unique_tokens
 
     global _trace
@@ -172,7 +173,7 @@ def main() -> None:
                    "split_t": split_t, "requests_before_split": n_first,
                    "sizes": dict(sizes), "policies": policies, "workers": args.workers,
                    "simulator": "SGLang 0.5.17 RadixCache, page_size 1, one tier, trace clock",
-                   "tlru_replay": __import__("simulator").TLRU_REPLAY,
+                   "tlru_replay": TLRU_TUNED,
                    "load_s": load_s, "replay_wall_s": total_s},
         "rows": sorted(rows, key=lambda r: (r["capacity"], r["policy"])),
     }

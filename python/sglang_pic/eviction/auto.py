@@ -9,19 +9,29 @@ which to pick. ``auto`` measures it online.
   sees every event of the real cache (hits, inserts, splits, evictions), so each keeps its own
   state whoever evicts, and any of them can order the next evict pass.
 * **Shadow caches** (``selection="shadow"``, the default; ``shadow.ShadowCache``): one
-  token-only radix tree per expert, fed every request's prompt (a lookup) and every insert, each
-  evicting with its expert alone down to the real cache's size. An expert's shadow hits are
-  what that expert would have hit on its own on this traffic, whatever the real cache did.
-* **Choice**: each expert's shadow hits, decayed with a half-life of ``HALF_LIFE`` requests; the
-  real cache evicts with the expert whose decayed hits are highest, and changes expert only
-  when another leads by ``SWITCH_MARGIN`` of the decayed prompt tokens (no flapping).
+  token-only radix tree per expert, fed every request's prompt (a lookup) and every insert,
+  each caching as the real cache does (the prefix it holds locked, room made with its expert
+  alone before the insert, down to the real cache's size). An expert's shadow hits are what
+  that expert would have hit on its own on this traffic, whatever the real cache did (within
+  1 % for ``sae``, whose leaf samples are random; exactly for the others).
+* **Choice**: the real cache evicts with one expert, the leader. Another takes over when its
+  lead in shadow hits over the leader, summed request by request with a half-life of
+  ``HALF_LIFE`` requests, passes a paired test: more than ``CONFIDENCE`` times the root of the
+  decayed sum of the squared per-request differences. Chance leads on a few requests do not
+  move the cache; ``confidence=None`` is the earlier rule (a fixed margin of the prompt tokens,
+  ``auto-margin`` in the replays).
+* **Mirror** (``mirror=True``): an evict pass takes first what the leader's shadow no longer
+  holds (drop marks on the real tree, ``shadow.mark_dropped``), then the rest in the leader's
+  order, so after a change of leader the real cache converges on the new leader's own cache
+  instead of keeping what the old one chose (``auto-nomirror`` in the replays).
 * ``selection="regret"``: the earlier design, LeCaR's (Vietri et al., HotStorage'18) weights
   from regrets on a ghost list of the real cache's evictions, one expert drawn per pass. Kept
   for the ablation (``auto-regret`` in the trace replay): mixing experts pass by pass lost to
   the best single baseline on a held-out trace.
 
 Cost per request: one match and one insert per shadow (Python radix-tree walks over the
-request's tokens), plus one call per expert per cache event.
+request's tokens), a path walk of the real tree per insert and per shadow eviction (the drop
+marks), plus one call per expert per cache event.
 """
 
 from __future__ import annotations
@@ -33,16 +43,23 @@ from collections import OrderedDict
 
 from sglang.srt.mem_cache.evict_policy import LRUStrategy
 
-from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
+from sglang_pic.launcher.server_flags import setting
+
+from .baselines import TLRU_TUNED, GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
 from .policy import CachePolicy, as_policy
-from .shadow import ShadowCache
+from .shadow import DROPS, ShadowCache, clear_path, mark_dropped
 
 EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
 HALF_LIFE = 1000
 """Requests after which an expert's shadow hits weigh half (``selection="shadow"``)."""
 SWITCH_MARGIN = 0.005
-"""Lead (a share of the decayed prompt tokens) another expert needs to take over."""
+"""Lead (a share of the decayed prompt tokens) another expert needs to take over (with
+``confidence=None``)."""
+CONFIDENCE = 2.0
+"""z of the paired test a change of leader must pass: another expert takes over when its
+decayed lead in shadow hits over the leader, request by request, exceeds ``CONFIDENCE`` times
+the root of the decayed sum of the squared per-request differences."""
 LEARNING_RATE = 0.45
 """LeCaR's learning rate."""
 WEIGHT_FLOOR = 0.02
@@ -54,12 +71,24 @@ GHOST_CAPACITY = 32768
 """Evicted block keys remembered (each with its expert and eviction serial)."""
 
 
+def expert_settings() -> dict[str, dict]:
+    """Attributes of the experts that have settings, for the expert and its shadow alike:
+    ``tlru`` takes ``--tlru-threshold`` / ``--tlru-next-prompt-estimate`` where they make it
+    more than LRU (``auto`` has ``lru`` already), else ``baselines.TLRU_TUNED``."""
+    threshold = setting("--tlru-threshold")
+    estimate = setting("--tlru-next-prompt-estimate")
+    if threshold > estimate:
+        return {"tlru": {"threshold": threshold, "next_prompt_estimate": estimate}}
+    return {"tlru": dict(TLRU_TUNED)}
+
+
 class AutoStrategy(CachePolicy):
     name = "auto"
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, learning_rate: float = LEARNING_RATE,
                  ghost_capacity: int = GHOST_CAPACITY, seed: int = 0,
-                 greedy: bool = False, selection: str = "shadow") -> None:
+                 greedy: bool = False, selection: str = "shadow", mirror: bool = True,
+                 confidence: float | None = CONFIDENCE) -> None:
         from .sae import SAEStrategy
 
         makers = {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
@@ -67,12 +96,22 @@ class AutoStrategy(CachePolicy):
         if selection not in ("shadow", "regret"):
             raise ValueError(f"auto: selection {selection!r} is not shadow or regret")
         self.selection = selection
+        self.mirror = mirror
         self.shadows: list | None = None  # ShadowCache per expert, made at the first request
         self.shadow_hits = [0.0] * len(experts)  # decayed (HALF_LIFE)
+        self.shadow_totals = [0] * len(experts)  # not decayed
         self.shadow_tokens = 0.0  # decayed prompt tokens looked up
+        n = len(experts)
+        # per pair (i, j), decayed sums of expert i's shadow hits minus j's per request, and of
+        # their squares: the paired test a change of leader must pass
+        self.lead_sum = [[0.0] * n for _ in range(n)]
+        self.lead_sq = [[0.0] * n for _ in range(n)]
+        self.confidence = confidence
         self.capacity = 0  # the real cache's size: the most tokens it has held
+        self._shadow_ctx: tuple = (None, None)  # (a request's context, the shadows' copy)
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
-        self.experts = {name: makers[name]() for name in experts}
+        self.settings = expert_settings()
+        self.experts = {name: makers[name](**self.settings.get(name, {})) for name in experts}
         self.names = list(experts)
         # the experts as policies, in ``names``' order: the events go to these (SGLang's
         # ``lru`` through its adapter); ``get_priority`` is the expert's own
@@ -123,7 +162,12 @@ class AutoStrategy(CachePolicy):
     # ---- the policy -----------------------------------------------------------------------
 
     def get_priority(self, node):
-        return self.experts[self.names[self.chosen]].get_priority(node)
+        priority = self.experts[self.names[self.chosen]].get_priority(node)
+        if self.selection != "shadow" or not self.mirror:
+            return priority
+        # what the leader's shadow no longer holds goes first: the real cache converges on
+        # the leader's own cache after a change of leader
+        return (-((getattr(node, DROPS, 0) >> self.chosen) & 1), priority)
 
     def begin_evict(self) -> None:
         if self.selection == "shadow":
@@ -156,18 +200,23 @@ class AutoStrategy(CachePolicy):
     # ---- shadow caches (selection="shadow") ------------------------------------------------
 
     def _shadow_context(self, ctx):
-        """A copy of ``ctx`` for the shadows' own hooks: the real cache's hooks mark a request
-        reported and ``sae`` writes what it inferred into it."""
+        """The shadows' copy of ``ctx``, one per request (its lookup and its stores share it):
+        the real cache's hooks mark a request reported and ``sae`` writes what it inferred into
+        the real context, which the shadows' own hooks must not read."""
         from dataclasses import replace
 
         if ctx is None:
             return None
-        return replace(ctx, announced=False, anchor=None, app_inferred=False,
-                       app_type=None if ctx.app_inferred else ctx.app_type)
+        if self._shadow_ctx[0] is not ctx:
+            copy = replace(ctx, announced=False, anchor=None, app_inferred=False,
+                           app_type=None if ctx.app_inferred else ctx.app_type)
+            self._shadow_ctx = (ctx, copy)
+        return self._shadow_ctx[1]
 
     def _ensure_shadows(self, page_size: int) -> list:
         if self.shadows is None:
-            self.shadows = [ShadowCache(name, page_size) for name in self.names]
+            self.shadows = [ShadowCache(name, page_size, self.settings.get(name, {}))
+                            for name in self.names]
             self.now_fn = self._now_fn  # the experts' clock, the shadows' too
         return self.shadows
 
@@ -181,24 +230,44 @@ class AutoStrategy(CachePolicy):
         d = self._decay
         self.shadow_tokens = self.shadow_tokens * d + len(tokens)
         with using(self._shadow_context(ctx)):
-            for i, shadow in enumerate(shadows):
-                self.shadow_hits[i] = self.shadow_hits[i] * d + shadow.lookup(tokens)
-        best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
-        lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
-        if lead > SWITCH_MARGIN * self.shadow_tokens:
+            hits = [shadow.lookup(tokens) for shadow in shadows]
+        for i, h in enumerate(hits):
+            self.shadow_hits[i] = self.shadow_hits[i] * d + h
+            self.shadow_totals[i] += h
+        if self.confidence is None:
+            best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
+            lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
+            if lead > SWITCH_MARGIN * self.shadow_tokens:
+                self.chosen = best
+            return
+        for i, hi in enumerate(hits):
+            for j, hj in enumerate(hits):
+                self.lead_sum[i][j] = self.lead_sum[i][j] * d + (hi - hj)
+                self.lead_sq[i][j] = self.lead_sq[i][j] * d + (hi - hj) ** 2
+        leader = self.chosen
+        best = max(range(len(shadows)), key=lambda i: self.lead_sum[i][leader])
+        lead = self.lead_sum[best][leader]
+        if lead > 0 and lead * lead > self.confidence ** 2 * self.lead_sq[best][leader]:
             self.chosen = best
 
-    def on_store(self, tokens, ctx, page_size: int, used: int) -> None:
-        """An insert into the real cache (``used``: its tokens after it): into every shadow,
-        each evicting down to the real cache's size."""
+    def on_store(self, tokens, ctx, page_size: int, used: int, root=None) -> None:
+        """An insert into the real cache (``used``: its tokens after it; ``root``: its root
+        node): into every shadow, each evicting down to the real cache's size. What a shadow
+        evicts is marked on the real tree (``shadow.mark_dropped``)."""
         if self.selection != "shadow" or not len(tokens):
             return
         from .context import using
 
         self.capacity = max(self.capacity, used)
+        shadows = self._ensure_shadows(page_size)
+        mirror = self.mirror and root is not None
+        if mirror:  # every shadow holds what is inserted now
+            clear_path(root, tokens, (1 << len(shadows)) - 1, page_size)
         with using(self._shadow_context(ctx)):
-            for shadow in self._ensure_shadows(page_size):
-                shadow.store(tokens, self.capacity)
+            for i, shadow in enumerate(shadows):
+                for node in shadow.store(tokens, self.capacity):
+                    if mirror:
+                        mark_dropped(root, node, 1 << i, page_size)
 
     # ---- events -----------------------------------------------------------------------------
 

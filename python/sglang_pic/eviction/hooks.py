@@ -231,7 +231,7 @@ def around_insert(original, self, params, *args, **kwargs):
                                self.page_size)
     result = original(self, params, *args, **kwargs)
     strategy.on_store(params.key.token_ids, ctx, self.page_size,
-                      self.evictable_size() + self.protected_size())
+                      self.evictable_size() + self.protected_size(), self.root_node)
     last = result.last_device_node
     if last is None:
         last = _end_of_path(self, params.key)

@@ -61,9 +61,10 @@ class CachePolicy(EvictionStrategy):
         """A request's prompt ``tokens`` as its own lookup: when the request is first cached
         (server), or after its match's ``on_hit`` calls (trace replay)."""
 
-    def on_store(self, tokens: Any, ctx: Any, page_size: int, used: int) -> None:
+    def on_store(self, tokens: Any, ctx: Any, page_size: int, used: int,
+                 root: Any = None) -> None:
         """After every insert into the cache: the inserted ``tokens``; ``used`` is the tokens
-        the cache holds after it (evictable plus protected)."""
+        the cache holds after it (evictable plus protected); ``root`` is the tree's root node."""
 
     # ---- blocks ---------------------------------------------------------------------------
 

@@ -18,11 +18,14 @@ import contextlib
 import sys
 import time
 from array import array
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..baselines import TLRU_TUNED
 from .traces import Request
 
 # Prefill time model t(n) = A*n + B*n^2 ms for n new tokens after `h` cached ones:
@@ -125,20 +128,16 @@ class ReplayResult:
         }
 
 
-TLRU_REPLAY = {"threshold": 1536, "next_prompt_estimate": 512}
-"""T-LRU's (xi, Q_hat) in tokens for the replay's ``tlru``: the best mean token hit rate over
-the 5-40 % cache sizes on the first 60 % of the Mooncake conversation trace
-(``replay_trace.py --tune-tlru``: xi - Q_hat of 256..8192 tokens; 1024 won, +0.16 pp over LRU
-on average), never tuned on the held-out 40 %. SGLang's defaults (0, 0) make T-LRU plain LRU."""
-
 ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-nopred": ("sae", {"use_predictor": False}),
              "sae-uncensored": ("sae", {"censored_gaps": False}),
              "sae-conv": ("sae", {"infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
              "sae-noapp": ("sae", {"infer_apps": False}),
-             "tlru": ("tlru", TLRU_REPLAY),
+             "tlru": ("tlru", TLRU_TUNED),
              "auto-regret": ("auto", {"selection": "regret"}),
+             "auto-nomirror": ("auto", {"mirror": False}),
+             "auto-margin": ("auto", {"confidence": None}),
              "auto-greedy": ("auto", {"selection": "regret", "greedy": True}),
              "auto-fast": ("auto", {"selection": "regret", "learning_rate": 2.0}),
              "auto-greedy-fast": ("auto", {"selection": "regret", "greedy": True,
@@ -353,7 +352,8 @@ def replay_context(req: Request):
 def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
            session_params: dict[str, tuple[float, float, float]] | None = None,
            split_t: float | None = None, fast: bool = True,
-           told_q: list[float] | None = None) -> ReplayResult:
+           told_q: list[float] | None = None,
+           observe: Callable[[int, Any], None] | None = None) -> ReplayResult:
     """Replay `trace` through a RadixCache of `capacity` tokens evicting with `policy`;
     ``session_params`` (``traces.session_params``) is what ``sae-params`` is handed.
 
@@ -372,7 +372,10 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     check makes the same evictions.
 
     Requests longer than ``capacity`` are left out, as a server refuses them (``servable``):
-    the result counts them apart (``refused``)."""
+    the result counts them apart (``refused``).
+
+    ``observe(i, cache)``, if given, is called after the ``i``-th replayed request with the
+    ``RadixCache`` (on the trace's clock), to check the cache's state as it goes."""
     from sglang.srt.mem_cache import radix_cache as rc
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
@@ -453,6 +456,8 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
                     strategy.session_p[sid] = continues[i]
                 result.max_used_tokens = max(result.max_used_tokens,
                                              cache.evictable_size() + cache.protected_size())
+            if observe is not None:
+                observe(i, cache)
             result.requests += 1
             result.prompt_tokens += len(req.prompt)
             result.hit_tokens += hit
