@@ -73,10 +73,10 @@ def test_many_pages_travel_over_k_streams_into_the_buffer_verified(servers):
     client = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp", data_streams=4)
     pages = _pages("p", 120)
     assert client.batch_set(pages) == 120 * PAGE
-    before = client.rpcs
+    before = client.channels.rpcs
     ok, got = _get_into(client, [t for t, _ in pages])
     assert all(ok) and got == [d for _, d in pages]
-    assert client.rpcs - before == 2  # one control message per owner, pages over the streams
+    assert client.channels.rpcs - before == 2  # one control message per owner, pages over the streams
     assert client.stats["tcp_pages"] == 120 and client.stats["tcp_misses"] == 0
     # each owner served its share over 4 connections, and sent exactly the pages' bytes (the
     # servers count a stream once its last send returned: maybe after the reader has it all)
@@ -394,9 +394,9 @@ def test_a_server_over_its_pending_bytes_sends_the_pages_over_the_socket():
 def test_puts_travel_over_the_streams_and_are_stored_verified(servers):
     client = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp", data_streams=4)
     pages = _pages("u", 120)  # 7.5 MiB: each owner's share is over TCP_PUT_MIN_BYTES
-    before = client.rpcs
+    before = client.channels.rpcs
     assert client.batch_set(pages) == 120 * PAGE and client.last_failed == []
-    assert client.rpcs - before == 2  # one control message per owner, no page inside one
+    assert client.channels.rpcs - before == 2  # one control message per owner, no page inside one
     assert client.stats["tcp_put_pages"] == 120
     # (a server counts an upload once its acknowledgement is sent: maybe after the writer read it)
     assert _eventually(lambda: [s.data.stats["uploads"] for s in servers] == [4, 4])

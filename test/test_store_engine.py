@@ -109,10 +109,10 @@ def test_batched_puts_and_gets_one_rpc_per_owner(cluster):
     owners = {s.endpoint: s.engine for s in cluster}
     assert sum(len(e.owned.entries) for e in owners.values()) == 60
     assert all(len(e.owned.entries) > 0 for e in owners.values())  # spread over all servers
-    before = client.rpcs
+    before = client.channels.rpcs
     got = client.batch_get([t for t, _ in pages])
     assert got == [d for _, d in pages]
-    assert client.rpcs - before == 3  # one message per owner
+    assert client.channels.rpcs - before == 3  # one message per owner
     assert client.batch_exists(["p0", "zz"]) == [True, False]
     assert client.batch_set(pages[:10]) == 0  # already stored: nothing added twice
     client.close()
@@ -125,9 +125,9 @@ def test_a_prefix_lookup_asks_the_first_page_alone_first(cluster):
     pages = _pages("lead", 30)
     client.batch_set(pages)
     tids = [t for t, _ in pages]
-    before = client.rpcs
+    before = client.channels.rpcs
     assert client.leading_found(["absent"] + tids) == 0
-    assert client.rpcs - before == 1  # a cold prompt's lookup: one small round trip
+    assert client.channels.rpcs - before == 1  # a cold prompt's lookup: one small round trip
     assert client.leading_found(tids) == 30
     assert client.leading_found(tids[:12] + ["gap"] + tids[12:]) == 12
     assert client.leading_found(tids[:1]) == 1 and client.leading_found([]) == 0
@@ -203,7 +203,7 @@ def test_store_cli_serves_reports_status_and_recovers(tmp_path):
     client = StoreClient([ep], token)
     pages = _pages("c", 4)
     assert client.batch_set(pages) == 4 * PAGE
-    client._call(ep, {"op": "put_object", "key": "doc", "tids": [t for t, _ in pages]})
+    client.channels.call(ep, {"op": "put_object", "key": "doc", "tids": [t for t, _ in pages]})
     st = subprocess.run([sys.executable, "-m", "sglang_pic", "store-status", ep],
                         capture_output=True, text=True, timeout=60, env=env)
     assert st.returncode == 0 and '"owned_tensors": 4' in st.stdout
@@ -213,7 +213,7 @@ def test_store_cli_serves_reports_status_and_recovers(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert "1 objects recovered" in proc.stdout.readline()
     client = StoreClient([ep], token)
-    reply = client._call(ep, {"op": "get_object", "key": "doc"})
+    reply = client.channels.call(ep, {"op": "get_object", "key": "doc"})
     assert reply[0]["tids"] == [t for t, _ in pages]
     assert client.batch_get(reply[0]["tids"]) == [d for _, d in pages]  # from the SSD tier
     proc.send_signal(signal.SIGTERM)
@@ -238,9 +238,9 @@ def test_hot_pages_are_replicated_onto_the_reading_node(cluster):
     assert reader.batch_get(tids) == [d for _, d in remote]
     assert len(local.engine.replica.entries) == len(remote)  # read twice: replicated
     owner_requests = sum(s.requests for s in others)
-    before = reader.rpcs
+    before = reader.channels.rpcs
     assert reader.batch_get(tids) == [d for _, d in remote]
-    assert reader.rpcs - before == 1  # one RPC, to the local server
+    assert reader.channels.rpcs - before == 1  # one RPC, to the local server
     assert sum(s.requests for s in others) == owner_requests
     assert reader.stats["replica_hits"] == len(remote)
     for s in others:  # the owners go down: the replicas still serve
@@ -342,12 +342,12 @@ def test_same_node_reads_go_through_shared_memory_in_rounds(cluster):
     pages = _pages("m", 40)
     writer.batch_set(pages)
     reader = StoreClient([s.endpoint for s in cluster], TOKEN, shm_bytes=7 * PAGE)
-    before = reader.rpcs
+    before = reader.channels.rpcs
     ok, got = _get_into(reader, [t for t, _ in pages] + ["absent"])
     assert ok == [True] * 40 + [False]
     assert got[:40] == [d for _, d in pages]
     assert reader.stats["shm_pages"] == 40
-    assert reader.rpcs - before >= 3 + 40 // 7  # 3 probes, then at least 6 rounds
+    assert reader.channels.rpcs - before >= 3 + 40 // 7  # 3 probes, then at least 6 rounds
     names = [seg.name for seg in reader._segments]
     reader.close()
     assert names and not any(Path("/dev/shm", n).exists() for n in names)  # unlinked on close
@@ -498,7 +498,7 @@ def test_same_node_servers_write_straight_into_a_shared_host_pool(cluster):
     assert reader._pool_ok == {s.endpoint: True for s in cluster}
     slots = [(7 * i + 3) % 40 for i in range(30)]  # scattered, as host-pool slots are
     dests = [memoryview(mm)[k * PAGE:(k + 1) * PAGE] for k in slots]
-    before = reader.rpcs
+    before = reader.channels.rpcs
     ok = reader.batch_get_into([t for t, _ in pages] + ["absent"],
                                dests + [memoryview(bytearray(PAGE))],
                                [base + k * PAGE for k in slots] + [0])
@@ -510,7 +510,7 @@ def test_same_node_servers_write_straight_into_a_shared_host_pool(cluster):
     assert sum(s.pool_pages for s in cluster) == 30
     assert sum(s.status()["pool_pages"] for s in cluster) == 30
     # one get per owner; the page outside the pool probes the staging path (3) and asks its owner
-    assert reader.rpcs - before <= 3 + 3 + 1
+    assert reader.channels.rpcs - before <= 3 + 3 + 1
     del dests
     reader.close()
     writer.close()
@@ -809,20 +809,20 @@ def test_the_client_encrypts_on_its_own_io_threads_and_works_after_close(tmp_pat
     own (not the process-wide one, where one thread encrypted every server's puts); close ends
     it, and the client makes a new one if used again."""
     import zmq
-    from sglang_pic.store.client import ZMQ_IO_THREADS_MAX
+    from sglang_pic.store.channels import ZMQ_IO_THREADS_MAX
 
     servers = [StoreServer(StoreEngine(64 * PAGE), f"ipc://{tmp_path}/t{i}.sock", TOKEN).start()
                for i in range(2)]
     client = StoreClient([s.endpoint for s in servers], TOKEN)
     try:
         assert client.batch_set([("a", b"x" * PAGE), ("b", b"y" * PAGE)]) == 2 * PAGE
-        assert client.ctx is not zmq.Context.instance()
-        assert client.ctx.get(zmq.IO_THREADS) == min(2, ZMQ_IO_THREADS_MAX)
-        first = client.ctx
+        assert client.channels.ctx is not zmq.Context.instance()
+        assert client.channels.ctx.get(zmq.IO_THREADS) == min(2, ZMQ_IO_THREADS_MAX)
+        first = client.channels.ctx
         client.close()
         assert first.closed
         assert client.batch_exists(["a", "b", "c"]) == [True, True, False]
-        assert client.ctx is not first
+        assert client.channels.ctx is not first
     finally:
         client.close()
         for s in servers:

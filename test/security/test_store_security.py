@@ -477,9 +477,9 @@ def test_a_tenant_can_neither_read_nor_overwrite_another_tenants_pages(two_tenan
     assert bob.batch_set([("x", b"B" * PAGE)]) == PAGE  # its own page, not a duplicate of A's
     assert alice.batch_get(["x"]) == [b"A" * PAGE]
     assert bob.batch_get(["x"]) == [b"B" * PAGE]
-    alice._call(srv.endpoint, {"op": "put_object", "key": "doc", "tids": ["x"]})
-    assert bob._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] is None
-    assert alice._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] == ["x"]
+    alice.channels.call(srv.endpoint, {"op": "put_object", "key": "doc", "tids": ["x"]})
+    assert bob.channels.call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] is None
+    assert alice.channels.call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]["tids"] == ["x"]
 
 
 def test_tenants_stay_apart_on_ssd_and_across_a_restart(two_tenants, tmp_path):
@@ -522,7 +522,7 @@ def test_a_tenant_cannot_have_a_server_write_into_another_tenants_host_pool(two_
                                                       "until": time.monotonic() + 5}}
         for forged in ({**spec, "proof": "0" * 32}, {k: v for k, v in spec.items()
                                                      if k != "proof"}):
-            reply = bob._call(srv.endpoint, {**get, "shm": {**get["shm"], "pool": forged}})[0]
+            reply = bob.channels.call(srv.endpoint, {**get, "shm": {**get["shm"], "pool": forged}})[0]
             assert not reply["ok"] and "pool" in reply["error"]
         assert mm[:PAGE] == bytes(PAGE)  # nothing written
         alice.batch_set([("mine", b"M" * PAGE)])
@@ -673,11 +673,11 @@ def test_an_object_too_large_for_the_journal_is_refused_over_the_wire(tmp_path):
     client = StoreClient([srv.endpoint], TOKEN)
     try:
         huge = {"op": "put_object", "key": "doc", "tids": [f"{k:064x}" for k in range(5000)]}
-        reply = client._call(srv.endpoint, huge)[0]  # ~340 KB of record: over 256 KiB
+        reply = client.channels.call(srv.endpoint, huge)[0]  # ~340 KB of record: over 256 KiB
         assert not reply["ok"] and "journal" in reply["error"]
         small = {"op": "put_object", "key": "doc", "tids": ["a", "b"]}
-        assert client._call(srv.endpoint, small)[0]["ok"]
-        got = client._call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]
+        assert client.channels.call(srv.endpoint, small)[0]["ok"]
+        got = client.channels.call(srv.endpoint, {"op": "get_object", "key": "doc"})[0]
         assert got["tids"] == ["a", "b"] and srv.rejected == 1
     finally:
         client.close()
@@ -724,7 +724,7 @@ def test_stalled_data_plane_uploads_are_bounded_by_the_memory_budget(tmp_path):
     client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp")
 
     def ask(i: int) -> dict | None:
-        reply = client._call(srv.endpoint, {
+        reply = client.channels.call(srv.endpoint, {
             "op": "put", "tids": [f"u{i}-{k}" for k in range(4)], "sums": [0] * 4,
             "tcp": {"streams": 1, "lengths": [page] * 4}})[0]
         assert reply["ok"]
@@ -753,10 +753,10 @@ def test_a_tenant_writing_many_objects_drops_its_own_first(two_tenants):
     eng.max_objects, eng.max_object_bytes = 50, 100_000
 
     def put(client, key, tids):
-        assert client._call(srv.endpoint, {"op": "put_object", "key": key, "tids": tids})[0]["ok"]
+        assert client.channels.call(srv.endpoint, {"op": "put_object", "key": key, "tids": tids})[0]["ok"]
 
     def get(client, key):
-        return client._call(srv.endpoint, {"op": "get_object", "key": key})[0]["tids"]
+        return client.channels.call(srv.endpoint, {"op": "get_object", "key": key})[0]["tids"]
 
     put(bob, "index", ["b1", "b2"])
     for i in range(200):
@@ -784,11 +784,11 @@ def test_a_tenant_cannot_have_a_server_write_into_another_tenants_segment(two_te
         get = {"op": "get", "tids": ["evil"],
                "shm": {"name": seg.name, "offsets": [DATA_OFFSET], "sizes": [PAGE]}}
         for shm in (get["shm"], {**get["shm"], "nonce": "0" * 32}):
-            reply = bob._call(srv.endpoint, {**get, "shm": shm})[0]
+            reply = bob.channels.call(srv.endpoint, {**get, "shm": shm})[0]
             assert not reply["ok"] and "nonce" in reply["error"]
         assert seg.mm[DATA_OFFSET:DATA_OFFSET + PAGE] == bytes(PAGE)  # nothing written
         # the owner's own get, with the nonce, is served
-        reply = bob._call(srv.endpoint, {**get, "shm": {**get["shm"],
+        reply = bob.channels.call(srv.endpoint, {**get, "shm": {**get["shm"],
                                                         "nonce": seg.nonce.hex()}})[0]
         assert reply["ok"] and reply["found"] == [True]
     finally:
@@ -992,7 +992,7 @@ def test_a_refused_handshake_gives_misses_and_never_blocks_a_send(server):
     results: list = []
 
     def calls():
-        wrong._sock(server.endpoint)  # connect, and let the handshake fail before any send
+        wrong.channels.sock(server.endpoint)  # connect, and let the handshake fail before any send
         time.sleep(1.0)
         results.append(wrong.batch_set(_pages("w", 1)))
         results.append(wrong.batch_get(["p0"]))

@@ -31,14 +31,10 @@ the same way: the put over CURVE carries the pages' lengths and checksums, the s
 with upload tickets, and the pages go over the streams (``datapath.upload``); a server that
 declines (no listener, too much outstanding) gets them over the socket.
 
-**Authentication.** With a token, every socket is a CurveZMQ client with the key pair derived
-from it (``auth``), of the server whose public key is ``server_key`` (by default the one derived
-from the same token): the connection is authenticated and encrypted, and requests carry no
-credentials. A server that does not accept the token never answers, so its pages are misses.
-
-**Threads.** SGLang's cache controller calls one backend from three threads (storage hit
-queries, prefetch I/O, write-back). zmq sockets are not thread-safe, and a reply taken by the
-wrong thread would be a wrong answer, so every thread has its own socket per server.
+**Requests.** One batched request per owner goes over ``channels.ServerChannels``: a socket per
+thread and server (CurveZMQ with a token: authenticated and encrypted, requests carry no
+credentials), deadlines on every send and reply. A server that does not accept the token never
+answers, so its pages are misses.
 
 **Replication onto the reading node.** A client given ``local`` (the store server on its own node)
 counts how often it reads each page from a remote owner; once a page has been read
@@ -52,30 +48,24 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import os
 import threading
 import time
-import uuid
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import zmq
-
 from . import datapath
-from .auth import secure_client
-from .protocol import Limits, checksum, encode
+from .channels import ServerChannels
+from .protocol import Buffer, Limits, checksum
 from .shm import DATA_OFFSET, ClientSegment, pool_spec
 
-Buffer = bytes | memoryview
 Sink = Callable[[int, memoryview, int], None]
 """``sink(position, data, checksum)``: a page as received, with the checksum its server sent;
 the sink verifies it (a mismatch is a miss)."""
 
 
-ZMQ_IO_THREADS_MAX = 4  # CURVE runs on these: one per server, so puts to each encrypt apart
 PUT_CHUNK_BYTES = 8 << 20
 """The most one put request carries (whole pages; a larger page goes alone): the time another
 client's lookup can wait behind a write-back on a store server."""
@@ -224,15 +214,11 @@ class StoreClient:
             raise ValueError("replicate_after must be >= 1")
         self.servers = list(servers)
         self.ring = HashRing(self.servers)
-        self._credentials = (token, server_key)
-        self.timeout_ms = timeout_ms
-        self.min_gbps = min_gbps
+        self.channels = ServerChannels(self.servers, token, server_key, timeout_ms, min_gbps)
         self.page_bytes = 0  # the largest page seen: sizes the allowance of a get
         self.local = local
         self.replicate_after = replicate_after
-        self._ctx: zmq.Context | None = None  # our own: ``ctx``
-        self._local = threading.local()  # .socks: this thread's {server: socket}
-        self._all_socks: list[zmq.Socket] = []
+        self._local = threading.local()  # .last_failed: this thread's
         # "tcp" and "zmq" move no page through shared memory
         self.shm, self.shm_bytes = shm and data_plane in ("auto", "shm"), shm_bytes
         self.data_plane, self.data_streams, self.data_tls = data_plane, data_streams, data_tls
@@ -245,126 +231,11 @@ class StoreClient:
         self._pool_ok: dict[str, bool] = {}  # server -> maps our pool (probed once)
         self._segments: list[ClientSegment] = []
         self._free_segments: list[ClientSegment] = []
-        self._socks_lock = threading.Lock()
-        self.rpcs = 0
+        self._segments_lock = threading.Lock()
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
         self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0,
                       "tcp_pages": 0, "tcp_misses": 0, "tcp_put_pages": 0}
-
-    @property
-    def socks(self) -> dict[str, zmq.Socket]:
-        """This thread's sockets, one per server."""
-        socks = getattr(self._local, "socks", None)
-        if socks is None:
-            socks = self._local.socks = {}
-        return socks
-
-    @property
-    def ctx(self) -> zmq.Context:
-        """This client's ZMQ context, with one I/O thread per server up to
-        ``ZMQ_IO_THREADS_MAX``. ZMQ encrypts and decrypts (CURVE) a socket's messages on its
-        context's I/O thread: on the process-wide context, one thread encrypted every put to
-        every server. Made on first use, and again after ``close``."""
-        with self._socks_lock:
-            if self._ctx is None:
-                self._ctx = zmq.Context(io_threads=min(len(self.servers), ZMQ_IO_THREADS_MAX))
-            return self._ctx
-
-    def _sock(self, server: str) -> zmq.Socket:
-        s = self.socks.get(server)
-        if s is None:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            # a DEALER blocks a send while it has no peer: a server that is down, or one whose
-            # CURVE handshake refuses our key, would otherwise hold the caller forever
-            s.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_ms)))
-            s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
-            secure_client(s, *self._credentials)
-            s.connect(server)
-            self.socks[server] = s
-            with self._socks_lock:
-                self._all_socks.append(s)
-        return s
-
-    def _send(self, server: str, header: dict, payloads: list[Buffer] | None = None) -> None:
-        self.rpcs += 1
-        self._sock(server).send_multipart(encode(header, payloads), copy=False)
-
-    def _drop(self, server: str) -> None:
-        """Close this thread's socket to ``server``: a reply still in flight can then never be
-        taken for the answer to a later request."""
-        sock = self.socks.pop(server, None)
-        if sock is not None:
-            sock.close(0)
-            with self._socks_lock:
-                self._all_socks.remove(sock)
-
-    def _recv(self, server: str, deadline: float):
-        """The reply of ``server`` as ``(header, payloads)``, or None past ``deadline`` or when
-        it is not a reply at all."""
-        sock = self.socks.get(server)
-        if sock is None or not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
-            self._drop(server)
-            return None
-        frames = sock.recv_multipart(copy=False)
-        try:
-            header = json.loads(bytes(frames[0]))
-        except ValueError:
-            header = None
-        if not isinstance(header, dict):
-            self._drop(server)
-            return None
-        return header, [f.buffer for f in frames[1:]]
-
-    def _round_trips(self, requests: dict[str, tuple[dict, list[Buffer] | None]],
-                     nbytes: int, deadline: float | None = None
-                     ) -> dict[str, tuple[dict, list] | None]:
-        """One request per server: ``_pipelined`` keyed by server."""
-        servers = list(requests)
-        replies = self._pipelined([(s, *requests[s]) for s in servers], nbytes, deadline)
-        return dict(zip(servers, replies, strict=True))
-
-    def _pipelined(self, requests: list[tuple[str, dict, list[Buffer] | None]], nbytes: int,
-                   deadline: float | None = None) -> list[tuple[dict, list] | None]:
-        """Send every request (a server may get several: it answers them in order), then collect
-        every reply against one deadline (``nbytes``: the bytes the replies and requests carry;
-        or ``deadline``, monotonic). A server whose request could not be sent within the
-        time-out, or one of whose replies was not collected - time out, or an error while
-        collecting - loses its socket, and its requests from there on get None."""
-        replies: list[tuple[dict, list] | None] = [None] * len(requests)
-        failed: set[str] = set()
-        collected = 0
-        try:
-            for server, header, payloads in requests:
-                if server in failed:
-                    continue
-                try:
-                    self._send(server, header, payloads)
-                except zmq.Again:  # no peer took it in time (SNDTIMEO): a miss, never a hang
-                    self._drop(server)
-                    failed.add(server)
-            if deadline is None:
-                deadline = self._deadline(nbytes)
-            for i, (server, _, _) in enumerate(requests):
-                if server not in failed:
-                    replies[i] = self._recv(server, deadline)
-                    if replies[i] is None:  # _recv dropped the socket: later replies are lost
-                        failed.add(server)
-                collected = i + 1
-        finally:
-            for server, _, _ in requests[collected:]:
-                if server not in failed:
-                    self._drop(server)
-        return replies
-
-    def _deadline(self, nbytes: int) -> float:
-        return time.monotonic() + self.timeout_ms / 1000 + nbytes / (self.min_gbps * 1e9)
-
-    def _call(self, server: str, header: dict, payloads: list[Buffer] | None = None):
-        """One round trip; None on timeout."""
-        return self._round_trips({server: (header, payloads)},
-                                 sum(len(p) for p in payloads or ()))[server]
 
     @property
     def last_failed(self) -> list[str]:
@@ -413,7 +284,7 @@ class StoreClient:
         added, failed = 0, []
         uploads: list[tuple[datapath.Upload, list[int]]] = []
         if over_tcp:
-            offers = self._pipelined([(server, {
+            offers = self.channels.pipelined([(server, {
                 "op": "put", "tids": [tids[i] for i in chunk], "sums": [sums[i] for i in chunk],
                 "tcp": {"streams": self.data_streams, "lengths": [sizes[i] for i in chunk],
                         "tls": self.data_tls}, **extra}, None) for server, chunk in over_tcp], 0)
@@ -428,7 +299,7 @@ class StoreClient:
                     uploads.append((datapath.Upload(self._tcp_host[server], offer,
                                                     [items[i][1] for i in chunk]), chunk))
         if uploads:  # every owner's streams at once
-            results = datapath.upload([u for u, _ in uploads], self._deadline(
+            results = datapath.upload([u for u, _ in uploads], self.channels.deadline(
                 sum(sizes[i] for _, c in uploads for i in c)))
             for (_, chunk), (n, ok) in zip(uploads, results, strict=True):
                 added += n
@@ -441,7 +312,7 @@ class StoreClient:
                                           "sums": [sums[i] for i in chunk], **extra},
                                  [items[i][1] for i in chunk]))
                 chunks.append(chunk)
-        replies = self._pipelined(requests, sum(sizes[i] for c in chunks for i in c)) \
+        replies = self.channels.pipelined(requests, sum(sizes[i] for c in chunks for i in c)) \
             if requests else []
         for chunk, reply in zip(chunks, replies, strict=True):
             stored = reply[0].get("added_bytes") if reply is not None and reply[0].get("ok") \
@@ -458,20 +329,20 @@ class StoreClient:
         Segments are pooled: a load holds one, so concurrent loads never share one."""
         if not self.shm:
             return None
-        with self._socks_lock:
+        with self._segments_lock:
             if self._free_segments:
                 return self._free_segments.pop()
         seg = ClientSegment.create(self.shm_bytes)
         if seg is None:
             self.shm = False  # no /dev/shm room on this node: sockets only
             return None
-        with self._socks_lock:
+        with self._segments_lock:
             self._segments.append(seg)
         return seg
 
     def _release_segment(self, seg: ClientSegment | None) -> None:
         if seg is not None:
-            with self._socks_lock:
+            with self._segments_lock:
                 self._free_segments.append(seg)
 
     def prepare_shm(self) -> None:
@@ -493,7 +364,7 @@ class StoreClient:
     def _probe(self, servers: list[str], shm: dict, known: dict[str, bool]) -> set[str]:
         unknown = [s for s in servers if s not in known]
         if unknown:
-            replies = self._round_trips({s: ({"op": "probe", "shm": shm}, None)
+            replies = self.channels.round_trips({s: ({"op": "probe", "shm": shm}, None)
                                          for s in unknown}, 0)
             for s in unknown:
                 if replies.get(s) is not None:
@@ -580,7 +451,7 @@ class StoreClient:
         budget = nbytes if nbytes is not None else self.page_bytes * count
         for step in plan:
             requests: dict[str, tuple[dict, None]] = {}
-            deadline = until = self._deadline(budget)  # monotonic: the node's shared clock
+            deadline = until = self.channels.deadline(budget)  # monotonic: the node's shared clock
             for server, (how, items) in step.items():
                 if how == "pool":
                     spec, base, _ = self._pool
@@ -605,7 +476,7 @@ class StoreClient:
             writers = [s for s, (how, _) in step.items() if how == "pool"]
             replies: dict = {}
             try:
-                replies = self._round_trips(
+                replies = self.channels.round_trips(
                     requests, budget, deadline + (self.POOL_GRACE_S if writers else 0.0))
             finally:
                 if any(replies.get(s) is None for s in writers):
@@ -667,7 +538,7 @@ class StoreClient:
         """Receive every offered page (all servers' streams at once) and hand the ones that
         arrived whole and verified to ``sink``."""
         nbytes = sum(len(v) for t, _ in transfers for v in t.views)
-        results = datapath.fetch([t for t, _ in transfers], self._deadline(nbytes))
+        results = datapath.fetch([t for t, _ in transfers], self.channels.deadline(nbytes))
         placed = getattr(sink, "placed", None)
         for (t, where), ok in zip(transfers, results, strict=True):
             for i, view, s, good in zip(where, t.views, t.sums, ok, strict=True):
@@ -787,7 +658,7 @@ class StoreClient:
     def batch_exists(self, tids: list[str]) -> list[bool]:
         out = [False] * len(tids)
         groups = self._by_owner(tids)
-        replies = self._round_trips(
+        replies = self.channels.round_trips(
             {server: ({"op": "exists", "tids": [tids[i] for i in idx]}, None)
              for server, idx in groups.items()}, 0)
         failed = []
@@ -815,19 +686,14 @@ class StoreClient:
         return 1 + next((i for i, f in enumerate(rest) if not f), len(rest))
 
     def status(self, server: str) -> dict | None:
-        reply = self._call(server, {"op": "status"})
+        reply = self.channels.call(server, {"op": "status"})
         return reply[0].get("status") if reply else None
 
     def close(self) -> None:
-        with self._socks_lock:
-            for s in self._all_socks:
-                s.close(0)
-            self._all_socks.clear()
+        self.channels.close()
+        with self._segments_lock:
             for seg in self._segments:
                 seg.close()
             self._segments.clear()
             self._free_segments.clear()
-            ctx, self._ctx = self._ctx, None
         self._local = threading.local()
-        if ctx is not None:
-            ctx.term()  # every socket closed with linger 0: returns at once

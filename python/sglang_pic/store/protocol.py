@@ -68,7 +68,11 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def encode(header: dict, payloads: list[bytes] | None = None) -> list[bytes]:
+Buffer = bytes | memoryview
+"""A payload frame: bytes, or a view of memory (a host KV page) zmq sends without copying."""
+
+
+def encode(header: dict, payloads: list[Buffer] | None = None) -> list[Buffer]:
     return [json.dumps(header).encode(), *(payloads or [])]
 
 

@@ -19,8 +19,8 @@ import sys
 import time
 from array import array
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
