@@ -935,7 +935,7 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
     assert back[shared[0]].sae.queue == "structural"
     assert back[alone[0]].sae.queue == "evict_first"
     # as any new block of a request without hints that matched nothing: a guessed single-turn
-    # request's (``sae._infer_app``), not structural
+    # request's (``RequestGuesser.infer_app``), not structural
     assert back[talk[0]].sae.queue == "evict_first" and back[talk[0]].sae.sessions_seen == 1
 
 
@@ -1040,7 +1040,7 @@ def test_requests_without_hints_get_their_application_from_their_match():
     assert not told_single.app_inferred
     assert not strategy.worth_host_copy(node_at(template + list(range(900, 940))))
     later = RequestContext(rid="r3")
-    strategy._resolve(later)
+    strategy.guess.resolve(later)
     assert later.app_type == "single"
     # the deepest node decides, in whatever order the match lists them (HiCache lists its
     # host-tier part after the device part); a span segment's block (its own tree) decides
@@ -1048,11 +1048,11 @@ def test_requests_without_hints_get_their_application_from_their_match():
     history = node_at(template + q1 + out1 + turn2)
     shared = node_at(template)
     ctx = RequestContext(segments=[(0, "user")], prompt_len=200, now=1e3)
-    strategy._infer_app([shared, history], ctx)
+    strategy.guess.infer_app([shared, history], ctx)
     assert ctx.app_type == "chat" and ctx.app_inferred
     history.sae.key_start = 64
     ctx = RequestContext(segments=[(0, "user")], prompt_len=200, now=1e3)
-    strategy._infer_app([shared, history], ctx)
+    strategy.guess.infer_app([shared, history], ctx)
     assert ctx.app_type is None and not ctx.app_inferred
     history.sae.key_start = 0
     told = serve(template + list(range(700, 740)), [1] * 8)
@@ -1098,8 +1098,8 @@ def test_guessed_requests_learn_rates_per_shared_block_they_branch_off():
         serve(turn + out + fresh(), fresh(8))
     query = serve(template + fresh(), fresh(8))
     opening = serve(system + fresh(), fresh(8))
-    assert query.anchor == strategy.anchor_ids[0, tuple(template[:32])]
-    assert opening.anchor == strategy.anchor_ids[0, tuple(system[:32])]
+    assert query.anchor == strategy.guess.anchor_ids[0, tuple(template[:32])]
+    assert opening.anchor == strategy.guess.anchor_ids[0, tuple(system[:32])]
     of_template = strategy._rate_value(("user", "single", query.anchor))
     of_system = strategy._rate_value(("user", "single", opening.anchor))
     assert of_template < min(of_system, strategy.w["user", "single"].value())
@@ -1491,7 +1491,7 @@ def test_inferred_conversation_is_kept_for_later_inserts_of_the_request():
     sae = cache.eviction_strategy
     a = serve(list(range(10, 60)), rid="r1")
     later = RequestContext(segments=[(0, "user")], prompt_len=50, rid="r1")
-    sae._resolve(later)
+    sae.guess.resolve(later)
     assert later.session_id == a.session_id is not None
 
 

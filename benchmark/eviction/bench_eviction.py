@@ -34,7 +34,7 @@ OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # not counted, SAEStrategy._refit_gaps) / with alpha_q / with conversations inferred from the
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
-# that carries no hints taken as chat, not chat or single by its match (SAEStrategy._infer_app)
+# that carries no hints taken as chat, not chat or single by its match (request_guess.RequestGuesser.infer_app)
 # auto without the mirror of its leader's shadow / with the fixed switching margin instead of the
 # paired test / with the LeCaR-style regret weights (AutoStrategy's options)
 ABLATIONS = ("auto-nomirror", "auto-margin", "auto-regret", "auto-greedy", "auto-fast",

@@ -39,7 +39,6 @@ reuses per second they are not needed and would only skew the comparison;
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -62,6 +61,7 @@ from .estimators import (
     softmax_weights,
 )
 from .policy import CachePolicy
+from .request_guess import RequestGuesser
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,9 @@ END_QUANTILE = 0.99
 # the gap fit counts the open gaps (``_refit_gaps``) after every this many completed ones
 GAP_REFIT_EVERY = 16
 TRACKED_SESSIONS = 1 << 17
-# requests (SGLang rids) whose conversation was inferred, remembered for their later inserts
-TRACKED_REQUESTS = 4096
 # shared blocks whose branches' reuse rates are tracked (``_rates``)
 TRACKED_ANCHORS = 4096
-# anchors numbered (``_anchor_id``): more than the rates kept, so that a tracked rate's anchor
+# anchors numbered (``RequestGuesser.anchor_id``): more than the rates kept, so that a tracked rate's anchor
 # keeps its number
 TRACKED_ANCHOR_IDS = 4 * TRACKED_ANCHORS
 # how many resident token-seconds the rate of its kind weighs as in a rate per anchor
@@ -129,11 +127,11 @@ class BlockInfo:
     turn: int = 0  # its session's request count when one of them last went through the block
     key_start: int = 0  # where its key started in the creating request (a span segment's start)
     branches: int = 0  # blocks cached below it (requests that went on past it differently)
-    # a block whose request's application was guessed (``_infer_app``): the tail of a block
+    # a block whose request's application was guessed (``RequestGuesser.infer_app``): the tail of a block
     # a request branched off inside (``on_split``), whose reuse rate is learnt apart
     left: bool = False
-    # ... the shared block its request branched off (``_infer_app``): its rate is also learnt
-    # per anchor (``_rates``), by its number in ``SAEStrategy.anchor_ids``
+    # ... the shared block its request branched off (``RequestGuesser.infer_app``): its rate is also learnt
+    # per anchor (``_rates``), by its number in ``RequestGuesser.anchor_ids``
     anchor: int | None = None
 
 
@@ -171,27 +169,14 @@ class SAEStrategy(CachePolicy):
         self.pending: dict[str, OrderedDict[str, tuple[list[float], float]]] = {
             a: OrderedDict() for a in APP_TYPES}
         self.session_p: dict[str, float] = {}  # P(another request) after the last one
-        # conversations inferred for requests without a session (``on_match``): the match depth
-        # of each one's latest request, and the conversation of each request id seen. Off:
-        # what a server sees does not tell which inferred conversations get another turn, so
-        # the session index over them keeps less than plain ``sae`` (the replay's ``sae-conv``)
-        self.infer_sessions = False
+        # what requests without hints did not say: their conversation (off by default) and
+        # their application, guessed from their match (``on_match``)
+        self.guess = RequestGuesser(TRACKED_SESSIONS, TRACKED_ANCHOR_IDS)
         # worth_host_copy defers HiCache write-through copies of evict_first blocks (an
         # attribute for the two-tier replay's ablation, sae-copy-all)
         self.defer_host_copies = True
-        self.conv_depth: OrderedDict[str, int] = OrderedDict()
-        self.conv_of: OrderedDict[str, str] = OrderedDict()
-        # the application of requests without a session or one, inferred from their match
-        # (``_infer_app``); off: they are all ``chat`` (the replay's sae-noapp ablation)
-        self.infer_apps = True
-        # (application, the shared block it branched off or None) per request id
-        self.app_of: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         # the reuse rates per kind and anchor (``_rates``), least recently used first
         self.anchor_w: OrderedDict[tuple, ClassRate] = OrderedDict()
-        # each anchor's number, by its ``block_key``: blocks carry the number, so that scoring
-        # a block hashes a short tuple, not the anchor's 32 token ids
-        self.anchor_ids: OrderedDict[tuple, int] = OrderedDict()
-        self._anchor_serial = itertools.count()
         # q of the session index from the predictor (per session) or, off, per application
         self.use_predictor = setting("--sae-predictor")
         # a JSON file the counters are written to after every evict pass (inspection, tests)
@@ -340,14 +325,14 @@ class SAEStrategy(CachePolicy):
         block without one also holds back every block below it. The rule reads the block's
         queue and whether it was hit, which follow the request stream alone, so the
         tensor-parallel ranks' caches decide alike (no clock or learned rate in it). A block
-        whose request's application was guessed (``_infer_app``) is not held back. SGLang
+        whose request's application was guessed (``RequestGuesser.infer_app``) is not held back. SGLang
         writes a new block inside ``insert``, before ``on_insert`` has typed it: then the
         inserting request's context ``ctx`` and the block's depth ``offset`` say what it is."""
         if not self.defer_host_copies:
             return True
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None and ctx is not None:
-            self._resolve(ctx)  # SGLang writes inside insert, before ``on_insert`` resolves it
+            self.guess.resolve(ctx)  # SGLang writes inside insert, before ``on_insert`` resolves it
             info = self._new_info(ctx, offset, len(node.key))
         if info is None or info.queue != "evict_first" or info.last_hit is not None:
             return True
@@ -440,119 +425,30 @@ class SAEStrategy(CachePolicy):
 
     # ---- learning from events -------------------------------------------------------------
     def on_match(self, nodes: list, ctx: RequestContext, tokens=None) -> None:
-        """Infer the conversation of a request that came without a session, from its match
-        (``nodes``: the matched path, deepest first; ``tokens``: the request's token ids),
-        before its other events.
+        """What the request did not say, guessed from its match before its other events
+        (``request_guess.RequestGuesser.on_match``)."""
+        self.guess.on_match(nodes, ctx, tokens, self.ghost)
 
-        A conversation resends its history, so its next request matches down the path of its
-        latest one and goes deeper than that one's own match did. The request joins the
-        conversation of the deepest block it matched when (1) that block is used by one
-        requester only (not ``structural``: a block many conversations open with, a system
-        prompt, says nothing about which one this is) and (2) the match goes deeper than the
-        match of that conversation's latest request: a second request that stops where the
-        latest one also stopped branches off a shared template, not off the conversation's
-        end. Where the match stops because the conversation's next block was evicted, the
-        ghost set still knows whose it was (the request's tokens after the match are that
-        block's first tokens): the request joins that conversation, and its next request must
-        match deeper than the evicted block reached. Otherwise it opens a conversation of its
-        own. The conversation is then its session (the session index, gap fit and
-        continuation odds apply) and its requester. A client's session id or an application
-        type of ``single`` wins: nothing is inferred."""
-        if self.infer_apps and not self.infer_sessions:
-            self._infer_app(nodes, ctx)
-        if (not self.infer_sessions or ctx.session_id is not None or ctx.on_behalf
-                or ctx.app_type == "single"):
-            return
-        if ctx.rid is not None and ctx.rid in self.conv_of:
-            ctx.session_id = self.conv_of[ctx.rid]
-            return
-        depth, conv, reach = 0, None, 0
-        if nodes:
-            deepest = nodes[0]
-            depth = block_offset(deepest) + len(deepest.key)
-            info: BlockInfo | None = getattr(deepest, "sae", None)
-            if (info is not None and info.session_id is not None and info.queue != "structural"
-                    and depth > self.conv_depth.get(info.session_id, depth)):
-                conv, reach = info.session_id, depth
-        if conv is None and tokens is not None and len(tokens) > depth:
-            ghost = self.ghost.get((depth, tuple(tokens[depth:depth + 32])))
-            if ghost is not None and ghost[2] is not None:
-                conv, reach = ghost[2], ghost[3]
-        if conv is None:
-            conv, reach = f"~{ctx.requester}", depth
-        ctx.session_id = conv
-        self.conv_depth.pop(conv, None)
-        self.conv_depth[conv] = reach
-        if len(self.conv_depth) > TRACKED_SESSIONS:
-            self.conv_depth.popitem(last=False)
-        if ctx.rid is not None:
-            self.conv_of[ctx.rid] = conv
-            if len(self.conv_of) > TRACKED_REQUESTS:
-                self.conv_of.popitem(last=False)
+    @property
+    def infer_sessions(self) -> bool:
+        """Conversations inferred for requests without a session (``RequestGuesser``)."""
+        return self.guess.infer_sessions
 
-    def _infer_app(self, nodes: list, ctx: RequestContext) -> None:
-        """The application of a request that came with neither a session nor an application
-        type, from its match: ``chat`` when it goes on from where an earlier request ended
-        (the deepest block it matched has at most one request gone on past it: a
-        conversation's history, an agent's last step), ``single`` when it branches off a
-        block several requests went on past (a system prompt, a template) or matched nothing.
+    @infer_sessions.setter
+    def infer_sessions(self, on: bool) -> None:
+        self.guess.infer_sessions = on
 
-        Without it every such block is ``chat``, and one reuse rate ``w`` per token type
-        covers a conversation's newest turn, resent seconds later, and a single-turn query,
-        never reused: the rate would be the queries', and the turns would go first.
-        ``single`` blocks go to
-        ``evict_first`` and learn their own rate."""
-        if ctx.session_id is not None or ctx.app_type is not None or ctx.on_behalf:
-            return
-        infos = [getattr(node, "sae", None) for node in nodes]
-        if any(info is None or info.key_start for info in infos):
-            # a block cached without a request (loaded from storage), or a span segment's
-            # (each segment's tree is its own): the match does not say where the request goes
-            # on from; it stays unguessed (chat)
-            return
-        # the deepest node matched: HiCache's host-tier part of a match comes after its device
-        # part (``hooks._matched_nodes``) and may go deeper
-        deepest = max(nodes, key=lambda n: block_offset(n) + len(n.key), default=None)
-        branches = deepest.sae.branches if deepest is not None else None
-        ctx.app_type = "chat" if branches is not None and branches <= 1 else "single"
-        ctx.app_inferred = True
-        # a request that branched off a shared block: its blocks' rate is also learnt per that
-        # block (``_rates``)
-        branched = ctx.app_type == "single" and deepest is not None
-        ctx.anchor = self._anchor_id(block_key(deepest)) if branched else None
-        if ctx.rid is not None:
-            self.app_of[ctx.rid] = (ctx.app_type, ctx.anchor)
-            if len(self.app_of) > TRACKED_REQUESTS:
-                self.app_of.popitem(last=False)
+    @property
+    def infer_apps(self) -> bool:
+        """Applications inferred for requests without one (``RequestGuesser``)."""
+        return self.guess.infer_apps
 
-    def _anchor_id(self, key: tuple) -> int:
-        """The number of the anchor whose ``block_key`` is ``key`` (a new one for a key not
-        seen among the last ``TRACKED_ANCHOR_IDS``)."""
-        aid = self.anchor_ids.get(key)
-        if aid is None:
-            aid = self.anchor_ids[key] = next(self._anchor_serial)
-            if len(self.anchor_ids) > TRACKED_ANCHOR_IDS:
-                self.anchor_ids.popitem(last=False)
-        else:
-            self.anchor_ids.move_to_end(key)
-        return aid
-
-    def _resolve(self, ctx: RequestContext | None) -> None:
-        """A later context of a request whose conversation or application was inferred (the
-        server builds one per insert call): give it those."""
-        if ctx is not None and ctx.session_id is None and ctx.rid is not None:
-            conv = self.conv_of.get(ctx.rid)
-            if conv is not None:
-                ctx.session_id = conv
-        if ctx is not None and ctx.app_type is None and ctx.rid is not None:
-            guess = self.app_of.get(ctx.rid)
-            if guess is not None:
-                ctx.app_type, ctx.anchor = guess
-                ctx.app_inferred = True
-                self.app_of.move_to_end(ctx.rid)  # a long request keeps its guess
+    @infer_apps.setter
+    def infer_apps(self, on: bool) -> None:
+        self.guess.infer_apps = on
 
     def on_request(self, ctx: RequestContext, now: float) -> None:
-        self._resolve(ctx)
+        self.guess.resolve(ctx)
         if ctx.session_id is None:
             return
         sid, app = ctx.session_id, ctx.app_type or "chat"
@@ -565,7 +461,7 @@ class SAEStrategy(CachePolicy):
         # how long the session already is: its user turns in the prompt; for an inferred
         # conversation (raw token ids: one ``user`` segment) its requests so far
         turns = types.count("user")
-        if sid in self.conv_depth:
+        if sid in self.guess.conv_depth:
             turns = max(turns, self.session_turn.get(sid, 0) + 1)
         x = ContinuationModel.features(ctx.prompt_len, turns, app, "system" in types)
         self.pending[app][sid] = (x, now)
@@ -660,7 +556,7 @@ class SAEStrategy(CachePolicy):
                 r.add(tokens, now, block=False)
 
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
-        self._resolve(ctx)
+        self.guess.resolve(ctx)
         if not is_new:
             info = getattr(node, "sae", None)
             if info is not None and info.sessions_seen == 0 and not ctx.on_behalf:
@@ -738,7 +634,7 @@ class SAEStrategy(CachePolicy):
         info: BlockInfo | None = getattr(node, "sae", None)
         if info is None:
             return
-        self._resolve(ctx)
+        self.guess.resolve(ctx)
         if info.sessions_seen == 0 and ctx is not None:
             # cached by a span prefill for the requests waiting on it: the first of them is
             # the request it was made for, not a reuse
