@@ -800,18 +800,24 @@ CLAIMS: list[Claim] = [
            "replayed)"))
       for policy in ("auto", "sae")
       for part, metric in (("", "token_hit_rate"), (".heldout", "heldout_hit_rate"))],
-    *[Claim(f"eviction.replay.generated_heldout_seeds{suffix}.{policy}_worst_vs_best", raw,
-            "token_hit_rate", baseline_variant="best baseline", ours_variant=policy,
-            higher_is_better=True, target=0.005, target_kind="points",
-            path="generated traffic of seeds 100-109 (no policy setting was chosen on them), "
-            f"every workload of bench_eviction.py, {hints}, replayed through SGLang's "
-            "RadixCache (CPU) at 5 / 10 / 20 / 40 % of the unique tokens: the worst workload "
-            "and size, each cell the mean of the ten seeds",
+    *[Claim(f"eviction.replay.generated_{split}_seeds{suffix}.{policy}_worst_vs_best",
+            f"{stem}{'' if hints == 'all' else '_hints_none'}.json", "token_hit_rate",
+            baseline_variant="best baseline", ours_variant=policy, higher_is_better=True,
+            target=0.005, target_kind="points",
+            path=f"generated traffic of seeds {seeds}, every workload of bench_eviction.py, "
+            + ("no client hints (--hints none)" if hints == "none" else
+               "with the session, application and token-type hints clients can send")
+            + ", replayed through SGLang's RadixCache (CPU) at 5 / 10 / 20 / 40 % of the "
+            "unique tokens: the worst workload and size, each cell the mean of the ten seeds",
             extract=_generated_worst_cell(policy))
-      for suffix, raw, hints in (
-          ("", "eviction_sim_heldout_seeds_hints_none.json", "no client hints (--hints none)"),
-          (".hints", "eviction_sim_heldout_seeds.json",
-           "with the session, application and token-type hints clients can send"))
+      for split, stem, seeds in (
+          ("tuning", "eviction_auto_tuning_seeds",
+           "0-9 (the seeds auto's settings were chosen on)"),
+          ("heldout", "eviction_sim_heldout_seeds",
+           "100-109 (no setting was chosen on them; earlier designs were checked on them)"),
+          ("unseen", "eviction_sim_unseen_seeds",
+           "200-209 (replayed once, after auto's design was fixed)"))
+      for suffix, hints in (("", "none"), (".hints", "all"))
       for policy in ("auto", "sae")],
     *[Claim(f"eviction.replay.generated_heldout_seeds.hints.mixed_{int(f * 100)}pct",
             "eviction_sim_heldout_seeds.json", "token_hit_rate",
