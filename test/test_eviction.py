@@ -1056,7 +1056,7 @@ def test_requests_without_hints_get_their_application_from_their_match():
     assert ctx.app_type is None and not ctx.app_inferred
     history.sae.key_start = 0
     told = serve(template + list(range(700, 740)), [1] * 8)
-    strategy.infer_apps = False
+    strategy.guess.infer_apps = False
     assert serve(template + list(range(800, 840)), [1] * 8).app_type is None
     assert told.app_type == "single"
 

@@ -54,6 +54,7 @@ from sglang_pic.eviction.replay.simulator import (  # noqa: E402
     _patched,
     _slots,
     _TimeProxy,
+    configure,
     policy_spec,
     replay_context,
     servable,
@@ -150,8 +151,7 @@ def make_two_tier_cache(policy: str, device_tokens: int, host_tokens: int):
     RadixCache.__init__(cache, CacheInitParams(
         disable=False, req_to_token_pool=None,
         token_to_kv_pool_allocator=CountingAllocator(), page_size=1, eviction_policy=base))
-    for k, v in attrs.items():
-        setattr(cache.eviction_strategy, k, v)
+    configure(cache.eviction_strategy, attrs)
     controller.cache = cache
     if policy == HOST_LRU:
         _host_in_lru_order(cache)

@@ -429,24 +429,6 @@ class SAEStrategy(CachePolicy):
         (``request_guess.RequestGuesser.on_match``)."""
         self.guess.on_match(nodes, ctx, tokens, self.ghost)
 
-    @property
-    def infer_sessions(self) -> bool:
-        """Conversations inferred for requests without a session (``RequestGuesser``)."""
-        return self.guess.infer_sessions
-
-    @infer_sessions.setter
-    def infer_sessions(self, on: bool) -> None:
-        self.guess.infer_sessions = on
-
-    @property
-    def infer_apps(self) -> bool:
-        """Applications inferred for requests without one (``RequestGuesser``)."""
-        return self.guess.infer_apps
-
-    @infer_apps.setter
-    def infer_apps(self, on: bool) -> None:
-        self.guess.infer_apps = on
-
     def on_request(self, ctx: RequestContext, now: float) -> None:
         self.guess.resolve(ctx)
         if ctx.session_id is None:

@@ -131,9 +131,9 @@ class ReplayResult:
 ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "sae-nopred": ("sae", {"use_predictor": False}),
              "sae-uncensored": ("sae", {"censored_gaps": False}),
-             "sae-conv": ("sae", {"infer_sessions": True}),
+             "sae-conv": ("sae", {"guess.infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
-             "sae-noapp": ("sae", {"infer_apps": False}),
+             "sae-noapp": ("sae", {"guess.infer_apps": False}),
              "tlru": ("tlru", TLRU_TUNED),
              "auto-regret": ("auto", {"selection": "regret"}),
              "auto-nomirror": ("auto", {"mirror": False}),
@@ -142,7 +142,8 @@ ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
              "auto-fast": ("auto", {"selection": "regret", "learning_rate": 2.0}),
              "auto-greedy-fast": ("auto", {"selection": "regret", "greedy": True,
                                            "learning_rate": 2.0})}
-"""Variants of our policies for ablations: name -> (registered policy, strategy attributes).
+"""Variants of our policies for ablations: name -> (registered policy, strategy attributes;
+a dotted name sets an attribute of an attribute, ``configure``).
 ``tlru:<xi>:<q_hat>`` names T-LRU at other settings (``policy_spec``)."""
 
 
@@ -281,9 +282,19 @@ def make_cache(policy: str):
                              token_to_kv_pool_allocator=allocator, page_size=1,
                              eviction_policy=base)
     cache = RadixCache(params)
-    for k, v in attrs.items():
-        setattr(cache.eviction_strategy, k, v)
+    configure(cache.eviction_strategy, attrs)
     return cache, allocator
+
+
+def configure(strategy: Any, attrs: dict) -> None:
+    """Set a ``policy_spec``'s attributes on ``strategy`` (``"guess.infer_apps"``: the
+    ``infer_apps`` of its ``guess``)."""
+    for name, value in attrs.items():
+        *path, last = name.split(".")
+        owner = strategy
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, last, value)
 
 
 def _count_nodes(cache) -> int:
