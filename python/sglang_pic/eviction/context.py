@@ -42,10 +42,11 @@ class RequestContext:
     # cache inserts each segment under its own namespace, from depth 0 of that tree
     # (``segment_at``). Token types are looked up at ``key_start + offset``.
     key_start: int = 0
-    # ``app_type`` was inferred by the policy from the match, not sent (``RequestGuesser.infer_app``)
+    # ``app_type`` was inferred by the policy from the match, not sent
+    # (``RequestGuesser.infer_app``)
     app_inferred: bool = False
-    # ... and the shared block it branched off, by the number ``RequestGuesser.anchor_id`` gives its
-    # ``block_key`` (``RequestGuesser.infer_app``)
+    # ... and the shared block it branched off, by the number ``RequestGuesser.anchor_id``
+    # gives its ``block_key`` (``RequestGuesser.infer_app``)
     anchor: int | None = None
     announced: bool = False
     serial: int = field(default_factory=itertools.count().__next__)

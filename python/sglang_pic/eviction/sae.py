@@ -81,8 +81,8 @@ GAP_REFIT_EVERY = 16
 TRACKED_SESSIONS = 1 << 17
 # shared blocks whose branches' reuse rates are tracked (``_rates``)
 TRACKED_ANCHORS = 4096
-# anchors numbered (``RequestGuesser.anchor_id``): more than the rates kept, so that a tracked rate's anchor
-# keeps its number
+# anchors numbered (``RequestGuesser.anchor_id``): more than the rates kept, so that a tracked
+# rate's anchor keeps its number
 TRACKED_ANCHOR_IDS = 4 * TRACKED_ANCHORS
 # how many resident token-seconds the rate of its kind weighs as in a rate per anchor
 ANCHOR_K = 10_000.0
@@ -127,11 +127,11 @@ class BlockInfo:
     turn: int = 0  # its session's request count when one of them last went through the block
     key_start: int = 0  # where its key started in the creating request (a span segment's start)
     branches: int = 0  # blocks cached below it (requests that went on past it differently)
-    # a block whose request's application was guessed (``RequestGuesser.infer_app``): the tail of a block
-    # a request branched off inside (``on_split``), whose reuse rate is learnt apart
+    # a block whose request's application was guessed (``RequestGuesser.infer_app``): the tail
+    # of a block a request branched off inside (``on_split``), whose reuse rate is learnt apart
     left: bool = False
-    # ... the shared block its request branched off (``RequestGuesser.infer_app``): its rate is also learnt
-    # per anchor (``_rates``), by its number in ``RequestGuesser.anchor_ids``
+    # ... the shared block its request branched off (``RequestGuesser.infer_app``): its rate is
+    # also learnt per anchor (``_rates``), by its number in ``RequestGuesser.anchor_ids``
     anchor: int | None = None
 
 
@@ -325,9 +325,10 @@ class SAEStrategy(CachePolicy):
         block without one also holds back every block below it. The rule reads the block's
         queue and whether it was hit, which follow the request stream alone, so the
         tensor-parallel ranks' caches decide alike (no clock or learned rate in it). A block
-        whose request's application was guessed (``RequestGuesser.infer_app``) is not held back. SGLang
-        writes a new block inside ``insert``, before ``on_insert`` has typed it: then the
-        inserting request's context ``ctx`` and the block's depth ``offset`` say what it is."""
+        whose request's application was guessed (``RequestGuesser.infer_app``) is not held
+        back. SGLang writes a new block inside ``insert``, before ``on_insert`` has typed it:
+        then the inserting request's context ``ctx`` and the block's depth ``offset`` say what
+        it is."""
         if not self.defer_host_copies:
             return True
         info: BlockInfo | None = getattr(node, "sae", None)
