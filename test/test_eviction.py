@@ -410,6 +410,38 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     assert alone["lru"] > 1.5 * alone["gdsf"]
 
 
+def test_auto_changes_leader_only_on_a_lead_the_paired_test_passes():
+    """The leader changes when another expert's lead in shadow hits, request by request, is more
+    than ``CONFIDENCE`` (2) standard errors: four requests where ``lru``'s shadow hits 100
+    tokens more are not enough (400 against 2 * 200), a fifth is (500 > 2 * 224); a lead built
+    of large swings either way is not, however long it runs; the fixed-margin rule
+    (``confidence=None``) moves on the first request."""
+    from sglang_pic.eviction.auto import CONFIDENCE, AutoStrategy
+
+    assert CONFIDENCE == 2.0
+
+    class ScriptedShadow:
+        def __init__(self, hits: list[int]) -> None:
+            self.hits = iter(hits)
+
+        def lookup(self, tokens) -> int:
+            return next(self.hits)
+
+    def run(lru_hits: list[int], sae_hits: list[int], **kw) -> list[str]:
+        auto = AutoStrategy(experts=("sae", "lru"), **kw)
+        auto.shadows = [ScriptedShadow(sae_hits), ScriptedShadow(lru_hits)]
+        leaders = []
+        for _ in lru_hits:
+            auto.on_lookup([1] * 1000, None, 1)
+            leaders.append(auto.names[auto.chosen])
+        return leaders
+
+    assert run([100] * 6, [0] * 6) == ["sae"] * 4 + ["lru"] * 2
+    swings = [1000, 0] * 200  # lru ahead by 1000 on every other request, sae on the others
+    assert set(run(swings, swings[1:] + [1000])) == {"sae"}
+    assert run([100] * 2, [0] * 2, confidence=None) == ["lru"] * 2
+
+
 def test_each_shadow_cache_hits_what_its_expert_hits_alone():
     """``auto``'s shadows against replays of each expert alone (SGLang's ``RadixCache``
     evicting with it) on generated traffic under pressure: a shadow caches as the real cache
