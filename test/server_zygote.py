@@ -15,8 +15,15 @@ CPU server's own forking of its scheduler applies (``cpu_support._fork_children`
 is the thin launcher (``sglang-pic serve``'s signal forwarding), which the tests that stop a
 server through it, or start SGLang's own launcher, still run as a real process.
 
+A second kind, the *plain* zygote (``--plain``), stands in for ``python -c CODE`` in the tests
+of what the plugin refuses (``plugin_process.run_python``): it imports SGLang's heavy modules
+only (``PLAIN_PRELOAD``: no module of ours, no CPU engine selected, as in a fresh interpreter),
+and each child runs the code with the caller's whole environment, its stdout and stderr going to
+files. The plugin is loaded, and every module patched, in the child alone.
+
 Protocol: one JSON object per line on stdin, one answer per line on stdout.
 ``{"op": "start", "argv": [...], "env": {...}, "log": PATH}`` -> ``{"pid": N}``;
+``{"op": "python", "code": CODE, "env": {...}, "out": PATH, "err": PATH}`` -> ``{"pid": N}``;
 ``{"op": "poll", "pid": N}`` -> ``{"returncode": None | int}`` (negative: killed by that signal).
 The zygote exits when its stdin closes (the test worker ended); the servers it forked get SIGTERM
 then (``PR_SET_PDEATHSIG`` through ``SGLANG_PIC_LAUNCHER_PID``).
@@ -30,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -46,19 +54,58 @@ PRELOAD = (
     "sglang_pic.launcher.launch_server",
 )
 """Modules every CPU test server imports (the SmolLM2 model is a Llama)."""
+PLAIN_PRELOAD = (
+    "torch",
+    "sglang.srt.server_args",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.entrypoints.http_server",
+)
+"""What loading the plugin imports of SGLang, for the plain zygote (none of our modules)."""
+
+
+def _redirect(out: str, err: str) -> None:
+    """In a forked child: stdin from /dev/null, stdout and stderr to ``out`` and ``err``."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+
+
+def _run_code(code: str, env: dict[str, str], out: str, err: str, reply_fd: int) -> None:
+    """In the forked child: run ``code`` as ``python -c`` would, then exit with its status."""
+    os.close(reply_fd)
+    _redirect(out, err)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-c"]
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _run_server(argv: list[str], env: dict[str, str], log: str, reply_fd: int) -> None:
     """In the forked child: become a session leader writing to ``log``, then run the server."""
     os.close(reply_fd)
     os.setsid()
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.close(null)
+    _redirect(log, log)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
@@ -79,11 +126,12 @@ def _run_server(argv: list[str], env: dict[str, str], log: str, reply_fd: int) -
         os._exit(code)
 
 
-def main() -> None:
-    from sglang_pic.cpu import support as cpu_support
+def main(plain: bool = False) -> None:
+    if not plain:
+        from sglang_pic.cpu import support as cpu_support
 
-    cpu_support.enable_cpu_engine()  # before SGLang's first import, as server_process does
-    for name in PRELOAD:
+        cpu_support.enable_cpu_engine()  # before SGLang's first import, as server_process does
+    for name in PLAIN_PRELOAD if plain else PRELOAD:
         importlib.import_module(name)
     done: dict[int, int] = {}
     # answers on a descriptor of their own: whatever SGLang prints goes to stderr, not into them
@@ -99,6 +147,12 @@ def main() -> None:
             if pid == 0:
                 _run_server(request["argv"], env, request["log"], reply.fileno())
             answer: dict = {"pid": pid}
+        elif request["op"] == "python":
+            pid = os.fork()
+            if pid == 0:
+                _run_code(request["code"], request["env"], request["out"], request["err"],
+                          reply.fileno())
+            answer = {"pid": pid}
         else:
             pid = request["pid"]
             if pid not in done:
@@ -114,8 +168,8 @@ class ZygoteClient:
     """The test worker's end: starts the zygote on first use, one request at a time (servers
     started together come from several threads)."""
 
-    def __init__(self, env: dict[str, str], log: Path):
-        self._env, self._log = env, log
+    def __init__(self, env: dict[str, str], log: Path, plain: bool = False):
+        self._env, self._log, self._plain = env, log, plain
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -124,7 +178,8 @@ class ZygoteClient:
             if self._proc is None:
                 with open(self._log, "w") as err:
                     self._proc = subprocess.Popen(
-                        [sys.executable, __file__], stdin=subprocess.PIPE,
+                        [sys.executable, __file__, *(["--plain"] if self._plain else [])],
+                        stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, stderr=err, text=True, env=self._env)
                 if not self._proc.stdout.readline():
                     raise RuntimeError(f"server zygote exited with {self._proc.wait()}; log:\n"
@@ -143,6 +198,24 @@ class ZygoteClient:
 
     def returncode(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})["returncode"]
+
+    def run_python(self, code: str, env: dict[str, str], timeout: float
+                   ) -> subprocess.CompletedProcess:
+        """``subprocess.run([python, "-c", code], env=env, capture_output=True, text=True,
+        timeout=timeout)``, forked from a plain zygote."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "out"), Path(tmp, "err")
+            pid = self._ask({"op": "python", "code": code, "env": env, "out": str(out),
+                             "err": str(err)})["pid"]
+            child = ForkedServerProcess(self, pid)
+            try:
+                rc = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                child.wait()
+                raise subprocess.TimeoutExpired(["python", "-c", code], timeout) from None
+            read = {p: p.read_text(errors="replace") if p.exists() else "" for p in (out, err)}
+            return subprocess.CompletedProcess(["python", "-c", code], rc, read[out], read[err])
 
 
 class ForkedServerProcess:
@@ -168,4 +241,4 @@ class ForkedServerProcess:
 
 
 if __name__ == "__main__":
-    main()
+    main(plain="--plain" in sys.argv[1:])
