@@ -102,9 +102,9 @@ class AutoStrategy(CachePolicy):
         self.shadow_totals = [0] * len(experts)  # not decayed
         self.shadow_tokens = 0.0  # decayed prompt tokens looked up
         n = len(experts)
-        # per pair (i, j), decayed sums of expert i's shadow hits minus j's per request, and of
-        # their squares: the paired test a change of leader must pass
-        self.lead_sum = [[0.0] * n for _ in range(n)]
+        # per pair (i, j), the decayed sum of the squared differences of their shadow hits per
+        # request: with the difference of ``shadow_hits``, the paired test a change of leader
+        # must pass
         self.lead_sq = [[0.0] * n for _ in range(n)]
         self.confidence = confidence
         self.capacity = 0  # the real cache's size: the most tokens it has held
@@ -234,20 +234,16 @@ class AutoStrategy(CachePolicy):
         for i, h in enumerate(hits):
             self.shadow_hits[i] = self.shadow_hits[i] * d + h
             self.shadow_totals[i] += h
+        best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
+        lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
         if self.confidence is None:
-            best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
-            lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
             if lead > SWITCH_MARGIN * self.shadow_tokens:
                 self.chosen = best
             return
         for i, hi in enumerate(hits):
             for j, hj in enumerate(hits):
-                self.lead_sum[i][j] = self.lead_sum[i][j] * d + (hi - hj)
                 self.lead_sq[i][j] = self.lead_sq[i][j] * d + (hi - hj) ** 2
-        leader = self.chosen
-        best = max(range(len(shadows)), key=lambda i: self.lead_sum[i][leader])
-        lead = self.lead_sum[best][leader]
-        if lead > 0 and lead * lead > self.confidence ** 2 * self.lead_sq[best][leader]:
+        if lead > 0 and lead * lead > self.confidence ** 2 * self.lead_sq[best][self.chosen]:
             self.chosen = best
 
     def on_store(self, tokens, ctx, page_size: int, used: int, root=None) -> None:
