@@ -76,22 +76,34 @@ def _redirect(out: str, err: str) -> None:
         os.close(f)
 
 
-def _run_code(code: str, env: dict[str, str], out: str, err: str, reply_fd: int) -> None:
-    """In the forked child: run ``code`` as ``python -c`` would, then exit with its status."""
+def _become_child(reply_fd: int, out: str, err: str, env: dict[str, str], argv: list[str],
+                  session: bool = False) -> None:
+    """In a forked child: drop the zygote's reply descriptor, (``session``) lead a session of
+    its own, write to ``out`` / ``err``, take default signal handling, ``env`` as the whole
+    environment and ``argv`` as ``sys.argv``."""
     os.close(reply_fd)
+    if session:
+        os.setsid()
     _redirect(out, err)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = ["-c"]
+    sys.argv = argv
+
+
+def _run_code(code: str, env: dict[str, str], out: str, err: str, reply_fd: int) -> None:
+    """In the forked child: run ``code`` as ``python -c`` would, then exit with its status."""
+    _become_child(reply_fd, out, err, env, ["-c"])
     status = 0
     try:
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # as python does: None is 0, anything but an int is printed, 1
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            status = 1
     except BaseException:
         traceback.print_exc()
         status = 1
@@ -103,14 +115,8 @@ def _run_code(code: str, env: dict[str, str], out: str, err: str, reply_fd: int)
 
 def _run_server(argv: list[str], env: dict[str, str], log: str, reply_fd: int) -> None:
     """In the forked child: become a session leader writing to ``log``, then run the server."""
-    os.close(reply_fd)
-    os.setsid()
-    _redirect(log, log)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = ["sglang_pic.launcher.server_process", *argv]
+    _become_child(reply_fd, log, log, env, ["sglang_pic.launcher.server_process", *argv],
+                  session=True)
     code = 1
     try:
         from sglang_pic.launcher import server_process
