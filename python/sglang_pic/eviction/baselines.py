@@ -87,7 +87,7 @@ class S3FIFOStrategy(CachePolicy):
 # ``--radix-eviction-policy tlru`` takes its settings from ``--tlru-threshold`` (the paper's xi,
 # in tokens) and ``--tlru-next-prompt-estimate`` (Q_hat, tokens), read when the policy is built
 # in the scheduler process; both default to SGLang's 0, with which every block is protected and
-# T-LRU is LRU. The replay's ``tlru`` sets its own (``simulator.ABLATIONS``).
+# T-LRU is LRU.
 
 
 TLRU_TUNED = {"threshold": 1536, "next_prompt_estimate": 512}
