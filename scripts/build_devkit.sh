@@ -52,13 +52,15 @@ ls -S "$kit"/b/*.whl | head -1 | xargs -I{} mv {} "$kit/b0/"
 # shellcheck disable=SC2012
 ls -S "$kit"/b/*.whl | head -2 | xargs -I{} mv {} "$kit/b1/"
 cp "$shared/stage.sh" "$kit/b0/" && cp "$shared/stage.sh" "$kit/b1/"
-# and part a's smallest wheel (tokenizers, 3 MB) to b, its next (transformers, 11 MB) to a part
-# of its own, a2: a plus the working tree (17 MB on 2026-12-04) came to 65.8 MiB
+# and part a's smallest wheel (tokenizers, 3 MB) to b, its next (transformers, 11 MB) and the
+# slim sgl-kernel (18 MB) to a part of their own, a2: a keeps SGLang's wheel (22 MB), so that it
+# travels with a working tree of up to ~40 MB
 # shellcheck disable=SC2012
 ls -Sr "$kit"/a/*.whl | head -1 | xargs -I{} mv {} "$kit/b/"
 mkdir -p "$kit/a2"
 # shellcheck disable=SC2012
 ls -Sr "$kit"/a/*.whl | head -1 | xargs -I{} mv {} "$kit/a2/"
+mv "$kit/a/sgl_kernel_slim.tgz" "$kit/a2/"
 cp "$shared/stage.sh" "$kit/a2/"
 
 echo "[devkit] extra: xxhash, pytest, JIT caches"
