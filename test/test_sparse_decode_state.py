@@ -1127,7 +1127,21 @@ def test_a_held_slot_whose_request_is_not_in_the_step_is_not_selected_for():
     assert state.n_ret.tolist() == [300 - 36, 400 - 36]
 
 
-def _interval_steps(state, every, device: str, n0: int = 400, steps: int = 20):
+INTERVAL_N0, INTERVAL_STEPS = 408, 14
+"""The interval tests' decode steps: from context 408, 14 steps; the region grows at step 9."""
+
+
+def _interval_fresh_steps(every: int = 3) -> list[bool]:
+    """The steps of ``_interval_steps`` at which a request with an interval of ``every`` selects
+    (votes): its first, every ``every``-th, and the step the region grew (context 417), which
+    restarts the count."""
+    grow = 417 - INTERVAL_N0
+    return [t < grow and t % every == 0 or t >= grow and (t - grow) % every == 0
+            for t in range(INTERVAL_STEPS)]
+
+
+def _interval_steps(state, every, device: str, n0: int = INTERVAL_N0,
+                    steps: int = INTERVAL_STEPS):
     """``steps`` decode steps of request 0 from context ``n0`` in ``state`` and the every-step
     state ``every``: yields each step's query, whether ``state`` selected (voted) at it and the
     region's keys. With the test states' window (32 + 16) the region grows when the context
@@ -1172,15 +1186,16 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
                 moved = base[layer] + age
                 want = torch.where((base[layer] >= 0) & (moved < n_ret), moved, -1)
                 assert torch.equal(rows.cpu(), want.cpu())
-    # steps 0, 3, 6, ...; the region grew at step 17 (context 417), which restarts the count
-    want = [t < 17 and t % 3 == 0 or t >= 17 and (t - 17) % 3 == 0 for t in range(20)]
-    assert fresh_steps == want
-    assert state.stats["selections"] == sum(want) and state.stats["sparse_steps"] == 20
-    assert every.stats["selections"] == every.stats["sparse_steps"] == 20
+    # steps 0, 3, 6, then 9 (the region grew: context 417), 12
+    want = _interval_fresh_steps()
+    assert fresh_steps == want and want == [t in (0, 3, 6, 9, 12) for t in range(14)]
+    steps = INTERVAL_STEPS
+    assert state.stats["selections"] == sum(want) and state.stats["sparse_steps"] == steps
+    assert every.stats["selections"] == every.stats["sparse_steps"] == steps
     # a slot whose request sat a step out (retracted, paused) selects again when it is back
     step(state, [1], [300])
     selections = state.stats["selections"]
-    step(state, [0], [400 + 20])
+    step(state, [0], [INTERVAL_N0 + INTERVAL_STEPS])
     assert state.stats["selections"] == selections + 1
 
 
@@ -1228,5 +1243,5 @@ def test_a_vote_serves_vote_interval_steps_and_the_steps_between_rerank_it(ops_c
                 moved = {c + age for c in kept[layer][h] if c + age < n_ret}
                 assert got[layer][h] <= moved and len(got[layer][h]) == min(8, len(moved))
                 changed += got[layer][h] != {r + age for r in last[layer][h] if r + age < n_ret}
-    assert votes == [t < 17 and t % 3 == 0 or t >= 17 and (t - 17) % 3 == 0 for t in range(20)]
+    assert votes == _interval_fresh_steps()
     assert changed > 0  # the steps between chose by their own queries, not the vote's picks
