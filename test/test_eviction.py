@@ -448,7 +448,7 @@ def test_each_shadow_cache_hits_what_its_expert_hits_alone():
     does (the prefix it holds locked, room made before the insert), so its hits are its
     expert's own; ``sae`` samples leaves at random, so its shadow is within 1 %."""
     from sglang.srt.mem_cache import radix_cache
-    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.auto import VARIANTS, AutoStrategy
     from sglang_pic.eviction.replay import simulator
     from sglang_pic.eviction.replay.simulator import policy_spec, replay, replay_context
     from sglang_pic.eviction.replay.traces import generate
@@ -469,13 +469,41 @@ def test_each_shadow_cache_hits_what_its_expert_hits_alone():
     shadow = dict(zip(auto.names, auto.shadow_totals, strict=True))
     alone = {}
     for name in auto.names:
-        spec = "tlru" if name == "tlru" else name  # the replay's tlru has auto's settings
-        assert policy_spec(spec)[1] == auto.settings.get(name, {})
-        alone[name] = replay(trace, spec, capacity=capacity).hit_tokens
-    assert len(set(alone.values())) >= 4, alone  # the experts differ on this traffic
+        # the replay's tlru has auto's settings; its sae-conv is auto's variant of sae (which
+        # keeps its block state under a name of its own beside auto's sae)
+        variant = {k: v for k, v in VARIANTS.get(name, (name, {}))[1].items()
+                   if k != "block_attr"}
+        assert policy_spec(name)[1] == {**auto.settings.get(name, {}), **variant}
+        alone[name] = replay(trace, name, capacity=capacity).hit_tokens
+    assert len(set(alone.values())) >= 5, alone  # the experts differ on this traffic
     for name in ("lru", "gdsf", "s3fifo", "tlru"):
         assert shadow[name] == alone[name], (name, shadow, alone)
-    assert abs(shadow["sae"] - alone["sae"]) <= 0.01 * alone["sae"], (shadow, alone)
+    for name in ("sae", "sae-conv"):
+        assert abs(shadow[name] - alone[name]) <= 0.01 * alone[name], (name, shadow, alone)
+
+
+def test_auto_held_on_sae_caches_as_sae_alone_beside_an_expert_inferring_conversations(
+        monkeypatch):
+    """``sae-conv`` writes the conversations it infers into a request's context; in ``auto``
+    it reads a copy of its own, so ``sae`` beside it sees what it sees alone. With the leader
+    held on ``sae`` (a paired test no lead passes), ``auto``'s real cache makes ``sae``'s own
+    decisions on traffic without hints: the same hits as ``sae`` replayed alone."""
+    import dataclasses
+
+    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.replay import simulator
+    from sglang_pic.eviction.replay.traces import generate
+
+    assert "sae-conv" in AutoStrategy().names
+    trace = [dataclasses.replace(r, session_id=None, app_type=None, segments=[(0, "user")],
+                                 output_segments=[])
+             for r in generate("chat", scale=12, seed=3)]
+    monkeypatch.setitem(simulator.ABLATIONS, "auto-held", ("auto", {"confidence": 1e12}))
+    held = simulator.replay(trace, "auto-held", capacity=4000)
+    alone = {p: simulator.replay(trace, p, capacity=4000).hit_tokens
+             for p in ("sae", "sae-conv")}
+    assert alone["sae"] != alone["sae-conv"], alone  # the inference changes sae's decisions
+    assert held.hit_tokens == alone["sae"], (held.hit_tokens, alone)
 
 
 @pytest.mark.parametrize("workload", ["chat", "single_heavy"])

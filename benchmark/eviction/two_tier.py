@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
+from sglang_pic.eviction.policy import configure  # noqa: E402
 from sglang_pic.eviction.replay.simulator import (  # noqa: E402
     CountingAllocator,
     _Clock,
@@ -54,7 +55,6 @@ from sglang_pic.eviction.replay.simulator import (  # noqa: E402
     _patched,
     _slots,
     _TimeProxy,
-    configure,
     policy_spec,
     replay_context,
     servable,

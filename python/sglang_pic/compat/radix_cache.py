@@ -67,6 +67,13 @@ ROWS: tuple[Seam, ...] = (
          "eviction", why="a block the policy has seen inserted"),
     Seam(f"{_NODE}._pic_offset", "sglang_pic.eviction.hooks:around_insert", "attribute",
          "eviction", why="a block's token offset in its request (kept across splits)"),
+    Seam(f"{_NODE}.sae", "sglang_pic.eviction.sae:SAEStrategy.on_insert", "attribute",
+         "eviction", why="what `sae` knows of a block (`BlockInfo`: its type, session, queue)"),
+    Seam(f"{_NODE}.sae_conv", "sglang_pic.eviction.sae:SAEStrategy.on_insert", "attribute",
+         "eviction", why="likewise for `auto`'s `sae-conv` expert, which infers conversations "
+                         "(`eviction.auto.VARIANTS`)"),
+    Seam(f"{_NODE}._pic_shadow_drops", "sglang_pic.eviction.shadow:mark_dropped", "attribute",
+         "eviction", why="`auto`'s drop marks: the shadows that no longer hold a block"),
     Seam(f"{_R}._pic_pending_hits", "sglang_pic.eviction.hooks:around_match_prefix",
          "attribute", "eviction", why="each request's latest match, reported when it is cached"),
     Seam(f"{_R}._pic_hit_counted", "sglang_pic.eviction.hooks:_report_pending_hits",

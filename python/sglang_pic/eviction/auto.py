@@ -5,9 +5,12 @@ traffic and the cache size (``gdsf`` at small caches, ``s3fifo`` at large ones) 
 ahead where its session signals hold and behind where they do not; a user cannot know in advance
 which to pick. ``auto`` measures it online.
 
-* **Experts** (``EXPERTS``): ``sae``, ``gdsf``, ``s3fifo``, ``lru`` and ``tlru``. Every expert
-  sees every event of the real cache (hits, inserts, splits, evictions), so each keeps its own
-  state whoever evicts, and any of them can order the next evict pass.
+* **Experts** (``EXPERTS``): ``sae``, ``sae-conv`` (``sae`` inferring conversations from the
+  prefix chain, ``VARIANTS``), ``gdsf``, ``s3fifo``, ``lru`` and ``tlru``. Every expert sees
+  every event of the real cache (hits, inserts, splits, evictions), so each keeps its own
+  state whoever evicts, and any of them can order the next evict pass. An expert that writes
+  what it infers into a request's context reads a copy of its own (``_expert_context``), and
+  each ``sae`` keeps its block state under its own node attribute (``block_attr``).
 * **Shadow caches** (``selection="shadow"``, the default; ``shadow.ShadowCache``): one
   token-only radix tree per expert, fed every request's prompt (a lookup) and every insert,
   each caching as the real cache does (the prefix it holds locked, room made with its expert
@@ -47,10 +50,17 @@ from sglang_pic.launcher.server_flags import setting
 
 from .baselines import TLRU_TUNED, GDSFStrategy, S3FIFOStrategy, TLRUStrategy
 from .context import block_key
-from .policy import CachePolicy, as_policy
+from .policy import CachePolicy, as_policy, configure
 from .shadow import DROPS, ShadowCache, clear_path, mark_dropped
 
-EXPERTS = ("sae", "gdsf", "s3fifo", "lru", "tlru")
+EXPERTS = ("sae", "sae-conv", "gdsf", "s3fifo", "lru", "tlru")
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "sae-conv": ("sae", {"guess.infer_sessions": True, "block_attr": "sae_conv"})}
+"""Experts that are another policy with some attributes set: name -> (policy, attributes).
+``sae-conv`` infers conversations from the prefix chain of requests that carry no session
+(``request_guess.RequestGuesser``): ahead of ``sae`` on multi-turn traffic without hints at
+small caches, behind it on single-turn traffic and on the Mooncake conversation trace, so it
+is an expert beside ``sae``, not ``sae``'s default."""
 HALF_LIFE = 1000
 """Requests after which an expert's shadow hits weigh half (``selection="shadow"``)."""
 SWITCH_MARGIN = 0.005
@@ -93,6 +103,13 @@ class AutoStrategy(CachePolicy):
 
         makers = {"sae": SAEStrategy, "gdsf": GDSFStrategy, "s3fifo": S3FIFOStrategy,
                   "lru": LRUStrategy, "tlru": TLRUStrategy}
+
+        def make(name: str):
+            policy, attrs = VARIANTS.get(name, (name, {}))
+            expert = makers[policy](**self.settings.get(name, {}))
+            configure(expert, attrs)
+            return expert
+
         if selection not in ("shadow", "regret"):
             raise ValueError(f"auto: selection {selection!r} is not shadow or regret")
         self.selection = selection
@@ -108,11 +125,16 @@ class AutoStrategy(CachePolicy):
         self.lead_sq = [[0.0] * n for _ in range(n)]
         self.confidence = confidence
         self.capacity = 0  # the real cache's size: the most tokens it has held
-        self._shadow_ctx: tuple = (None, None)  # (a request's context, the shadows' copy)
+        # a request's context, and its copies (``_context_copy``) by who reads them
+        self._copies_of = None
+        self._copies: dict[tuple, object] = {}
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self.settings = expert_settings()
-        self.experts = {name: makers[name](**self.settings.get(name, {})) for name in experts}
+        self.experts = {name: make(name) for name in experts}
         self.names = list(experts)
+        # experts that write what they infer into a request's context (``VARIANTS``): each
+        # reads a copy of its own, in the real cache and in its shadow
+        self.private = [name in VARIANTS for name in self.names]
         # the experts as policies, in ``names``' order: the events go to these (SGLang's
         # ``lru`` through its adapter); ``get_priority`` is the expert's own
         self.policies = [as_policy(self.experts[name]) for name in self.names]
@@ -191,32 +213,51 @@ class AutoStrategy(CachePolicy):
         return self.names[max(range(len(self.weights)), key=self.weights.__getitem__)]
 
     def worth_host_copy(self, node, ctx=None, offset: int = 0) -> bool:
-        """``sae``'s deferral of host copies, while ``sae`` leads."""
-        sae = self.experts.get("sae")
-        if sae is None or self._leader() != "sae":
+        """``sae``'s deferral of host copies, while ``sae`` (or a variant of it) leads."""
+        i = self.names.index(self._leader())
+        leader = self.experts[self.names[i]]
+        if not hasattr(leader, "worth_host_copy"):
             return True
-        return sae.worth_host_copy(node, ctx, offset)
+        return leader.worth_host_copy(node, self._expert_context(ctx, i), offset)
 
-    # ---- shadow caches (selection="shadow") ------------------------------------------------
+    # ---- request contexts -------------------------------------------------------------------
 
-    def _shadow_context(self, ctx):
-        """The shadows' copy of ``ctx``, one per request (its lookup and its stores share it):
-        the real cache's hooks mark a request reported and ``sae`` writes what it inferred into
-        the real context, which the shadows' own hooks must not read."""
+    def _context_copy(self, ctx, key: tuple):
+        """A copy of ``ctx`` for ``key``, one per request (its lookup, events and stores share
+        it): the real cache's hooks mark a request reported and ``sae`` writes what it inferred
+        into the context it is given, which no other reader may see."""
         from dataclasses import replace
 
         if ctx is None:
             return None
-        if self._shadow_ctx[0] is not ctx:
-            copy = replace(ctx, announced=False, anchor=None, app_inferred=False,
-                           app_type=None if ctx.app_inferred else ctx.app_type)
-            self._shadow_ctx = (ctx, copy)
-        return self._shadow_ctx[1]
+        if self._copies_of is not ctx:
+            self._copies_of, self._copies = ctx, {}
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._copies[key] = replace(
+                ctx, announced=False, anchor=None, app_inferred=False,
+                app_type=None if ctx.app_inferred else ctx.app_type)
+        return copy
+
+    def _shadow_context(self, ctx, i: int):
+        """Shadow ``i``'s context: the shadows' shared copy, or a private expert's own."""
+        return self._context_copy(ctx, ("shadow", i if self.private[i] else -1))
+
+    def _expert_context(self, ctx, i: int):
+        """The context the real cache's expert ``i`` is given: the request's, or a private
+        expert's own copy."""
+        return self._context_copy(ctx, ("real", i)) if self.private[i] else ctx
+
+    # ---- shadow caches (selection="shadow") ------------------------------------------------
 
     def _ensure_shadows(self, page_size: int) -> list:
         if self.shadows is None:
-            self.shadows = [ShadowCache(name, page_size, self.settings.get(name, {}))
-                            for name in self.names]
+            self.shadows = []
+            for name in self.names:
+                policy, attrs = VARIANTS.get(name, (name, {}))
+                shadow = ShadowCache(policy, page_size, self.settings.get(name, {}))
+                configure(shadow.strategy, attrs)
+                self.shadows.append(shadow)
             self.now_fn = self._now_fn  # the experts' clock, the shadows' too
         return self.shadows
 
@@ -229,8 +270,10 @@ class AutoStrategy(CachePolicy):
         shadows = self._ensure_shadows(page_size)
         d = self._decay
         self.shadow_tokens = self.shadow_tokens * d + len(tokens)
-        with using(self._shadow_context(ctx)):
-            hits = [shadow.lookup(tokens) for shadow in shadows]
+        hits = []
+        for i, shadow in enumerate(shadows):
+            with using(self._shadow_context(ctx, i)):
+                hits.append(shadow.lookup(tokens))
         for i, h in enumerate(hits):
             self.shadow_hits[i] = self.shadow_hits[i] * d + h
             self.shadow_totals[i] += h
@@ -259,11 +302,12 @@ class AutoStrategy(CachePolicy):
         mirror = self.mirror and root is not None
         if mirror:  # every shadow holds what is inserted now
             clear_path(root, tokens, (1 << len(shadows)) - 1, page_size)
-        with using(self._shadow_context(ctx)):
-            for i, shadow in enumerate(shadows):
-                for node in shadow.store(tokens, self.capacity):
-                    if mirror:
-                        mark_dropped(root, node, 1 << i, page_size)
+        for i, shadow in enumerate(shadows):
+            with using(self._shadow_context(ctx, i)):
+                dropped = shadow.store(tokens, self.capacity)
+            if mirror:
+                for node in dropped:
+                    mark_dropped(root, node, 1 << i, page_size)
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -287,8 +331,8 @@ class AutoStrategy(CachePolicy):
             blamed = self.ghost.pop(block_key(node), None)
             if blamed is not None:
                 self._regret(*blamed)
-        for s in self.policies:
-            s.on_insert(node, ctx, offset, is_new)
+        for i, s in enumerate(self.policies):
+            s.on_insert(node, self._expert_context(ctx, i), offset, is_new)
 
     def _regret(self, expert: int, serial: int) -> None:
         age = self.evictions - serial
@@ -301,20 +345,20 @@ class AutoStrategy(CachePolicy):
         self.weights = [w / total for w in weights]
 
     def on_hit(self, node, tokens: int, ctx) -> None:
-        for s in self.policies:
-            s.on_hit(node, tokens, ctx)
+        for i, s in enumerate(self.policies):
+            s.on_hit(node, tokens, self._expert_context(ctx, i))
 
     def on_split(self, head, tail) -> None:
         for s in self.policies:
             s.on_split(head, tail)
 
     def on_match(self, nodes: list, ctx, tokens=None) -> None:
-        for s in self.policies:
-            s.on_match(nodes, ctx, tokens)
+        for i, s in enumerate(self.policies):
+            s.on_match(nodes, self._expert_context(ctx, i), tokens)
 
     def on_request(self, ctx, now: float) -> None:
-        for s in self.policies:
-            s.on_request(ctx, now)
+        for i, s in enumerate(self.policies):
+            s.on_request(self._expert_context(ctx, i), now)
 
     def dump_stats(self, path: str) -> None:
         sae = self.experts.get("sae")

@@ -128,3 +128,15 @@ def as_policy(strategy: EvictionStrategy) -> CachePolicy:
     if isinstance(strategy, CachePolicy):
         return strategy
     return SGLangPolicy(strategy)
+
+
+def configure(strategy: Any, attrs: dict) -> None:
+    """Set attributes on a policy object (``"guess.infer_apps"``: the ``infer_apps`` of its
+    ``guess``): the replays' variants (``replay.simulator.policy_spec``) and ``auto``'s experts
+    that are another policy with some attributes set."""
+    for name, value in attrs.items():
+        *path, last = name.split(".")
+        owner = strategy
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, last, value)

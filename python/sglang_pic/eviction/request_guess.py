@@ -39,6 +39,7 @@ class RequestGuesser:
         self.tracked_sessions = tracked_sessions
         self.tracked_anchor_ids = tracked_anchor_ids
         self.infer_sessions = False
+        self.block_attr = "sae"  # where the policy's ``BlockInfo`` sits on a node
         self.infer_apps = True
         # the match depth of each inferred conversation's latest request, and the conversation
         # of each request id seen
@@ -82,7 +83,7 @@ class RequestGuesser:
         if nodes:
             deepest = nodes[0]
             depth = block_offset(deepest) + len(deepest.key)
-            info = getattr(deepest, "sae", None)
+            info = getattr(deepest, self.block_attr, None)
             if (info is not None and info.session_id is not None and info.queue != "structural"
                     and depth > self.conv_depth.get(info.session_id, depth)):
                 conv, reach = info.session_id, depth
@@ -116,7 +117,7 @@ class RequestGuesser:
         ``evict_first`` and learn their own rate."""
         if ctx.session_id is not None or ctx.app_type is not None or ctx.on_behalf:
             return
-        infos = [getattr(node, "sae", None) for node in nodes]
+        infos = [getattr(node, self.block_attr, None) for node in nodes]
         if any(info is None or info.key_start for info in infos):
             # a block cached without a request (loaded from storage), or a span segment's
             # (each segment's tree is its own): the match does not say where the request goes
@@ -125,7 +126,7 @@ class RequestGuesser:
         # the deepest node matched: HiCache's host-tier part of a match comes after its device
         # part (``hooks._matched_nodes``) and may go deeper
         deepest = max(nodes, key=lambda n: block_offset(n) + len(n.key), default=None)
-        branches = deepest.sae.branches if deepest is not None else None
+        branches = getattr(deepest, self.block_attr).branches if deepest is not None else None
         ctx.app_type = "chat" if branches is not None and branches <= 1 else "single"
         ctx.app_inferred = True
         # a request that branched off a shared block: its blocks' rate is also learnt per that

@@ -111,7 +111,7 @@ def _w_kind(info: BlockInfo) -> tuple | None:
 
 @dataclass(slots=True)
 class BlockInfo:
-    """What SAE stores on a radix-tree node (``node.sae``)."""
+    """What SAE stores on a radix-tree node (``node.sae``; ``SAEStrategy.block_attr``)."""
 
     token_type: str
     session_id: str | None
@@ -139,6 +139,17 @@ class SAEStrategy(CachePolicy):
     """``--radix-eviction-policy sae``; one instance per radix cache."""
 
     name = "sae"
+
+    @property
+    def block_attr(self) -> str:
+        """The attribute of a tree node holding what this policy knows of the block
+        (``BlockInfo``): ``sae``, or another name for a second instance on the same tree
+        (``auto``'s ``sae-conv`` expert beside its ``sae``)."""
+        return self.guess.block_attr
+
+    @block_attr.setter
+    def block_attr(self, name: str) -> None:
+        self.guess.block_attr = name
 
     def __init__(self, ghost_capacity: int = 65536, sample_size: int | None = None,
                  temperature: float = 2.0) -> None:
@@ -331,7 +342,7 @@ class SAEStrategy(CachePolicy):
         it is."""
         if not self.defer_host_copies:
             return True
-        info: BlockInfo | None = getattr(node, "sae", None)
+        info: BlockInfo | None = getattr(node, self.block_attr, None)
         if info is None and ctx is not None:
             self.guess.resolve(ctx)  # SGLang writes inside insert, before ``on_insert`` resolves it
             info = self._new_info(ctx, offset, len(node.key))
@@ -382,7 +393,7 @@ class SAEStrategy(CachePolicy):
             self.stats_path = None
 
     def get_priority(self, node) -> float:
-        info: BlockInfo | None = getattr(node, "sae", None)
+        info: BlockInfo | None = getattr(node, self.block_attr, None)
         now = self._pass_now
         if now is None:
             now = self.now_fn()
@@ -541,7 +552,7 @@ class SAEStrategy(CachePolicy):
     def on_insert(self, node, ctx: RequestContext, offset: int, is_new: bool) -> None:
         self.guess.resolve(ctx)
         if not is_new:
-            info = getattr(node, "sae", None)
+            info = getattr(node, self.block_attr, None)
             if info is not None and info.sessions_seen == 0 and not ctx.on_behalf:
                 self._adopt(node, info, ctx)
             elif info is not None and not ctx.on_behalf:  # a span prefill uses it for others
@@ -552,7 +563,8 @@ class SAEStrategy(CachePolicy):
         self.events["inserts"] += 1
         now = self._now(ctx)
         self.inflow.add(len(node.key), now)
-        info = node.sae = self._new_info(ctx, offset, len(node.key))
+        info = self._new_info(ctx, offset, len(node.key))
+        setattr(node, self.block_attr, info)
         ghost = self.ghost.pop(block_key(node), None)
         if ghost is not None and ghost[4] and not ctx.on_behalf:
             # a template asked for again (shared, and requests branched after it): it is shared
@@ -560,7 +572,7 @@ class SAEStrategy(CachePolicy):
             # queries' blocks
             info.sessions_seen = 2
             info.queue = self.route(info)
-        parent = getattr(node.parent, "sae", None)
+        parent = getattr(node.parent, self.block_attr, None)
         if parent is not None:
             parent.branches += 1
         if _in_w(info):
@@ -591,13 +603,14 @@ class SAEStrategy(CachePolicy):
 
     def on_split(self, head, tail) -> None:
         """SGLang split ``tail`` into ``head`` (its first part, a new node) + ``tail``."""
-        info: BlockInfo | None = getattr(tail, "sae", None)
+        info: BlockInfo | None = getattr(tail, self.block_attr, None)
         if info is None:
             return
-        head.sae = BlockInfo(info.token_type, info.session_id, info.app_type, info.offset,
-                             info.prompt_len, info.sessions_seen, info.last_session, info.ctx,
-                             info.last_hit, info.interval, info.queue, info.turn, info.key_start,
-                             branches=1, left=info.left, anchor=info.anchor)  # the tail below it
+        setattr(head, self.block_attr, BlockInfo(
+            info.token_type, info.session_id, info.app_type, info.offset, info.prompt_len,
+            info.sessions_seen, info.last_session, info.ctx, info.last_hit, info.interval,
+            info.queue, info.turn, info.key_start, branches=1, left=info.left,
+            anchor=info.anchor))  # the tail below it
         old_queue = info.queue
         info.offset = block_offset(tail)  # the hooks move offsets on a split
         if info.ctx is not None and info.ctx.app_inferred:
@@ -609,12 +622,13 @@ class SAEStrategy(CachePolicy):
             info.token_type = info.ctx.token_type_at(info.key_start + info.offset)
         info.queue = self.route(info)
         self.resident[old_queue] -= len(tail.key) + len(head.key)
-        self.resident[head.sae.queue] += len(head.key)
+        before = getattr(head, self.block_attr)  # the tail's info before the split
+        self.resident[before.queue] += len(head.key)
         self.resident[info.queue] += len(tail.key)
-        self._recount(len(tail.key), _w_kind(head.sae), info)  # head.sae: the info before
+        self._recount(len(tail.key), _w_kind(before), info)
 
     def on_hit(self, node, tokens: int, ctx: RequestContext | None) -> None:
-        info: BlockInfo | None = getattr(node, "sae", None)
+        info: BlockInfo | None = getattr(node, self.block_attr, None)
         if info is None:
             return
         self.guess.resolve(ctx)
@@ -640,7 +654,7 @@ class SAEStrategy(CachePolicy):
         self.events["hits"] += 1
 
     def on_evict(self, node) -> None:
-        info: BlockInfo | None = getattr(node, "sae", None)
+        info: BlockInfo | None = getattr(node, self.block_attr, None)
         if info is None:
             return
         self.resident[info.queue] = max(self.resident[info.queue] - len(node.key), 0)

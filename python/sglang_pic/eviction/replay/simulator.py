@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..baselines import TLRU_TUNED
+from ..policy import configure
 from .traces import Request
 
 # Prefill time model t(n) = A*n + B*n^2 ms for n new tokens after `h` cached ones:
@@ -284,17 +285,6 @@ def make_cache(policy: str):
     cache = RadixCache(params)
     configure(cache.eviction_strategy, attrs)
     return cache, allocator
-
-
-def configure(strategy: Any, attrs: dict) -> None:
-    """Set a ``policy_spec``'s attributes on ``strategy`` (``"guess.infer_apps"``: the
-    ``infer_apps`` of its ``guess``)."""
-    for name, value in attrs.items():
-        *path, last = name.split(".")
-        owner = strategy
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, last, value)
 
 
 def _count_nodes(cache) -> int:
