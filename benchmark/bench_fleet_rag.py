@@ -302,13 +302,13 @@ def _summed(outs: list[dict]) -> dict[str, int]:
 
 
 def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save) -> None:
-    """Every cell of ``params`` on a started side, each into ``cells`` and then ``save``d (a
-    call cut off keeps the cells it finished)."""
+    """Every cell of ``params`` that ``cells`` lacks on a started side, each into ``cells`` and
+    then ``save``d (a call cut off keeps the cells it finished)."""
     import numpy as np
 
     spans = side.name != "vanilla"
     sp = {"max_new_tokens": params["output_tokens"], "temperature": 0, "ignore_eos": True}
-    for name in params["cells"]:
+    for name in (c for c in params["cells"] if c not in cells):
         cell = CELLS[name]
         rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
         out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [], "ttft_p99_ms": [],
@@ -428,13 +428,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fleet-rag-") as tmp:
         log_dir = Path(args.log_dir) if args.log_dir else \
             out_dir / f"{args.name}-logs" if args.out and not args.smoke else Path(tmp)
-        for name in (s for s in sides if s not in report["results"]):
+        # a side runs where it lacks a cell (one cut off while it started or ran keeps the
+        # cells it finished)
+        for name in (s for s in sides if set(params["cells"])
+                     - set(report["results"].get(s, {}).get("cells", {}))):
+            done = report["results"].get(name, {}).get("cells", {})
             side = Side(name, args, args.smoke, log_dir / name, Path(tmp))
             side.log_dir.mkdir(parents=True, exist_ok=True)
             try:
                 start_s = side.start()
                 print(f"[fleet-rag] {name} up in {start_s:.0f} s", flush=True)
-                report["results"][name] = {"start_s": start_s, "cells": {}}
+                report["results"][name] = {"start_s": start_s, "cells": done}
                 run_side(side, params, rates, lambda m: print(m, flush=True),
                          report["results"][name]["cells"], save)
             except Exception as e:
@@ -446,6 +450,7 @@ def main() -> None:
             finally:
                 side.stop()
                 save()
+    report["summary"] = summarize(report)
     print_summary(report["summary"], count="errors", label="errors")
     print(f"[bench] wrote {path}")
 

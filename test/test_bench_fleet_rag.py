@@ -70,3 +70,19 @@ def test_progress_names_the_newest_log_and_its_last_line(tmp_path):
     os.utime(tmp_path / "old.log", (1, 1))
     assert bench_fleet_rag._last_line(tmp_path) == "instance-0.log: Capturing 3/58"
     assert bench_fleet_rag._last_line(tmp_path / "fleet" / "none") == ""
+
+
+def test_a_resumed_side_runs_only_the_cells_it_lacks():
+    """A side cut off after some cells is resumed with them: ``run_side`` measures only the
+    cells its report lacks (here none, so it never touches the side or saves)."""
+    class Untouchable:
+        name = "sglang-pic"
+
+        def __getattr__(self, attr):
+            raise AssertionError(f"the side was used: {attr}")
+
+    cells = {"aligned": {"requests_per_s": [1.0]}}
+    saves = []
+    bench_fleet_rag.run_side(Untouchable(), {"cells": ["aligned"], "output_tokens": 8}, {}, print, cells,
+             lambda: saves.append(1))
+    assert cells == {"aligned": {"requests_per_s": [1.0]}} and not saves
