@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build everything a device session carries, in .devkit/ (ignored by git), from a fresh checkout:
-#   a, b0, b, c   the shared devkit (../shared/devkit/build.sh), with part b's three largest wheels
-#                 moved to b0 so that b, c and extra travel with the working tree in one call (64 MiB),
-#                 and a's two smallest wheels to b and to a2 so that a does too
+#   a, a2, b, b1, c   the shared devkit (../shared/devkit/build.sh) in parts that each travel with
+#                 the working tree (64 MiB a call; the tree is ~27 MB): part b's largest wheel in
+#                 two halves (w1, w2, joined on the device), its next two in b1, a's two smallest
+#                 wheels and the slim sgl-kernel in b and a2
 #   extra         xxhash (PTStore checksums) and pytest wheels for the device's Python 3.12, and
 #                 jit-caches.tgz (the kit's FlashInfer JIT cache unless a richer one is already there)
 #   router        SGLang's router (sglang-router, python/requirements-fleet.txt) for the device's
@@ -45,13 +46,17 @@ trap restore_all EXIT
 echo "[devkit] shared kit (parts a, b, c)"
 bash "$shared/build.sh" "$kit" >/dev/null
 
-echo "[devkit] b0, b1: part b's largest wheel, its next two"
-mkdir -p "$kit/b0" "$kit/b1"
+echo "[devkit] w1, w2, b1: part b's largest wheel in two halves, its next two wheels"
+rm -rf "$kit"/w[0-9]* && mkdir -p "$kit/w1" "$kit/w2" "$kit/b1"
 # shellcheck disable=SC2012
-ls -S "$kit"/b/*.whl | head -1 | xargs -I{} mv {} "$kit/b0/"
+wheel=$(ls -S "$kit"/b/*.whl | head -1)
+half=$(( ($(stat -c %s "$wheel") + 1) / 2 ))
+split -b "$half" "$wheel" "$kit/w1/wheel.part."
+mv "$kit/w1/wheel.part.ab" "$kit/w2/" && touch "$kit/w2/last"
+basename "$wheel" > "$kit/w1/name" && cp "$kit/w1/name" "$kit/w2/name" && rm "$wheel"
 # shellcheck disable=SC2012
 ls -S "$kit"/b/*.whl | head -2 | xargs -I{} mv {} "$kit/b1/"
-cp "$shared/stage.sh" "$kit/b0/" && cp "$shared/stage.sh" "$kit/b1/"
+cp "$shared/stage.sh" "$kit/b1/"
 # and part a's smallest wheel (tokenizers, 3 MB) to b, its next (transformers, 11 MB) and the
 # slim sgl-kernel (18 MB) to a part of their own, a2: a keeps SGLang's wheel (22 MB), so that it
 # travels with a working tree of up to ~40 MB

