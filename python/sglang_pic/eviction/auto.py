@@ -213,12 +213,10 @@ class AutoStrategy(CachePolicy):
         return self.names[max(range(len(self.weights)), key=self.weights.__getitem__)]
 
     def worth_host_copy(self, node, ctx=None, offset: int = 0) -> bool:
-        """``sae``'s deferral of host copies, while ``sae`` (or a variant of it) leads."""
+        """The leader's answer: ``sae``'s deferral of host copies while ``sae`` (or a variant of
+        it) leads, a copy every time under the others (``CachePolicy``'s default)."""
         i = self.names.index(self._leader())
-        leader = self.experts[self.names[i]]
-        if not hasattr(leader, "worth_host_copy"):
-            return True
-        return leader.worth_host_copy(node, self._expert_context(ctx, i), offset)
+        return self.policies[i].worth_host_copy(node, self._expert_context(ctx, i), offset)
 
     # ---- request contexts -------------------------------------------------------------------
 
