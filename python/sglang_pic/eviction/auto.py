@@ -206,16 +206,17 @@ class AutoStrategy(CachePolicy):
         for s in self.policies:
             s.end_evict()
 
-    def _leader(self) -> str:
-        """The expert the cache follows: the shadows' choice, or (``regret``) the heaviest."""
+    def _leader(self) -> int:
+        """The expert the cache follows (its index): the shadows' choice, or (``regret``) the
+        heaviest."""
         if self.selection == "shadow":
-            return self.names[self.chosen]
-        return self.names[max(range(len(self.weights)), key=self.weights.__getitem__)]
+            return self.chosen
+        return max(range(len(self.weights)), key=self.weights.__getitem__)
 
     def worth_host_copy(self, node, ctx=None, offset: int = 0) -> bool:
         """The leader's answer: ``sae``'s deferral of host copies while ``sae`` (or a variant of
         it) leads, a copy every time under the others (``CachePolicy``'s default)."""
-        i = self.names.index(self._leader())
+        i = self._leader()
         return self.policies[i].worth_host_copy(node, self._expert_context(ctx, i), offset)
 
     # ---- request contexts -------------------------------------------------------------------
