@@ -450,8 +450,7 @@ def main() -> None:
             finally:
                 side.stop()
                 save()
-    report["summary"] = summarize(report)
-    print_summary(report["summary"], count="errors", label="errors")
+    print_summary(summarize(report), count="errors", label="errors")
     print(f"[bench] wrote {path}")
 
 
