@@ -245,6 +245,25 @@ GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x ta
 
 FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a side
 ROUTING_SIM = "fleet_routing_sim.json"
+SPAN_STORE_TIER = "span_store_tier.json"  # store/bench_span_store_tier.py
+SPAN_STORE_TIER_PATH = ("the span store tier alone (a KV pool in a radix tree, one store server "
+                        "in its own process)")
+
+
+def _span_store_tier_worst(metric: str):
+    """The span store tier's cell (model shape x span length) where 4 MiB blocks gain least
+    over a store entry per pool page on ``metric`` (lower is better), that cell's samples."""
+
+    def extract(report: dict) -> tuple:
+        cells = [(shape, n, by_v["token pages"][n], by_v["4 MiB blocks"][n])
+                 for shape, by_v in report["cells"].items() for n in by_v["4 MiB blocks"]]
+        shape, n, base, ours = min(cells, key=lambda c: c[2][metric] / max(c[3][metric], 1e-9))
+        return (_samples(base, metric), _samples(ours, metric),
+                f"design comparison, no vanilla side: worst of {len(cells)} cells, {shape} KV and "
+                f"a {n}-token span; a store entry per pool page (page size 1) against 4 MiB "
+                f"blocks, {report['config']['device']}")
+
+    return extract
 
 
 def _fleet_store_share(report: dict) -> tuple:
@@ -645,6 +664,10 @@ CLAIMS: list[Claim] = [
           path="model (sim_fleet_routing.py), not a server",
           note="the busiest instance's requests over the mean: how unevenly span group keys "
           "spread the load, their worst case"),
+    *[Claim(f"spans.store_tier.{metric}", SPAN_STORE_TIER, metric, baseline_variant="token pages",
+            ours_variant="4 MiB blocks", path=SPAN_STORE_TIER_PATH,
+            extract=_span_store_tier_worst(metric))
+      for metric in ("load_ms", "stored_ms", "stolen_ms")],
     *[Claim(f"spans.nonspan.{case}", NONSPAN, metric, ours_variant="sglang-pic-spans",
             target=0.98, path=SPAN_SERVER, reruns=(NONSPAN_RERUN,),
             note="requests without spans on a --enable-span-cache server")
