@@ -164,6 +164,11 @@ def test_the_key_is_checked_before_the_span_middleware_reads_the_body(span_serve
     r = requests.post(span_server.url + "/generate", data=body, timeout=60,
                       headers={"content-type": "application/json"})
     assert r.status_code == 401, r.text
+    # the refusal says where `sglang-pic serve` keeps this server's key (its port names it)
+    from sglang_pic.security.api_key import key_file
+
+    port = int(span_server.url.rsplit(":", 1)[1])
+    assert str(key_file(port)) in r.json()["message"]
 
 
 def test_escaped_spans_key_is_the_spans_field(span_server):

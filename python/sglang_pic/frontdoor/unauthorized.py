@@ -53,13 +53,15 @@ class UnauthorizedHint:
 
 def add_hint(result: Any, app: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook for ``add_api_key_middleware(app, ...)``: the hint outside SGLang's check."""
-    from sglang.srt.server_args import get_global_server_args
+    # the runtime context's accessor answers on every supported SGLang (0.5.23 retired
+    # ``server_args.get_global_server_args``)
+    from sglang.srt.runtime_context import get_server_args
 
     from sglang_pic.security.api_key import DEFAULT_PORT, key_file
 
     try:
-        port = int(get_global_server_args().port)
-    except (ValueError, AttributeError):
+        port = int(get_server_args().port)
+    except (ValueError, AttributeError, RuntimeError):
         port = DEFAULT_PORT
     app.add_middleware(UnauthorizedHint, key_file=str(key_file(port)))
     return result
