@@ -9,6 +9,8 @@ Sides, each started and stopped by this script, vanilla first (it sets the strea
   its stand-in is ``sglang-pic fleet`` without spans or stores (SGLang needs our CPU support).
 * ``sglang-pic``: ``sglang-pic fleet --instances N --stores M --policy cache_aware
   --enable-span-cache``: each document a span.
+* ``sglang-pic-nostore``: the same fleet without stores (``--stores 0``): what the span tier's
+  saves and loads cost or gain.
 * ``sglang-pic-rr``: the same fleet with ``--policy round_robin`` (the router's prefix match
   does not see spans: how does spreading requests evenly compare).
 * ``sglang-pic-span``: the same fleet with ``--policy manual``, each request carrying its span
@@ -55,12 +57,13 @@ from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_d
 from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = {  # side -> (fleet policy, span cache); vanilla is plain SGLang
-    "vanilla": ("cache_aware", False),
-    "sglang-pic": ("cache_aware", True),
-    "sglang-pic-rr": ("round_robin", True),
-    "sglang-pic-span": ("manual", True),
-    "sglang-pic-group": ("manual", True),
+SIDES = {  # side -> (fleet policy, span cache, stores); vanilla is plain SGLang
+    "vanilla": ("cache_aware", False, False),
+    "sglang-pic": ("cache_aware", True, True),
+    "sglang-pic-nostore": ("cache_aware", True, False),
+    "sglang-pic-rr": ("round_robin", True, True),
+    "sglang-pic-span": ("manual", True, True),
+    "sglang-pic-group": ("manual", True, True),
 }
 MODEL_FLAGS = {  # the device run: Llama-3-8B's shape with dummy weights, as bench_rag_grid's
     "model_path": LLAMA3_8B_DUMMY["model_path"], "load_format": "dummy",
@@ -107,7 +110,7 @@ class Side:
     def start(self) -> float:
         """Start the side; return the seconds until its router answered."""
         t0 = time.perf_counter()
-        policy, spans = SIDES.get(self.name, ("cache_aware", False))
+        policy, spans, with_stores = SIDES.get(self.name, ("cache_aware", False, False))
         n, model = self.args.instances, [] if self.smoke else flags(MODEL_FLAGS)
         if self.name == "vanilla" and not self.smoke:
             ports = self.ports[2:2 + n]
@@ -130,7 +133,7 @@ class Side:
                          str(self.metrics_port), "--worker-urls",
                          *self.instance_urls], "vanilla-router.log")
         else:  # our fleet; on the CPU smoke run also vanilla's stand-in (no spans, no store)
-            stores = self.args.stores if spans else 0
+            stores = self.args.stores if with_stores else 0
             fleet_dir = self.log_dir / f"{self.name}-fleet"
             instance_ports, store_ports = self.ports[2:2 + n], self.ports[2 + n:2 + n + stores]
             cmd = [sys.executable, "-m", "sglang_pic", "fleet", "--instances", str(n),
