@@ -150,3 +150,37 @@ def test_a_row_whose_hook_cannot_be_imported_stops_the_process():
         "    if s.feature == 'secret-redaction' and s.kind == 'AROUND' else s for s in c.SEAMS)")
     assert "feature secret-redaction failed to register sglang.srt.server_args.ServerArgs" \
            ".__repr__" in err
+
+
+def test_every_row_is_for_supported_releases_only():
+    from sglang_pic.compat.versions import SUPPORTED_SGLANG
+
+    for seam in SEAMS:
+        assert seam.releases is None or set(seam.releases) <= set(SUPPORTED_SGLANG), seam.label
+
+
+def test_a_row_is_for_its_releases_and_their_builds():
+    """``releases`` compares release numbers: a local build or post-release of a release is
+    that release; a row without ``releases`` is for every one."""
+    row = Seam("sglang.srt.x.y", None, "call", "spans", releases=("0.5.23",))
+    assert row.applies_to("0.5.23") and row.applies_to("0.5.23+cu130")
+    assert row.applies_to("0.5.23.post1") and not row.applies_to("0.5.17")
+    assert row.applies_to(None)  # release unknown: every row
+    assert Seam("sglang.srt.x.y", None, "call", "spans").applies_to("0.5.17")
+    assert row not in compat.rows_for("0.5.17") and row not in compat.SEAMS
+
+
+def test_a_missing_symbol_refuses_start_only_on_the_release_its_row_is_for():
+    """A row for another release is neither registered nor checked: a symbol that release has
+    and the installed one lacks does not stop the plugin. The same row for the installed
+    release stops it, naming the feature and the symbol."""
+    import sglang
+
+    row = ("c.SEAMS = c.SEAMS + (Seam('sglang.srt.managers.scheduler.Scheduler.no_such_method',"
+           " None, 'call', 'spans', releases=({release!r},)),)\n")
+    setup = "import sglang_pic.compat as c\nfrom sglang_pic.compat.seam import Seam\n"
+    other = run_python(setup + row.format(release="0.0.1") + "from sglang.srt.plugins import "
+                       "load_plugins; load_plugins(); print('SERVED')")
+    assert "SERVED" in other.stdout, other.stderr[-2000:]
+    err = refused(setup + row.format(release=sglang.__version__))
+    assert "sglang.srt.managers.scheduler.Scheduler.no_such_method (needed by spans)" in err

@@ -41,12 +41,22 @@ SUBSYSTEMS: tuple[types.ModuleType, ...] = (
 """The table's modules, in the order the docs list them (each has ``TITLE`` and ``ROWS``)."""
 
 SEAMS: tuple[Seam, ...] = tuple(row for module in SUBSYSTEMS for row in module.ROWS)
-"""Every row of the table."""
+"""Every row of the table, for every supported release."""
 
 
-def for_feature(feature: str) -> tuple[Seam, ...]:
-    """The rows ``feature`` needs, in table order."""
-    return tuple(s for s in SEAMS if s.feature == feature)
+def rows_for(release: str | None) -> tuple[Seam, ...]:
+    """The rows for SGLang ``release`` (None: every row), in table order."""
+    return tuple(s for s in SEAMS if s.applies_to(release))
+
+
+def for_feature(feature: str, release: str | None = None) -> tuple[Seam, ...]:
+    """The rows ``feature`` needs on SGLang ``release`` (None: the installed one), in table
+    order."""
+    if release is None:
+        from .versions import installed_sglang
+
+        release = installed_sglang()
+    return tuple(s for s in rows_for(release) if s.feature == feature)
 
 
 def check(seam: Seam) -> str | None:
@@ -115,8 +125,8 @@ def markdown() -> str:
     ]
     for module in SUBSYSTEMS:
         lines += ["", f"### {module.TITLE} (`compat/{module.__name__.rsplit('.', 1)[1]}.py`)", "",
-                  "| kind | target | ours | feature | when | why |",
-                  "|---|---|---|---|---|---|"]
+                  "| kind | target | ours | feature | when | releases | why |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [_row(s) for s in module.ROWS]
     return "\n".join(lines) + "\n"
 
@@ -125,9 +135,10 @@ def _row(seam: Seam) -> str:
     target = seam.label.removeprefix("sglang.srt.")
     hook = f"`{seam.hook.removeprefix('sglang_pic.')}`" if seam.hook else ""
     cells = [seam.kind, f"`{target}`", hook, seam.feature, f"`{seam.condition}`"
-             if seam.condition else "", seam.why]
+             if seam.condition else "", ", ".join(seam.releases) if seam.releases else "all",
+             seam.why]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 __all__ = ["HOOK_KINDS", "KINDS", "SEAMS", "SUBSYSTEMS", "Seam", "check", "for_feature",
-           "markdown", "resolve"]
+           "markdown", "resolve", "rows_for"]

@@ -38,7 +38,9 @@ class Seam:
     plugin feature that needs it (``sglang_pic.plugin.FEATURES``); ``condition`` names a
     predicate of ``compat.conditions`` (None: always); ``why`` says what the seam is for;
     ``key`` is a registry row's entry; ``check`` names a further test (``"module:function"``,
-    returning True when the seam is as we need it)."""
+    returning True when the seam is as we need it); ``releases`` names the SGLang releases the
+    row is for (None: every supported release), so one table serves several releases and a
+    seam SGLang moved is two rows, one per release."""
 
     target: str
     hook: str | None
@@ -48,12 +50,20 @@ class Seam:
     why: str = ""
     key: str | None = None
     check: str | None = None
+    releases: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"seam {self.target}: unknown kind {self.kind!r}")
         if self.kind in HOOK_KINDS and (self.hook is None or ":" not in self.hook):
             raise ValueError(f"seam {self.target}: a hook row names its hook as 'module:name'")
+
+    def applies_to(self, release: str | None) -> bool:
+        """Whether the row is for SGLang ``release`` (a version string; None: not known, every
+        row applies). A local build or post-release counts as the release it was built from."""
+        if self.releases is None or release is None:
+            return True
+        return release_numbers(release) in {release_numbers(r) for r in self.releases}
 
     @property
     def owner(self) -> str:
@@ -69,6 +79,17 @@ class Seam:
     def label(self) -> str:
         """The target as messages and the docs show it (a registry row with its entry)."""
         return f"{self.target}[{self.key!r}]" if self.key is not None else self.target
+
+
+def release_numbers(version: str) -> tuple:
+    """The release numbers of ``version``: ``0.5.17+cu128`` and ``0.5.17.post1`` are
+    ``(0, 5, 17)``, as is ``0.5.17``."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return (version,)
 
 
 def resolve(name: str) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from .seam import release_numbers
+
 SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17",)
 """SGLang releases the seam table is written and tested against."""
 
@@ -27,24 +29,13 @@ def installed_sglang() -> str | None:
         return None
 
 
-def _release(version: str) -> tuple:
-    """The release numbers of ``version``: a local build (``0.5.17+cu128``) or a post-release
-    (``0.5.17.post1``) is the release it was built from."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release
-    except InvalidVersion:
-        return (version,)
-
-
 def require_supported_sglang() -> str:
     """The installed SGLang's version; raises ``UnsupportedSGLang`` with one line when it is
     missing or not supported."""
     from sglang_pic import __version__
 
     found = installed_sglang()
-    if found is None or _release(found) not in {_release(v) for v in SUPPORTED_SGLANG}:
+    if found is None or release_numbers(found) not in {release_numbers(v) for v in SUPPORTED_SGLANG}:
         wanted = " or ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG)
         raise UnsupportedSGLang(
             f"sglang-pic {__version__} supports SGLang {', '.join(SUPPORTED_SGLANG)}; found "
