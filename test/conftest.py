@@ -117,7 +117,11 @@ _config: pytest.Config | None = None
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
     config.addinivalue_line("markers", "server: starts SGLang (a server, an Engine, a fleet); "
-                            "the unit tier is `-m 'not server and not gpu'` (make test-unit)")
+                            "the unit tier is `-m 'not server and not gpu and not kernels'` "
+                            "(make test-unit)")
+    config.addinivalue_line("markers", "kernels: runs our Triton kernels, on CPU under the "
+                            "interpreter (test/kernels, and tests parametrized with the kernel "
+                            "ops); make test-kernels")
     global _config
     _config = config
 
@@ -175,6 +179,9 @@ def _session_servers_used(item) -> list[str]:
 SERVER_SOURCE = re.compile(r"\bstart_servers?\b|\bLazyServers\b|\b_fleet_cmd\(|\bEngine\(|\bServerArgs\(|"
                            r"sglang\.launch_server")
 """What marks a module's source as the server tier (besides a session server fixture)."""
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+"""The kernel tests' folder: each of its tests is in the kernels tier."""
+
 _server_modules: set[Path] = set()
 """Modules of the server tier (``pytest_collection_modifyitems``); ``_launch`` refuses a start
 from any other: the tier marks are enforced, not guessed."""
@@ -216,6 +223,8 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group[item.path]))
         if item.path in _server_modules:
             item.add_marker(pytest.mark.server)
+        if KERNEL_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.kernels)
         for name in _session_servers_used(item):
             _last_users[name] = item
     if has_cuda():

@@ -23,7 +23,8 @@ HQ, HKV, D, LAYERS = 4, 2, 64, 2
 POOL, MAX_CTX = 4096, 1024
 # the kernels run on the GPU when there is one, else under the Triton interpreter on CPU
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OPS = [(TorchIndexOps, "cpu"), (KernelIndexOps, KERNEL_DEVICE)]
+OPS = [(TorchIndexOps, "cpu"),
+       pytest.param(KernelIndexOps, KERNEL_DEVICE, marks=pytest.mark.kernels)]
 
 
 class FakePool:
