@@ -86,3 +86,29 @@ def test_a_resumed_side_runs_only_the_cells_it_lacks():
     bench_fleet_rag.run_side(Untouchable(), {"cells": ["aligned"], "output_tokens": 8}, {}, print, cells,
              lambda: saves.append(1))
     assert cells == {"aligned": {"requests_per_s": [1.0]}} and not saves
+
+
+@pytest.mark.parametrize("name,stores,spans", [("sglang-pic", "2", True),
+                                               ("sglang-pic-nostore", "0", True)])
+def test_a_span_side_starts_its_fleet_with_or_without_stores(tmp_path, monkeypatch, name, stores,
+                                                             spans):
+    """``sglang-pic-nostore`` is the span fleet without stores: it separates what the span
+    store tier costs or gains from the span cache itself."""
+    from types import SimpleNamespace
+
+    class Started(Exception):
+        pass
+
+    spawned: list[list[str]] = []
+    monkeypatch.setattr(bench_fleet_rag.Side, "_spawn",
+                        lambda self, cmd, log, env=None: spawned.append(cmd))
+    monkeypatch.setattr(bench_fleet_rag.Side, "_wait",
+                        lambda self, *a, **k: (_ for _ in ()).throw(Started()))
+    args = SimpleNamespace(instances=2, stores=2, gpus=1)
+    side = bench_fleet_rag.Side(name, args, False, tmp_path, tmp_path)
+    with pytest.raises(Started):
+        side.start()
+    cmd = spawned[0]
+    assert cmd[cmd.index("--stores") + 1] == stores
+    assert ("--enable-span-cache" in cmd) is spans
+    assert ("--store-ports" in cmd) is (stores != "0")
