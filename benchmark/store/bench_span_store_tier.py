@@ -11,7 +11,8 @@ Per model shape (Llama-3-8B: 128 KiB of KV per token; SmolLM2-135M: 22.5 KiB) an
 saves a unit from a KV pool, waits until the store holds it, then loads it into an emptied tree
 (checked bit for bit against what was saved). Reported per cell:
 
-* ``save_ms`` / ``load_ms``: time on the calling (scheduler) thread;
+* ``save_ms`` / ``load_ms``: time on the calling (scheduler) thread (with ``--device cuda`` the
+  device copies run on the stream after the call returns, as the next forward's would);
 * ``stored_ms``: from the save until the store holds every block (the writer thread);
 * ``busy_share``: how much a pure-Python loop on the scheduler thread gets done while the writer
   sends, against the same loop alone (1.0: the writer never takes the GIL from it);
@@ -83,6 +84,14 @@ def busy(seconds: float) -> int:
     return n
 
 
+def copied(tier, rows):
+    """The pool rows ``rows`` on the host, once copied (a GPU gather is asynchronous)."""
+    host, event = tier.rows.gather(rows)
+    if event is not None:
+        event.synchronize()
+    return host
+
+
 def one_sample(tier, length: int, tag: str, idle_rate: float) -> dict:
     """Save a ``length``-token unit, wait for the store, load it back into an emptied tree."""
     import torch
@@ -97,10 +106,10 @@ def one_sample(tier, length: int, tag: str, idle_rate: float) -> dict:
     ids = [hash((tag, i)) & ((1 << 62) - 1) for i in range(length)]
     rows = alloc.alloc(length)
     for layer in range(len(pool.k)):
-        pool.k[layer][rows] = torch.randn(pool.k[layer][rows].shape).to(pool.dtype)
-        pool.v[layer][rows] = torch.randn(pool.v[layer][rows].shape).to(pool.dtype)
+        pool.k[layer][rows] = torch.randn(pool.k[layer][rows].shape).to(pool.k[layer])
+        pool.v[layer][rows] = torch.randn(pool.v[layer][rows].shape).to(pool.v[layer])
     cache.insert(InsertParams(key=RadixKey(ids, None), value=rows))
-    saved = tier.rows.gather(rows)[0].clone()
+    saved = copied(tier, rows)
     keys = block_keys(ids, None, tier.block_tokens, tier.tag)
 
     t0 = time.perf_counter()
@@ -120,7 +129,7 @@ def one_sample(tier, length: int, tag: str, idle_rate: float) -> dict:
     ok = tier.load(ids, None, 0, length, first_position=0)
     load_ms = (time.perf_counter() - t0) * 1e3
     got = cache.match_prefix(MatchPrefixParams(key=RadixKey(ids, None))).device_indices
-    if not ok or len(got) != length or not torch.equal(tier.rows.gather(got)[0], saved):
+    if not ok or len(got) != length or not torch.equal(copied(tier, got), saved):
         raise RuntimeError(f"{tag}: the loaded span differs from the saved one")
     return {"save_ms": save_ms, "stored_ms": stored_ms, "load_ms": load_ms,
             "busy_share": busy_share, "stolen_ms": (1 - busy_share) * (stored_ms - save_ms),
