@@ -187,6 +187,12 @@ class Side:
         """Workers the router takes requests for (its circuit breaker closed)."""
         return len(HEALTHY.findall(self._metrics()))
 
+    def instance_logs(self) -> list[Path]:
+        """The instances' SGLang logs (vanilla's beside the side's, the fleet's in its folder)."""
+        if self.name == "vanilla" and not self.smoke:
+            return sorted(self.log_dir.glob("vanilla-[0-9]*.log"))
+        return sorted((self.log_dir / f"{self.name}-fleet").glob("instance-*.log"))
+
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -295,6 +301,33 @@ async def stream(side: Side, prompts: list[list[int]], sp: dict, rate: float, rn
                                                                       strict=True)))
 
 
+PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token: (\d+).*?input throughput \(token/s\): "
+                          r"([0-9.]+)")
+FULL_CHUNK_TOKENS = 4096
+"""Prefill batches of at least this many new tokens count for the prefill rate (a lone short
+prompt's batch measures the idle gap before it, not the prefill)."""
+
+
+def log_sizes(logs: list[Path]) -> dict[Path, int]:
+    """Each log's size now: where the next burst's lines start."""
+    return {log: log.stat().st_size if log.exists() else 0 for log in logs}
+
+
+def prefill_rate(since: dict[Path, int]) -> float | None:
+    """The median input throughput (tokens/s) SGLang logged for prefill batches of at least
+    ``FULL_CHUNK_TOKENS`` new tokens, over every instance's lines written after ``since`` (None:
+    no such batch). Where the instances' time goes, beside the requests/s seen by clients."""
+    rates = []
+    for log, offset in since.items():
+        if not log.exists():
+            continue
+        with open(log, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        rates += [float(r) for n, r in PREFILL_LINE.findall(text) if int(n) >= FULL_CHUNK_TOKENS]
+    return statistics.median(rates) if rates else None
+
+
 def _summed(outs: list[dict]) -> dict[str, int]:
     total: dict[str, int] = {}
     for o in outs:
@@ -316,11 +349,11 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
         rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
         out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [], "ttft_p99_ms": [],
                      "cached_tokens": [], "prompt_tokens": [], "per_instance": [],
-                     "errors": 0}
+                     "prefill_tokens_per_s": [], "errors": 0}
         draw = None
         for _ in range(params["samples"]):
             draw = draw_requests(rng, cell, params["burst"], params)
-            before = side.worker_counts()
+            before, logs = side.worker_counts(), log_sizes(side.instance_logs())
             outs, elapsed = asyncio.run(burst(side, [prompt(draw, r, spans)
                                                      for r in draw["requests"]], sp))
             after = side.worker_counts()
@@ -335,6 +368,7 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
             out["prompt_tokens"].append(sum(len(prompt(draw, r, False))
                                             for r in draw["requests"]))
             out["per_instance"].append({w: after.get(w, 0) - before.get(w, 0) for w in after})
+            out["prefill_tokens_per_s"].append(prefill_rate(logs))
             out["first_errors"] = [o["error"] for o in outs if o["error"]][:3]
         capacity = statistics.median(out["requests_per_s"])
         if side.name == "vanilla":
@@ -358,8 +392,9 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
         progress(f"[fleet-rag] {side.name} {name}: {capacity:.2f} req/s, TTFT p50 "
                  f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, per instance "
-                 f"{out['per_instance'][-1]}, cached {out['cached_tokens'][-1]}, errors "
-                 f"{out['errors']}")
+                 f"{out['per_instance'][-1]}, cached {out['cached_tokens'][-1]}, prefill "
+                 f"{out['prefill_tokens_per_s'][-1] or float('nan'):.0f} tokens/s per "
+                 f"instance, errors {out['errors']}")
 
 
 def summarize(report: dict) -> list[dict]:

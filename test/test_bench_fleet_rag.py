@@ -112,3 +112,21 @@ def test_a_span_side_starts_its_fleet_with_or_without_stores(tmp_path, monkeypat
     assert cmd[cmd.index("--stores") + 1] == stores
     assert ("--enable-span-cache" in cmd) is spans
     assert ("--store-ports" in cmd) is (stores != "0")
+
+
+def test_the_prefill_rate_is_read_from_the_burst_s_full_prefill_batches(tmp_path):
+    """Lines as SGLang 0.5.17 logs them (the H200 fleet run's): only the lines written since
+    the burst began count, and only batches of a full chunk (a lone short prompt's batch
+    measures the idle gap before it)."""
+    line = ("[2026-12-06 02:51:03] Prefill batch, #new-seq: 7, #new-token: {n}, #cached-token: 0, "
+            "token usage: 0.31, #running-req: 6, #queue-req: 53, #pending-token: 180414, cuda "
+            "graph: True, input throughput (token/s): {rate}\n")
+    a, b = tmp_path / "instance-0.log", tmp_path / "instance-1.log"
+    a.write_text(line.format(n=8192, rate=99999.0))  # before the burst
+    b.write_text("")
+    since = bench_fleet_rag.log_sizes([a, b])
+    with open(a, "a") as f:
+        f.write(line.format(n=8192, rate=6000.0) + line.format(n=64, rate=34.3))
+    b.write_text(line.format(n=8192, rate=7000.0) + line.format(n=5000, rate=5000.0))
+    assert bench_fleet_rag.prefill_rate(since) == 6000.0
+    assert bench_fleet_rag.prefill_rate(bench_fleet_rag.log_sizes([a, b])) is None
