@@ -26,8 +26,9 @@ Workload: the cells of ``bench_rag_grid.py``. Per cell and side: ``samples`` clo
 fresh pools, then a Poisson stream over the last burst's documents at ``stream_load`` x
 vanilla's burst throughput. Recorded: requests/s, TTFT p50/p99 of each burst (the first
 streamed chunk), the stream's TTFT, the prompt tokens found cached per source (device, host,
-storage) from each response, and the share of requests each instance served (the router's
-per-worker counts), failed requests.
+storage) from each response, the share of requests each instance served (the router's
+per-worker counts), the instances' prefill rate (``prefill_rate``: from their logs), failed
+requests.
 
     python3 benchmark/bench_fleet_rag.py --out $OUT --cells aligned,varlen_k6_p256_z07_t4
     python3 benchmark/bench_fleet_rag.py --out $OUT --gpus 4 --instances 4    # one per GPU
