@@ -64,6 +64,8 @@ def small_tier(request):
     tier = SpanStoreTier(cache, StoreClient([server.endpoint], token=TOKEN, shm=False), "m",
                          block_tokens=5)
     yield tier, cache, alloc, pool
+    tier.close()
+    assert not tier._writer.is_alive()
     server.stop()
 
 

@@ -224,7 +224,7 @@ class SpanStoreTier:
         self._warned_at = float("-inf")
         self._lock = threading.Lock()
         self._queued_bytes = 0
-        self._jobs: Queue[tuple[list[str], list[int], torch.Tensor, Any]] = Queue()
+        self._jobs: Queue[tuple[list[str], list[int], torch.Tensor, Any] | None] = Queue()
         self._writer = threading.Thread(target=self._write_loop, name="span-store-writer",
                                         daemon=True)
         self._writer.start()
@@ -281,9 +281,18 @@ class SpanStoreTier:
             self._remember(keys[j])
         return len(todo)
 
+    def close(self) -> None:
+        """Stop the writer thread once it has sent what is queued (the tier, its KV pool
+        included, is then free to go)."""
+        self._jobs.put(None)
+        self._writer.join()
+
     def _write_loop(self) -> None:
         while True:
-            keys, sizes, host, event = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            keys, sizes, host, event = job
             try:
                 self._write(keys, sizes, host, event)
             finally:
