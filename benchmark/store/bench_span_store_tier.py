@@ -208,6 +208,9 @@ def main() -> None:
                               flush=True)
             cells[shape] = {v: {str(n): cell_summary(samples[v][n]) for n in lengths}
                             for v in VARIANTS}
+            for tier in tiers.values():  # its writer thread holds the tier and its KV pool
+                tier.close()
+            del tiers
     finally:
         for p in procs:
             p.terminate()
