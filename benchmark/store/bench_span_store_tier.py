@@ -164,6 +164,8 @@ def plot(report: dict, out: Path) -> Path:
                         label=f"{variant}, {metric[:4]}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.minorticks_off()
+        ax.set_xticks([int(n) for n in lengths], [str(n) for n in lengths])
         ax.set_xlabel("span length (tokens)")
         ax.set_ylabel("scheduler thread (ms)")
         ax.set_title(f"{shape} KV, {report['config']['device']}", fontsize=9)
