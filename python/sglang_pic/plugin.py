@@ -92,7 +92,7 @@ def _register() -> None:
     from sglang_pic.cpu import support as cpu_support
 
     try:
-        require_supported_sglang()
+        release = require_supported_sglang()
     except UnsupportedSGLang as e:
         raise SeamError(f"sglang-pic: refusing to start: {e}") from None
 
@@ -108,7 +108,7 @@ def _register() -> None:
     needed: dict[str, list[str]] = {}  # hook target -> our features hooking it
     rows: list[Seam] = []  # the other rows registered: checked once all hooks are applied
     for feature in features:
-        hooked, others = register_feature(feature)
+        hooked, others = register_feature(feature, release)
         for target in hooked:
             needed.setdefault(target, []).append(feature)
         rows += others
@@ -119,10 +119,12 @@ def _register() -> None:
               f"(features: {', '.join(features)}; {len(needed)} hooks verified)")
 
 
-def register_feature(feature: str) -> tuple[list[str], list[Seam]]:
-    """Run ``feature``'s set-up and register its hook rows whose condition holds, without
-    applying them (``HookRegistry.apply_hooks`` does; ``apply_and_verify`` checks). Returns the
-    targets hooked and the feature's other rows whose condition holds (for ``check_seams``).
+def register_feature(feature: str, release: str | None = None) -> tuple[list[str], list[Seam]]:
+    """Run ``feature``'s set-up and register its hook rows for SGLang ``release`` (None: the
+    installed one) whose condition holds, without applying them (``HookRegistry.apply_hooks``
+    does; ``apply_and_verify`` checks). Returns the targets hooked and the feature's other rows
+    whose condition holds (for ``check_seams``). The plugin passes the release it checked, so
+    the installed version is read once at start.
 
     The plugin calls this for every feature; a program that wants one feature without a
     server (the eviction trace replay) calls it, then ``HookRegistry.apply_hooks()``. Any
@@ -141,7 +143,7 @@ def register_feature(feature: str) -> tuple[list[str], list[Seam]]:
                         f"register: {type(e).__name__}: {e}") from e
     hooked: list[str] = []
     others: list[Seam] = []
-    for seam in for_feature(feature):
+    for seam in for_feature(feature, release):
         try:
             if seam.condition is not None and not holds(seam.condition):
                 continue
