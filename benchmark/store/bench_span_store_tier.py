@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent.parent / "python"))
-from harness import environment, save_figure, start_store_servers  # noqa: E402
+from harness import _write_report, environment, save_figure, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
 TOKEN = "bench-span-store-tier-token"
@@ -230,14 +230,9 @@ def main() -> None:
             for n, c in by_len.items():
                 print(f"{shape:<14}{n:>7}  {v:<14}{c['save_ms']:>9.1f}{c['load_ms']:>9.1f}"
                       f"{c['stored_ms']:>11.0f}{c['stolen_ms']:>11.0f}{c['blocks']:>7}")
-    out = Path(args.out) if args.out else REPO / "benchmark" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "span_store_tier.json"
-    import json
-
-    path.write_text(json.dumps(report, indent=1))
+    path = _write_report("span_store_tier", args.out, report)
     print(f"[bench] wrote {path}")
-    plot(report, (out if args.smoke else REPO / "docs" / "figures") / "span_store_tier.png")
+    plot(report, (path.parent if args.smoke else REPO / "docs" / "figures") / "span_store_tier.png")
 
 
 if __name__ == "__main__":

@@ -267,10 +267,9 @@ class SpanStoreTier:
         rows = torch.cat([got[blocks[j][0] : blocks[j][1]] for j in todo])
         nbytes = len(rows) * self.rows.token_bytes
         with self._lock:
-            if self._queued_bytes + nbytes > QUEUED_BYTES:
-                full = True
-            else:
-                full, self._queued_bytes = False, self._queued_bytes + nbytes
+            full = self._queued_bytes + nbytes > QUEUED_BYTES
+            if not full:
+                self._queued_bytes += nbytes
         if full:
             self._warn("span store: the writer is behind; a span unit is not saved")
             return 0
@@ -297,7 +296,7 @@ class SpanStoreTier:
                 self._write(keys, sizes, host, event)
             finally:
                 with self._lock:
-                    self._queued_bytes -= host.numel() * host.element_size()
+                    self._queued_bytes -= host.nbytes  # what _save reserved for it
 
     def _write(self, keys: list[str], sizes: list[int], host: torch.Tensor, event: Any) -> None:
         if event is not None:
