@@ -26,6 +26,9 @@ ROWS: tuple[Seam, ...] = (
     Seam(f"{_AUTH}.add_api_key_middleware", "sglang_pic.frontdoor.unauthorized:add_hint",
          "AFTER", "front-door",
          why="a 401 that names the header and the key file"),
+    Seam("sglang.srt.runtime_context.get_server_args", "sglang_pic.frontdoor.unauthorized:add_hint",
+         "call", "front-door",
+         why="the hint's key file is named by the server's port"),
     Seam(f"{_AUTH}.decide_request_auth", "sglang_pic.security.api_key:decide_auth", "AROUND", "api-key",
          why="a non-ASCII `Authorization` header is decided as none (401, not a 500 with a "
              "traceback); the admin routes of `frontdoor.endpoints` need the admin key; "
