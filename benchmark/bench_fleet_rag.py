@@ -55,6 +55,8 @@ from pathlib import Path
 from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, print_summary, prompt
 from bench_rag_grid import summarize as grid_summary
 from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
+from sglang_pic.fleet import gpu_share
+from sglang_pic.fleet.cli import GPU_MEMORY_SHARE
 from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,7 +119,7 @@ class Side:
             ports = self.ports[2:2 + n]
             for i, p in enumerate(ports):
                 share = ["--base-gpu-id", str(i)] if self.args.gpus > 1 else \
-                    ["--mem-fraction-static", f"{0.8 / n:.3f}"]
+                    ["--mem-fraction-static", f"{_equal_share_fraction(n):.3f}"]
                 self._spawn([sys.executable, "-m", "sglang.launch_server", *model,
                              "--attention-backend", "flashinfer", "--host", "127.0.0.1",
                              "--port", str(p), *share],
@@ -207,6 +209,13 @@ class Side:
                 p.wait()
         for secret in [*self.log_dir.rglob("*.token"), *self.log_dir.rglob("*.key")]:
             secret.unlink()  # the fleet removes its store token when it stops; a killed one not
+
+
+def _equal_share_fraction(n: int) -> float:
+    """Vanilla's ``--mem-fraction-static`` for the next of ``n`` instances on one GPU: the same
+    equal share of the whole GPU as ``sglang-pic fleet`` gives each of its instances."""
+    free, total = gpu_share.gpu_memory()
+    return gpu_share.static_fraction(GPU_MEMORY_SHARE / n, free, total)
 
 
 def _last_line(folder: Path) -> str:

@@ -48,6 +48,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "the `sglang-pic serve` process the server process reports to"),
     Variable("OMP_NUM_THREADS", "the user",
              "torch's CPU threads; the fleet splits the cores between its instances unless set"),
+    Variable("CUDA_VISIBLE_DEVICES", "the user",
+             "the GPUs CUDA shows; a fleet sharing one GPU measures the first one's free memory"),
     Variable("TRITON_INTERPRET", "the user, or sglang-pic on a machine without CUDA",
              "Triton's interpreter: '1' runs our kernels on the CPU"),
 )}

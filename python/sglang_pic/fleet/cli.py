@@ -12,7 +12,9 @@ Order, each step only once the one before it is done:
    come first;
 4. the instances, until each answers ``/health``: all at once, except instances sharing one GPU,
    which start one after another (SGLang sizes an instance's KV pool from the GPU memory free
-   around its weight load, so a neighbour allocating its pool in between leaves it none);
+   around its weight load, so a neighbour allocating its pool in between leaves it none), each
+   with the ``--mem-fraction-static`` that gives it an equal share of the whole GPU from the
+   memory free as it starts (``gpu_share``);
 5. the router, started beside the instances (it checks a worker that is not up yet every
    second), until it holds every instance healthy;
 6. the summary: ports, the key file, each child's log, and ``fleet.json`` in the log folder with
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_pic import environment
-from sglang_pic.fleet import router
+from sglang_pic.fleet import gpu_share, router
 from sglang_pic.fleet.config import PROG, FleetConfig, help_text, parse
 from sglang_pic.fleet.supervisor import Child, Supervisor, exit_text
 from sglang_pic.launcher.serve_conflicts import value_of
@@ -94,7 +96,7 @@ class Fleet:
         self.token_file: Path | None = None
         self.log_dir = Path()
         self.stop_signal: int | None = None
-        self.gpu_args: list[str] = []
+        self.share_of_gpu: float | None = None
         self.on_gpu = False
         self.threads: dict[str, str] = {}
         self.stopping = False
@@ -102,10 +104,11 @@ class Fleet:
 
     # ---- preparation -------------------------------------------------------------------------
 
-    def instance_gpu_args(self, on_gpu: bool) -> list[str]:
-        """On a GPU, the instances share it (GPU 0 of those visible): each gets an equal share
-        of ``GPU_MEMORY_SHARE`` unless ``--mem-fraction-static`` says otherwise, and given
-        shares that cannot fit together are refused (``UsageError``)."""
+    def instance_gpu_share(self, on_gpu: bool) -> float | None:
+        """On a GPU the instances share it (GPU 0 of those visible): each gets an equal share of
+        its whole memory, ``GPU_MEMORY_SHARE / N`` unless ``--mem-fraction-static`` gives the
+        share; shares that cannot fit together are refused (``UsageError``). None when the
+        instances do not share a GPU."""
         n = self.config.instances
         given = value_of(self.config.serve_args, "--mem-fraction-static")
         if self.config.gpu_per_instance:
@@ -116,16 +119,30 @@ class Fleet:
             if n > torch.cuda.device_count():
                 raise UsageError(f"--gpu-per-instance: {n} instances need {n} GPUs, "
                                  f"{torch.cuda.device_count()} are visible")
-            return []
+            return None
         if not on_gpu or n == 1:
+            return None
+        if given is None:
+            return GPU_MEMORY_SHARE / n
+        if n * float(given) > GPU_MEMORY_MAX:
+            raise UsageError(f"--mem-fraction-static {given}: {n} instances on one GPU "
+                             f"would hold {n * float(given):.2f} of its memory (at most "
+                             f"{GPU_MEMORY_MAX}; each also needs room beyond its share)")
+        return float(given)
+
+    def instance_gpu_args(self, i: int) -> list[str]:
+        """Instance ``i``'s ``--mem-fraction-static`` on a shared GPU, from the memory free now
+        (``UsageError`` when its share no longer fits); nothing otherwise."""
+        if self.share_of_gpu is None:
             return []
-        if given is not None:
-            if n * float(given) > GPU_MEMORY_MAX:
-                raise UsageError(f"--mem-fraction-static {given}: {n} instances on one GPU "
-                                 f"would hold {n * float(given):.2f} of its memory (at most "
-                                 f"{GPU_MEMORY_MAX}; each also needs room beyond its share)")
-            return []
-        return ["--mem-fraction-static", f"{GPU_MEMORY_SHARE / n:.3f}"]
+        free, total = gpu_share.gpu_memory()
+        try:
+            fraction = gpu_share.static_fraction(self.share_of_gpu, free, total)
+        except ValueError as e:
+            raise UsageError(f"instance {i}: {e}") from None
+        _say(f"instance {i}: {self.share_of_gpu:.3f} of the GPU is --mem-fraction-static "
+             f"{fraction:.3f} of the {free / (1 << 30):.1f} GiB free now")
+        return ["--mem-fraction-static", f"{fraction:.3f}"]
 
     @property
     def shares_one_gpu(self) -> bool:
@@ -195,13 +212,15 @@ class Fleet:
         return f"http://127.0.0.1:{self.config.instance_ports[i]}"
 
     def instance_child(self, i: int, gpu_args: list[str], threads: dict[str, str]) -> Child:
+        """Instance ``i``'s command; ``gpu_args`` come after the serve flags (the last value of
+        a flag is the one SGLang takes), so a share computed for it replaces one given."""
         c = self.config
         url = self.instance_url(i)
         cmd = [sys.executable, "-m", "sglang_pic", "serve", "--port", str(c.instance_ports[i])]
         if c.stores:
             endpoints = ",".join(f"tcp://127.0.0.1:{p}" for p in c.store_ports)
             cmd += ["--ptstore", endpoints, "--ptstore-token-file", str(self.token_file)]
-        cmd += [*gpu_args, *c.serve_args]
+        cmd += [*c.serve_args, *gpu_args]
         if c.gpu_per_instance:
             cmd += ["--base-gpu-id", str(i)]
         return Child(f"instance {i}", "instance", cmd,
@@ -334,7 +353,7 @@ class Fleet:
         from sglang_pic.cpu import support as cpu_support
 
         on_gpu = self.on_gpu = cpu_support.has_cuda()
-        self.gpu_args = self.instance_gpu_args(on_gpu)
+        self.share_of_gpu = self.instance_gpu_share(on_gpu)
         self.threads = self.instance_threads(on_gpu)
         if not any(value_of(self.config.serve_args, f) for f in ("--model-path", "--model")):
             from sglang_pic.launcher.default_model import ensure_default_model
@@ -364,8 +383,13 @@ class Fleet:
              f"{', one after another (they share one GPU)' if one_by_one else ''}")
         instances: list[Child] = []
         for i in range(c.instances):
+            try:
+                gpu_args = self.instance_gpu_args(i)
+            except UsageError as e:
+                _error(str(e))
+                return False
             instances.append(self.supervisor.start(
-                self.instance_child(i, self.gpu_args, self.threads)))
+                self.instance_child(i, gpu_args, self.threads)))
             if i == 0:
                 # the router starts beside them: its import and start (seconds) overlap their
                 # loads, and it registers each one within a second of its first answer
