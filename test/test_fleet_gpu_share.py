@@ -84,7 +84,7 @@ def _fake_nvml(monkeypatch, free: int, total: int) -> list[tuple[str, object]]:
         nvmlShutdown=lambda: calls.append(("shutdown", None)),
         nvmlDeviceGetHandleByIndex=lambda i: calls.append(("index", i)) or "h",
         nvmlDeviceGetHandleByUUID=lambda u: calls.append(("uuid", u)) or "h",
-        nvmlDeviceGetMemoryInfo=lambda h: memory)
+        nvmlDeviceGetMemoryInfo=lambda h: memory, NVMLError=RuntimeError)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return calls
 
@@ -126,3 +126,18 @@ def test_a_given_share_is_per_instance_and_replaces_the_flag_in_the_command(monk
     cmd = fleet.instance_child(1, fleet.instance_gpu_args(1), {}).cmd
     flags = [i for i, a in enumerate(cmd) if a == "--mem-fraction-static"]
     assert cmd[flags[-1] + 1] == "0.480"  # 0.3 * 80 / 50, after the given 0.3: SGLang takes it
+
+
+def test_without_nvml_an_instance_gets_the_share_of_what_is_free(monkeypatch, capsys):
+    """No NVML (no driver library): the share is passed as it is, with a warning."""
+    def no_library():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    _fake_nvml(monkeypatch, 0, 0).clear()
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlInit", no_library)
+    with pytest.raises(OSError, match="NVML: NVML Shared Library Not Found"):
+        gpu_share.gpu_memory()
+    fleet = Fleet(config.parse(["--instances", "2", "--stores", "0"]))
+    fleet.share_of_gpu = fleet.instance_gpu_share(on_gpu=True)
+    assert fleet.instance_gpu_args(1) == ["--mem-fraction-static", "0.400"]
+    assert "WARNING: the GPU's free memory is unknown" in capsys.readouterr().out

@@ -135,7 +135,12 @@ class Fleet:
         (``UsageError`` when its share no longer fits); nothing otherwise."""
         if self.share_of_gpu is None:
             return []
-        free, total = gpu_share.gpu_memory()
+        try:
+            free, total = gpu_share.gpu_memory()
+        except OSError as e:
+            _say(f"WARNING: the GPU's free memory is unknown ({e}); instance {i} gets "
+                 f"--mem-fraction-static {self.share_of_gpu:.3f} of the memory free at its start")
+            return ["--mem-fraction-static", f"{self.share_of_gpu:.3f}"]
         try:
             fraction = gpu_share.static_fraction(self.share_of_gpu, free, total)
         except ValueError as e:

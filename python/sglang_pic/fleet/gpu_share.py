@@ -49,15 +49,20 @@ def first_visible_gpu() -> str:
 
 def gpu_memory(gpu: str | None = None) -> tuple[int, int]:
     """``(free, total)`` bytes of ``gpu`` (an index or a UUID; default the first visible one),
-    from NVML."""
-    import pynvml
-
+    from NVML. ``OSError`` when NVML cannot tell (no library, no such GPU)."""
     gpu = first_visible_gpu() if gpu is None else gpu
-    pynvml.nvmlInit()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # ImportError, or pynvml.NVMLError: no driver library
+        raise OSError(f"NVML: {e}") from None
     try:
         handle = (pynvml.nvmlDeviceGetHandleByIndex(int(gpu)) if gpu.isdigit()
                   else pynvml.nvmlDeviceGetHandleByUUID(gpu))
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         return int(info.free), int(info.total)
+    except pynvml.NVMLError as e:
+        raise OSError(f"NVML, GPU {gpu}: {e}") from None
     finally:
         pynvml.nvmlShutdown()
