@@ -318,6 +318,19 @@ FULL_CHUNK_TOKENS = 4096
 prompt's batch measures the idle gap before it, not the prefill)."""
 
 
+POOL_LINE = re.compile(r"max_total_num_tokens=(\d+)")
+
+
+def kv_pool_tokens(logs: list[Path]) -> list[int | None]:
+    """Each instance's KV pool (tokens) from its SGLang log: instances sharing a GPU should get
+    equal pools (``sglang_pic.fleet.gpu_share``); None where the log does not say."""
+    pools = []
+    for log in logs:
+        found = POOL_LINE.search(log.read_text(errors="replace")) if log.exists() else None
+        pools.append(int(found.group(1)) if found else None)
+    return pools
+
+
 def log_sizes(logs: list[Path]) -> dict[Path, int]:
     """Each log's size now: where the next burst's lines start."""
     return {log: log.stat().st_size if log.exists() else 0 for log in logs}
@@ -485,8 +498,11 @@ def main() -> None:
             side.log_dir.mkdir(parents=True, exist_ok=True)
             try:
                 start_s = side.start()
-                print(f"[fleet-rag] {name} up in {start_s:.0f} s", flush=True)
-                report["results"][name] = {"start_s": start_s, "cells": done}
+                pools = kv_pool_tokens(side.instance_logs())
+                print(f"[fleet-rag] {name} up in {start_s:.0f} s; KV pools {pools} tokens",
+                      flush=True)
+                report["results"][name] = {"start_s": start_s, "kv_pool_tokens": pools,
+                                           "cells": done}
                 run_side(side, params, rates, lambda m: print(m, flush=True),
                          report["results"][name]["cells"], save)
             except Exception as e:

@@ -130,3 +130,17 @@ def test_the_prefill_rate_is_read_from_the_burst_s_full_prefill_batches(tmp_path
     b.write_text(line.format(n=8192, rate=7000.0) + line.format(n=5000, rate=5000.0))
     assert bench_fleet_rag.prefill_rate(since) == 6000.0
     assert bench_fleet_rag.prefill_rate(bench_fleet_rag.log_sizes([a, b])) is None
+
+
+def test_each_instance_s_kv_pool_is_read_from_its_log(tmp_path):
+    """The line SGLang 0.5.17 logs once its pool is allocated (the H100 fleet run's: the second
+    instance on the GPU got a seventh of the first's pool); None where a log lacks it."""
+    line = ("[2026-12-06 05:37:16] max_total_num_tokens={n}, chunked_prefill_size=8192, "
+            "max_prefill_tokens=16384, max_running_requests=2048, context_len=65536, "
+            "available_gpu_mem=43.98 GB\n")
+    logs = [tmp_path / f"instance-{i}.log" for i in range(3)]
+    logs[0].write_text("loading\n" + line.format(n=133863))
+    logs[1].write_text(line.format(n=18342) + line.format(n=1))
+    logs[2].write_text("still loading\n")
+    assert bench_fleet_rag.kv_pool_tokens([*logs, tmp_path / "none.log"]) == [
+        133863, 18342, None, None]
