@@ -506,6 +506,26 @@ def test_auto_held_on_sae_caches_as_sae_alone_beside_an_expert_inferring_convers
     assert held.hit_tokens == alone["sae"], (held.hit_tokens, alone)
 
 
+def test_auto_started_and_held_on_lru_caches_as_lru_alone(monkeypatch):
+    """``start`` picks the leader ``auto`` begins with (``auto-lru``): held there, its real
+    cache makes ``lru``'s own decisions, the same hits as ``lru`` alone, and not ``sae``'s (the
+    default start). An unknown expert is refused, naming the experts."""
+    from sglang_pic.eviction.auto import AutoStrategy
+    from sglang_pic.eviction.replay import simulator
+    from sglang_pic.eviction.replay.traces import generate
+
+    trace = generate("chat", scale=12, seed=3)
+    expert = "lru"
+    monkeypatch.setitem(simulator.ABLATIONS, "auto-held",
+                        ("auto", {"start": expert, "confidence": 1e12}))
+    held = simulator.replay(trace, "auto-held", capacity=4000).hit_tokens
+    alone = {p: simulator.replay(trace, p, capacity=4000).hit_tokens for p in (expert, "sae")}
+    assert alone[expert] != alone["sae"], alone
+    assert held == alone[expert], (held, alone)
+    with pytest.raises(ValueError, match="auto: no expert 'lfu'; its experts are sae, "):
+        AutoStrategy().start = "lfu"
+
+
 @pytest.mark.parametrize("workload", ["chat", "single_heavy"])
 def test_drop_marks_on_the_real_tree_say_which_blocks_each_shadow_lacks(workload):
     """``auto``'s mirror reads drop marks on the real tree: checked every third request of a

@@ -36,9 +36,10 @@ OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
 # that carries no hints taken as chat, not chat or single by its match (request_guess.RequestGuesser.infer_app)
 # auto without the mirror of its leader's shadow / with the fixed switching margin instead of the
-# paired test / with the LeCaR-style regret weights (AutoStrategy's options)
-ABLATIONS = ("auto-nomirror", "auto-margin", "auto-regret", "auto-greedy", "auto-fast",
-             "auto-greedy-fast",
+# paired test / starting on lru or gdsf instead of sae / with the LeCaR-style regret weights
+# (AutoStrategy's options)
+ABLATIONS = ("auto-nomirror", "auto-margin", "auto-lru", "auto-gdsf", "auto-regret",
+             "auto-greedy", "auto-fast", "auto-greedy-fast",
              "sae-nopred", "sae-uncensored", "sae-alpha", "sae-conv", "sae-copy-all",
              "sae-noapp")
 # not policies: the offline bound (simulator.ORACLE), sae told which sessions go on
@@ -59,7 +60,7 @@ def known_policies() -> tuple[str, ...]:
 # differs from sae only with two tiers and the one that differs only without hints
 DEFAULT_POLICIES = tuple(p for p in known_policies()
                          if p not in ("sae-conv", "sae-conv-ends", "sae-copy-all", "sae-noapp",
-                                      "auto-nomirror", "auto-margin",
+                                      "auto-nomirror", "auto-margin", "auto-lru", "auto-gdsf",
                                       "auto-regret", "auto-greedy", "auto-fast",
                                       "auto-greedy-fast"))
 

@@ -170,6 +170,21 @@ class AutoStrategy(CachePolicy):
             s.now_fn = fn
 
     @property
+    def start(self) -> str:
+        """The leader (an expert's name); set before the first request, the one ``auto``
+        starts on: ``sae`` unless set (``auto-lru`` and ``auto-gdsf`` in the replays start on
+        ``lru`` and ``gdsf``, and lose more where ``sae`` leads than they gain where it
+        trails)."""
+        return self.names[self.chosen]
+
+    @start.setter
+    def start(self, name: str) -> None:
+        if name not in self.names:
+            raise ValueError(f"auto: no expert {name!r}; its experts are "
+                             f"{', '.join(self.names)}")
+        self.chosen = self.names.index(name)
+
+    @property
     def evict_need(self):
         return None
 
