@@ -126,6 +126,10 @@ def test_a_saved_span_loads_back_bit_for_bit_in_blocks(small_tier, length):
     got_k, got_v = _kv(pool, rows)
     assert torch.equal(got_k[:, keep:], k[:, keep:]) and torch.equal(got_v[:, keep:], v[:, keep:])
     assert free_before - alloc.available_size() == length - keep  # no row lost
+    token_bytes = tier.rows.token_bytes
+    assert tier.stats == {"saved_blocks": len(keys), "saved_bytes": length * token_bytes,
+                          "dropped_units": 0, "failed_blocks": 0, "loaded_units": 1,
+                          "loaded_tokens": length - keep // 5 * 5, "missed_units": 0}
 
 
 def test_a_span_the_store_lacks_a_block_of_is_not_loaded(small_tier):
@@ -140,7 +144,32 @@ def test_a_span_the_store_lacks_a_block_of_is_not_loaded(small_tier):
     free_before = alloc.available_size()
     assert not tier.load(ids, None, 0, len(ids), first_position=0)
     assert alloc.available_size() == free_before and len(_cached_rows(cache, ids)) == 0
+    assert tier.stats["missed_units"] == 1 and tier.stats["loaded_units"] == 0
     assert tier.load(ids[:10], None, 0, 10, first_position=0)
+    assert tier.stats["loaded_units"] == 1
+
+
+def test_saves_past_the_writer_s_queue_are_dropped_and_counted(small_tier, monkeypatch):
+    """With the writer's queue full a unit is not saved (the scheduler never waits for the
+    store): the save queues nothing and the drop is counted, as a store that refuses blocks
+    is."""
+    from sglang_pic.spans import store_tier
+
+    tier, cache, alloc, pool = small_tier
+    ids = list(range(5000, 5010))
+    _fill(cache, alloc, pool, ids)
+    monkeypatch.setattr(store_tier, "QUEUED_BYTES", 9 * tier.rows.token_bytes)
+    assert tier.save(ids, None, 0, len(ids)) == 0
+    assert tier.stats["dropped_units"] == 1 and tier.stats["saved_blocks"] == 0
+    monkeypatch.setattr(tier.client, "batch_set", lambda items: (_ for _ in ()).throw(
+        ConnectionError("store down")))
+    monkeypatch.setattr(store_tier, "QUEUED_BYTES", 1 << 30)
+    assert tier.save(ids, None, 0, len(ids)) == 2
+    deadline = time.time() + 30
+    while tier.stats["failed_blocks"] < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert tier.stats["failed_blocks"] == 2 and tier.pending_bytes() == 0
+    assert tier.save(ids, None, 0, len(ids)) == 2  # forgotten: a later save sends them again
 
 
 def test_a_saved_span_is_keyed_by_its_namespace(small_tier):

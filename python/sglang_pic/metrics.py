@@ -31,7 +31,12 @@ class Counters:
 
 def counters_for(model_runner: Any, table: CounterTable) -> Counters | None:
     """The counters of ``table`` for this scheduler's model, or None without --enable-metrics."""
-    args = model_runner.server_args
+    return counters_for_args(model_runner.server_args, table)
+
+
+def counters_for_args(args: Any, table: CounterTable) -> Counters | None:
+    """The counters of ``table`` for the model of SGLang's ``ServerArgs`` ``args``, or None
+    without --enable-metrics."""
     if not getattr(args, "enable_metrics", False):
         return None
     return Counters(table, {"model_name": args.served_model_name})

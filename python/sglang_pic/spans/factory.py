@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang_pic.metrics import counters_for_args
 from sglang_pic.position_free import BACKEND_FOR
 
 from . import config as span_config
 from .planner import SpanPlanner
 from .radix_cache import SpanRadixCache
+from .store_tier import COUNTERS as STORE_COUNTERS
 from .store_tier import create_span_store
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
     cache = SpanRadixCache(ctx.params)
     cache.planner = SpanPlanner(cache, span_config.load())
     cache.store = create_span_store(cache, args.model_path, args.tp_size,
-                                    getattr(args, "pp_size", 1))
+                                    getattr(args, "pp_size", 1),
+                                    counters_for_args(args, STORE_COUNTERS))
     logger.info("span cache: segmented radix matching, schedule=%s", cache.planner.cfg.schedule)
     return cache

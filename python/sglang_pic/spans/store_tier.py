@@ -59,10 +59,28 @@ from sglang_pic import environment
 from sglang_pic.position_free import stored_positions
 
 if TYPE_CHECKING:
+    from sglang_pic.metrics import Counters
     from sglang_pic.store.client import StoreClient
     from sglang_pic.store.config import PTStoreConfig
 
 logger = logging.getLogger(__name__)
+
+COUNTERS = {  # SpanStoreTier.stats key -> (metric name, help)
+    "saved_blocks": ("sglang_pic:span_store_saved_blocks",
+                     "Span blocks queued for PTStore (blocks it already holds are not sent)."),
+    "saved_bytes": ("sglang_pic:span_store_saved_bytes", "Bytes of the span blocks queued."),
+    "dropped_units": ("sglang_pic:span_store_dropped_units",
+                      "Span units not saved: the writer thread was behind (1 GiB queued)."),
+    "failed_blocks": ("sglang_pic:span_store_failed_blocks",
+                      "Span blocks PTStore did not store (a server down or full)."),
+    "loaded_units": ("sglang_pic:span_store_loaded_units",
+                     "Span units loaded from PTStore instead of prefilled."),
+    "loaded_tokens": ("sglang_pic:span_store_loaded_tokens",
+                      "Tokens of the span units loaded from PTStore."),
+    "missed_units": ("sglang_pic:span_store_missed_units",
+                     "Span units looked up in PTStore and not all there (prefilled)."),
+}
+"""What the tier counts (``SpanStoreTier.stats``), on ``/metrics`` with ``--enable-metrics``."""
 
 ENV = "SGLANG_PIC_SPAN_STORE"
 KEY_PREFIX = "span-"
@@ -197,8 +215,12 @@ class SpanStoreTier:
     scheduler thread), loads are skipped - units are prefilled - for this long."""
 
     def __init__(self, cache: RadixCache, client: StoreClient, model: str,
-                 block_tokens: int | None = None):
+                 block_tokens: int | None = None, counters: Counters | None = None):
         self.cache = cache
+        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        """What the tier did (``COUNTERS``' keys), also on ``/metrics`` with
+        ``--enable-metrics`` (``counters``)."""
+        self.counters = counters
         self.client = client
         self.page_size = cache.page_size
         pool = cache.token_to_kv_pool_allocator.get_kvcache()
@@ -228,6 +250,12 @@ class SpanStoreTier:
         self._writer = threading.Thread(target=self._write_loop, name="span-store-writer",
                                         daemon=True)
         self._writer.start()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # the writer thread counts too
+            self.stats[key] += n
+        if self.counters is not None:
+            self.counters.inc(key, n)
 
     def pending_bytes(self) -> int:
         """Host bytes of saved units the writer thread has not finished sending."""
@@ -271,6 +299,7 @@ class SpanStoreTier:
             if not full:
                 self._queued_bytes += nbytes
         if full:
+            self._count("dropped_units")
             self._warn("span store: the writer is behind; a span unit is not saved")
             return 0
         host, event = self.rows.gather(rows)
@@ -278,13 +307,17 @@ class SpanStoreTier:
         self._jobs.put_nowait(([keys[j] for j in todo], sizes, host, event))
         for j in todo:
             self._remember(keys[j])
+        self._count("saved_blocks", len(todo))
+        self._count("saved_bytes", nbytes)
         return len(todo)
 
     def close(self) -> None:
-        """Stop the writer thread once it has sent what is queued (the tier, its KV pool
-        included, is then free to go)."""
+        """Stop the writer thread once it has sent what is queued, then close the store client
+        (the tier, its KV pool included, is then free to go; a ZMQ context left to the garbage
+        collector can block whichever thread collects it)."""
         self._jobs.put(None)
         self._writer.join()
+        self.client.close()
 
     def _write_loop(self) -> None:
         while True:
@@ -314,6 +347,7 @@ class SpanStoreTier:
             failed = set(keys)
         self._forget(failed)  # not stored: a later save may try again
         if failed:
+            self._count("failed_blocks", len(failed))
             self._warn(f"span store: {len(failed)} blocks were not stored (server down, "
                        "full, or a wrong PTStore token)")
 
@@ -370,6 +404,7 @@ class SpanStoreTier:
         if not all(found):
             # evicted or lost by the store: the next save must send them again
             self._forget(k for k, f in zip(keys, found, strict=True) if not f)
+            self._count("missed_units")
             return False
         first = done * self.block_tokens
         host = self.rows.host(end - start - first)
@@ -400,6 +435,8 @@ class SpanStoreTier:
             self.cache.token_to_kv_pool_allocator.free(rows[:dup])
         for k in keys:
             self._remember(k)
+        self._count("loaded_units")
+        self._count("loaded_tokens", len(host))
         return True
 
     def _back_off(self, why: str) -> None:
@@ -417,7 +454,8 @@ class SpanStoreTier:
 
 
 def create_span_store(cache: RadixCache, model: str, tp_size: int = 1,
-                      pp_size: int = 1) -> SpanStoreTier | None:
+                      pp_size: int = 1, counters: Counters | None = None
+                      ) -> SpanStoreTier | None:
     """The tier configured by ``SGLANG_PIC_SPAN_STORE``, or None when it is not set. Refuses
     tensor / pipeline parallelism: every rank would decide on its own whether a span loads, and
     ranks that disagree run different batches (HiCache all-reduces its hit counts for this)."""
@@ -432,7 +470,7 @@ def create_span_store(cache: RadixCache, model: str, tp_size: int = 1,
 
     client = StoreClient(list(cfg.servers), token=client_token(None, SERVE_TOKEN_ENV),
                          server_key=cfg.server_key, timeout_ms=cfg.timeout_ms, shm=False)
-    tier = SpanStoreTier(cache, client, model)
+    tier = SpanStoreTier(cache, client, model, counters=counters)
     logger.info("span store: span blocks go to PTStore %s (%d tokens, %d B per block)",
                 list(cfg.servers), tier.block_tokens,
                 tier.block_bytes)
