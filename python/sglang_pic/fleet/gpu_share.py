@@ -5,8 +5,9 @@ free when the instance starts, not from the whole GPU: the pool gets what is fre
 weights load, less ``(1 - mem_fraction_static)`` of what was free before it
 (``KVCacheConfigurator._profile_available_bytes``). So the weights and pool together come to
 ``mem_fraction_static * free_at_start``. Started one after another with the same fraction, each
-instance gets a fraction of what its neighbours left: two instances at 0.4 on an 80 GB H100 got
-pools of 16.3 GB and 2.2 GB, and the second served two requests at a time.
+instance gets a fraction of what its neighbours left. Two instances at 0.4 of an 80 GB GPU with
+16 GB of weights each: the first's pool is 0.4 x 80 - 16 = 16 GB; the second starts with about
+44 GB free and gets 0.4 x 44 - 16, under 2 GB.
 
 For ``share`` of the whole GPU, an instance that starts when ``free`` bytes of ``total`` are free
 passes ``share * total / free``. The launcher reads the free memory through NVML (``pynvml``,
