@@ -251,11 +251,15 @@ class SpanStoreTier:
                                         daemon=True)
         self._writer.start()
 
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._lock:  # the writer thread counts too
-            self.stats[key] += n
+    def _count(self, **counts: int) -> None:
+        """Add ``counts`` (``COUNTERS``' keys) to ``stats``, under one lock (the writer thread
+        counts too), and to the Prometheus counters."""
+        with self._lock:
+            for key, n in counts.items():
+                self.stats[key] += n
         if self.counters is not None:
-            self.counters.inc(key, n)
+            for key, n in counts.items():
+                self.counters.inc(key, n)
 
     def pending_bytes(self) -> int:
         """Host bytes of saved units the writer thread has not finished sending."""
@@ -299,7 +303,7 @@ class SpanStoreTier:
             if not full:
                 self._queued_bytes += nbytes
         if full:
-            self._count("dropped_units")
+            self._count(dropped_units=1)
             self._warn("span store: the writer is behind; a span unit is not saved")
             return 0
         host, event = self.rows.gather(rows)
@@ -307,8 +311,7 @@ class SpanStoreTier:
         self._jobs.put_nowait(([keys[j] for j in todo], sizes, host, event))
         for j in todo:
             self._remember(keys[j])
-        self._count("saved_blocks", len(todo))
-        self._count("saved_bytes", nbytes)
+        self._count(saved_blocks=len(todo), saved_bytes=nbytes)
         return len(todo)
 
     def close(self) -> None:
@@ -347,7 +350,7 @@ class SpanStoreTier:
             failed = set(keys)
         self._forget(failed)  # not stored: a later save may try again
         if failed:
-            self._count("failed_blocks", len(failed))
+            self._count(failed_blocks=len(failed))
             self._warn(f"span store: {len(failed)} blocks were not stored (server down, "
                        "full, or a wrong PTStore token)")
 
@@ -404,7 +407,7 @@ class SpanStoreTier:
         if not all(found):
             # evicted or lost by the store: the next save must send them again
             self._forget(k for k, f in zip(keys, found, strict=True) if not f)
-            self._count("missed_units")
+            self._count(missed_units=1)
             return False
         first = done * self.block_tokens
         host = self.rows.host(end - start - first)
@@ -435,8 +438,7 @@ class SpanStoreTier:
             self.cache.token_to_kv_pool_allocator.free(rows[:dup])
         for k in keys:
             self._remember(k)
-        self._count("loaded_units")
-        self._count("loaded_tokens", len(host))
+        self._count(loaded_units=1, loaded_tokens=len(host))
         return True
 
     def _back_off(self, why: str) -> None:
