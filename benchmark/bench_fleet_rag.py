@@ -319,16 +319,26 @@ prompt's batch measures the idle gap before it, not the prefill)."""
 
 
 POOL_LINE = re.compile(r"max_total_num_tokens=(\d+)")
+BACKEND_LINE = re.compile(r"attention_backend='([^']+)'")
+
+
+def from_logs(logs: list[Path], line: re.Pattern) -> list[str | None]:
+    """``line``'s first group in each instance's SGLang log; None where the log does not say."""
+    found = [line.search(log.read_text(errors="replace")) if log.exists() else None
+             for log in logs]
+    return [m.group(1) if m else None for m in found]
 
 
 def kv_pool_tokens(logs: list[Path]) -> list[int | None]:
-    """Each instance's KV pool (tokens) from its SGLang log: instances sharing a GPU should get
-    equal pools (``sglang_pic.fleet.gpu_share``); None where the log does not say."""
-    pools = []
-    for log in logs:
-        found = POOL_LINE.search(log.read_text(errors="replace")) if log.exists() else None
-        pools.append(int(found.group(1)) if found else None)
-    return pools
+    """Each instance's KV pool (tokens): instances sharing a GPU should get equal pools
+    (``sglang_pic.fleet.gpu_share``)."""
+    return [int(v) if v else None for v in from_logs(logs, POOL_LINE)]
+
+
+def attention_backend(logs: list[Path]) -> str | None:
+    """The attention backend the side's instances ran (their server_args), where they agree."""
+    backends = set(from_logs(logs, BACKEND_LINE))
+    return backends.pop() if len(backends) == 1 else None
 
 
 def log_sizes(logs: list[Path]) -> dict[Path, int]:
@@ -501,8 +511,9 @@ def main() -> None:
                 pools = kv_pool_tokens(side.instance_logs())
                 print(f"[fleet-rag] {name} up in {start_s:.0f} s; KV pools {pools} tokens",
                       flush=True)
-                report["results"][name] = {"start_s": start_s, "kv_pool_tokens": pools,
-                                           "cells": done}
+                report["results"][name] = {
+                    "start_s": start_s, "kv_pool_tokens": pools,
+                    "attention_backend": attention_backend(side.instance_logs()), "cells": done}
                 run_side(side, params, rates, lambda m: print(m, flush=True),
                          report["results"][name]["cells"], save)
             except Exception as e:

@@ -647,7 +647,8 @@ CLAIMS: list[Claim] = [
           target=2.5, extract=_grid_worst("requests_per_s", True),
           path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
           "cache-aware routing, FlashInfer; ours: spans and two PTStore servers",
-          note="bench_fleet_rag.py, cells aligned and varlen_k6_p256_z07_t4"),
+          note="bench_fleet_rag.py on one H100, equal KV pools per instance; cell "
+          "varlen_k6_p256_z07_t4 (the aligned cell not run on a GPU yet)"),
     Claim("fleet.cross_instance_hit_rate", FLEET, "storage_share", baseline_variant=None,
           higher_is_better=True, extract=_fleet_store_share,
           note="prompt tokens the fleet loaded from PTStore per burst (computed through the "

@@ -144,3 +144,16 @@ def test_each_instance_s_kv_pool_is_read_from_its_log(tmp_path):
     logs[2].write_text("still loading\n")
     assert bench_fleet_rag.kv_pool_tokens([*logs, tmp_path / "none.log"]) == [
         133863, 18342, None, None]
+
+
+def test_a_side_records_its_attention_backend_where_its_instances_agree(tmp_path):
+    """headlines.py refuses a baseline not on FlashInfer: the side records what its instances'
+    server_args say, and nothing where they differ or are silent."""
+    line = "server_args=ServerArgs(model_path='m', attention_backend='{b}', sampling_backend='x')\n"
+    a, b, c = (tmp_path / f"{n}.log" for n in "abc")
+    a.write_text(line.format(b="flashinfer"))
+    b.write_text("loading\n" + line.format(b="flashinfer"))
+    c.write_text(line.format(b="pic_flashinfer"))
+    assert bench_fleet_rag.attention_backend([a, b]) == "flashinfer"
+    assert bench_fleet_rag.attention_backend([a, c]) is None
+    assert bench_fleet_rag.attention_backend([a, tmp_path / "none.log"]) is None
