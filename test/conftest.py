@@ -137,14 +137,17 @@ def pytest_runtest_logreport(report):
 
 
 HEAVY_FIRST = (
+    # the session-server group (~8 min), its modules in the order they run
     "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_api_key.py",
-    "test_lang.py",
-    "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
-    "test_position_free_triton_cpu.py", "test_docs.py", "test_spans_store_cpu.py",
-    "test_position_free_cpu.py", "test_cli.py", "test_fleet_cpu.py", "test_store_hicache_cpu.py",
-    "test_config_flags.py", "test_hicache_cpu.py", "test_span_scheduling.py",
-    "test_sparse_decode_state.py", "test_store_datapath.py", "test_pariskv.py",
-    "test_store_security.py", "test_plugin_seams.py", "test_request_validation.py",
+    "test_lang.py", "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
+    # the other units, longest first
+    "test_position_free_triton_cpu.py", "test_sparse_decode_state.py", "test_pariskv.py",
+    "test_fleet_cpu.py", "test_front_door.py", "test_docs.py", "test_config_flags.py",
+    "test_store_hicache_cpu.py", "test_cli.py", "test_spans_store_cpu.py",
+    "test_position_free_cpu.py", "test_store_security.py", "test_hicache_cpu.py",
+    "test_compat_seams.py", "test_store_datapath.py", "test_compat_static.py",
+    "test_plugin_seams.py", "test_store_engine.py", "test_cpu_support.py", "test_plugin_site.py",
+    "test_span_scheduling.py", "test_request_validation.py",
 )
 """Modules by their time on 2 cores, longest first (``--durations``). xdist hands out work units
 (a module, or the group of the modules sharing a session server) in collection order

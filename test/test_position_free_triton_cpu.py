@@ -9,10 +9,16 @@ Its own module so that the other position-free servers are down while the interp
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import start_server, stop_server
 
 PROMPTS = ["The capital of France is", "List three prime numbers:"]
+LAYERS = 8
+"""The model's first layers only, on both sides (the server's ``--json-model-override-args``,
+HF's config): each interpreted step runs our kernels once per layer, and the kernels' parity
+does not depend on the depth."""
 STORY = "Once upon a time, in a land far away, " * 3  # > 16 tokens: one cached page
 
 
@@ -20,10 +26,12 @@ STORY = "Once upon a time, in a land far away, " * 3  # > 16 tokens: one cached 
 def triton_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("position_free_triton") / "server.log"
     # one KV split: fewer Triton programs for the interpreter to run; no warm-up request (8
-    # tokens, ~10 s of interpreted kernels: the start's health check runs a forward pass already)
+    # tokens of interpreted kernels: the start's health check runs a forward pass already)
     srv = start_server(["--max-total-tokens", "4096", "--page-size", "16",
                         "--enable-span-cache", "--attention-backend", "triton",
-                        "--triton-attention-num-kv-splits", "1", "--skip-server-warmup"], log)
+                        "--triton-attention-num-kv-splits", "1", "--skip-server-warmup",
+                        "--json-model-override-args", json.dumps({"num_hidden_layers": LAYERS})],
+                       log)
     yield srv
     stop_server(srv)
 
@@ -34,7 +42,8 @@ def hf_greedy(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 num_hidden_layers=LAYERS).eval()
 
     def run(text: str, n: int) -> tuple[list[int], list[int]]:
         ids = tok(text, return_tensors="pt").input_ids
@@ -82,7 +91,8 @@ def test_a_document_moved_to_another_offset_follows_the_block_attention_referenc
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+                                                 attn_implementation="eager",
+                                                 num_hidden_layers=LAYERS).eval()
     doc = " The secret code of the blue castle is 4417."
     other = " Mount Quellen is 3120 metres high."
     question = tok("\nQuestion: what is the secret code?\nAnswer:",
@@ -100,7 +110,6 @@ def test_a_document_moved_to_another_offset_follows_the_block_attention_referenc
                                        pad_id=tok.eos_token_id)
         with torch.no_grad():
             # two tokens: the first from the extend kernel, the second from the decode kernel
-            # (each interpreted step costs seconds)
             want = block_attention_greedy(model, padded, decode_pieces(layout), 2)
         r = triton_server.post("/generate", timeout=600, json={
             "input_ids": ids,

@@ -80,10 +80,8 @@ SHORT = "Write one sentence about the sea."
 
 
 def test_sparse_decode_answers_like_dense(sparse_server, dense):
-    with ThreadPoolExecutor(2) as pool:  # a long and a short request decode in one batch
-        first = list(pool.map(lambda t: _generate(sparse_server, t), [LONG[0], SHORT]))
-    second = _generate(sparse_server, LONG[1])
-    sparse = [*first, second]
+    with ThreadPoolExecutor(3) as pool:  # two long and a short request decode in one batch
+        sparse = list(pool.map(lambda t: _generate(sparse_server, t), [LONG[0], SHORT, LONG[1]]))
     for s, text in zip(sparse, [LONG[0], SHORT, LONG[1]], strict=True):
         assert s["text"] == dense(text)["text"]
     assert str(KEYS[0]) in sparse[0]["text"] and str(KEYS[1]) in sparse[2]["text"]

@@ -198,7 +198,7 @@ def markdown_table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--scale", type=int, default=None,
-                    help="sessions per workload (size knob; default 100, 40 with --quick)")
+                    help="sessions per workload (size knob; default 100, 20 with --quick)")
     ap.add_argument("--quick", action="store_true",
                     help="two workloads of 40 sessions, two sizes; writes to "
                          "$TMPDIR/sglang-pic-bench, no plot")
@@ -238,7 +238,7 @@ def main() -> None:
 
     policies = check_policies(args.policies)
     if args.scale is None:
-        args.scale = 40 if args.quick else 100
+        args.scale = 20 if args.quick else 100
     elif args.scale < 1:
         ap.error(f"--scale must be at least 1, got {args.scale}")
 
