@@ -138,11 +138,11 @@ def pytest_runtest_logreport(report):
 
 HEAVY_FIRST = (
     # the session-server group (~8 min), its modules in the order they run
-    "test_eviction.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_api_key.py",
+    "test_eviction_server.py", "test_sparse_decode_cpu.py", "test_server_cpu.py", "test_api_key.py",
     "test_lang.py", "test_hf_equality.py", "test_http_security.py", "test_spans_cpu.py",
     # the other units, longest first
-    "test_position_free_triton_cpu.py", "test_sparse_decode_state.py", "test_pariskv.py",
-    "test_fleet_cpu.py", "test_front_door.py", "test_docs.py", "test_config_flags.py",
+    "test_sparse_decode_state.py", "test_pariskv.py", "test_fleet_cpu.py", "test_front_door.py",
+    "test_docs.py", "test_position_free_triton_cpu.py", "test_config_flags.py",
     "test_store_hicache_cpu.py", "test_cli.py", "test_spans_store_cpu.py",
     "test_position_free_cpu.py", "test_store_security.py", "test_hicache_cpu.py",
     "test_compat_seams.py", "test_store_datapath.py", "test_compat_static.py",
@@ -181,8 +181,12 @@ def _session_servers_used(item) -> list[str]:
 
 SERVER_SOURCE = re.compile(r"\bstart_servers?\b|\bLazyServers\b|\b_fleet_cmd\(|\bEngine\(|\bServerArgs\(|"
                            r"sglang\.launch_server")
-"""What marks a module's source as the server tier (besides a session server fixture)."""
-KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+"""What marks a module's source as starting SGLang (besides a session server fixture)."""
+TESTS = Path(__file__).resolve().parent
+SERVER_TESTS = (TESTS / "server", TESTS / "gpu")
+"""The folders of the tests that start SGLang (a server, an Engine, a fleet): the server tier
+(and the GPU tier, whose tests start servers too)."""
+KERNEL_TESTS = TESTS / "kernels"
 """The kernel tests' folder: each of its tests is in the kernels tier."""
 
 _server_modules: set[Path] = set()
@@ -191,10 +195,16 @@ from any other: the tier marks are enforced, not guessed."""
 
 
 def _server_tier(path: Path, module_items: list) -> bool:
-    """A module starts SGLang: it uses a session server, or its source starts one."""
-    if any(_session_servers_used(item) for item in module_items):
+    """A module is in the server tier by its folder (``SERVER_TESTS``). One elsewhere that uses
+    a session server or whose source starts SGLang stops the collection, naming it: the unit
+    and kernel tiers start no SGLang."""
+    if any(folder in path.parents for folder in SERVER_TESTS):
         return True
-    return bool(SERVER_SOURCE.search(path.read_text(errors="replace")))
+    if any(_session_servers_used(item) for item in module_items) or \
+            SERVER_SOURCE.search(path.read_text(errors="replace")):
+        raise pytest.UsageError(f"{path.relative_to(REPO)} starts SGLang: it belongs under "
+                                "test/server/ (the unit and kernel tiers start none)")
+    return False
 
 
 def _xdist_group(module_items: list) -> str:
@@ -444,8 +454,8 @@ def _launch(args: list[str], log: Path, timeout_s: float, launcher: tuple[str, .
     """
     running = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0]
     if running and _server_modules and (REPO / running).resolve() not in _server_modules:
-        raise RuntimeError(f"{running} starts a server but is not in the server tier: name "
-                           "its start in conftest.SERVER_SOURCE's patterns")
+        raise RuntimeError(f"{running} starts a server but is not in the server tier: move it "
+                           "under test/server/")
     port = free_port()
     argv = ["--port", str(port), *args]
     forked = forked and launcher == SERVE and env is None and not has_cuda()

@@ -11,7 +11,7 @@ The sparse server selects 256 keys per KV head from ~6K-token prompts (sink 16, 
   logprob gap is within ``NOISE``: there bf16 arithmetic alone (the batch's shape, the kernel's
   split) decides the pick, and either token is the model's answer. The CPU suite runs the same
   path at 20 % of a 1.2K context and follows dense exactly on every step
-  (test/test_sparse_decode_cpu.py); on the GPU the batches differ between the two servers, so
+  (test/server/test_sparse_decode_cpu.py); on the GPU the batches differ between the two servers, so
   exact equality would test the batch shape, not the selection. Each prompt's agreement (the
   steps before it parts) is printed for the log.
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "python"
+from conftest import REPO
+
+ROOT = REPO / "python"
 
 
 def _modules() -> dict[str, Path]:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import sglang
+from conftest import REPO
 from sglang_pic.compat import SEAMS
 from sglang_pic.compat.static import SourceTree, StaticChecker, report
 
-REPO = Path(__file__).resolve().parent.parent
 SITE = Path(sglang.__file__).resolve().parent.parent
 RADIX = "sglang/srt/mem_cache/radix_cache.py"
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import bench_e2e_decode
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:
     path = tmp_path / "x-DECODE.trace.json.gz"

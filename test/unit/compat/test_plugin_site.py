@@ -8,11 +8,9 @@ import subprocess
 import sys
 import tempfile
 from importlib.metadata import distributions
-from pathlib import Path
 
+from conftest import REPO
 from sglang_pic.launcher import plugin_site
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_an_installed_entry_point_leaves_the_environment_alone(tmp_path):

@@ -8,12 +8,8 @@ case counts as solved exactly when its answer's digits are in the generated text
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import sparse_needle
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import free_port
+from conftest import REPO, free_port
 from sglang_pic.store.auth import (
     SERVE_TOKEN_ENV,
     STORE_TOKEN_ENV,
@@ -42,7 +42,6 @@ from sglang_pic.store.server import StoreServer
 PAGE = 1024
 TOKEN = "security-test-token-alice-0123"
 OTHER = "security-test-token-bob-456789"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _pages(prefix: str, n: int, size: int = PAGE) -> list[tuple[str, bytes]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import REPO
 from sglang_pic.store.engine import OWNED, REPLICA, GDSFCache, StoreEngine
 
 PAGE = 1024
@@ -455,7 +456,7 @@ def test_segments_of_killed_processes_are_reaped(tmp_path):
             "from sglang_pic.store.shm import ClientSegment;"
             "s = ClientSegment(1 << 20); print(s.name, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parent.parent)
+                             cwd=REPO)
     name = child.stdout.readline().strip()
     assert (SHM_DIR / name).exists()
     mine = ClientSegment(1 << 20)  # the child is alive: its segment stays
@@ -651,7 +652,7 @@ def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
             "fd = os.memfd_create('pool'); os.ftruncate(fd, 1 << 20);"
             "print(json.dumps(pool_spec(fd)), flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parent.parent)
+                             cwd=REPO)
     try:
         spec = json.loads(child.stdout.readline())
         cache = SegmentCache()

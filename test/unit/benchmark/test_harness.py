@@ -6,8 +6,7 @@ from pathlib import Path
 
 import harness
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 def test_ratio_table():

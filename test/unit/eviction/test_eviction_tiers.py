@@ -6,13 +6,10 @@ stand-in with what the caches read, and the radix cache's clock replaced by a vi
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)

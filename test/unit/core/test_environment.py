@@ -4,12 +4,11 @@ the package, every variable declared and documented."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 from sglang_pic import environment
 
-REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "python" / "sglang_pic"
 
 

@@ -1,6 +1,6 @@
 """Request validation at unit level: sampling params, token ids, logprob parameters, constrained
 decoding, reserved request ids, OpenAI bodies through the front door's schema (the HTTP level is in test_server_cpu and
-test/security/test_http_security.py)."""
+test/server/security/test_http_security.py)."""
 
 from __future__ import annotations
 

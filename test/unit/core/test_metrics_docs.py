@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import REPO
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = REPO / "docs"
 
 
 def _tables() -> dict[str, dict[str, tuple[str, str]]]:

@@ -7,13 +7,13 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from plugin_process import refused, run_python
 from sglang_pic import compat, plugin
 from sglang_pic.compat import HOOK_KINDS, SEAMS, Seam, resolve
 from sglang_pic.compat.__main__ import section, updated
 from sglang_pic.compat.conditions import CONDITIONS
 
-REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "python" / "sglang_pic"
 DOC = REPO / "docs" / "architecture.md"
 EVERY_CONDITION = {  # every condition of the table on, as variables the features read

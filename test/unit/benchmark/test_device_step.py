@@ -7,7 +7,9 @@ import os
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_step.sh"
+from conftest import REPO
+
+SCRIPT = REPO / "scripts" / "device_step.sh"
 
 
 def _step(cwd: Path, home: Path, *args: str, out: Path | None = None) -> subprocess.CompletedProcess:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 HEADLINES = REPO / "benchmark" / "results" / "headlines.json"
 
 

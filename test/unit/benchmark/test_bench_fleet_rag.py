@@ -149,7 +149,7 @@ def test_each_instance_s_kv_pool_is_read_from_its_log(tmp_path):
 def test_a_side_records_its_attention_backend_where_its_instances_agree(tmp_path):
     """headlines.py refuses a baseline not on FlashInfer: the side records what its instances'
     server_args say, and nothing where they differ or are silent."""
-    line = "server_args=ServerArgs(model_path='m', attention_backend='{b}', sampling_backend='x')\n"
+    line = "[2026-12-06 08:16:30] server_args=(model_path='m', attention_backend='{b}')\n"
     a, b, c = (tmp_path / f"{n}.log" for n in "abc")
     a.write_text(line.format(b="flashinfer"))
     b.write_text("loading\n" + line.format(b="flashinfer"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 from sglang_pic.eviction.estimators import (
     ClassRate,
     ContinuationModel,
@@ -17,8 +17,6 @@ from sglang_pic.eviction.estimators import (
     SessionIndex,
     softmax_weights,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -768,80 +766,6 @@ def test_e2e_figure_draws_per_request_cdfs_and_older_reports(tmp_path):
                   "results": {"vanilla": result, "sglang-pic": {**result, "policy": "sae"}}}
         out = plot_e2e(report, tmp_path / f"{name}.png")
         assert out.stat().st_size > 10_000  # a drawn figure, not an empty file
-
-
-@pytest.fixture(scope="module")
-def sae_server(tmp_path_factory):
-    from conftest import start_server, stop_server
-
-    log = tmp_path_factory.mktemp("sae") / "server.log"
-    srv = start_server(["--radix-eviction-policy", "sae", "--max-total-tokens", "600"], log)
-    yield srv
-    stop_server(srv)
-
-
-def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server, server):
-    """600-token pool: ~14 prompts of ~60 tokens force evictions; a system prompt shared by
-    all requests and a second round (prefix hits on what survived) must not change outputs.
-    Every other request sends no session: its application is guessed from its match, through
-    the server's contexts (one per insert, the guess carried by request id)."""
-    system = "You are a concise assistant who answers in one short sentence. "
-    prompts = [f"{system}Question {i}: name a fruit that is {c}."
-               for i, c in enumerate(["red", "yellow", "green", "orange", "purple", "brown",
-                                      "blue", "pink"])]
-    body = {"sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-    cached = 0
-    refs: dict[str, str] = {}  # the plain server's greedy answer, asked once per prompt
-    for round_ in range(2):
-        for i, p in enumerate(prompts):
-            hints = {"session_id": f"s{i % 3}"} if i % 2 == 0 else {}
-            got = sae_server.post("/generate", json={"text": p, **hints, **body})
-            if p not in refs:
-                ref = server.post("/generate", json={"text": p, **body})
-                assert ref.status_code == 200, ref.text
-                refs[p] = ref.json()["text"]
-            assert got.status_code == 200, got.text
-            assert got.json()["text"] == refs[p], (round_, p)
-            cached += got.json()["meta_info"]["cached_tokens"]
-    assert cached > 0  # the shared system prompt stayed cached through evictions
-    assert sae_server.healthy()
-
-
-def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
-    """With HiCache, SGLang's tree is HiRadixCache, whose match/insert/split/evict do not call
-    RadixCache's: the policy must still see inserts, hits and evictions (before the hooks were
-    registered on HiRadixCache it saw none and ranked blocks by recency only), and outputs stay
-    those of the plain server."""
-    import json
-
-    from conftest import HICACHE_CPU_FLAGS, start_server, stop_server, wait_for_host_memory
-
-    stats = tmp_path / "sae.json"
-    monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
-    wait_for_host_memory(0.5)
-    srv = start_server([*HICACHE_CPU_FLAGS, "--radix-eviction-policy", "sae",
-                        "--max-total-tokens", "512", "--page-size", "16"], tmp_path / "log")
-    try:
-        system = "You are a concise assistant who answers in one short sentence. " * 2
-        body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        for i in range(8):  # 8 x ~100 tokens (~70 unique each) through a 512-token pool
-            prompt = f"{system}Question {i}: " + f"describe detail {i} of the item. " * 8
-            got = srv.post("/generate", json={"text": prompt, "session_id": f"s{i % 2}", **body})
-            ref = server.post("/generate", json={"text": prompt, **body})
-            assert got.status_code == 200, got.text
-            assert got.json()["text"] == ref.json()["text"], i
-        dumped = json.loads(stats.read_text())
-        events = dumped["events"]
-        # write-through: each device eviction keeps the block on the host tier (a demotion;
-        # the host tier, 4x the pool, does not fill here, so nothing leaves both tiers)
-        assert events.get("inserts", 0) > 10 and events.get("demotions", 0) > 0, events
-        assert events.get("hits", 0) > 0, events  # the shared system prompt
-        # with the stats file on, where the policy's time went and the scheduler's steps
-        assert dumped["evict"]["passes"] > 0 and dumped["evict"]["seconds"] > 0, dumped
-        assert dumped["seconds"]["get_priority"] > 0 and dumped["seconds"]["on_insert"] > 0
-        assert dumped["scheduler"]["steps"] > 0, dumped
-    finally:
-        stop_server(srv)
 
 
 def test_hits_are_those_of_the_match_that_admitted_the_request():
