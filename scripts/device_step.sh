@@ -5,8 +5,8 @@
 # 64 MiB together). Built by scripts/build_devkit.sh; the order is in docs/benchmarks.md.
 #
 #   bash scripts/device_step.sh stage a        carry .devkit/a    (the machine starts: ~70 s)
-#   bash scripts/device_step.sh stage a2       carry .devkit/a2 and .devkit/b1, with
-#     && bash scripts/device_step.sh stage b1
+#   bash scripts/device_step.sh stage a2       carry .devkit/a2
+#   bash scripts/device_step.sh stage b1       carry .devkit/b1   (with a2 the call passes 64 MiB)
 #   bash scripts/device_step.sh wheel 1        carry .devkit/w1   (a wheel in two halves; the
 #   bash scripts/device_step.sh wheel 2        carry .devkit/w2    last part joins them)
 #   bash scripts/device_step.sh stage b        carry .devkit/b
