@@ -19,6 +19,8 @@ LAYERS = 8
 """The model's first layers only, on both sides (the server's ``--json-model-override-args``,
 HF's config): each interpreted step runs our kernels once per layer, and the kernels' parity
 does not depend on the depth."""
+TOP_LOGPROB_TOL = 1e-3
+"""Both sides run SmolLM2 in float32 on CPU (test_spans_cpu.py's bound): summation order only."""
 STORY = "Once upon a time, in a land far away, " * 3  # > 16 tokens: one cached page
 
 
@@ -108,13 +110,22 @@ def test_a_document_moved_to_another_offset_follows_the_block_attention_referenc
                 prompt("Read the documents below and answer briefly.", [other, doc])):
         padded, layout = layout_prompt(ids, marker_ids=(SSEP_ID, PDEP_ID), page_size=16,
                                        pad_id=tok.eos_token_id)
+        tops: list = []
         with torch.no_grad():
             # two tokens: the first from the extend kernel, the second from the decode kernel
-            want = block_attention_greedy(model, padded, decode_pieces(layout), 2)
+            want = block_attention_greedy(model, padded, decode_pieces(layout), 2,
+                                          top_logprobs=tops)
         r = triton_server.post("/generate", timeout=600, json={
-            "input_ids": ids,
+            "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
             "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["output_ids"] == want
+        # the top two's logprobs too: with 8 layers, keys left unturned (the kernels' shifts
+        # zeroed) keep both greedy picks here but move the runner-up's logprob by 0.2
+        got = [sorted(step, reverse=True) for step in out["meta_info"]["output_top_logprobs"]]
+        for ref_step, got_step in zip(tops, got, strict=True):
+            assert [t for _, t in ref_step] == [t for _, t, _ in got_step]
+            assert all(abs(a - b[0]) < TOP_LOGPROB_TOL
+                       for (a, _), b in zip(ref_step, got_step, strict=True)), (ref_step, got_step)
     assert out["meta_info"]["cached_tokens"] >= 16  # the document's page, from the cache
