@@ -144,7 +144,7 @@ HEAVY_FIRST = (
     "test_sparse_decode_state.py", "test_pariskv.py", "test_fleet_cpu.py", "test_front_door.py",
     "test_docs.py", "test_position_free_triton_cpu.py", "test_config_flags.py",
     "test_store_hicache_cpu.py", "test_cli.py", "test_spans_store_cpu.py",
-    "test_position_free_cpu.py", "test_store_security.py", "test_hicache_cpu.py",
+    "test_position_free_cpu.py", "test_store_security.py", "test_eviction.py", "test_hicache_cpu.py",
     "test_compat_seams.py", "test_store_datapath.py", "test_compat_static.py",
     "test_plugin_seams.py", "test_store_engine.py", "test_cpu_support.py", "test_plugin_site.py",
     "test_span_scheduling.py", "test_request_validation.py",
@@ -195,16 +195,27 @@ from any other: the tier marks are enforced, not guessed."""
 
 
 def _server_tier(path: Path, module_items: list) -> bool:
-    """A module is in the server tier by its folder (``SERVER_TESTS``). One elsewhere that uses
-    a session server or whose source starts SGLang stops the collection, naming it: the unit
+    """A module is in the server tier by its folder (``SERVER_TESTS``). Each test of one elsewhere
+    that uses a session server or whose source starts SGLang fails, naming the module: the unit
     and kernel tiers start no SGLang."""
     if any(folder in path.parents for folder in SERVER_TESTS):
         return True
     if any(_session_servers_used(item) for item in module_items) or \
             SERVER_SOURCE.search(path.read_text(errors="replace")):
-        raise pytest.UsageError(f"{path.relative_to(REPO)} starts SGLang: it belongs under "
-                                "test/server/ (the unit and kernel tiers start none)")
+        _misplaced[path] = (f"{path.relative_to(REPO)} starts SGLang: it belongs under "
+                            "test/server/ (the unit and kernel tiers start none)")
     return False
+
+
+_misplaced: dict[Path, str] = {}
+"""Modules outside ``SERVER_TESTS`` that start SGLang, with the message each of their tests
+fails with (``pytest_runtest_setup``: an error raised in the collection hook reaches an xdist
+run as an INTERNALERROR without it)."""
+
+
+def pytest_runtest_setup(item):
+    if item.path in _misplaced:
+        pytest.fail(_misplaced[item.path], pytrace=False)
 
 
 def _xdist_group(module_items: list) -> str:
