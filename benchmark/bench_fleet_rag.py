@@ -319,7 +319,7 @@ prompt's batch measures the idle gap before it, not the prefill)."""
 
 
 POOL_LINE = re.compile(r"max_total_num_tokens=(\d+)")
-BACKEND_LINE = re.compile(r"attention_backend='([^']+)'")
+BACKEND_LINE = re.compile(r"\battention_backend='([^']+)'")
 
 
 def from_logs(logs: list[Path], line: re.Pattern) -> list[str | None]:

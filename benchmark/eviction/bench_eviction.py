@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=None,
                     help="sessions per workload (size knob; default 100, 20 with --quick)")
     ap.add_argument("--quick", action="store_true",
-                    help="two workloads of 40 sessions, two sizes; writes to "
+                    help="two workloads of 20 sessions, two sizes; writes to "
                          "$TMPDIR/sglang-pic-bench, no plot")
     ap.add_argument("--trace", default=None, help="replay a public trace instead")
     ap.add_argument("--format", choices=("mooncake", "bailian"), default="mooncake")
