@@ -145,7 +145,8 @@ class Side:
                    ",".join(map(str, instance_ports)), "--api-key-file", str(self.key_file),
                    "--log-dir", str(fleet_dir), *model,
                    *(["--store-ports", ",".join(map(str, store_ports))] if stores else []),
-                   *(["--enable-span-cache"] if spans else [])]
+                   *(["--enable-span-cache"] if spans else []),
+                   *(["--enable-metrics"] if with_stores else [])]
             if self.args.gpus > 1:
                 cmd.append("--gpu-per-instance")
             if self.smoke:
@@ -154,6 +155,7 @@ class Side:
                         env={"PYTHONPATH": os.pathsep.join(
                             [str(REPO / "python"), os.environ.get("PYTHONPATH", "")])})
             self._wait(lambda: (fleet_dir / "fleet.json").exists())  # written once all are up
+            self.instance_urls = [f"http://127.0.0.1:{p}" for p in instance_ports]
         self._wait(lambda: self.healthy_workers() >= n)
         return time.perf_counter() - t0
 
@@ -189,6 +191,23 @@ class Side:
     def healthy_workers(self) -> int:
         """Workers the router takes requests for (its circuit breaker closed)."""
         return len(HEALTHY.findall(self._metrics()))
+
+    def span_store_counts(self) -> dict[str, float]:
+        """The span store tier's counters (``sglang_pic:span_store_*_total``) summed over the
+        instances, read from their /metrics (sides with stores run with ``--enable-metrics``);
+        empty on the others."""
+        total: dict[str, float] = {}
+        for url in self.instance_urls:
+            req = urllib.request.Request(url + "/metrics",
+                                         headers={"Authorization": f"Bearer {self.key}"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for name, value in span_store_counters(text).items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
     def instance_logs(self) -> list[Path]:
         """The instances' SGLang logs (vanilla's beside the side's, the fleet's in its folder)."""
@@ -341,6 +360,15 @@ def attention_backend(logs: list[Path]) -> str | None:
     return backends.pop() if len(backends) == 1 else None
 
 
+STORE_COUNTER = re.compile(r"^sglang_pic:span_store_(\w+)_total(?:\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+def span_store_counters(metrics: str) -> dict[str, float]:
+    """``{counter: value}`` of the span store tier's counters in a Prometheus text page
+    (``saved_blocks``, ``dropped_units``, ``loaded_tokens``, ...; docs/store.md)."""
+    return {name: float(value) for name, value in STORE_COUNTER.findall(metrics)}
+
+
 def log_sizes(logs: list[Path]) -> dict[Path, int]:
     """Each log's size now: where the next burst's lines start."""
     return {log: log.stat().st_size if log.exists() else 0 for log in logs}
@@ -370,6 +398,12 @@ def _summed(outs: list[dict]) -> dict[str, int]:
     return total
 
 
+def _store_line(counts: dict[str, float]) -> str:
+    """The burst's span store counters a person reads first."""
+    keys = ("saved_blocks", "dropped_units", "loaded_units", "loaded_tokens", "missed_units")
+    return ", ".join(f"{k} {counts.get(k, 0):.0f}" for k in keys)
+
+
 def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save) -> None:
     """Every cell of ``params`` that ``cells`` lacks on a started side, each into ``cells`` and
     then ``save``d (a call cut off keeps the cells it finished)."""
@@ -382,11 +416,12 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
         rng = np.random.default_rng([params["seed"], sorted(CELLS).index(name)])
         out: dict = {"ideal": [], "requests_per_s": [], "ttft_p50_ms": [], "ttft_p99_ms": [],
                      "cached_tokens": [], "prompt_tokens": [], "per_instance": [],
-                     "prefill_tokens_per_s": [], "errors": 0}
+                     "prefill_tokens_per_s": [], "span_store": [], "errors": 0}
         draw = None
         for _ in range(params["samples"]):
             draw = draw_requests(rng, cell, params["burst"], params)
             before, logs = side.worker_counts(), log_sizes(side.instance_logs())
+            store_before = side.span_store_counts()
             outs, elapsed = asyncio.run(burst(side, [prompt(draw, r, spans)
                                                      for r in draw["requests"]], sp))
             after = side.worker_counts()
@@ -402,6 +437,9 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
                                             for r in draw["requests"]))
             out["per_instance"].append({w: after.get(w, 0) - before.get(w, 0) for w in after})
             out["prefill_tokens_per_s"].append(prefill_rate(logs))
+            store_after = side.span_store_counts()
+            out["span_store"].append({k: v - store_before.get(k, 0.0)
+                                      for k, v in store_after.items()})
             out["first_errors"] = [o["error"] for o in outs if o["error"]][:3]
         capacity = statistics.median(out["requests_per_s"])
         if side.name == "vanilla":
@@ -427,7 +465,9 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, per instance "
                  f"{out['per_instance'][-1]}, cached {out['cached_tokens'][-1]}, prefill "
                  f"{out['prefill_tokens_per_s'][-1] or float('nan'):.0f} tokens/s per "
-                 f"instance, errors {out['errors']}")
+                 f"instance, errors {out['errors']}"
+                 + (f", span store {_store_line(out['span_store'][-1])}"
+                    if out["span_store"] and out["span_store"][-1] else ""))
 
 
 def summarize(report: dict) -> list[dict]:

@@ -157,3 +157,23 @@ def test_a_side_records_its_attention_backend_where_its_instances_agree(tmp_path
     assert bench_fleet_rag.attention_backend([a, b]) == "flashinfer"
     assert bench_fleet_rag.attention_backend([a, c]) is None
     assert bench_fleet_rag.attention_backend([a, tmp_path / "none.log"]) is None
+
+
+def test_the_span_store_counters_are_read_from_an_instances_metrics_page():
+    """What each burst records of the span store tier (bench_fleet_rag's ``span_store``): every
+    ``sglang_pic:span_store_*_total`` counter by its short name, labels or not; nothing else."""
+    from sglang_pic.spans.store_tier import COUNTERS
+
+    page = "\n".join([
+        "# HELP sglang_pic:span_store_dropped_units_total Span units not saved.",
+        "# TYPE sglang_pic:span_store_dropped_units_total counter",
+        'sglang_pic:span_store_dropped_units_total{model_name="m"} 3.0',
+        "sglang_pic:span_store_loaded_tokens_total 1336.0",
+        "sglang_pic:span_store_dropped_units_created 1.7e9",
+        'sglang:num_requests_total{model_name="m"} 9.0',
+    ])
+    assert bench_fleet_rag.span_store_counters(page) == {"dropped_units": 3.0,
+                                                         "loaded_tokens": 1336.0}
+    # the names the bench prints are the tier's own counters
+    assert {"saved_blocks", "dropped_units", "loaded_units", "loaded_tokens",
+            "missed_units"} <= set(COUNTERS)
