@@ -331,6 +331,24 @@ def wait_for_host_memory(gb: float, wait_s: float = 180.0) -> None:
         time.sleep(2)
 
 
+TOP_LOGPROB_TOL = 1e-3
+"""Both sides of a CPU comparison run SmolLM2 in float32 (its converted checkpoint's dtype): a
+server and HF's reference agree to below 1e-4; the margin is for summation order only."""
+
+
+def assert_top_logprobs_match(reference_tops: list, out: dict) -> None:
+    """A server's per-step top logprobs (``/generate`` with ``return_logprob`` and
+    ``top_logprobs_num``) are the reference's: the same tokens in order, each logprob within
+    ``TOP_LOGPROB_TOL``. ``reference_tops``: per step ``[(logprob, token), ...]`` best first, as
+    ``spans.reference.block_attention_greedy`` appends them."""
+    server = [sorted(step, reverse=True) for step in out["meta_info"]["output_top_logprobs"]]
+    for ref_step, server_step in zip(reference_tops, server, strict=True):
+        assert [t for _, t in ref_step] == [t for _, t, _ in server_step]
+        assert all(abs(a - b[0]) < TOP_LOGPROB_TOL
+                   for (a, _), b in zip(ref_step, server_step, strict=True)), (ref_step,
+                                                                              server_step)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

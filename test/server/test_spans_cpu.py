@@ -14,16 +14,13 @@ import threading
 import time
 
 import pytest
-from conftest import SPAN_SERVER_FLAGS, start_servers, stop_server
+from conftest import SPAN_SERVER_FLAGS, assert_top_logprobs_match, start_servers, stop_server
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
 
 PAGE = int(SPAN_SERVER_FLAGS[SPAN_SERVER_FLAGS.index("--page-size") + 1])  # 16
 NEW = 10
 SP = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-TOP_LOGPROB_TOL = 1e-3
-"""Both sides run SmolLM2 in float32 on CPU (its converted checkpoint's dtype): they agree to
-below 1e-4; the margin is for summation order only."""
 DOCS = [
     "The secret code of the blue castle is 4417. The castle was built in 1502 by King Aldric.",
     "Mount Quellen is 3120 metres high and lies north of the river Aster, near the town of Brill.",
@@ -92,11 +89,7 @@ def test_reference_reports_each_steps_top_logprobs_as_the_server_does(span_serve
     out = generate(span_server, input_ids=ids, return_logprob=True, top_logprobs_num=2)
     assert out["output_ids"] == want == [step[0][1] for step in tops]
     assert all(a[0] >= b[0] for a, b in tops)
-    server = [sorted(step, reverse=True) for step in out["meta_info"]["output_top_logprobs"]]
-    for ref_step, server_step in zip(tops, server, strict=True):
-        assert [t for _, t in ref_step] == [t for _, t, _ in server_step]
-        assert all(abs(a - b[0]) < TOP_LOGPROB_TOL for (a, _), b in zip(ref_step, server_step,
-                                                                          strict=True))
+    assert_top_logprobs_match(tops, out)
 
 
 def test_span_prefills_just_over_the_chunk_budget_run_in_one_pass(span_server, hf):
