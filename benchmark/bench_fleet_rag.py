@@ -197,6 +197,8 @@ class Side:
         instances, read from their /metrics (sides with stores run with ``--enable-metrics``);
         empty on the others."""
         total: dict[str, float] = {}
+        if not SIDES.get(self.name, ("", False, False))[2]:
+            return total
         for url in self.instance_urls:
             req = urllib.request.Request(url + "/metrics",
                                          headers={"Authorization": f"Bearer {self.key}"})
