@@ -109,9 +109,11 @@ def _follows_dense(name: str, got: list[dict], want: list[dict]) -> list[int]:
         agreement.append(step)
         if step == len(a):
             continue
-        tops = sorted(w["meta_info"]["output_top_logprobs"][step], reverse=True)
-        (best, _), (second, runner_up) = tops[:2]
-        if step == 0 or a[step] != runner_up or best - second > NOISE:
+        # each entry is (logprob, token id, text); the text is None unless asked for
+        tops = sorted((t[0], t[1]) for t in w["meta_info"]["output_top_logprobs"][step])[::-1]
+        (best, top), (second, runner_up) = tops[:2]
+        # a tie (equal logprobs) may sort either token first: the pick must be one of the two
+        if step == 0 or a[step] not in (top, runner_up) or best - second > NOISE:
             bad.append(f"{name} prompt {i} step {step}: sparse {a[step]}, dense {b[step]}; "
                        f"dense top 2 {tops[:2]} (gap {best - second:.3f})")
     print(f"[sparse-gpu] {name}: agreement with dense over {NEW_TOKENS} steps {agreement}")
