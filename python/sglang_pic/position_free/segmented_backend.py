@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from . import model_check, shifted_batches
+from . import model_check, shifted_batches, stored_positions
 from .key_runs import KeyRuns
 from .run_kernels import turn, turn_table
 
@@ -37,6 +37,11 @@ class SegmentedAttention(AttentionBackend):
     def __init__(self, model_runner: Any, kernels: Any) -> None:
         super().__init__()
         model_check.check_server_settings(model_runner)
+        if stored_positions.table() is None:
+            # without it no batch is marked shifted (shifted_batches.mark_forward_batch): every
+            # span batch would run the dense backend over moved keys, unturned
+            raise RuntimeError("segmented attention: the stored-positions table is not "
+                               "allocated (the position-free backend allocates it first)")
         self.kernels = kernels
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.pool = model_runner.token_to_kv_pool

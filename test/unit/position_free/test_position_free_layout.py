@@ -166,6 +166,62 @@ def test_flashinfer_twin_sends_each_batch_to_one_backend():
     assert backend.workspace_buffer == "flashinfer-workspace"
 
 
+@pytest.mark.parametrize("copies,span_graphs", [(False, False), (True, False), (False, True)])
+def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
+        monkeypatch, copies, span_graphs):
+    """``pic_flashinfer`` built for real (FlashInfer's backend and kernels stubbed): segmented
+    attention (the default), copy on reuse and the span decode graphs each leave the table
+    that ``mark_forward_batch`` needs; without it no span batch is marked shifted and FlashInfer
+    reads the moved keys unturned (what the H100's real-weights test caught)."""
+    from sglang.srt.layers.attention import flashinfer_backend
+    from sglang_pic.launcher import server_flags
+    from sglang_pic.position_free import backends, model_check, moved_copies
+    from sglang_pic.position_free.run_kernels import TorchRunKernels
+
+    class _FlashInfer:
+        needs_cpu_seq_lens = False
+
+        def __init__(self, model_runner, init_new_workspace=False):
+            self.workspace_buffer = None
+
+    monkeypatch.setattr(flashinfer_backend, "FlashInferAttnBackend", _FlashInfer)
+    monkeypatch.setattr(backends, "ShiftedTritonBackend",
+                        lambda runner: SimpleNamespace(needs_cpu_seq_lens=False))
+    monkeypatch.setattr(backends, "_flashinfer_run_kernels",
+                        lambda runner, dense: TorchRunKernels(0.125))
+    monkeypatch.setattr(model_check, "check_server_settings", lambda runner: None)
+    rotary = SimpleNamespace(cos_sin_cache=torch.zeros(64, 8))
+    monkeypatch.setattr(model_check, "model_rotary", lambda runner: rotary)
+    flags = {"--position-free-span-graphs": span_graphs,
+             "--span-copy-on-reuse": "on" if copies else "auto"}
+    monkeypatch.setattr(server_flags, "setting", flags.get)
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(radix_cache_backend="pic_span",
+                                    attention_backend="pic_flashinfer"),
+        token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(32, 1, 8)]),
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int64)),
+        device="cpu")
+    assert moved_copies.wanted(runner)
+    backend = PositionFreeFlashInferBackend(runner)
+    assert stored_positions.table() is not None and stored_positions.table().numel() >= 32
+    span = SimpleNamespace(pic_segments=[object()])
+    fb = _forward_batch([1], [5])
+    monkeypatch.setattr(shifted_batches, "_started", True)  # no copier: each request is asked
+    shifted_batches.mark_forward_batch(fb, None, SimpleNamespace(reqs=[span]))
+    assert backend._pick(fb) is backend.shifted
+    assert stored_positions.table()[1] == 5
+
+
+def test_segmented_attention_refuses_to_run_without_the_positions_table(monkeypatch):
+    from sglang_pic.position_free import model_check
+    from sglang_pic.position_free.run_kernels import TorchRunKernels
+    from sglang_pic.position_free.segmented_backend import SegmentedAttention
+
+    monkeypatch.setattr(model_check, "check_server_settings", lambda runner: None)
+    with pytest.raises(RuntimeError, match="stored-positions table is not allocated"):
+        SegmentedAttention(SimpleNamespace(), TorchRunKernels(0.125))
+
+
 def test_the_table_is_made_once_per_pool():
     first = stored_positions.allocate(16, "cpu")
     assert stored_positions.allocate(8, "cpu") is first  # a second backend of the same pool
