@@ -1,8 +1,9 @@
 """Position-free KV on a GPU, end to end: ``pic_flashinfer`` serves requests without spans as
 vanilla SGLang on FlashInfer does, serves span prompts as the HF block-attention reference does,
-with moved spans copied per request (FlashInfer, the default) or read from the shared pages
-(the shift-aware kernels, eager or with the second decode graph set,
-``--position-free-span-graphs``), and ``pic_triton`` gives the same tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
+with moved spans read from the shared pages by segmented attention (FlashInfer's kernels, the
+default), copied per request (``--span-copy-on-reuse on``) or read by the shift-aware kernels
+(the second decode graph set, ``--position-free-span-graphs``), and ``pic_triton`` gives the
+same tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
 logits that any attention would match.
 
 Run on the device by ``make test-gpu`` (needs the model staged: ``SGLANG_PIC_CACHE`` and the
@@ -29,10 +30,11 @@ SERVERS = {
     # change the attention kernels this reference is for (SGLang does not capture them for our
     # backends either).
     "vanilla": ["--attention-backend", "flashinfer", "--disable-piecewise-cuda-graph"],
-    # pic_flashinfer, moved spans copied per request (--span-copy-on-reuse auto): FlashInfer
+    # pic_flashinfer, moved spans read from the shared pages by segmented attention (the
+    # default, --span-copy-on-reuse auto): FlashInfer's batch kernels, eager
     "spans": ["--enable-span-cache", "--enable-metrics"],
-    # moved spans read from the shared pages: the shift-aware Triton kernels, eager decode
-    "spans_shared": ["--enable-span-cache", "--span-copy-on-reuse", "off"],
+    # moved spans copied per request, turned once: vanilla FlashInfer batches, CUDA graphs
+    "spans_copies": ["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics"],
     "span_graphs": ["--enable-span-cache", "--span-copy-on-reuse", "off",
                     "--position-free-span-graphs"],
     "spans_triton": ["--enable-span-cache", "--attention-backend", "triton"],
@@ -40,7 +42,7 @@ SERVERS = {
 
 
 # the attention backend each server must report (``/get_server_info``)
-BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer", "spans_shared": "pic_flashinfer",
+BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer", "spans_copies": "pic_flashinfer",
             "span_graphs": "pic_flashinfer", "spans_triton": "pic_triton"}
 
 
@@ -161,12 +163,12 @@ def references(prompts, model_dir) -> _Reference:
     return _Reference([t for t, _ in exact], [tops for _, tops in exact], noise)
 
 
-@pytest.mark.parametrize("server", ["spans", "spans_shared"])
+@pytest.mark.parametrize("server", ["spans", "spans_copies"])
 def test_span_prompts_follow_the_block_attention_reference(servers, prompts, references, server):
     """Each document sits at another offset in each prompt, after another system prompt, so
-    most reads are of span keys computed elsewhere and moved: turned once into the request's own
-    copy (``spans``, FlashInfer) or turned while read from the shared pages (``spans_shared``,
-    the shift-aware kernels). bf16 against the float32 reference: a divergence must be where
+    most reads are of span keys computed elsewhere and moved: read from the shared pages with
+    the query turned back per run (``spans``, segmented attention) or turned once into the
+    request's own copy (``spans_copies``). bf16 against the float32 reference: a divergence must be where
     the reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
     a float32 gap of 0.09; the H200 runs picked either token there)."""
     _, spans = prompts
@@ -177,15 +179,24 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     _follows_reference(again, references)
 
 
-def test_copies_keep_span_batches_off_the_shift_aware_kernels(servers, prompts):
-    """With copies (the ``spans`` server's default) every span request read its own turned
-    copy: no batch was marked for the shift-aware kernels."""
+def _counters(server) -> dict[str, float]:
+    return {line.split("{")[0]: float(line.split()[-1])
+            for line in server.get("/metrics").text.splitlines()
+            if line.startswith("sglang_pic:")}
+
+
+def test_moved_spans_are_read_shared_by_default_and_copied_when_asked(servers, prompts):
+    """The default reads moved spans from the shared pages (segmented attention: batches marked
+    shifted, nothing copied); ``--span-copy-on-reuse on`` gives every span request its own
+    turned copy (no batch marked shifted: vanilla FlashInfer runs them)."""
     _generate(servers.spans, prompts[1])
-    text = servers.spans.get("/metrics").text
-    counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("sglang_pic:")}
-    assert counters["sglang_pic:span_copied_requests_total"] >= len(prompts[1])
-    assert counters["sglang_pic:shifted_batches_total"] == 0
+    shared = _counters(servers.spans)
+    assert shared["sglang_pic:shifted_batches_total"] > 0
+    assert shared["sglang_pic:span_copied_requests_total"] == 0
+    _generate(servers.spans_copies, prompts[1])
+    copies = _counters(servers.spans_copies)
+    assert copies["sglang_pic:span_copied_requests_total"] >= len(prompts[1])
+    assert copies["sglang_pic:shifted_batches_total"] == 0
 
 
 def test_span_decode_graphs_and_pic_triton_follow_the_reference(servers, prompts, references):

@@ -21,6 +21,9 @@ from sglang_pic.position_free.run_kernels import TorchRunKernels, _attend
 from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
 H, HKV, D = 8, 2, 128  # Llama-3's GQA group (4) and head size: the shapes FlashInfer compiled
+SMOLLM2 = (9, 3, 64)
+"""SmolLM2-135M's heads (query, KV, size): a GQA group of 3 and head size 64, the shape the
+real-weights GPU tests serve (test/gpu/test_position_free_gpu.py)."""
 
 
 def _cos_sin(positions: int, dim: int) -> torch.Tensor:
@@ -40,14 +43,16 @@ class _Pool:
         self.k[loc], self.v[loc] = k, v
 
 
-def _case(seed: int, device: str, dtype: torch.dtype):
+def _case(seed: int, device: str, dtype: torch.dtype, heads: tuple[int, int, int] = (H, HKV, D)):
     """Three requests over a pool: runs with shifts 0 / +offset / 0, one moved back, one plain.
-    Returns the raw (unrotated) keys, the pool, the rows and each row's runs."""
+    Returns the raw (unrotated) keys, the pool, the rows, each row's runs and ``heads``
+    (query heads, KV heads, head size)."""
+    h, hkv, d = heads
     g = torch.Generator().manual_seed(seed)
     slots, positions = 600, 2048
-    cos_sin = _cos_sin(positions, D)
-    raw = torch.randn(slots, HKV, D, generator=g)
-    v = torch.randn(slots, HKV, D, generator=g)
+    cos_sin = _cos_sin(positions, d)
+    raw = torch.randn(slots, hkv, d, generator=g)
+    v = torch.randn(slots, hkv, d, generator=g)
     stored = torch.zeros(slots, dtype=torch.long)
     perm = torch.randperm(slots - 100, generator=g)  # rows take scattered slots
     lengths = [int(x) for x in torch.randint(40, 160, (3,), generator=g)]
@@ -71,7 +76,8 @@ def _case(seed: int, device: str, dtype: torch.dtype):
         req_to_token[i, : len(row)] = row
     return dict(raw=raw.to(device), k=k.to(device, dtype), v=v.to(device, dtype),
                 rows=[r.to(device) for r in rows], runs=runs, lengths=lengths,
-                req_to_token=req_to_token.to(device), cos_sin=cos_sin.to(device))
+                req_to_token=req_to_token.to(device), cos_sin=cos_sin.to(device), heads=heads,
+                layer=_layer(heads))
 
 
 def _backend(c, kernels, device):
@@ -82,8 +88,10 @@ def _backend(c, kernels, device):
     return seg
 
 
-LAYER = types.SimpleNamespace(scaling=D ** -0.5, logit_cap=0.0, tp_q_head_num=H,
-                              tp_k_head_num=HKV, tp_v_head_num=HKV, head_dim=D, layer_id=0)
+def _layer(heads: tuple[int, int, int]) -> types.SimpleNamespace:
+    h, hkv, d = heads
+    return types.SimpleNamespace(scaling=d ** -0.5, logit_cap=0.0, tp_q_head_num=h,
+                                 tp_k_head_num=hkv, tp_v_head_num=hkv, head_dim=d, layer_id=0)
 
 
 def _mode(decode: bool):
@@ -97,9 +105,10 @@ def _decode(c, seg, device, seed):
     fb = types.SimpleNamespace(req_pool_indices=torch.arange(n, device=device),
                                forward_mode=_mode(True), out_cache_loc=None)
     seg.init_forward_metadata(fb)
-    q_raw = torch.randn(n, H, D, generator=g).to(device)
+    h, _, d = c["heads"]
+    q_raw = torch.randn(n, h, d, generator=g).to(device)
     q = turn_keys(q_raw, torch.tensor(c["lengths"], device=device), c["cos_sin"])
-    return q, seg.forward_decode(q.to(c["k"].dtype), None, None, LAYER, fb).view(n, H, D)
+    return q, seg.forward_decode(q.to(c["k"].dtype), None, None, c["layer"], fb).view(n, h, d)
 
 
 def _extend(c, seg, device, seed, new=(5, 3, 70)):
@@ -115,12 +124,13 @@ def _extend(c, seg, device, seed, new=(5, 3, 70)):
     seg.init_forward_metadata(fb)
     pos = torch.cat([torch.arange(p, p + m) for p, m in zip(prefix, new, strict=True)]).to(device)
     total = sum(new)
-    q = turn_keys(torch.randn(total, H, D, generator=g).to(device), pos, c["cos_sin"])
-    k = turn_keys(torch.randn(total, HKV, D, generator=g).to(device), pos, c["cos_sin"])
-    v = torch.randn(total, HKV, D, generator=g).to(device)
+    h, hkv, d = c["heads"]
+    q = turn_keys(torch.randn(total, h, d, generator=g).to(device), pos, c["cos_sin"])
+    k = turn_keys(torch.randn(total, hkv, d, generator=g).to(device), pos, c["cos_sin"])
+    v = torch.randn(total, hkv, d, generator=g).to(device)
     dt = c["k"].dtype
-    out = seg.forward_extend(q.to(dt), k.to(dt), v.to(dt), LAYER, fb,
-                             save_kv_cache=False).view(total, H, D)
+    out = seg.forward_extend(q.to(dt), k.to(dt), v.to(dt), c["layer"], fb,
+                             save_kv_cache=False).view(total, h, d)
     return (q, k, v, prefix, list(new)), out
 
 
@@ -128,8 +138,8 @@ def _reference_decode(c, q):
     outs = []
     for i, (row, n) in enumerate(zip(c["rows"], c["lengths"], strict=True)):
         keys = turn_keys(c["raw"][row], torch.arange(n, device=row.device), c["cos_sin"])
-        outs.append(_attend(q[i : i + 1].float(), keys, c["v"][row].float(), D ** -0.5,
-                            False)[0])
+        outs.append(_attend(q[i : i + 1].float(), keys, c["v"][row].float(),
+                            c["layer"].scaling, False)[0])
     return torch.cat(outs)
 
 
@@ -141,7 +151,7 @@ def _reference_extend(c, inputs):
         keys = turn_keys(c["raw"][row], torch.arange(p, device=row.device), c["cos_sin"])
         kk = torch.cat((keys, k[at : at + m].float()))
         vv = torch.cat((c["v"][row].float(), v[at : at + m].float()))
-        outs.append(_attend(q[at : at + m].float(), kk, vv, D ** -0.5, True)[0])
+        outs.append(_attend(q[at : at + m].float(), kk, vv, c["layer"].scaling, True)[0])
         at += m
     return torch.cat(outs)
 
@@ -163,10 +173,11 @@ def test_runs_cover_the_prefix_then_shift_zero():
         20, 21, 22, 23, 24, 10, 11, 12]
 
 
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_torch_kernels_equal_rotate_then_attend(seed):
-    c = _case(seed, "cpu", torch.float32)
-    seg = _backend(c, TorchRunKernels(D ** -0.5), "cpu")
+def test_torch_kernels_equal_rotate_then_attend(seed, heads):
+    c = _case(seed, "cpu", torch.float32, heads)
+    seg = _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
     q, out = _decode(c, seg, "cpu", seed)
     torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
     inputs, out = _extend(c, seg, "cpu", seed)
@@ -227,17 +238,19 @@ def test_the_graph_guard_sees_pic_flashinfer_inside_a_hybrid_backend():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_flashinfer_kernels_equal_torch_kernels(seed):
+def test_flashinfer_kernels_equal_torch_kernels(seed, heads):
     from sglang_pic.position_free.run_kernels import FlashInferRunKernels
 
-    c = _case(seed, "cuda", torch.bfloat16)
+    c = _case(seed, "cuda", torch.bfloat16, heads)
+    h, hkv, d = heads
+    scale = c["layer"].scaling
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for use_tensor_cores in (False, True):
-        fi = _backend(c, FlashInferRunKernels(workspace, H, HKV, D, torch.bfloat16,
-                                              torch.bfloat16, D ** -0.5, use_tensor_cores),
-                      "cuda")
-        ref = _backend(c, TorchRunKernels(D ** -0.5), "cuda")
+        fi = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16,
+                                              torch.bfloat16, scale, use_tensor_cores), "cuda")
+        ref = _backend(c, TorchRunKernels(scale), "cuda")
         q, out = _decode(c, fi, "cuda", seed)
         _, expected = _decode(c, ref, "cuda", seed)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -246,3 +259,47 @@ def test_flashinfer_kernels_equal_torch_kernels(seed):
         inputs, out = _extend(c, fi, "cuda", seed)
         torch.testing.assert_close(out.float(), _reference_extend(c, inputs), atol=3e-2,
                                    rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
+def test_each_flashinfer_call_gives_the_torch_outputs_and_base_2_log_sum_exps(heads):
+    """Each of the three calls alone (ragged causal, paged over runs, decode), output and
+    log-sum-exp against the torch kernels: a merge weighs states by their log-sum-exps, so
+    two calls whose log-sum-exps differ in base or layout merge wrongly although each output
+    is right."""
+    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
+
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(3)
+    scale = d ** -0.5
+    k_pool = torch.randn(300, hkv, d, generator=g).to("cuda", torch.bfloat16)
+    v_pool = torch.randn(300, hkv, d, generator=g).to("cuda", torch.bfloat16)
+    new = [37, 5, 120]
+    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qo[-1]), h, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(int(qo[-1]), hkv, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(int(qo[-1]), hkv, d, generator=g).to("cuda", torch.bfloat16)
+    run_kv = torch.tensor([0, 50, 130, 131, 250], dtype=torch.int32)  # 4 runs over the pool
+    run_qo = torch.tensor([0, 37, 74, 79, 199], dtype=torch.int32)  # rows of requests 0,0,1,2
+    kv_idx = torch.randperm(300, generator=g)[:250].to("cuda", torch.int32)
+    rows = torch.cat((torch.arange(0, 37), torch.arange(0, 37), torch.arange(37, 42),
+                      torch.arange(42, 162))).to("cuda")
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    fi = FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16, scale, False)
+    ref = TorchRunKernels(scale)
+    for kern in (fi, ref):
+        kern.plan_extend(qo, run_qo, run_kv, kv_idx)
+    calls = {
+        "ragged": lambda kern: kern.ragged(q, k, v),
+        "paged": lambda kern: kern.paged(q[rows], (k_pool, v_pool)),
+    }
+    for name, call in calls.items():
+        (o1, l1), (o2, l2) = call(fi), call(ref)
+        torch.testing.assert_close(o1.float(), o2.float(), atol=2e-2, rtol=2e-2, msg=name)
+        torch.testing.assert_close(l1.float(), l2.float(), atol=2e-2, rtol=1e-3, msg=name)
+    for kern in (fi, ref):
+        kern.plan_decode(run_kv, kv_idx)
+    (o1, l1), (o2, l2) = fi.decode(q[:4], (k_pool, v_pool)), ref.decode(q[:4], (k_pool, v_pool))
+    torch.testing.assert_close(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(l1.float(), l2.float(), atol=2e-2, rtol=1e-3)
