@@ -1128,15 +1128,17 @@ def test_a_held_slot_whose_request_is_not_in_the_step_is_not_selected_for():
     assert state.n_ret.tolist() == [300 - 36, 400 - 36]
 
 
-INTERVAL_N0, INTERVAL_STEPS = 408, 14
-"""The interval tests' decode steps: from context 408, 14 steps; the region grows at step 9."""
+INTERVAL_N0, INTERVAL_STEPS, INTERVAL_UPDATE, INTERVAL_GROW = 408, 9, 4, 5
+"""The interval tests' decode steps: from context 408, 9 steps, the window sliding in updates of
+4 tokens; the region grows at step 5 (by 4 keys), off an interval of 3's own cadence, so the
+restart it causes shows."""
 
 
 def _interval_fresh_steps(every: int = 3) -> list[bool]:
     """The steps of ``_interval_steps`` at which a request with an interval of ``every`` selects
-    (votes): its first, every ``every``-th, and the step the region grew (context 417), which
-    restarts the count."""
-    grow = 417 - INTERVAL_N0
+    (votes): its first, every ``every``-th, and the step the region grew (``INTERVAL_GROW``),
+    which restarts the count."""
+    grow = INTERVAL_GROW
     return [t < grow and t % every == 0 or t >= grow and (t - grow) % every == 0
             for t in range(INTERVAL_STEPS)]
 
@@ -1144,16 +1146,20 @@ def _interval_fresh_steps(every: int = 3) -> list[bool]:
 def _interval_steps(state, every, device: str, n0: int = INTERVAL_N0,
                     steps: int = INTERVAL_STEPS):
     """``steps`` decode steps of request 0 from context ``n0`` in ``state`` and the every-step
-    state ``every``: yields each step's query, whether ``state`` selected (voted) at it and the
-    region's keys. With the test states' window (32 + 16) the region grows when the context
-    passes 4 + 364 + 48 = 416."""
+    state ``every`` (both made with ``update=INTERVAL_UPDATE``): yields each step's query,
+    whether ``state`` selected (voted) at it and the region's keys, which grow at
+    ``INTERVAL_GROW`` only (checked)."""
     g = torch.Generator().manual_seed(0)
+    first = None
     for t in range(steps):
         q = torch.randn(1, HQ, D, generator=g).to(device)
         before = state.stats["selections"]
         step(state, [0], [n0 + t])
         step(every, [0], [n0 + t])
-        yield q, state.stats["selections"] > before, state.slots[0].n_ret
+        n_ret = state.slots[0].n_ret
+        first = n_ret if first is None else first
+        assert (n_ret > first) == (t >= INTERVAL_GROW), (t, n_ret, first)
+        yield q, state.stats["selections"] > before, n_ret
 
 
 @pytest.mark.parametrize("ops_cls,device", OPS)
@@ -1165,8 +1171,8 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
     into the window dropped, even for a query that would select others. A selecting step is the
     every-step state's exactly; interval 1 selects at every step."""
     pool = FakePool(2, seed=3, device=device)
-    state = make_state(pool, ops_cls, reselect_interval=3)
-    every = make_state(pool, ops_cls)
+    state = make_state(pool, ops_cls, reselect_interval=3, update=INTERVAL_UPDATE)
+    every = make_state(pool, ops_cls, update=INTERVAL_UPDATE)
     base, age, fresh_steps = None, 0, []
     for q, fresh, n_ret in _interval_steps(state, every, device):
         fresh_steps.append(fresh)
@@ -1187,9 +1193,9 @@ def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region
                 moved = base[layer] + age
                 want = torch.where((base[layer] >= 0) & (moved < n_ret), moved, -1)
                 assert torch.equal(rows.cpu(), want.cpu())
-    # steps 0, 3, 6, then 9 (the region grew: context 417), 12
+    # steps 0, 3, then 5 (the region grew, which restarts the count), 8
     want = _interval_fresh_steps()
-    assert fresh_steps == want and want == [t in (0, 3, 6, 9, 12) for t in range(14)]
+    assert fresh_steps == want and want == [t in (0, 3, 5, 8) for t in range(INTERVAL_STEPS)]
     steps = INTERVAL_STEPS
     assert state.stats["selections"] == sum(want) and state.stats["sparse_steps"] == steps
     assert every.stats["selections"] == every.stats["sparse_steps"] == steps
@@ -1227,8 +1233,8 @@ def test_a_vote_serves_vote_interval_steps_and_the_steps_between_rerank_it(ops_c
     dropped), with the step's own query: unlike a kept selection, a query wanting other
     candidates gets them."""
     pool = FakePool(2, seed=3, device=device)
-    state = make_state(pool, ops_cls, vote_interval=3)
-    every = make_state(pool, ops_cls)
+    state = make_state(pool, ops_cls, vote_interval=3, update=INTERVAL_UPDATE)
+    every = make_state(pool, ops_cls, update=INTERVAL_UPDATE)
     votes, kept, last, age, changed = [], None, None, 0, 0
     for q, voted, n_ret in _interval_steps(state, every, device):
         votes.append(voted)
