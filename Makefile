@@ -18,11 +18,11 @@ test:
 # The unit tier alone: every test that starts no SGLang (no server, Engine or fleet) and runs
 # no Triton kernel under the interpreter.
 test-unit:
-	@bash scripts/run_tests.sh -m "not server and not gpu and not kernels" $(ARGS)
+	@TEST_PATHS=test/unit bash scripts/run_tests.sh -m "not server and not gpu and not kernels" $(ARGS)
 
 # The kernel tier alone: our Triton kernels under the interpreter on CPU, against their references.
 test-kernels:
-	@bash scripts/run_tests.sh -m "kernels and not gpu" $(ARGS)
+	@TEST_PATHS="test/kernels test/unit" bash scripts/run_tests.sh -m "kernels and not gpu" $(ARGS)
 
 # On the device (after the devkit's three steps, see docs/benchmarks.md): the GPU-marked tests
 # and the kernel tests at model sizes; the log goes to benchmark/results/ with machine and versions.
