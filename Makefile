@@ -13,7 +13,7 @@ serve: env
 	$(VENV)/bin/sglang-pic serve $(ARGS)
 
 test:
-	@bash scripts/run_tests.sh $(ARGS)
+	@TEST_PATHS=test bash scripts/run_tests.sh $(ARGS)
 
 # The unit tier alone: every test that starts no SGLang (no server, Engine or fleet) and runs
 # no Triton kernel under the interpreter.

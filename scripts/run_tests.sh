@@ -10,10 +10,11 @@ VENV="${VENV:-.venv}"
 # server (test/conftest.py gives each test its xdist_group), so a server is never started twice;
 # units go out in collection order, longest first (conftest's HEAVY_FIRST). Each CPU server runs
 # torch on one thread, so two workers keep both cores busy.
-# TEST_PATHS: the folders to collect (the Makefile's tier targets name theirs, so a tier does not
-# import the others' modules only to deselect them)
+# TEST_PATHS: the folders to collect, separated by spaces (the Makefile's tier targets name
+# theirs, so a tier does not import the others' modules only to deselect them); default `test`
 workers="${PYTEST_WORKERS:-2}"
 read -r -a paths <<< "${TEST_PATHS:-test}"
+[ "${#paths[@]}" -gt 0 ] || paths=(test)
 "$VENV/bin/python" -m pytest "${paths[@]}" --durations=15 -n "$workers" --dist loadgroup \
   --no-loadscope-reorder "$@"
 rc=$?

@@ -296,8 +296,8 @@ class MovedPageCopier:
                     self._warned = True
                     logger.warning(
                         "span copy on reuse: the pool is too full to copy %d moved tokens (%d "
-                        "free, %d kept free); such requests read the shared pages with the "
-                        "shift-aware kernels until it has room", count,
+                        "free, %d kept free); such requests read the shared pages (segmented "
+                        "attention) until it has room", count,
                         self.allocator.available_size(), self.reserve)
                 return Waiting(pages)
             slots = slots.to(device=row.device, dtype=torch.int64)

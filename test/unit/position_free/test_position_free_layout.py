@@ -166,13 +166,14 @@ def test_flashinfer_twin_sends_each_batch_to_one_backend():
     assert backend.workspace_buffer == "flashinfer-workspace"
 
 
-@pytest.mark.parametrize("copies,span_graphs", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("span_graphs", [False, True])
 def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
-        monkeypatch, copies, span_graphs):
+        monkeypatch, span_graphs):
     """``pic_flashinfer`` built for real (FlashInfer's backend and kernels stubbed): segmented
-    attention (the default), copy on reuse and the span decode graphs each leave the table
-    that ``mark_forward_batch`` needs; without it no span batch is marked shifted and FlashInfer
-    reads the moved keys unturned (what the H100's real-weights test caught)."""
+    attention (the default, and the reader of what copy on reuse has not copied) and the span
+    decode graphs (the shift-aware kernels) each leave the table that ``mark_forward_batch``
+    needs; without it no span batch is marked shifted and FlashInfer reads the moved keys
+    unturned (what the H100's real-weights test caught)."""
     from sglang.srt.layers.attention import flashinfer_backend
     from sglang_pic.launcher import server_flags
     from sglang_pic.position_free import backends, model_check, moved_copies
@@ -192,8 +193,7 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
     monkeypatch.setattr(model_check, "check_server_settings", lambda runner: None)
     rotary = SimpleNamespace(cos_sin_cache=torch.zeros(64, 8))
     monkeypatch.setattr(model_check, "model_rotary", lambda runner: rotary)
-    flags = {"--position-free-span-graphs": span_graphs,
-             "--span-copy-on-reuse": "on" if copies else "auto"}
+    flags = {"--position-free-span-graphs": span_graphs, "--span-copy-on-reuse": "auto"}
     monkeypatch.setattr(server_flags, "setting", flags.get)
     runner = SimpleNamespace(
         server_args=SimpleNamespace(radix_cache_backend="pic_span",
