@@ -195,18 +195,31 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
     monkeypatch.setattr(model_check, "model_rotary", lambda runner: rotary)
     flags = {"--position-free-span-graphs": span_graphs, "--span-copy-on-reuse": "auto"}
     monkeypatch.setattr(server_flags, "setting", flags.get)
+    keys = torch.zeros(32, 1, 8)
     runner = SimpleNamespace(
         server_args=SimpleNamespace(radix_cache_backend="pic_span",
-                                    attention_backend="pic_flashinfer"),
-        token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(32, 1, 8)]),
+                                    attention_backend="pic_flashinfer", enable_metrics=False),
+        token_to_kv_pool=SimpleNamespace(k_buffer=[keys], layer_num=1, start_layer=0,
+                                         get_key_buffer=lambda layer: keys),
+        token_to_kv_pool_allocator=SimpleNamespace(size=32, page_size=1),
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int64)),
         device="cpu")
     assert moved_copies.wanted(runner)
     backend = PositionFreeFlashInferBackend(runner)
     assert stored_positions.table() is not None and stored_positions.table().numel() >= 32
+    # the process's first batch starts the copier, which finds each span request's moved runs
+    monkeypatch.setattr(shifted_batches, "_started", False)
+    monkeypatch.setattr(moved_copies, "_copier", None)
+    decode = SimpleNamespace(out_cache_loc=torch.tensor([0]), positions=torch.tensor([0]),
+                             forward_mode=SimpleNamespace(is_extend=lambda: False))
+    shifted_batches.mark_forward_batch(decode, None, SimpleNamespace(reqs=[SimpleNamespace()]),
+                                       runner)
+    assert moved_copies.copier() is not None and moved_copies.copier().copies is False
+    # then a span request reading moved keys sends its batch to the shifted backend (asked
+    # directly here: without the copier, each request is asked)
+    monkeypatch.setattr(moved_copies, "_copier", None)
     span = SimpleNamespace(pic_segments=[object()])
     fb = _forward_batch([1], [5])
-    monkeypatch.setattr(shifted_batches, "_started", True)  # no copier: each request is asked
     shifted_batches.mark_forward_batch(fb, None, SimpleNamespace(reqs=[span]))
     assert backend._pick(fb) is backend.shifted
     assert stored_positions.table()[1] == 5
