@@ -80,10 +80,14 @@ SHORT = "Write one sentence about the sea."
 
 
 def test_sparse_decode_answers_like_dense(sparse_server, dense):
-    with ThreadPoolExecutor(3) as pool:  # two long and a short request decode in one batch
-        sparse = list(pool.map(lambda t: _generate(sparse_server, t), [LONG[0], SHORT, LONG[1]]))
-    for s, text in zip(sparse, [LONG[0], SHORT, LONG[1]], strict=True):
-        assert s["text"] == dense(text)["text"]
+    texts = [LONG[0], SHORT, LONG[1]]
+    with ThreadPoolExecutor(6) as pool:  # two long and a short request decode in one batch,
+        # on each server (the plain one's answers are the module's reference)
+        sparse = pool.map(lambda t: _generate(sparse_server, t), texts)
+        wanted = pool.map(dense, texts)
+        sparse, wanted = list(sparse), list(wanted)
+    for s, want in zip(sparse, wanted, strict=True):
+        assert s["text"] == want["text"]
     assert str(KEYS[0]) in sparse[0]["text"] and str(KEYS[1]) in sparse[2]["text"]
     assert sparse[0]["meta_info"]["prompt_tokens"] > 1100
     log = sparse_server.log.read_text()
