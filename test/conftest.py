@@ -385,6 +385,12 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()
 
+    def metrics(self, prefix: str = "sglang_pic:") -> dict[str, float]:
+        """The values of its ``/metrics`` page (``--enable-metrics``) whose names start with
+        ``prefix``, by name without labels."""
+        return {line.split("{")[0]: float(line.split()[-1])
+                for line in self.get("/metrics").text.splitlines() if line.startswith(prefix)}
+
     def healthy(self) -> bool:
         try:
             return requests.get(self.url + "/health", timeout=30).status_code == 200

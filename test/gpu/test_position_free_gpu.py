@@ -179,22 +179,16 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     _follows_reference(again, references)
 
 
-def _counters(server) -> dict[str, float]:
-    return {line.split("{")[0]: float(line.split()[-1])
-            for line in server.get("/metrics").text.splitlines()
-            if line.startswith("sglang_pic:")}
-
-
 def test_moved_spans_are_read_shared_by_default_and_copied_when_asked(servers, prompts):
     """The default reads moved spans from the shared pages (segmented attention: batches marked
     shifted, nothing copied); ``--span-copy-on-reuse on`` gives every span request its own
     turned copy (no batch marked shifted: vanilla FlashInfer runs them)."""
     _generate(servers.spans, prompts[1])
-    shared = _counters(servers.spans)
+    shared = servers.spans.metrics()
     assert shared["sglang_pic:shifted_batches_total"] > 0
     assert shared["sglang_pic:span_copied_requests_total"] == 0
     _generate(servers.spans_copies, prompts[1])
-    copies = _counters(servers.spans_copies)
+    copies = servers.spans_copies.metrics()
     assert copies["sglang_pic:span_copied_requests_total"] >= len(prompts[1])
     assert copies["sglang_pic:shifted_batches_total"] == 0
 

@@ -121,17 +121,11 @@ def _follows_dense(name: str, got: list[dict], want: list[dict]) -> list[int]:
     return agreement
 
 
-def _counters(server) -> dict[str, float]:
-    return {line.split("{")[0]: float(line.split()[-1])
-            for line in server.get("/metrics").text.splitlines()
-            if line.startswith("sglang_pic:sparse_")}
-
-
 def test_a_mixed_batch_decodes_its_long_rows_sparsely_and_follows_dense(servers):
     texts = [*LONG, *SHORT]
-    before = _counters(servers.sparse)
+    before = servers.sparse.metrics("sglang_pic:sparse_")
     sparse, dense = _batch(servers.sparse, texts), _batch(servers.dense, texts)
-    after = _counters(servers.sparse)
+    after = servers.sparse.metrics("sglang_pic:sparse_")
     assert all(o["meta_info"]["prompt_tokens"] > 5000 for o in sparse[:4])
     _follows_dense("mixed batch", sparse, dense)
     for o, key in zip(sparse[:4], KEYS, strict=True):
@@ -149,9 +143,9 @@ def test_the_next_turn_decodes_sparsely_after_its_prefix_hit(servers):
     then sparse decoding over the region the first turn encoded."""
     first = _generate(servers.sparse, LONG[1])
     follow = LONG[1] + first["text"] + "\nOnce more: what is the special magic number? It is"
-    before = _counters(servers.sparse)
+    before = servers.sparse.metrics("sglang_pic:sparse_")
     second = _generate(servers.sparse, follow)
-    after = _counters(servers.sparse)
+    after = servers.sparse.metrics("sglang_pic:sparse_")
     assert second["meta_info"]["cached_tokens"] > 5000
     assert after["sglang_pic:sparse_reused_tokens_total"] \
         > before["sglang_pic:sparse_reused_tokens_total"]
@@ -163,9 +157,9 @@ def test_offloaded_sparse_decode_follows_dense(servers):
     """``--sparse-offload``: the region's KV in host memory, a batch of two long prompts (12K
     tokens together, three times the 4096-token pool) and two short ones."""
     texts = [LONG[0], LONG[3], SHORT[0], SHORT[1]]
-    before = _counters(servers.offload)
+    before = servers.offload.metrics("sglang_pic:sparse_")
     got, want = _batch(servers.offload, texts), _batch(servers.dense, texts)
-    after = _counters(servers.offload)
+    after = servers.offload.metrics("sglang_pic:sparse_")
     _follows_dense("offload", got, want)
     assert str(KEYS[0]) in got[0]["text"] and str(KEYS[3]) in got[1]["text"]
     assert after["sglang_pic:sparse_offloaded_tokens_total"] \

@@ -325,9 +325,7 @@ def test_link_recompute_equals_reference(link_server, hf):
 
 
 def _pic_counters(server) -> dict[str, float]:
-    text = server.get("/metrics").text
-    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("sglang_pic:") and "_total" in line.split("{")[0]}
+    return {name: value for name, value in server.metrics().items() if "_total" in name}
 
 
 def test_span_copies_and_a_burst_larger_than_the_pool(tight_server, hf):

@@ -92,19 +92,11 @@ def test_sparse_decode_answers_like_dense(sparse_server, dense):
     assert sparse[0]["meta_info"]["prompt_tokens"] > 1100
     log = sparse_server.log.read_text()
     assert log.count("decodes sparsely") == 2  # the two long requests, not the short one
-    metrics = sparse_server.get("/metrics").text
-    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
-              if line.startswith("sglang_pic:sparse_")}
+    values = sparse_server.metrics("sglang_pic:sparse_")
     assert values["sglang_pic:sparse_activated_total"] == 2
     assert values["sglang_pic:sparse_decode_steps_total"] >= 2 * 19  # 20 tokens: 19 decode steps
     # each region: the prompt less sink and window (~1K), then 16 more when the window slid
     assert values["sglang_pic:sparse_encoded_tokens_total"] > 2 * (1100 - 144 + 16)
-
-
-def _sparse_counters(server) -> dict[str, float]:
-    metrics = server.get("/metrics").text
-    return {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
-            if line.startswith("sglang_pic:sparse_")}
 
 
 def test_the_next_turn_encodes_only_its_new_tokens_and_answers_like_dense(sparse_server,
@@ -114,10 +106,10 @@ def test_the_next_turn_encodes_only_its_new_tokens_and_answers_like_dense(sparse
     left and encodes only the rest; it still answers like dense. Short turns (the answer's five
     digits fit 8 tokens): the region's reuse does not need the window to slide."""
     first = _generate(sparse_server, LONG[0], SHORT_TURN)
-    before = _sparse_counters(sparse_server)
+    before = sparse_server.metrics("sglang_pic:sparse_")
     follow = LONG[0] + first["text"] + "\nOnce more: what is the special magic number? It is"
     second = _generate(sparse_server, follow, SHORT_TURN)
-    after = _sparse_counters(sparse_server)
+    after = sparse_server.metrics("sglang_pic:sparse_")
     reused = after["sglang_pic:sparse_reused_tokens_total"] \
         - before["sglang_pic:sparse_reused_tokens_total"]
     encoded = after["sglang_pic:sparse_encoded_tokens_total"] \
@@ -144,9 +136,7 @@ def test_offloaded_sparse_decode_answers_like_dense(offload_server, dense):
     assert "offloaded to" in log and log.count("offloads its prefill after") == 1
     assert log.count("decodes sparsely") == 0
     assert "memory leak" not in log and "double free" not in log and "use-after-free" not in log
-    metrics = offload_server.get("/metrics").text
-    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
-              if line.startswith("sglang_pic:sparse_")}
+    values = offload_server.metrics("sglang_pic:sparse_")
     assert values["sglang_pic:sparse_offloaded_tokens_total"] > 1100 - 144 + 16
     assert values["sglang_pic:sparse_offloaded_tokens_total"] \
         == values["sglang_pic:sparse_encoded_tokens_total"]
