@@ -127,8 +127,8 @@ class Side:
                 self.instance_urls.append(f"http://127.0.0.1:{p}")
                 if self.args.gpus == 1:  # one GPU shared: one after another, as the fleet does
                     url = self.instance_urls[-1]
-                    self._wait(lambda url=url: _get(url + "/health", self.key) == 200)
-            self._wait(lambda: all(_get(u + "/health", self.key) == 200
+                    self._wait(lambda url=url: _get(url + "/health", self.key)[0] == 200)
+            self._wait(lambda: all(_get(u + "/health", self.key)[0] == 200
                                    for u in self.instance_urls))
             self._spawn([sys.executable, "-m", "sglang_router.launch_router", "--host",
                          "127.0.0.1", "--port", str(self.port), "--policy", policy,
@@ -200,14 +200,7 @@ class Side:
         if not SIDES.get(self.name, ("", False, False))[2]:
             return total
         for url in self.instance_urls:
-            req = urllib.request.Request(url + "/metrics",
-                                         headers={"Authorization": f"Bearer {self.key}"})
-            try:
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    text = r.read().decode()
-            except OSError:
-                continue
-            for name, value in span_store_counters(text).items():
+            for name, value in span_store_counters(_get(url + "/metrics", self.key)[1]).items():
                 total[name] = total.get(name, 0.0) + value
         return total
 
@@ -258,13 +251,14 @@ def _distinct_ports(n: int) -> list[int]:
     return ports
 
 
-def _get(url: str, key: str) -> int:
+def _get(url: str, key: str) -> tuple[int, str]:
+    """``GET url`` with the key: the status and the body (0 and "" when it does not answer)."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status
+            return r.status, r.read().decode()
     except OSError:
-        return 0
+        return 0, ""
 
 
 def headers(side: Side, ids: list[int]) -> dict[str, str]:
