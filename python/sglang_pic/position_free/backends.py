@@ -96,7 +96,7 @@ class PositionFreeFlashInferBackend(AttentionBackend):
         self.span_graphs = bool(setting("--position-free-span-graphs"))
         # the positions every batch's new keys were computed at: without the table no batch is
         # marked as reading moved keys (shifted_batches), whichever backend reads them
-        self.table = _slot_table(model_runner)
+        _slot_table(model_runner)
         if moved_copies.wanted(model_runner) and not self.span_graphs:
             self.shifted = SegmentedAttention(model_runner, _flashinfer_run_kernels(
                 model_runner, self.dense))
