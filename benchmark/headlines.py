@@ -237,14 +237,8 @@ def _metric_pair(baseline_metric: str, ours_metric: str, note: str, *,
     return extract
 
 
-UNTURNED = ("measured while pic_flashinfer with the span cache never allocated its stored-positions "
-            "table: no span batch was marked as reading moved keys, so neither segmented "
-            "attention nor the copier ran and FlashInfer read moved span keys unturned (wrong "
-            "answers, at vanilla batches' speed); the fixed path is still to be measured")
 GRID = "spans_rag_grid_h100.json"
-GRID_COPIES = "spans_rag_grid_copies_h100.json"  # an earlier run with sglang-pic-copy beside it
-GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4")
-GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
+GRID_CELLS = ("varlen_k6_p256_z07_t4",)  # the cells the raw file holds
 
 
 FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a side
@@ -332,43 +326,15 @@ def _grid_cell(cell: str, metric: str = "requests_per_s"):
     return extract
 
 
-def _grid_worst(metric: str, higher_is_better: bool, ideal_min: float = 0.0):
-    """The cell (of those whose ideal is at least ``ideal_min``) where the span server's ratio
-    to vanilla on ``metric`` is lowest."""
+def _grid_worst(metric: str, higher_is_better: bool):
+    """The cell where the span server's ratio to vanilla on ``metric`` is lowest."""
     def extract(report: dict) -> tuple:
-        cells = [c for c in report["results"]["sglang-pic"]["cells"]
-                 if _grid_ideal(report, c) >= ideal_min]
+        cells = list(report["results"]["sglang-pic"]["cells"])
         worst = min(cells, key=lambda c: _grid_ratio(report, c, metric, higher_is_better))
         base, ours = _grid_sides(report, worst, metric)
         return (base, ours, f"worst of {len(cells)} cells: {worst} (ideal "
                 f"{_grid_ideal(report, worst):.2f})", "vanilla")
     return extract
-
-
-def _grid_design(cell: str):
-    """Segmented attention (``sglang-pic``) against ``--span-copy-on-reuse on`` in ``cell``."""
-    def extract(report: dict) -> tuple:
-        res = report["results"]
-        return ([float(x) for x in res["sglang-pic-copy"]["cells"][cell]["requests_per_s"]],
-                [float(x) for x in res["sglang-pic"]["cells"][cell]["requests_per_s"]],
-                "design comparison, no vanilla side")
-    return extract
-
-
-def _grid_fraction_of_bound(report: dict) -> tuple:
-    """Per cell, the throughput ratio over its bound min(ideal, the aligned cell's ratio); the
-    worst cell's samples scaled so that the row's ratio is that fraction."""
-    aligned = _grid_ratio(report, "aligned", "requests_per_s", True)
-    fractions = {c: _grid_ratio(report, c, "requests_per_s", True)
-                 / min(_grid_ideal(report, c), aligned)
-                 for c in report["results"]["sglang-pic"]["cells"]}
-    worst = min(fractions, key=fractions.get)
-    base, ours = _grid_sides(report, worst, "requests_per_s")
-    bound = min(_grid_ideal(report, worst), aligned)
-    return ([b * bound for b in base], ours,
-            f"worst cell {worst}: ratio {fractions[worst] * bound:.2f}x against its bound "
-            f"{bound:.2f}x (min of its ideal and the aligned cell's ratio); fractions "
-            + ", ".join(f"{c} {f:.2f}" for c, f in fractions.items()), "vanilla")
 
 
 REAL_WEIGHTS_CONTROL = "real_weights_h200_control.json"  # the baseline side of the agreement row
@@ -610,51 +576,29 @@ CLAIMS: list[Claim] = [
           ours_variant="sglang-pic-shared", path=SPAN_SERVER_SHARED,
           note="design comparison: the same server with --span-copy-on-reuse off"),
     *[Claim(f"spans.rag_grid.{cell}", GRID, "requests_per_s", higher_is_better=True,
-            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell), void=UNTURNED,
-            note=f"bench_rag_grid.py cell {cell}: 3 bursts of "
-            f"{128 if cell == 'aligned' else 64} requests, 64 output tokens; H100")
+            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell),
+            note=f"bench_rag_grid.py cell {cell}: 3 bursts of 64 requests, 64 output tokens; "
+            "H100")
       for cell in GRID_CELLS],
     *[Claim(f"spans.rag_grid.{cell}.stream_ttft_p50", GRID, "stream_ttft_ms",
-            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell, "stream_ttft_ms"), void=UNTURNED,
+            path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell, "stream_ttft_ms"),
             note="64 requests after the last burst, over its documents and tenants with the "
             "cache warm, as a Poisson stream at 70% of vanilla's burst throughput; samples: "
             "the requests' TTFTs; H100")
       for cell in GRID_CELLS],
-    Claim("spans.rag_grid.worst_throughput", GRID, "requests_per_s", higher_is_better=True,
-          target=2.5, path=SPAN_SERVER_SEGMENTED, void=UNTURNED,
-          extract=_grid_worst("requests_per_s", True, GRID_IDEAL_MIN),
-          note="the worst cell of those whose ideal is >= 3; H100"),
-    Claim("spans.rag_grid.worst_stream_ttft_p50", GRID, "stream_ttft_ms", target=4.0,
-          path=SPAN_SERVER_SEGMENTED, extract=_grid_worst("stream_ttft_ms", False), void=UNTURNED,
-          note="the worst cell of all; H100"),
-    Claim("spans.rag_grid.worst_fraction_of_bound", GRID, "requests_per_s",
-          higher_is_better=True, target=0.8, path=SPAN_SERVER_SEGMENTED,
-          extract=_grid_fraction_of_bound, void=UNTURNED,
-          note="ratio over min(ideal, aligned ratio), the worst cell; H100"),
     Claim("spans.rag_grid.peak_kv_tokens", GRID, "peak_used_tokens",
           path=SPAN_SERVER_SEGMENTED, extract=_grid_cell("varlen_k6_p256_z07_t4",
                                                          "peak_used_tokens"),
-          void=UNTURNED, note="most KV pool tokens in use during a burst, variable-length corner (6 of 256 "
+          note="most KV pool tokens in use during a burst, variable-length corner (6 of 256 "
           "documents, 4 tenants); H100"),
-    Claim("spans.rag_grid.max_concurrent_requests", GRID, "peak_running",
-          higher_is_better=True, path=SPAN_SERVER_SEGMENTED,
-          extract=_grid_cell("aligned", "peak_running"), void=UNTURNED,
-          note="most requests running at once in a burst of 128 (aligned cell) on the same "
-          "391K-token pool: vanilla filled its pool, sglang-pic ran the whole burst on a fifth "
-          "of it, so the ratio is a lower bound; H100"),
-    Claim("spans.rag_grid.copies_vs_shared", GRID_COPIES, "requests_per_s", higher_is_better=True,
-          baseline_variant="sglang-pic-copy", path=SPAN_SERVER_SEGMENTED,
-          extract=_grid_design("varlen_k6_p256_z07_t4"), void=UNTURNED,
-          note="design comparison in the variable-length corner: segmented attention over "
-          "shared pages against --span-copy-on-reuse on; H100"),
     Claim("fleet.rag_throughput_2x1gpu", FLEET, "requests_per_s", higher_is_better=True,
-          target=2.5, extract=_grid_worst("requests_per_s", True), void=UNTURNED,
+          target=2.5, extract=_grid_worst("requests_per_s", True),
           path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
           "cache-aware routing, FlashInfer; ours: spans and two PTStore servers",
           note="bench_fleet_rag.py on one H100, equal KV pools per instance; cell "
           "varlen_k6_p256_z07_t4 (the aligned cell not run on a GPU yet)"),
     Claim("fleet.cross_instance_hit_rate", FLEET, "storage_share", baseline_variant=None,
-          higher_is_better=True, extract=_fleet_store_share, void=UNTURNED,
+          higher_is_better=True, extract=_fleet_store_share,
           note="prompt tokens the fleet loaded from PTStore per burst (computed through the "
           "other instance, or evicted here)"),
     Claim("fleet.routing_sim.span_group_local_share", ROUTING_SIM, "local_share",
@@ -1208,6 +1152,9 @@ README_ROWS = (
     ReadmeRow("spans.cached_span_ttft",
               "Spans: TTFT of an 8K document cached after another system prompt", "ms"),
     ReadmeRow("spans.cold_ttft", "Spans: TTFT of a span prompt with nothing cached", "ms"),
+    ReadmeRow("spans.rag_grid.varlen_k6_p256_z07_t4",
+              "Spans, default design: RAG bursts, 6 of 256 documents of varied length, 4 "
+              "tenants (H100)", "req/s"),
     ReadmeRow("eviction.replay.generated_mixed_10pct",
               "Eviction: token hit rate, mixed traffic replayed at a 10 % cache (CPU; the "
               "best other policy)", "%", 100.0),
