@@ -25,6 +25,13 @@ POOL, MAX_CTX = 4096, 1024
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = [(TorchIndexOps, "cpu"),
        pytest.param(KernelIndexOps, KERNEL_DEVICE, marks=pytest.mark.kernels)]
+OPS_GPU_KERNELS = [(TorchIndexOps, "cpu"), pytest.param(
+    KernelIndexOps, "cuda", marks=[pytest.mark.kernels, pytest.mark.skipif(
+        KERNEL_DEVICE != "cuda", reason="the kernels on a GPU only: ~30 s each under the "
+        "interpreter, and test/kernels/test_pariskv.py checks on CPU what they do here (a kept "
+        "selection or vote moved on, regions read through the slot table)")])]
+"""For the tests whose many decode steps make the interpreted kernels slow: the index logic
+runs on CPU with ``TorchIndexOps``, the kernels on the device (``make test-gpu``)."""
 
 
 class FakePool:
@@ -134,7 +141,7 @@ def offloaded(state: SparseDecodeState, pool: FakePool) -> FakeAllocator:
     return alloc
 
 
-@pytest.mark.parametrize("ops_cls,device", OPS)
+@pytest.mark.parametrize("ops_cls,device", OPS_GPU_KERNELS)
 def test_offloaded_regions_attend_as_in_the_pool_and_give_their_slots_back(ops_cls, device):
     """``--sparse-offload``: the same attention as with the region in the pool (and, with every
     key selectable, as dense attention), while the region's pool slots are freed exactly once,
@@ -1162,7 +1169,7 @@ def _interval_steps(state, every, device: str, n0: int = INTERVAL_N0,
         yield q, state.stats["selections"] > before, n_ret
 
 
-@pytest.mark.parametrize("ops_cls,device", OPS)
+@pytest.mark.parametrize("ops_cls,device", OPS_GPU_KERNELS)
 def test_a_selection_serves_reselect_interval_steps_and_keys_entering_the_region_reselect(
         ops_cls, device):
     """``--sparse-reselect-interval 3``: a request selects at its first step, then at every third
@@ -1224,7 +1231,7 @@ def _selected_per_head(state, q: torch.Tensor) -> list[list[set[int]]]:
     return out
 
 
-@pytest.mark.parametrize("ops_cls,device", OPS)
+@pytest.mark.parametrize("ops_cls,device", OPS_GPU_KERNELS)
 def test_a_vote_serves_vote_interval_steps_and_the_steps_between_rerank_it(ops_cls, device):
     """``--sparse-vote-interval 3``: a request votes when ``--sparse-reselect-interval 3`` would
     select (its first step, every third, keys entering the region) and then selects as the
