@@ -30,9 +30,9 @@ storage) from each response, the share of requests each instance served (the rou
 per-worker counts), the instances' prefill rate (``prefill_rate``: from their logs), failed
 requests.
 
-    python3 benchmark/bench_fleet_rag.py --out $OUT --cells aligned,varlen_k6_p256_z07_t4
-    python3 benchmark/bench_fleet_rag.py --out $OUT --gpus 4 --instances 4    # one per GPU
-    .venv/bin/python benchmark/bench_fleet_rag.py --smoke   # CPU: SmolLM2, tiny sizes
+    python3 -m benchmark.bench_fleet_rag --out $OUT --cells aligned,varlen_k6_p256_z07_t4
+    python3 -m benchmark.bench_fleet_rag --out $OUT --gpus 4 --instances 4    # one per GPU
+    .venv/bin/python -m benchmark.bench_fleet_rag --smoke   # CPU: SmolLM2, tiny sizes
 """
 
 from __future__ import annotations
@@ -52,12 +52,21 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_rag_grid import CELLS, PARAMS, SMOKE, draw_requests, ideal, print_summary, prompt
-from bench_rag_grid import summarize as grid_summary
-from harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
 from sglang_pic.fleet import gpu_share
 from sglang_pic.fleet.cli import GPU_MEMORY_SHARE
 from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
+
+from benchmark.bench_rag_grid import (
+    CELLS,
+    PARAMS,
+    SMOKE,
+    draw_requests,
+    ideal,
+    print_summary,
+    prompt,
+)
+from benchmark.bench_rag_grid import summarize as grid_summary
+from benchmark.harness import LLAMA3_8B_DUMMY, environment, free_port, percentile, smoke_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SIDES = {  # side -> (fleet policy, span cache, stores); vanilla is plain SGLang
@@ -105,7 +114,7 @@ class Side:
         self.instance_urls: list[str] = []
 
     def _spawn(self, cmd: list[str], log: str, env: dict | None = None) -> None:
-        out = open(self.log_dir / log, "w")  # noqa: SIM115 - the child writes it until stop()
+        out = open(self.log_dir / log, "w")  # the child writes it until stop()
         self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                            env={**os.environ, **(env or {})}, cwd=REPO,
                                            start_new_session=True))
@@ -295,7 +304,7 @@ async def one_request(session, side: Side, ids: list[int], sp: dict) -> dict:
                 meta = json.loads(last[6:]).get("meta_info", {})
                 out["cached"] = meta.get("cached_tokens_details") or {
                     "device": meta.get("cached_tokens", 0)}
-    except Exception as e:  # noqa: BLE001 - a failed request is recorded, the run goes on
+    except Exception as e:  # a failed request is recorded, the run goes on
         out["error"] = repr(e)
     out["latency"] = time.perf_counter() - t0
     return out

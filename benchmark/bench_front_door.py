@@ -14,7 +14,7 @@ samples each (median and spread). The ratio is the front door's time over SGLang
 absolute time is what a request waits longer. Runs on CPU (the HTTP process is the same on a GPU
 machine), in one process:
 
-    .venv/bin/python benchmark/bench_front_door.py [--repeats 15] [--out DIR]
+    .venv/bin/python -m benchmark.bench_front_door [--repeats 15] [--out DIR]
 
 Writes ``front_door_overhead_<machine>.json`` (machine, versions, config, every sample) and a
 figure, and prints the table.
@@ -27,12 +27,10 @@ import asyncio
 import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "python")]
 
 LENGTHS = (1024, 8192, 32768, 131072)
 WORD = "lorem "  # one token of SmolLM2's tokenizer per word, about
@@ -121,7 +119,7 @@ def main() -> None:
     from sglang_pic.cpu import support as cpu_support
 
     cpu_support.enable_cpu_engine()
-    from harness import environment, gpu_tag, save_figure
+    from benchmark.harness import environment, gpu_tag, save_figure
 
     door = front_door()
     rows, samples = [], {}

@@ -11,7 +11,7 @@ Variants: ``vanilla`` (FlashInfer, the baseline), ``sglang-pic-spans`` (the span
 ``sglang-pic-spans-triton`` (the same on ``pic_triton``: our Triton kernels for every batch) and
 ``vanilla-triton`` (a second column).
 
-    python3 benchmark/bench_nonspan_overhead.py [--out DIR] [--variants ...] [--rounds N] [--quick]
+    python3 -m benchmark.bench_nonspan_overhead [--out DIR] [--variants ...] [--rounds N] [--quick]
         [--prefill-lengths 1024,8192] [--decode-cases 32x8192,256x1024] [--name NAME]
 
 A subset (``--prefill-lengths ""`` skips TTFT; ``--decode-cases`` picks batch x context cases)
@@ -22,10 +22,8 @@ with ``--name nonspan_overhead_rerun_h200`` re-measures some rows in one device 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-from bench_position_free import ENGINE_KWARGS, PARAMS
+from benchmark.bench_position_free import ENGINE_KWARGS, PARAMS
 
 SPAN_SERVER = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pic_span"}
 VARIANT_KWARGS = {
@@ -53,7 +51,7 @@ def _cases(text: str) -> list[list[int]]:
 
 
 def main() -> None:
-    from harness import run_side_by_side, smoke_dir
+    from benchmark.harness import run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -90,5 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -19,7 +19,7 @@ every batch; ``docs/position-free-kv.md``); everything else is identical. Two ru
   of the same prompts with one output token, sent just before) / (decode_tokens - 1): the
   decode steps alone, without the per-request work both calls share.
 
-    python3 benchmark/bench_position_free.py [--out DIR] [--quick]
+    python3 -m benchmark.bench_position_free [--out DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY
+from benchmark.harness import LLAMA3_8B_DUMMY
 
 MODEL = LLAMA3_8B_DUMMY["model_path"]
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # layers x kv heads x head_dim x (K, V) x bf16
@@ -226,7 +226,7 @@ def main() -> None:
     import json
     import tempfile
 
-    from harness import RESULTS, run_side_by_side
+    from benchmark.harness import RESULTS, run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -255,7 +255,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

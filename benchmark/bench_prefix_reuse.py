@@ -13,7 +13,7 @@ dummy weights, token ids only (no tokenizer), triton attention, bf16:
 
 Run on the device (after ``source .devkit/c/install.sh``):
 
-    python3 benchmark/bench_prefix_reuse.py [--out DIR] [--repeats 3]
+    python3 -m benchmark.bench_prefix_reuse [--out DIR] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import LLAMA3_8B_DUMMY
+from benchmark.harness import LLAMA3_8B_DUMMY
 
 MODEL = LLAMA3_8B_DUMMY["model_path"]
 
@@ -122,7 +122,7 @@ PARAMS = {
 
 
 def main() -> None:
-    from harness import run_side_by_side
+    from benchmark.harness import run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -144,7 +144,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -23,9 +23,9 @@ once, each system prompt once, every question).
 Vanilla gets the documents of a request in one canonical (sorted) order, as a careful user would
 to share prefixes; sglang-pic gets the same tokens with each document marked as a span.
 
-    python3 benchmark/bench_rag_grid.py --out DIR [--variants vanilla,sglang-pic] [--cells ...]
-    python3 benchmark/bench_rag_grid.py --combine A.json B.json   # the calls of one run -> one report
-    .venv/bin/python benchmark/bench_rag_grid.py --smoke   # CPU: SmolLM2, tiny sizes
+    python3 -m benchmark.bench_rag_grid --out DIR [--variants vanilla,sglang-pic] [--cells ...]
+    python3 -m benchmark.bench_rag_grid --combine A.json B.json   # the calls of one run -> one report
+    .venv/bin/python -m benchmark.bench_rag_grid --smoke   # CPU: SmolLM2, tiny sizes
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from harness import (
+from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     current_variant,
     engine_arguments,
@@ -140,7 +139,7 @@ async def _load_sampler(engine, stop: asyncio.Event, peaks: dict) -> None:
                 peaks["running"] = max(peaks.get("running", 0), int(snap.num_running_reqs))
                 peaks["used_tokens"] = max(peaks.get("used_tokens", 0), int(snap.num_used_tokens))
                 peaks["pool_tokens"] = int(snap.max_total_num_tokens)
-        except Exception as e:  # noqa: BLE001 - a version without load reports: no peaks
+        except Exception as e:  # a version without load reports: no peaks
             peaks["error"] = repr(e)
             return
         try:
@@ -383,7 +382,7 @@ def combine(paths: list[str], out: str | None, one_machine: bool = False) -> dic
 
 
 def main() -> None:
-    from harness import cpu_smoke_engine, run_side_by_side, smoke_dir
+    from benchmark.harness import cpu_smoke_engine, run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -443,6 +442,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     main()

@@ -14,7 +14,7 @@ Each question is asked three ways, same tokens, greedy decoding:
 A model not fine-tuned for block attention loses accuracy with spans; link recompute is meant to
 win some back. The trade-off is the user's to see, so it is reported, not asserted.
 
-    python benchmark/bench_span_accuracy.py [--questions 60] [--link-tokens 16]
+    python -m benchmark.bench_span_accuracy [--questions 60] [--link-tokens 16]
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "python"))
 
 FIRST = ["Ana", "Boris", "Chen", "Dalia", "Emeka", "Freya", "Goran", "Hana", "Ivo", "Jun", "Kira",
          "Luis", "Mira", "Nils", "Oona", "Pavel", "Rosa", "Sami", "Tara", "Umar"]
@@ -137,7 +135,7 @@ def main() -> None:
     for mode in modes:
         acc = {r["kind"]: r["accuracy"] for r in rows if r["mode"] == mode}
         print(f"{mode:<12}{acc['single-hop']:>12.2f}{acc['two-hop']:>10.2f}{acc['all']:>8.2f}")
-    from harness import environment
+    from benchmark.harness import environment
 
     report = {"benchmark": "spans_accuracy_cpu", "environment": environment(),
               "model": "SmolLM2-135M-Instruct", "params": vars(args), "rows": rows,
@@ -150,5 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -24,8 +24,8 @@ Two measurements:
    give the samples; medians are reported. An untimed burst of ``rag_warmup_requests`` over its
    own pool goes first, for every variant.
 
-    python3 benchmark/bench_spans.py [--out DIR] [--variants vanilla,vanilla-triton,sglang-pic]
-    .venv/bin/python benchmark/bench_spans.py --smoke   # CPU: SmolLM2, tiny sizes (~3 min; checks
+    python3 -m benchmark.bench_spans [--out DIR] [--variants vanilla,vanilla-triton,sglang-pic]
+    .venv/bin/python -m benchmark.bench_spans --smoke   # CPU: SmolLM2, tiny sizes (~3 min; checks
                                                         # the script, writes to a temp folder)
 """
 
@@ -35,11 +35,9 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from harness import (
+from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     current_variant,
     engine_arguments,
@@ -211,7 +209,7 @@ SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
 
 
 def main() -> None:
-    from harness import run_side_by_side, smoke_dir
+    from benchmark.harness import run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
@@ -274,6 +272,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     main()

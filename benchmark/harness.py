@@ -3,17 +3,23 @@
 Each *variant* runs the same workload in its own process, so the two never share an Engine,
 CUDA context or imported plugin:
 
-- ``vanilla``: SGLang as installed (on the H200: the devkit), with our source tree *not* on
-  ``sys.path``; SGLang finds no ``sglang.srt.plugins`` entry point from us. It runs on
+- ``vanilla``: SGLang as installed (on the H200: the devkit); SGLang finds no
+  ``sglang.srt.plugins`` entry point from us, so none of our hooks is registered (our source
+  tree may be importable: the benchmark modules' own helpers import it). It runs on
   **FlashInfer**, the fastest attention backend SGLang 0.5.17 has on the device (SGLang's Hopper
   default, FA3, is not in the devkit: docs/benchmarks.md says why). Every headline ratio is
   against this variant.
 - ``vanilla-triton``: the same, on SGLang's triton backend: a second column, never a headline.
-- ``sglang-pic``: the same SGLang, plus ``python/`` and ``sgl-kernel/python/`` on ``sys.path`` and
-  a minimal ``sglang_pic-*.dist-info`` that declares our entry point, so SGLang loads our plugin in
-  every process exactly as a ``pip install`` would (the device has no network and no build tools).
+- ``sglang-pic``: the same SGLang, plus a minimal ``sglang_pic-*.dist-info`` that declares our
+  entry point, so SGLang loads our plugin in every process exactly as a ``pip install`` would
+  (the device has no network and no build tools).
 
-A workload is a function ``fn(engine_kwargs: dict, params: dict) -> dict`` in a benchmark module;
+The benchmarks are modules of the ``benchmark`` package, run from the repository root as
+``python -m benchmark.<module>`` (``python/`` and ``sgl-kernel/python/`` importable: installed in
+the virtual environment, on ``PYTHONPATH`` on the device).
+
+A workload is a function ``fn(engine_kwargs: dict, params: dict) -> dict`` in a benchmark module
+(named relative to the package: ``bench_spans``, ``eviction.bench_e2e``);
 the harness calls it in the child with the variant's engine arguments and collects the returned
 numbers. ``run_side_by_side`` prints a table and writes JSON (machine, versions, config, raw
 numbers and pic/vanilla ratios) into ``benchmark/results/``.
@@ -59,7 +65,6 @@ LLAMA3_8B_DUMMY = {
 def plugin_site(root: Path) -> Path:
     """A folder that makes our source tree an installed distribution for importlib.metadata
     (``sglang_pic.launcher.plugin_site.write_site``)."""
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.launcher.plugin_site import write_site
 
     return write_site(root)
@@ -85,7 +90,6 @@ def sparse_variant_kwargs(variants: tuple[str, ...], sparse: dict[str, dict],
     or ``-v<N>`` its base's (``variant_env`` sets the interval). ``others`` are known variants
     with none of their own. Raises ValueError naming the known variants for any other name,
     and for an interval over the server's bound."""
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.sparse.config import MAX_RESELECT_INTERVAL, SparseDecodeConfig
 
     out = {}
@@ -106,8 +110,9 @@ def sparse_variant_kwargs(variants: tuple[str, ...], sparse: dict[str, dict],
 
 
 def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, str]:
-    """The environment of a variant's process: our source tree on the path for sglang-pic
-    variants only, the variant's name, ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given, and a
+    """The environment of a variant's process: our source tree on the path (its modules, for
+    the workloads' helpers), our plugin's entry point for sglang-pic variants only, the
+    variant's name, ``gpus`` (``CUDA_VISIBLE_DEVICES``) when given, and a
     ``-r<N>`` or ``-v<N>`` variant's interval (``reselect_variant``)."""
     env = dict(os.environ)
     reselect = reselect_variant(variant)
@@ -118,8 +123,9 @@ def variant_env(variant: str, site: Path, gpus: str | None = None) -> dict[str, 
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     ours = {str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), str(site)}
     parts = [p for p in parts if p not in ours]
+    parts = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), *parts]
     if variant.startswith("sglang-pic"):  # "sglang-pic" and its configurations ("sglang-pic-x")
-        parts = [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python"), *parts]
+        parts = [str(site), *parts]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env[VARIANT_ENV] = variant
     return env
@@ -149,11 +155,10 @@ def environment() -> dict[str, Any]:
 
 
 def _child(spec_path: str) -> None:
-    """Runs inside the variant's process: `python harness.py --child SPEC.json`."""
+    """Runs inside the variant's process: `python -m benchmark.harness --child SPEC.json`."""
     t0 = time.perf_counter()
     spec = json.loads(Path(spec_path).read_text())
-    sys.path.insert(0, str(REPO / "benchmark"))
-    fn = getattr(importlib.import_module(spec["module"]), spec["func"])
+    fn = getattr(importlib.import_module(f"benchmark.{spec['module']}"), spec["func"])
     t1 = time.perf_counter()
     result = fn(spec["engine_kwargs"], spec["params"])
     # where a variant's wall time went beyond its engine (a fresh machine's first process
@@ -285,7 +290,8 @@ def run_side_by_side(
                 env = variant_env(variant, site, (variant_gpus or {}).get(variant))
                 env[ROUND_ENV] = str(round_no)
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--child", str(spec)], env=env, timeout=timeout_s,
+                    [sys.executable, "-m", "benchmark.harness", "--child", str(spec)], env=env,
+                    cwd=REPO, timeout=timeout_s,
                 )
                 if proc.returncode != 0 or not out.exists():
                     result = {"error": f"exit code {proc.returncode}"}
@@ -400,7 +406,6 @@ def start_store_servers(n: int, token: str | None, memory_gb: float, env: dict |
     """``n`` PTStore servers (``sglang-pic store``) on loopback ports, each its own process,
     returned once every one answers ``status``; their output goes to ``log_dir/store<i>.log``
     when given. ``token`` reaches them in ``$SGLANG_PIC_STORE_TOKEN`` (None: ``--insecure``)."""
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.store.client import StoreClient
 
     if env is None:
@@ -436,7 +441,6 @@ def store_totals(endpoints: list[str], token: str,
                  keys: tuple[str, ...] = ("bytes_in", "bytes_out", "hits", "misses")) -> dict:
     """``keys`` of the store servers' ``status``, summed over ``endpoints`` (a server that does
     not answer counts 0)."""
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.store.client import StoreClient
 
     client = StoreClient(endpoints, token, timeout_ms=2000)
@@ -459,7 +463,6 @@ def save_figure(fig, out: Path) -> Path:
 def cpu_smoke_engine(**overrides) -> dict:
     """Engine arguments of a ``--smoke`` run: SGLang's CPU engine (selected here, before SGLang
     is imported) on the embedded SmolLM2, no radix cache, no CUDA graphs; ``overrides`` win."""
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.cpu.support import enable_cpu_engine
     from sglang_pic.launcher.default_model import ensure_default_model
 

@@ -23,8 +23,8 @@ The README's results table (``README_ROWS``: the main current row of each capabi
 rendered from the same rows (``readme_table``) between its ``results:start`` / ``results:end``
 lines.
 
-    python benchmark/headlines.py            # writes headlines.json and README.md's table
-    python benchmark/headlines.py --check    # exit 1 if either is stale
+    python -m benchmark.headlines            # writes headlines.json and README.md's table
+    python -m benchmark.headlines --check    # exit 1 if either is stale
 """
 
 from __future__ import annotations
@@ -1228,7 +1228,7 @@ def main() -> int:
         stale = [str(path) for path, ok in ((OUT, OUT.exists() and OUT.read_text() == text),
                                             (README, new_readme == readme)) if not ok]
         if stale:
-            print(f"{', '.join(stale)} stale: run python benchmark/headlines.py",
+            print(f"{', '.join(stale)} stale: run python -m benchmark.headlines",
                   file=sys.stderr)
             return 1
         return 0

@@ -1,6 +1,6 @@
 """Plot position-free KV results: kernel time ratios and end-to-end ratios vs vanilla SGLang.
 
-    python benchmark/plot_position_free.py [--shifted FILE] [--figures DIR]
+    python -m benchmark.plot_position_free [--shifted FILE] [--figures DIR]
 
 History, the earlier layout (keys stored un-rotated, rotated on read at their index; its kernels
 are gone): reads ``benchmark/results/rotating_attention_kernels_h200.json`` and

@@ -1,6 +1,6 @@
 """Plot a prefix-reuse result (vanilla vs sglang-pic) as grouped bars.
 
-    python benchmark/plot_prefix_reuse.py [benchmark/results/prefix_reuse_h200.json]
+    python -m benchmark.plot_prefix_reuse [benchmark/results/prefix_reuse_h200.json]
 
 Writes docs/figures/<name>.png. Runs where matplotlib is installed (our CPU env), not on the device.
 """

@@ -1,7 +1,7 @@
 """Plot `benchmark/results/spans_rag_h200_prefill_graphs.json` (the run the `spans.*` headline rows
 read) into `docs/figures/spans_rag_h200.png`.
 
-    python benchmark/plot_spans.py [RESULTS.json] [OUT.png]
+    python -m benchmark.plot_spans [RESULTS.json] [OUT.png]
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from benchmark.harness import save_figure
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmark"))
-from harness import save_figure  # noqa: E402
 
 
 def main() -> None:

@@ -34,8 +34,8 @@ The model:
 Reported per cell, fleet size, cache size and policy: the share of unit tokens that were local
 hits, store loads and prefills, and the busiest instance's share of requests over the mean.
 
-    python3 benchmark/sim_fleet_routing.py                # the grid's cells, 2/4/8 instances
-    python3 benchmark/sim_fleet_routing.py --quick        # one cell, small: a CPU check
+    python3 -m benchmark.sim_fleet_routing                # the grid's cells, 2/4/8 instances
+    python3 -m benchmark.sim_fleet_routing --quick        # one cell, small: a CPU check
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from bench_rag_grid import CELLS, PARAMS, SSEP, draw_requests, prompt
-from harness import environment, smoke_dir
 from sglang_pic.fleet.routing import independent_spans, key_of_spans, span_digest, span_routing_key
+
+from benchmark.bench_rag_grid import CELLS, PARAMS, SSEP, draw_requests, prompt
+from benchmark.harness import environment, smoke_dir
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("round_robin", "cache_aware", "span_random", "span_min_group", "span_partition")

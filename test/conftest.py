@@ -34,13 +34,6 @@ from sglang_pic.security.api_key import ENV as API_KEY_ENV
 from sglang_pic.security.api_key import KEY_DIR as API_KEY_DIR
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARK_DIRS = ("benchmark", "benchmark/eviction", "benchmark/sparse", "benchmark/quality",
-                  "benchmark/store")
-"""The benchmark folders whose scripts the tests import (their helpers and pure functions): on
-the path once, here, for every test module (the scripts import their siblings by name)."""
-for _folder in BENCHMARK_DIRS:
-    if str(REPO / _folder) not in sys.path:
-        sys.path.append(str(REPO / _folder))
 CACHE_ENV = "SGLANG_PIC_CACHE"
 TEST_CACHE_ENV = "SGLANG_PIC_TEST_CACHE"
 """The run's cache folder (``_use_a_test_cache``), kept for the xdist workers, which inherit it."""

@@ -2,7 +2,7 @@
 before the held-out split only: which requests a later one continues, what predicts it, and
 how good a predictor of it would have to be.
 
-    .venv/bin/python benchmark/eviction/analyze_trace.py [--trace FILE] [--no-replay]
+    .venv/bin/python -m benchmark.eviction.analyze_trace [--trace FILE] [--no-replay]
 
 1. An offline pass over the requests (block level, as an infinite cache sees them): request B
    *continues* A when B resends A's full blocks beyond the first one and A is the latest request
@@ -26,18 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from sglang_pic.eviction.replay.simulator import resent_blocks
+
+from benchmark.eviction.replay_trace import TRACE, _register
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
-
-from replay_trace import TRACE, _register  # noqa: E402
-from sglang_pic.eviction.replay.simulator import resent_blocks  # noqa: E402
 
 OUT = REPO / "benchmark" / "results" / "eviction_mooncake_analysis.json"
 BLOCK = 512

@@ -18,9 +18,9 @@ per-run values are kept (``<metric>_all``) and the headline rows take their mean
 history would. Reported per variant: token hit rate (cached / prompt tokens), TTFT p50/p99,
 makespan.
 
-    python3 benchmark/eviction/bench_e2e.py [--scale 60] [--kv-tokens 32768] [--speedup 8] [--seed 0]
+    python3 -m benchmark.eviction.bench_e2e [--scale 60] [--kv-tokens 32768] [--speedup 8] [--seed 0]
         [--no-cuda-graph] [--baselines lru,fifo]
-    python3 benchmark/eviction/bench_e2e.py --smoke     # CPU, SmolLM2, tiny trace
+    python3 -m benchmark.eviction.bench_e2e --smoke     # CPU, SmolLM2, tiny trace
 
 ``--baselines``: vanilla SGLang with each of these of its policies, in the same run (``vanilla``
 is the first, ``lru`` by default; the others run as ``vanilla-<policy>``).
@@ -33,15 +33,12 @@ import asyncio
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from benchmark.harness import LLAMA3_8B_DUMMY, percentile
 
-from harness import LLAMA3_8B_DUMMY, percentile  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
@@ -200,7 +197,8 @@ def plot_e2e(report: dict, out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from harness import save_figure
+
+    from benchmark.harness import save_figure
 
     results = {v: r for v, r in report["results"].items() if "token_hit_rate" in r}
     fig, (ax_cdf, ax_hit) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
@@ -240,8 +238,8 @@ def plot_e2e(report: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    from bench_eviction import SGLANG_POLICIES
-    from harness import RESULTS, run_side_by_side, smoke_dir
+    from benchmark.eviction.bench_eviction import SGLANG_POLICIES
+    from benchmark.harness import RESULTS, run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -337,7 +335,6 @@ def main() -> None:
     if args.scale != PARAMS["scale"]:
         name += f"_scale{args.scale}"
     if args.smoke:
-        sys.path.insert(0, str(HERE.parent.parent / "python"))
         from sglang_pic.cpu.support import enable_cpu_engine
         from sglang_pic.launcher.default_model import ensure_default_model
 

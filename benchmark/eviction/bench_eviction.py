@@ -3,7 +3,7 @@
 SGLang's seven, GDSF, S3-FIFO, T-LRU, SAE and auto, in one run, with Belady's offline rule (the
 whole trace known in advance) as the upper bound.
 
-    .venv/bin/python benchmark/eviction/bench_eviction.py [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
+    .venv/bin/python -m benchmark.eviction.bench_eviction [--scale 100] [--seeds 3] [--quick] [--trace FILE --format mooncake|bailian]
 
 For every workload (chat, agent, single-turn, mix, single-heavy, shift, and chat with
 ShareGPT-like turn counts alone and mixed) and cache size (a
@@ -26,7 +26,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
@@ -134,7 +133,7 @@ def print_summary(rows: list[dict], policies: list[str]) -> None:
     ours = [p for p in ("auto", "sae") if p in policies]
     if not ours or not baselines(policies):
         return
-    from plot_eviction import mean_rates
+    from benchmark.eviction.plot_eviction import mean_rates
 
     rates = mean_rates(rows)
     print(f"\n{'workload':<13}{'cache':>6}  {'best baseline':<20}"
@@ -243,7 +242,6 @@ def main() -> None:
         ap.error(f"--scale must be at least 1, got {args.scale}")
 
     import sglang
-    from harness import smoke_dir
     from sglang_pic.eviction.replay.simulator import replay
     from sglang_pic.eviction.replay.traces import (
         generate,
@@ -253,6 +251,8 @@ def main() -> None:
         unique_tokens,
     )
     from sglang_pic.plugin import register_feature
+
+    from benchmark.harness import smoke_dir
 
     register_feature("eviction")  # our policies and hooks, as the plugin does in a server
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -316,7 +316,7 @@ def main() -> None:
     print(f"wrote {out}")
     # the figure in docs is the full run's with all hints (plot() writes docs/figures)
     if not args.no_plot and not args.quick and args.hints == "all":
-        from plot_eviction import plot
+        from benchmark.eviction.plot_eviction import plot
 
         print(plot(out))
 

@@ -5,21 +5,19 @@ call, so a policy's per-leaf cost times the number of leaves is what it adds to 
 that has to evict. Builds a cache of N leaves (sessions under shared system prompts, as in chat
 serving), then times evict calls and inserts.
 
-    python benchmark/eviction/bench_overhead.py [--leaves 10000 20000]
+    python -m benchmark.eviction.bench_overhead [--leaves 10000 20000]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from array import array
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "python")]
 
 
 def build(policy: str, leaves: int):

@@ -1,8 +1,8 @@
 """Replay a real block trace (Mooncake FAST'25 conversation trace) through SGLang's RadixCache
 with every eviction policy, at cache sizes relative to the trace and at deployment sizes.
 
-    .venv/bin/python benchmark/eviction/replay_trace.py [--trace FILE] [--workers 2]
-    .venv/bin/python benchmark/eviction/replay_trace.py --tune-tlru      # on the first 60 % only
+    .venv/bin/python -m benchmark.eviction.replay_trace [--trace FILE] [--workers 2]
+    .venv/bin/python -m benchmark.eviction.replay_trace --tune-tlru      # on the first 60 % only
 
 Sizes: 5 / 10 / 20 / 40 % of the trace's unique tokens (``--fractions``) and absolute token
 budgets (``--tokens``; default 0.5M, an H200's KV pool for an 8B model after weights, and
@@ -29,15 +29,13 @@ import multiprocessing as mp
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from benchmark.eviction.bench_eviction import SGLANG_POLICIES, check_policies
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
-
-from bench_eviction import SGLANG_POLICIES, check_policies  # noqa: E402
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake.json"

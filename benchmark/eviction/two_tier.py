@@ -17,9 +17,9 @@ blocks not yet on the host, which this does not model). A hit is a token the req
 recompute: found on the device, or loaded back from the host (``host_hit_tokens``, the part
 that cost a PCIe copy instead).
 
-    .venv/bin/python benchmark/eviction/two_tier.py [--device-tokens 500000]
+    .venv/bin/python -m benchmark.eviction.two_tier [--device-tokens 500000]
         [--host-tokens 4000000] [--policies lru,fifo,...,sae] [--limit N] [--workers 2]
-    .venv/bin/python benchmark/eviction/two_tier.py --workloads mix,chat,agent,single \
+    .venv/bin/python -m benchmark.eviction.two_tier --workloads mix,chat,agent,single \
         --fractions 0.05,0.2 --policies fifo,lru,sae,sae-copy-all
 
 The first replays the Mooncake conversation trace at the deployment sizes and writes
@@ -37,7 +37,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from array import array
 from pathlib import Path
@@ -45,7 +44,6 @@ from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "python"), str(REPO / "benchmark")]
 
 from sglang_pic.eviction.policy import configure  # noqa: E402
 from sglang_pic.eviction.replay.simulator import (  # noqa: E402
@@ -255,9 +253,10 @@ def _run(job: tuple[tuple[str, int], str, int, int, float | None]) -> dict:
 
 
 def main() -> None:
-    from bench_eviction import REFERENCE, check_policies
-    from replay_trace import POLICIES, TRACE, _register, environment
     from sglang_pic.eviction.replay.traces import generate, load_mooncake, unique_tokens
+
+    from benchmark.eviction.bench_eviction import REFERENCE, check_policies
+    from benchmark.eviction.replay_trace import POLICIES, TRACE, _register, environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACE))

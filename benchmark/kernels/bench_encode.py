@@ -8,8 +8,8 @@ before the kernel (``sglang_pic_kernel.pariskv.encode``). This times both on the
 alternating which runs first, and checks they agree: centroid words and bit counts equal, codes
 equal but for coordinates within rounding of a level edge.
 
-    python3 benchmark/kernels/bench_encode.py [--tokens 131072] [--samples 5] [--out DIR]
-    .venv/bin/python benchmark/kernels/bench_encode.py --smoke   # CPU, interpreter, tiny
+    python3 -m benchmark.kernels.bench_encode [--tokens 131072] [--samples 5] [--out DIR]
+    .venv/bin/python -m benchmark.kernels.bench_encode --smoke   # CPU, interpreter, tiny
 
 Prints a table; writes ``pariskv_encode_<gpu>.json`` (machine, versions, config, raw samples in
 ms per layer) into ``--out`` (default ``benchmark/results``; the smoke's temp folder with
@@ -24,11 +24,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python"),
-                str(REPO / "benchmark")]
 
 WAYS = ("in kernel", "cuBLAS first")
 
@@ -52,9 +47,10 @@ def main() -> None:
         ap.error("--head-dim must be a power of two >= 64")
 
     import torch
-    from harness import _write_report, environment, gpu_tag, smoke_dir
     from sglang_pic.sparse.retrieval import SRHT, lloyd_max_levels
     from sglang_pic_kernel.pariskv import encode_keys
+
+    from benchmark.harness import _write_report, environment, gpu_tag, smoke_dir
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_encode: needs a CUDA GPU (or --smoke on a CPU)")

@@ -31,9 +31,9 @@ Cases:
   ``rotating_extend_attention_fwd``. FlashInfer's ``plan`` is outside the timed region (SGLang
   plans once per batch for all layers).
 
-    python3 benchmark/kernels/bench_rotating_attention.py [--out DIR] [--quick] [--no-flashinfer]
-    python3 benchmark/kernels/bench_rotating_attention.py --tune-decode [--best-config-out F]
-    .venv/bin/python benchmark/kernels/bench_rotating_attention.py --smoke   # CPU, interpreter
+    python3 -m benchmark.kernels.bench_rotating_attention [--out DIR] [--quick] [--no-flashinfer]
+    python3 -m benchmark.kernels.bench_rotating_attention --tune-decode [--best-config-out F]
+    .venv/bin/python -m benchmark.kernels.bench_rotating_attention --smoke   # CPU, interpreter
 
 ``--tune-decode`` sweeps the decode kernel's stage-1 (BLOCK_N, num_warps, num_stages) over
 representative cases (with and without moved keys) and reports the config with the lowest
@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "sgl-kernel" / "python"), str(REPO / "benchmark")]
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 MAX_KV_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
@@ -401,7 +400,7 @@ def tune_decode(cases, out: Path, best_config_out: str | None) -> None:
         print(f"  {key:<10} geomean ratio {g:.3f}  per case "
               f"{' '.join(f'{x:.3f}' for x in complete[key])}")
     best = ranked[0][0]
-    from harness import environment
+    from benchmark.harness import environment
 
     (out / "rotating_decode_tuning_shifted.json").write_text(json.dumps(
         {"benchmark": "rotating_decode_tuning_shifted", "environment": environment(),
@@ -448,7 +447,8 @@ def main() -> None:
         DEVICE = "cpu"
 
     import torch
-    from harness import environment, smoke_dir
+
+    from benchmark.harness import environment, smoke_dir
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_rotating_attention needs a CUDA GPU (the CPU check is the kernel tests: "

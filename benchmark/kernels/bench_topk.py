@@ -12,8 +12,8 @@ the order of the settings, checks each against ``torch.topk`` and prints which i
 ``Selector`` takes ``TOPK_THRESHOLDS`` and ``topk_warps`` (``sglang_pic_kernel.pariskv.select``):
 set them from this table.
 
-    python3 benchmark/kernels/bench_topk.py [--candidates 4096] [--rounds 5] [--out DIR]
-    .venv/bin/python benchmark/kernels/bench_topk.py --smoke   # CPU, interpreter, tiny
+    python3 -m benchmark.kernels.bench_topk [--candidates 4096] [--rounds 5] [--out DIR]
+    .venv/bin/python -m benchmark.kernels.bench_topk --smoke   # CPU, interpreter, tiny
 
 Prints a table; writes ``pariskv_topk_<gpu>.json`` (machine, versions, config, raw samples in
 µs per launch) into ``--out`` (default ``benchmark/results``; the smoke's temp folder with
@@ -27,11 +27,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python"),
-                str(REPO / "benchmark")]
 
 
 def main() -> None:
@@ -67,8 +62,9 @@ def main() -> None:
 
     import torch
     import triton
-    from harness import _write_report, environment, gpu_tag, smoke_dir
     from sglang_pic_kernel.pariskv.select import TOPK_PACKED_MAX_CP, _topk_kernel
+
+    from benchmark.harness import _write_report, environment, gpu_tag, smoke_dir
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_topk: needs a CUDA GPU (or --smoke on a CPU)")

@@ -7,7 +7,7 @@ at batch 1 the grids are small, so this matters less than each program's chain o
 loads and reductions), bytes spilled to local memory (slow: a number to keep at 0) and shared
 memory. No GPU needed, so it runs where the device is not.
 
-    python3 benchmark/kernels/pariskv_resources.py [--warps 4 8] [--out DIR]
+    python3 -m benchmark.kernels.pariskv_resources [--warps 4 8] [--out DIR]
 
 Prints a table; writes ``pariskv_resources_sm90.json`` (machine, versions, per kernel and warp
 count) into ``--out`` (default ``benchmark/results``).
@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # the compiler's kernels, not the interpreter's
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python"),
-                str(REPO / "benchmark")]
 
 
 def main() -> None:
@@ -38,12 +35,13 @@ def main() -> None:
     if any(w not in (1, 2, 4, 8, 16, 32) for w in args.warps):
         ap.error("--warps: powers of two from 1 to 32")
     import triton
-    from harness import environment
     from sglang_pic_kernel.pariskv.hopper_build import (
         LAUNCHES,
         compile_for_hopper,
         ptxas_resources,
     )
+
+    from benchmark.harness import environment
 
     rows = []
     print(f"{'kernel':28} {'warps':>5} {'registers':>9} {'spilled B':>9} {'shared B':>8}")

@@ -17,20 +17,17 @@ prompts, the float32 HF reference for span prompts; ``ours_top2_gap``): where th
 gap is within bf16's noise (a few tenths on SmolLM2) either pick is right; elsewhere a divergence
 is a bug.
 
-    python3 benchmark/quality/real_weights.py --out DIR [--prompts 24] [--new-tokens 64]
-    python3 benchmark/quality/real_weights.py --smoke     # CPU: 4 prompts, torch_native
+    python3 -m benchmark.quality.real_weights --out DIR [--prompts 24] [--new-tokens 64]
+    python3 -m benchmark.quality.real_weights --smoke     # CPU: 4 prompts, torch_native
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.",
@@ -152,9 +149,10 @@ def reference_spans(model_dir: str, spans: list[list[int]], new_tokens: int, pad
 def main() -> None:
     import json
 
-    from harness import run_side_by_side, smoke_dir
     from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
+
+    from benchmark.harness import run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)

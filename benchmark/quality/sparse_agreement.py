@@ -23,8 +23,8 @@ Writes ``sparse_agreement_cpu.json`` (``--cpu``) or ``sparse_agreement_h200.json
 (default ``benchmark/results``); each variant's ``first_divergence_all`` holds one value per
 prompt, which ``benchmark/headlines.py`` reads for the rows ``sparse.agreement_*``.
 
-    .venv/bin/python benchmark/quality/sparse_agreement.py --cpu     # here: ~12 min on 2 cores
-    python3 benchmark/quality/sparse_agreement.py --out DIR           # device
+    .venv/bin/python -m benchmark.quality.sparse_agreement --cpu     # here: ~12 min on 2 cores
+    python3 -m benchmark.quality.sparse_agreement --out DIR           # device
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 # sparse_needle puts benchmark/ (the harness) and python/ (sglang_pic) on the path
-from sparse_needle import (  # noqa: E402
+from benchmark.quality.sparse_needle import (
     SPARSE_KNOBS,
     add_reselect_variants,
     add_sparse_knobs,
     engine_settings,
 )
+
+HERE = Path(__file__).resolve().parent
 
 REPO = HERE.parent.parent
 TEXT_COMMIT = "9e7c3d5"  # the documentation the passages are read from (git show)
@@ -89,9 +89,10 @@ def first_divergence(ids: list[int], ref: list[int]) -> int:
 
 
 def main() -> None:
-    from harness import RESULTS, environment, run_side_by_side
     from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
+
+    from benchmark.harness import RESULTS, environment, run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="default benchmark/results")

@@ -42,8 +42,8 @@ prompt length, answer and each variant's text, scores per length, recall per len
 Each variant's results carry ``score_<2k|4k|8k>_all``, one 0/100 per case, which
 ``benchmark/headlines.py`` reads for the rows ``sparse.quality.<2k|4k|8k>``.
 
-    python3 benchmark/quality/sparse_needle.py --out DIR       # device, one call (<= 8 min)
-    .venv/bin/python benchmark/quality/sparse_needle.py --cpu --smoke   # here: 2K, 2 cases/task
+    python3 -m benchmark.quality.sparse_needle --out DIR       # device, one call (<= 8 min)
+    .venv/bin/python -m benchmark.quality.sparse_needle --cpu --smoke   # here: 2K, 2 cases/task
 """
 
 from __future__ import annotations
@@ -52,14 +52,8 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "sparse"))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
 
 CONTEXT = 8192  # SmolLM2-135M's context length
 LENGTHS = {"2k": 2048, "4k": 4096, "8k": 8192}  # nominal prompt lengths
@@ -73,7 +67,7 @@ def build_cases(
 ) -> list[dict]:
     """Every case as ``{length, task, index, input_ids, answer}``, from fixed seeds; a prompt
     whose tokens would not leave room for the answer within the context is rebuilt shorter."""
-    from bench_ruler import make_task
+    from benchmark.sparse.bench_ruler import make_task
 
     cases = []
     for name in lengths:
@@ -188,7 +182,7 @@ def add_reselect_variants(variants: tuple[str, ...], ours: dict[str, dict]) -> N
     """``sglang-pic-sparse-r<N>`` and ``-v<N>`` variants get the sparse engine's kwargs in
     ``ours`` (the harness sets their reselect or vote interval); any other name must be a known
     variant."""
-    from harness import sparse_variant_kwargs
+    from benchmark.harness import sparse_variant_kwargs
 
     ours.update(sparse_variant_kwargs(variants, {"sglang-pic-sparse": ours["sglang-pic-sparse"]},
                                       others=("vanilla", "sglang-pic-dense")))
@@ -205,7 +199,7 @@ def scores(cases: list[dict], texts: list[str]) -> dict[str, list[float]]:
 def capture_qk(model, ids: list[int], device: str) -> list[tuple]:
     """Per layer, the post-RoPE query of the last position ``[q_heads, D]`` and every key
     ``[n, kv_heads, D]`` (``bench_recall.capture_qkv``)."""
-    from bench_recall import capture_qkv
+    from benchmark.sparse.bench_recall import capture_qkv
 
     captured = capture_qkv(model, ids, device)
     return [(q[:, -1], k.transpose(0, 1)) for _, (q, k, _v) in sorted(captured.items())]
@@ -287,9 +281,10 @@ def main() -> None:
     import importlib.util
     import tempfile
 
-    from harness import RESULTS, environment, ratio_table, run_side_by_side, smoke_dir
     from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AutoTokenizer
+
+    from benchmark.harness import RESULTS, environment, ratio_table, run_side_by_side, smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="default benchmark/results")

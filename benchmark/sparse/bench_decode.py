@@ -14,9 +14,9 @@ exact top-100 then holds most of them plus the strongest random keys). Recall@k 
 against the exact top-k of ``max over the group's query heads of q.k``; the attention output is
 compared with dense attention over every token.
 
-    python3 benchmark/sparse/bench_decode.py [--contexts 32768 131072 524288 1048576]
+    python3 -m benchmark.sparse.bench_decode [--contexts 32768 131072 524288 1048576]
         [--batches 1 8] [--candidates 2048 16384] [--quick]
-    python3 benchmark/sparse/bench_decode.py --case 1 131072 --candidates 4096 --strides 16 \
+    python3 -m benchmark.sparse.bench_decode --case 1 131072 --candidates 4096 --strides 16 \
         --profile --server     # one case: per-kernel times, and the server's path (below)
 
 ``--server`` also times the layer as the server runs it (``SparseDecodeState`` and
@@ -41,8 +41,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "kernels"), str(REPO / "python"),
-                str(REPO / "sgl-kernel" / "python")]
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 HEAVY = 100
@@ -64,8 +62,9 @@ def _keys(n: int, gen, q_dir):
 def _dense(batch: int, ctx: int, q, ks, vs):
     """SGLang's decode kernel over a contiguous pool holding every sequence's KV."""
     import torch
-    from bench_rotating_attention import MAX_KV_SPLITS, num_kv_splits
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    from benchmark.kernels.bench_rotating_attention import MAX_KV_SPLITS, num_kv_splits
 
     k = torch.cat(ks)
     v = torch.cat(vs)
@@ -356,7 +355,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
             if server and stride == strides[-1]:  # the server's default sampling
                 try:  # its own failure must not cost the case's other numbers
                     row.update(_server_layer(batch, ctx, c, q, ks, vs, ref))
-                except Exception as e:  # noqa: BLE001 - recorded in the row, printed
+                except Exception as e:  # recorded in the row, printed
                     row["server_error"] = f"{type(e).__name__}: {e}"
                     print(f"  server path failed: {row['server_error']}", flush=True)
             rows.append(row)
@@ -372,7 +371,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
 
 
 def main() -> None:
-    from harness import smoke_dir
+    from benchmark.harness import smoke_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+",
@@ -427,9 +426,10 @@ def main() -> None:
                 print(f"skip b={batch} ctx={ctx}: {host_gib:.0f} GiB of pinned host KV", flush=True)
                 continue
             # each case in a fresh process: a CUDA error or OOM cannot poison the next one
-            cmd = [sys.executable, __file__, "--case", str(batch), str(ctx), "--candidates",
-                   *map(str, args.candidates), "--strides", *map(str, args.strides)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "benchmark.sparse.bench_decode", "--case", str(batch),
+                   str(ctx), "--candidates", *map(str, args.candidates), "--strides",
+                   *map(str, args.strides)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             lines = proc.stdout.splitlines()
             for line in lines:
                 if not line.startswith("ROWS "):
@@ -447,7 +447,8 @@ def main() -> None:
 
 def _write(out_dir: str, rows: list[dict]) -> None:
     import torch
-    from harness import environment, gpu_tag
+
+    from benchmark.harness import environment, gpu_tag
 
     props = torch.cuda.get_device_properties(0)
     report = {"benchmark": "sparse_decode", "environment": environment(),

@@ -17,7 +17,7 @@ start-up cost cancel out. ``first_decode_extra_s_<case>``: that first decode's t
 compiles. A case below the threshold measures what the sparse backend costs requests that stay
 dense.
 
-    python3 benchmark/sparse/bench_e2e_decode.py [--cases 1x4096,1x131072,1x262144,4x65536]
+    python3 -m benchmark.sparse.bench_e2e_decode [--cases 1x4096,1x131072,1x262144,4x65536]
                                                  (a case "1x131072+7x4096" mixes lengths)
                                                  [--variants vanilla,sglang-pic] [--out DIR]
 
@@ -39,14 +39,11 @@ import gzip
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from harness import (  # noqa: E402
+from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     RESULTS,
     combine_reports,

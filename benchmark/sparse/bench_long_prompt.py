@@ -12,7 +12,7 @@ time is the time to its first token, TPOT the time per token after it; and the G
 use. Llama-3-8B shape by default (``--shape qwen2.5-7b``: 28 layers, 4 KV heads, half the KV
 per token), dummy weights, bf16.
 
-    python3 benchmark/sparse/bench_long_prompt.py [--lengths 131072,262144,524288]
+    python3 -m benchmark.sparse.bench_long_prompt [--lengths 131072,262144,524288]
         [--pool-tokens 65536] [--shape llama3-8b] [--variants vanilla,sglang-pic] [--out DIR]
 
 Prints a table; writes ``sparse_long_prompt.json`` (machine, versions, config, raw samples) and
@@ -24,13 +24,11 @@ on a 4096-token one (checks the script, not speed).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-import harness  # noqa: E402
-from sparse.bench_e2e_decode import start_engine  # noqa: E402
+from sparse.bench_e2e_decode import start_engine
+
+from benchmark import harness
 
 QWEN25_7B_SHAPE = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "hidden_size": 3584, "intermediate_size": 18944}

@@ -14,7 +14,7 @@ Llama-3-8B shape, dummy weights, bf16, decode CUDA graphs on. Reported per varia
 output tokens/s, TTFT (per request, p50 and p99) and finish time per request, and the most
 requests decoding at once (from each request's first and last token).
 
-    python3 benchmark/sparse/bench_offload.py [--requests 4] [--tokens 65536] [--new 512]
+    python3 -m benchmark.sparse.bench_offload [--requests 4] [--tokens 65536] [--new 512]
                                               [--pool-tokens 73728] [--out DIR]
 
 Prints a table; writes ``sparse_offload.json`` (machine, versions, config, ratios) and a plot
@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-import harness  # noqa: E402
-from sparse.bench_e2e_decode import start_engine  # noqa: E402
+from sparse.bench_e2e_decode import start_engine
+
+from benchmark import harness
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:

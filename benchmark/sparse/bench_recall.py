@@ -6,7 +6,7 @@ and, for the last ``--queries`` positions, compares ParisKV's selection (``sglan
 with the exact top-k of q.k: recall@k, and the relative error of the sparse attention output
 (sink + local window + k retrieved tokens) against dense attention.
 
-    python benchmark/sparse/bench_recall.py [--tokens 4096] [--k 100]
+    python -m benchmark.sparse.bench_recall [--tokens 4096] [--k 100]
 """
 
 from __future__ import annotations
@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "benchmark"))
 
 
 def haystack(tok, n_tokens: int, seed: int) -> tuple[list[int], str]:
     rng = random.Random(seed)
-    from bench_span_accuracy import FILLER, make_questions
+    from benchmark.bench_span_accuracy import FILLER, make_questions
 
     docs = [d for q in make_questions(200, 4, seed) for d in q["docs"]]
     needle = f"The special magic number for the archive is {rng.randint(10000, 99999)}."
@@ -134,8 +131,7 @@ def main() -> None:
     for r in rows:
         by_layer.setdefault(r["layer"], []).append(r["recall"])
     print("recall by layer:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(by_layer.items())))
-    sys.path.insert(0, str(REPO / "benchmark"))
-    from harness import environment
+    from benchmark.harness import environment
 
     args.out = args.out or str(REPO / f"benchmark/results/sparse_recall_cpu_{args.vote}.json")
     Path(args.out).write_text(json.dumps({

@@ -16,7 +16,7 @@ layer - sink + local window attended densely plus the ``k`` keys ParisKV retriev
 appear in the first generated tokens. Reports accuracy per task and length for both, and how
 often the two generations are identical. Writes ``benchmark/results/sparse_ruler_cpu.json``.
 
-    python benchmark/sparse/bench_ruler.py [--lengths 1024 2048 4096] [--samples 5] [--k 100]
+    python -m benchmark.sparse.bench_ruler [--lengths 1024 2048 4096] [--samples 5] [--k 100]
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "benchmark"))
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -131,9 +128,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from harness import environment
     from sglang_pic.launcher.default_model import ensure_default_model
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+
+    from benchmark.harness import environment
 
     torch.manual_seed(0)
     path = ensure_default_model()

@@ -17,7 +17,7 @@ The kernels lose recall only by quantisation and by which keys of the threshold 
 a ratio near 1 is the check: a vote histogram that does not cover real keys' votes shows here
 as a ratio well below 1.
 
-    python3 benchmark/sparse/bench_selector_recall.py [--lengths 2k 8k] [--layers 0,5,12,20,29]
+    python3 -m benchmark.sparse.bench_selector_recall [--lengths 2k 8k] [--layers 0,5,12,20,29]
 
 Writes ``selector_recall_<cpu|gpu>.json`` into ``--out`` (default ``benchmark/results``): per
 variant ``recall_<length>_all`` (one value per layer, mean over KV heads) and the layers.
@@ -28,13 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "quality"), str(HERE),
-                str(HERE.parent.parent / "python"), str(HERE.parent.parent / "sgl-kernel" / "python")]
 
 
 def main() -> None:
@@ -55,11 +50,12 @@ def main() -> None:
         else args.device
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-    from harness import RESULTS, environment
     from sglang_pic.launcher.default_model import ensure_default_model
     from sglang_pic.sparse.index_ops import KernelIndexOps, TorchIndexOps
-    from sparse_needle import TASKS, build_cases, capture_qk, selection_recall
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmark.harness import RESULTS, environment
+    from benchmark.quality.sparse_needle import TASKS, build_cases, capture_qk, selection_recall
 
     model_dir = str(ensure_default_model())
     tok = AutoTokenizer.from_pretrained(model_dir)

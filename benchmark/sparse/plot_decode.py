@@ -1,7 +1,7 @@
 """Plot `benchmark/results/sparse_decode_h200.json` into `docs/figures/sparse_decode_h200.png`:
 decode attention time per layer (dense SGLang vs ParisKV) and recall@100 against context length.
 
-    python benchmark/sparse/plot_decode.py [RESULTS.json] [OUT.png]
+    python -m benchmark.sparse.plot_decode [RESULTS.json] [OUT.png]
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from benchmark.harness import save_figure
+
 REPO = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(REPO / "benchmark"))
-from harness import save_figure  # noqa: E402
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ Each is timed on 1, 2, 4, 8 and 12 threads over ``--pages`` pages of ``--page-mb
 with one more thread spinning in Python beside them (``busy_*``): SGLang's scheduler at its
 worst, when every hand-off of the GIL can wait for the 5 ms switch interval. GB/s = 1e9 bytes/s.
 
-    python benchmark/store/bench_checksum_threads.py [--pages 256] [--page-mb 4] [--samples 3]
+    python -m benchmark.store.bench_checksum_threads [--pages 256] [--page-mb 4] [--samples 3]
         [--out PATH] [--smoke]
 
 Writes ``benchmark/results/xxh3_threads_<host kind>.json`` (``--out`` names the file; ``--smoke``:
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CHUNK = 64 << 10
 THREADS = (1, 2, 4, 8, 12)
@@ -101,7 +98,7 @@ def main() -> None:
         ap.error("--samples must be at least 3 (the table reports a median and its range)")
     if args.pages < 1 or args.page_mb <= 0:
         ap.error("--pages and --page-mb must be positive")
-    from harness import RESULTS, environment, smoke_dir
+    from benchmark.harness import RESULTS, environment, smoke_dir
 
     page = int(args.page_mb * (1 << 20))
     data = np.random.default_rng(1).integers(0, 255, size=args.pages * page, dtype=np.uint8)

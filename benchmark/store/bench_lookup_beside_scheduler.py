@@ -19,8 +19,8 @@ in ``--rounds``:
   (``client.leading_found``, what the HiCache backend's ``batch_exists`` runs): the pages are
   all misses, as a cold prompt's, so that is the whole lookup.
 
-    python3 benchmark/store/bench_lookup_beside_scheduler.py [--out DIR] [--rounds 4]
-    python3 benchmark/store/bench_lookup_beside_scheduler.py --smoke    # ~15 s, a temp folder
+    python3 -m benchmark.store.bench_lookup_beside_scheduler [--out DIR] [--rounds 4]
+    python3 -m benchmark.store.bench_lookup_beside_scheduler --smoke    # ~15 s, a temp folder
 
 Prints a table and writes ``store_lookup_beside_scheduler.json`` (machine, versions, config,
 every sample) and a plot (``docs/figures/store_lookup_beside_scheduler.png`` unless ``--smoke``).
@@ -31,26 +31,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
-from bench_lookup_beside_writes import (  # noqa: E402
+from benchmark.harness import environment, start_store_servers
+from benchmark.store.bench_lookup_beside_writes import (
     alternate_rounds,
     lookup_args,
     page_ids,
     save_report,
     summarize,
 )
-from harness import environment, start_store_servers  # noqa: E402
 
-REPO = HERE.parent.parent
 TOKEN = "bench-lookup-beside-scheduler-token"
 VARIANTS = ("alone", "nap", "lookup watch", "first page alone")
 NAP_S = 100e-6  # --hicache-storage-idle-yield-us's default

@@ -10,8 +10,8 @@ their own processes, a writer that stores ``--put-mb`` per call in a loop, and a
 for ``--lookup-pages`` pages (all misses, as a cold prompt's) every ``--gap-ms``; per variant it
 reports the lookups' p50 / p99 / max and the writer's rate, variants alternating in ``--rounds``.
 
-    python3 benchmark/store/bench_lookup_beside_writes.py [--out DIR] [--rounds 3]
-    python3 benchmark/store/bench_lookup_beside_writes.py --smoke      # ~20 s, a temp folder
+    python3 -m benchmark.store.bench_lookup_beside_writes [--out DIR] [--rounds 3]
+    python3 -m benchmark.store.bench_lookup_beside_writes --smoke      # ~20 s, a temp folder
 
 Prints a table and writes ``store_lookup_beside_writes.json`` (machine, versions, config, every
 sample) and a plot (``docs/figures/store_lookup_beside_writes.png`` unless ``--smoke``).
@@ -24,17 +24,15 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmark.harness import environment, save_figure, start_store_servers
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
-from harness import environment, save_figure, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
 TOKEN = "bench-lookup-beside-writes-token"

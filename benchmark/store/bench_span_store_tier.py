@@ -20,8 +20,8 @@ saves a unit from a KV pool, waits until the store holds it, then loads it into 
 
 Variants alternate in ``--rounds``; one store server runs in its own process.
 
-    python3 benchmark/store/bench_span_store_tier.py [--out DIR] [--rounds 3] [--device cpu|cuda]
-    python3 benchmark/store/bench_span_store_tier.py --smoke      # ~30 s, a temp folder
+    python3 -m benchmark.store.bench_span_store_tier [--out DIR] [--rounds 3] [--device cpu|cuda]
+    python3 -m benchmark.store.bench_span_store_tier --smoke      # ~30 s, a temp folder
 
 Prints a table and writes ``span_store_tier.json`` (machine, versions, config, every sample) and
 a plot (``docs/figures/span_store_tier.png`` unless ``--smoke``).
@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmark.harness import _write_report, environment, save_figure, start_store_servers
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent.parent / "python"))
-from harness import _write_report, environment, save_figure, start_store_servers  # noqa: E402
 
 REPO = HERE.parent.parent
 TOKEN = "bench-span-store-tier-token"

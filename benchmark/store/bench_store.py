@@ -13,7 +13,7 @@ The server authenticates with a token, so every message is CurveZMQ-encrypted; `
 runs it without (no encryption: what CURVE costs; the server then writes into no pool, so
 ``get_into_pool`` goes through the staging segment).
 
-    python benchmark/store/bench_store.py [--repeats 20] [--insecure]
+    python -m benchmark.store.bench_store [--repeats 20] [--insecure]
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from benchmark.harness import free_port, start_store_servers
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python"), str(REPO / "benchmark")]
-from harness import free_port, start_store_servers  # noqa: E402
 
 TOKEN = "bench-store-token-loopback"  # a throwaway token of loopback servers
 PAGE = 64 << 10

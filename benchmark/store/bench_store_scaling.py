@@ -21,9 +21,9 @@ device call can run a subset: ``--gpus 8 --variants ptstore``) and plotted into
 ``docs/figures/store_scaling_<machine>.png``.
 
     # H200 x N (Llama-3-8B shape, dummy weights):
-    python benchmark/store/bench_store_scaling.py --gpus 1 2
+    python -m benchmark.store.bench_store_scaling --gpus 1 2
     # CPU smoke (SmolLM2, every instance on the CPU, short documents):
-    python benchmark/store/bench_store_scaling.py --cpu --gpus 1 2
+    python -m benchmark.store.bench_store_scaling --cpu --gpus 1 2
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from harness import (  # noqa: E402
+from benchmark.harness import (
     REPO,
     environment,
     free_port,

@@ -48,11 +48,11 @@ two processes) and PTStore's own client reading the same bytes from the store se
 TCP data plane and over the CURVE socket. PTStore readers log each load (``batch_get_v1``, the
 backend's trace): ``load_gbps_<n>`` is the bytes loaded over the time spent in those calls.
 
-    python3 benchmark/store/bench_store_ttft.py [--out DIR] [--samples 3]
-    python3 benchmark/store/bench_store_ttft.py --lengths 8192 32768 131072 --flush \
+    python3 -m benchmark.store.bench_store_ttft [--out DIR] [--samples 3]
+    python3 -m benchmark.store.bench_store_ttft --lengths 8192 32768 131072 --flush \
         --variants vanilla,sglang-pic-ptstore-writer,sglang-pic-ptstore-tcp,sglang-pic-ptstore \
         --cold-lengths 8192 --name store_ttft_tcp_h200
-    python3 benchmark/store/bench_store_ttft.py --replot benchmark/results/store_ttft_tcp_h200.json
+    python3 -m benchmark.store.bench_store_ttft --replot benchmark/results/store_ttft_tcp_h200.json
 
 Prints a table and writes the JSON and a plot (``docs/figures/<name>.png``).
 """
@@ -73,10 +73,9 @@ import time
 import zlib
 from pathlib import Path
 
+from benchmark.harness import LLAMA3_8B_DUMMY, ROUND_ENV, store_totals
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from harness import LLAMA3_8B_DUMMY, ROUND_ENV, store_totals  # noqa: E402
 
 REPO = HERE.parent.parent
 LENGTHS = (1024, 2048, 4096, 8192)
@@ -541,7 +540,8 @@ def plot(report: dict, out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from harness import save_figure
+
+    from benchmark.harness import save_figure
 
     res, lengths = report["results"], report["params"]["lengths"]
     # (label, variant, metric): each side's loads, then each reader's cold misses where timed
@@ -628,11 +628,10 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
     TCP data plane (1, ``streams`` and twice that many connections per server) and over the
     CURVE socket; and the rate of the page checksum a TCP load verifies every page with, on one
     thread and on ``streams`` threads (a load's streams hash in parallel)."""
-    import bench_transport
     import numpy as np
-
-    sys.path.insert(0, str(REPO / "python"))
     from sglang_pic.store.client import StoreClient
+
+    from benchmark.store import bench_transport
 
     out: dict = {"pages": pages, "page_bytes": page, "samples": samples}
     ns = argparse.Namespace(pages=pages, page_bytes=page, samples=samples, timeout=300.0)
@@ -642,7 +641,7 @@ def transport_reference(endpoints: list[str], token: str, pages: int, page: int,
     mv = memoryview(data).cast("B")
     # the check every page of a TCP load gets (datapath._stream: one XXH3 call per page, which
     # lets go of the GIL), on one thread and on as many threads as a load has streams per server
-    import bench_checksum_threads
+    from benchmark.store import bench_checksum_threads
 
     views_in = [mv[i * page:(i + 1) * page] for i in range(pages)]
     for key, threads in (("xxh3_one_thread", 1), (f"xxh3_{streams}_threads", streams)):
@@ -711,7 +710,7 @@ def _python_loop_beside(nap_s: float | None):
 
 
 def main() -> None:
-    from harness import _write_report, run_side_by_side, smoke_dir, start_store_servers
+    from benchmark.harness import _write_report, run_side_by_side, smoke_dir, start_store_servers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replot", default=None, help="table and plot of a report JSON, no run")
@@ -776,7 +775,6 @@ def main() -> None:
     kwargs, extra, name = dict(ENGINE_KWARGS), {}, "store_ttft_h200"
     page_mb = 4  # a K or V block of a Llama-3-8B page of 64 tokens
     if args.smoke:
-        sys.path.insert(0, str(REPO / "python"))
         from sglang_pic.cpu.support import enable_cpu_engine
         from sglang_pic.launcher.default_model import ensure_default_model
 

@@ -36,7 +36,7 @@ in the non-CUDA build). A candidate that is not installed, or fails, is recorded
 ``benchmark/results/store_transport_cpu.json`` (``--smoke``: 16 pages, 3 samples, the temp smoke
 folder).
 
-    python benchmark/store/bench_transport.py [--pages 256] [--page-mb 1] [--samples 5]
+    python -m benchmark.store.bench_transport [--pages 256] [--page-mb 1] [--samples 5]
         [--rounds 1] [--variants tcp-1,tcp-4,zmq,zmq-curve] [--out PATH] [--smoke]
 """
 
@@ -60,8 +60,6 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "benchmark"), str(REPO / "python")]
 from sglang_pic.store.datapath import recv_exact  # noqa: E402  (the data plane's own receive loop)
 
 VARIANTS: dict[str, dict] = {
@@ -276,7 +274,7 @@ def _nixl():
 
 
 def _free_port() -> int:
-    from harness import free_port
+    from benchmark.harness import free_port
 
     return free_port()
 
@@ -467,7 +465,7 @@ def _last_line(text: str) -> str:
 def run_variant(variant: str, args, tls: tuple[str, str] | None) -> dict:
     spec = VARIANTS[variant]
     env = dict(os.environ, **VARIANT_ENV.get(variant, {}))
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = [sys.executable, "-m", "benchmark.store.bench_transport"]  # from the repository root
     common = ["--pages", str(args.pages), "--page-bytes", str(args.page_bytes)]
     srv_cmd = [*me, "--serve", variant, *common]
     if tls:
@@ -550,7 +548,7 @@ def cipher_speed() -> dict:
 
 
 def machine() -> dict:
-    from harness import environment
+    from benchmark.harness import environment
 
     info = environment()
     info["cpus"] = os.cpu_count()
@@ -628,7 +626,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
     else:
-        from harness import RESULTS, smoke_dir
+        from benchmark.harness import RESULTS, smoke_dir
 
         folder = Path(smoke_dir()) if args.smoke else RESULTS
         out = folder / "store_transport_cpu.json"

@@ -15,18 +15,18 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from sglang_pic.sparse.kv_layout import ParisKVLayer  # noqa: E402
-from sglang_pic.sparse.retrieval import SRHT, KeyIndex, ParisConfig, lloyd_max_levels  # noqa: E402
-from sglang_pic_kernel.pariskv import (  # noqa: E402
+import triton
+import triton.language as tl
+from sglang_pic.sparse.kv_layout import ParisKVLayer
+from sglang_pic.sparse.retrieval import SRHT, KeyIndex, ParisConfig, lloyd_max_levels
+from sglang_pic_kernel.pariskv import (
     Selector,
     SparseAttention,
-    encode,  # noqa: E402
+    encode,
     encode_keys,
     unpack_centroids,
 )
-from sglang_pic_kernel.pariskv.select import PLANES, _popc, _topk_kernel  # noqa: E402
+from sglang_pic_kernel.pariskv.select import PLANES, _popc, _topk_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the model-sized shape runs on the device (``make test-gpu``) and is skipped on CPU machines

@@ -16,7 +16,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-from sglang_pic_kernel.rotating_attention import (  # noqa: E402
+from sglang_pic_kernel.rotating_attention import (
     RotaryTable,
     reference_decode,
     reference_extend,

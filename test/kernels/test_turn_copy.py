@@ -12,8 +12,8 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-from sglang_pic.position_free.moved_copies import turn_keys  # noqa: E402
-from sglang_pic_kernel.rotating_attention import (  # noqa: E402
+from sglang_pic.position_free.moved_copies import turn_keys
+from sglang_pic_kernel.rotating_attention import (
     LayerBuffers,
     RotaryTable,
     turn_copy_kv,

@@ -8,7 +8,7 @@ import gzip
 import json
 from pathlib import Path
 
-import bench_e2e_decode
+from benchmark.sparse import bench_e2e_decode
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:

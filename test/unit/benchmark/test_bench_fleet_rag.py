@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import bench_fleet_rag
 import pytest
+
+from benchmark import bench_fleet_rag
 
 # lines of sglang-router 0.3.2's /metrics, as a fleet of two served them
 METRICS = """\

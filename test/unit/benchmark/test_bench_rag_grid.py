@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import bench_rag_grid
 import pytest
+
+from benchmark import bench_rag_grid
 
 
 def _cell(rate: float, ttft: float) -> dict:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import harness
 import pytest
 from conftest import REPO
+
+from benchmark import harness
 
 
 def test_ratio_table():
@@ -27,14 +28,16 @@ def test_plugin_site_declares_our_entry_point(tmp_path):
     assert eps == {"sglang_pic": "sglang_pic.plugin:register"}
 
 
-def test_only_pic_variant_gets_our_paths(tmp_path, monkeypatch):
+def test_only_pic_variant_gets_our_entry_point(tmp_path, monkeypatch):
+    """Both sides can import our modules (the workloads' helpers do); only sglang-pic variants
+    get the plugin site whose entry point makes SGLang load our plugin."""
     site = tmp_path / "site"
     monkeypatch.setenv("PYTHONPATH", f"/elsewhere:{REPO / 'python'}")
     van = harness.variant_env("vanilla", site)["PYTHONPATH"].split(":")
     pic = harness.variant_env("sglang-pic", site)["PYTHONPATH"].split(":")
-    assert van == ["/elsewhere"]
-    assert pic[:3] == [str(site), str(REPO / "python"), str(REPO / "sgl-kernel" / "python")]
-    assert pic[-1] == "/elsewhere"
+    ours = [str(REPO / "python"), str(REPO / "sgl-kernel" / "python")]
+    assert van == [*ours, "/elsewhere"]
+    assert pic == [str(site), *ours, "/elsewhere"]
 
 
 def test_a_variant_can_be_pinned_to_its_gpu(tmp_path, monkeypatch):
@@ -46,7 +49,7 @@ def test_a_variant_can_be_pinned_to_its_gpu(tmp_path, monkeypatch):
 
 
 def test_rounds_pool_samples_and_keep_each_rounds_median():
-    from harness import merge_rounds
+    from benchmark.harness import merge_rounds
 
     a = {"ttft_ms": 2.0, "ttft_ms_all": [1.0, 2.0, 3.0], "engine_start_s": 40.0}
     b = {"ttft_ms": 5.0, "ttft_ms_all": [4.0, 5.0, 6.0], "engine_start_s": 41.0}
@@ -79,7 +82,7 @@ def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_p
     order: list[str] = []
     rounds: list[int] = []  # the round each process was told (fresh prompts are seeded by it)
 
-    def fake_run(cmd, env, timeout):  # the variant's process: one sample, its run number
+    def fake_run(cmd, env, cwd, timeout):  # the variant's process: one sample, its run number
         spec = json.loads(Path(cmd[-1]).read_text())
         order.append(env["SGLANG_PIC_BENCH_VARIANT"])
         rounds.append(int(env[harness.ROUND_ENV]))

@@ -16,7 +16,7 @@ HEADLINES = REPO / "benchmark" / "results" / "headlines.json"
 
 
 def test_headlines_json_matches_the_raw_results():
-    out = subprocess.run([sys.executable, "benchmark/headlines.py", "--check"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "benchmark.headlines", "--check"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
@@ -34,7 +34,7 @@ def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_li
         tmp_path, monkeypatch):
     """``sparse.quality.*``: sparse within 1 point of dense (a score of 0-100 from per-case
     0/100 samples, their mean), not a ratio; without its raw file the row says so."""
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     claim = next(c for c in headlines.CLAIMS if c.claim == "sparse.quality.8k")
@@ -60,7 +60,7 @@ def test_a_points_target_is_met_within_that_many_points_and_a_missing_file_is_li
 
 def test_end_to_end_eviction_rows_take_the_better_vanilla_policy_and_the_mean_of_runs(
         tmp_path, monkeypatch):
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     claim = next(c for c in headlines.CLAIMS if c.claim == "eviction.e2e_hit_rate")
@@ -84,7 +84,7 @@ def test_a_void_row_quotes_no_number_even_with_its_raw_file_present(tmp_path, mo
     baseline, ours or ratio, and say why; README must not cite them as numbers."""
     import dataclasses
 
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     (tmp_path / "raw.json").write_text(json.dumps({"results": {
@@ -102,7 +102,7 @@ def test_a_void_row_quotes_no_number_even_with_its_raw_file_present(tmp_path, mo
 def test_a_rerun_file_holding_both_sides_of_a_row_is_preferred(tmp_path, monkeypatch):
     """``bench_nonspan_overhead.py --name nonspan_overhead_rerun_h200`` re-measures a subset:
     a row takes the rerun when it holds both variants' samples, else the full run."""
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     claim = next(c for c in headlines.CLAIMS if c.claim == "spans.nonspan.tpot_b32_8k")
@@ -127,7 +127,7 @@ def test_each_end_to_end_eviction_row_takes_the_vanilla_policy_better_by_its_own
         tmp_path, monkeypatch):
     """A vanilla policy with the best hit rate but a slow run (a fresh machine's compiles in
     its replay) is the hit-rate row's baseline, not the TTFT row's."""
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     results = {
@@ -150,7 +150,7 @@ def test_each_end_to_end_eviction_row_takes_the_vanilla_policy_better_by_its_own
 def test_the_mean_ttft_row_is_each_runs_mean_over_its_requests(tmp_path, monkeypatch):
     """``eviction.e2e_ttft_mean``: a run's mean TTFT comes from its requests' TTFTs
     (``request_ttft_ms_all``), then the row takes the mean over runs of the better vanilla."""
-    import headlines
+    from benchmark import headlines
 
     monkeypatch.setattr(headlines, "RESULTS", tmp_path)
     results = {
@@ -172,20 +172,20 @@ def test_the_readme_results_table_is_rendered_from_headlines_json():
     """README.md's results table is ``headlines.readme_table`` of headlines.json's rows, between
     its ``results:start`` / ``results:end`` lines (``benchmark/headlines.py`` writes it), and
     every row it shows is a current headline row."""
-    import headlines
+    from benchmark import headlines
 
     rows = json.loads(HEADLINES.read_text())["rows"]
     readme = (REPO / "README.md").read_text()
     assert readme.count(headlines.README_START) == 1 and readme.count(headlines.README_END) == 1
     shown = readme.split(headlines.README_START)[1].split(headlines.README_END)[0]
     assert shown == "\n" + headlines.readme_table(rows), (
-        "README.md's results table is stale: run python benchmark/headlines.py")
+        "README.md's results table is stale: run python -m benchmark.headlines")
     current = {r["claim"] for r in rows if not r["problems"] and r["ratio"] is not None}
     assert {row.claim for row in headlines.README_ROWS} <= current
 
 
 def test_the_readme_table_refuses_a_row_that_is_not_current():
-    import headlines
+    from benchmark import headlines
 
     rows = json.loads(HEADLINES.read_text())["rows"]
     first = headlines.README_ROWS[0].claim

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import sim_fleet_routing as sim
-from bench_rag_grid import PARAMS
+
+from benchmark import sim_fleet_routing as sim
+from benchmark.bench_rag_grid import PARAMS
 
 SMALL = {**PARAMS, "requests": 120}
 

@@ -9,7 +9,8 @@ case counts as solved exactly when its answer's digits are in the generated text
 from __future__ import annotations
 
 import pytest
-import sparse_needle
+
+from benchmark.quality import sparse_needle
 
 
 def test_cases_fit_the_context_near_their_nominal_length_and_repeat(model_dir):
@@ -57,8 +58,9 @@ def test_a_reselect_variant_is_the_sparse_engine_and_bad_names_are_refused():
 
 def test_agreement_passages_are_fixed_text_and_divergence_is_the_first_differing_step(
         model_dir):
-    import sparse_agreement
     from transformers import AutoTokenizer
+
+    from benchmark.quality import sparse_agreement
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     first = sparse_agreement.passages(tok, 3, 500)

@@ -21,7 +21,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    return importlib.import_module("bench_store_ttft")
+    return importlib.import_module("benchmark.store.bench_store_ttft")
 
 
 class _Manager:
@@ -124,7 +124,7 @@ def test_the_writers_trace_counts_failed_and_slow_stores(bench):
 def test_lookup_bench_pools_samples_and_takes_each_samples_p99():
     """``bench_lookup_beside_writes.summarize``: percentiles over the pooled lookups, one p99
     per sample (what the headline row takes the median of), the median put rate."""
-    mod = importlib.import_module("bench_lookup_beside_writes")
+    mod = importlib.import_module("benchmark.store.bench_lookup_beside_writes")
     a = {"lookup_ms": [1.0] * 99 + [100.0], "put_gbps": 0.5}
     b = {"lookup_ms": [2.0] * 100, "put_gbps": 0.7}
     r = mod.summarize([a, b])

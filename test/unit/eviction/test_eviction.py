@@ -578,7 +578,8 @@ def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
     ``RadixCache``, and the host tier serves what the device tier could not hold."""
     from sglang_pic.eviction.replay.simulator import replay
     from sglang_pic.eviction.replay.traces import generate
-    from two_tier import replay_two_tier
+
+    from benchmark.eviction.two_tier import replay_two_tier
 
     trace = generate("mix", scale=12, seed=3)  # its largest request: 16K tokens with output
     one = replay(trace, policy, capacity=20_000).summary()
@@ -598,7 +599,8 @@ def test_replays_leave_out_requests_longer_than_the_cache(policy):
     two-tier replay still reduces to the one-tier one with no host room."""
     from sglang_pic.eviction.replay.simulator import replay
     from sglang_pic.eviction.replay.traces import generate
-    from two_tier import replay_two_tier
+
+    from benchmark.eviction.two_tier import replay_two_tier
 
     trace = generate("mix", scale=12, seed=3)
     capacity = 8_000
@@ -733,7 +735,7 @@ def test_mooncake_slice_samples_whole_conversations_and_keeps_bad_lines(tmp_path
     conversation (the requests sharing the block after the system block) and none of the
     others; prompts past the engine's limit are left out; a malformed line is passed on for
     the loader to report with its line number; ``requests`` takes the head instead."""
-    from bench_e2e import conversation_key, mooncake_slice
+    from benchmark.eviction.bench_e2e import conversation_key, mooncake_slice
 
     recs = [{"timestamp": 100 * i, "input_length": 600 * (1 + i % 3), "output_length": 4,
              "hash_ids": [0, 10 + i % 7] + [1000 + i] * (i % 3)} for i in range(70)]
@@ -755,7 +757,7 @@ def test_mooncake_slice_samples_whole_conversations_and_keeps_bad_lines(tmp_path
 def test_e2e_figure_draws_per_request_cdfs_and_older_reports(tmp_path):
     """``bench_e2e.py``'s figure from a report with every request's TTFT (two runs a variant)
     and from an older one that kept only p50 / p99."""
-    from bench_e2e import plot_e2e
+    from benchmark.eviction.bench_e2e import plot_e2e
 
     run = {"policy": "lru", "requests": 3, "token_hit_rate": 0.2,
            "token_hit_rate_all": [0.2, 0.22], "ttft_p50_ms": 5.0, "ttft_p99_ms": 9.0,
@@ -1217,18 +1219,18 @@ def test_mooncake_loader_reports_malformed_lines_and_replays_the_rest(tmp_path, 
     assert replay(reqs, "lru", 1_000_000).requests == 4
 
 
-@pytest.mark.parametrize("script", ["bench_eviction.py", "replay_trace.py", "two_tier.py"])
+@pytest.mark.parametrize("script", ["bench_eviction", "replay_trace", "two_tier"])
 def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(REPO / "benchmark" / "eviction" / script),
-                           "--policies", "lru,sea"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", f"benchmark.eviction.{script}", "--policies",
+                           "lru,sea"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "unknown policy 'sea'" in lines[0]
     assert "known: lru,lfu,fifo,mru,filo,priority,slru,gdsf,s3fifo,tlru,sae" in lines[0]
-    assert ("sae-lru-host" in lines[0]) == (script == "two_tier.py")  # its own ablation
+    assert ("sae-lru-host" in lines[0]) == (script == "two_tier")  # its own ablation
 
 
 def _record_evictions(monkeypatch) -> list[list[tuple[int, int, int]]]:
@@ -1375,10 +1377,11 @@ def test_tlru_settings_are_validated_flags_that_reach_the_policy(monkeypatch, ca
     """``--tlru-threshold`` / ``--tlru-next-prompt-estimate``: integers >= 0, only with
     ``--radix-eviction-policy tlru``, listed in ``--help``, handed to the scheduler as variables
     the policy reads when it is built; the replay scripts take ``tlru:<xi>:<q_hat>``."""
-    from bench_eviction import check_policies
     from sglang_pic.eviction.baselines import TLRUStrategy
     from sglang_pic.launcher import serve_conflicts, server_flags
     from sglang_pic.launcher.server_flags import UsageError
+
+    from benchmark.eviction.bench_eviction import check_policies
 
     def refuse(args):
         serve_conflicts.refuse(*server_flags.parse(args))
@@ -1536,7 +1539,7 @@ def test_sae_conv_ends_on_a_block_trace_reaches_belady_and_reads_told_q(tmp_path
 def test_noisy_predictor_ranks_at_the_asked_auc():
     """``analyze_trace.noisy_q``: a calibrated probability from the label plus noise, ranking
     continued requests above the others at the asked ROC AUC."""
-    from analyze_trace import auc, noisy_q
+    from benchmark.eviction.analyze_trace import auc, noisy_q
 
     labels = (np.random.default_rng(1).random(20000) < 0.4).astype(float)
     assert auc(labels, labels) == pytest.approx(1.0)
@@ -1549,7 +1552,7 @@ def test_noisy_predictor_ranks_at_the_asked_auc():
 def test_results_table_takes_the_best_baseline_by_mean_and_each_seeds_own_for_the_range():
     """``bench_eviction.py --table``: the best baseline of a cell is the one with the best mean
     over the seeds; the per-seed range compares ``sae`` with each seed's own best."""
-    from bench_eviction import markdown_table
+    from benchmark.eviction.bench_eviction import markdown_table
 
     def row(policy, seed, rate, ttft):
         return {"workload": "chat", "fraction": 0.1, "policy": policy, "seed": seed,
@@ -1572,15 +1575,15 @@ def test_results_table_refuses_what_is_not_a_report(tmp_path):
     another shape: one line on stderr, exit 2, no traceback."""
     import subprocess
 
-    script = REPO / "benchmark" / "eviction" / "bench_eviction.py"
     bad_json, other = tmp_path / "bad.json", tmp_path / "other.json"
     bad_json.write_text("not json")
     other.write_text('{"rows": 3}')
     for path, why in ((tmp_path / "none.json", "no such file"),
                       (bad_json, "not a bench_eviction.py report"),
                       (other, "not a bench_eviction.py report")):
-        proc = subprocess.run([sys.executable, str(script), "--table", str(path)],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "benchmark.eviction.bench_eviction",
+                               "--table", str(path)], capture_output=True, text=True, cwd=REPO,
+                              timeout=120)
         assert proc.returncode == 2
         assert why in proc.stderr and "Traceback" not in proc.stderr
 

@@ -33,7 +33,7 @@ def test_one_line_when_the_scheduler_takes_a_prefetch(capsys):
     assert check(orig, cache, "a") is True  # nothing in flight any more: no second line
     assert check(orig, cache, "never") is True  # no prefetch at all: no line
     err = capsys.readouterr().err
-    bench = importlib.import_module("bench_store_ttft")
+    bench = importlib.import_module("benchmark.store.bench_store_ttft")
     assert [tokens for _, tokens in bench.TRACE_DONE.findall(err)] == ["8192"]
     assert err.count("[ptstore-trace]") == 1
 
@@ -60,7 +60,7 @@ def test_prefill_batches_traced_and_a_cold_miss_split(capsys):
     assert after(none, object()) is none and after(empty, object()) is empty  # no line
     after(_Plan(_Batch(64, 1)), object())
     err = capsys.readouterr().err
-    bench = importlib.import_module("bench_store_ttft")
+    bench = importlib.import_module("benchmark.store.bench_store_ttft")
     got = [(int(k), int(n)) for _, k, n in bench.TRACE_PREFILL.findall(err)]
     assert got == [(8192, 1), (64, 1)]
     # request at 100.000 s, lookup 100.002-100.010, chunks formed at 100.012 and 100.250,

@@ -692,7 +692,7 @@ def test_a_stream_that_fails_oddly_is_a_miss_after_every_stream_has_ended(server
 # ---- the TTFT benchmark's bookkeeping (benchmark/store/bench_store_ttft.py) ----------------
 def _bench():
     import importlib
-    return importlib.import_module("bench_store_ttft")
+    return importlib.import_module("benchmark.store.bench_store_ttft")
 
 
 def test_the_ttft_benchmark_fits_prefixes_in_the_context_and_reads_its_load_trace():

@@ -1,0 +1,1 @@
+"""Eviction policies: trace replays, generated traffic, the end-to-end server runs."""

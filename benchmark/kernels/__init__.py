@@ -1,0 +1,1 @@
+"""Our Triton kernels alone: timings and resource use against their references."""

@@ -1,0 +1,1 @@
+"""Output quality on real weights: the span server and sparse decoding against references."""

@@ -1,0 +1,1 @@
+"""Sparse long-context decoding: TPOT, recall, offload and long prompts."""
