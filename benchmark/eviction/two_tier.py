@@ -42,11 +42,8 @@ from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-
-from sglang_pic.eviction.policy import configure  # noqa: E402
-from sglang_pic.eviction.replay.simulator import (  # noqa: E402
+from sglang_pic.eviction.policy import configure
+from sglang_pic.eviction.replay.simulator import (
     CountingAllocator,
     _Clock,
     _node_hash,
@@ -57,6 +54,9 @@ from sglang_pic.eviction.replay.simulator import (  # noqa: E402
     replay_context,
     servable,
 )
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 
 OUT = REPO / "benchmark" / "results" / "eviction_replay_mooncake_two_tier.json"
 HOST_LRU = "sae-lru-host"

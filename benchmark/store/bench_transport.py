@@ -60,7 +60,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_pic.store.datapath import recv_exact  # noqa: E402  (the data plane's own receive loop)
+from sglang_pic.store.datapath import recv_exact  # the data plane's own receive loop
 
 VARIANTS: dict[str, dict] = {
     "tcp-1": {"kind": "tcp", "streams": 1},
