@@ -112,9 +112,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts SGLang (a server, an Engine, a fleet); "
                             "the unit tier is `-m 'not server and not gpu and not kernels'` "
                             "(make test-unit)")
-    config.addinivalue_line("markers", "kernels: runs our Triton kernels, on CPU under the "
-                            "interpreter (test/kernels, and tests parametrized with the kernel "
-                            "ops); make test-kernels")
+    config.addinivalue_line("markers", "kernels: runs Triton kernels (ours, or SGLang's beside "
+                            "our torch twin), on CPU under the interpreter (test/kernels, and "
+                            "tests parametrized with the kernel ops); make test-kernels")
     global _config
     _config = config
 

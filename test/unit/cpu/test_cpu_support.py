@@ -87,6 +87,7 @@ def test_transfer_kv_direct_copies_rows():
     assert dst[0][1:5].abs().sum() == 0
 
 
+@pytest.mark.kernels
 def test_alloc_decode_torch_matches_sglang_triton_kernel():
     """Our torch decode allocator vs SGLang's Triton kernel run by the interpreter."""
     out = _run("""

@@ -1220,14 +1220,19 @@ def test_mooncake_loader_reports_malformed_lines_and_replays_the_rest(tmp_path, 
 
 
 @pytest.mark.parametrize("script", ["bench_eviction", "replay_trace", "two_tier"])
-def test_unknown_policy_is_refused_with_the_list_in_one_line(script):
-    import subprocess
+def test_unknown_policy_is_refused_with_the_list_in_one_line(script, monkeypatch, capsys):
+    """The command line ``python -m benchmark.eviction.<script> --policies lru,sea``, run in
+    this process (its ``main``): exit 2 with one line on stderr, before any replay."""
+    import importlib
 
-    proc = subprocess.run([sys.executable, "-m", f"benchmark.eviction.{script}", "--policies",
-                           "lru,sea"], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    module = importlib.import_module(f"benchmark.eviction.{script}")
+    monkeypatch.setattr(sys, "argv", [module.__file__, "--policies", "lru,sea"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{script}.py: ")
     assert "unknown policy 'sea'" in lines[0]
     assert "known: lru,lfu,fifo,mru,filo,priority,slru,gdsf,s3fifo,tlru,sae" in lines[0]
     assert ("sae-lru-host" in lines[0]) == (script == "two_tier")  # its own ablation

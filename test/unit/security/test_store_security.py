@@ -352,8 +352,11 @@ def test_an_unauthenticated_64_mb_message_is_never_accepted(store_process):
         peer.connect(ep)
         peer.send_multipart([json.dumps({"op": "status"}).encode(), blob], copy=False)
         peers.append(peer)
+    poller = zmq.Poller()
     for peer in peers:
-        assert not peer.poll(3000), "an unauthenticated peer got an answer"
+        poller.register(peer, zmq.POLLIN)
+    assert not poller.poll(3000), "an unauthenticated peer got an answer"
+    for peer in peers:
         peer.close(0)
     grown_mb = (_vm_hwm_kb(proc.pid) - before) / 1024
     assert grown_mb < 32, f"the server's peak memory grew by {grown_mb:.0f} MB"
@@ -363,19 +366,29 @@ def test_an_unauthenticated_64_mb_message_is_never_accepted(store_process):
     assert status is not None and status["requests"] == 1  # this status request only
 
 
-def test_a_silent_connection_is_dropped_after_the_handshake_interval(server):
+def test_a_silent_connection_is_dropped_after_the_handshake_interval(tmp_path, monkeypatch):
     """Half-open connections used to be held forever (libzmq's default handshake interval is
-    30 s); heartbeats drop dead peers after the handshake."""
-    assert server.sock.getsockopt(zmq.HEARTBEAT_IVL) > 0
-    assert server.sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) > 0
-    path = server.endpoint.removeprefix("ipc://")
-    with socket.socket(socket.AF_UNIX) as raw:
-        raw.connect(path)
-        raw.settimeout(15)
-        t0 = time.monotonic()
-        while raw.recv(4096):  # the server's greeting, then nothing until it hangs up
-            pass
-        assert time.monotonic() - t0 < 10
+    30 s); heartbeats drop dead peers after the handshake (its interval shortened here from
+    ``auth.HANDSHAKE_MS``, the server's own setting, to 1 s)."""
+    from sglang_pic.store import auth
+
+    monkeypatch.setattr(auth, "HANDSHAKE_MS", 1000)
+    server = StoreServer(StoreEngine(8 * PAGE, replica_fraction=0.0), f"ipc://{tmp_path}/s.sock",
+                         TOKEN).start()
+    try:
+        assert server.sock.getsockopt(zmq.HANDSHAKE_IVL) == 1000
+        assert server.sock.getsockopt(zmq.HEARTBEAT_IVL) > 0
+        assert server.sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) > 0
+        path = server.endpoint.removeprefix("ipc://")
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(path)
+            raw.settimeout(15)
+            t0 = time.monotonic()
+            while raw.recv(4096):  # the server's greeting, then nothing until it hangs up
+                pass
+            assert time.monotonic() - t0 < 5
+    finally:
+        server.stop()
 
 
 def test_a_wrong_token_gets_misses_and_the_right_one_works(server):
