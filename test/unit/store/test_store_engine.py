@@ -452,7 +452,7 @@ def test_segments_of_killed_processes_are_reaped(tmp_path):
 
     from sglang_pic.store.shm import SHM_DIR, ClientSegment
 
-    code = ("import os, sys, time; sys.path.insert(0, 'python');"
+    code = ("import time;"
             "from sglang_pic.store.shm import ClientSegment;"
             "s = ClientSegment(1 << 20); print(s.name, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -647,7 +647,7 @@ def test_a_server_lets_go_of_the_pools_of_processes_that_are_gone():
 
     from sglang_pic.store.shm import SegmentCache
 
-    code = ("import json, mmap, os, sys, time; sys.path.insert(0, 'python');"
+    code = ("import json, os, time;"
             "from sglang_pic.store.shm import pool_spec;"
             "fd = os.memfd_create('pool'); os.ftruncate(fd, 1 << 20);"
             "print(json.dumps(pool_spec(fd)), flush=True); time.sleep(60)")
