@@ -18,7 +18,9 @@ reader's shared-memory segment) return pages through that segment instead of the
 ``shm_bytes``; other servers are asked over the socket in the first round. Where the reader's
 destination buffers lie in a shared-memory file (``use_pool``: SGLang's host pool allocated with
 ``"allocator": "shm"``), same-node servers write the pages straight into them, all in one
-round, and verify them there: the reader copies and hashes nothing.
+round, and verify them there: the reader copies and hashes nothing. What this path knows and
+holds (the probes' answers, the segments, the pool) is the client's ``same_node``
+(``same_node.SameNodePlane``).
 
 **Network data plane.** Pages from servers that are not on the reader's node (or every page,
 with ``data_plane="tcp"``) travel over ``data_streams`` parallel TCP connections per server
@@ -59,7 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from . import datapath
 from .channels import ServerChannels
 from .protocol import Buffer, Limits, checksum
-from .shm import DATA_OFFSET, ClientSegment, pool_spec
+from .same_node import SameNodePlane
+from .shm import DATA_OFFSET, ClientSegment
 
 Sink = Callable[[int, memoryview, int], None]
 """``sink(position, data, checksum)``: a page as received, with the checksum its server sent;
@@ -220,18 +223,13 @@ class StoreClient:
         self.replicate_after = replicate_after
         self._local = threading.local()  # .last_failed: this thread's
         # "tcp" and "zmq" move no page through shared memory
-        self.shm, self.shm_bytes = shm and data_plane in ("auto", "shm"), shm_bytes
+        self.same_node = SameNodePlane(self.channels, self.servers,
+                                       shm and data_plane in ("auto", "shm"), shm_bytes)
         self.data_plane, self.data_streams, self.data_tls = data_plane, data_streams, data_tls
         self.limits = limits or Limits()
         # server -> host of its data listener (None: the socket only)
         self._tcp_host = {s: datapath.endpoint_host(s) if data_plane in ("auto", "tcp")
                           else None for s in self.servers}
-        self._shm_ok: dict[str, bool] = {}  # server -> maps our segments (probed once)
-        self._pool: tuple[dict, int, int] | None = None  # (pool_spec, address, size)
-        self._pool_ok: dict[str, bool] = {}  # server -> maps our pool (probed once)
-        self._segments: list[ClientSegment] = []
-        self._free_segments: list[ClientSegment] = []
-        self._segments_lock = threading.Lock()
         self.remote_reads: OrderedDict[str, int] = OrderedDict()
         self.replicated: OrderedDict[str, None] = OrderedDict()
         self.stats = {"replicated_pages": 0, "replica_hits": 0, "shm_pages": 0, "pool_pages": 0,
@@ -324,74 +322,15 @@ class StoreClient:
         self._local.last_failed = failed
         return added
 
-    def _acquire_segment(self) -> ClientSegment | None:
-        """A staging segment for one load (None where shared memory is off or unavailable).
-        Segments are pooled: a load holds one, so concurrent loads never share one."""
-        if not self.shm:
-            return None
-        with self._segments_lock:
-            if self._free_segments:
-                return self._free_segments.pop()
-        seg = ClientSegment.create(self.shm_bytes)
-        if seg is None:
-            self.shm = False  # no /dev/shm room on this node: sockets only
-            return None
-        with self._segments_lock:
-            self._segments.append(seg)
-        return seg
-
-    def _release_segment(self, seg: ClientSegment | None) -> None:
-        if seg is not None:
-            with self._segments_lock:
-                self._free_segments.append(seg)
-
     def prepare_shm(self) -> None:
-        """Create a segment and probe every server now, so the first load does not pay for it
-        (reserving the segment's memory takes ~0.1 s per 256 MB)."""
-        seg = self._acquire_segment()
-        if seg is not None:
-            try:
-                self._same_node(self.servers, seg)
-            finally:
-                self._release_segment(seg)
-
-    def _same_node(self, servers: list[str], seg: ClientSegment) -> set[str]:
-        """The servers among ``servers`` that map our segments (each probed once; a server that
-        does not answer is asked again next time)."""
-        probe = {"name": seg.name, "nonce": seg.nonce.hex()}
-        return self._probe(servers, probe, self._shm_ok)
-
-    def _probe(self, servers: list[str], shm: dict, known: dict[str, bool]) -> set[str]:
-        unknown = [s for s in servers if s not in known]
-        if unknown:
-            replies = self.channels.round_trips({s: ({"op": "probe", "shm": shm}, None)
-                                         for s in unknown}, 0)
-            for s in unknown:
-                if replies.get(s) is not None:
-                    known[s] = bool(replies[s][0].get("ok") and replies[s][0].get("shm"))
-        return {s for s in servers if known.get(s)}
+        """Probe the servers for the same-node path now (``SameNodePlane.prepare``)."""
+        self.same_node.prepare()
 
     def use_pool(self, fd: int, address: int, size: int) -> None:
         """Destinations in ``[address, address + size)`` are the shared-memory file ``fd`` of
         this process (SGLang's host pool with ``"allocator": "shm"``): servers on this node
-        write pages there directly. Probes every server now, off the first load's path."""
-        spec = pool_spec(fd)
-        self._pool_ok.clear()
-        self._probe(self.servers, {"pool": spec}, self._pool_ok)
-        self._pool = (spec, address, size)  # only once the probe went through
-
-    def _in_pool(self, groups: dict[str, list[int]], addrs: list[int] | None,
-                 sizes: list[int] | None) -> dict[str, list[int]]:
-        """Per same-node server, the positions it can write straight into our pool."""
-        if self._pool is None or addrs is None or sizes is None:
-            return {}
-        spec, base, size = self._pool
-        out = {}
-        for s in self._probe(list(groups), {"pool": spec}, self._pool_ok):
-            idx = [i for i in groups[s] if base <= addrs[i] and addrs[i] + sizes[i] <= base + size]
-            if idx:
-                out[s] = idx
-        return out
+        write pages there directly (``SameNodePlane.use_pool``)."""
+        self.same_node.use_pool(fd, address, size)
 
     def _fetch(self, groups: dict[str, list[int]], tids: list[str],
                sink: Sink, nbytes: int | None = None,
@@ -400,17 +339,17 @@ class StoreClient:
         ``sink(position, data, checksum)``; a reply that does not add up is a miss for its ids.
         With the pages' ``sizes`` known, same-node owners answer through a pooled segment, or
         (``addrs`` inside our pool) write straight into the destinations (``sink.placed``)."""
-        pool = self._in_pool(groups, addrs, sizes)
+        pool = self.same_node.in_pool(groups, addrs, sizes)
         if pool:
             placed = {s: set(idx) for s, idx in pool.items()}
             groups = {s: [i for i in idx if i not in placed.get(s, ())]
                       for s, idx in groups.items()}
         rest = any(groups.values())
-        seg = self._acquire_segment() if sizes is not None and rest else None
+        seg = self.same_node.acquire() if sizes is not None and rest else None
         try:
             self._fetch_with(groups, tids, sink, nbytes, sizes, seg, pool, addrs)
         finally:
-            self._release_segment(seg)
+            self.same_node.release(seg)
 
     def _fetch_with(self, groups: dict[str, list[int]], tids: list[str],
                     sink: Sink, nbytes: int | None,
@@ -418,7 +357,7 @@ class StoreClient:
                     pool: dict[str, list[int]], addrs: list[int] | None) -> None:
         rounds: list[dict[str, list[tuple[int, int]]]] = []  # server -> [(position, offset)]
         if seg is not None:
-            near = self._same_node(list(groups), seg)
+            near = self.same_node.near(groups, seg)
             order = sorted((i, s) for s in near for i in groups[s])  # owners interleave by page
             used = seg.capacity
             for i, server in order:
@@ -454,7 +393,7 @@ class StoreClient:
             deadline = until = self.channels.deadline(budget)  # monotonic: the node's shared clock
             for server, (how, items) in step.items():
                 if how == "pool":
-                    spec, base, _ = self._pool
+                    spec, base, _ = self.same_node.pool
                     requests[server] = ({"op": "get", "tids": [tids[i] for i in items],
                                          "shm": {"pool": spec,
                                                  "offsets": [addrs[i] - base for i in items],
@@ -488,7 +427,8 @@ class StoreClient:
                 reply = replies.get(server)
                 if reply is None or not reply[0].get("ok"):
                     if how == "pool" and reply is not None:
-                        self._pool_ok.pop(server, None)  # probe again before the next load
+                        # probe again before the next load
+                        self.same_node.pool_ok.pop(server, None)
                     continue
                 if how == "pool":
                     self._take_placed(reply, items, sink)
@@ -691,9 +631,5 @@ class StoreClient:
 
     def close(self) -> None:
         self.channels.close()
-        with self._segments_lock:
-            for seg in self._segments:
-                seg.close()
-            self._segments.clear()
-            self._free_segments.clear()
+        self.same_node.close()
         self._local = threading.local()

@@ -149,7 +149,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
         (``ShmHostTensorAllocator``: ``allocator.fds`` / ``allocator.mms``)."""
         alloc = getattr(mem_pool_host, "allocator", None)
         fds, mms = getattr(alloc, "fds", None), getattr(alloc, "mms", None)
-        if not (self.client.shm and fds and mms and len(fds) == len(mms) == 1):
+        if not (self.client.same_node.enabled and fds and mms and len(fds) == len(mms) == 1):
             return
         try:
             self.client.use_pool(fds[0], address_of(mms[0]), len(mms[0]))
@@ -157,7 +157,7 @@ class PTStoreHiCacheStorage(HiCacheStorage):
             logger.exception("PTStore: the host pool cannot be shared; loads use staging")
             return
         logger.info("PTStore: same-node servers write into the host pool (%d of %d servers map "
-                    "it)", sum(self.client._pool_ok.values()), len(self.client.servers))
+                    "it)", sum(self.client.same_node.pool_ok.values()), len(self.client.servers))
 
     def _ids(self, keys: list[str]) -> list[str]:
         if not self.zero_copy:

@@ -527,7 +527,7 @@ def test_a_tenant_cannot_have_a_server_write_into_another_tenants_host_pool(two_
     mm = mmap.mmap(fd, 2 * PAGE)
     try:
         alice.use_pool(fd, address_of(mm), len(mm))
-        assert alice._pool_ok == {srv.endpoint: True}
+        assert alice.same_node.pool_ok == {srv.endpoint: True}
         bob.batch_set([("evil", b"E" * PAGE)])
         spec = pool_spec(fd)  # what bob may guess: all but the proof
         get = {"op": "get", "tids": ["evil"], "shm": {"offsets": [0], "sizes": [PAGE],
@@ -859,7 +859,7 @@ def test_the_shm_nonce_is_compared_in_constant_time(server, monkeypatch):
     seg = ClientSegment(4 * PAGE)
     client = StoreClient([server.endpoint], TOKEN)
     try:
-        assert client._same_node([server.endpoint], seg) == {server.endpoint}
+        assert client.same_node.near([server.endpoint], seg) == {server.endpoint}
         assert calls == [16]
     finally:
         client.close()
@@ -874,7 +874,7 @@ def test_an_insecure_server_writes_into_no_pool(tmp_path):
         fd = os.memfd_create("ptstore-test-pool")
         os.ftruncate(fd, PAGE)
         client.use_pool(fd, 0, PAGE)
-        assert client._pool_ok == {srv.endpoint: False}
+        assert client.same_node.pool_ok == {srv.endpoint: False}
         os.close(fd)
     finally:
         client.close()

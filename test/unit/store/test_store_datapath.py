@@ -622,7 +622,7 @@ def test_the_hicache_backend_takes_the_data_plane_from_its_config(servers, monke
         return PTStoreHiCacheStorage(cfg)
 
     b = backend(data_plane="tcp", data_streams=2)
-    assert (b.client.data_plane, b.client.data_streams, b.client.shm) == ("tcp", 2, False)
+    assert (b.client.data_plane, b.client.data_streams, b.client.same_node.enabled) == ("tcp", 2, False)
     b.close()
     with pytest.raises(ValueError, match="data_plane"):
         backend(data_plane="rdma")

@@ -349,7 +349,7 @@ def test_same_node_reads_go_through_shared_memory_in_rounds(cluster):
     assert got[:40] == [d for _, d in pages]
     assert reader.stats["shm_pages"] == 40
     assert reader.channels.rpcs - before >= 3 + 40 // 7  # 3 probes, then at least 6 rounds
-    names = [seg.name for seg in reader._segments]
+    names = [seg.name for seg in reader.same_node.segments]
     reader.close()
     assert names and not any(Path("/dev/shm", n).exists() for n in names)  # unlinked on close
     writer.close()
@@ -367,7 +367,7 @@ def test_a_server_that_cannot_map_the_segment_is_read_over_the_socket(cluster, m
     reader = StoreClient([s.endpoint for s in cluster], TOKEN)
     ok, got = _get_into(reader, [t for t, _ in pages])
     assert all(ok) and got == [d for _, d in pages]
-    assert reader._shm_ok == {cluster[0].endpoint: False, cluster[1].endpoint: True,
+    assert reader.same_node.shm_ok == {cluster[0].endpoint: False, cluster[1].endpoint: True,
                               cluster[2].endpoint: True}
     owned_by_0 = len(cluster[0].engine.owned.entries)
     assert 0 < owned_by_0 < 30 and reader.stats["shm_pages"] == 30 - owned_by_0
@@ -496,7 +496,7 @@ def test_same_node_servers_write_straight_into_a_shared_host_pool(cluster):
     base = address_of(mm)
     reader = StoreClient([s.endpoint for s in cluster], TOKEN)
     reader.use_pool(fd, base, len(mm))
-    assert reader._pool_ok == {s.endpoint: True for s in cluster}
+    assert reader.same_node.pool_ok == {s.endpoint: True for s in cluster}
     slots = [(7 * i + 3) % 40 for i in range(30)]  # scattered, as host-pool slots are
     dests = [memoryview(mm)[k * PAGE:(k + 1) * PAGE] for k in slots]
     before = reader.channels.rpcs

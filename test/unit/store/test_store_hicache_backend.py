@@ -127,7 +127,7 @@ def test_a_host_pool_from_sglangs_shm_allocator_is_written_by_the_server(server)
     src.buf.copy_(torch.randint(0, 256, src.buf.shape, dtype=torch.uint8))
     dst = HostPool(8, ShmHostTensorAllocator())
     writer, reader = _backend(server, True, src), _backend(server, True, dst)
-    assert reader.client._pool is not None and reader.client._pool_ok == {server.endpoint: True}
+    assert reader.client.same_node.pool is not None and reader.client.same_node.pool_ok == {server.endpoint: True}
     assert writer.batch_set_v1(["k0", "k1"], torch.arange(0, 2 * PAGE)) == [True, True]
     into = torch.cat([torch.arange(5 * PAGE, 6 * PAGE), torch.arange(2 * PAGE, 3 * PAGE)])
     assert reader.batch_get_v1(["k0", "k1"], into) == [True, True]
