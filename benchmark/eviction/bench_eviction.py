@@ -30,7 +30,7 @@ REPO = HERE.parent.parent
 SGLANG_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 OUR_POLICIES = ("gdsf", "s3fifo", "tlru", "sae", "auto")
 # sae without the session predictor / with its gap fits from completed gaps only (the open ones
-# not counted, SAEStrategy._refit_gaps) / with alpha_q / with conversations inferred from the
+# not counted, SessionModel._refit_gaps) / with alpha_q / with conversations inferred from the
 # prefix chain where requests carry no session (SAEStrategy.on_match) / copying every block to
 # HiCache's host tier at once (two_tier.py; the same as sae in one tier) / with every request
 # that carries no hints taken as chat, not chat or single by its match (request_guess.RequestGuesser.infer_app)

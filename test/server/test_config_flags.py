@@ -213,7 +213,7 @@ def test_flags_reach_sglangs_processes_as_variables(model_dir, monkeypatch):
     from sglang_pic.eviction.sae import SAEStrategy
 
     sae = SAEStrategy()
-    assert sae.sample_size == 0 and sae.queue_weights and sae.use_predictor
+    assert sae.sample_size == 0 and sae.queue_weights and sae.sessions.use_predictor
 
 
 # ---- SGLang's own launcher takes our flags (plugin hooks) ------------------------------------------

@@ -196,7 +196,7 @@ class ContinuationModel:
     request): a logistic model over cheap request features (``features``), trained by SGD on
     labels the traffic itself provides - 1 when the session's next request arrives, 0 when none
     came within a high quantile of its application's gap distribution (the caller's choice:
-    ``sae.END_QUANTILE``). The seed uses the
+    ``sessions.END_QUANTILE``). The seed uses the
     model's final hidden state as features; SGLang's scheduler does not expose it to the radix
     cache, so this is the fallback the seed describes. Starts at ``prior`` for every request.
     """

@@ -28,7 +28,8 @@ All ingredients adapt online from cache events the hooks report (``on_request``,
   (``estimators.LogNormalGaps``), and ``q``, the chance that the session sends another request
   at all - the session predictor's output for the session's last request
   (``estimators.ContinuationModel``, learned online from which sessions came back), or with the
-  predictor off (``--sae-predictor off``) the application's observed return rate;
+  predictor off (``--sae-predictor off``) the application's observed return rate (both kept by
+  ``sessions.SessionModel``, the policy's ``sessions``);
 - ``gamma``: fitted to how the hit rate falls with relative offset (``estimators.PositionDecay``).
 
 The seed's ``P(b) = alpha_q * w_tau * p_q(b) / dt_b`` had per-queue weights ``alpha_q`` (a
@@ -53,15 +54,14 @@ from sglang_pic.launcher.server_flags import setting
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import (
     ClassRate,
-    ContinuationModel,
     InsertRate,
-    LogNormalGaps,
     PositionDecay,
     SessionIndex,
     softmax_weights,
 )
 from .policy import CachePolicy
 from .request_guess import RequestGuesser
+from .sessions import TRACKED_SESSIONS, SessionModel
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,6 @@ QUEUES = ("evict_first", "structural", "chat", "agent")
 # within a minute, as reuses per second.
 TYPE_PRIORS = {t: p / 60.0 for t, p in {"system": 0.9, "tool": 0.5, "user": 0.5,
                                         "assistant": 0.5, "cot": 0.1, "decode": 0.2}.items()}
-# Priors for the session-gap log-normals: chat users think for ~a minute, agents call back fast.
-GAP_PRIORS = {"chat": (math.log(60.0), 1.2), "agent": (math.log(5.0), 1.2),
-              "single": (math.log(600.0), 1.5)}
-# A session with no request for this quantile of its application's gaps has ended (label 0 for
-# the session predictor).
-END_QUANTILE = 0.99
-# the gap fit counts the open gaps (``_refit_gaps``) after every this many completed ones
-GAP_REFIT_EVERY = 16
-TRACKED_SESSIONS = 1 << 17
 # shared blocks whose branches' reuse rates are tracked (``_rates``)
 TRACKED_ANCHORS = 4096
 # anchors numbered (``RequestGuesser.anchor_id``): more than the rates kept, so that a tracked
@@ -156,7 +147,6 @@ class SAEStrategy(CachePolicy):
         # the knobs (--sae-*) are read when the policy is built, in the scheduler process
         self.w = {(t, a + left): ClassRate(TYPE_PRIORS[t])
                   for t in TOKEN_TYPES for a in APP_TYPES for left in ("", "/left")}
-        self.gaps = {a: LogNormalGaps(*GAP_PRIORS[a]) for a in APP_TYPES}
         self.position = PositionDecay()
         self.session_index = SessionIndex()
         self.resident = dict.fromkeys(QUEUES, 0)
@@ -166,20 +156,9 @@ class SAEStrategy(CachePolicy):
         self.temperature = temperature
         self.queue_hits = dict.fromkeys(QUEUES, 0.0)
         self.alpha = dict.fromkeys(QUEUES, 1.0)
-        self.session_last: OrderedDict[str, float] = OrderedDict()
-        self.session_turn: dict[str, int] = {}  # requests seen per session
-        # per application type: requests with a session, and how many of them were a return
-        self.requests = dict.fromkeys(APP_TYPES, 0)
-        self.returns = dict.fromkeys(APP_TYPES, 0)
-        self.continuation = ContinuationModel()
-        # the gap fits count the open gaps (``_refit_gaps``); off: completed gaps only (the
-        # replay's sae-uncensored ablation)
-        self.censored_gaps = True
-        # per application type (each has its own silence cutoff): session -> (features of its
-        # last request, its time), oldest first
-        self.pending: dict[str, OrderedDict[str, tuple[list[float], float]]] = {
-            a: OrderedDict() for a in APP_TYPES}
-        self.session_p: dict[str, float] = {}  # P(another request) after the last one
+        # when sessions come back and how likely they are to (``sessions.SessionModel``); q of
+        # the session index from the predictor (per session) or, off, per application
+        self.sessions = SessionModel(setting("--sae-predictor"))
         # what requests without hints did not say: their conversation (off by default) and
         # their application, guessed from their match (``on_match``)
         self.guess = RequestGuesser(TRACKED_SESSIONS, TRACKED_ANCHOR_IDS)
@@ -188,8 +167,6 @@ class SAEStrategy(CachePolicy):
         self.defer_host_copies = True
         # the reuse rates per kind and anchor (``_rates``), least recently used first
         self.anchor_w: OrderedDict[tuple, ClassRate] = OrderedDict()
-        # q of the session index from the predictor (per session) or, off, per application
-        self.use_predictor = setting("--sae-predictor")
         # a JSON file the counters are written to after every evict pass (inspection, tests)
         self.stats_path = setting("--sae-stats")
         # evicted blocks: block_key -> (w kind, tokens, conversation or None, depth of its end,
@@ -249,24 +226,13 @@ class SAEStrategy(CachePolicy):
             return "evict_first"
         return "agent" if info.app_type == "agent" else "chat"
 
-    def continuation_odds(self, app: str, session_id: str) -> float:
-        """``q``: the chance that the session sends another request."""
-        if self.use_predictor and session_id in self.session_p:
-            return self.session_p[session_id]
-        return self.return_rate(app)
-
-    def return_rate(self, app: str) -> float:
-        """The share of the application's requests that were a return, from the predictor's
-        prior weighing as 10 requests."""
-        prior = self.continuation.prior
-        return (self.returns[app] + 10 * prior) / (self.requests[app] + 10)
-
     def index(self, queue: str, info: BlockInfo, dt: float, now: float) -> float:
         """Expected reuses per second of a block of ``queue`` unused for ``dt`` seconds."""
         if self.session_scored(queue, info):
-            silence = now - self.session_last.get(info.session_id, now)
-            q = self.continuation_odds(info.app_type, info.session_id)
-            return self.session_index.value(self.gaps[info.app_type], q, silence)
+            sessions = self.sessions
+            q = sessions.continuation_odds(info.app_type, info.session_id)
+            return self.session_index.value(sessions.gaps[info.app_type], q,
+                                            sessions.silence(info.session_id, now))
         if queue == "structural":
             scale = dt if info.interval is None else max(info.interval, dt)
             return self.position.value(info.offset / max(info.prompt_len, 1)) / scale
@@ -321,7 +287,7 @@ class SAEStrategy(CachePolicy):
         like the tool call the next step resends. The session's count moves when its next
         request is first cached (``on_request``), so the eviction pass that makes room for that
         request still sees the branch as the session's."""
-        return info.turn < self.session_turn.get(info.session_id, 0)
+        return info.turn < self.sessions.turns(info.session_id)
 
     def worth_host_copy(self, node, ctx: RequestContext | None = None, offset: int = 0) -> bool:
         """Whether HiCache's write-through copies this block to the host tier now.
@@ -445,60 +411,7 @@ class SAEStrategy(CachePolicy):
         self.guess.resolve(ctx)
         if ctx.session_id is None:
             return
-        sid, app = ctx.session_id, ctx.app_type or "chat"
-        self._end_sessions(now)
-        for queue in self.pending.values():
-            prev = queue.pop(sid, None)
-            if prev is not None:  # the session came back: its last request was not its final one
-                self.continuation.update(prev[0], 1.0)
-        types = [t for _, t in ctx.segments]
-        # how long the session already is: its user turns in the prompt; for an inferred
-        # conversation (raw token ids: one ``user`` segment) its requests so far
-        turns = types.count("user")
-        if sid in self.guess.conv_depth:
-            turns = max(turns, self.session_turn.get(sid, 0) + 1)
-        x = ContinuationModel.features(ctx.prompt_len, turns, app, "system" in types)
-        self.pending[app][sid] = (x, now)
-        if len(self.pending[app]) > TRACKED_SESSIONS:
-            # the oldest waits for a label we can no longer afford to track: dropped unlabelled
-            self.pending[app].popitem(last=False)
-        self.session_p[sid] = self.continuation.predict(x)
-        self.requests[app] += 1
-        self.session_turn[sid] = self.session_turn.get(sid, 0) + 1
-        last = self.session_last.pop(sid, None)
-        if last is not None:
-            self.returns[app] += 1
-            self.gaps[app].observe(now - last)
-            if self.censored_gaps and self.gaps[app].n % GAP_REFIT_EVERY == 0:
-                self._refit_gaps(app, now)
-        self.session_last[sid] = now
-        if len(self.session_last) > TRACKED_SESSIONS:
-            old, _ = self.session_last.popitem(last=False)
-            self.session_p.pop(old, None)
-            self.session_turn.pop(old, None)
-
-    def _refit_gaps(self, app: str, now: float) -> None:
-        """The gap fit of ``app`` with its sessions' open gaps counted
-        (``LogNormalGaps.refit_censored``): those awaiting their next request and not yet
-        labelled ended."""
-        open_gaps = [now - t for _, t in self.pending[app].values() if now > t]
-        self.gaps[app].refit_censored(open_gaps, self.return_rate(app))
-
-    def _end_sessions(self, now: float) -> None:
-        """Sessions silent for longer than almost any gap of their kind have ended: label 0.
-        The cutoff is the completed gaps' quantile: by the fit with open gaps counted it would
-        grow with the sessions it keeps waiting for, and a tight host tier would fill with
-        ended sessions."""
-        for app, queue in self.pending.items():
-            if not queue:
-                continue
-            cutoff = self.gaps[app].quantile(END_QUANTILE, completed_only=True)
-            while queue:
-                x, t = next(iter(queue.values()))
-                if now - t <= cutoff:
-                    break
-                queue.popitem(last=False)
-                self.continuation.update(x, 0.0)
+        self.sessions.observe(ctx, now, ctx.session_id in self.guess.conv_depth)
 
     def _now(self, ctx: RequestContext | None = None) -> float:
         if ctx is not None and ctx.now is not None:
@@ -526,7 +439,7 @@ class SAEStrategy(CachePolicy):
         kind, queue = _w_kind(info), info.queue
         info.session_id = ctx.session_id
         info.app_type = ctx.app_type or info.app_type
-        info.turn = self.session_turn.get(ctx.session_id, 0)
+        info.turn = self.sessions.turns(ctx.session_id)
         info.sessions_seen, info.last_session = 1, ctx.requester
         info.queue = self.route(info)
         if info.queue != queue:
@@ -558,7 +471,7 @@ class SAEStrategy(CachePolicy):
             elif info is not None and not ctx.on_behalf:  # a span prefill uses it for others
                 self._seen_by(node, info, ctx.requester)
                 if ctx.session_id is not None and ctx.session_id == info.session_id:
-                    info.turn = self.session_turn.get(ctx.session_id, 0)
+                    info.turn = self.sessions.turns(ctx.session_id)
             return
         self.events["inserts"] += 1
         now = self._now(ctx)
@@ -596,7 +509,7 @@ class SAEStrategy(CachePolicy):
         seen, requester = (0, None) if ctx.on_behalf else (1, ctx.requester)
         info = BlockInfo(ttype, ctx.session_id, ctx.app_type or "chat", offset,
                          max(ctx.prompt_len, offset + tokens), seen, requester, ctx,
-                         turn=self.session_turn.get(ctx.session_id, 0), key_start=ctx.key_start,
+                         turn=self.sessions.turns(ctx.session_id), key_start=ctx.key_start,
                          anchor=ctx.anchor if ctx.app_inferred else None)
         info.queue = self.route(info)
         return info

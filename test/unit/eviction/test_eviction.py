@@ -90,7 +90,8 @@ def test_sae_counts_open_gaps_in_its_gap_fit():
     counts the sessions still silent, and comes out longer than the completed gaps' fit that
     ``sae-uncensored`` uses; the end cutoff is the same for both."""
     from sglang_pic.eviction.context import RequestContext
-    from sglang_pic.eviction.sae import END_QUANTILE, SAEStrategy
+    from sglang_pic.eviction.sae import SAEStrategy
+    from sglang_pic.eviction.sessions import END_QUANTILE
 
     rng = np.random.default_rng(6)
     events = []
@@ -105,18 +106,18 @@ def test_sae_counts_open_gaps_in_its_gap_fit():
 
     def run(censored: bool) -> SAEStrategy:
         sae = SAEStrategy()
-        sae.censored_gaps = censored
+        sae.sessions.censored_gaps = censored
         for t, sid in events:
             sae.on_request(RequestContext(session_id=sid, app_type="chat", prompt_len=100), t)
         return sae
 
     plain, counted = run(False), run(True)
-    assert plain.gaps["chat"].censored_fit is None
-    assert counted.gaps["chat"].censored_fit is not None
+    assert plain.sessions.gaps["chat"].censored_fit is None
+    assert counted.sessions.gaps["chat"].censored_fit is not None
     # biased short without the open gaps (log 45 s = 3.81); counted, closer to the truth
-    assert plain.gaps["chat"].mu + 0.1 < counted.gaps["chat"].mu < math.log(45.0) + 0.3
-    assert counted.gaps["chat"].quantile(END_QUANTILE, completed_only=True) == pytest.approx(
-        plain.gaps["chat"].quantile(END_QUANTILE))
+    assert plain.sessions.gaps["chat"].mu + 0.1 < counted.sessions.gaps["chat"].mu < math.log(45.0) + 0.3
+    assert counted.sessions.gaps["chat"].quantile(END_QUANTILE, completed_only=True) == pytest.approx(
+        plain.sessions.gaps["chat"].quantile(END_QUANTILE))
 
 
 def test_continuation_model_learns_which_sessions_come_back():
@@ -142,21 +143,21 @@ def test_sae_session_predictor_labels_from_traffic():
     from sglang_pic.eviction.sae import BlockInfo, SAEStrategy
 
     sae = SAEStrategy()
-    assert sae.use_predictor  # on by default (SGLANG_PIC_SAE_PREDICTOR=0 turns it off)
+    assert sae.sessions.use_predictor  # on by default (SGLANG_PIC_SAE_PREDICTOR=0 turns it off)
     t = 0.0
     for i in range(300):  # one-shot chat sessions, a new one every 30 s
         t += 30.0
         sae.on_request(RequestContext(session_id=f"s{i}", app_type="chat", prompt_len=200,
                                       segments=[(0, "system"), (20, "user")]), t)
-    assert sae.continuation.updates > 250  # all but the last ~40 ended (no return in ~1000 s)
-    p = sae.session_p["s299"]
+    assert sae.sessions.continuation.updates > 250  # all but the last ~40 ended (no return in ~1000 s)
+    p = sae.sessions.p["s299"]
     assert p < 0.2
-    assert sae.continuation_odds("chat", "s299") == p
+    assert sae.sessions.continuation_odds("chat", "s299") == p
     info = BlockInfo("user", "s299", "chat", 0, 200, turn=1)  # its request's block
     assert sae.index("chat", info, 1.0, t) == pytest.approx(
-        sae.session_index.value(sae.gaps["chat"], p, 0.0))
-    sae.use_predictor = False  # then the application's return rate: none came back
-    assert sae.continuation_odds("chat", "s299") == pytest.approx(7 / 310)
+        sae.session_index.value(sae.sessions.gaps["chat"], p, 0.0))
+    sae.sessions.use_predictor = False  # then the application's return rate: none came back
+    assert sae.sessions.continuation_odds("chat", "s299") == pytest.approx(7 / 310)
 
 
 def test_sae_ends_sessions_per_application_type():
@@ -169,24 +170,26 @@ def test_sae_ends_sessions_per_application_type():
     sae.on_request(RequestContext(session_id="c", app_type="chat", prompt_len=100), 0.0)
     sae.on_request(RequestContext(session_id="a", app_type="agent", prompt_len=100), 1.0)
     sae.on_request(RequestContext(session_id="a2", app_type="agent", prompt_len=100), 300.0)
-    assert "a" not in sae.pending["agent"] and "c" in sae.pending["chat"]
-    assert sae.continuation.updates == 1  # "a" ended (label 0); "c" still open
+    assert "a" not in sae.sessions.pending["agent"] and "c" in sae.sessions.pending["chat"]
+    assert sae.sessions.continuation.updates == 1  # "a" ended (label 0); "c" still open
 
 
 def test_sae_sessions_waiting_for_a_label_are_bounded(monkeypatch):
     """Single-turn traffic with session ids has an hours-long silence cutoff: the sessions
     waiting for a continuation label stay bounded (the oldest dropped, unlabelled)."""
     from sglang_pic.eviction import sae as sae_module
+    from sglang_pic.eviction import sessions as sessions_module
     from sglang_pic.eviction.context import RequestContext
 
+    monkeypatch.setattr(sessions_module, "TRACKED_SESSIONS", 50)
     monkeypatch.setattr(sae_module, "TRACKED_SESSIONS", 50)
     sae = sae_module.SAEStrategy()
     for i in range(500):  # one request per session, a second apart: none has ended yet
         sae.on_request(RequestContext(session_id=f"q{i}", app_type="single", prompt_len=50),
                        float(i))
-    assert len(sae.pending["single"]) == 50 and "q499" in sae.pending["single"]
-    assert sae.continuation.updates == 0  # dropped ones were not labelled as ended
-    assert len(sae.session_last) <= 50
+    assert len(sae.sessions.pending["single"]) == 50 and "q499" in sae.sessions.pending["single"]
+    assert sae.sessions.continuation.updates == 0  # dropped ones were not labelled as ended
+    assert len(sae.sessions.last) <= 50
 
 
 def test_class_rate_is_hits_per_resident_token_second():
@@ -1457,7 +1460,7 @@ def test_inferred_conversation_follows_the_prefix_chain_not_a_shared_opening():
     a = serve(opening + turn1)
     b = serve(opening + turn1 + turn2)
     assert a.session_id is not None and b.session_id == a.session_id
-    assert sae.session_turn[a.session_id] == 2
+    assert sae.sessions.turn[a.session_id] == 2
     first = cache.root_node.children[next(iter(cache.root_node.children))]
     assert first.sae.queue == "chat" and first.sae.sessions_seen == 1
     assert sae.session_scored(first.sae.queue, first.sae)
@@ -1489,9 +1492,9 @@ def test_inferred_conversation_survives_the_eviction_of_its_history():
     while 100 in head.children:  # evict until the conversation's own blocks are gone
         cache.evict(EvictParams(num_tokens=1))
     assert cache.root_node.children.get(10) is head
-    returns = sae.returns["chat"]
+    returns = sae.sessions.returns["chat"]
     b = serve(opening + turn1 + list(range(200, 232)))
-    assert b.session_id == a.session_id and sae.returns["chat"] == returns + 1
+    assert b.session_id == a.session_id and sae.sessions.returns["chat"] == returns + 1
 
 
 def test_inferred_conversation_is_kept_for_later_inserts_of_the_request():
@@ -1640,4 +1643,4 @@ def test_hinted_chat_turns_get_sae_session_index():
         ctx = hooks.request_context(req)
         assert ctx.session_id == "conv-1"
         sae.on_request(ctx, 60.0 * turn)
-    assert sae.session_last["conv-1"] == 120.0
+    assert sae.sessions.last["conv-1"] == 120.0

@@ -130,8 +130,8 @@ class ReplayResult:
 
 
 ABLATIONS = {"sae-alpha": ("sae", {"queue_weights": True}),
-             "sae-nopred": ("sae", {"use_predictor": False}),
-             "sae-uncensored": ("sae", {"censored_gaps": False}),
+             "sae-nopred": ("sae", {"sessions.use_predictor": False}),
+             "sae-uncensored": ("sae", {"sessions.censored_gaps": False}),
              "sae-conv": ("sae", {"guess.infer_sessions": True}),
              "sae-copy-all": ("sae", {"defer_host_copies": False}),
              "sae-noapp": ("sae", {"guess.infer_apps": False}),
@@ -402,10 +402,10 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
     continues = None
     if policy == ENDS_ORACLE:
         continues = _session_continues(trace)
-        cache.eviction_strategy.use_predictor = True  # q is read from session_p, set below
+        cache.eviction_strategy.sessions.use_predictor = True  # q is read from sessions.p below
     if policy == CONV_ENDS_ORACLE:
         continues = _conversation_continues(trace) if told_q is None else list(told_q)
-        cache.eviction_strategy.use_predictor = True
+        cache.eviction_strategy.sessions.use_predictor = True
     if policy == PARAMS_ORACLE:
         if session_params is None:
             raise ValueError(f"{PARAMS_ORACLE} needs the generator's session_params")
@@ -456,7 +456,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
                 sid = req.session_id if policy != CONV_ENDS_ORACLE else ctx.session_id
                 if continues is not None and sid is not None:
                     # after the request's own on_request, which set the predictor's guess
-                    strategy.session_p[sid] = continues[i]
+                    strategy.sessions.p[sid] = continues[i]
                 result.max_used_tokens = max(result.max_used_tokens,
                                              cache.evictable_size() + cache.protected_size())
             if observe is not None:
@@ -490,10 +490,11 @@ def _hand_params(strategy, params: dict[str, tuple[float, float, float]]) -> Non
 
     for app, (median, sigma, _) in params.items():
         # a fit that never has enough samples to leave its prior
-        strategy.gaps[app] = LogNormalGaps(math.log(median), sigma, min_samples=sys.maxsize)
+        strategy.sessions.gaps[app] = LogNormalGaps(math.log(median), sigma,
+                                                    min_samples=sys.maxsize)
     odds = {app: q for app, (_, _, q) in params.items()}
-    strategy.use_predictor = False
-    strategy.continuation_odds = lambda app, _sid: odds.get(app, 0.5)
+    strategy.sessions.use_predictor = False
+    strategy.sessions.continuation_odds = lambda app, _sid: odds.get(app, 0.5)
 
 
 def _session_continues(trace: list[Request]) -> list[float]:
