@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import re
 from dataclasses import dataclass
 
@@ -64,12 +65,13 @@ class ProtocolError(ValueError):
     """A request the server refuses (answered with ``{"ok": false, "error": ...}``)."""
 
 
-def checksum(data: bytes | memoryview) -> int:
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+"""A payload frame or a stored page: bytes, or memory zmq and sockets send without copying (a
+view of a host KV page; a large uploaded page is a mapping of its own: ``datapath``)."""
+
+
+def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
-
-
-Buffer = bytes | memoryview
-"""A payload frame: bytes, or a view of memory (a host KV page) zmq sends without copying."""
 
 
 def encode(header: dict, payloads: list[Buffer] | None = None) -> list[Buffer]:

@@ -34,7 +34,7 @@ import zmq
 from .auth import ServerAuth, tenant_of
 from .datapath import DataPlaneConfig, DataServer, endpoint_host, within_memory
 from .engine import OWNED, REPLICA, StoreEngine
-from .protocol import Limits, ProtocolError, checksum, decode_request, encode
+from .protocol import Buffer, Limits, ProtocolError, checksum, decode_request, encode
 from .shm import DATA_OFFSET, SegmentCache
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,10 @@ def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, boo
         if time.monotonic() > until:  # the node's clock, shared with the reader
             break
         n = len(data)
-        ctypes.memmove(addr, data, n)
+        # a large page stored from an upload is a writable mapping, which memmove takes as
+        # a ctypes view; bytes it takes as they are
+        ctypes.memmove(addr, data if isinstance(data, bytes) else
+                       (ctypes.c_char * n).from_buffer(data), n)
         if verify and checksum((ctypes.c_char * n).from_address(addr)) != _checksum_of(data,
                                                                                         known):
             continue
@@ -264,7 +267,7 @@ class StoreServer:
             return encode({"ok": True, "tcp": None})
         sums = header["sums"]
 
-        def store(positions: list[int], pages: list[bytes]) -> int:
+        def store(positions: list[int], pages: list[Buffer]) -> int:
             # an upload stream's verified pages, from its connection's thread
             return self.engine.put_tensors([(tids[i], p) for i, p in zip(
                 positions, pages, strict=True)], kind, [sums[i] for i in positions])

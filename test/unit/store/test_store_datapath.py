@@ -9,6 +9,7 @@ a busy 2-core machine, and every wait is bounded.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import socket
@@ -414,6 +415,27 @@ def test_puts_travel_over_the_streams_and_are_stored_verified(servers):
     assert client.stats["tcp_put_pages"] == 240
     assert client.batch_get([t for t, _ in small]) == [d for _, d in small]
     client.close()
+
+
+def test_large_uploaded_pages_are_kept_as_mappings_and_read_back_by_every_path(servers):
+    """Pages of at least ``MMAP_PAGE_BYTES`` arrive over the data plane into mappings of their
+    own (their page faults taken with the GIL released); the store hands them out like any
+    page: over the streams, inside zmq replies, and copied into a same-node segment."""
+    size = datapath.MMAP_PAGE_BYTES
+    pages = _pages("m", 6, size)
+    tids = [t for t, _ in pages]
+    writer = StoreClient([s.endpoint for s in servers], TOKEN, data_plane="tcp", data_streams=2)
+    assert writer.batch_set(pages) == 6 * size and writer.stats["tcp_put_pages"] == 6
+    kept = [e.data for s in servers for key, e in s.engine.owned.entries.items()
+            if key.endswith(tuple(f"\0{t}" for t in tids))]  # keys are the tenant's and the id
+    assert len(kept) == 6 and all(isinstance(d, mmap.mmap) for d in kept)
+    for plane, stat in (("tcp", "tcp_pages"), ("zmq", None), ("shm", "shm_pages")):
+        reader = StoreClient([s.endpoint for s in servers], TOKEN, data_plane=plane)
+        ok, got = _get_into(reader, tids, size)
+        assert all(ok) and got == [d for _, d in pages], plane
+        assert stat is None or reader.stats[stat] == 6, (plane, reader.stats)
+        reader.close()
+    writer.close()
 
 
 def test_a_put_the_server_declines_goes_over_the_socket():
