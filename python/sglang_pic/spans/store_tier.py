@@ -337,10 +337,12 @@ class SpanStoreTier:
     def _write(self, keys: list[str], sizes: list[int], host: torch.Tensor, event: Any) -> None:
         if event is not None:
             event.synchronize()  # the gather ran; waits without the GIL
-        flat = host.view(len(host), -1).view(torch.uint8)
+        # one view of the rows, sliced without torch: a torch op per block would give up the GIL
+        # and wait to get it back beside the busy scheduler thread, a wait per block
+        flat = memoryview(host.view(len(host), -1).view(torch.uint8).numpy())
         items, lo = [], 0
         for key, size in zip(keys, sizes, strict=True):
-            items.append((key, memoryview(flat[lo : lo + size].numpy()).cast("B")))
+            items.append((key, flat[lo : lo + size].cast("B")))
             lo += size
         try:
             self.client.batch_set(items)
