@@ -187,12 +187,25 @@ def _checksums(pages: list[Buffer]) -> list[int]:
     return [checksum(p) for p in pages]
 
 
+HASH_INLINE_BYTES = 64 << 10
+"""xxhash hashes a page up to this size without giving up the GIL: such a page costs the
+calling thread its hashing time only, whatever else wants the interpreter."""
+POOL_PAGES_PER_WORKER = 4
+"""Pages over ``HASH_INLINE_BYTES`` per hash worker from which the workers hash a batch sooner
+than the calling thread beside a busy scheduler thread (on 2 cores and 2 workers, 1 MiB pages:
+8 pages take about as long either way, 2 pages 10 ms inline against 18 ms on the workers)."""
+
+
 def _parallel_checksums(pages: list[Buffer]) -> list[int]:
-    """``checksum`` of each page, on the hash workers. Why not in the calling thread: each hash
-    releases the GIL and must take it back, which beside SGLang's busy scheduler thread waits
-    up to the interpreter's switch interval; the workers' waits overlap (128 pages of 4 MiB:
-    0.51 s in one thread beside a busy one, 0.16 s on 8 workers, 13 ms alone). One task per
-    worker, not per page: small pages would cost more to hand out than to hash."""
+    """``checksum`` of each page, on the hash workers when enough pages are large. Why not
+    always in the calling thread: each hash of a large page releases the GIL and must take it
+    back, which beside SGLang's busy scheduler thread waits up to the interpreter's switch
+    interval; the workers' waits overlap (128 pages of 4 MiB: 0.51 s in one thread beside a busy
+    one, 0.16 s on 8 workers, 13 ms alone). Few or small pages are hashed in the calling thread:
+    handing them out would cost a wait for nothing. One task per worker, not per page."""
+    large = sum(memoryview(p).nbytes > HASH_INLINE_BYTES for p in pages)
+    if large < POOL_PAGES_PER_WORKER * _HASH_WORKERS:
+        return _checksums(pages)
     step = -(-len(pages) // _HASH_WORKERS) or 1
     parts = _hash_pool().map(_checksums, [pages[k:k + step] for k in range(0, len(pages), step)])
     return [s for part in parts for s in part]

@@ -60,7 +60,7 @@ def _nonce_of(shm: dict) -> bytes | None:
     return None if "pool" in shm else bytes.fromhex(shm["nonce"])
 
 
-def _copy_pages(task: tuple[list[tuple[int, bytes, int, int | None]], float, bool]) -> list[int]:
+def _copy_pages(task: tuple[list[tuple[int, Buffer, int, int | None]], float, bool]) -> list[int]:
     """Copy ``(position, data, address, checksum)`` jobs in order while the node's monotonic clock
     is before the deadline; with ``verify``, hash each page where it landed and keep it only if it matches
     (the checksum of a page read back from SSD is computed from its bytes). Returns the positions
