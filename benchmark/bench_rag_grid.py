@@ -338,12 +338,14 @@ def print_summary(rows: list[dict], count: str = "peak_running", label: str = "r
 
 
 def combine(paths: list[str], out: str | None, one_machine: bool = False) -> dict:
-    """The calls of one run on one machine, as one report: harness reports, and the per-variant
-    partial files a call cut by its time limit left (``rag_grid.<variant>.partial.json``; the
-    first harness report gives the parameters and the machine). Flagged
-    ``merged_from_earlier_call``: the variants did not alternate within one call;
+    """The calls of a grid as one report: harness reports, and the per-variant partial files a
+    call cut by its time limit left (``rag_grid.<variant>.partial.json``; the first harness
+    report gives the parameters and the machine). ``cell_calls`` names, per cell, the call
+    each variant's samples came from. Flagged ``merged_from_earlier_call``: in some cell the
+    variants came from different calls (they did not alternate within one call);
     ``one_machine``: the calls ran back to back on one machine (one run, as ``headlines.py``
-    counts runs)."""
+    counts runs). Cells whose two sides share a call are a same-run comparison on their own,
+    so calls of different machines may be merged when every cell's sides share one."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     reports = [d for d in docs if "results" in d]
     if not reports:
@@ -352,27 +354,33 @@ def combine(paths: list[str], out: str | None, one_machine: bool = False) -> dic
     merged["results"] = {}
     merged["calls"] = [{"file": Path(p).name,
                         "variants": list(d["results"]) if "results" in d else [d["variant"]],
-                        "cells": d["params"]["cells"] if "params" in d else list(d["cells"])}
+                        "cells": d["params"]["cells"] if "params" in d else list(d["cells"]),
+                        "environment": d.get("environment")}
                        for p, d in zip(paths, docs, strict=True)]
-    merged["merged_from_earlier_call"] = len(docs) > 1
     merged["one_machine"] = one_machine
+    cell_calls: dict[str, dict[str, str]] = {}
 
     def settings(r: dict) -> dict:  # the run's parameters, less where its files went
         return {k: v for k, v in r["params"].items()
                 if k not in ("rates_file", "partial_dir", "cells", "burst", "bursts", "stream")}
 
-    def add(variant: str, result: dict) -> None:  # a variant's cells from several calls
+    def add(variant: str, result: dict, call: str) -> None:  # a variant's cells from the calls
         into = merged["results"].setdefault(variant, {**result, "cells": {}})
         into["cells"].update(result.get("cells", {}))
+        for cell in result.get("cells", {}):
+            cell_calls.setdefault(cell, {})[variant] = call
 
-    for d in docs:
+    for path, d in zip(paths, docs, strict=True):
         if "results" in d:
             if settings(d) != settings(reports[0]):
                 raise SystemExit(f"--combine: {paths} were run with different params")
             for variant, result in d["results"].items():
-                add(variant, result)
+                add(variant, result, Path(path).name)
         else:
-            add(d["variant"], d)
+            add(d["variant"], d, Path(path).name)
+    merged["cell_calls"] = cell_calls
+    merged["merged_from_earlier_call"] = any(len(set(by_variant.values())) > 1
+                                             for by_variant in cell_calls.values())
     merged["summary"] = summarize(merged)
     target = Path(out or Path(paths[0]).with_name("spans_rag_grid_h200.json"))
     target.write_text(json.dumps(merged, indent=1))

@@ -45,6 +45,16 @@ def test_combine_merges_each_variants_cells_across_calls(tmp_path):
     assert json.loads(out.read_text())["calls"][2]["cells"] == ["corner"]
 
 
+def test_combine_keeps_a_cell_whose_sides_share_a_call_as_one_run(tmp_path):
+    """Calls that each ran both sides of their cells merge without the earlier-call flag, and
+    the report names each cell's call."""
+    a = _report(tmp_path, "a.json", ["aligned"], ["vanilla", "sglang-pic"])
+    b = _report(tmp_path, "b.json", ["corner"], ["vanilla", "sglang-pic"])
+    merged = bench_rag_grid.combine([a, b], str(tmp_path / "grid.json"))
+    assert not merged["merged_from_earlier_call"]
+    assert merged["cell_calls"]["corner"] == {"vanilla": "b.json", "sglang-pic": "b.json"}
+
+
 def test_combine_refuses_calls_run_with_other_settings(tmp_path):
     a = _report(tmp_path, "a.json", ["aligned"], ["vanilla"])
     b = _report(tmp_path, "b.json", ["corner"], ["sglang-pic"], seed=2)
