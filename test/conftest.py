@@ -581,9 +581,9 @@ def server(tmp_path_factory) -> Iterator[Server]:
 
 
 SPAN_SERVER_FLAGS = ["--enable-span-cache", "--max-total-tokens", "8192", "--page-size", "16",
-                     "--chunked-prefill-size", "128"]
+                     "--chunked-prefill-size", "128", "--enable-metrics"]
 """``span_server``: page size 16 (page padding of spans), 128-token chunks (long prompts and
-span units are prefilled in several chunks)."""
+span units are prefilled in several chunks), the span counters on ``/metrics``."""
 
 
 @pytest.fixture(scope="session")

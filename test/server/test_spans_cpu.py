@@ -166,11 +166,15 @@ def test_pdep_pages_are_not_shared_across_contexts(span_server, hf):
 
 
 def test_concurrent_requests_share_one_physical_copy(span_server, hf):
+    """Two requests read one document at two offsets at once: it is prefilled once, one copy
+    of it is in use, their decode steps read its pages once for both (the shared-run counter),
+    and each answers as the block-attention reference does."""
     tok = hf[0]
     doc = " ".join(DOCS * 6)  # ~400 tokens
     doc_tokens = len(tok(" " + doc, add_special_tokens=False)["input_ids"])
     reqs = [span_ids(tok, p, [doc]) for p in ("First offset.", "A second, longer prompt prefix here.")]
     before = loads(span_server)["total_prefill_uncached_tokens"]
+    grouped = _pic_counters(span_server).get("sglang_pic:span_shared_run_batches_total", 0)
     peak = [0]
     done = threading.Event()
 
@@ -200,6 +204,9 @@ def test_concurrent_requests_share_one_physical_copy(span_server, hf):
     # the document was prefilled once, and one copy of it was in use while both ran
     assert computed < 2 * doc_tokens
     assert doc_tokens <= peak[0] < 2 * doc_tokens
+    assert _pic_counters(span_server)["sglang_pic:span_shared_run_batches_total"] > grouped
+    for ids, out in zip(reqs, outs, strict=True):
+        assert out["output_ids"][:NEW] == reference(hf, ids)
 
 
 @pytest.mark.parametrize(

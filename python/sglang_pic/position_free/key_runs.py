@@ -9,6 +9,11 @@ be attended with the stored keys as they are and the query turned back by the ru
 Segmented attention runs each run as a request of its own in one batched attention call and
 merges the partial results by their log-sum-exp (``run_attention``).
 
+A cached run also names the slots it reads (``Run.source``, a digest of them): the runs of a
+decode batch that read the same slots (a popular document, a tenant's system prompt) are
+attended as one request with a query row per run, so the step reads those keys once, not once
+per request that holds them (``KeyRuns.shared_groups``).
+
 A run boundary never needs a device read: the copier's one host read at a span request's first
 extend (``moved_copies.MovedPageCopier.prepare``) gives the shift of every prefix position, kept
 on the request as ``shift_runs`` (``RUNS_ATTR``); every key after the matched prefix is computed
@@ -18,42 +23,66 @@ Shapes (``P`` runs, ``B`` requests, ``S`` most runs of one request):
 ``kv_indptr`` int32 [P + 1] (bounds of the runs in the batch's key list, which is vanilla's:
 each request's slots in order); ``owners`` [P] (the request of each run); ``shifts`` [P];
 ``runs_of`` int64 [B, S] (each request's runs, padded with ``P``, a state that weighs
-nothing).
+nothing); ``sources`` [P] (each run's ``Run.source``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 RUNS_ATTR = "pic_shift_runs"
-"""On a span request whose matched prefix holds moved keys: a tuple of ``(start, end, shift)``
-runs, in order, covering its prefix exactly."""
+"""On a span request whose matched prefix holds moved keys: a tuple of ``Run`` covering its
+prefix exactly, in order."""
 
 
-def runs_from_shifts(shift: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """``(start, end, shift)`` of each run of equal values of ``shift`` (CPU int64 [n], n >= 1)."""
+class Run(NamedTuple):
+    """Keys ``start:end`` of a request's sequence, each moved by ``shift`` positions."""
+
+    start: int
+    end: int
+    shift: int
+    source: bytes | None = None
+    """A digest of the slots the run reads, when they are cached pages another request may
+    read too (None: the request's own, or a part of a cached run). Equal sources read the
+    same slots in the same order."""
+
+
+def _digest(slots: np.ndarray) -> bytes:
+    return hashlib.blake2b(slots.astype(np.int64).tobytes(), digest_size=16).digest()
+
+
+def runs_from_shifts(shift: torch.Tensor, slots: torch.Tensor | None = None
+                     ) -> tuple[Run, ...]:
+    """The runs of equal values of ``shift`` (CPU int64 [n], n >= 1), each with the digest of
+    its ``slots`` (CPU [n], the row's slots; None: no sources)."""
     values = shift.numpy()
     starts = np.concatenate(([0], np.flatnonzero(np.diff(values)) + 1))
     ends = np.concatenate((starts[1:], [len(values)]))
-    return tuple((int(a), int(e), int(values[a])) for a, e in zip(starts, ends, strict=True))
+    where = None if slots is None else slots.numpy()
+    return tuple(Run(int(a), int(e), int(values[a]),
+                     None if where is None else _digest(where[a:e]))
+                 for a, e in zip(starts, ends, strict=True))
 
 
-def request_runs(runs: Sequence[tuple[int, int, int]] | None, length: int
-                 ) -> list[tuple[int, int, int]]:
-    """``(start, end, shift)`` runs covering a request's first ``length`` keys: its prefix runs
-    (``runs``; None: nothing moved) cut at ``length``, then shift 0 (keys it computed itself)
-    up to ``length``, merged with a last prefix run of shift 0."""
-    out = [(a, min(e, length), s) for a, e, s in runs or () if a < length]
-    covered = out[-1][1] if out else 0
+def request_runs(runs: Sequence[Run] | None, length: int) -> list[Run]:
+    """The runs covering a request's first ``length`` keys: its prefix runs (``runs``; None:
+    nothing moved) cut at ``length`` (a cut run loses its source), then shift 0 (keys it
+    computed itself) up to ``length``, merged with a last prefix run of shift 0."""
+    whole = [Run(*r) for r in runs or ()]
+    out = [Run(r.start, min(r.end, length), r.shift, r.source if r.end <= length else None)
+           for r in whole if r.start < length]
+    covered = out[-1].end if out else 0
     if covered < length:
-        if out and out[-1][2] == 0:
-            out[-1] = (out[-1][0], length, 0)
+        if out and out[-1].shift == 0:
+            out[-1] = Run(out[-1].start, length, 0)
         else:
-            out.append((covered, length, 0))
+            out.append(Run(covered, length, 0))
     return out
 
 
@@ -68,23 +97,28 @@ class KeyRuns:
     runs_of: torch.Tensor  # int64 [B, S], CPU
     kv_lens: torch.Tensor  # int64 [B] on the device: keys of each request in the key list
     num_keys: int
+    starts: list[int]  # [P]: where each run starts in its request's sequence
+    sources: list[bytes | None]  # [P]
 
     @property
     def num_runs(self) -> int:
         return len(self.owners)
 
     @classmethod
-    def build(cls, per_request: Sequence[list[tuple[int, int, int]]], device: torch.device | str
+    def build(cls, per_request: Sequence[Sequence[Run]], device: torch.device | str
               ) -> KeyRuns:
-        """From each request's ``(start, end, shift)`` runs (``request_runs``; an empty list for a
-        request with no keys in the list, e.g. an extend without prefix)."""
-        lens, owners, shifts, runs_of = [], [], [], []
+        """From each request's runs (``request_runs``; an empty list for a request with no keys
+        in the list, e.g. an extend without prefix)."""
+        lens, owners, shifts, starts, sources, runs_of = [], [], [], [], [], []
         for i, runs in enumerate(per_request):
             runs_of.append(list(range(len(lens), len(lens) + len(runs))))
-            for start, end, s in runs:
-                lens.append(end - start)
+            for run in runs:
+                run = Run(*run)
+                lens.append(run.end - run.start)
                 owners.append(i)
-                shifts.append(s)
+                shifts.append(run.shift)
+                starts.append(run.start)
+                sources.append(run.source)
         p = len(lens)
         width = max((len(r) for r in runs_of), default=0) or 1
         padded = np.full((len(per_request), width), p, dtype=np.int64)
@@ -92,13 +126,51 @@ class KeyRuns:
             padded[i, : len(r)] = r
         indptr = np.zeros(p + 1, dtype=np.int32)
         np.cumsum(lens, out=indptr[1:])
-        kv_lens = [sum(e - a for a, e, _ in runs) for runs in per_request]
+        kv_lens = [sum(r[1] - r[0] for r in runs) for runs in per_request]
         return cls(
             kv_indptr=torch.from_numpy(indptr), owners=owners, shifts=shifts,
             runs_of=torch.from_numpy(padded),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int64).to(device, non_blocking=True),
-            num_keys=int(indptr[-1]),
+            num_keys=int(indptr[-1]), starts=starts, sources=sources,
         )
+
+    def shared_groups(self) -> list[list[int]] | None:
+        """The runs grouped by the slots they read (equal ``sources``; a run without one is a
+        group of its own), groups in order of their first run; None when no two runs share."""
+        groups: list[list[int]] = []
+        by_source: dict[bytes, list[int]] = {}
+        for r, source in enumerate(self.sources):
+            if source is None:
+                groups.append([r])
+                continue
+            group = by_source.get(source)
+            if group is None:
+                group = by_source[source] = []
+                groups.append(group)
+            group.append(r)
+        return groups if len(groups) < self.num_runs else None
+
+    def run_kv_indices(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                       runs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys of ``runs`` only, one after the other: ``(kv_indptr`` int32 [len(runs) + 1]
+        on the CPU, ``kv_indices`` int32 on the device)."""
+        lens = np.array([int(self.kv_indptr[r + 1] - self.kv_indptr[r]) for r in runs],
+                        dtype=np.int64)
+        indptr = np.zeros(len(runs) + 1, dtype=np.int32)
+        np.cumsum(lens, out=indptr[1:])
+        total = int(indptr[-1])
+        device = req_pool_indices.device
+        to = dict(device=device, non_blocking=True)
+        lens_d = torch.from_numpy(lens).to(**to)
+        owners = torch.tensor([self.owners[r] for r in runs], dtype=torch.int64).to(**to)
+        # column of each key: its run's start in the request, plus its place in the run
+        offset = torch.tensor([self.starts[r] for r in runs], dtype=torch.int64).to(**to) \
+            - torch.from_numpy(indptr[:-1].astype(np.int64)).to(**to)
+        rows = torch.repeat_interleave(req_pool_indices.long()[owners], lens_d,
+                                       output_size=total)
+        cols = torch.arange(total, device=device) + torch.repeat_interleave(
+            offset, lens_d, output_size=total)
+        return torch.from_numpy(indptr), req_to_token[rows, cols].to(torch.int32)
 
     def kv_indices(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
                    ) -> torch.Tensor:

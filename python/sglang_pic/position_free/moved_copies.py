@@ -194,7 +194,8 @@ class MovedPageCopier:
         if new:
             for (req, n), (pages, host) in zip(new, self._moved_pages(new), strict=True):
                 moved = pages is None or pages.numel() > 0
-                setattr(req, RUNS_ATTR, runs_from_shifts(host[1]) if moved and n else None)
+                setattr(req, RUNS_ATTR, runs_from_shifts(host[1], host[0]) if moved and n
+                        else None)
                 if self.copies:
                     self._set_state(req, self._copy(req.req_pool_idx, pages, host))
                 elif moved:

@@ -6,7 +6,8 @@ the partial outputs by their log-sum-exp. It needs three batched calls and a mer
 
 * ``decode``: one query row per run, over the run's keys (non-causal);
 * ``paged``: each run's copy of its request's new tokens, over the run's keys (non-causal: a
-  run lies before every new token);
+  run lies before every new token); in a decode step, the query rows of the runs that read the
+  same slots, over those keys once (``plan_paged``);
 * ``ragged``: each request's new tokens over themselves (causal);
 * ``merge``: ``out[i] = sum_j w_ij o[index[i, j]]``, ``w`` from the log-sum-exps.
 
@@ -100,8 +101,13 @@ class TorchRunKernels:
     def plan_extend(self, qo_indptr: torch.Tensor, run_qo_indptr: torch.Tensor | None,
                     run_kv_indptr: torch.Tensor | None, kv_indices: torch.Tensor | None) -> None:
         self._ragged = qo_indptr.tolist()
-        self._paged = None if run_qo_indptr is None else (
-            run_qo_indptr.tolist(), run_kv_indptr.tolist(), kv_indices.long())
+        self._paged = None
+        if run_qo_indptr is not None:
+            self.plan_paged(run_qo_indptr, run_kv_indptr, kv_indices)
+
+    def plan_paged(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_indices: torch.Tensor) -> None:
+        self._paged = (qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.long())
 
     def _over_pool(self, q, kv, qo, kvp, idx):
         k_buf, v_buf = kv
@@ -175,11 +181,17 @@ class FlashInferRunKernels:
         self._ragged.plan(qo_indptr, qo_indptr, *self.heads, causal=True, sm_scale=self.scale,
                           q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
         if run_qo_indptr is not None:
-            n = run_kv_indptr.numel() - 1
-            self._paged.plan(run_qo_indptr, run_kv_indptr, kv_indices,
-                             torch.ones(n, dtype=torch.int32), *self.heads, 1, causal=False,
-                             sm_scale=self.scale, q_data_type=self.q_dtype,
-                             kv_data_type=self.kv_dtype, non_blocking=True)
+            self.plan_paged(run_qo_indptr, run_kv_indptr, kv_indices)
+
+    def plan_paged(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_indices: torch.Tensor) -> None:
+        """The paged prefill, not causal: ``qo_indptr`` rows of queries over each span of
+        ``kv_indices`` (page size 1)."""
+        n = kv_indptr.numel() - 1
+        self._paged.plan(qo_indptr, kv_indptr, kv_indices, torch.ones(n, dtype=torch.int32),
+                         *self.heads, 1, causal=False, sm_scale=self.scale,
+                         q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+                         non_blocking=True)
 
     def decode(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode.run(q, kv, return_lse=True)

@@ -14,6 +14,12 @@ Segmented attention keeps the KV of a shared document once, whatever its offset,
 at FlashInfer's speed; the price is a wider batch (one row per run instead of per request),
 the query turns and the merge, and eager decoding (CUDA graphs are captured for vanilla batches).
 
+A decode step whose runs read the same slots (``KeyRuns.shared_groups``: requests holding the
+same document or system prompt) attends each such group as one request of the paged prefill
+kernel, a query row per run, so the shared keys are read once per step rather than once per
+request: a burst over a few popular documents is bound by the distinct keys it reads, where
+vanilla (and one run per call) read every request's whole sequence.
+
 The batch's runs come from the ``ForwardBatch.init_new`` hook (``shifted_batches.current_runs``),
 which has the scheduler's requests; this backend only sees the forward batch.
 """
@@ -49,6 +55,7 @@ class SegmentedAttention(AttentionBackend):
             model_runner.device)
         self.device = model_runner.device
         self.run_rows = self.run_turns = self.merge_index = None
+        self.grouped = False  # this decode batch's runs were grouped (``_plan_decode``)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         per_request = shifted_batches.current_runs()
@@ -56,21 +63,39 @@ class SegmentedAttention(AttentionBackend):
             raise RuntimeError("segmented attention: no key runs for this batch (the "
                                "ForwardBatch.init_new hook did not run for it)")
         runs = KeyRuns.build(per_request, self.device)
-        kv_indices = runs.kv_indices(self.req_to_token, forward_batch.req_pool_indices)
+        pool_indices = forward_batch.req_pool_indices
         if forward_batch.forward_mode.is_decode_or_idle():
-            self._plan_decode(runs, kv_indices)
+            self._plan_decode(runs, pool_indices)
         else:
-            self._plan_extend(runs, kv_indices,
+            self._plan_extend(runs, runs.kv_indices(self.req_to_token, pool_indices),
                               [int(n) for n in forward_batch.extend_seq_lens_cpu])
 
-    def _plan_decode(self, runs: KeyRuns, kv_indices: torch.Tensor) -> None:
-        """One query row per run (its request's), merged back per request."""
-        self.kernels.plan_decode(runs.kv_indptr, kv_indices)
+    def _plan_decode(self, runs: KeyRuns, pool_indices: torch.Tensor) -> None:
+        """One query row per run (its request's), merged back per request; runs reading the
+        same slots share one request of the paged kernel (``shared_groups``)."""
         to = dict(device=self.device, non_blocking=True)
-        self.run_rows = torch.tensor(runs.owners, dtype=torch.int64).to(**to)
-        self.run_turns = turn_table(torch.tensor(runs.shifts, dtype=torch.int64).to(**to),
-                                    self.cos_sin)
-        self.merge_index = runs.runs_of.to(**to)
+        groups = runs.shared_groups()
+        if groups is None:
+            self.kernels.plan_decode(runs.kv_indptr,
+                                     runs.kv_indices(self.req_to_token, pool_indices))
+            order = list(range(runs.num_runs))
+            self.merge_index = runs.runs_of.to(**to)
+        else:
+            order = [r for group in groups for r in group]
+            qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.cumsum(torch.tensor([len(g) for g in groups]), 0)
+            kv_indptr, kv_indices = runs.run_kv_indices(self.req_to_token, pool_indices,
+                                                        [g[0] for g in groups])
+            self.kernels.plan_paged(qo_indptr, kv_indptr, kv_indices)
+            row_of = torch.empty(runs.num_runs + 1, dtype=torch.int64)  # + the padding state
+            row_of[torch.tensor(order, dtype=torch.int64)] = torch.arange(runs.num_runs)
+            row_of[runs.num_runs] = runs.num_runs
+            self.merge_index = row_of[runs.runs_of].to(**to)
+            shifted_batches.count("shared_run_batches")
+        self.grouped = groups is not None
+        self.run_rows = torch.tensor([runs.owners[r] for r in order], dtype=torch.int64).to(**to)
+        self.run_turns = turn_table(torch.tensor([runs.shifts[r] for r in order],
+                                                 dtype=torch.int64).to(**to), self.cos_sin)
 
     def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor, new: list[int]) -> None:
         """The new tokens over themselves (ragged, causal), and each run of the prefix with a
@@ -128,7 +153,8 @@ class SegmentedAttention(AttentionBackend):
         self._save(layer, forward_batch, k, v, save_kv_cache)
         q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
         kv = self.pool.get_kv_buffer(layer.layer_id)
-        o, lse = self.kernels.decode(turn(q, self.run_rows, self.run_turns), kv)
+        attend = self.kernels.paged if self.grouped else self.kernels.decode
+        o, lse = attend(turn(q, self.run_rows, self.run_turns), kv)
         out = self.kernels.merge(o, lse, self.merge_index)
         return out.view(-1, layer.tp_q_head_num * layer.head_dim)
 

@@ -30,6 +30,10 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
                         "Forward batches holding a request that reads cached span pages at "
                         "another offset than they were computed at (on pic_flashinfer: run "
                         "eagerly by segmented attention, off the CUDA graphs)."),
+    "shared_run_batches": ("sglang_pic:span_shared_run_batches",
+                           "Decode batches in which runs of several requests read the same "
+                           "cached pages (a document, a system prompt) and were attended "
+                           "together, those pages read once for all of them."),
     "copied_requests": ("sglang_pic:span_copied_requests",
                         "Span requests reading turned copies of the pages they read moved "
                         "(--span-copy-on-reuse), made for them or shared."),
@@ -144,6 +148,12 @@ def mark_forward_batch(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: 
     _runs = batch_runs(reqs, moved, result) if shifted and copier is not None else None
     if shifted and _counters is not None:
         _counters.inc("shifted_batches")
+
+
+def count(name: str) -> None:
+    """Add one to this process's counter ``name`` (of ``COUNTERS``), with ``--enable-metrics``."""
+    if _counters is not None:
+        _counters.inc(name)
 
 
 def _start(model_runner: Any) -> None:

@@ -157,13 +157,30 @@ def _reference_extend(c, inputs):
 
 
 def test_runs_cover_the_prefix_then_shift_zero():
+    def plain(runs):
+        return [tuple(r[:3]) for r in runs]
+
     runs = runs_from_shifts(torch.tensor([0, 0, 5, 5, 5, 0, -2]))
-    assert runs == ((0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2))
-    assert request_runs(runs, 10) == [(0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2), (7, 10, 0)]
-    assert request_runs(runs, 4) == [(0, 2, 0), (2, 4, 5)]
-    assert request_runs(runs[:3], 9) == [(0, 2, 0), (2, 5, 5), (5, 9, 0)]
-    assert request_runs(None, 3) == [(0, 3, 0)]
+    assert plain(runs) == [(0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2)]
+    assert plain(request_runs(runs, 10)) == [(0, 2, 0), (2, 5, 5), (5, 6, 0), (6, 7, -2),
+                                             (7, 10, 0)]
+    assert plain(request_runs(runs, 4)) == [(0, 2, 0), (2, 4, 5)]
+    assert plain(request_runs(runs[:3], 9)) == [(0, 2, 0), (2, 5, 5), (5, 9, 0)]
+    assert plain(request_runs(None, 3)) == [(0, 3, 0)]
     assert request_runs(None, 0) == []
+
+
+def test_a_run_names_its_slots_while_whole_and_cached():
+    """Equal slots give equal sources whatever the shift; a run cut short, or merged with the
+    request's own keys, names none (other requests cannot read the same keys)."""
+    a = runs_from_shifts(torch.tensor([0, 0, 3, 3, 0]), torch.tensor([7, 8, 20, 21, 9]))
+    b = runs_from_shifts(torch.tensor([5, 5, 0, 0]), torch.tensor([20, 21, 7, 8]))
+    assert a[1].source == b[0].source and a[0].source == b[1].source
+    assert a[0].source != a[2].source
+    assert request_runs(a, 3)[1].source is None  # cut at 3
+    assert request_runs(a, 4)[1].source == a[1].source  # whole
+    whole = request_runs(a, 9)
+    assert whole[1].source == a[1].source and whole[2] == (4, 9, 0, None)  # merged with its own
     layout = KeyRuns.build([[(0, 2, 0), (2, 5, 5)], [], [(0, 3, 0)]], "cpu")
     assert layout.kv_indptr.tolist() == [0, 2, 5, 8]
     assert layout.owners == [0, 0, 2] and layout.shifts == [0, 5, 0]
@@ -182,6 +199,69 @@ def test_torch_kernels_equal_rotate_then_attend(seed, heads):
     torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
     inputs, out = _extend(c, seg, "cpu", seed)
     torch.testing.assert_close(out, _reference_extend(c, inputs), atol=2e-5, rtol=1e-4)
+
+
+def _shared_case(seed: int, device: str, dtype: torch.dtype,
+                 heads: tuple[int, int, int] = (H, HKV, D)):
+    """Five requests over two cached documents and two system prompts, in ``_case``'s layout:
+    a document read where it was computed by one request and moved by others, in other
+    orders, after another system prompt; one request the same as another. Runs of different
+    requests read the same slots."""
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    positions = 2048
+    cos_sin = _cos_sin(positions, d)
+    s, s2, m1, m2 = 23, 41, 57, 36
+    perm = torch.randperm(900, generator=g)
+    parts, at = {}, 0
+    for name, n in (("sys", s), ("sys2", s2), ("d1", m1), ("d2", m2)):
+        parts[name] = perm[at : at + n]
+        at += n
+    stored = torch.zeros(900, dtype=torch.long)
+    stored[parts["sys"]] = torch.arange(s)
+    stored[parts["sys2"]] = torch.arange(s2)
+    stored[parts["d1"]] = torch.arange(s, s + m1)  # each document computed after "sys"
+    stored[parts["d2"]] = torch.arange(s, s + m2)
+    layouts = [("sys", "d1", "d2"), ("sys", "d2", "d1"), ("sys2", "d1"), ("sys", "d1", "d2"),
+               ("sys2", "d2", "d1")]
+    tails = [int(x) for x in torch.randint(1, 9, (len(layouts),), generator=g)]
+    rows, runs, lengths = [], [], []
+    for names, tail in zip(layouts, tails, strict=True):
+        prefix = torch.cat([parts[n] for n in names])
+        own = perm[at : at + tail]
+        at += tail
+        stored[own] = torch.arange(len(prefix), len(prefix) + tail)
+        shift = torch.arange(len(prefix)) - stored[prefix]
+        rows.append(torch.cat((prefix, own)))
+        runs.append(runs_from_shifts(shift, prefix))
+        lengths.append(len(prefix) + tail)
+    raw = torch.randn(900, hkv, d, generator=g)
+    v = torch.randn(900, hkv, d, generator=g)
+    k = turn_keys(raw, stored, cos_sin)
+    req_to_token = torch.zeros(len(layouts), 256, dtype=torch.long)
+    for i, row in enumerate(rows):
+        req_to_token[i, : len(row)] = row
+    return dict(raw=raw.to(device), k=k.to(device, dtype), v=v.to(device, dtype),
+                rows=[r.to(device) for r in rows], runs=runs, lengths=lengths,
+                req_to_token=req_to_token.to(device), cos_sin=cos_sin.to(device), heads=heads,
+                layer=_layer(heads))
+
+
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_decode_step_reads_runs_of_the_same_slots_once(seed, heads):
+    """Runs reading the same slots (a document after the same system prompt, a document moved
+    by different distances) are one request of the paged kernel, a query row each; the output
+    is still rotate-then-attend's."""
+    c = _shared_case(seed, "cpu", torch.float32, heads)
+    seg = _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
+    q, out = _decode(c, seg, "cpu", seed)
+    assert seg.grouped
+    qo, kv_indptr, _ = seg.kernels._paged
+    per_request = [request_runs(r, n) for r, n in zip(c["runs"], c["lengths"], strict=True)]
+    assert len(kv_indptr) - 1 < sum(len(r) for r in per_request)  # fewer groups than runs
+    assert qo[-1] == sum(len(r) for r in per_request)  # a query row per run
+    torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
 
 
 def test_a_wrong_turn_is_caught():
@@ -259,6 +339,29 @@ def test_flashinfer_kernels_equal_torch_kernels(seed, heads):
         inputs, out = _extend(c, fi, "cuda", seed)
         torch.testing.assert_close(out.float(), _reference_extend(c, inputs), atol=3e-2,
                                    rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flashinfer_reads_runs_of_the_same_slots_once_as_torch_does(seed, heads):
+    """The grouped decode step (the paged prefill kernel, a query row per run) on FlashInfer
+    against the torch kernels and rotate-then-attend."""
+    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
+
+    c = _shared_case(seed, "cuda", torch.bfloat16, heads)
+    h, hkv, d = heads
+    scale = c["layer"].scaling
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    fi = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16,
+                                          scale, True), "cuda")
+    ref = _backend(c, TorchRunKernels(scale), "cuda")
+    q, out = _decode(c, fi, "cuda", seed)
+    _, expected = _decode(c, ref, "cuda", seed)
+    assert fi.grouped and ref.grouped
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), _reference_decode(c, q.float()), atol=3e-2,
+                               rtol=3e-2)
 
 
 @pytest.mark.gpu
