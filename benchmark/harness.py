@@ -474,15 +474,20 @@ def cpu_smoke_engine(**overrides) -> dict:
 
 
 def gpu_tag(device=None) -> str:
-    """A result file's machine suffix: the GPU model's last word (``h200``), or ``cpu`` when
-    ``device`` (a ``torch.device``; default: the first GPU if any) is not a GPU."""
+    """A result file's machine suffix: the GPU's model (``h200`` of "NVIDIA H200", ``h100`` of
+    "NVIDIA H100 80GB HBM3"; else the name's last word), or ``cpu`` when ``device`` (a
+    ``torch.device``; default: the first GPU if any) is not a GPU."""
+    import re
+
     import torch
 
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type != "cuda":
         return "cpu"
-    return torch.cuda.get_device_name(device).split()[-1].lower()
+    words = torch.cuda.get_device_name(device).split()
+    model = next((w for w in words if re.fullmatch(r"[A-Z]+\d{2,}[A-Za-z]*", w)), words[-1])
+    return model.lower()
 
 
 VARIANT_ENV = "SGLANG_PIC_BENCH_VARIANT"
