@@ -70,8 +70,16 @@ def _case(seed: int, device: str, dtype: torch.dtype, heads: tuple[int, int, int
         stored[row] = pos
         rows.append(row)
         runs.append(runs_from_shifts(torch.arange(n) - pos))
-    k = turn_keys(raw, stored, cos_sin)  # stored rotated where computed
-    req_to_token = torch.zeros(4, 512, dtype=torch.long)
+    return _pool_case(raw, v, stored, rows, runs, lengths, cos_sin, heads, device, dtype,
+                      table_rows=4)
+
+
+def _pool_case(raw, v, stored, rows, runs, lengths, cos_sin, heads, device, dtype,
+               table_rows: int) -> dict:
+    """The case dict the tests read: the pool's keys rotated where they were computed
+    (``stored``), each request's row in a ``req_to_token`` table of ``table_rows`` rows."""
+    k = turn_keys(raw, stored, cos_sin)
+    req_to_token = torch.zeros(table_rows, 512, dtype=torch.long)
     for i, row in enumerate(rows):
         req_to_token[i, : len(row)] = row
     return dict(raw=raw.to(device), k=k.to(device, dtype), v=v.to(device, dtype),
@@ -237,14 +245,8 @@ def _shared_case(seed: int, device: str, dtype: torch.dtype,
         lengths.append(len(prefix) + tail)
     raw = torch.randn(900, hkv, d, generator=g)
     v = torch.randn(900, hkv, d, generator=g)
-    k = turn_keys(raw, stored, cos_sin)
-    req_to_token = torch.zeros(len(layouts), 256, dtype=torch.long)
-    for i, row in enumerate(rows):
-        req_to_token[i, : len(row)] = row
-    return dict(raw=raw.to(device), k=k.to(device, dtype), v=v.to(device, dtype),
-                rows=[r.to(device) for r in rows], runs=runs, lengths=lengths,
-                req_to_token=req_to_token.to(device), cos_sin=cos_sin.to(device), heads=heads,
-                layer=_layer(heads))
+    return _pool_case(raw, v, stored, rows, runs, lengths, cos_sin, heads, device, dtype,
+                      table_rows=len(layouts))
 
 
 @pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
