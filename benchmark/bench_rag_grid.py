@@ -148,7 +148,21 @@ async def _load_sampler(engine, stop: asyncio.Event, peaks: dict) -> None:
             pass
 
 
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most of the ``(start, end)`` intervals open at one time (an end before a start at
+    the same instant)."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = open_ = 0
+    for _, step in events:
+        open_ += step
+        most = max(most, open_)
+    return most
+
+
 async def _burst(engine, prompts: list[list[int]], sp: dict) -> tuple[list, float, dict]:
+    """The burst's outputs, its seconds and its peaks: SGLang's running requests and KV tokens
+    in use (sampled), and ``decoding``: the most client requests between their first token and
+    their last at once (SGLang's count also holds the span cache's prefill units)."""
     stop, peaks = asyncio.Event(), {}
     sampler = asyncio.ensure_future(_load_sampler(engine, stop, peaks))
     t = time.perf_counter()
@@ -156,6 +170,8 @@ async def _burst(engine, prompts: list[list[int]], sp: dict) -> tuple[list, floa
     elapsed = time.perf_counter() - t
     stop.set()
     await sampler
+    # each request's times count from its own send, within a scheduling step of the burst's
+    peaks["decoding"] = most_at_once([(first, end) for first, end, _ in outs])
     return outs, elapsed, peaks
 
 
@@ -203,7 +219,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             burst = params.get("bursts", {}).get(name, params["burst"])
             out: dict = {"burst": burst, "ideal": [], "requests_per_s": [],
                          "ttft_p50_ms": [], "ttft_p99_ms": [], "peak_running": [],
-                         "peak_used_tokens": [], "prompt_tokens": []}
+                         "peak_decoding": [], "peak_used_tokens": [], "prompt_tokens": []}
             for _ in range(params["samples"]):
                 draw = draw_requests(cell_rng, cell, burst, params)
                 prompts = [prompt(draw, r, spans) for r in draw["requests"]]
@@ -216,6 +232,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 out["ttft_p50_ms"].append(1000 * percentile(ttfts, 50))
                 out["ttft_p99_ms"].append(1000 * percentile(ttfts, 99))
                 out["peak_running"].append(peaks.get("running"))
+                out["peak_decoding"].append(peaks.get("decoding"))
                 out["peak_used_tokens"].append(peaks.get("used_tokens"))
                 out["pool_tokens"] = peaks.get("pool_tokens")
                 out["prompt_tokens"].append(sum(len(p) - (len(r[1]) + 1 if spans else 0)
@@ -241,7 +258,7 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             print(f"[rag-grid] {variant} {name}: {capacity:.2f} req/s, TTFT p50 "
                   f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
                   f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, peak running "
-                  f"{out['peak_running']}", flush=True)
+                  f"{out['peak_running']}, decoding {out['peak_decoding']}", flush=True)
             if partial is not None:
                 partial.write_text(json.dumps(result))
             if variant == "vanilla" and rates_path is not None:
@@ -288,9 +305,10 @@ SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
 }
 
 
-def summarize(report: dict, counts: tuple[str, ...] = ("peak_running",)) -> list[dict]:
+def summarize(report: dict, counts: tuple[str, ...] = ("peak_decoding",)) -> list[dict]:
     """One row per cell: each variant's medians and its ratios to vanilla; for each of
-    ``counts`` (per-sample counts of a cell), the most of any sample, ours and vanilla's."""
+    ``counts`` (per-sample counts of a cell) both sides recorded, the most of any sample,
+    ours and vanilla's."""
     res = report["results"]
     van = res.get("vanilla", {}).get("cells", {})
     rows = []
@@ -307,8 +325,9 @@ def summarize(report: dict, counts: tuple[str, ...] = ("peak_running",)) -> list
                    "throughput_ratio": c["requests_per_s_median"] / v["requests_per_s_median"],
                    "ttft_p50_ratio": v["ttft_p50_ms_median"] / c["ttft_p50_ms_median"]}
             for key in counts:
-                row[key] = _most(c[key])
-                row[f"vanilla_{key}"] = _most(v[key])
+                if key in c and key in v:
+                    row[key] = _most(c[key])
+                    row[f"vanilla_{key}"] = _most(v[key])
             if "stream_ttft_p50_ms" in c and "stream_ttft_p50_ms" in v:
                 row["stream_ttft_p50_ratio"] = v["stream_ttft_p50_ms"] / c["stream_ttft_p50_ms"]
                 row["stream_ttft_p99_ratio"] = v["stream_ttft_p99_ms"] / c["stream_ttft_p99_ms"]
@@ -321,7 +340,7 @@ def _most(x) -> int:
     return max(n or 0 for n in x) if isinstance(x, list) else int(x or 0)
 
 
-def print_summary(rows: list[dict], count: str = "peak_running", label: str = "running") -> None:
+def print_summary(rows: list[dict], count: str = "peak_decoding", label: str = "decoding") -> None:
     """The summary's table; ``count``: the per-cell count shown as ours/vanilla's."""
     print(f"\n{'variant':<18}{'cell':<26}{'ideal':>6}{'req/s':>8}{'x van':>7}{'TTFT x':>8}"
           f"{'stream x':>9}{label:>9}")
@@ -329,7 +348,7 @@ def print_summary(rows: list[dict], count: str = "peak_running", label: str = "r
         print(f"{r['variant']:<18}{r['cell']:<26}{r['ideal']:>6.2f}{r['requests_per_s']:>8.2f}"
               f"{r['throughput_ratio']:>7.2f}{r['ttft_p50_ratio']:>8.2f}"
               f"{r.get('stream_ttft_p50_ratio', float('nan')):>9.2f}"
-              f"{r[count]:>5}/{r[f'vanilla_{count}']:<3}")
+              f"{r.get(count, '-'):>5}/{r.get(f'vanilla_{count}', '-'):<3}")
     for variant in sorted({r["variant"] for r in rows}):
         mine = [r for r in rows if r["variant"] == variant]
         worst = min(mine, key=lambda r: r["throughput_ratio"])

@@ -60,3 +60,9 @@ def test_combine_refuses_calls_run_with_other_settings(tmp_path):
     b = _report(tmp_path, "b.json", ["corner"], ["sglang-pic"], seed=2)
     with pytest.raises(SystemExit, match="different params"):
         bench_rag_grid.combine([a, b], str(tmp_path / "grid.json"))
+
+
+def test_most_at_once_counts_intervals_open_together():
+    assert bench_rag_grid.most_at_once([]) == 0
+    assert bench_rag_grid.most_at_once([(0, 2), (1, 3), (2, 4)]) == 2  # an end before a start
+    assert bench_rag_grid.most_at_once([(0, 10), (1, 2), (3, 4), (5, 9), (6, 7)]) == 3
