@@ -28,13 +28,13 @@ nothing); ``sources`` [P] (each run's ``Run.source``).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 
 RUNS_ATTR = "pic_shift_runs"
 """On a span request whose matched prefix holds moved keys: a tuple of ``Run`` covering its
@@ -48,13 +48,15 @@ class Run(NamedTuple):
     end: int
     shift: int
     source: bytes | None = None
-    """A digest of the slots the run reads, when they are cached pages another request may
-    read too (None: the request's own, or a part of a cached run). Equal sources read the
-    same slots in the same order."""
+    """A 128-bit digest of the slots the run reads (xxh3: slot ids come from SGLang's allocator,
+    never from a client), when they are cached pages another request may read too (None: the
+    request's own, or a part of a cached run). Equal sources read the same slots in order."""
 
 
-def _digest(slots: np.ndarray) -> bytes:
-    return hashlib.blake2b(slots.astype(np.int64).tobytes(), digest_size=16).digest()
+SHARED_KEYS_MAX = 0.75
+"""A decode step groups runs that read the same slots (``KeyRuns.shared_groups``) only when the
+groups read at most this share of the batch's keys: a few shared runs are not worth moving every
+run of the batch from the decode kernel to the paged prefill one."""
 
 
 def runs_from_shifts(shift: torch.Tensor, slots: torch.Tensor | None = None
@@ -64,9 +66,9 @@ def runs_from_shifts(shift: torch.Tensor, slots: torch.Tensor | None = None
     values = shift.numpy()
     starts = np.concatenate(([0], np.flatnonzero(np.diff(values)) + 1))
     ends = np.concatenate((starts[1:], [len(values)]))
-    where = None if slots is None else slots.numpy()
+    where = None if slots is None else np.ascontiguousarray(slots.numpy())
     return tuple(Run(int(a), int(e), int(values[a]),
-                     None if where is None else _digest(where[a:e]))
+                     None if where is None else xxhash.xxh3_128_digest(where[a:e]))
                  for a, e in zip(starts, ends, strict=True))
 
 
@@ -74,13 +76,12 @@ def request_runs(runs: Sequence[Run] | None, length: int) -> list[Run]:
     """The runs covering a request's first ``length`` keys: its prefix runs (``runs``; None:
     nothing moved) cut at ``length`` (a cut run loses its source), then shift 0 (keys it
     computed itself) up to ``length``, merged with a last prefix run of shift 0."""
-    whole = [Run(*r) for r in runs or ()]
-    out = [Run(r.start, min(r.end, length), r.shift, r.source if r.end <= length else None)
-           for r in whole if r.start < length]
-    covered = out[-1].end if out else 0
+    out = [r if r[1] <= length else Run(r[0], length, r[2])
+           for r in runs or () if r[0] < length]
+    covered = out[-1][1] if out else 0
     if covered < length:
-        if out and out[-1].shift == 0:
-            out[-1] = Run(out[-1].start, length, 0)
+        if out and out[-1][2] == 0:
+            out[-1] = Run(out[-1][0], length, 0)
         else:
             out.append(Run(covered, length, 0))
     return out
@@ -112,13 +113,12 @@ class KeyRuns:
         lens, owners, shifts, starts, sources, runs_of = [], [], [], [], [], []
         for i, runs in enumerate(per_request):
             runs_of.append(list(range(len(lens), len(lens) + len(runs))))
-            for run in runs:
-                run = Run(*run)
-                lens.append(run.end - run.start)
+            for run in runs:  # ``Run``s, or plain (start, end, shift) tuples
+                lens.append(run[1] - run[0])
                 owners.append(i)
-                shifts.append(run.shift)
-                starts.append(run.start)
-                sources.append(run.source)
+                shifts.append(run[2])
+                starts.append(run[0])
+                sources.append(run[3] if len(run) > 3 else None)
         p = len(lens)
         width = max((len(r) for r in runs_of), default=0) or 1
         padded = np.full((len(per_request), width), p, dtype=np.int64)
@@ -136,7 +136,8 @@ class KeyRuns:
 
     def shared_groups(self) -> list[list[int]] | None:
         """The runs grouped by the slots they read (equal ``sources``; a run without one is a
-        group of its own), groups in order of their first run; None when no two runs share."""
+        group of its own), groups in order of their first run; None when the groups would still
+        read more than ``SHARED_KEYS_MAX`` of the batch's keys (no two runs share, or few)."""
         groups: list[list[int]] = []
         by_source: dict[bytes, list[int]] = {}
         for r, source in enumerate(self.sources):
@@ -148,14 +149,17 @@ class KeyRuns:
                 group = by_source[source] = []
                 groups.append(group)
             group.append(r)
-        return groups if len(groups) < self.num_runs else None
+        if len(groups) == self.num_runs:
+            return None
+        lens = np.diff(self.kv_indptr.numpy())
+        read = int(lens[[g[0] for g in groups]].sum())
+        return groups if read <= SHARED_KEYS_MAX * self.num_keys else None
 
     def run_kv_indices(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                        runs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys of ``runs`` only, one after the other: ``(kv_indptr`` int32 [len(runs) + 1]
         on the CPU, ``kv_indices`` int32 on the device)."""
-        lens = np.array([int(self.kv_indptr[r + 1] - self.kv_indptr[r]) for r in runs],
-                        dtype=np.int64)
+        lens = np.diff(self.kv_indptr.numpy()).astype(np.int64)[list(runs)]
         indptr = np.zeros(len(runs) + 1, dtype=np.int32)
         np.cumsum(lens, out=indptr[1:])
         total = int(indptr[-1])

@@ -209,6 +209,18 @@ def test_torch_kernels_equal_rotate_then_attend(seed, heads):
     torch.testing.assert_close(out, _reference_extend(c, inputs), atol=2e-5, rtol=1e-4)
 
 
+def test_runs_are_grouped_only_when_that_saves_enough_keys():
+    """Two requests share a run: grouped when it is most of their keys, not when it is a few
+    keys beside long runs of their own (``SHARED_KEYS_MAX``)."""
+    from sglang_pic.position_free.key_runs import Run
+
+    big = [[Run(0, 90, 5, b"doc"), Run(90, 100, 0)], [Run(0, 90, 9, b"doc"), Run(90, 95, 0)]]
+    assert KeyRuns.build(big, "cpu").shared_groups() == [[0, 2], [1], [3]]
+    small = [[Run(0, 4, 5, b"doc"), Run(4, 100, 0)], [Run(0, 4, 9, b"doc"), Run(4, 95, 0)]]
+    assert KeyRuns.build(small, "cpu").shared_groups() is None
+    assert KeyRuns.build([[Run(0, 9, 0)], [Run(0, 9, 0)]], "cpu").shared_groups() is None
+
+
 def _shared_case(seed: int, device: str, dtype: torch.dtype,
                  heads: tuple[int, int, int] = (H, HKV, D)):
     """Five requests over two cached documents and two system prompts, in ``_case``'s layout:
