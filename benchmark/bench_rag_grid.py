@@ -51,6 +51,9 @@ SPAN_SWITCHES = {  # variants of the span server: the settings they change
     "sglang-pic": {},
     "sglang-pic-copy": {"SGLANG_PIC_SPAN_COPY": "on"},  # turned copies of moved spans
     "sglang-pic-triton": {},  # pic_triton: the shift-aware kernels for every batch
+    # decode steps reading moved keys replay a second CUDA graph set (the shift-aware Triton
+    # decode) instead of segmented attention, eager
+    "sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"},
 }
 PIC_BACKEND = {"sglang-pic-triton": "pic_triton"}
 
@@ -416,7 +419,8 @@ def main() -> None:
     ap.add_argument("--variants", default="vanilla,sglang-pic",
                     help="any of vanilla (FlashInfer), sglang-pic (segmented attention over "
                          "shared pages), sglang-pic-copy (--span-copy-on-reuse on), "
-                         "sglang-pic-triton (pic_triton)")
+                         "sglang-pic-triton (pic_triton), sglang-pic-span-graphs "
+                         "(--position-free-span-graphs)")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
                     help=f"cells to run, of {', '.join(CELLS)}")
     ap.add_argument("--samples", type=int, default=PARAMS["samples"])
