@@ -103,16 +103,6 @@ class _Pool:
         return self.k, self.v
 
 
-def segmented(case: dict, kernels, device: str):
-    from sglang_pic.position_free.segmented_backend import SegmentedAttention
-
-    seg = SegmentedAttention.__new__(SegmentedAttention)
-    seg.kernels, seg.req_to_token = kernels, case["req_to_token"]
-    seg.pool = _Pool(case["k"], case["v"])
-    seg.cos_sin, seg.device = case["cos_sin"], torch.device(device)
-    return seg
-
-
 def make_kernels(args, device: str, dtype: torch.dtype, workspace):
     from sglang_pic.position_free.run_kernels import FlashInferRunKernels, TorchRunKernels
 
@@ -128,6 +118,7 @@ def variant_step(name: str, args, case: dict, device: str, dtype, workspace
     """``(plan, attend)``: the step's metadata, and one layer's attention of queries ``q``."""
     from sglang_pic.position_free import shifted_batches
     from sglang_pic.position_free.key_runs import KeyRuns, request_runs
+    from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
     kernels = make_kernels(args, device, dtype, workspace)
     n = args.requests
@@ -138,7 +129,8 @@ def variant_step(name: str, args, case: dict, device: str, dtype, workspace
         kv = (case["turned"], case["vanilla_v"])
         return (lambda: kernels.plan_decode(indptr, indices),
                 lambda q: kernels.decode(q, kv)[0])
-    seg = segmented(case, kernels, device)
+    seg = SegmentedAttention.over_pool(kernels, case["req_to_token"],
+                                       _Pool(case["k"], case["v"]), case["cos_sin"], device)
     layer = types.SimpleNamespace(scaling=args.head_dim ** -0.5, logit_cap=0.0,
                                   tp_q_head_num=args.heads, head_dim=args.head_dim, layer_id=0)
     batch = types.SimpleNamespace(req_pool_indices=torch.arange(n, device=device),

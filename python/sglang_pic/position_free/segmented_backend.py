@@ -48,12 +48,29 @@ class SegmentedAttention(AttentionBackend):
             # span batch would run the dense backend over moved keys, unturned
             raise RuntimeError("segmented attention: the stored-positions table is not "
                                "allocated (the position-free backend allocates it first)")
+        self._attach(kernels, model_runner.req_to_token_pool.req_to_token,
+                     model_runner.token_to_kv_pool,
+                     model_check.model_rotary(model_runner).cos_sin_cache.float().to(
+                         model_runner.device), model_runner.device)
+
+    @classmethod
+    def over_pool(cls, kernels: Any, req_to_token: torch.Tensor, pool: Any,
+                  cos_sin: torch.Tensor, device: torch.device | str) -> SegmentedAttention:
+        """The backend without a model runner or its checks: ``pool`` (``get_kv_buffer``,
+        ``set_kv_buffer``), its rows' ``req_to_token`` and the float32 cos/sin cache (the
+        kernel tests and ``bench_segmented_decode``)."""
+        self = cls.__new__(cls)
+        AttentionBackend.__init__(self)
+        self._attach(kernels, req_to_token, pool, cos_sin, torch.device(device))
+        return self
+
+    def _attach(self, kernels: Any, req_to_token: torch.Tensor, pool: Any,
+                cos_sin: torch.Tensor, device: torch.device) -> None:
         self.kernels = kernels
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.pool = model_runner.token_to_kv_pool
-        self.cos_sin = model_check.model_rotary(model_runner).cos_sin_cache.float().to(
-            model_runner.device)
-        self.device = model_runner.device
+        self.req_to_token = req_to_token
+        self.pool = pool
+        self.cos_sin = cos_sin
+        self.device = device
         self.run_rows = self.run_turns = self.merge_index = None
         self.grouped = False  # this decode batch's runs were grouped (``_plan_decode``)
 

@@ -89,11 +89,8 @@ def _pool_case(raw, v, stored, rows, runs, lengths, cos_sin, heads, device, dtyp
 
 
 def _backend(c, kernels, device):
-    seg = SegmentedAttention.__new__(SegmentedAttention)
-    seg.kernels, seg.req_to_token = kernels, c["req_to_token"]
-    seg.pool = _Pool(c["k"], c["v"])
-    seg.cos_sin, seg.device = c["cos_sin"], device
-    return seg
+    return SegmentedAttention.over_pool(kernels, c["req_to_token"], _Pool(c["k"], c["v"]),
+                                        c["cos_sin"], device)
 
 
 def _layer(heads: tuple[int, int, int]) -> types.SimpleNamespace:
