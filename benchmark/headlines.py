@@ -279,10 +279,8 @@ def _fleet_store_share(report: dict) -> tuple:
 def _fleet_store_gain(report: dict) -> tuple:
     """Our fleet with its stores against the same fleet without (``sglang-pic-nostore``): each
     burst's requests/s in the report's one cell."""
-    res = report["results"]
-    (cell,) = res["sglang-pic"]["cells"]
-    return ([float(x) for x in res["sglang-pic-nostore"]["cells"][cell]["requests_per_s"]],
-            [float(x) for x in res["sglang-pic"]["cells"][cell]["requests_per_s"]],
+    (cell,) = report["results"]["sglang-pic"]["cells"]
+    return (*_grid_sides(report, cell, "requests_per_s", base="sglang-pic-nostore"),
             f"design comparison, no vanilla side: cell {cell}; the sides ran on two H100 "
             f"machines ({report['resumed_environment']['time_utc']} with the stores, "
             f"{report['environment']['time_utc']} without)")
@@ -309,8 +307,9 @@ def _routing_sim(policy: str, metric: str, worst: str = "min", baseline: str = "
     return extract
 
 
-def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic"):
-    """A grid cell's samples of ``metric`` on vanilla's side and ``ours``: per burst for the
+def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic",
+                base: str = "vanilla"):
+    """A grid cell's samples of ``metric`` on the ``base`` side and ``ours``: per burst for the
     burst metrics, per request for the stream's TTFT (its median is the p50)."""
     res = report["results"]
 
@@ -318,7 +317,7 @@ def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic"):
         c = res[variant]["cells"][cell]
         return [float(x) for x in (c["stream_ttft_ms_all"] if metric == "stream_ttft_ms"
                                    else c[metric])]
-    return samples("vanilla"), samples(ours)
+    return samples(base), samples(ours)
 
 
 def _grid_ratio(report: dict, cell: str, metric: str, higher_is_better: bool) -> float:
