@@ -21,9 +21,10 @@ alternate the variants' order. Each variant's output is checked against ``vanill
 turned where they are read.
 
     python3 -m benchmark.kernels.bench_segmented_decode [--requests 128] [--out DIR]
+    python3 -m benchmark.kernels.bench_segmented_decode --cell varlen_k6_p256_z07_t4 --requests 64
     .venv/bin/python -m benchmark.kernels.bench_segmented_decode --smoke   # CPU, torch, tiny
 
-Prints a table; writes ``segmented_decode_<gpu>.json`` (machine, versions, config, raw samples
+Prints a table; writes ``segmented_decode_<gpu>[_<cell>].json`` (machine, versions, config, raw samples
 in ms) and a figure into ``--out`` (default ``benchmark/results``; a temp folder with
 ``--smoke``).
 """
@@ -58,20 +59,25 @@ def build(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
 
     rng = np.random.default_rng(args.seed)
     hkv, d = args.kv_heads, args.head_dim
+    doc_len, system_len = _lengths(args, rng)
     weights = 1.0 / np.arange(1, args.docs + 1) ** args.zipf
     picks = [rng.choice(args.docs, args.per_request, replace=False, p=weights / weights.sum())
              for _ in range(args.requests)]
-    s, n = args.system, args.doc_tokens
-    slots = s + args.docs * n + args.requests * args.tail
+    tenant_of = rng.integers(len(system_len), size=args.requests)
+    sys_at = np.concatenate(([0], np.cumsum(system_len)))
+    doc_at = sys_at[-1] + np.concatenate(([0], np.cumsum(doc_len)))
+    tail_at = int(doc_at[-1])
+    slots = tail_at + args.requests * args.tail
     stored = torch.zeros(slots, dtype=torch.long)
-    stored[:s] = torch.arange(s)
-    docs = [torch.arange(s + i * n, s + (i + 1) * n) for i in range(args.docs)]
-    for doc in docs:
-        stored[doc] = torch.arange(s, s + n)  # computed right after the system prompt
+    systems = [torch.arange(int(sys_at[t]), int(sys_at[t + 1])) for t in range(len(system_len))]
+    for system in systems:
+        stored[system] = torch.arange(len(system))
+    docs = [torch.arange(int(doc_at[i]), int(doc_at[i + 1])) for i in range(args.docs)]
+    for doc in docs:  # computed right after the first system prompt
+        stored[doc] = torch.arange(system_len[0], system_len[0] + len(doc))
     rows, runs, lengths = [], [], []
-    tail_at = s + args.docs * n
     for r, pick in enumerate(picks):
-        prefix = torch.cat([torch.arange(s)] + [docs[i] for i in pick])
+        prefix = torch.cat([systems[tenant_of[r]]] + [docs[i] for i in pick])
         own = torch.arange(tail_at + r * args.tail, tail_at + (r + 1) * args.tail)
         stored[own] = torch.arange(len(prefix), len(prefix) + args.tail)
         rows.append(torch.cat((prefix, own)))
@@ -91,8 +97,23 @@ def build(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
     vanilla_v = torch.cat([v[row.to(device)] for row in rows])
     return dict(k=k, v=v, rows=rows, runs=runs, lengths=lengths, cos_sin=cos_sin,
                 req_to_token=req_to_token.to(device), turned=turned, vanilla_v=vanilla_v,
-                distinct_keys=s + len({int(i) for p in picks for i in p}) * n
+                distinct_keys=sum(system_len[t] for t in set(tenant_of.tolist()))
+                + sum(doc_len[i] for i in {int(i) for p in picks for i in p})
                 + args.requests * args.tail)
+
+
+def _lengths(args: argparse.Namespace, rng) -> tuple[list[int], list[int]]:
+    """Each document's tokens and each tenant's system prompt tokens: ``--doc-tokens`` and one
+    ``--system`` prompt, or a grid cell's (``--cell``: its length law and tenants, the grid's
+    system prompt lengths)."""
+    if args.cell is None:
+        return [args.doc_tokens] * args.docs, [args.system]
+    from benchmark.bench_rag_grid import CELLS, PARAMS, doc_lengths
+
+    kind, _, _, _, tenants = CELLS[args.cell]
+    systems = [int(rng.integers(PARAMS["system_min"], PARAMS["system_max"] + 1))
+               for _ in range(tenants)]
+    return doc_lengths(rng, kind, args.docs, PARAMS), systems
 
 
 class _Pool:
@@ -201,6 +222,9 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=512, help="system prompt tokens")
     ap.add_argument("--tail", type=int, default=128, help="each request's own tokens")
     ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--cell", default=None, help="a cell of bench_rag_grid (e.g. "
+                    "varlen_k6_p256_z07_t4): its document count, lengths, documents per request, "
+                    "popularity and tenants instead of the flags above")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -211,9 +235,17 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, torch kernels, tiny shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cell is not None:
+        from benchmark.bench_rag_grid import CELLS
+
+        if args.cell not in CELLS:
+            ap.error(f"--cell: one of {', '.join(CELLS)}")
+        _, args.per_request, args.docs, args.zipf, _ = CELLS[args.cell]
     if args.smoke:
-        args.requests, args.docs, args.doc_tokens, args.system, args.tail = 6, 4, 48, 16, 8
-        args.per_request, args.heads, args.kv_heads, args.head_dim = 2, 4, 2, 64
+        args.requests, args.doc_tokens, args.system, args.tail = 6, 48, 16, 8
+        if args.cell is None:
+            args.docs, args.per_request = 4, 2
+        args.heads, args.kv_heads, args.head_dim = 4, 2, 64
         args.repeat = 2
         args.out = args.out or tempfile.mkdtemp(prefix="sglang-pic-bench-")
     if args.rounds < 3 or min(args.requests, args.docs, args.doc_tokens, args.tail) < 1 \
@@ -246,7 +278,8 @@ def main() -> None:
             samples[v]["attend_ms"].append(timed(lambda a=attend: a(q), device, args.repeat))
         print(f"[bench] round {r + 1}/{args.rounds}: " + ", ".join(
             f"{v} {samples[v]['attend_ms'][-1]:.3f} ms" for v in VARIANTS), flush=True)
-    results = {v: {"plan_ms": statistics.median(s["plan_ms"]),
+    kernels = "flashinfer" if device == "cuda" else "torch"
+    results = {v: {"attention_backend": kernels, "plan_ms": statistics.median(s["plan_ms"]),
                    "attend_ms": statistics.median(s["attend_ms"]),
                    "plan_ms_all": s["plan_ms"], "attend_ms_all": s["attend_ms"]}
                for v, s in samples.items()}
@@ -260,7 +293,7 @@ def main() -> None:
               f"{res['plan_ms']:>10.3f}")
     env = environment()
     report = {"benchmark": "bench_segmented_decode", "environment": env,
-              "config": {k: getattr(args, k) for k in ("requests", "docs", "per_request",
+              "config": {k: getattr(args, k) for k in ("cell", "requests", "docs", "per_request",
                                                         "doc_tokens", "system", "tail", "zipf",
                                                         "heads", "kv_heads", "head_dim",
                                                         "repeat", "rounds", "seed", "smoke")}
@@ -270,7 +303,7 @@ def main() -> None:
     out = Path(args.out or Path(__file__).resolve().parents[1] / "results")
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu_smoke" if args.smoke else gpu_tag()
-    path = out / f"segmented_decode_{tag}.json"
+    path = out / f"segmented_decode_{tag}{'_' + args.cell if args.cell else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"[bench] wrote {path} and {plot(report, path.with_suffix('.png'))}")
 

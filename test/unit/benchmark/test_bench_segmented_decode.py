@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
+import numpy as np
 import pytest
 
 from benchmark.kernels import bench_segmented_decode
@@ -32,3 +34,24 @@ def test_a_wrong_turn_is_refused(tmp_path, monkeypatch):
                                       str(tmp_path)])
     with pytest.raises(SystemExit, match="differs from vanilla"):
         bench_segmented_decode.main()
+
+
+def test_a_grid_cell_gives_its_tenants_and_document_lengths(tmp_path, monkeypatch):
+    """``--cell``: the grid cell's documents (its count, per request, length law) and one system
+    prompt per tenant; the outputs still agree with vanilla's and the file names the cell."""
+    from benchmark import bench_rag_grid
+
+    monkeypatch.setitem(bench_rag_grid.CELLS, "tiny", ("lognormal", 3, 5, 1.0, 3))
+    monkeypatch.setattr(bench_rag_grid, "PARAMS", dict(
+        bench_rag_grid.PARAMS, doc_min=8, doc_max=64, doc_median=24, system_min=4,
+        system_max=12))
+    monkeypatch.setattr(sys, "argv", ["bench_segmented_decode", "--smoke", "--cell", "tiny",
+                                      "--out", str(tmp_path)])
+    bench_segmented_decode.main()
+    report = json.loads((tmp_path / "segmented_decode_cpu_smoke_tiny.json").read_text())
+    assert report["config"] | {"cell": "tiny", "docs": 5, "per_request": 3, "zipf": 1.0} \
+        == report["config"]
+    args = types.SimpleNamespace(**report["config"])
+    doc_len, system_len = bench_segmented_decode._lengths(args, np.random.default_rng(0))
+    assert len(doc_len) == 5 and len(set(doc_len)) > 1 and min(doc_len) >= 8
+    assert len(system_len) == 3 and all(4 <= n <= 12 for n in system_len)
