@@ -244,6 +244,11 @@ GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x ta
 
 FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a side
 ROUTING_SIM = "fleet_routing_sim.json"
+SEGMENTED_DECODE = "segmented_decode_h100.json"  # kernels/bench_segmented_decode.py
+SEGMENTED_DECODE_PATH = ("kernels alone: 128 requests x 4 of 32 shared 2K documents after a "
+                         "512-token system prompt, Llama-3-8B heads, bf16, H100; vanilla "
+                         "FlashInfer batch decode over each request's keys against segmented "
+                         "attention reading runs of the same slots once")
 SPAN_STORE_TIER = "span_store_tier.json"  # store/bench_span_store_tier.py
 SPAN_STORE_TIER_GPU = "span_store_tier_h100.json"  # the same with --device cuda
 SPAN_STORE_TIER_PATH = ("the span store tier alone (a KV pool in a radix tree, one store server "
@@ -638,6 +643,11 @@ CLAIMS: list[Claim] = [
           note="most client requests between their first token and their last at once in a "
           "burst of 128 (aligned cell), the same KV pool on both sides; a burst can show at "
           "most 128; H100"),
+    *[Claim(f"spans.segmented_decode.{metric}", SEGMENTED_DECODE, metric,
+            ours_variant="grouped", path=SEGMENTED_DECODE_PATH, note=note)
+      for metric, note in (
+          ("attend_ms", "one layer's attention of a decode step"),
+          ("plan_ms", "a decode step's planning on the host (once per step, all layers)"))],
     Claim("fleet.rag_throughput_2x1gpu", FLEET, "requests_per_s", higher_is_better=True,
           target=2.5, extract=_grid_worst("requests_per_s", True),
           path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
