@@ -54,6 +54,8 @@ SPAN_SWITCHES = {  # variants of the span server: the settings they change
     # decode steps reading moved keys replay a second CUDA graph set (the shift-aware Triton
     # decode) instead of segmented attention, eager
     "sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"},
+    # every request's runs read on their own in decode steps (--span-group-shared-runs off)
+    "sglang-pic-per-run": {"SGLANG_PIC_SPAN_GROUPS": "off"},
 }
 PIC_BACKEND = {"sglang-pic-triton": "pic_triton"}
 
@@ -420,7 +422,8 @@ def main() -> None:
                     help="any of vanilla (FlashInfer), sglang-pic (segmented attention over "
                          "shared pages), sglang-pic-copy (--span-copy-on-reuse on), "
                          "sglang-pic-triton (pic_triton), sglang-pic-span-graphs "
-                         "(--position-free-span-graphs)")
+                         "(--position-free-span-graphs), sglang-pic-per-run "
+                         "(--span-group-shared-runs off)")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
                     help=f"cells to run, of {', '.join(CELLS)}")
     ap.add_argument("--samples", type=int, default=PARAMS["samples"])

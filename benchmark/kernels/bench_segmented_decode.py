@@ -138,7 +138,7 @@ def variant_step(name: str, args, case: dict, device: str, dtype, workspace
                  ) -> tuple[Callable[[], None], Callable[[torch.Tensor], torch.Tensor]]:
     """``(plan, attend)``: the step's metadata, and one layer's attention of queries ``q``."""
     from sglang_pic.position_free import shifted_batches
-    from sglang_pic.position_free.key_runs import KeyRuns, request_runs
+    from sglang_pic.position_free.key_runs import request_runs
     from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
     kernels = make_kernels(args, device, dtype, workspace)
@@ -160,16 +160,11 @@ def variant_step(name: str, args, case: dict, device: str, dtype, workspace
     per_request = [request_runs(r, ln) for r, ln in zip(case["runs"], case["lengths"],
                                                            strict=True)]
 
+    seg.group_shared_runs = name == "grouped"
+
     def plan() -> None:
         shifted_batches._runs = per_request
-        if name == "per-run":
-            original, KeyRuns.shared_groups = KeyRuns.shared_groups, lambda self: None
-            try:
-                seg.init_forward_metadata(batch)
-            finally:
-                KeyRuns.shared_groups = original
-        else:
-            seg.init_forward_metadata(batch)
+        seg.init_forward_metadata(batch)
 
     return plan, lambda q: seg.forward_decode(q, None, None, layer, batch, save_kv_cache=False)
 

@@ -284,8 +284,15 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "pic_torch_native)"),
     Flag("--position-free-span-graphs", "position_free",
          "pic_flashinfer: capture a second set of decode CUDA graphs (our Triton kernels) for "
-         "batches holding span requests, which otherwise decode eagerly (not yet measured on a "
-         "GPU: off by default)", default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
+         "batches holding span requests, which otherwise decode eagerly by segmented attention "
+         "(slower than it on RAG bursts: off by default)", default=False,
+         env="SGLANG_PIC_SPAN_GRAPHS"),
+    Flag("--span-group-shared-runs", "position_free",
+         "segmented attention's decode steps: auto reads the runs of keys that several requests "
+         "hold (the same span, the same system prompt) once for all of them, as one request of "
+         "the paged kernel, when that reads at most 3/4 of the step's keys; off reads each "
+         "request's runs on its own", parse=one_of("auto", "off"), default="auto",
+         metavar="{auto,off}", env="SGLANG_PIC_SPAN_GROUPS"),
     Flag("--span-copy-on-reuse", "position_free",
          "how a request reads a cached span placed at another offset. off: from the span's one "
          "shared copy, by segmented attention (each run of keys moved by one distance attended "

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_pic.launcher.server_flags import setting
+
 from . import model_check, shifted_batches, stored_positions
 from .key_runs import KeyRuns
 from .run_kernels import turn, turn_table
@@ -73,6 +75,8 @@ class SegmentedAttention(AttentionBackend):
         self.device = device
         self.run_rows = self.run_turns = self.merge_index = None
         self.grouped = False  # this decode batch's runs were grouped (``_plan_decode``)
+        # --span-group-shared-runs: off attends every request's runs on their own
+        self.group_shared_runs = setting("--span-group-shared-runs") == "auto"
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         per_request = shifted_batches.current_runs()
@@ -91,7 +95,7 @@ class SegmentedAttention(AttentionBackend):
         """One query row per run (its request's), merged back per request; runs reading the
         same slots share one request of the paged kernel (``shared_groups``)."""
         to = dict(device=self.device, non_blocking=True)
-        groups = runs.shared_groups()
+        groups = runs.shared_groups() if self.group_shared_runs else None
         if groups is None:
             self.kernels.plan_decode(runs.kv_indptr,
                                      runs.kv_indices(self.req_to_token, pool_indices))

@@ -275,6 +275,20 @@ def test_a_decode_step_reads_runs_of_the_same_slots_once(seed, heads):
     torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
 
 
+def test_span_group_shared_runs_off_reads_each_requests_runs_on_their_own(monkeypatch):
+    """``--span-group-shared-runs off``: the same step plans one row per run over the batch
+    decode kernel, with the same output."""
+    monkeypatch.setenv("SGLANG_PIC_SPAN_GROUPS", "off")
+    c = _shared_case(0, "cpu", torch.float32, (H, HKV, D))
+    seg = _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
+    q, out = _decode(c, seg, "cpu", 0)
+    assert not seg.grouped and seg.kernels._paged is None
+    torch.testing.assert_close(out, _reference_decode(c, q), atol=2e-5, rtol=1e-4)
+    monkeypatch.setenv("SGLANG_PIC_SPAN_GROUPS", "sometimes")
+    with pytest.raises(ValueError, match="SGLANG_PIC_SPAN_GROUPS.*--span-group-shared-runs"):
+        _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
+
+
 def test_a_wrong_turn_is_caught():
     """The reference is sensitive to the turn: keys read unturned give another output."""
     c = _case(0, "cpu", torch.float32)
