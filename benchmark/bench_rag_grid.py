@@ -117,6 +117,20 @@ def prompt(draw: dict, request: tuple, spans: bool) -> list[int]:
     return ids + ([PDEP] if spans else []) + question
 
 
+def ttft_parts(ttft_s: float, meta: dict) -> dict | None:
+    """Where a request's time to first token went, in ms, from the server's timestamps
+    (``meta_info`` with ``enable_metrics``): ``wait`` from its arrival at the server to its
+    first forward batch (tokenizing, the span planner's hold, the waiting queue), ``prefill``
+    that batch until its prefill finished, ``rest`` the remainder of the client's TTFT (to and
+    from the server, the first token's way out). None without the timestamps."""
+    keys = ("request_received_ts", "forward_entry_time", "prefill_finished_time")
+    if not all(meta.get(k) for k in keys):
+        return None
+    received, entry, done = (float(meta[k]) for k in keys)
+    return {"wait": 1000 * (entry - received), "prefill": 1000 * (done - entry),
+            "rest": 1000 * (ttft_s - (done - received))}
+
+
 def ideal(draw: dict) -> float:
     """Prompt tokens over what must be computed: each distinct document and system prompt once,
     every question."""
@@ -257,12 +271,22 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 out["stream_ttft_ms_all"] = [round(1000 * t, 2) for t in ttfts]
                 out["stream_ttft_p50_ms"] = 1000 * percentile(ttfts, 50)
                 out["stream_ttft_p99_ms"] = 1000 * percentile(ttfts, 99)
+                parts = [p for p in (ttft_parts(o[0], o[2].get("meta_info", {}))
+                                     for o in outs) if p is not None]
+                for part in ("wait", "prefill", "rest") if parts else ():
+                    values = [p[part] for p in parts]
+                    out[f"stream_{part}_ms_all"] = [round(v, 2) for v in values]
+                    out[f"stream_{part}_p50_ms"] = percentile(values, 50)
             for key in ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "ideal"):
                 out[f"{key}_median"] = statistics.median(out[key])
             result["cells"][name] = out
+            parts = ", ".join(f"{part} {out[f'stream_{part}_p50_ms']:.1f}"
+                              for part in ("wait", "prefill", "rest")
+                              if f"stream_{part}_p50_ms" in out)
             print(f"[rag-grid] {variant} {name}: {capacity:.2f} req/s, TTFT p50 "
                   f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
-                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms, peak running "
+                  f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms"
+                  + (f" ({parts})" if parts else "") + ", peak running "
                   f"{out['peak_running']}, decoding {out['peak_decoding']}", flush=True)
             if partial is not None:
                 partial.write_text(json.dumps(result))
@@ -441,6 +465,10 @@ def main() -> None:
                          "(--out: the file) and print the summary")
     ap.add_argument("--one-machine", action="store_true",
                     help="with --combine: the calls ran back to back on one machine")
+    ap.add_argument("--ttft-breakdown", action="store_true",
+                    help="both sides with SGLang's --enable-metrics: each stream request's "
+                         "TTFT split into its wait for a forward batch, its prefill and the "
+                         "rest (stream_{wait,prefill,rest}_ms_all)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     if args.combine:
@@ -464,6 +492,8 @@ def main() -> None:
         params = {**PARAMS, **SMOKE["params"]}
         name = "spans_rag_grid_cpu_smoke"
         args.out = args.out or smoke_dir()
+    if args.ttft_breakdown:
+        engine_kwargs = dict(engine_kwargs, enable_metrics=True)
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     params["rates_file"] = args.rates_file or str(out_dir / "rag_grid_rates.json")

@@ -66,3 +66,12 @@ def test_most_at_once_counts_intervals_open_together():
     assert bench_rag_grid.most_at_once([]) == 0
     assert bench_rag_grid.most_at_once([(0, 2), (1, 3), (2, 4)]) == 2  # an end before a start
     assert bench_rag_grid.most_at_once([(0, 10), (1, 2), (3, 4), (5, 9), (6, 7)]) == 3
+
+
+def test_a_stream_requests_ttft_splits_into_wait_prefill_and_the_rest():
+    meta = {"request_received_ts": 100.0, "forward_entry_time": 100.030,
+            "prefill_finished_time": 100.050}
+    parts = bench_rag_grid.ttft_parts(0.065, meta)
+    assert parts == pytest.approx({"wait": 30.0, "prefill": 20.0, "rest": 15.0})
+    assert bench_rag_grid.ttft_parts(0.065, {"request_received_ts": 100.0}) is None
+    assert bench_rag_grid.ttft_parts(0.065, dict(meta, forward_entry_time=0.0)) is None
