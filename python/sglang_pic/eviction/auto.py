@@ -147,6 +147,9 @@ class AutoStrategy(CachePolicy):
         self.evictions = 0
         self.rng = random.Random(seed)
         self.chosen = 0
+        # each change of leader: (prompts looked up before it, the old leader, the new one)
+        self.leader_changes: list[tuple[int, str, str]] = []
+        self.lookups = 0
         self.choices = [0] * len(experts)
         self.regrets = [0.0] * len(experts)
         self._now_fn = time.monotonic
@@ -291,17 +294,25 @@ class AutoStrategy(CachePolicy):
         for i, h in enumerate(hits):
             self.shadow_hits[i] = self.shadow_hits[i] * d + h
             self.shadow_totals[i] += h
+        self.lookups += 1
         best = max(range(len(shadows)), key=self.shadow_hits.__getitem__)
         lead = self.shadow_hits[best] - self.shadow_hits[self.chosen]
         if self.confidence is None:
             if lead > SWITCH_MARGIN * self.shadow_tokens:
-                self.chosen = best
+                self._lead(best)
             return
         for i, hi in enumerate(hits):
             for j, hj in enumerate(hits):
                 self.lead_sq[i][j] = self.lead_sq[i][j] * d + (hi - hj) ** 2
         if lead > 0 and lead * lead > self.confidence ** 2 * self.lead_sq[best][self.chosen]:
-            self.chosen = best
+            self._lead(best)
+
+    def _lead(self, expert: int) -> None:
+        """``expert`` orders the next evict passes (``leader_changes`` records the change)."""
+        if expert != self.chosen:
+            self.leader_changes.append((self.lookups, self.names[self.chosen],
+                                        self.names[expert]))
+            self.chosen = expert
 
     def on_store(self, tokens, ctx, page_size: int, used: int, root=None) -> None:
         """An insert into the real cache (``used``: its tokens after it; ``root``: its root

@@ -409,6 +409,12 @@ def test_auto_follows_the_expert_whose_shadow_cache_hits_more():
     assert hits["lru"] > 1.5 * hits["gdsf"]
     alone = {p: replay(trace, p, capacity=capacity).hit_tokens for p in ("lru", "gdsf")}
     assert alone["lru"] > 1.5 * alone["gdsf"]
+    # a replay of auto reports its changes of leader (here auto starting on gdsf leaves it)
+    summary = replay(trace, "auto-gdsf", capacity=capacity).summary()
+    assert summary["leader_changes"] and summary["leader_changes"][0][1] == "gdsf"
+    leaders = ["gdsf"] + [to for _, _, to in summary["leader_changes"]]
+    assert [old for _, old, _ in summary["leader_changes"]] == leaders[:-1]
+    assert "leader_changes" not in replay(trace, "lru", capacity=capacity).summary()
 
 
 def test_auto_changes_leader_only_on_a_lead_the_paired_test_passes():
@@ -428,6 +434,8 @@ def test_auto_changes_leader_only_on_a_lead_the_paired_test_passes():
         def lookup(self, tokens) -> int:
             return next(self.hits)
 
+    changes = []
+
     def run(lru_hits: list[int], sae_hits: list[int], **kw) -> list[str]:
         auto = AutoStrategy(experts=("sae", "lru"), **kw)
         auto.shadows = [ScriptedShadow(sae_hits), ScriptedShadow(lru_hits)]
@@ -435,9 +443,11 @@ def test_auto_changes_leader_only_on_a_lead_the_paired_test_passes():
         for _ in lru_hits:
             auto.on_lookup([1] * 1000, None, 1)
             leaders.append(auto.names[auto.chosen])
+        changes[:] = auto.leader_changes
         return leaders
 
     assert run([100] * 6, [0] * 6) == ["sae"] * 4 + ["lru"] * 2
+    assert changes == [(5, "sae", "lru")]  # on the fifth prompt
     swings = [1000, 0] * 200  # lru ahead by 1000 on every other request, sae on the others
     assert set(run(swings, swings[1:] + [1000])) == {"sae"}
     assert run([100] * 2, [0] * 2, confidence=None) == ["lru"] * 2

@@ -104,6 +104,8 @@ class ReplayResult:
     refused: int = 0  # requests longer than the cache, left out (``servable``)
     refused_prompt_tokens: int = 0
     wall_s: float = 0.0
+    # ``auto``: its changes of leader, (requests replayed before it, from, to)
+    leader_changes: list[tuple[int, str, str]] | None = None
 
     def summary(self) -> dict:
         t = np.array(self.ttft_ms) if self.ttft_ms else np.zeros(1)
@@ -124,6 +126,8 @@ class ReplayResult:
                 "heldout_hit_rate": self.after_split[0] / max(self.after_split[1], 1),
                 "first_prompt_tokens": self.before_split[1],
                 "heldout_prompt_tokens": self.after_split[1]}),
+            **({} if self.leader_changes is None else {
+                "leader_changes": [list(c) for c in self.leader_changes]}),
             "refused_requests": self.refused, "refused_prompt_tokens": self.refused_prompt_tokens,
             "wall_s": self.wall_s,
         }
@@ -478,6 +482,8 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
             if i % 500 == 0:
                 result.nodes_max = max(result.nodes_max, _count_nodes(cache))
     result.hits_by_phase = [tuple(p) for p in phase_stats]
+    if getattr(strategy, "leader_changes", None) is not None:
+        result.leader_changes = list(strategy.leader_changes)
     result.wall_s = time.perf_counter() - wall0
     return result
 
