@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from sglang_pic.compat.request_state import pool_row
+
 from . import stored_positions
 from .key_runs import RUNS_ATTR, runs_from_shifts
 
@@ -186,7 +188,7 @@ class MovedPageCopier:
                 continue
             state = getattr(req, ATTR, None)
             if isinstance(state, MovedCopy):
-                self.req_to_token[req.req_pool_idx, state.positions] = state.slots.to(
+                self.req_to_token[pool_row(req), state.positions] = state.slots.to(
                     self.req_to_token.dtype)
             elif state is None:
                 n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
@@ -197,7 +199,7 @@ class MovedPageCopier:
                 setattr(req, RUNS_ATTR, runs_from_shifts(host[1], host[0]) if moved and n
                         else None)
                 if self.copies:
-                    self._set_state(req, self._copy(req.req_pool_idx, pages, host))
+                    self._set_state(req, self._copy(pool_row(req), pages, host))
                 elif moved:
                     self._count("shared_requests")
                     self._set_state(req, SHARED)
@@ -218,7 +220,7 @@ class MovedPageCopier:
         for req in reqs:
             state = getattr(req, ATTR, None)
             if isinstance(state, Waiting) and self._has_room(state.pages.numel() * self.page_size):
-                self._set_state(req, self._copy(req.req_pool_idx, state.pages))
+                self._set_state(req, self._copy(pool_row(req), state.pages))
 
     def _has_room(self, count: int) -> bool:
         return self.allocator.available_size() - count >= self.reserve
@@ -236,7 +238,7 @@ class MovedPageCopier:
         page = self.page_size
         flags, rows, shifts = [], [], []
         for req, n in reqs:
-            row = self.req_to_token[req.req_pool_idx, :n].long()
+            row = self.req_to_token[pool_row(req), :n].long()
             shift = torch.arange(n, device=row.device) - table[row].long()
             moved = shift != 0
             full = n // page * page

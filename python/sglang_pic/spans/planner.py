@@ -50,6 +50,8 @@ import msgspec
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from sglang_pic.compat.request_state import pool_row
+
 from .config import SpanConfig
 from .load import SpanLoad
 from .request import LAYOUT_KEY, UNIT_RID_PREFIX
@@ -175,7 +177,7 @@ class SpanPlanner:
             self.backlog.remove((req, recv))
             scheduler.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=req.rid), req)
         for rid, (req, _) in list(self.pins.items()):
-            if matches(rid) and req.req_pool_idx is None and rid not in self.held:
+            if matches(rid) and pool_row(req) is None and rid not in self.held:
                 self._unpin(rid)
         if recv_req.abort_all:
             for unit in list(self.units.values()):
@@ -424,7 +426,7 @@ class SpanPlanner:
         for req in list(last.reqs):
             unit = self.unit_by_rid.get(req.rid)
             if (unit is None or any(req is c for c in continuing) or _ending(req)
-                    or req.req_pool_idx is None or getattr(req, "is_retracted", False)
+                    or pool_row(req) is None or getattr(req, "is_retracted", False)
                     or req.extend_range.end < len(req.origin_input_ids)):
                 continue
             self.cache.cache_unfinished_req(req, chunked=True)

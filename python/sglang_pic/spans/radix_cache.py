@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sglang_pic.compat.request_state import pool_row, protected_len, set_protected_len
 from sglang_pic.eviction.context import segment_at
 from sglang_pic.position_free import moved_copies
 
@@ -154,13 +155,13 @@ class SpanRadixCache(RadixCache):
     ) -> list[tuple[torch.Tensor, int]]:
         """Insert each segment's own KV; return the (indices, start) ranges this request must free.
 
-        Positions below ``req.cache_protected_len`` came from the tree and are not ours to free;
+        Positions below the request's protected length (``protected_len``) came from the tree and are not ours to free;
         anything the tree already held from another request is a duplicate we free. A finished
         request also frees the unaligned tail of the last segment (as RadixCache does); an
         unfinished one keeps computing into it.
         """
         n = len(token_ids)
-        protected = req.cache_protected_len
+        protected = protected_len(req)
         priority = getattr(req, "priority", 0) or 0
         to_free: list[tuple[torch.Tensor, int]] = []
         for seg in segments_of(req) or ():
@@ -198,7 +199,7 @@ class SpanRadixCache(RadixCache):
             if self.disable_finished_insert:
                 is_insert = False
             token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-            kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+            kv_indices = self.req_to_token_pool.req_to_token[pool_row(req), : len(token_ids)]
             to_free = self._insert_segments(
                 req, token_ids, kv_indices, chunked=False, finished=True, is_insert=is_insert
             )
@@ -216,17 +217,17 @@ class SpanRadixCache(RadixCache):
         if segments is None or self.disable:
             return super().cache_unfinished_req(req, chunked)
         token_ids = req.get_fill_ids()
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        kv_indices = self.req_to_token_pool.req_to_token[pool_row(req), : len(token_ids)]
         self.token_to_kv_pool_allocator.free_segments(
             self._insert_segments(req, token_ids, kv_indices, chunked=chunked, finished=False)
         )
         match = self.match_segments(token_ids, len(token_ids), segments)
         new_indices, new_last_node = match.device_indices, match.last_device_node
+        protected = protected_len(req)
         self.req_to_token_pool.write(
-            (req.req_pool_idx, slice(req.cache_protected_len, len(new_indices))),
-            new_indices[req.cache_protected_len :],
+            (pool_row(req), slice(protected, len(new_indices))), new_indices[protected:]
         )
-        req.cache_protected_len = len(new_indices)
+        set_protected_len(req, len(new_indices))
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last_node)
         if len(new_indices) < len(kv_indices):

@@ -28,6 +28,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_pic.compat.request_state import pool_row
+
 from . import prefill_offload
 from .config import (
     HOST_MEMORY_SHARE,
@@ -153,7 +155,7 @@ def record_request_rows(result, cls, batch, model_runner=None, *args, **kwargs) 
         return
     reqs = getattr(batch, "reqs", None)
     if reqs:
-        setattr(result, REQUEST_ROWS, [req.req_pool_idx for req in reqs])
+        setattr(result, REQUEST_ROWS, [pool_row(req) for req in reqs])
 
 
 def _as_list(values) -> list[int] | None:

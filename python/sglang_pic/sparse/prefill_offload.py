@@ -37,6 +37,8 @@ import weakref
 
 import torch
 
+from sglang_pic.compat.request_state import pool_row
+
 from .config import SparseDecodeConfig
 
 _SCORE_ELEMENTS = 1 << 26
@@ -161,10 +163,10 @@ def release_finished_slots(scheduler, running_batch) -> bool:
     state = _state
     if state is None or all(slot is None for slot in state.slots):
         return False  # nothing to release: the running batch is not read (every iteration)
-    live = {req.req_pool_idx for req in running_batch.reqs}
+    live = {pool_row(req) for req in running_batch.reqs}
     chunked = getattr(scheduler, "chunked_req", None)
     if chunked is not None:
-        live.add(chunked.req_pool_idx)
+        live.add(pool_row(chunked))
     live.discard(None)
     return state.release_finished(live) > 0
 

@@ -1,0 +1,44 @@
+"""A request's KV bookkeeping on SGLang's ``Req``, wherever the installed release keeps it.
+
+Our features read and write two of a request's fields: its ``req_to_token`` row
+(``req_pool_idx``) and how much of its sequence the prefix cache owns (``cache_protected_len``).
+SGLang 0.5.17 keeps them on the ``Req`` itself; 0.5.23 moved them into ``req.kv`` (a
+``ReqKvInfo``). Assigning the old name
+on a newer ``Req`` would not fail, it would add a stray attribute SGLang never reads, so every
+read and write goes through here instead of ``req.<field>``. Adding a release that moves them
+again is an edit of ``_holder`` alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.cache
+def _kv_info_on_req() -> bool:
+    """Whether the installed SGLang keeps the fields in ``req.kv`` (``ReqKvInfo``, 0.5.23)."""
+    from sglang.srt.managers import schedule_batch
+
+    return hasattr(schedule_batch, "ReqKvInfo")
+
+
+def _holder(req: Any) -> Any:
+    """The object holding ``req``'s KV fields: ``req.kv`` where the release has it (and a
+    stand-in request in a test carries one), else ``req``."""
+    kv = getattr(req, "kv", None) if _kv_info_on_req() else None
+    return req if kv is None else kv
+
+
+def pool_row(req: Any) -> int | None:
+    """``req``'s row of ``req_to_token`` (None: it holds none)."""
+    return _holder(req).req_pool_idx
+
+
+def protected_len(req: Any) -> int:
+    """The tokens at the head of ``req``'s sequence the prefix cache owns."""
+    return _holder(req).cache_protected_len
+
+
+def set_protected_len(req: Any, n: int) -> None:
+    _holder(req).cache_protected_len = n
