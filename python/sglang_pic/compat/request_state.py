@@ -17,10 +17,15 @@ from typing import Any
 
 @functools.cache
 def _kv_info_on_req() -> bool:
-    """Whether the installed SGLang keeps the fields in ``req.kv`` (``ReqKvInfo``, 0.5.23)."""
+    """Whether the installed SGLang keeps the fields in ``req.kv``: its ``ReqKvInfo`` declares
+    ``req_pool_idx`` (0.5.23; 0.5.17 has a ``ReqKvInfo`` too, with other fields)."""
+    import dataclasses
+
     from sglang.srt.managers import schedule_batch
 
-    return hasattr(schedule_batch, "ReqKvInfo")
+    info = getattr(schedule_batch, "ReqKvInfo", None)
+    return info is not None and dataclasses.is_dataclass(info) and "req_pool_idx" in {
+        f.name for f in dataclasses.fields(info)}
 
 
 def _holder(req: Any) -> Any:
