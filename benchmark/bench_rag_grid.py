@@ -117,6 +117,10 @@ def prompt(draw: dict, request: tuple, spans: bool) -> list[int]:
     return ids + ([PDEP] if spans else []) + question
 
 
+TTFT_PARTS = ("wait", "prefill", "rest")
+"""The parts ``ttft_parts`` splits a stream request's time to first token into."""
+
+
 def ttft_parts(ttft_s: float, meta: dict) -> dict | None:
     """Where a request's time to first token went, in ms, from the server's timestamps
     (``meta_info`` with ``enable_metrics``): ``wait`` from its arrival at the server to its
@@ -127,8 +131,8 @@ def ttft_parts(ttft_s: float, meta: dict) -> dict | None:
     if not all(meta.get(k) for k in keys):
         return None
     received, entry, done = (float(meta[k]) for k in keys)
-    return {"wait": 1000 * (entry - received), "prefill": 1000 * (done - entry),
-            "rest": 1000 * (ttft_s - (done - received))}
+    return dict(zip(TTFT_PARTS, (1000 * (entry - received), 1000 * (done - entry),
+                                 1000 * (ttft_s - (done - received))), strict=True))
 
 
 def ideal(draw: dict) -> float:
@@ -273,20 +277,19 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 out["stream_ttft_p99_ms"] = 1000 * percentile(ttfts, 99)
                 parts = [p for p in (ttft_parts(o[0], o[2].get("meta_info", {}))
                                      for o in outs) if p is not None]
-                for part in ("wait", "prefill", "rest") if parts else ():
+                for part in TTFT_PARTS if parts else ():
                     values = [p[part] for p in parts]
                     out[f"stream_{part}_ms_all"] = [round(v, 2) for v in values]
                     out[f"stream_{part}_p50_ms"] = percentile(values, 50)
             for key in ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "ideal"):
                 out[f"{key}_median"] = statistics.median(out[key])
             result["cells"][name] = out
-            parts = ", ".join(f"{part} {out[f'stream_{part}_p50_ms']:.1f}"
-                              for part in ("wait", "prefill", "rest")
-                              if f"stream_{part}_p50_ms" in out)
+            breakdown = ", ".join(f"{part} {out[f'stream_{part}_p50_ms']:.1f}"
+                                  for part in TTFT_PARTS if f"stream_{part}_p50_ms" in out)
             print(f"[rag-grid] {variant} {name}: {capacity:.2f} req/s, TTFT p50 "
                   f"{out['ttft_p50_ms_median']:.0f} ms, stream p50 "
                   f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms"
-                  + (f" ({parts})" if parts else "") + ", peak running "
+                  + (f" ({breakdown})" if breakdown else "") + ", peak running "
                   f"{out['peak_running']}, decoding {out['peak_decoding']}", flush=True)
             if partial is not None:
                 partial.write_text(json.dumps(result))

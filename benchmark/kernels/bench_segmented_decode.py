@@ -200,9 +200,9 @@ def plot(report: dict, out: Path) -> Path:
     ax.bar(names, [report["results"][v]["attend_ms"] for v in names], color="#4c72b0")
     ax.set_ylabel("one layer's decode attention (ms)")
     c = report["config"]
-    ax.set_title(f"{c['requests']} requests x {c['per_request']} of {c['docs']} documents of "
-                 f"{c['doc_tokens']} tokens, {report['environment'].get('gpu') or 'CPU'}",
-                 fontsize=8)
+    lengths = (f"cell {c['cell']}" if c.get("cell") else f"{c['doc_tokens']} tokens each")
+    ax.set_title(f"{c['requests']} requests x {c['per_request']} of {c['docs']} documents "
+                 f"({lengths}), {report['environment'].get('gpu') or 'CPU'}", fontsize=8)
     return save_figure(fig, out)
 
 

@@ -155,8 +155,9 @@ class SpanRadixCache(RadixCache):
     ) -> list[tuple[torch.Tensor, int]]:
         """Insert each segment's own KV; return the (indices, start) ranges this request must free.
 
-        Positions below the request's protected length (``protected_len``) came from the tree and are not ours to free;
-        anything the tree already held from another request is a duplicate we free. A finished
+        Positions below the request's protected length (``protected_len``) came from the tree
+        and are not ours to free; anything the tree already held from another request is a
+        duplicate we free. A finished
         request also frees the unaligned tail of the last segment (as RadixCache does); an
         unfinished one keeps computing into it.
         """
