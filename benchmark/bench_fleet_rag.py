@@ -56,6 +56,7 @@ from sglang_pic.fleet import gpu_share
 from sglang_pic.fleet.cli import GPU_MEMORY_SHARE
 from sglang_pic.fleet.routing import ROUTING_KEY_HEADER, span_routing_key
 
+from benchmark import description
 from benchmark.bench_rag_grid import (
     CELLS,
     PARAMS,
@@ -481,7 +482,7 @@ def summarize(report: dict) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--name", default="fleet_rag", help="the report's file name")
     ap.add_argument("--sides", default="vanilla,sglang-pic",

@@ -30,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 
 LENGTHS = (1024, 8192, 32768, 131072)
@@ -111,7 +113,7 @@ def time_sglang_parse(path: str, raw: bytes) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()

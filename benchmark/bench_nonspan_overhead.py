@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 
+from benchmark import description
 from benchmark.bench_position_free import ENGINE_KWARGS, PARAMS
 
 SPAN_SERVER = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pic_span"}
@@ -53,7 +54,7 @@ def _cases(text: str) -> list[list[int]]:
 def main() -> None:
     from benchmark.harness import run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default="vanilla,sglang-pic-spans",
                     help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-triton, "

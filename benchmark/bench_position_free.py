@@ -29,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import LLAMA3_8B_DUMMY
 
 MODEL = LLAMA3_8B_DUMMY["model_path"]
@@ -228,7 +229,7 @@ def main() -> None:
 
     from benchmark.harness import RESULTS, run_side_by_side
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="1K/8K only, fewer cases")
     ap.add_argument("--skip-logits", action="store_true")

@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import LLAMA3_8B_DUMMY
 
 MODEL = LLAMA3_8B_DUMMY["model_path"]
@@ -124,7 +125,7 @@ PARAMS = {
 def main() -> None:
     from benchmark.harness import run_side_by_side
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--repeats", type=int, default=PARAMS["repeats"])
     ap.add_argument("--order", default="vanilla,sglang-pic",

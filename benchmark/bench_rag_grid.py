@@ -38,6 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     current_variant,
@@ -443,7 +444,7 @@ def combine(paths: list[str], out: str | None, one_machine: bool = False) -> dic
 def main() -> None:
     from benchmark.harness import cpu_smoke_engine, run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default="vanilla,sglang-pic",
                     help="any of vanilla (FlashInfer), sglang-pic (segmented attention over "

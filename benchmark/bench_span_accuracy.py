@@ -25,6 +25,8 @@ import random
 import time
 from pathlib import Path
 
+from benchmark import description
+
 REPO = Path(__file__).resolve().parent.parent
 
 FIRST = ["Ana", "Boris", "Chen", "Dalia", "Emeka", "Freya", "Goran", "Hana", "Ivo", "Jun", "Kira",
@@ -101,7 +103,7 @@ def run_engine(model: str, prompts: list[str], link_tokens: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--questions", type=int, default=60)
     ap.add_argument("--docs", type=int, default=4, help="documents per question")
     ap.add_argument("--link-tokens", type=int, default=16)

@@ -37,6 +37,7 @@ import os
 import statistics
 import time
 
+from benchmark import description
 from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     current_variant,
@@ -211,7 +212,7 @@ SMOKE = {  # CPU check of the script: SmolLM2 on the CPU engine, tiny sizes
 def main() -> None:
     from benchmark.harness import run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default=None,
                     help="any of vanilla (FlashInfer), vanilla-triton, sglang-pic (ISPS), "

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from benchmark import description
+
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "headlines.json"
 FLASHINFER = "flashinfer"
@@ -1278,7 +1280,7 @@ def readme_with_table(readme: str, table: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--check", action="store_true",
                     help="do not write; exit 1 if headlines.json differs from the raw files or "
                     "README.md's results table from headlines.json")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmark import description
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmark" / "results"
 FIGURES = REPO / "docs" / "figures"
@@ -135,7 +137,7 @@ def main() -> None:
     import argparse
 
     global FIGURES
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--shifted", type=Path, default=None,
                     help=f"shifted-layout kernel results (default {SHIFTED.name} if present)")
     ap.add_argument("--figures", type=Path, default=FIGURES, help="where the figures go")

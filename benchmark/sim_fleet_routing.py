@@ -50,6 +50,7 @@ from pathlib import Path
 
 from sglang_pic.fleet.routing import independent_spans, key_of_spans, span_digest, span_routing_key
 
+from benchmark import description
 from benchmark.bench_rag_grid import CELLS, PARAMS, SSEP, draw_requests, prompt
 from benchmark.harness import environment, smoke_dir
 
@@ -171,7 +172,7 @@ def simulate(cell_name: str, instances: int, cache: float, policy: str, params: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--cells", default="aligned,varlen_k6_p256_z07_t4,varlen_k10_p1024_z11_t4,"
                                         "varlen_k10_p256_z11_t1,fixed_k6_p1024_z07_t4")

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from sglang_pic.eviction.replay.simulator import resent_blocks
 
+from benchmark import description
 from benchmark.eviction.replay_trace import TRACE, _register
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +105,7 @@ def noisy_q(labels: np.ndarray, target_auc: float, seed: int = 0) -> np.ndarray:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--heldout", type=float, default=0.4)
     ap.add_argument("--fractions", default="0.05,0.1,0.2")

@@ -36,6 +36,7 @@ import os
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import LLAMA3_8B_DUMMY, percentile
 
 HERE = Path(__file__).resolve().parent
@@ -241,7 +242,7 @@ def main() -> None:
     from benchmark.eviction.bench_eviction import SGLANG_POLICIES
     from benchmark.harness import RESULTS, run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None)
     ap.add_argument("--scale", type=int, default=PARAMS["scale"])
     ap.add_argument("--kv-tokens", type=int, default=None,

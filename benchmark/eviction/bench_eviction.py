@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -195,7 +197,7 @@ def markdown_table(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--scale", type=int, default=None,
                     help="sessions per workload (size knob; default 100, 20 with --quick)")
     ap.add_argument("--quick", action="store_true",

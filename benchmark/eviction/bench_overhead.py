@@ -16,6 +16,8 @@ import time
 from array import array
 from pathlib import Path
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -49,7 +51,7 @@ def main() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang_pic.plugin import register_feature
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--leaves", type=int, nargs="+", default=[10000, 20000])
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "eviction_overhead.json"))
     args = ap.parse_args()

@@ -32,6 +32,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.eviction.bench_eviction import SGLANG_POLICIES, check_policies
 
 HERE = Path(__file__).resolve().parent
@@ -97,7 +98,7 @@ def environment() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; tlru:<xi>:<q_hat> is T-LRU at those settings "

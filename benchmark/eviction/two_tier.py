@@ -55,6 +55,8 @@ from sglang_pic.eviction.replay.simulator import (
     servable,
 )
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -258,7 +260,7 @@ def main() -> None:
     from benchmark.eviction.bench_eviction import REFERENCE, check_policies
     from benchmark.eviction.replay_trace import POLICIES, TRACE, _register, environment
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated eviction policies (default: SGLang's and ours; "

@@ -25,11 +25,13 @@ import statistics
 import sys
 import time
 
+from benchmark import description
+
 WAYS = ("in kernel", "cuBLAS first")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--tokens", type=int, default=131072, help="keys per KV head (a region)")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

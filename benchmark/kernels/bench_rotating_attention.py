@@ -57,6 +57,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark import description
+
 REPO = Path(__file__).resolve().parents[2]
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -425,7 +427,7 @@ def print_row(r: dict, t0: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None,
                     help="results folder (default benchmark/results; with --quick a temp folder)")
     ap.add_argument("--quick", action="store_true", help="a few small cases (GPU smoke test)")

@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmark import description
+
 VARIANTS = ("vanilla", "per-run", "grouped")
 
 
@@ -209,7 +211,7 @@ def plot(report: dict, out: Path) -> Path:
 def main() -> None:
     from benchmark.harness import environment, gpu_tag
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--per-request", type=int, default=4)

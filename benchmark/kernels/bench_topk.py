@@ -28,9 +28,11 @@ import statistics
 import sys
 import time
 
+from benchmark import description
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--candidates", type=int, default=4096, help="C: estimates per KV head")
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--kv-heads", type=int, default=8)

@@ -21,12 +21,14 @@ import os
 import time
 from pathlib import Path
 
+from benchmark import description
+
 os.environ["TRITON_INTERPRET"] = "0"  # the compiler's kernels, not the interpreter's
 REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8],
                     help="num_warps to build each kernel with (the server's launches use 4; "
                          "the encode 8, top-k more for more than 4096 candidates)")

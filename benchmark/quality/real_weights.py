@@ -27,6 +27,8 @@ import argparse
 import os
 from pathlib import Path
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 
 QUESTIONS = [
@@ -154,7 +156,7 @@ def main() -> None:
 
     from benchmark.harness import run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)

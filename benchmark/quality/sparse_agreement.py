@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark import description
+
 # sparse_needle puts benchmark/ (the harness) and python/ (sglang_pic) on the path
 from benchmark.quality.sparse_needle import (
     SPARSE_KNOBS,
@@ -94,7 +96,7 @@ def main() -> None:
 
     from benchmark.harness import RESULTS, environment, run_side_by_side
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="default benchmark/results")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=2400)

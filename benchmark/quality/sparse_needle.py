@@ -55,6 +55,8 @@ import random
 import time
 from pathlib import Path
 
+from benchmark import description
+
 CONTEXT = 8192  # SmolLM2-135M's context length
 LENGTHS = {"2k": 2048, "4k": 4096, "8k": 8192}  # nominal prompt lengths
 TASKS = ("niah_single", "niah_multikey")
@@ -286,7 +288,7 @@ def main() -> None:
 
     from benchmark.harness import RESULTS, environment, ratio_table, run_side_by_side, smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="default benchmark/results")
     ap.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     ap.add_argument("--cases", type=int, default=60, help="cases per task and length")

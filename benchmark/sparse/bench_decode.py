@@ -39,6 +39,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from benchmark import description
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -373,7 +375,7 @@ def case(batch: int, ctx: int, candidates: list[int], dense: bool,
 def main() -> None:
     from benchmark.harness import smoke_dir
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--contexts", type=int, nargs="+",
                     default=[32768, 131072, 524288, 1048576])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])

@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import (
     LLAMA3_8B_DUMMY,
     RESULTS,
@@ -304,7 +305,7 @@ def _merge_earlier(report: dict, prev: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--cases", default="1x4096,1x131072,1x262144,4x65536")
     ap.add_argument("--variants", default="vanilla,sglang-pic",
                     help="of vanilla, vanilla-triton, sglang-pic (pariskv_triton), "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sparse.bench_e2e_decode import start_engine
 
-from benchmark import harness
+from benchmark import description, harness
 
 QWEN25_7B_SHAPE = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "hidden_size": 3584, "intermediate_size": 18944}
@@ -113,7 +113,7 @@ def plot(report: dict, out_dir: Path) -> Path | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--lengths", default="131072,262144,524288")
     ap.add_argument("--pool-tokens", type=int, default=65536)
     ap.add_argument("--shape", choices=("llama3-8b", "qwen2.5-7b"), default="llama3-8b")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sparse.bench_e2e_decode import start_engine
 
-from benchmark import harness
+from benchmark import description, harness
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
@@ -99,7 +99,7 @@ def plot(report: dict, out_dir: Path) -> Path | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--new", type=int, default=512)

@@ -17,6 +17,8 @@ import random
 import time
 from pathlib import Path
 
+from benchmark import description
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +71,7 @@ def capture_qkv(model, ids: list[int], device: str = "cpu") -> dict[int, tuple]:
     return captured
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--queries", type=int, default=4, help="last positions evaluated")

@@ -27,6 +27,8 @@ import random
 import time
 from pathlib import Path
 
+from benchmark import description
+
 REPO = Path(__file__).resolve().parents[2]
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -114,7 +116,7 @@ class SparseDecode:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--tasks", nargs="+",
                     default=["niah_single", "niah_multikey", "variable_tracking"])

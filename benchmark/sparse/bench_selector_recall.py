@@ -31,9 +31,11 @@ import os
 import time
 from pathlib import Path
 
+from benchmark import description
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="default benchmark/results")
     ap.add_argument("--lengths", nargs="+", default=["2k", "8k"], choices=["2k", "4k", "8k"])
     ap.add_argument("--layers", default="0,5,12,20,29",

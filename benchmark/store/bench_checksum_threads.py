@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from benchmark import description
+
 CHUNK = 64 << 10
 THREADS = (1, 2, 4, 8, 12)
 BUSY_THREADS = (1, 4, 12)
@@ -85,7 +87,7 @@ class Spinner:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--page-mb", type=float, default=4.0)
     ap.add_argument("--samples", type=int, default=3)

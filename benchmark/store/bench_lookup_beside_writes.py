@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import environment, save_figure, start_store_servers
 
 HERE = Path(__file__).resolve().parent
@@ -161,7 +162,7 @@ def lookup_args(doc: str, servers: int, lookups: int, gap_ms: float, rounds: int
                 add: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
     """The lookup benchmarks' flags (``add`` adds a benchmark's own), parsed and checked: every
     integer at least 1, ``--gap-ms`` at least 0; ``--smoke`` puts its results in a temp folder."""
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(doc))
     ap.add_argument("--servers", type=int, default=servers)
     ap.add_argument("--lookup-pages", type=int, default=128)
     ap.add_argument("--lookups", type=int, default=lookups, help="per sample")

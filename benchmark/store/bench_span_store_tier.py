@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import _write_report, environment, save_figure, start_store_servers
 
 HERE = Path(__file__).resolve().parent
@@ -172,7 +173,7 @@ def plot(report: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--rounds", type=int, default=3, help="samples per cell, variants alternating")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")

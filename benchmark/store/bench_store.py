@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import free_port, start_store_servers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +137,7 @@ def _summ(times: list[float], size: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "store_throughput.json"))
     ap.add_argument("--insecure", action="store_true",

@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import (
     REPO,
     environment,
@@ -273,7 +274,7 @@ def plot(report: dict, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--cpu", action="store_true", help="CPU smoke: SmolLM2, short documents")

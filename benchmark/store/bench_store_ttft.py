@@ -73,6 +73,7 @@ import time
 import zlib
 from pathlib import Path
 
+from benchmark import description
 from benchmark.harness import LLAMA3_8B_DUMMY, ROUND_ENV, store_totals
 
 HERE = Path(__file__).resolve().parent
@@ -712,7 +713,7 @@ def _python_loop_beside(nap_s: float | None):
 def main() -> None:
     from benchmark.harness import _write_report, run_side_by_side, smoke_dir, start_store_servers
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--replot", default=None, help="table and plot of a report JSON, no run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default=None,

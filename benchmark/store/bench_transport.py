@@ -62,6 +62,8 @@ from pathlib import Path
 
 from sglang_pic.store.datapath import recv_exact  # the data plane's own receive loop
 
+from benchmark import description
+
 VARIANTS: dict[str, dict] = {
     "tcp-1": {"kind": "tcp", "streams": 1},
     "tcp-4": {"kind": "tcp", "streams": 4},
@@ -588,7 +590,7 @@ def versions() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--page-mb", type=float, default=1.0)
     ap.add_argument("--page-bytes", type=int, default=None, help=argparse.SUPPRESS)
