@@ -2,8 +2,9 @@
 
 Segmented attention (``segmented_backend``) attends each run of keys moved by one distance
 (``key_runs``) as a request of its own, with the query turned back by the run's shift, and merges
-the partial outputs by their log-sum-exp. It needs three batched calls and a merge:
+the partial outputs by their log-sum-exp. It needs a turn, three batched calls and a merge:
 
+* ``turn``: each run's query row, turned back by the run's shift;
 * ``decode``: one query row per run, over the run's keys (non-causal);
 * ``paged``: each run's copy of its request's new tokens, over the run's keys (non-causal: a
   run lies before every new token); in a decode step, the query rows of the runs that read the
@@ -12,13 +13,15 @@ the partial outputs by their log-sum-exp. It needs three batched calls and a mer
 * ``merge``: ``out[i] = sum_j w_ij o[index[i, j]]``, ``w`` from the log-sum-exps.
 
 ``FlashInferRunKernels`` plans FlashInfer's batch wrappers (the kernels vanilla SGLang runs,
-sharing its workspace) and merges with ``flashinfer.merge_states``. ``TorchRunKernels`` is the
-same contract in plain torch: the CPU engine's path, and the reference the GPU test checks
-FlashInfer's against. A kernel set's log-sum-exps are only ever merged with its own (FlashInfer's
-are base 2; the torch ones are made base 2 too).
+sharing its workspace) and turns and merges with one Triton kernel each
+(``sglang_pic_kernel.rotating_attention.segmented_ops``); ``for_graph`` gives a copy whose paged
+wrapper runs in CUDA-graph mode (``segmented_graphs``). ``TorchRunKernels`` is the same contract
+in plain torch: the CPU engine's path, and the reference the GPU test checks FlashInfer's
+against. A kernel set's log-sum-exps are only ever merged with its own (FlashInfer's are base 2;
+the torch ones are made base 2 too).
 
 Shapes: ``q`` [rows, Hq, D]; keys and values of the pool ``[slots, Hkv, D]``; a log-sum-exp
-float32 [rows, Hq].
+float32 [rows, Hq]; ``merge``'s ``index`` [M, S], entries ``>= rows`` padding.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ import torch
 LOG2E = 1.0 / math.log(2.0)
 EMPTY_LSE = -1e30
 """The log-sum-exp of the padding state ``merge`` weighs with zero."""
-MERGE_ROWS = 2048
-"""Output rows merged per ``merge_states`` call (bounds the gathered states' memory)."""
 
 
 def turn_table(shift: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +96,18 @@ class TorchRunKernels:
         self.scale = scale
         self._decode = self._paged = self._ragged = None
 
+    def for_graph(self, *buffers: torch.Tensor) -> TorchRunKernels:
+        """A kernel set of its own for a captured step (no graph on the CPU: the buffers are
+        FlashInfer's business; the padded plan is the same)."""
+        return TorchRunKernels(self.scale)
+
+    @staticmethod
+    def turn(q: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor, cos_sin: torch.Tensor,
+             count: torch.Tensor | None = None) -> torch.Tensor:
+        """``q[rows]`` turned back by ``shift`` (every row: ``count`` only bounds what a
+        caller reads)."""
+        return turn(q, rows, turn_table(shift, cos_sin))
+
     def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         self._decode = (kv_indptr.tolist(), kv_indices.long())
 
@@ -124,8 +137,15 @@ class TorchRunKernels:
         return self._over_pool(q, kv, list(range(len(kvp))), kvp, idx)
 
     def paged(self, q: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows past the last group (a padded step's) are the padding state, as no group
+        covers them."""
         qo, kvp, idx = self._paged
-        return self._over_pool(q, kv, qo, kvp, idx)
+        o, lse = self._over_pool(q, kv, qo, kvp, idx)
+        rest = q.shape[0] - o.shape[0]
+        if rest:
+            o = torch.cat((o, o.new_zeros((rest, *o.shape[1:]))))
+            lse = torch.cat((lse, lse.new_full((rest, lse.shape[1]), EMPTY_LSE)))
+        return o, lse
 
     def ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +157,8 @@ class TorchRunKernels:
     @staticmethod
     def merge(o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``o`` [N, H, D] and ``lse`` [N, H] (base 2), merged along ``index`` [M, S] (entries
-        < N, or N: padding) into [M, H, D]."""
+        < N, or >= N: padding) into [M, H, D]."""
+        index = index.clamp(max=o.shape[0])
         o, lse = with_padding_state(o, lse)
         s = lse[index]  # [M, S, H]
         w = torch.exp2(s - s.amax(dim=1, keepdim=True))
@@ -161,14 +182,37 @@ class FlashInferRunKernels:
             BatchPrefillWithPagedKVCacheWrapper,
             BatchPrefillWithRaggedKVCacheWrapper,
         )
+        from sglang_pic_kernel.rotating_attention.segmented_ops import merge_runs, turn_rows
 
         self._decode = BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=use_tensor_cores)
         self._paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
         self._ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
+        self.workspace = workspace
+        self._turn_rows, self._merge_runs = turn_rows, merge_runs  # imported once, not per call
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.scale = scale
+
+    def for_graph(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
+                  ) -> FlashInferRunKernels:
+        """A copy whose paged wrapper runs in CUDA-graph mode over these buffers (its batch
+        size fixed to ``len(qo_indptr) - 1``), as SGLang's backend builds its own graph
+        wrappers; the decode and ragged wrappers are shared (a captured step never calls them)."""
+        from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+        twin = object.__new__(FlashInferRunKernels)
+        twin.__dict__.update(self.__dict__)
+        twin._paged = BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, backend="fa2", qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+            paged_kv_last_page_len_buf=kv_last_page_len)
+        return twin
+
+    def turn(self, q: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor,
+             cos_sin: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+        return self._turn_rows(q, rows, shift, cos_sin, count)
 
     def plan_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         n = kv_indptr.numel() - 1
@@ -203,14 +247,8 @@ class FlashInferRunKernels:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._ragged.run(q, k, v, return_lse=True)
 
-    @staticmethod
-    def merge(o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``flashinfer.merge_states`` over the gathered states, ``MERGE_ROWS`` output rows at a
-        time: a long extend after many runs would otherwise gather ``rows x runs`` copies of
-        the output at once (8K tokens x 12 runs x 32 heads x 128: 0.8 GB per layer in bf16)."""
-        from flashinfer import merge_states
-
-        o, lse = with_padding_state(o, lse)
-        parts = [merge_states(o[rows].contiguous(), lse[rows].contiguous())[0]
-                 for rows in index.split(MERGE_ROWS)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """One Triton kernel reading each state once where its row's index names it (no
+        gathered ``rows x runs`` copy of the output, which a long extend after many runs would
+        make: 8K tokens x 12 runs x 32 heads x 128 is 0.8 GB per layer in bf16)."""
+        return self._merge_runs(o.contiguous(), lse.float().contiguous(), index.contiguous())
