@@ -1,4 +1,4 @@
-"""One decode step's attention over RAG requests that share documents, three ways, on one GPU.
+"""One decode step's attention over RAG requests that share documents, four ways, on one GPU.
 
 A burst of RAG requests over a few popular documents holds each document once in the pool
 (the span cache) and reads it at other offsets than it was computed at. Per layer, a decode
@@ -11,7 +11,10 @@ step's attention is:
   each run read on its own (FlashInfer's batch decode), merged by log-sum-exp;
 * ``grouped``: segmented attention as it runs by default, runs of several requests that read
   the same slots attended together as one request of FlashInfer's paged prefill, so a shared
-  document is read once per step.
+  document is read once per step;
+* ``graph``: ``grouped`` as ``--position-free-span-graphs`` replays it: the padded layout of a
+  captured step (``segmented_graphs``, ``--span-graph-runs`` 16), one layer captured in a CUDA
+  graph and replayed (on the CPU: the padded plan, run eagerly).
 
 The requests: ``--requests`` prompts of a system prompt, ``--per-request`` of ``--docs``
 documents (Zipf ``--zipf``, ``--doc-tokens`` each, in random order, each computed after the
@@ -45,7 +48,7 @@ import torch
 
 from benchmark import description
 
-VARIANTS = ("vanilla", "per-run", "grouped")
+VARIANTS = ("vanilla", "per-run", "grouped", "graph")
 
 
 def _cos_sin(positions: int, dim: int, device: str) -> torch.Tensor:
@@ -162,13 +165,54 @@ def variant_step(name: str, args, case: dict, device: str, dtype, workspace
     per_request = [request_runs(r, ln) for r, ln in zip(case["runs"], case["lengths"],
                                                            strict=True)]
 
-    seg.group_shared_runs = name == "grouped"
+    seg.group_shared_runs = name != "per-run"
+    if name == "graph":
+        return _graph_step(seg, layer, per_request, n, args, device, dtype)
 
     def plan() -> None:
         shifted_batches._runs = per_request
         seg.init_forward_metadata(batch)
 
     return plan, lambda q: seg.forward_decode(q, None, None, layer, batch, save_kv_cache=False)
+
+
+def _graph_step(seg, layer, per_request, n: int, args, device: str, dtype
+                ) -> tuple[Callable[[], None], Callable[[torch.Tensor], torch.Tensor]]:
+    """``(plan, attend)`` of the captured step of batch size ``n``: the replay's plan, and the
+    query copied into the graph's input then one replay (eager on the CPU)."""
+    from sglang_pic.position_free import shifted_batches
+
+    mode = types.SimpleNamespace(is_decode_or_idle=lambda: True)
+    batch = types.SimpleNamespace(batch_size=n, req_pool_indices=torch.arange(n, device=device),
+                                  forward_mode=mode, out_cache_loc=None)
+    seg.init_cuda_graph_state(n, n)
+    seg.init_forward_metadata_out_graph(batch, in_capture=True)
+    q_in = torch.zeros(n, args.heads, args.head_dim, dtype=dtype, device=device)
+
+    def run() -> torch.Tensor:
+        return seg.forward_decode(q_in, None, None, layer, batch, save_kv_cache=False)
+
+    def plan() -> None:
+        shifted_batches._runs = per_request
+        seg.init_forward_metadata_out_graph(batch)
+
+    if device != "cuda":
+        return plan, lambda q: (q_in.copy_(q), run())[1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        q_in.copy_(q)
+        graph.replay()
+        return out
+
+    return plan, attend
 
 
 def timed(fn: Callable[[], object], device: str, repeat: int) -> float:

@@ -1,9 +1,9 @@
 """Position-free KV on a GPU, end to end: ``pic_flashinfer`` serves requests without spans as
 vanilla SGLang on FlashInfer does, serves span prompts as the HF block-attention reference does,
 with moved spans read from the shared pages by segmented attention (FlashInfer's kernels, the
-default), copied per request (``--span-copy-on-reuse on``) or read by the shift-aware kernels
-(the second decode graph set, ``--position-free-span-graphs``), and ``pic_triton`` gives the
-same tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
+default), copied per request (``--span-copy-on-reuse on``) or with decode steps replayed from a
+second CUDA graph set (``--position-free-span-graphs``), and ``pic_triton`` gives the same
+tokens. Real weights (the embedded SmolLM2-135M-Instruct, bf16): dummy weights have flat
 logits that any attention would match.
 
 Run on the device by ``make test-gpu`` (needs the model staged: ``SGLANG_PIC_CACHE`` and the
@@ -35,8 +35,10 @@ SERVERS = {
     "spans": ["--enable-span-cache", "--enable-metrics"],
     # moved spans copied per request, turned once: vanilla FlashInfer batches, CUDA graphs
     "spans_copies": ["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics"],
+    # decode steps of span batches replayed from a second CUDA graph set: segmented attention
+    # in its padded layout
     "span_graphs": ["--enable-span-cache", "--span-copy-on-reuse", "off",
-                    "--position-free-span-graphs"],
+                    "--position-free-span-graphs", "--enable-metrics"],
     "spans_triton": ["--enable-span-cache", "--attention-backend", "triton"],
 }
 
@@ -194,8 +196,10 @@ def test_moved_spans_are_read_shared_by_default_and_copied_when_asked(servers, p
 
 
 def test_span_decode_graphs_and_pic_triton_follow_the_reference(servers, prompts, references):
-    """The shift-aware kernels in the second decode graph set, and on pic_triton (each sums in
-    another order than the eager FlashInfer path, so each is held to the reference)."""
+    """Segmented attention's decode steps replayed from the second graph set (the padded layout,
+    Triton turns and merges), and the shift-aware kernels of pic_triton: each sums in another
+    order than the eager FlashInfer path, so each is held to the reference."""
     _, spans = prompts
     _follows_reference(_generate(servers.span_graphs, spans), references)
+    assert servers.span_graphs.metrics()["sglang_pic:span_graph_steps_total"] > 0
     _follows_reference(_generate(servers.spans_triton, spans), references)

@@ -283,10 +283,16 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "-> pic_flashinfer, the GPU default; triton -> pic_triton; torch_native -> "
          "pic_torch_native)"),
     Flag("--position-free-span-graphs", "position_free",
-         "pic_flashinfer: capture a second set of decode CUDA graphs (our Triton kernels) for "
-         "batches holding span requests, which otherwise decode eagerly by segmented attention "
-         "(slower than it on RAG bursts: off by default)", default=False,
-         env="SGLANG_PIC_SPAN_GRAPHS"),
+         "pic_flashinfer: capture a second set of decode CUDA graphs for batches holding span "
+         "requests, which otherwise decode eagerly: segmented attention in a padded layout "
+         "(with the span cache; see --span-graph-runs), else our shift-aware Triton kernels",
+         default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
+    Flag("--span-graph-runs", "position_free",
+         "with --position-free-span-graphs: the most runs of keys (system prompt, each moved "
+         "document, the rest) one request of a captured segmented decode step may have; a step "
+         "with a request of more runs decodes eagerly. Each graph holds batch size x this many "
+         "query rows", parse=integer(1, 256), default=16, range="1-256", metavar="N",
+         env="SGLANG_PIC_SPAN_GRAPH_RUNS"),
     Flag("--span-group-shared-runs", "position_free",
          "segmented attention's decode steps: auto reads the runs of keys that several requests "
          "hold (the same span, the same system prompt) once for all of them, as one request of "

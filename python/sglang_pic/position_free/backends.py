@@ -6,9 +6,10 @@ span reused at another offset is turned by the distance it moved when read. So:
 ``pic_flashinfer`` (GPU default): SGLang's ``FlashInferAttnBackend`` for every batch that reads
 no moved key (plain prompts, span prefills: what vanilla runs, CUDA graphs included), and
 segmented attention on FlashInfer's batch kernels (``segmented_backend``) for batches that do
-(``shifted_batches``), eagerly; ``ShiftedTritonBackend`` instead with
-``--position-free-span-graphs`` (its decode graphs) or without the span radix cache. The choice
-is per forward batch, and a batch's metadata and forward calls all go to the backend chosen.
+(``shifted_batches``): eagerly, or its decode steps as a second CUDA graph set with
+``--position-free-span-graphs``; ``ShiftedTritonBackend`` instead without the span radix cache
+(no key runs to plan from). The choice is per forward batch, and a batch's metadata and forward
+calls all go to the backend chosen.
 
 ``pic_triton``: ``ShiftedTritonBackend`` for every batch: SGLang's ``TritonAttnBackend`` with its
 two kernel entry points (``decode_attention_fwd``, ``extend_attention_fwd`` - instance attributes
@@ -77,8 +78,8 @@ class PositionFreeFlashInferBackend(AttentionBackend):
     ``ShiftedTritonBackend``, see the module docstring) for the others.
 
     CUDA graphs are captured with FlashInfer; with ``--position-free-span-graphs`` (``span_graphs``)
-    the decode graphs are captured a second time with ``ShiftedTritonBackend`` for shifted
-    batches, which otherwise run eagerly. Attributes SGLang reads from its backend (workspace,
+    the decode graphs are captured a second time with the shifted backend for shifted batches,
+    which otherwise run eagerly. Attributes SGLang reads from its backend (workspace,
     wrappers, flags) are FlashInfer's.
     """
 
@@ -97,10 +98,10 @@ class PositionFreeFlashInferBackend(AttentionBackend):
         # the positions every batch's new keys were computed at: without the table no batch is
         # marked as reading moved keys (shifted_batches), whichever backend reads them
         _slot_table(model_runner)
-        if moved_copies.wanted(model_runner) and not self.span_graphs:
+        if moved_copies.wanted(model_runner):
             self.shifted = SegmentedAttention(model_runner, _flashinfer_run_kernels(
                 model_runner, self.dense))
-        else:  # the shift-aware kernels: no span cache to find runs, or graphs captured of them
+        else:  # the shift-aware kernels: no span cache to find runs
             self.shifted = ShiftedTritonBackend(model_runner)
         self.needs_cpu_seq_lens = self.dense.needs_cpu_seq_lens or self.shifted.needs_cpu_seq_lens
         self.capture_shifted = False  # capturing the second decode graph set (span_graphs)

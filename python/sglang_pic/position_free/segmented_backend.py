@@ -12,7 +12,11 @@ Compared with the alternatives (docs/position-free-kv.md):
 * the shift-aware Triton kernels turn every moved key on each read, at Triton's speed.
 Segmented attention keeps the KV of a shared document once, whatever its offset, and reads it
 at FlashInfer's speed; the price is a wider batch (one row per run instead of per request),
-the query turns and the merge, and eager decoding (CUDA graphs are captured for vanilla batches).
+the query turns and the merge.
+
+Decode steps run eagerly, or with ``--position-free-span-graphs`` replay CUDA graphs captured in
+a padded layout (``segmented_graphs``: a second graph set beside vanilla's, ``span_graphs``);
+extends always run eagerly.
 
 A decode step whose runs read the same slots (``KeyRuns.shared_groups``: requests holding the
 same document or system prompt) attends each such group as one request of the paged prefill
@@ -35,7 +39,7 @@ from sglang_pic.launcher.server_flags import setting
 
 from . import model_check, shifted_batches, stored_positions
 from .key_runs import KeyRuns
-from .run_kernels import turn, turn_table
+from .segmented_graphs import GraphStep, SegmentedDecodeGraphs
 
 
 class SegmentedAttention(AttentionBackend):
@@ -50,6 +54,7 @@ class SegmentedAttention(AttentionBackend):
             # span batch would run the dense backend over moved keys, unturned
             raise RuntimeError("segmented attention: the stored-positions table is not "
                                "allocated (the position-free backend allocates it first)")
+        self.max_context_len = int(model_runner.model_config.context_len)
         self._attach(kernels, model_runner.req_to_token_pool.req_to_token,
                      model_runner.token_to_kv_pool,
                      model_check.model_rotary(model_runner).cos_sin_cache.float().to(
@@ -63,6 +68,7 @@ class SegmentedAttention(AttentionBackend):
         kernel tests and ``bench_segmented_decode``)."""
         self = cls.__new__(cls)
         AttentionBackend.__init__(self)
+        self.max_context_len = int(req_to_token.shape[1])
         self._attach(kernels, req_to_token, pool, cos_sin, torch.device(device))
         return self
 
@@ -73,10 +79,14 @@ class SegmentedAttention(AttentionBackend):
         self.pool = pool
         self.cos_sin = cos_sin
         self.device = device
-        self.run_rows = self.run_turns = self.merge_index = None
+        self.run_rows = self.run_shifts = self.merge_index = None
+        self.count = None  # a captured step's rows to turn (device int32 [1]); None: all
+        self.active = kernels  # the kernel set of the batch planned last (a graph's, or these)
         self.grouped = False  # this decode batch's runs were grouped (``_plan_decode``)
         # --span-group-shared-runs: off attends every request's runs on their own
         self.group_shared_runs = setting("--span-group-shared-runs") == "auto"
+        self.runs_per_request = int(setting("--span-graph-runs"))
+        self.graphs: SegmentedDecodeGraphs | None = None  # init_cuda_graph_state
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         per_request = shifted_batches.current_runs()
@@ -85,6 +95,7 @@ class SegmentedAttention(AttentionBackend):
                                "ForwardBatch.init_new hook did not run for it)")
         runs = KeyRuns.build(per_request, self.device)
         pool_indices = forward_batch.req_pool_indices
+        self.active, self.count = self.kernels, None
         if forward_batch.forward_mode.is_decode_or_idle():
             self._plan_decode(runs, pool_indices)
         else:
@@ -115,8 +126,8 @@ class SegmentedAttention(AttentionBackend):
             shifted_batches.count("shared_run_batches")
         self.grouped = groups is not None
         self.run_rows = torch.tensor([runs.owners[r] for r in order], dtype=torch.int64).to(**to)
-        self.run_turns = turn_table(torch.tensor([runs.shifts[r] for r in order],
-                                                 dtype=torch.int64).to(**to), self.cos_sin)
+        self.run_shifts = torch.tensor([runs.shifts[r] for r in order],
+                                       dtype=torch.int64).to(**to)
 
     def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor, new: list[int]) -> None:
         """The new tokens over themselves (ragged, causal), and each run of the prefix with a
@@ -147,16 +158,42 @@ class SegmentedAttention(AttentionBackend):
             column[i] += 1
         to = dict(device=self.device, non_blocking=True)
         self.run_rows = torch.cat(rows).to(**to)
-        self.run_turns = turn_table(torch.cat(shifts).to(**to), self.cos_sin)
+        self.run_shifts = torch.cat(shifts).to(**to)
         self.merge_index = index.to(**to)
 
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """The buffers of the captured decode steps (``segmented_graphs``); the key list holds
+        at most every request's whole context, as SGLang's FlashInfer backend sizes its own."""
+        self.graphs = SegmentedDecodeGraphs(self.kernels, self.runs_per_request, max_bs,
+                                            max_bs * self.max_context_len, self.device)
+
+    def graph_fits(self) -> bool:
+        """Whether the decode batch ``init_new`` built last can replay a captured step."""
+        return self.graphs is not None and self.graphs.fits(shifted_batches.current_runs())
+
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
-        raise RuntimeError("segmented attention runs eagerly: a batch with moved keys must not "
-                           "replay a CUDA graph (span_graphs.around_can_run_graph)")
+        if self.graphs is None:
+            raise RuntimeError("segmented attention: a CUDA graph of a batch with moved keys "
+                               "without --position-free-span-graphs "
+                               "(span_graphs.around_can_run_graph)")
+        bs = forward_batch.batch_size
+        if in_capture:
+            step = self.graphs.capture(bs)
+        else:
+            step = self.graphs.replay(bs, shifted_batches.current_runs(), self.req_to_token,
+                                      forward_batch.req_pool_indices, self.group_shared_runs)
+            shifted_batches.count("graph_steps")
+        self._use(step)
+
+    def _use(self, step: GraphStep) -> None:
+        self.active, self.count, self.grouped = step.kernels, step.count, True
+        self.run_rows, self.run_shifts = step.rows, step.shifts
+        self.merge_index = step.merge_index
 
     def init_forward_metadata_in_graph(self, forward_batch: Any):
-        raise RuntimeError("segmented attention runs eagerly: a batch with moved keys must not "
-                           "replay a CUDA graph (span_graphs.around_can_run_graph)")
+        if self.graphs is None:
+            raise RuntimeError("segmented attention: a CUDA graph of a batch with moved keys "
+                               "without --position-free-span-graphs")
 
     def _save(self, layer: Any, forward_batch: Any, k: torch.Tensor | None,
               v: torch.Tensor | None, save_kv_cache: bool) -> None:
@@ -174,9 +211,11 @@ class SegmentedAttention(AttentionBackend):
         self._save(layer, forward_batch, k, v, save_kv_cache)
         q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
         kv = self.pool.get_kv_buffer(layer.layer_id)
-        attend = self.kernels.paged if self.grouped else self.kernels.decode
-        o, lse = attend(turn(q, self.run_rows, self.run_turns), kv)
-        out = self.kernels.merge(o, lse, self.merge_index)
+        kernels = self.active
+        attend = kernels.paged if self.grouped else kernels.decode
+        o, lse = attend(kernels.turn(q, self.run_rows, self.run_shifts, self.cos_sin,
+                                     self.count), kv)
+        out = kernels.merge(o, lse, self.merge_index)
         return out.view(-1, layer.tp_q_head_num * layer.head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
@@ -189,8 +228,8 @@ class SegmentedAttention(AttentionBackend):
         o, lse = self.kernels.ragged(q, k, v)
         if self.run_rows is not None:
             kv = self.pool.get_kv_buffer(layer.layer_id)
-            o2, lse2 = self.kernels.paged(turn(q, self.run_rows, self.run_turns),
-                                          kv)
+            o2, lse2 = self.kernels.paged(self.kernels.turn(q, self.run_rows, self.run_shifts,
+                                                            self.cos_sin), kv)
             o, lse = torch.cat((o, o2)), torch.cat((lse, lse2))
         out = self.kernels.merge(o, lse, self.merge_index)
         return out.view(-1, layer.tp_q_head_num * layer.head_dim)

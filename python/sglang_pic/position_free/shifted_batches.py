@@ -29,11 +29,14 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
     "shifted_batches": ("sglang_pic:shifted_batches",
                         "Forward batches holding a request that reads cached span pages at "
                         "another offset than they were computed at (on pic_flashinfer: run "
-                        "eagerly by segmented attention, off the CUDA graphs)."),
+                        "by segmented attention, off vanilla's CUDA graphs)."),
     "shared_run_batches": ("sglang_pic:span_shared_run_batches",
                            "Decode batches in which runs of several requests read the same "
                            "cached pages (a document, a system prompt) and were attended "
                            "together, those pages read once for all of them."),
+    "graph_steps": ("sglang_pic:span_graph_steps",
+                    "Decode steps of batches holding span requests replayed from the second "
+                    "CUDA graph set (--position-free-span-graphs) instead of run eagerly."),
     "copied_requests": ("sglang_pic:span_copied_requests",
                         "Span requests reading turned copies of the pages they read moved "
                         "(--span-copy-on-reuse), made for them or shared."),

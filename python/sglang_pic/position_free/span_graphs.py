@@ -7,8 +7,9 @@ keys as stored: a shifted batch must not replay them. Without the flag it runs e
 costs every layer's kernel launches on the host, and SGLang's overlap scheduler launches one
 such decode step before a request's first token is returned (the note of headline row
 ``spans.cached_span_ttft``). With the flag the decode graph runner captures every batch size
-twice, once as SGLang does (FlashInfer) and once with ``ShiftedTritonBackend`` under the graph
-variant label ``shifted`` (SGLang keys graphs by a variant label - its LoRA / no-LoRA graphs;
+twice, once as SGLang does (FlashInfer) and once with the shifted backend (segmented attention
+in its padded layout, ``segmented_graphs``; ``ShiftedTritonBackend`` without the span cache)
+under the graph variant label ``shifted`` (SGLang keys graphs by a variant label - its LoRA / no-LoRA graphs;
 the sparse decoder's second set, ``sparse/graphs.py``, uses the same mechanism), and a shifted
 decode batch replays the second set. Prefill graphs never hold the shifted kernels.
 
@@ -16,7 +17,7 @@ AROUND hooks (rows of ``sglang_pic.compat.graph_runner``):
 
 * ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
   (``around_can_run_graph``): a shifted batch on ``pic_flashinfer`` replays only the second decode
-  set; the backend is told which set the batch about to be replayed needs (``replay_shifted``,
+  set, and only if its requests' runs fit a captured segmented step (``graph_fits``); the backend is told which set the batch about to be replayed needs (``replay_shifted``,
   for the graph key below; the runner's view of the batch carries no mark, and
   ``shifted_batches.is_shifted`` reads it as the batch it was built from);
 * ``DecodeCudaGraphRunner._capture_one_stream``: runs the original twice on ``pic_flashinfer``
@@ -80,6 +81,8 @@ def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwarg
     decode = _is_decode_runner(self)
     if shifted and not (backend.span_graphs and decode):
         return False
+    if shifted and not getattr(backend.shifted, "graph_fits", lambda: True)():
+        return False  # a request with more runs than a captured segmented step holds
     if decode:
         backend.replay_shifted = shifted
     return original(self, forward_batch, *args, **kwargs)

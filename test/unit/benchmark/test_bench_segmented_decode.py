@@ -1,4 +1,4 @@
-"""``kernels/bench_segmented_decode.py --smoke``: the three ways of one decode step agree (the
+"""``kernels/bench_segmented_decode.py --smoke``: the ways of one decode step agree (the
 benchmark refuses to time variants whose outputs differ) and the report names each."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_smoke_checks_every_variant_against_vanilla_and_reports_them(tmp_path, m
                                       str(tmp_path)])
     bench_segmented_decode.main()
     report = json.loads((tmp_path / "segmented_decode_cpu_smoke.json").read_text())
-    assert list(report["results"]) == ["vanilla", "per-run", "grouped"]
+    assert list(report["results"]) == ["vanilla", "per-run", "grouped", "graph"]
     assert all(len(r["attend_ms_all"]) == 3 for r in report["results"].values())
     assert report["config"]["distinct_keys"] < report["config"]["keys_read"]
     assert (tmp_path / "segmented_decode_cpu_smoke.png").exists()
@@ -26,9 +26,10 @@ def test_smoke_checks_every_variant_against_vanilla_and_reports_them(tmp_path, m
 
 def test_a_wrong_turn_is_refused(tmp_path, monkeypatch):
     """Runs read without their turn give another output than vanilla's: the run stops."""
-    from sglang_pic.position_free import segmented_backend
+    from sglang_pic.position_free.run_kernels import TorchRunKernels
 
-    monkeypatch.setattr(segmented_backend, "turn", lambda q, rows, table: q.index_select(0, rows))
+    monkeypatch.setattr(TorchRunKernels, "turn",
+                        staticmethod(lambda q, rows, *args: q.index_select(0, rows)))
     monkeypatch.setattr(bench_segmented_decode, "VARIANTS", ("vanilla", "grouped"))
     monkeypatch.setattr(sys, "argv", ["bench_segmented_decode", "--smoke", "--out",
                                       str(tmp_path)])

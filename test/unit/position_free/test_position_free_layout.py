@@ -9,6 +9,7 @@ import pytest
 import torch
 from sglang_pic.position_free import shifted_batches, span_graphs, stored_positions
 from sglang_pic.position_free.backends import PositionFreeFlashInferBackend
+from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +93,14 @@ def test_graphs_a_shifted_batch_may_replay():
     plain = _marked(span=False)
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), plain)
     assert not twin.replay_shifted and twin._pick(SimpleNamespace()) == "flashinfer"
+    # segmented attention's captured steps: a batch whose runs do not fit them runs eagerly
+    fits = [True]
+    twin.shifted = SimpleNamespace(graph_fits=lambda: fits[0])
+    span = _marked(span=True)
+    assert can_run(original, _runner(DecodeCudaGraphRunner, twin), span)
+    fits[0] = False
+    assert can_run(original, _runner(DecodeCudaGraphRunner, twin), span) is False
+    _marked(span=False)  # the process's last batch: plain again
 
 
 def _marked(span: bool) -> SimpleNamespace:
@@ -170,9 +179,8 @@ def test_flashinfer_twin_sends_each_batch_to_one_backend():
 def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
         monkeypatch, span_graphs):
     """``pic_flashinfer`` built for real (FlashInfer's backend and kernels stubbed): segmented
-    attention (the default, and the reader of what copy on reuse has not copied) and the span
-    decode graphs (the shift-aware kernels) each leave the table that ``mark_forward_batch``
-    needs; without it no span batch is marked shifted and FlashInfer reads the moved keys
+    attention (the default, and the reader of what copy on reuse has not copied), eager or
+    with its decode graphs, leaves the table that ``mark_forward_batch`` needs; without it no span batch is marked shifted and FlashInfer reads the moved keys
     unturned (what the H100's real-weights test caught)."""
     from sglang.srt.layers.attention import flashinfer_backend
     from sglang_pic.launcher import server_flags
@@ -193,7 +201,8 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
     monkeypatch.setattr(model_check, "check_server_settings", lambda runner: None)
     rotary = SimpleNamespace(cos_sin_cache=torch.zeros(64, 8))
     monkeypatch.setattr(model_check, "model_rotary", lambda runner: rotary)
-    flags = {"--position-free-span-graphs": span_graphs, "--span-copy-on-reuse": "auto"}
+    flags = {"--position-free-span-graphs": span_graphs, "--span-copy-on-reuse": "auto",
+             "--span-graph-runs": 16}
     monkeypatch.setattr(server_flags, "setting", flags.get)
     keys = torch.zeros(32, 1, 8)
     runner = SimpleNamespace(
@@ -203,9 +212,10 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
                                          get_key_buffer=lambda layer: keys),
         token_to_kv_pool_allocator=SimpleNamespace(size=32, page_size=1),
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int64)),
-        device="cpu")
+        model_config=SimpleNamespace(context_len=8), device="cpu")
     assert moved_copies.wanted(runner)
     backend = PositionFreeFlashInferBackend(runner)
+    assert isinstance(backend.shifted, SegmentedAttention)  # the span cache gives key runs
     assert stored_positions.table() is not None and stored_positions.table().numel() >= 32
     # the process's first batch starts the copier, which finds each span request's moved runs
     monkeypatch.setattr(shifted_batches, "_started", False)
@@ -228,7 +238,6 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
 def test_segmented_attention_refuses_to_run_without_the_positions_table(monkeypatch):
     from sglang_pic.position_free import model_check
     from sglang_pic.position_free.run_kernels import TorchRunKernels
-    from sglang_pic.position_free.segmented_backend import SegmentedAttention
 
     monkeypatch.setattr(model_check, "check_server_settings", lambda runner: None)
     with pytest.raises(RuntimeError, match="stored-positions table is not allocated"):

@@ -310,14 +310,76 @@ def test_turn_in_row_blocks_equals_one_pass(monkeypatch):
     torch.testing.assert_close(run_kernels.turn(q, rows, table), whole, rtol=0, atol=0)
 
 
-def test_a_graph_replay_of_a_shifted_batch_is_refused():
-    """Segmented attention has no CUDA graph path: a replay that reached it would run the
-    captured dense kernels on stale metadata, so it raises instead."""
+def test_a_graph_of_a_shifted_batch_without_span_graphs_is_refused():
+    """Without --position-free-span-graphs no segmented step was captured: a replay that reached
+    segmented attention would run the dense kernels captured on stale metadata, so it raises."""
     seg = SegmentedAttention.__new__(SegmentedAttention)
-    with pytest.raises(RuntimeError, match="must not replay a CUDA graph"):
+    seg.graphs = None
+    with pytest.raises(RuntimeError, match="without --position-free-span-graphs"):
         seg.init_forward_metadata_out_graph(None)
-    with pytest.raises(RuntimeError, match="must not replay a CUDA graph"):
+    with pytest.raises(RuntimeError, match="without --position-free-span-graphs"):
         seg.init_forward_metadata_in_graph(None)
+    assert not seg.graph_fits()
+
+
+def _graph_decode(c, seg, device, seed, bs):
+    """``_decode``'s step through a captured step of batch size ``bs`` (SGLang pads the batch
+    with requests of no runs, their pool row 0): capture, then plan the replay, then run."""
+    n = len(c["lengths"])
+    seg.init_cuda_graph_state(max_bs=bs + 3, max_num_tokens=bs + 3)
+    capture = types.SimpleNamespace(batch_size=bs, forward_mode=_mode(True), out_cache_loc=None)
+    seg.init_forward_metadata_out_graph(capture, in_capture=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    h, _, d = c["heads"]
+    q_raw = torch.randn(n, h, d, generator=g).to(device)
+    q = turn_keys(q_raw, torch.tensor(c["lengths"], device=device), c["cos_sin"])
+    shifted_batches._runs = [request_runs(r, ln) for r, ln in zip(c["runs"], c["lengths"], strict=True)]
+    pool = torch.zeros(bs, dtype=torch.long, device=device)
+    pool[:n] = torch.arange(n)
+    view = types.SimpleNamespace(batch_size=bs, req_pool_indices=pool, forward_mode=_mode(True),
+                                 out_cache_loc=None)
+    seg.init_forward_metadata_out_graph(view)
+    seg.init_forward_metadata_in_graph(view)
+    q_padded = torch.cat((q, q.new_zeros(bs - n, h, d)))
+    out = seg.forward_decode(q_padded.to(c["k"].dtype), None, None, c["layer"], view)
+    return q, out.view(bs, h, d)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("groups", ["auto", "off"])
+def test_a_captured_decode_step_gives_the_eager_output(shared, groups, monkeypatch):
+    """The padded layout a captured step replays (``segmented_graphs``): every run a query row
+    of a fixed ``bs x S`` block, the step's groups then empty ones, the merge over ``[bs, S]``.
+    Its output is rotate-then-attend's for the real requests and zero for SGLang's padding."""
+    monkeypatch.setenv("SGLANG_PIC_SPAN_GROUPS", groups)
+    c = (_shared_case if shared else _case)(0, "cpu", torch.float32)
+    n = len(c["lengths"])
+    seg = _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
+    q, out = _graph_decode(c, seg, "cpu", 0, bs=n + 2)
+    assert seg.graph_fits()
+    torch.testing.assert_close(out[:n], _reference_decode(c, q), atol=2e-5, rtol=1e-4)
+    assert not out[n:].any()
+    qo, kv_indptr, _ = seg.active._paged
+    assert len(qo) == (n + 2) * seg.runs_per_request + 1  # the captured batch of groups
+    runs = sum(len(request_runs(r, ln)) for r, ln in zip(c["runs"], c["lengths"], strict=True))
+    assert qo[-1] == runs and int(seg.count) == runs
+    real_groups = sum(1 for a, b in zip(qo[:-1], qo[1:], strict=True) if b > a)
+    assert (real_groups < runs) == (shared and groups == "auto")
+
+
+def test_a_step_with_more_runs_than_a_graph_holds_runs_eagerly(monkeypatch):
+    """``--span-graph-runs`` bounds a request's runs in a captured step: a step past it does
+    not fit (the graph guard then runs it eagerly), and a replay of it is refused."""
+    monkeypatch.setenv("SGLANG_PIC_SPAN_GRAPH_RUNS", "2")
+    c = _case(0, "cpu", torch.float32)  # request 0 has three runs
+    seg = _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
+    assert seg.runs_per_request == 2
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _graph_decode(c, seg, "cpu", 0, bs=4)
+    assert not seg.graph_fits()
+    monkeypatch.setenv("SGLANG_PIC_SPAN_GRAPH_RUNS", "0")
+    with pytest.raises(ValueError, match="SGLANG_PIC_SPAN_GRAPH_RUNS.*--span-graph-runs"):
+        _backend(c, TorchRunKernels(c["layer"].scaling), "cpu")
 
 
 def test_the_graph_guard_sees_pic_flashinfer_inside_a_hybrid_backend():
@@ -431,3 +493,53 @@ def test_each_flashinfer_call_gives_the_torch_outputs_and_base_2_log_sum_exps(he
     (o1, l1), (o2, l2) = fi.decode(q[:4], (k_pool, v_pool)), ref.decode(q[:4], (k_pool, v_pool))
     torch.testing.assert_close(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(l1.float(), l2.float(), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_flashinfer_decode_step_replayed_from_a_cuda_graph_gives_the_eager_output(shared,
+                                                                                     heads):
+    """A segmented decode step captured once in a CUDA graph (FlashInfer's paged prefill in
+    graph mode, the Triton turn and merge) and replayed for two different steps: each gives the
+    torch kernels' eager output and rotate-then-attend's, and zero for the padding requests."""
+    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
+
+    c = (_shared_case if shared else _case)(1, "cuda", torch.bfloat16, heads)
+    h, hkv, d = heads
+    scale = c["layer"].scaling
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    seg = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16,
+                                           scale, True), "cuda")
+    ref = _backend(c, TorchRunKernels(scale), "cuda")
+    n = len(c["lengths"])
+    bs = n + 3
+    seg.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    fb = types.SimpleNamespace(batch_size=bs, forward_mode=_mode(True), out_cache_loc=None,
+                               req_pool_indices=torch.zeros(bs, dtype=torch.long, device="cuda"))
+    seg.init_forward_metadata_out_graph(fb, in_capture=True)
+    q_in = torch.zeros(bs, h * d, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+        seg.forward_decode(q_in, None, None, c["layer"], fb)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = seg.forward_decode(q_in, None, None, c["layer"], fb)
+    for served in (n, n - 1):  # two steps replayed from the one graph
+        case = dict(c, lengths=c["lengths"][:served], runs=c["runs"][:served],
+                    rows=c["rows"][:served])
+        q, expected = _decode(case, ref, "cuda", served)
+        fb.req_pool_indices.zero_()
+        fb.req_pool_indices[:served] = torch.arange(served)
+        seg.init_forward_metadata_out_graph(fb)
+        q_in.zero_()
+        q_in[:served] = q.view(served, -1).to(torch.bfloat16)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.view(bs, h, d)
+        torch.testing.assert_close(got[:served].float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[:served].float(), _reference_decode(case, q.float()),
+                                   atol=3e-2, rtol=3e-2)
+        assert not got[served:].any()
