@@ -13,7 +13,7 @@ step's attention is:
   the same slots attended together as one request of FlashInfer's paged prefill, so a shared
   document is read once per step;
 * ``graph``: ``grouped`` as ``--position-free-span-graphs`` replays it: the padded layout of a
-  captured step (``segmented_graphs``, ``--span-graph-runs`` 16), one layer captured in a CUDA
+  captured step (``segmented_graphs``, ``--span-graph-runs`` 12), one layer captured in a CUDA
   graph and replayed (on the CPU: the padded plan, run eagerly).
 
 The requests: ``--requests`` prompts of a system prompt, ``--per-request`` of ``--docs``

@@ -289,9 +289,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          default=False, env="SGLANG_PIC_SPAN_GRAPHS"),
     Flag("--span-graph-runs", "position_free",
          "with --position-free-span-graphs: the most runs of keys (system prompt, each moved "
-         "document, the rest) one request of a captured segmented decode step may have; a step "
-         "with a request of more runs decodes eagerly. Each graph holds batch size x this many "
-         "query rows", parse=integer(1, 256), default=16, range="1-256", metavar="N",
+         "document, the rest: 12 holds ten documents) one request of a captured segmented "
+         "decode step may have; a step with a request of more runs decodes eagerly. Each graph "
+         "holds batch size x this many query rows, and their FlashInfer workspace takes ~0.36 "
+         "MB per row (Llama-3-8B's heads)", parse=integer(1, 256), default=12, range="1-256", metavar="N",
          env="SGLANG_PIC_SPAN_GRAPH_RUNS"),
     Flag("--span-group-shared-runs", "position_free",
          "segmented attention's decode steps: auto reads the runs of keys that several requests "

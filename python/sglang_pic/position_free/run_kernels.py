@@ -96,7 +96,12 @@ class TorchRunKernels:
         self.scale = scale
         self._decode = self._paged = self._ragged = None
 
-    def for_graph(self, *buffers: torch.Tensor) -> TorchRunKernels:
+    @staticmethod
+    def graph_workspace(rows: int) -> None:
+        """No workspace: the CPU runs no graph."""
+        return None
+
+    def for_graph(self, *buffers: torch.Tensor | None) -> TorchRunKernels:
         """A kernel set of its own for a captured step (no graph on the CPU: the buffers are
         FlashInfer's business; the padded plan is the same)."""
         return TorchRunKernels(self.scale)
@@ -194,18 +199,38 @@ class FlashInferRunKernels:
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.scale = scale
 
+    def graph_workspace(self, rows: int) -> torch.Tensor:
+        """The float workspace of the captured steps' paged wrappers, for up to ``rows`` query
+        rows in as many groups. In CUDA-graph mode FlashInfer's prefill plan always splits the
+        keys and sizes its partial states for the largest grid a replay may need (scheduler.cuh,
+        ``PrefillSplitQOKVIndptr``): ``num_qo_heads x tiles x cta_tile_q x (head_dim + 1)``
+        floats, ``tiles = ceil(rows x gqa / cta_tile_q) + rows - 1`` with one row per group at
+        most, so ``cta_tile_q`` is FA2's for ``gqa`` packed rows. Vanilla's workspace (384 MB)
+        is too small for large batches (~840 MB at 2,560 rows of Llama-3-8B), hence a buffer of
+        its own."""
+        h, hkv, d = self.heads
+        gqa = h // hkv
+        cta = 128 if gqa > 64 and d < 256 else 64 if gqa > 16 else 16
+        tiles = -(-rows * gqa // cta) + rows - 1
+        device = self.workspace.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        padded = max(2 * sms // hkv, tiles)
+        size = int(h * padded * cta * (d + 1) * 4 * 1.1) + (16 << 20)
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
     def for_graph(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                  kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
-                  ) -> FlashInferRunKernels:
+                  kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                  workspace: torch.Tensor) -> FlashInferRunKernels:
         """A copy whose paged wrapper runs in CUDA-graph mode over these buffers (its batch
-        size fixed to ``len(qo_indptr) - 1``), as SGLang's backend builds its own graph
-        wrappers; the decode and ragged wrappers are shared (a captured step never calls them)."""
+        size fixed to ``len(qo_indptr) - 1``) and ``workspace`` (``graph_workspace``), as
+        SGLang's backend builds its own graph wrappers; the decode and ragged wrappers are
+        shared (a captured step never calls them)."""
         from flashinfer import BatchPrefillWithPagedKVCacheWrapper
 
         twin = object.__new__(FlashInferRunKernels)
         twin.__dict__.update(self.__dict__)
         twin._paged = BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, backend="fa2", qo_indptr_buf=qo_indptr,
+            workspace, "NHD", use_cuda_graph=True, backend="fa2", qo_indptr_buf=qo_indptr,
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
             paged_kv_last_page_len_buf=kv_last_page_len)
         return twin

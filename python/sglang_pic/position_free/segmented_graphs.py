@@ -10,7 +10,9 @@ largest step of that size, and each replay fills the same buffers with the step 
   ``count`` rows (the step's runs) are turned;
 * FlashInfer's paged prefill in CUDA-graph mode over ``bs * S`` requests (the most groups a step
   can have: every run alone): the step's groups first, a query row per run of the group over the
-  group's keys, then empty groups (no rows, no keys), which cost the kernel nothing;
+  group's keys, then empty groups (no rows, no keys), whose tiles exit at once. Its plan sizes
+  partial states for that grid, in a workspace of the captured steps' own
+  (``kernels.graph_workspace``, ~0.36 MB per row for Llama-3-8B's heads);
 * ``merge_index`` ``[bs, S]``: each request's rows, padded with ``bs * S``, a state that weighs
   nothing (``merge_runs`` skips it); a request SGLang padded the batch with has no rows.
 
@@ -26,6 +28,7 @@ Shapes: ``rows``, ``shifts`` int64 [max_bs * S]; ``count`` int32 [1]; ``merge_in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,8 @@ import numpy as np
 import torch
 
 from .key_runs import KeyRuns
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +73,10 @@ class SegmentedDecodeGraphs:
         self.kv_indptr = torch.zeros(rows + 1, **i32)
         self.kv_last_page_len = torch.ones(rows, **i32)
         self.kv_indices = torch.zeros(max(max_keys, rows), **i32)
+        self.workspace = kernels.graph_workspace(rows)  # shared: one step replays at a time
+        if self.workspace is not None:
+            logger.info("segmented decode graphs: %d query rows at most, %.0f MB of workspace",
+                        rows, self.workspace.numel() / (1 << 20))
         self.steps: dict[int, GraphStep] = {}
 
     def fits(self, per_request: Sequence[Sequence[Any]] | None) -> bool:
@@ -80,7 +89,8 @@ class SegmentedDecodeGraphs:
         one key (slot 0): the most rows and groups its replays may plan."""
         n = bs * self.runs_per_request
         kernels = self.kernels.for_graph(self.qo_indptr[: n + 1], self.kv_indptr[: n + 1],
-                                         self.kv_indices, self.kv_last_page_len[:n])
+                                         self.kv_indices, self.kv_last_page_len[:n],
+                                         self.workspace)
         step = GraphStep(kernels, self.rows[:n], self.shifts[:n], self.count,
                          self.merge_index[:bs])
         self.steps[bs] = step

@@ -202,7 +202,7 @@ def test_pic_flashinfer_keeps_the_positions_table_whatever_reads_moved_keys(
     rotary = SimpleNamespace(cos_sin_cache=torch.zeros(64, 8))
     monkeypatch.setattr(model_check, "model_rotary", lambda runner: rotary)
     flags = {"--position-free-span-graphs": span_graphs, "--span-copy-on-reuse": "auto",
-             "--span-graph-runs": 16}
+             "--span-graph-runs": 12}
     monkeypatch.setattr(server_flags, "setting", flags.get)
     keys = torch.zeros(32, 1, 8)
     runner = SimpleNamespace(
