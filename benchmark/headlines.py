@@ -240,13 +240,24 @@ def _metric_pair(baseline_metric: str, ours_metric: str, note: str, *,
 
 
 GRID = "spans_rag_grid_h100.json"
-GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4", "varlen_k10_p1024_z11_t4")
+GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4")
+GRID_K10 = "spans_rag_grid_k10_h100.json"  # the 10-of-1024 cell, not in GRID's run
+GRID_K10_NOTE = ("bench_rag_grid.py cell varlen_k10_p1024_z11_t4 in bursts of 64, 64 output "
+                 "tokens; H100. Run one session before the grid above, with the query turns and "
+                 "merges in torch (now one Triton kernel each, which sped the aligned cell from "
+                 "28.4 to 36.4 req/s); not re-run since")
+GRID_GRAPHS = "sglang-pic-span-graphs"  # the span server with --position-free-span-graphs
 GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
 
 
 FLEET = "fleet_rag_gpu.json"  # bench_fleet_rag.py on one GPU, two instances a side
 ROUTING_SIM = "fleet_routing_sim.json"
 SEGMENTED_DECODE = "segmented_decode_h100.json"  # kernels/bench_segmented_decode.py
+SEGMENTED_DECODE_K6 = "segmented_decode_h100_varlen_k6_p256_z07_t4.json"  # with --cell
+SEGMENTED_DECODE_K6_PATH = ("kernels alone: 64 requests of the grid cell varlen_k6_p256_z07_t4 "
+                            "(6 of 256 documents of log-normal lengths, Zipf 0.7, 4 tenants), "
+                            "Llama-3-8B heads, bf16, H100; vanilla FlashInfer batch decode over "
+                            "each request's keys against segmented attention")
 SEGMENTED_DECODE_PATH = ("kernels alone: 128 requests x 4 of 32 shared 2K documents after a "
                          "512-token system prompt, Llama-3-8B heads, bf16, H100; vanilla "
                          "FlashInfer batch decode over each request's keys against segmented "
@@ -327,8 +338,9 @@ def _grid_sides(report: dict, cell: str, metric: str, ours: str = "sglang-pic",
     return samples(base), samples(ours)
 
 
-def _grid_ratio(report: dict, cell: str, metric: str, higher_is_better: bool) -> float:
-    base, ours = _grid_sides(report, cell, metric)
+def _grid_ratio(report: dict, cell: str, metric: str, higher_is_better: bool,
+                ours: str = "sglang-pic") -> float:
+    base, ours = _grid_sides(report, cell, metric, ours)
     b, o = statistics.median(base), statistics.median(ours)
     return o / b if higher_is_better else b / o
 
@@ -337,44 +349,47 @@ def _grid_ideal(report: dict, cell: str) -> float:
     return statistics.median(report["results"]["sglang-pic"]["cells"][cell]["ideal"])
 
 
-def _grid_cell(cell: str, metric: str = "requests_per_s"):
-    """One cell of ``bench_rag_grid.py``: vanilla against the span server."""
+def _grid_cell(cell: str, metric: str = "requests_per_s", ours: str = "sglang-pic"):
+    """One cell of ``bench_rag_grid.py``: vanilla against the span server (``ours``: its
+    variant)."""
     def extract(report: dict) -> tuple:
-        base, ours = _grid_sides(report, cell, metric)
-        burst = report["results"]["sglang-pic"]["cells"][cell]["burst"]
-        return (base, ours, f"ideal {_grid_ideal(report, cell):.2f}; bursts of {burst} requests",
-                "vanilla")
+        base, ours_samples = _grid_sides(report, cell, metric, ours)
+        burst = report["results"][ours]["cells"][cell]["burst"]
+        return (base, ours_samples,
+                f"ideal {_grid_ideal(report, cell):.2f}; bursts of {burst} requests", "vanilla")
     return extract
 
 
-def _grid_worst(metric: str, higher_is_better: bool, ideal_min: float = 0.0):
+def _grid_worst(metric: str, higher_is_better: bool, ideal_min: float = 0.0,
+                ours: str = "sglang-pic"):
     """The cell (of those whose ideal is at least ``ideal_min``) where the span server's ratio
-    to vanilla on ``metric`` is lowest."""
+    to vanilla on ``metric`` is lowest (``ours``: its variant)."""
     def extract(report: dict) -> tuple:
-        cells = [c for c in report["results"]["sglang-pic"]["cells"]
+        cells = [c for c in report["results"][ours]["cells"]
                  if _grid_ideal(report, c) >= ideal_min]
-        worst = min(cells, key=lambda c: _grid_ratio(report, c, metric, higher_is_better))
-        base, ours = _grid_sides(report, worst, metric)
-        return (base, ours, f"worst of {len(cells)} cells: {worst} (ideal "
+        worst = min(cells, key=lambda c: _grid_ratio(report, c, metric, higher_is_better, ours))
+        base, ours_samples = _grid_sides(report, worst, metric, ours)
+        return (base, ours_samples, f"worst of {len(cells)} cells: {worst} (ideal "
                 f"{_grid_ideal(report, worst):.2f})", "vanilla")
     return extract
 
 
-def _grid_fraction_of_bound(report: dict) -> tuple:
+def _grid_fraction_of_bound(ours: str = "sglang-pic"):
     """Per cell, the throughput ratio over its bound min(ideal, the aligned cell's ratio); the
     worst cell's samples scaled so that the row's ratio is that fraction."""
-    aligned = _grid_ratio(report, "aligned", "requests_per_s", True)
-    bounds = {c: min(_grid_ideal(report, c), aligned)
-              for c in report["results"]["sglang-pic"]["cells"]}
-    fractions = {c: _grid_ratio(report, c, "requests_per_s", True) / bound
-                 for c, bound in bounds.items()}
-    worst = min(fractions, key=fractions.get)
-    base, ours = _grid_sides(report, worst, "requests_per_s")
-    bound = bounds[worst]
-    return ([b * bound for b in base], ours,
-            f"worst cell {worst}: ratio {fractions[worst] * bound:.2f}x against its bound "
-            f"{bound:.2f}x (min of its ideal and the aligned cell's ratio); fractions "
-            + ", ".join(f"{c} {f:.2f}" for c, f in fractions.items()), "vanilla")
+    def extract(report: dict) -> tuple:
+        aligned = _grid_ratio(report, "aligned", "requests_per_s", True, ours)
+        bounds = {c: min(_grid_ideal(report, c), aligned) for c in report["results"][ours]["cells"]}
+        fractions = {c: _grid_ratio(report, c, "requests_per_s", True, ours) / bound
+                     for c, bound in bounds.items()}
+        worst = min(fractions, key=fractions.get)
+        base, ours_samples = _grid_sides(report, worst, "requests_per_s", ours)
+        bound = bounds[worst]
+        return ([b * bound for b in base], ours_samples,
+                f"worst cell {worst}: ratio {fractions[worst] * bound:.2f}x against its bound "
+                f"{bound:.2f}x (min of its ideal and the aligned cell's ratio); fractions "
+                + ", ".join(f"{c} {f:.2f}" for c, f in fractions.items()), "vanilla")
+    return extract
 
 
 REAL_WEIGHTS_CONTROL = "real_weights_h200_control.json"  # the baseline side of the agreement row
@@ -560,6 +575,14 @@ SPAN_SERVER = ("pic_flashinfer + pic_span with turned copies of moved spans (cop
 SPAN_SERVER_SEGMENTED = ("pic_flashinfer + pic_span: FlashInfer for batches without moved keys, "
                          "segmented attention on FlashInfer's batch kernels over the shared "
                          "pages for batches with span requests reading moved spans")
+SPAN_SERVER_GRAPHS = (f"{SPAN_SERVER_SEGMENTED}, with --position-free-span-graphs: their decode "
+                      "steps replayed from a second CUDA graph set (segmented attention padded "
+                      "to 12 runs a request)")
+GRID_STREAM_NOTE = ("64 requests after the last burst, over its documents and tenants with the "
+                    "cache warm, as a Poisson stream at 70% of vanilla's burst throughput; "
+                    "samples: the requests' TTFTs; H100")
+GRID_WORST_NOTE = ("over the cells of one run (aligned in bursts of 128, varlen_k6_p256_z07_t4 "
+                   "in bursts of 48); varlen_k10_p1024_z11_t4 was not re-run with it; H100")
 SPAN_SERVER_SHARED = ("pic_flashinfer + pic_span, --span-copy-on-reuse off: span requests read "
                       "the shared moved pages with our Triton kernels (eager), FlashInfer for the "
                       "rest")
@@ -621,10 +644,24 @@ CLAIMS: list[Claim] = [
       for cell in GRID_CELLS],
     *[Claim(f"spans.rag_grid.{cell}.stream_ttft_p50", GRID, "stream_ttft_ms",
             path=SPAN_SERVER_SEGMENTED, extract=_grid_cell(cell, "stream_ttft_ms"),
-            note="64 requests after the last burst, over its documents and tenants with the "
-            "cache warm, as a Poisson stream at 70% of vanilla's burst throughput; samples: "
-            "the requests' TTFTs; H100")
+            note=GRID_STREAM_NOTE)
       for cell in GRID_CELLS],
+    *[Claim(f"spans.rag_grid.{cell}.span_graphs", GRID, "requests_per_s", higher_is_better=True,
+            ours_variant=GRID_GRAPHS, path=SPAN_SERVER_GRAPHS,
+            extract=_grid_cell(cell, ours=GRID_GRAPHS),
+            note=f"bench_rag_grid.py cell {cell}, the same run as spans.rag_grid.{cell}; H100")
+      for cell in GRID_CELLS],
+    *[Claim(f"spans.rag_grid.{cell}.span_graphs.stream_ttft_p50", GRID, "stream_ttft_ms",
+            ours_variant=GRID_GRAPHS, path=SPAN_SERVER_GRAPHS,
+            extract=_grid_cell(cell, "stream_ttft_ms", GRID_GRAPHS), note=GRID_STREAM_NOTE)
+      for cell in GRID_CELLS],
+    Claim("spans.rag_grid.varlen_k10_p1024_z11_t4", GRID_K10, "requests_per_s",
+          higher_is_better=True, path=SPAN_SERVER_SEGMENTED,
+          extract=_grid_cell("varlen_k10_p1024_z11_t4"), note=GRID_K10_NOTE),
+    Claim("spans.rag_grid.varlen_k10_p1024_z11_t4.stream_ttft_p50", GRID_K10, "stream_ttft_ms",
+          path=SPAN_SERVER_SEGMENTED, extract=_grid_cell("varlen_k10_p1024_z11_t4",
+                                                         "stream_ttft_ms"),
+          note=GRID_K10_NOTE),
     Claim("spans.rag_grid.peak_kv_tokens", GRID, "peak_used_tokens",
           path=SPAN_SERVER_SEGMENTED, extract=_grid_cell("varlen_k6_p256_z07_t4",
                                                          "peak_used_tokens"),
@@ -633,25 +670,44 @@ CLAIMS: list[Claim] = [
     Claim("spans.rag_grid.worst_throughput", GRID, "requests_per_s", higher_is_better=True,
           target=2.5, path=SPAN_SERVER_SEGMENTED,
           extract=_grid_worst("requests_per_s", True, GRID_IDEAL_MIN),
-          note="the worst cell of those whose ideal is >= 3; H100"),
+          note=f"the worst cell of those whose ideal is >= 3; {GRID_WORST_NOTE}"),
     Claim("spans.rag_grid.worst_stream_ttft_p50", GRID, "stream_ttft_ms", target=4.0,
           path=SPAN_SERVER_SEGMENTED, extract=_grid_worst("stream_ttft_ms", False),
-          note="the worst cell of all; H100"),
+          note=f"the worst cell of all; {GRID_WORST_NOTE}"),
     Claim("spans.rag_grid.worst_fraction_of_bound", GRID, "requests_per_s",
           higher_is_better=True, target=0.8, path=SPAN_SERVER_SEGMENTED,
-          extract=_grid_fraction_of_bound,
-          note="ratio over min(ideal, aligned ratio), the worst cell; H100"),
+          extract=_grid_fraction_of_bound(),
+          note=f"ratio over min(ideal, aligned ratio), the worst cell; {GRID_WORST_NOTE}"),
+    Claim("spans.rag_grid.span_graphs.worst_stream_ttft_p50", GRID, "stream_ttft_ms",
+          target=4.0, ours_variant=GRID_GRAPHS, path=SPAN_SERVER_GRAPHS,
+          extract=_grid_worst("stream_ttft_ms", False, ours=GRID_GRAPHS),
+          note=f"the worst cell of all; {GRID_WORST_NOTE}"),
+    Claim("spans.rag_grid.span_graphs.worst_fraction_of_bound", GRID, "requests_per_s",
+          higher_is_better=True, target=0.8, ours_variant=GRID_GRAPHS, path=SPAN_SERVER_GRAPHS,
+          extract=_grid_fraction_of_bound(GRID_GRAPHS),
+          note=f"ratio over min(ideal, aligned ratio), the worst cell; {GRID_WORST_NOTE}"),
     Claim("spans.rag_grid.max_concurrent_requests", GRID, "peak_decoding",
           higher_is_better=True, path=SPAN_SERVER_SEGMENTED,
           extract=_grid_cell("aligned", "peak_decoding"),
           note="most client requests between their first token and their last at once in a "
           "burst of 128 (aligned cell), the same KV pool on both sides; a burst can show at "
           "most 128; H100"),
-    *[Claim(f"spans.segmented_decode.{metric}", SEGMENTED_DECODE, metric,
-            ours_variant="grouped", path=SEGMENTED_DECODE_PATH, note=note)
+    *[Claim(f"spans.segmented_decode.{prefix}{metric}", SEGMENTED_DECODE, metric,
+            ours_variant=variant, path=SEGMENTED_DECODE_PATH, note=f"{what}: {note}")
+      for prefix, variant, what in (
+          ("", "grouped", "the eager step"),
+          ("graph_", "graph", "the step as a CUDA graph replays it (--position-free-span-graphs: "
+           "padded to 12 runs a request; the time includes copying the query in)"))
       for metric, note in (
           ("attend_ms", "one layer's attention of a decode step"),
           ("plan_ms", "a decode step's planning on the host (once per step, all layers)"))],
+    *[Claim(f"spans.segmented_decode.varlen_k6.{name}", SEGMENTED_DECODE_K6, "attend_ms",
+            ours_variant=variant, path=SEGMENTED_DECODE_K6_PATH,
+            note=f"one layer's attention of a decode step, {what}")
+      for name, variant, what in (
+          ("attend_ms", "grouped", "runs of the same slots read once (the default)"),
+          ("per_run_attend_ms", "per-run", "each run read on its own "
+           "(--span-group-shared-runs off)"))],
     Claim("fleet.rag_throughput_2x1gpu", FLEET, "requests_per_s", higher_is_better=True,
           target=2.5, extract=_grid_worst("requests_per_s", True),
           path="two instances sharing one GPU behind SGLang's router, a side each; vanilla: "
@@ -1215,6 +1271,9 @@ class ReadmeRow:
 README_ROWS = (
     ReadmeRow("spans.rag_grid.aligned",
               "Spans: RAG bursts, 128 requests x 4 of 32 documents of 2K tokens (H100)", "req/s"),
+    ReadmeRow("spans.rag_grid.aligned.span_graphs",
+              "Spans: the same, decode steps as CUDA graphs (--position-free-span-graphs)",
+              "req/s"),
     ReadmeRow("spans.rag_grid.varlen_k6_p256_z07_t4",
               "Spans: RAG bursts, 6 of 256 documents of varied length, 4 tenants (H100)",
               "req/s"),
