@@ -428,21 +428,27 @@ def test_flashinfer_kernels_equal_torch_kernels(seed, heads):
                                    rtol=3e-2)
 
 
+def _flashinfer_and_torch(c: dict) -> tuple[SegmentedAttention, SegmentedAttention]:
+    """Segmented attention over case ``c``'s pool on FlashInfer's kernels (tensor-core decode,
+    a workspace of its own) and on the torch kernels, on the GPU."""
+    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
+
+    h, hkv, d = c["heads"]
+    scale = c["layer"].scaling
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    fi = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16,
+                                          scale, True), "cuda")
+    return fi, _backend(c, TorchRunKernels(scale), "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(H, HKV, D), SMOLLM2])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_flashinfer_reads_runs_of_the_same_slots_once_as_torch_does(seed, heads):
     """The grouped decode step (the paged prefill kernel, a query row per run) on FlashInfer
     against the torch kernels and rotate-then-attend."""
-    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
-
     c = _shared_case(seed, "cuda", torch.bfloat16, heads)
-    h, hkv, d = heads
-    scale = c["layer"].scaling
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    fi = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16,
-                                          scale, True), "cuda")
-    ref = _backend(c, TorchRunKernels(scale), "cuda")
+    fi, ref = _flashinfer_and_torch(c)
     q, out = _decode(c, fi, "cuda", seed)
     _, expected = _decode(c, ref, "cuda", seed)
     assert fi.grouped and ref.grouped
@@ -503,15 +509,9 @@ def test_a_flashinfer_decode_step_replayed_from_a_cuda_graph_gives_the_eager_out
     """A segmented decode step captured once in a CUDA graph (FlashInfer's paged prefill in
     graph mode, the Triton turn and merge) and replayed for two different steps: each gives the
     torch kernels' eager output and rotate-then-attend's, and zero for the padding requests."""
-    from sglang_pic.position_free.run_kernels import FlashInferRunKernels
-
     c = (_shared_case if shared else _case)(1, "cuda", torch.bfloat16, heads)
-    h, hkv, d = heads
-    scale = c["layer"].scaling
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    seg = _backend(c, FlashInferRunKernels(workspace, h, hkv, d, torch.bfloat16, torch.bfloat16,
-                                           scale, True), "cuda")
-    ref = _backend(c, TorchRunKernels(scale), "cuda")
+    h, _, d = heads
+    seg, ref = _flashinfer_and_torch(c)
     n = len(c["lengths"])
     bs = n + 3
     seg.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
