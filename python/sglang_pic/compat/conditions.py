@@ -52,9 +52,6 @@ def _sparse_offload() -> bool:
 CONDITIONS: dict[str, Condition] = {
     "cpu": Condition(cpu_engine, "SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, or unset on a "
                                  "machine without CUDA)"),
-    "span_graphs": Condition(_setting("--position-free-span-graphs"),
-                             "`--position-free-span-graphs` (a second decode graph set for "
-                             "batches that read moved keys)"),
     "sae_stats": Condition(_setting("--sae-stats"), "`--sae-stats FILE` (measurement)"),
     "sparse_offload": Condition(_sparse_offload,
                                 "`--sparse-offload` (`SGLANG_PIC_SPARSE_OFFLOAD=1`)"),

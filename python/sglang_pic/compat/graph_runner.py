@@ -11,6 +11,7 @@ _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaG
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
 _SPAN_GRAPHS = "sglang_pic.position_free.span_graphs"
 _SPARSE_GRAPHS = "sglang_pic.sparse.graphs"
+_GRAPH_SETS = "sglang_pic.graph_sets"
 
 ROWS: tuple[Seam, ...] = (
     Seam(f"{_DECODE}.can_run_graph", f"{_SPAN_GRAPHS}:around_can_run_graph", "AROUND",
@@ -19,17 +20,15 @@ ROWS: tuple[Seam, ...] = (
              "(with `--position-free-span-graphs` they replay the second set)"),
     Seam(f"{_PREFILL}.can_run_graph", f"{_SPAN_GRAPHS}:around_can_run_graph", "AROUND",
          "position-free-kv", why="likewise for prefill graphs"),
-    Seam(f"{_DECODE}._capture_one_stream", f"{_SPAN_GRAPHS}:around_capture_one_stream",
-         "AROUND", "position-free-kv", "span_graphs",
-         why="a second decode graph set with the shift-aware kernels"),
-    Seam(f"{_DECODE}._make_graph_key", f"{_SPAN_GRAPHS}:around_make_graph_key", "AROUND",
-         "position-free-kv", "span_graphs", why="its variant label, `shifted`"),
-    Seam(f"{_DECODE}._capture_one_stream", f"{_SPARSE_GRAPHS}:around_capture_one_stream",
-         "AROUND", "sparse-decode",
-         why="a second graph set with the sparse part, and on `pariskv_flashinfer` a third for "
-             "batches of only sparse rows, without the dense decode"),
-    Seam(f"{_DECODE}._make_graph_key", f"{_SPARSE_GRAPHS}:around_make_graph_key", "AROUND",
-         "sparse-decode", why="their variant labels, `pariskv` and `pariskv-all`"),
+    # one hook per target for both features' graph sets (sglang_pic.graph_sets): two AROUND
+    # hooks of ours on one target make SGLang warn at every start
+    Seam(f"{_DECODE}._capture_one_stream", f"{_GRAPH_SETS}:around_capture_one_stream",
+         "AROUND", "position-free-kv",
+         why="our second decode graph sets: span decode steps by segmented attention "
+             "(`--position-free-span-graphs`); for sparse decoding the sparse part, and on "
+             "`pariskv_flashinfer` a third set for batches of only sparse rows"),
+    Seam(f"{_DECODE}._make_graph_key", f"{_GRAPH_SETS}:around_make_graph_key", "AROUND",
+         "position-free-kv", why="their variant labels: `shifted`, `pariskv`, `pariskv-all`"),
     Seam(f"{_DECODE}.load_batch", f"{_SPARSE_GRAPHS}:around_load_batch", "AROUND",
          "sparse-decode", why="the batch for the replay-side metadata (the padded view lacks "
                               "its request rows)"),

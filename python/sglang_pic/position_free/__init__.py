@@ -14,7 +14,7 @@ this changes in SGLang (the ``position-free-kv`` rows of the seam table, ``sglan
    keys and marks batches that read moved keys (``shifted_batches``), and AROUND hooks on the
    CUDA graph runners that keep those batches off ``pic_flashinfer``'s FlashInfer graphs and,
    with ``--position-free-span-graphs``, capture and replay a second decode graph set for them
-   (``span_graphs``);
+   (``span_graphs``, hooked through ``sglang_pic.graph_sets``);
 3. ``pic_torch_native`` must answer ``sglang.srt.utils.common.support_triton`` (which decides by
    backend *name* whether SGLang's Triton bookkeeping kernels may run) like ``torch_native``
    (False): ``CPU_BACKENDS``, answered by the plugin's one AROUND hook on it.

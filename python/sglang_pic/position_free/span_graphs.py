@@ -25,8 +25,8 @@ AROUND hooks (rows of ``sglang_pic.compat.graph_runner``):
 * ``DecodeCudaGraphRunner._make_graph_key``: adds ``shifted`` to the variant label while
   capturing the second set and when replaying for a shifted batch.
 
-The last two are hooked only with ``--position-free-span-graphs``: a process without it keeps
-SGLang's capture path to the sparse decoder's hooks alone.
+The last two are reached through ``sglang_pic.graph_sets``, which hooks each of those methods
+once for this set and the sparse decoder's; without the flag they pass straight through.
 """
 
 from __future__ import annotations

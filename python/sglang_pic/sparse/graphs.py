@@ -13,7 +13,8 @@ anyone reads, yet costs its launches in every layer). Such a batch holds at most
 set is captured only for the batch sizes it can be padded to.
 
 What this patches, with AROUND hooks on SGLang's ``DecodeCudaGraphRunner`` (rows of
-``sglang_pic.compat.graph_runner``), only when the runner's attention backend is
+``sglang_pic.compat.graph_runner``; the first two through ``sglang_pic.graph_sets``, which hooks
+them once for this set and the span decode steps'), only when the runner's attention backend is
 ``pariskv_triton`` or ``pariskv_flashinfer``:
 
 - ``_capture_one_stream``: runs the original twice, the second time with the backend's

@@ -19,7 +19,6 @@ DOC = REPO / "docs" / "architecture.md"
 EVERY_CONDITION = {  # every condition of the table on, as variables the features read
     "SGLANG_USE_CPU_ENGINE": "1",
     "SGLANG_PIC_SPARSE_OFFLOAD": "1",
-    "SGLANG_PIC_SPAN_GRAPHS": "1",
     "SGLANG_PIC_SAE_STATS": "/tmp/sglang-pic-test-sae-stats.json",
     "SGLANG_PIC_STORE_TRACE": "1",
     "SGLANG_PIC_STORAGE_IDLE_YIELD_US": "100",

@@ -135,6 +135,42 @@ def test_the_second_decode_graph_set_is_captured_under_its_own_label():
     assert keys == [((8, "nolora"), "flashinfer")]
 
 
+def test_one_hook_per_runner_method_serves_the_span_and_the_sparse_graph_sets(monkeypatch):
+    """``graph_sets``: the seam table's one hook on ``_capture_one_stream`` / ``_make_graph_key``
+    runs the span decode steps' wrapper around the sparse decoder's, so each set is captured and
+    labelled as its own hooks would (the sparse wrapper passes through for a span backend)."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang_pic import graph_sets
+    from sglang_pic.sparse import graphs as sparse_graphs
+
+    twin = _twin(span_graphs=True)
+    runner = _runner(DecodeCudaGraphRunner, twin)
+    sparse_calls = []
+
+    def sparse_capture(original, self, *args, **kwargs):
+        sparse_calls.append("capture")
+        return original(self, *args, **kwargs)
+
+    def sparse_key(original, self, size, stream_idx=None, variant_label=None):
+        sparse_calls.append("key")
+        return original(self, size, stream_idx, variant_label)
+
+    monkeypatch.setattr(sparse_graphs, "around_capture_one_stream", sparse_capture)
+    monkeypatch.setattr(sparse_graphs, "around_make_graph_key", sparse_key)
+    keys = []
+
+    def make_key(runner, size, stream_idx=None, variant_label=None):
+        return (size, variant_label)
+
+    def capture(runner):
+        keys.append((graph_sets.around_make_graph_key(make_key, runner, 8, None, "nolora"),
+                     twin._pick(SimpleNamespace())))
+
+    graph_sets.around_capture_one_stream(capture, runner)
+    assert keys == [((8, "nolora"), "flashinfer"), ((8, "nolora+shifted"), "triton")]
+    assert sparse_calls == ["capture", "key", "capture", "key"]
+
+
 def test_without_a_position_free_backend_the_hook_does_nothing():
     fb = _forward_batch([1], [5])
     shifted_batches.mark_forward_batch(fb, None, SimpleNamespace(reqs=[SimpleNamespace(
