@@ -110,27 +110,26 @@ class KeyRuns:
               ) -> KeyRuns:
         """From each request's runs (``request_runs``; an empty list for a request with no keys
         in the list, e.g. an extend without prefix)."""
-        lens, owners, shifts, starts, sources, runs_of = [], [], [], [], [], []
-        for i, runs in enumerate(per_request):
-            runs_of.append(list(range(len(lens), len(lens) + len(runs))))
-            for run in runs:  # ``Run``s, or plain (start, end, shift) tuples
-                lens.append(run[1] - run[0])
-                owners.append(i)
-                shifts.append(run[2])
-                starts.append(run[0])
-                sources.append(run[3] if len(run) > 3 else None)
-        p = len(lens)
-        width = max((len(r) for r in runs_of), default=0) or 1
-        padded = np.full((len(per_request), width), p, dtype=np.int64)
-        for i, r in enumerate(runs_of):
-            padded[i, : len(r)] = r
+        b = len(per_request)
+        counts = np.fromiter((len(runs) for runs in per_request), dtype=np.int64, count=b)
+        flat = [run for runs in per_request for run in runs]  # ``Run``s or (start, end, shift)
+        p = len(flat)
+        starts = [run[0] for run in flat]
+        shifts = [run[2] for run in flat]
+        sources = [run[3] if len(run) > 3 else None for run in flat]
+        lens = np.fromiter((run[1] for run in flat), dtype=np.int64, count=p) \
+            - np.asarray(starts, dtype=np.int64)
+        owners = np.repeat(np.arange(b), counts).tolist()
+        first = np.cumsum(counts) - counts  # each request's first run
+        column = np.arange(max(int(counts.max(initial=0)), 1))
+        padded = np.where(column[None, :] < counts[:, None], first[:, None] + column[None, :], p)
         indptr = np.zeros(p + 1, dtype=np.int32)
         np.cumsum(lens, out=indptr[1:])
-        kv_lens = [sum(r[1] - r[0] for r in runs) for runs in per_request]
+        kv_lens = (indptr[first + counts] - indptr[first]).astype(np.int64)
         return cls(
             kv_indptr=torch.from_numpy(indptr), owners=owners, shifts=shifts,
-            runs_of=torch.from_numpy(padded),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int64).to(device, non_blocking=True),
+            runs_of=torch.from_numpy(padded.astype(np.int64)),
+            kv_lens=torch.from_numpy(kv_lens).to(device, non_blocking=True),
             num_keys=int(indptr[-1]), starts=starts, sources=sources,
         )
 
