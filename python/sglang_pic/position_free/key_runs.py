@@ -87,6 +87,19 @@ def request_runs(runs: Sequence[Run] | None, length: int) -> list[Run]:
     return out
 
 
+class GroupedRuns(NamedTuple):
+    """A batch's runs in group order (``KeyRuns.grouped``), on the host: ``qo_indptr`` int32
+    [G + 1] (each group's query rows, a row per run), ``firsts`` [G] (the run whose keys each
+    group reads), ``owners`` and ``shifts`` int64 [P] (each row's request and shift),
+    ``merge_index`` int64 [B, S] (each request's rows, then padding)."""
+
+    qo_indptr: np.ndarray
+    firsts: list[int]
+    owners: np.ndarray
+    shifts: np.ndarray
+    merge_index: np.ndarray
+
+
 @dataclass
 class KeyRuns:
     """One batch's runs (see the module docstring for the shapes): on the host, what planning
@@ -153,6 +166,22 @@ class KeyRuns:
         lens = np.diff(self.kv_indptr.numpy())
         read = int(lens[[g[0] for g in groups]].sum())
         return groups if read <= SHARED_KEYS_MAX * self.num_keys else None
+
+    def grouped(self, groups: Sequence[Sequence[int]], padding: int) -> GroupedRuns:
+        """The runs laid out group after group (``groups``: ``shared_groups``, or one run per
+        group), the layout of a decode step's query rows; ``padding``: the state index the
+        merge skips, for the padded entries of ``runs_of``."""
+        p = self.num_runs
+        order = np.fromiter((r for group in groups for r in group), dtype=np.int64, count=p)
+        qo_indptr = np.zeros(len(groups) + 1, dtype=np.int32)
+        np.cumsum([len(group) for group in groups], out=qo_indptr[1:])
+        row_of = np.full(p + 1, padding, dtype=np.int64)  # entry p: the padding of runs_of
+        row_of[order] = np.arange(p)
+        return GroupedRuns(
+            qo_indptr=qo_indptr, firsts=[group[0] for group in groups],
+            owners=np.asarray(self.owners, dtype=np.int64)[order],
+            shifts=np.asarray(self.shifts, dtype=np.int64)[order],
+            merge_index=row_of[self.runs_of.numpy()])
 
     def run_kv_indices(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                        runs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

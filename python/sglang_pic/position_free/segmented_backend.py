@@ -107,27 +107,19 @@ class SegmentedAttention(AttentionBackend):
         same slots share one request of the paged kernel (``shared_groups``)."""
         to = dict(device=self.device, non_blocking=True)
         groups = runs.shared_groups() if self.group_shared_runs else None
+        layout = runs.grouped(groups or [[r] for r in range(runs.num_runs)], runs.num_runs)
         if groups is None:
             self.kernels.plan_decode(runs.kv_indptr,
                                      runs.kv_indices(self.req_to_token, pool_indices))
-            order = list(range(runs.num_runs))
-            self.merge_index = runs.runs_of.to(**to)
         else:
-            order = [r for group in groups for r in group]
-            qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
-            qo_indptr[1:] = torch.cumsum(torch.tensor([len(g) for g in groups]), 0)
             kv_indptr, kv_indices = runs.run_kv_indices(self.req_to_token, pool_indices,
-                                                        [g[0] for g in groups])
-            self.kernels.plan_paged(qo_indptr, kv_indptr, kv_indices)
-            row_of = torch.empty(runs.num_runs + 1, dtype=torch.int64)  # + the padding state
-            row_of[torch.tensor(order, dtype=torch.int64)] = torch.arange(runs.num_runs)
-            row_of[runs.num_runs] = runs.num_runs
-            self.merge_index = row_of[runs.runs_of].to(**to)
+                                                        layout.firsts)
+            self.kernels.plan_paged(torch.from_numpy(layout.qo_indptr), kv_indptr, kv_indices)
             shifted_batches.count("shared_run_batches")
         self.grouped = groups is not None
-        self.run_rows = torch.tensor([runs.owners[r] for r in order], dtype=torch.int64).to(**to)
-        self.run_shifts = torch.tensor([runs.shifts[r] for r in order],
-                                       dtype=torch.int64).to(**to)
+        self.merge_index = torch.from_numpy(layout.merge_index).to(**to)
+        self.run_rows = torch.from_numpy(layout.owners).to(**to)
+        self.run_shifts = torch.from_numpy(layout.shifts).to(**to)
 
     def _plan_extend(self, runs: KeyRuns, kv_indices: torch.Tensor, new: list[int]) -> None:
         """The new tokens over themselves (ragged, causal), and each run of the prefix with a

@@ -117,30 +117,23 @@ class SegmentedDecodeGraphs:
         runs = KeyRuns.build(padded, req_pool_indices.device)
         p = runs.num_runs
         groups = runs.shared_groups() if group_shared_runs else None
-        if groups is None:
-            groups = [[r] for r in range(p)]
-        order = np.fromiter((r for g in groups for r in g), dtype=np.int64, count=p)
-        g = len(groups)
-        qo_indptr = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum([len(group) for group in groups], out=qo_indptr[1 : g + 1])
+        layout = runs.grouped(groups or [[r] for r in range(p)], n)
+        g = len(layout.firsts)
+        qo_indptr = np.empty(n + 1, dtype=np.int32)  # the step's groups, then empty ones
+        qo_indptr[: g + 1] = layout.qo_indptr
         qo_indptr[g + 1 :] = qo_indptr[g]
         real_kv_indptr, kv_indices = runs.run_kv_indices(req_to_token, req_pool_indices,
-                                                         [group[0] for group in groups])
+                                                         layout.firsts)
         kv_indptr = np.empty(n + 1, dtype=np.int32)
         kv_indptr[: g + 1] = real_kv_indptr.numpy()
         kv_indptr[g + 1 :] = kv_indptr[g]
         step.kernels.plan_paged(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
                                 kv_indices)
-        row_of = np.full(p + 1, n, dtype=np.int64)  # entry p: the padding of runs_of
-        row_of[order] = np.arange(p)
         merge = np.full((bs, self.runs_per_request), n, dtype=np.int64)
-        of = runs.runs_of.numpy()
-        merge[:, : of.shape[1]] = row_of[of]
+        merge[:, : layout.merge_index.shape[1]] = layout.merge_index
         to = dict(non_blocking=True)
-        owners = np.asarray(runs.owners, dtype=np.int64)[order]
-        shifts = np.asarray(runs.shifts, dtype=np.int64)[order]
-        step.rows[:p].copy_(torch.from_numpy(owners), **to)
-        step.shifts[:p].copy_(torch.from_numpy(shifts), **to)
+        step.rows[:p].copy_(torch.from_numpy(layout.owners), **to)
+        step.shifts[:p].copy_(torch.from_numpy(layout.shifts), **to)
         step.count.copy_(torch.tensor([p], dtype=torch.int32), **to)
         step.merge_index.copy_(torch.from_numpy(merge), **to)
         return step
