@@ -52,8 +52,8 @@ SPAN_SWITCHES = {  # variants of the span server: the settings they change
     "sglang-pic": {},
     "sglang-pic-copy": {"SGLANG_PIC_SPAN_COPY": "on"},  # turned copies of moved spans
     "sglang-pic-triton": {},  # pic_triton: the shift-aware kernels for every batch
-    # decode steps reading moved keys replay a second CUDA graph set (the shift-aware Triton
-    # decode) instead of segmented attention, eager
+    # decode steps reading moved keys replay a second CUDA graph set (segmented attention in a
+    # padded layout) instead of running eagerly
     "sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"},
     # every request's runs read on their own in decode steps (--span-group-shared-runs off)
     "sglang-pic-per-run": {"SGLANG_PIC_SPAN_GROUPS": "off"},

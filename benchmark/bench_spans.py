@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--variants", default=None,
                     help="any of vanilla (FlashInfer), vanilla-triton, sglang-pic (ISPS), "
                          "sglang-pic-barrier, sglang-pic-shared (--span-copy-on-reuse off: "
-                         "moved spans read from the shared pages with the shift-aware kernels), "
+                         "moved spans read from the shared pages by segmented attention), "
                          "sglang-pic-span-graphs (the same with --position-free-span-graphs) "
                          "(default: vanilla,vanilla-triton,sglang-pic; "
                          "vanilla,sglang-pic with --smoke)")
