@@ -23,6 +23,7 @@ import pickle
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -415,6 +416,19 @@ def closed(s: socket.socket) -> bool:
         return False
 
 
+def _first_whole_dump(folder: Path, deadline: float) -> tuple[Path | None, Any]:
+    """A request dump of ``folder`` and what it holds, once one is whole: SGLang creates the
+    file before it has written it (a read in between ran out of input on a busy machine)."""
+    while time.time() < deadline:
+        for path in folder.glob("*.pkl"):
+            try:
+                return path, pickle.loads(path.read_bytes())
+            except (EOFError, pickle.UnpicklingError):
+                pass  # still being written
+        time.sleep(0.5)
+    return None, None
+
+
 def test_dumps_hold_no_secret(guarded):
     """Request dumps pickle SGLang's ServerArgs and command line: neither key is in any file
     the server wrote, nor in its log; the dumps are the server user's alone."""
@@ -423,14 +437,10 @@ def test_dumps_hold_no_secret(guarded):
                                                    "dump_requests_threshold": 1})
     assert r.status_code == 200, r.text
     guarded.post("/generate", json=PROBE)
-    deadline = time.time() + 30
-    while not list(folder.glob("*.pkl")) and time.time() < deadline:
-        time.sleep(0.5)
-    dumps = list(folder.glob("*.pkl"))
-    assert dumps
-    data = pickle.loads(dumps[0].read_bytes())
+    dump, data = _first_whole_dump(folder, time.time() + 30)
+    assert dump is not None
     assert data["server_args"].api_key == REDACTED and data["resolved_config"]["api_key"] == REDACTED
-    assert os.stat(dumps[0]).st_mode & 0o077 == 0
+    assert os.stat(dump).st_mode & 0o077 == 0
     admin(guarded, "/configure_logging", json={"dump_requests_folder": ""})
     for path in [*guarded.root.rglob("*"), guarded.log]:
         if path.is_file():
