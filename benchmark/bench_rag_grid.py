@@ -474,6 +474,10 @@ def main() -> None:
                     help="both sides with SGLang's --enable-metrics: each stream request's "
                          "TTFT split into its wait for a forward batch, its prefill and the "
                          "rest (stream_{wait,prefill,rest}_ms_all)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="both sides with SGLang's default prefill CUDA graphs (attention runs "
+                         "between their captured pieces, so span extends replay them too); "
+                         "without it both sides prefill eagerly")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run with SmolLM2")
     args = ap.parse_args()
     if args.combine:
@@ -499,6 +503,8 @@ def main() -> None:
         args.out = args.out or smoke_dir()
     if args.ttft_breakdown:
         engine_kwargs = dict(engine_kwargs, enable_metrics=True)
+    if args.prefill_graphs:
+        engine_kwargs = dict(engine_kwargs, disable_prefill_cuda_graph=False)
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     params["rates_file"] = args.rates_file or str(out_dir / "rag_grid_rates.json")

@@ -11,15 +11,21 @@ twice, once as SGLang does (FlashInfer) and once with the shifted backend (segme
 in its padded layout, ``segmented_graphs``; ``ShiftedTritonBackend`` without the span cache)
 under the graph variant label ``shifted`` (SGLang keys graphs by a variant label - its LoRA / no-LoRA graphs;
 the sparse decoder's second set, ``sparse/graphs.py``, uses the same mechanism), and a shifted
-decode batch replays the second set. Prefill graphs never hold the shifted kernels.
+decode batch replays the second set. A shifted extend may replay SGLang's prefill graphs when
+they leave attention out (its default ``breakable`` backend, ``attention_outside``): the captured
+pieces hold no attention kernel, and the backend's eager attention call between them reaches the
+shifted backend as an eager forward does; a question after cached spans then costs its dense
+layers' graph replays instead of hundreds of kernel launches.
 
 AROUND hooks (rows of ``sglang_pic.compat.graph_runner``):
 
 * ``DecodeCudaGraphRunner.can_run_graph`` / ``PrefillCudaGraphRunner.can_run_graph``
-  (``around_can_run_graph``): a shifted batch on ``pic_flashinfer`` replays only the second decode
-  set, and only if its requests' runs fit a captured segmented step (``graph_fits``); the backend is told which set the batch about to be replayed needs (``replay_shifted``,
-  for the graph key below; the runner's view of the batch carries no mark, and
-  ``shifted_batches.is_shifted`` reads it as the batch it was built from);
+  (``around_can_run_graph``): a shifted decode batch on ``pic_flashinfer`` replays only the
+  second decode set, and only if its requests' runs fit a captured segmented step
+  (``graph_fits``); a shifted extend replays a prefill graph only if attention is outside it.
+  The backend is told which decode set the batch about to be replayed needs
+  (``replay_shifted``, for the graph key below; the runner's view of the batch carries no
+  mark, and ``shifted_batches.is_shifted`` reads it as the batch it was built from);
 * ``DecodeCudaGraphRunner._capture_one_stream``: runs the original twice on ``pic_flashinfer``
   with the flag, the second time with the backend's ``capture_shifted`` set;
 * ``DecodeCudaGraphRunner._make_graph_key``: adds ``shifted`` to the variant label while
@@ -79,13 +85,31 @@ def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwarg
         return original(self, forward_batch, *args, **kwargs)
     shifted = shifted_batches.is_shifted(forward_batch)
     decode = _is_decode_runner(self)
-    if shifted and not (backend.span_graphs and decode):
+    if shifted and not decode:
+        # a prefill graph whose attention runs eagerly between its captured pieces calls the
+        # backend (segmented attention) like an eager forward does
+        return original(self, forward_batch, *args, **kwargs) if attention_outside(self) \
+            else False
+    if shifted and not backend.span_graphs:
         return False
     if shifted and not getattr(backend.shifted, "graph_fits", lambda: True)():
         return False  # a request with more runs than a captured segmented step holds
     if decode:
         backend.replay_shifted = shifted
     return original(self, forward_batch, *args, **kwargs)
+
+
+EAGER_ATTENTION_PREFILL = ("breakable",)
+"""SGLang's prefill graph backends that leave attention out of their graphs: ``breakable`` (its
+default on CUDA) captures the transformer body in pieces and calls the attention backend eagerly
+between them, with the batch's real tokens and metadata planned outside the graph. ``full``
+captures FlashInfer's kernels; ``tc_piecewise`` (torch.compile) is not measured with spans."""
+
+
+def attention_outside(runner: Any) -> bool:
+    """Whether this prefill graph runner calls the attention backend eagerly at replay."""
+    name = getattr(runner, "prefill_backend_name", None)
+    return str(getattr(name, "value", name)) in EAGER_ATTENTION_PREFILL
 
 
 def around_capture_one_stream(original, self, *args: Any, **kwargs: Any):

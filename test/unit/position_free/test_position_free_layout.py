@@ -83,13 +83,24 @@ def test_graphs_a_shifted_batch_may_replay():
     original, calls = _graph_calls()
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), span) is False and not calls
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), plain) and calls == [plain]
-    # with it: a shifted decode batch replays the second set, a prefill graph never
+    # with it: a shifted decode batch replays the second set
     twin = _twin(span_graphs=True)
     original, calls = _graph_calls()
     span = _marked(span=True)  # init_new builds each batch right before its forward
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), span) and twin.replay_shifted
     assert twin._pick(SimpleNamespace()) == "triton"  # the runner's view of the batch
-    assert can_run(original, _runner(PrefillCudaGraphRunner, twin), span) is False
+    # a shifted extend: a prefill graph that calls attention eagerly between its pieces
+    # (SGLang's breakable default), never one holding FlashInfer's kernels (full)
+    calls.clear()
+    for name, runs in (("breakable", True), ("full", False), ("tc_piecewise", False),
+                       (None, False)):
+        prefill = _runner(PrefillCudaGraphRunner, twin)
+        prefill.prefill_backend_name = SimpleNamespace(value=name) if name else None
+        assert can_run(original, prefill, span) is runs, name
+    assert calls == [span]
+    prefill = _runner(PrefillCudaGraphRunner, _twin(span_graphs=False))  # the decode set's flag
+    prefill.prefill_backend_name = "breakable"  # does not matter to it
+    assert can_run(original, prefill, span)
     plain = _marked(span=False)
     assert can_run(original, _runner(DecodeCudaGraphRunner, twin), plain)
     assert not twin.replay_shifted and twin._pick(SimpleNamespace()) == "flashinfer"
