@@ -247,6 +247,9 @@ GRID_K10_NOTE = ("bench_rag_grid.py cell varlen_k10_p1024_z11_t4 in bursts of 64
                  "merges in torch (now one Triton kernel each, which sped the aligned cell from "
                  "28.4 to 36.4 req/s); not re-run since")
 GRID_GRAPHS = "sglang-pic-span-graphs"  # the span server with --position-free-span-graphs
+# both sides with SGLang's default prefill CUDA graphs (bench_rag_grid --prefill-graphs): span
+# extends replay them too; the span server with --position-free-span-graphs only
+GRID_PREFILL_GRAPHS = "spans_rag_grid_prefill_graphs_h100.json"
 GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
 
 
@@ -346,7 +349,9 @@ def _grid_ratio(report: dict, cell: str, metric: str, higher_is_better: bool,
 
 
 def _grid_ideal(report: dict, cell: str) -> float:
-    return statistics.median(report["results"]["sglang-pic"]["cells"][cell]["ideal"])
+    """The cell's ideal, as the span side recorded it (the same draws for every span variant)."""
+    side = next(v for v in ("sglang-pic", GRID_GRAPHS) if v in report["results"])
+    return statistics.median(report["results"][side]["cells"][cell]["ideal"])
 
 
 def _grid_cell(cell: str, metric: str = "requests_per_s", ours: str = "sglang-pic"):
@@ -581,6 +586,11 @@ SPAN_SERVER_GRAPHS = (f"{SPAN_SERVER_SEGMENTED}, with --position-free-span-graph
 GRID_STREAM_NOTE = ("64 requests after the last burst, over its documents and tenants with the "
                     "cache warm, as a Poisson stream at 70% of vanilla's burst throughput; "
                     "samples: the requests' TTFTs; H100")
+SPAN_SERVER_PREFILL_GRAPHS = (f"{SPAN_SERVER_GRAPHS}; both sides with SGLang's default prefill "
+                              "CUDA graphs (breakable: attention runs between the captured "
+                              "pieces, so span extends replay them too)")
+GRID_PREFILL_NOTE = ("bench_rag_grid.py --prefill-graphs, aligned in bursts of 128 and "
+                     "varlen_k6_p256_z07_t4 in bursts of 48, back to back on one H100")
 GRID_WORST_NOTE = ("over the cells of one run (aligned in bursts of 128, varlen_k6_p256_z07_t4 "
                    "in bursts of 48); varlen_k10_p1024_z11_t4 was not re-run with it; H100")
 SPAN_SERVER_SHARED = ("pic_flashinfer + pic_span, --span-copy-on-reuse off: span requests read "
@@ -655,6 +665,20 @@ CLAIMS: list[Claim] = [
             ours_variant=GRID_GRAPHS, path=SPAN_SERVER_GRAPHS,
             extract=_grid_cell(cell, "stream_ttft_ms", GRID_GRAPHS), note=GRID_STREAM_NOTE)
       for cell in GRID_CELLS],
+    *[Claim(f"spans.rag_grid.prefill_graphs.{cell}", GRID_PREFILL_GRAPHS, "requests_per_s",
+            higher_is_better=True, ours_variant=GRID_GRAPHS, path=SPAN_SERVER_PREFILL_GRAPHS,
+            extract=_grid_cell(cell, ours=GRID_GRAPHS), note=f"{GRID_PREFILL_NOTE}: cell {cell}")
+      for cell in GRID_CELLS],
+    *[Claim(f"spans.rag_grid.prefill_graphs.{cell}.stream_ttft_p50", GRID_PREFILL_GRAPHS,
+            "stream_ttft_ms", ours_variant=GRID_GRAPHS, path=SPAN_SERVER_PREFILL_GRAPHS,
+            extract=_grid_cell(cell, "stream_ttft_ms", GRID_GRAPHS),
+            note=f"{GRID_PREFILL_NOTE}: cell {cell}; {GRID_STREAM_NOTE}")
+      for cell in GRID_CELLS],
+    Claim("spans.rag_grid.prefill_graphs.worst_stream_ttft_p50", GRID_PREFILL_GRAPHS,
+          "stream_ttft_ms", target=4.0, ours_variant=GRID_GRAPHS,
+          path=SPAN_SERVER_PREFILL_GRAPHS, extract=_grid_worst("stream_ttft_ms", False,
+                                                               ours=GRID_GRAPHS),
+          note=f"the worst cell of all; {GRID_PREFILL_NOTE}"),
     Claim("spans.rag_grid.varlen_k10_p1024_z11_t4", GRID_K10, "requests_per_s",
           higher_is_better=True, path=SPAN_SERVER_SEGMENTED,
           extract=_grid_cell("varlen_k10_p1024_z11_t4"), note=GRID_K10_NOTE),
@@ -1274,6 +1298,9 @@ README_ROWS = (
     ReadmeRow("spans.rag_grid.aligned.span_graphs",
               "Spans: the same, decode steps as CUDA graphs (--position-free-span-graphs)",
               "req/s"),
+    ReadmeRow("spans.rag_grid.prefill_graphs.aligned.stream_ttft_p50",
+              "Spans: first token, a Poisson stream of such requests at 70 % of vanilla's "
+              "capacity, span graphs, SGLang's default prefill graphs on both sides", "ms"),
     ReadmeRow("spans.rag_grid.varlen_k6_p256_z07_t4",
               "Spans: RAG bursts, 6 of 256 documents of varied length, 4 tenants (H100)",
               "req/s"),

@@ -25,10 +25,10 @@ NEW_TOKENS = 16
 COMMON = ["--mem-fraction-static", "0.12", "--page-size", "1", "--dtype", "bfloat16",
           "--cuda-graph-max-bs", "16"]
 SERVERS = {
-    # SGLang captures piecewise prefill graphs with torch.compile for flashinfer (58 sizes): with
-    # five servers starting at once that took over the 240 s start limit on the H200. They do not
-    # change the attention kernels this reference is for (SGLang does not capture them for our
-    # backends either).
+    # vanilla prefills eagerly (--disable-piecewise-cuda-graph: SGLang's prefill graphs off):
+    # with five servers starting at once their capture took over the 240 s start limit on the
+    # H200, and they hold no attention kernel this reference is for. The span servers keep
+    # SGLang's default (breakable) prefill graphs, which span extends replay.
     "vanilla": ["--attention-backend", "flashinfer", "--disable-piecewise-cuda-graph"],
     # pic_flashinfer, moved spans read from the shared pages by segmented attention (the
     # default, --span-copy-on-reuse auto): FlashInfer's batch kernels, eager
@@ -170,7 +170,8 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     """Each document sits at another offset in each prompt, after another system prompt, so
     most reads are of span keys computed elsewhere and moved: read from the shared pages with
     the query turned back per run (``spans``, segmented attention) or turned once into the
-    request's own copy (``spans_copies``). bf16 against the float32 reference: a divergence must be where
+    request's own copy (``spans_copies``); on ``spans`` the extends of span requests replay
+SGLang's prefill graphs, attention running between their pieces. bf16 against the float32 reference: a divergence must be where
     the reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
     a float32 gap of 0.09; the H200 runs picked either token there)."""
     _, spans = prompts
@@ -179,6 +180,8 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     again = _generate(srv, spans)  # every document cached now, at other offsets
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     _follows_reference(again, references)
+    if server == "spans":  # their questions' extends replayed SGLang's (breakable) prefill graphs
+        assert srv.metrics()["sglang_pic:span_prefill_graph_batches_total"] > 0
 
 
 def test_moved_spans_are_read_shared_by_default_and_copied_when_asked(servers, prompts):

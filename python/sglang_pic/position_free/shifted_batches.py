@@ -37,6 +37,10 @@ COUNTERS = {  # with --enable-metrics (sglang_pic.metrics)
     "graph_steps": ("sglang_pic:span_graph_steps",
                     "Decode steps of batches holding span requests replayed from the second "
                     "CUDA graph set (--position-free-span-graphs) instead of run eagerly."),
+    "prefill_graph_batches": ("sglang_pic:span_prefill_graph_batches",
+                              "Extend batches holding span requests that read moved keys, run "
+                              "in SGLang's prefill CUDA graphs (attention between the captured "
+                              "pieces) instead of eagerly."),
     "copied_requests": ("sglang_pic:span_copied_requests",
                         "Span requests reading turned copies of the pages they read moved "
                         "(--span-copy-on-reuse), made for them or shared."),

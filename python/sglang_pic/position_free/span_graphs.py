@@ -88,8 +88,12 @@ def around_can_run_graph(original, self, forward_batch: Any, *args: Any, **kwarg
     if shifted and not decode:
         # a prefill graph whose attention runs eagerly between its captured pieces calls the
         # backend (segmented attention) like an eager forward does
-        return original(self, forward_batch, *args, **kwargs) if attention_outside(self) \
-            else False
+        if not attention_outside(self):
+            return False
+        replays = original(self, forward_batch, *args, **kwargs)
+        if replays:
+            shifted_batches.count("prefill_graph_batches")
+        return replays
     if shifted and not backend.span_graphs:
         return False
     if shifted and not getattr(backend.shifted, "graph_fits", lambda: True)():
