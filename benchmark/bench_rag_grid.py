@@ -55,6 +55,10 @@ SPAN_SWITCHES = {  # variants of the span server: the settings they change
     # decode steps reading moved keys replay a second CUDA graph set (segmented attention in a
     # padded layout) instead of running eagerly
     "sglang-pic-span-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"},
+    # and --span-schedule ready-first: requests whose spans are cached batched ahead of span
+    # prefills still waiting
+    "sglang-pic-span-graphs-ready-first": {"SGLANG_PIC_SPAN_GRAPHS": "1",
+                                           "SGLANG_PIC_SPAN_SCHEDULE": "ready-first"},
     # every request's runs read on their own in decode steps (--span-group-shared-runs off)
     "sglang-pic-per-run": {"SGLANG_PIC_SPAN_GROUPS": "off"},
 }
@@ -451,7 +455,8 @@ def main() -> None:
                     help="any of vanilla (FlashInfer), sglang-pic (segmented attention over "
                          "shared pages), sglang-pic-copy (--span-copy-on-reuse on), "
                          "sglang-pic-triton (pic_triton), sglang-pic-span-graphs "
-                         "(--position-free-span-graphs), sglang-pic-per-run "
+                         "(--position-free-span-graphs), sglang-pic-span-graphs-ready-first "
+                         "(and --span-schedule ready-first), sglang-pic-per-run "
                          "(--span-group-shared-runs off)")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
                     help=f"cells to run, of {', '.join(CELLS)}")

@@ -318,9 +318,12 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "span caching (SSEP/PDEP markers, `spans` request field); implies "
          "--enable-position-free-kv and --radix-cache-backend pic_span"),
     Flag("--span-schedule", "spans",
-         "isps: span prefills interleave with other work; barrier: final prompts wait until no "
-         "span prefill is pending",
-         parse=one_of("isps", "barrier"), default="isps", metavar="{isps,barrier}",
+         "isps: span prefills interleave with other work; ready-first: isps, but a prefill "
+         "batch formed while span prefills and requests whose spans are cached both wait takes "
+         "the latter alone (never twice in a row); barrier: final prompts wait until no span "
+         "prefill is pending",
+         parse=one_of("isps", "ready-first", "barrier"), default="isps",
+         metavar="{isps,ready-first,barrier}",
          env="SGLANG_PIC_SPAN_SCHEDULE"),
     Flag("--span-recompute-tokens", "spans",
          "recompute the first K tokens of each span in context (link recompute)",

@@ -63,6 +63,12 @@ def _on_new_prefill_batch(original: Any, scheduler: Any, *args: Any, **kwargs: A
     if planner is None or not planner.units:  # no sub-request in flight: nothing to look at
         return original(scheduler, *args, **kwargs)
     planner.release_launched_units(scheduler)
+    deferred = planner.defer_units(scheduler)
+    if deferred is not None:
+        try:
+            return original(scheduler, *args, **kwargs)
+        finally:
+            planner.restore_units(scheduler, deferred)
     budget = planner.unit_chunk_budget(scheduler)
     if budget is None:
         return original(scheduler, *args, **kwargs)

@@ -25,8 +25,9 @@ class SpanConfig:
     pad_token_id: int | None = None
     """Token that pads each segment to a page boundary (None: the tokenizer's pad, else eos)."""
     schedule: str = "isps"
-    """`isps`: span prefills interleave with everything else; `barrier`: final prompts wait until
-    no span prefill is pending."""
+    """`isps`: span prefills interleave with everything else; `ready-first`: `isps`, with requests
+    whose spans are cached batched ahead of waiting span prefills; `barrier`: final prompts wait
+    until no span prefill is pending."""
     recompute_tokens: int = 0
     """EPIC-style link recompute: the first k tokens of every span are recomputed in context."""
 

@@ -207,3 +207,51 @@ def test_span_prefills_just_over_the_chunk_budget_go_in_one_pass(monkeypatch):
     scheduler.waiting_queue = [*units, req("client", 64)]
     spans._on_new_prefill_batch(lambda s: seen.append(s.chunked_prefill_size), scheduler)
     assert seen == [8448, 8192]
+
+
+def test_ready_first_batches_released_requests_without_waiting_span_prefills():
+    """``--span-schedule ready-first``: while span prefills (units) and requests whose spans are
+    cached both wait, the batch SGLang forms sees only the latter (and plain requests); the
+    units go back at the front of the queue, and are never held back twice in a row. Under
+    ``isps`` (and when only one kind waits) the queue is left as it is."""
+    from dataclasses import replace
+
+    from sglang_pic import spans
+    from sglang_pic.spans import config as span_config
+    from sglang_pic.spans.planner import SpanPlanner
+
+    def req(rid, span=False):
+        return SimpleNamespace(rid=rid, pic_segments=[object()] if span else None)
+
+    planner = SpanPlanner(SimpleNamespace(page_size=PAGE),
+                          replace(span_config.load(), schedule="ready-first"))
+    unit_a, unit_b = req("pic-span-a"), req("pic-span-b")
+    planner.unit_by_rid.update({unit_a.rid: object(), unit_b.rid: object()})
+    planner.units.update({"a": object()})
+    question, plain = req("question", span=True), req("plain")
+    scheduler = SimpleNamespace(waiting_queue=[unit_a, question, unit_b, plain], last_batch=None,
+                                chunked_req=None, chunked_prefill_size=8192,
+                                tree_cache=SimpleNamespace(planner=planner))
+    seen = []
+
+    def form(s):  # SGLang takes what it batches out of the queue (here: all it sees)
+        seen.append([r.rid for r in s.waiting_queue])
+        s.waiting_queue = []
+        return "batch"
+
+    assert spans._on_new_prefill_batch(form, scheduler) == "batch"
+    assert seen == [["question", "plain"]]
+    assert [r.rid for r in scheduler.waiting_queue] == ["pic-span-a", "pic-span-b"]
+    # the next batch: the units are not held back again, even with another question waiting
+    scheduler.waiting_queue.append(req("question-2", span=True))
+    spans._on_new_prefill_batch(form, scheduler)
+    assert seen[-1] == ["pic-span-a", "pic-span-b", "question-2"]
+    # only units, or no unit: nothing to do
+    scheduler.waiting_queue = [unit_a, unit_b]
+    assert planner.defer_units(scheduler) is None
+    scheduler.waiting_queue = [question, plain]
+    assert planner.defer_units(scheduler) is None
+    # isps leaves the batch to SGLang
+    planner.cfg = replace(planner.cfg, schedule="isps")
+    scheduler.waiting_queue = [unit_a, question]
+    assert planner.defer_units(scheduler) is None
