@@ -215,6 +215,23 @@ async def _stream(engine, prompts: list[list[int]], sp: dict, rate: float, rng) 
     return await asyncio.gather(*(one(d, p) for d, p in zip(delays, prompts, strict=True)))
 
 
+def span_counters() -> dict[str, float]:
+    """sglang-pic's counters of this process's engine so far (``sglang_pic:*`` on ``/metrics``:
+    span extends replayed in prefill graphs, decode steps from the span graph set, ...), read
+    from SGLang's prometheus multiprocess folder; empty without ``enable_metrics``."""
+    from sglang.srt.utils import common
+
+    folder = getattr(getattr(common, "prometheus_multiproc_dir", None), "name", None)
+    if not folder:
+        return {}
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=folder)
+    return {s.name: s.value for metric in registry.collect() for s in metric.samples
+            if s.name.startswith("sglang_pic:")}
+
+
 def workload(engine_kwargs: dict, params: dict) -> dict:
     import numpy as np
 
@@ -288,6 +305,8 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                     out[f"stream_{part}_p50_ms"] = percentile(values, 50)
             for key in ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "ideal"):
                 out[f"{key}_median"] = statistics.median(out[key])
+            if spans and engine_kwargs.get("enable_metrics"):
+                out["counters_so_far"] = span_counters()  # since the engine started
             result["cells"][name] = out
             breakdown = ", ".join(f"{part} {out[f'stream_{part}_p50_ms']:.1f}"
                                   for part in TTFT_PARTS if f"stream_{part}_p50_ms" in out)
@@ -296,6 +315,10 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                   f"{out.get('stream_ttft_p50_ms', float('nan')):.0f} ms"
                   + (f" ({breakdown})" if breakdown else "") + ", peak running "
                   f"{out['peak_running']}, decoding {out['peak_decoding']}", flush=True)
+            if out.get("counters_so_far"):
+                print(f"[rag-grid] {variant} counters so far: " + ", ".join(
+                    f"{k.removeprefix('sglang_pic:')} {v:.0f}"
+                    for k, v in sorted(out["counters_so_far"].items())), flush=True)
             if partial is not None:
                 partial.write_text(json.dumps(result))
             if variant == "vanilla" and rates_path is not None:
