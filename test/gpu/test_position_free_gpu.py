@@ -31,8 +31,13 @@ SERVERS = {
     # SGLang's default (breakable) prefill graphs, which span extends replay.
     "vanilla": ["--attention-backend", "flashinfer", "--disable-piecewise-cuda-graph"],
     # pic_flashinfer, moved spans read from the shared pages by segmented attention (the
-    # default, --span-copy-on-reuse auto): FlashInfer's batch kernels, eager
+    # default, --span-copy-on-reuse auto): FlashInfer's batch kernels, decode steps eager,
+    # extends between the pieces of SGLang's prefill graphs
     "spans": ["--enable-span-cache", "--enable-metrics"],
+    # the same with SGLang's prefill graphs off: its span extends run eagerly (the control of
+    # the prefill-graph replay above)
+    "spans_eager_prefill": ["--enable-span-cache", "--enable-metrics",
+                            "--disable-piecewise-cuda-graph"],
     # moved spans copied per request, turned once: vanilla FlashInfer batches, CUDA graphs
     "spans_copies": ["--enable-span-cache", "--span-copy-on-reuse", "on", "--enable-metrics"],
     # decode steps of span batches replayed from a second CUDA graph set: segmented attention
@@ -44,7 +49,8 @@ SERVERS = {
 
 
 # the attention backend each server must report (``/get_server_info``)
-BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer", "spans_copies": "pic_flashinfer",
+BACKENDS = {"vanilla": "flashinfer", "spans": "pic_flashinfer",
+            "spans_eager_prefill": "pic_flashinfer", "spans_copies": "pic_flashinfer",
             "span_graphs": "pic_flashinfer", "spans_triton": "pic_triton"}
 
 
@@ -165,13 +171,14 @@ def references(prompts, model_dir) -> _Reference:
     return _Reference([t for t, _ in exact], [tops for _, tops in exact], noise)
 
 
-@pytest.mark.parametrize("server", ["spans", "spans_copies"])
+@pytest.mark.parametrize("server", ["spans", "spans_eager_prefill", "spans_copies"])
 def test_span_prompts_follow_the_block_attention_reference(servers, prompts, references, server):
     """Each document sits at another offset in each prompt, after another system prompt, so
     most reads are of span keys computed elsewhere and moved: read from the shared pages with
     the query turned back per run (``spans``, segmented attention) or turned once into the
     request's own copy (``spans_copies``); on ``spans`` the extends of span requests replay
-SGLang's prefill graphs, attention running between their pieces. bf16 against the float32 reference: a divergence must be where
+SGLang's prefill graphs, attention running between their pieces, on ``spans_eager_prefill``
+they run eagerly. bf16 against the float32 reference: a divergence must be where
     the reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
     a float32 gap of 0.09; the H200 runs picked either token there)."""
     _, spans = prompts
@@ -180,8 +187,11 @@ SGLang's prefill graphs, attention running between their pieces. bf16 against th
     again = _generate(srv, spans)  # every document cached now, at other offsets
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
     _follows_reference(again, references)
-    if server == "spans":  # their questions' extends replayed SGLang's (breakable) prefill graphs
+    # the questions' extends replayed SGLang's (breakable) prefill graphs, or ran eagerly
+    if server == "spans":
         assert srv.metrics()["sglang_pic:span_prefill_graph_batches_total"] > 0
+    elif server == "spans_eager_prefill":
+        assert srv.metrics().get("sglang_pic:span_prefill_graph_batches_total", 0) == 0
 
 
 def test_moved_spans_are_read_shared_by_default_and_copied_when_asked(servers, prompts):
