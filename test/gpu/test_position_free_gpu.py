@@ -177,9 +177,9 @@ def test_span_prompts_follow_the_block_attention_reference(servers, prompts, ref
     most reads are of span keys computed elsewhere and moved: read from the shared pages with
     the query turned back per run (``spans``, segmented attention) or turned once into the
     request's own copy (``spans_copies``); on ``spans`` the extends of span requests replay
-SGLang's prefill graphs, attention running between their pieces, on ``spans_eager_prefill``
-they run eagerly. bf16 against the float32 reference: a divergence must be where
-    the reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
+    SGLang's prefill graphs, attention running between their pieces, on ``spans_eager_prefill``
+    they run eagerly. bf16 against the float32 reference: a divergence must be where the
+    reference itself is within bf16's noise of a tie (prompt 1, step 9 of these prompts has
     a float32 gap of 0.09; the H200 runs picked either token there)."""
     _, spans = prompts
     srv = getattr(servers, server)

@@ -422,13 +422,12 @@ class SpanPlanner:
         if self._deferred:
             self._deferred = False
             return None
-        queue = getattr(scheduler, "waiting_queue", None) or []
-        units = [r for r in queue if r.rid in self.unit_by_rid]
-        if not units or len(units) == len(queue) or not any(
-                getattr(r, "pic_segments", None) is not None and r.rid not in self.unit_by_rid
-                for r in queue):
+        units, rest = [], []
+        for req in getattr(scheduler, "waiting_queue", None) or ():
+            (units if req.rid in self.unit_by_rid else rest).append(req)
+        if not units or all(getattr(r, "pic_segments", None) is None for r in rest):
             return None
-        scheduler.waiting_queue = [r for r in queue if r.rid not in self.unit_by_rid]
+        scheduler.waiting_queue = rest
         self._deferred = True
         return units
 
