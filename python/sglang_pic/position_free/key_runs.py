@@ -167,11 +167,13 @@ class KeyRuns:
         read = int(lens[[g[0] for g in groups]].sum())
         return groups if read <= SHARED_KEYS_MAX * self.num_keys else None
 
-    def grouped(self, groups: Sequence[Sequence[int]], padding: int) -> GroupedRuns:
-        """The runs laid out group after group (``groups``: ``shared_groups``, or one run per
+    def grouped(self, groups: Sequence[Sequence[int]] | None, padding: int) -> GroupedRuns:
+        """The runs laid out group after group (``groups``: ``shared_groups``; None: one run per
         group), the layout of a decode step's query rows; ``padding``: the state index the
         merge skips, for the padded entries of ``runs_of``."""
         p = self.num_runs
+        if groups is None:
+            groups = [[r] for r in range(p)]
         order = np.fromiter((r for group in groups for r in group), dtype=np.int64, count=p)
         qo_indptr = np.zeros(len(groups) + 1, dtype=np.int32)
         np.cumsum([len(group) for group in groups], out=qo_indptr[1:])

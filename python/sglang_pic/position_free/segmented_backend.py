@@ -107,7 +107,7 @@ class SegmentedAttention(AttentionBackend):
         same slots share one request of the paged kernel (``shared_groups``)."""
         to = dict(device=self.device, non_blocking=True)
         groups = runs.shared_groups() if self.group_shared_runs else None
-        layout = runs.grouped(groups or [[r] for r in range(runs.num_runs)], runs.num_runs)
+        layout = runs.grouped(groups, runs.num_runs)
         if groups is None:
             self.kernels.plan_decode(runs.kv_indptr,
                                      runs.kv_indices(self.req_to_token, pool_indices))

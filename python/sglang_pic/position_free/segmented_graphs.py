@@ -117,7 +117,7 @@ class SegmentedDecodeGraphs:
         runs = KeyRuns.build(padded, req_pool_indices.device)
         p = runs.num_runs
         groups = runs.shared_groups() if group_shared_runs else None
-        layout = runs.grouped(groups or [[r] for r in range(p)], n)
+        layout = runs.grouped(groups, n)
         g = len(layout.firsts)
         qo_indptr = np.empty(n + 1, dtype=np.int32)  # the step's groups, then empty ones
         qo_indptr[: g + 1] = layout.qo_indptr
