@@ -243,9 +243,9 @@ GRID = "spans_rag_grid_h100.json"
 GRID_CELLS = ("aligned", "varlen_k6_p256_z07_t4")
 GRID_K10 = "spans_rag_grid_k10_h100.json"  # the 10-of-1024 cell, not in GRID's run
 GRID_K10_NOTE = ("bench_rag_grid.py cell varlen_k10_p1024_z11_t4 in bursts of 64, 64 output "
-                 "tokens; H100. Run one session before the grid above, with the query turns and "
-                 "merges in torch (now one Triton kernel each, which sped the aligned cell from "
-                 "28.4 to 36.4 req/s); not re-run since")
+                 "tokens; H100. A separate run, with the query turns and merges in torch (the "
+                 "Triton kernels the grid above ran took its aligned cell from 28.4 to 36.4 "
+                 "req/s)")
 GRID_GRAPHS = "sglang-pic-span-graphs"  # the span server with --position-free-span-graphs
 # both sides with SGLang's default prefill CUDA graphs (bench_rag_grid --prefill-graphs): span
 # extends replay them too; the span server with --position-free-span-graphs only
