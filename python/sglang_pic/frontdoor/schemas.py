@@ -147,6 +147,10 @@ CLIENT_FIELDS: dict[str, Any] = {
     "return_bytes": bool,
     "return_entropy": bool,
     "return_prompt_token_ids": bool,
+    # SGLang 0.5.23's (the schema takes only the installed release's fields: ``generate_body``)
+    "cache_salt": _per_request(Name),
+    "return_flat_raw_output_top_logprobs": bool,
+    "sampling_logprobs_mode": _per_request(Literal["selected", "support"]),
 }
 """``GenerateReqInput`` fields a client may send, with their types (``sampling_params`` apart);
 ``null`` only where SGLang's own default is None."""
@@ -156,8 +160,12 @@ REFUSED_FIELDS: dict[str, str] = {
                      "use_audio_in_video", "modalities", "num_items_assigned",
                      "mm_data_mooncake", "encoder_urls", "need_wait_for_mm_inputs",
                      "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
-                     "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices"),
+                     "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices",
+                     "mm_content_hashes", "mm_processor_kwargs", "video_config",
+                     "token_indices_to_pool"),
                     "multimodal and embedding inputs are not served (text models only)"),
+    "kv_hints": "KV placement hints are not served",
+    "watermark": "watermarking is not served",
     "custom_logit_processor": "custom logit processors run client code on the server",
     "session_params": "sessions are not served",
     "custom_labels": "metrics labels are the operator's to set",
@@ -166,7 +174,7 @@ REFUSED_FIELDS: dict[str, str] = {
     **dict.fromkeys(("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
                      "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank",
                      "http_worker_ipc", "received_time", "external_trace_header",
-                     "positional_embed_overrides", "background"),
+                     "positional_embed_overrides", "background", "data_parallel_rank"),
                     "set by SGLang's own components, not by clients"),
     **dict.fromkeys(("return_routed_experts", "routed_experts_start_len",
                      "return_indexer_topk"), "MoE introspection is not served"),
@@ -184,14 +192,22 @@ typed request, with ``"model": null`` and ``"background": false``. SGLang ignore
 the reason ``REFUSED_FIELDS`` gives."""
 
 BATCHED = ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path",
-           "extra_key", "sampling_params")
+           "extra_key", "cache_salt", "sampling_logprobs_mode", "sampling_params")
 """Per-request fields: a list only in a batch, and then one entry per prompt."""
 
 
 @cache
 def generate_body() -> type:
+    """``GenerateBody``: the ``CLIENT_FIELDS`` the installed ``GenerateReqInput`` has (a field
+    of another release is unknown here), the router's, and ``sampling_params``."""
+    import dataclasses
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
     sampling = sampling_body()
-    fields = [(name, kind, None) for name, kind in (CLIENT_FIELDS | ROUTER_FIELDS).items()]
+    release = {f.name for f in dataclasses.fields(GenerateReqInput)}
+    fields = [(name, kind, None) for name, kind in CLIENT_FIELDS.items() if name in release]
+    fields += [(name, kind, None) for name, kind in ROUTER_FIELDS.items()]
     fields.append(("sampling_params", _per_request(sampling), None))
     return msgspec.defstruct("GenerateBody", fields, forbid_unknown_fields=True,
                              omit_defaults=True)
@@ -253,9 +269,10 @@ def check_generate(raw: bytes) -> None:
     if len(prompts) != 1:
         raise BodyError("give exactly one of 'text' and 'input_ids' (or 'spans' on a span "
                         f"server); got {', '.join(prompts) or 'none'}")
+    _refuse_empty_text("text", body.text)
     batch = _batch_size(body)
     for name in BATCHED:
-        value = getattr(body, name)
+        value = getattr(body, name, None)  # a field of another release: absent
         if isinstance(value, list):
             if batch is None:
                 raise BodyError(f"{name!r} is a list, but the request is a single prompt: a "
@@ -274,6 +291,15 @@ def check_generate(raw: bytes) -> None:
     if copies > MAX_BATCH:
         raise BodyError(f"the request asks for {copies} completions (prompts x n); at most "
                         f"{MAX_BATCH}")
+
+
+def _refuse_empty_text(name: str, text: Any) -> None:
+    """An empty prompt is refused here, on every release: SGLang 0.5.17 refuses it, and 0.5.23
+    schedules a prefill of no token, which stops its scheduler (the server dies)."""
+    if text == "" or text == []:
+        raise BodyError(f"{name!r} is empty")
+    if isinstance(text, list) and any(t == "" or t == [] for t in text):
+        raise BodyError(f"{name!r} holds an empty prompt")
 
 
 def _batch_size(body: Any) -> int | None:
@@ -468,6 +494,8 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
     for pattern in per_item(data.get("stop_regex") or []):
         check_stop_regex(pattern)
     prompt = data.get("prompt")
+    if path == "/v1/completions" and "prompt" in data:
+        _refuse_empty_text("prompt", prompt)
     batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
         prompt[0], int) else 1
     if batch * max(1, data.get("n") or 1) > MAX_BATCH:

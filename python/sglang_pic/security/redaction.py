@@ -40,6 +40,18 @@ def redact_config(config: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str
     return out
 
 
+def redact_server_info(info: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """AFTER ``build_server_info`` (SGLang 0.5.23's ``/server_info``): the resolved fields as
+    ``redact_config`` leaves them, and ``launch_command`` (the argv SGLang parsed, where the API
+    key handed over in memory is ``--api-key KEY``; SGLang joins it with spaces) with the
+    secrets' values replaced."""
+    out = redact_config(info)
+    command = out.get("launch_command")
+    if isinstance(command, str):
+        out["launch_command"] = " ".join(redact_argv(command.split(" ")))
+    return out
+
+
 def redact_repr(original: Any, server_args: Any) -> str:
     """``repr(server_args)`` with the secrets' values replaced."""
     text = original(server_args)
@@ -69,13 +81,18 @@ def redact_argv(argv: list[str]) -> list[str]:
 def redacted_server_args(server_args: Any) -> Any:
     """A shallow copy of ``server_args`` with every secret that is set replaced, or None when
     it cannot be copied (the dump then holds no ``ServerArgs``, as SGLang's own fallback for
-    arguments that do not pickle). ``ServerArgs`` refuses assignments once resolved; the copy is
-    ours, so its fields are set past that guard."""
+    arguments that do not pickle). ``ServerArgs`` refuses assignments once resolved: 0.5.17's
+    dataclass copy is ours, so its fields are set past that guard; 0.5.23's msgspec record is
+    copied with the secrets replaced (``msgspec.structs.replace``)."""
     try:
+        secrets = {name: REDACTED for name in SECRET_FIELDS if getattr(server_args, name, None)}
+        if hasattr(type(server_args), "__struct_fields__"):  # 0.5.23: a msgspec record
+            import msgspec
+
+            return msgspec.structs.replace(server_args, **secrets)
         out = copy.copy(server_args)
-        for name in SECRET_FIELDS:
-            if getattr(out, name, None):
-                object.__setattr__(out, name, REDACTED)
+        for name, value in secrets.items():
+            object.__setattr__(out, name, value)
     except Exception:  # never let a dump take the tokenizer's output loop down
         return None
     return out

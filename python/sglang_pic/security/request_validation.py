@@ -241,11 +241,21 @@ def constrained_field(params: Any) -> str | None:
 def constrained_decoding_available(server_args: Any) -> bool:
     """Whether this server can run constrained decoding without crashing: any accelerator, or the
     CPU engine with xgrammar and ``cpu_grammar``'s hooks registered in this process."""
-    if getattr(server_args, "device", None) != "cpu":
+    if _resolved(server_args, "device") != "cpu":
         return True
     from sglang_pic.cpu.grammar import cpu_grammar_registered
 
-    return getattr(server_args, "grammar_backend", None) == "xgrammar" and cpu_grammar_registered()
+    return _resolved(server_args, "grammar_backend") == "xgrammar" and cpu_grammar_registered()
+
+
+def _resolved(server_args: Any, name: str) -> Any:
+    """``server_args``' value of field ``name`` as SGLang resolved it: 0.5.23 keeps what its
+    resolution decided (a default it chose) beside the record, 0.5.17 writes it on it."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+    except ImportError:  # 0.5.17
+        return getattr(server_args, name, None)
+    return resolution_result(server_args, name)
 
 
 def validate_rid(rid: Any) -> None:

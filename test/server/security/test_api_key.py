@@ -12,18 +12,26 @@ of test_config_flags (``cfg_server``), ``--insecure`` on test_hicache_cpu's serv
 from __future__ import annotations
 
 import os
+import pickle
 import stat
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
 from sglang_pic.launcher import launch_server
 from sglang_pic.launcher.server_flags import UsageError
 from sglang_pic.security import api_key, secret_files
-from sglang_pic.security.redaction import REDACTED, redact_config, redact_repr
+from sglang_pic.security.redaction import (
+    REDACTED,
+    redact_config,
+    redact_repr,
+    redact_server_info,
+    redacted_server_args,
+)
 
 KEY = "k3y-of-24-characters-ok"
 OTHER = "an0ther-key-of-24-chars"
@@ -77,7 +85,8 @@ def test_the_key_is_on_no_command_line_and_not_shown(server):
     for proc in family:
         assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     log = server.log.read_text(errors="replace")
-    assert key not in log and "api_key='<redacted>'" in log
+    assert key not in log  # SGLang logs its settings at start: as a repr (0.5.17), a dict (0.5.23)
+    assert "api_key='<redacted>'" in log or "'api_key': '<redacted>'" in log
 
 
 # ---- where the key comes from, what is refused -------------------------------------------------
@@ -300,6 +309,36 @@ class _Args:
     api_key: str | None
     admin_api_key: str | None
     ssl_keyfile_password: str | None = None
+
+
+def test_server_info_launch_command_is_redacted():
+    """0.5.23's ``/server_info`` carries the argv SGLang parsed, space-joined."""
+    info = redact_server_info({"api_key": KEY, "port": 1, "launch_command":
+                               f"python -m sglang.launch_server --api-key {KEY} --port 1 "
+                               f"--admin-api-key={OTHER}"})
+    assert KEY not in str(info) and OTHER not in str(info)
+    assert info["launch_command"] == ("python -m sglang.launch_server --api-key <redacted> "
+                                      "--port 1 --admin-api-key=<redacted>")
+    assert info["api_key"] == REDACTED and info["port"] == 1
+
+
+class _SealedArgs(msgspec.Struct):
+    """0.5.23's ``ServerArgs``: a msgspec record that refuses assignments once resolved."""
+
+    model_path: str
+    api_key: str | None
+    admin_api_key: str | None = None
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"server_args.{name} assigned after resolution")
+
+
+def test_a_dump_holds_a_copy_without_the_secrets():
+    for args in (_Args("/m", KEY, OTHER), _SealedArgs("/m", KEY, OTHER)):
+        copy = redacted_server_args(args)
+        assert copy.api_key == REDACTED and copy.admin_api_key == REDACTED
+        assert copy.model_path == "/m" and args.api_key == KEY  # the server's own is untouched
+        assert KEY.encode() not in pickle.dumps(copy)
 
 
 def test_secrets_are_redacted_from_repr_and_config():

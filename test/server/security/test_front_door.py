@@ -54,6 +54,13 @@ KILLERS = [  # each ended the server for every client (issue 54, item 3)
     {"text": "hi", "lora_id": "x"},  # an internal id: an assert in the scheduler
     {"text": "hi", "custom_labels": {"x": "y"}},  # with --enable-metrics: an unknown label
     {"text": "hi", "return_sampling_mask": True, "sampling_params": {"top_k": 2000000000}},
+    # SGLang 0.5.23: a prefill of no token stops its scheduler
+    {"text": "", "sampling_params": {"max_new_tokens": 4}},
+    {"text": ["hi", ""]},
+    # SGLang 0.5.23's fields of unvalidated shape
+    {"text": "hi", "watermark": {"key": [1] * 8}},
+    {"text": "hi", "kv_hints": {"x": 1}},
+    {"text": "hi", "data_parallel_rank": 7},
 ]
 FIVE_HUNDREDS = [  # each was a 500 (issue 54, item 4)
     ("/generate", {"text": "hi", "sampling_params": {"stop_regex": "("}}),
@@ -95,6 +102,19 @@ def test_every_generate_field_is_classified():
     known = set(schemas.CLIENT_FIELDS) | set(schemas.REFUSED_FIELDS) | {"sampling_params"}
     assert fields - known == set()
     assert set(schemas.CLIENT_FIELDS) & set(schemas.REFUSED_FIELDS) == set()
+
+
+def test_a_field_of_another_release_is_unknown():
+    """``cache_salt`` (0.5.23's per-tenant prefix-cache namespace) is taken where the installed
+    ``GenerateReqInput`` has it, and refused as unknown where it does not."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    body = json.dumps({"text": "hi", "cache_salt": "tenant-7"}).encode()
+    if "cache_salt" in {f.name for f in dataclasses.fields(GenerateReqInput)}:
+        schemas.check_body("/generate", body, lambda: VOCAB)
+    else:
+        with pytest.raises(schemas.BodyError, match="unknown field 'cache_salt'"):
+            schemas.check_body("/generate", body, lambda: VOCAB)
 
 
 @pytest.mark.parametrize("body", KILLERS)
