@@ -107,6 +107,7 @@ def markdown() -> str:
     """The seam section of ``docs/architecture.md``: kinds, conditions, and one table per
     subsystem module."""
     from .conditions import CONDITIONS
+    from .gaps import GAPS
 
     counts = {k: sum(1 for s in SEAMS if s.kind == k) for k in KINDS}
     lines = [
@@ -122,6 +123,14 @@ def markdown() -> str:
         "Conditions (`compat/conditions.py`; a row without one is always registered and checked):",
         "",
         *(f"- `{name}`: {c.text}" for name, c in CONDITIONS.items()),
+        "",
+        "Gaps (`compat/gaps.py`): what a supported release does not serve yet. The launchers "
+        "refuse the flags that ask for it, in one line naming the feature and the symbol:",
+        "",
+        "| release | capability | feature | symbol the release lacks | what took its place |",
+        "|---|---|---|---|---|",
+        *(f"| {g.release} | {g.capability} | {g.feature} | "
+          f"`{g.symbol.removeprefix('sglang.srt.')}` | {g.why} |" for g in GAPS),
     ]
     for module in SUBSYSTEMS:
         lines += ["", f"### {module.TITLE} (`compat/{module.__name__.rsplit('.', 1)[1]}.py`)", "",

@@ -8,6 +8,9 @@ from .seam import Seam
 TITLE = "HiCache"
 
 _HR = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
+# the releases with ``HiRadixCache`` (0.5.23 replaced it by ``UnifiedRadixCache``: the eviction
+# and prefetch-trace gaps of ``compat.gaps``)
+_HIRADIX_RELEASES = ("0.5.17",)
 _OVERRIDES = {  # HiRadixCache method -> our AROUND hook: it overrides RadixCache's without calling it
     "match_prefix": ("around_match_prefix", "hits, its host-tier part too"),
     "insert": ("around_insert", "inserts (the path found by a read-only walk)"),
@@ -23,12 +26,14 @@ _OVERRIDES = {  # HiRadixCache method -> our AROUND hook: it overrides RadixCach
 }
 
 ROWS: tuple[Seam, ...] = (
-    *(Seam(f"{_HR}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why)
+    *(Seam(f"{_HR}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why,
+           releases=_HIRADIX_RELEASES)
       for method, (hook, why) in _OVERRIDES.items()),
     Seam(f"{_HR}.check_prefetch_progress",
          "sglang_pic.store.prefetch_trace:around_check_prefetch_progress", "AROUND",
          "hicache-storage", "ptstore_trace",
-         why="a trace line when the scheduler takes a finished prefetch"),
+         why="a trace line when the scheduler takes a finished prefetch",
+         releases=_HIRADIX_RELEASES),
     Seam("sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query",
          "sglang_pic.store.idle_yield:around_hit_query", "AROUND", "hicache-storage",
          "storage_idle_yield",

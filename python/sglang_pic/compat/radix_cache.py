@@ -30,6 +30,11 @@ _EVENTS = {  # RadixCache method -> our AROUND hook: the events learning policie
     "cache_unfinished_req": ("around_cache_req", "likewise, without counting its re-match"),
 }
 
+# the releases whose scheduler caches a request through ``cache_finished_req`` /
+# ``cache_unfinished_req`` (0.5.23 calls ``checkpoint``: the spans and eviction gaps of
+# ``compat.gaps``)
+_CACHE_REQ_RELEASES = ("0.5.17",)
+
 _SPAN_OVERRIDES = {  # RadixCache method -> what SpanRadixCache's override does
     "match_prefix": "a request with spans matches segment by segment",
     "inc_lock_ref": "locks every node of a segmented match (a handle over several paths)",
@@ -45,15 +50,21 @@ ROWS: tuple[Seam, ...] = (
          why="`SpanRadixCache` (segmented match and insert) as `--radix-cache-backend pic_span`"),
     *(Seam(f"{_R}.{method}", f"sglang_pic.spans.radix_cache:SpanRadixCache.{method}",
            "override", "spans",
-           why=why + " (SGLang must still call this method, or the override is dead code)")
+           why=why + " (SGLang must still call this method, or the override is dead code)",
+           releases=_CACHE_REQ_RELEASES if method.startswith("cache_") else None)
       for method, why in _SPAN_OVERRIDES.items()),
     *(Seam(_POLICIES, factory, "registry", "eviction", key=name,
-           why="our policy in SGLang's eviction-policy table")
+           why="our policy in SGLang's eviction-policy table", releases=("0.5.17",))
       for name, factory in _OUR_POLICIES.items()),
+    *(Seam(_POLICIES, None, "registry", "eviction", key=name,
+           why="a factory that refuses with the release's eviction gap (`compat.gaps`)",
+           releases=("0.5.23",))
+      for name in _OUR_POLICIES),
     *(Seam(_POLICY_CHOICES, None, "registry", "eviction", key=name,
            why="a `--radix-eviction-policy` choice")
       for name in _OUR_POLICIES),
-    *(Seam(f"{_R}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why)
+    *(Seam(f"{_R}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why,
+           releases=_CACHE_REQ_RELEASES if method.startswith("cache_") else None)
       for method, (hook, why) in _EVENTS.items()),
     *(Seam(f"{_SPAN}.{method}", f"sglang_pic.eviction.hooks:{_EVENTS[method][0]}", "AROUND",
            "eviction",

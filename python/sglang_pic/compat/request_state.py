@@ -3,7 +3,8 @@
 Our features read and write two of a request's fields: its ``req_to_token`` row
 (``req_pool_idx``) and how much of its sequence the prefix cache owns (``cache_protected_len``).
 SGLang 0.5.17 keeps them on the ``Req`` itself; 0.5.23 moved them into ``req.kv`` (a
-``ReqKvInfo``). Assigning the old name on a newer ``Req`` would not fail, it would add a stray
+``ReqKvInfo``). They also read how long the request's matched prefix is (``matched_len``):
+0.5.17 keeps the matched indices (``prefix_indices``), 0.5.23 their count (``prefix_len``). Assigning the old name on a newer ``Req`` would not fail, it would add a stray
 attribute SGLang never reads, so every read and write goes through here instead of
 ``req.<field>``. Adding a release that moves them again is an edit of ``_holder`` alone.
 """
@@ -46,3 +47,9 @@ def protected_len(req: Any) -> int:
 
 def set_protected_len(req: Any, n: int) -> None:
     _holder(req).cache_protected_len = n
+
+
+def matched_len(req: Any) -> int:
+    """How many tokens of ``req``'s sequence its prefix match found in the cache."""
+    indices = getattr(req, "prefix_indices", None)  # 0.5.17
+    return len(indices) if indices is not None else req.prefix_len

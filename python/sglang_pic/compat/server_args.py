@@ -24,4 +24,13 @@ ROWS: tuple[Seam, ...] = (
     Seam("sglang.srt.runtime_context.RuntimeContext.resolved_server_args_dict",
          "sglang_pic.security.redaction:redact_config", "AFTER", "secret-redaction",
          why="`/server_info` shows the secrets as `<redacted>`"),
+    Seam(f"{_ARGS}.ServerArgs.resolved_dict", "sglang_pic.security.redaction:redact_config",
+         "AFTER", "secret-redaction", releases=("0.5.23",),
+         why="0.5.23 shows its settings as this dict: the start-up log's `server_args=`, "
+             "`/server_info`, request dumps (`resolved_config`), `Engine.get_server_info`"),
+    Seam("sglang.srt.entrypoints.http_server.build_server_info",
+         "sglang_pic.security.redaction:redact_server_info", "AFTER", "secret-redaction",
+         releases=("0.5.23",),
+         why="0.5.23's `/server_info` adds `launch_command` here: the argv SGLang parsed, with "
+             "the API key handed over in memory"),
 )

@@ -12,7 +12,7 @@ from importlib import metadata
 
 from .seam import release_numbers
 
-SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17",)
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17", "0.5.23")
 """SGLang releases the seam table is written and tested against."""
 
 

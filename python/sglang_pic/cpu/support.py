@@ -314,8 +314,9 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst[dst_idx] = src[src_idx].to(dst.dtype)
 
 
-def _no_host_register(buffer) -> None:
-    """Replaces `pool_host.common._cuda_host_register`/`_cuda_host_unregister`: no CUDA to pin for."""
+def _no_host_register(buffer, *_args: Any, **_kwargs: Any) -> None:
+    """Replaces `pool_host.common._cuda_host_register`/`_cuda_host_unregister`: no CUDA to pin
+    for (0.5.23 passes a registration granularity too)."""
     return None
 
 

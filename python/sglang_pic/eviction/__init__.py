@@ -20,6 +20,11 @@ The trace-driven simulator that drives SGLang's real ``RadixCache`` with these p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from sglang_pic.compat import gaps
+
 POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru")
 
 
@@ -32,11 +37,24 @@ def register() -> None:
     from .baselines import GDSFStrategy, S3FIFOStrategy, TLRUStrategy
     from .sae import SAEStrategy
 
-    cache_utils._EVICTION_POLICY_FACTORIES.update(
-        {"auto": AutoStrategy, "sae": SAEStrategy, "gdsf": GDSFStrategy,
-         "s3fifo": S3FIFOStrategy, "tlru": TLRUStrategy}
-    )
+    ours = {"auto": AutoStrategy, "sae": SAEStrategy, "gdsf": GDSFStrategy,
+            "s3fifo": S3FIFOStrategy, "tlru": TLRUStrategy}
+    unported = gaps.gap("eviction")
+    if unported is not None:  # the names stay choices; building one names the gap
+        ours = {name: _refusal(unported, name) for name in ours}
+    cache_utils._EVICTION_POLICY_FACTORIES.update(ours)
     # SGLang's own table has fifo, mru and filo, which its CLI does not offer: every policy of
     # the table is a choice (the docs list them all)
     add_radix_eviction_policy_choices(
         [*POLICIES, *(p for p in cache_utils._EVICTION_POLICY_FACTORIES if p not in POLICIES)])
+
+
+def _refusal(gap: gaps.Gap, name: str) -> Callable[..., Any]:
+    """The factory of policy ``name`` on a release with an eviction ``gap``: SGLang building
+    the policy (an ``Engine`` asked for it; the launchers refused it already) stops with the
+    gap's line instead of running a policy that would see no cache events."""
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise gaps.CapabilityUnavailable(gap.message(f"--radix-eviction-policy {name}"))
+
+    return refuse

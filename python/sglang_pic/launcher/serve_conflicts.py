@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sglang_pic.compat import gaps
+from sglang_pic.compat.versions import installed_sglang
 from sglang_pic.launcher.server_flags import FEATURES, FLAGS, UsageError, setting
 from sglang_pic.sparse.config import (
     HOST_MEMORY_SHARE,
@@ -66,8 +68,8 @@ def _int(argv: list[str], flag: str, default: int) -> int:
         return default  # SGLang's parser names the bad value
 
 
-EVICTION_POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru",  # sglang_pic.eviction.POLICIES
-                     "lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+OUR_POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru")  # sglang_pic.eviction.POLICIES
+EVICTION_POLICIES = (*OUR_POLICIES, "lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 """``--radix-eviction-policy`` values: ours and SGLang 0.5.17's policy table
 (``mem_cache.utils._EVICTION_POLICY_FACTORIES``), all of which the plugin offers; a test checks
 this list against the server's choices."""
@@ -86,6 +88,7 @@ def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
                          "$SGLANG_PIC_PTSTORE_TOKEN")
     on = _features_on(given, argv)
     _knobs_need_their_feature(given, on)
+    _not_on_this_release(given, argv, on)
     if on["position_free"]:
         _position_free(given, argv)
     if on["spans"]:
@@ -105,7 +108,27 @@ def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
         "sparse": "--sparse-decode" in given,
         "sae": value_of(argv, "--radix-eviction-policy") == "sae",
         "tlru": value_of(argv, "--radix-eviction-policy") == "tlru",
+        "eviction": value_of(argv, "--radix-eviction-policy") in OUR_POLICIES,
+        "ptstore_trace": "--ptstore-trace" in given,
+        "sparse_offload": "--sparse-offload" in given,
     }
+
+
+def _asked_by(capability: str, given: Mapping[str, Any], argv: list[str]) -> str:
+    """The flags that ask for ``capability``, as the user gave them (for a refusal)."""
+    if capability == "spans":
+        return SPAN_FLAG if SPAN_FLAG in given else f"--radix-cache-backend {SPAN_BACKEND}"
+    if capability == "eviction":
+        return f"--radix-eviction-policy {value_of(argv, '--radix-eviction-policy')}"
+    return f"--{capability.replace('_', '-')}"
+
+
+def _not_on_this_release(given: Mapping[str, Any], argv: list[str],
+                         on: Mapping[str, bool]) -> None:
+    """Refuse a capability the installed SGLang release has a gap for (``compat.gaps``)."""
+    for found in gaps.gaps_for(installed_sglang()):
+        if on.get(found.capability):
+            raise UsageError(found.message(_asked_by(found.capability, given, argv)))
 
 
 def _knobs_need_their_feature(given: Mapping[str, Any], on: dict[str, bool]) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from sglang_pic.compat.request_state import pool_row
+from sglang_pic.compat.request_state import matched_len, pool_row
 
 from . import stored_positions
 from .key_runs import RUNS_ATTR, runs_from_shifts
@@ -191,7 +191,7 @@ class MovedPageCopier:
                 self.req_to_token[pool_row(req), state.positions] = state.slots.to(
                     self.req_to_token.dtype)
             elif state is None:
-                n = prefix_lens[i] if prefix_lens is not None else len(req.prefix_indices)
+                n = prefix_lens[i] if prefix_lens is not None else matched_len(req)
                 new.append((req, int(n)))
         if new:
             for (req, n), (pages, host) in zip(new, self._moved_pages(new), strict=True):

@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from sglang_pic.compat.request_state import pool_row
+from sglang_pic.compat.request_state import matched_len, pool_row
 
 from .config import SparseDecodeConfig
 
@@ -187,7 +187,7 @@ def admit_offloaded_prompt(original, self, req, *args, **kwargs):
                 _credited.discard(r)
         waiting = sum(r is not req for r in _credited)
         free = sum(slot is None for slot in state.slots) - waiting
-        if chunk and prompt > cfg.threshold and free > 0 and not len(req.prefix_indices):
+        if chunk and prompt > cfg.threshold and free > 0 and not matched_len(req):
             credit = max(0, prompt - pool_need(cfg, chunk, prompt))
     if not credit:
         return original(self, req, *args, **kwargs)

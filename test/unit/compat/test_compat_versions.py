@@ -42,3 +42,24 @@ def test_the_serve_command_refuses_another_release_in_one_line(tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0, run.stderr
     assert "found SGLang 0.6.0" in run.stderr and "supports SGLang" in run.stderr
+
+
+def test_the_package_requires_exactly_the_supported_releases():
+    """pip's view (the pyproject's requirement) and the plugin's (``SUPPORTED_SGLANG``) agree
+    on every SGLang release from the oldest supported to one past the newest, builds and
+    post-releases of each included."""
+    import tomllib
+    from conftest import REPO
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from sglang_pic.compat.seam import release_numbers
+
+    project = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]
+    spec = next(r.specifier for r in map(Requirement, project["dependencies"])
+                if r.name == "sglang")
+    supported = {release_numbers(v) for v in SUPPORTED_SGLANG}
+    first, last = min(supported), max(supported)
+    for patch in range(first[2] - 1, last[2] + 2):
+        for version in (f"0.5.{patch}", f"0.5.{patch}.post1"):
+            wanted = release_numbers(version) in supported
+            assert spec.contains(Version(version)) == wanted, version

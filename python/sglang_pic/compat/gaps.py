@@ -1,0 +1,103 @@
+"""What a supported SGLang release cannot serve yet, refused where it is asked for.
+
+A capability reaches a release through the seam table's rows for that release. Where SGLang
+moved the code a capability hooks and its rows for the release are not written yet, the release
+still serves everything else, and the capability is a ``Gap``: the launchers refuse the flags
+that ask for it (``serve_conflicts.refuse``) in one line naming the feature and the SGLang
+symbol the release lacks, and the feature's own set-up refuses it again in the scheduler (for
+an ``Engine`` built without our launchers). Serving it anyway would be wrong without an error:
+a span cache whose per-segment insert SGLang never calls, a learned eviction policy that sees
+no cache events.
+
+Standard library only: the launcher reads it before SGLang or torch is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Gap:
+    """``capability`` (a key of ``serve_conflicts.features_on``: what the command line asks
+    for) is not served on SGLang ``release``: plugin feature ``feature`` has no rows there for
+    ``symbol``, which that release moved or removed; ``why`` says what took its place."""
+
+    release: str
+    capability: str
+    feature: str
+    symbol: str
+    why: str
+
+    def message(self, asked_by: str) -> str:
+        """The one-line refusal of ``asked_by`` (the flags that asked, as the user gave them)."""
+        return (f"{asked_by}: {self.capability.replace('_', ' ')} (feature {self.feature}) is not "
+                f"available on SGLang {self.release}: it needs {self.symbol}, which "
+                f"{self.release} does not have ({self.why}); SGLang "
+                f"{', '.join(_serving(self.capability))} serves it")
+
+
+_CHECKPOINT = ("SGLang 0.5.23 caches a request's KV through RadixCache.checkpoint(req, up_to=)"
+               " from mem_cache.common")
+_UNIFIED = "SGLang 0.5.23 builds a UnifiedRadixCache for every prefix cache, HiCache included"
+
+GAPS: tuple[Gap, ...] = (
+    Gap("0.5.23", "spans", "spans",
+        "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req",
+        _CHECKPOINT + "; the span cache's per-segment insert is written for cache_finished_req"),
+    Gap("0.5.23", "eviction", "eviction",
+        "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
+        _UNIFIED + "; our policies learn from events hooked on RadixCache and HiRadixCache"),
+    Gap("0.5.23", "sparse_offload", "sparse-decode",
+        "sglang.srt.managers.schedule_policy.PrefillAdder.rem_total_token_offset",
+        "SGLang 0.5.23 keeps the prefill budget in PrefillAdder.memory_budget; admitting a "
+        "prompt longer than the pool charges the 0.5.17 budget"),
+    Gap("0.5.23", "ptstore_trace", "hicache-storage",
+        "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
+        _UNIFIED + "; the trace line of a finished prefetch is hooked on HiRadixCache"),
+)
+"""Every gap, by release. Closing one is writing its feature's rows for the release
+(``releases=(...)``) and deleting the gap; the tests of the capability then run on it."""
+
+
+def _release_numbers(version: str) -> tuple:
+    from .seam import release_numbers
+
+    return release_numbers(version)
+
+
+def gaps_for(release: str | None) -> tuple[Gap, ...]:
+    """The gaps of SGLang ``release`` (a version string; None: not installed, none)."""
+    if release is None:
+        return ()
+    return tuple(g for g in GAPS if _release_numbers(g.release) == _release_numbers(release))
+
+
+def gap(capability: str, release: str | None = None) -> Gap | None:
+    """The gap that keeps ``capability`` from SGLang ``release`` (None: the installed one), or
+    None where the release serves it."""
+    if release is None:
+        from .versions import installed_sglang
+
+        release = installed_sglang()
+    return next((g for g in gaps_for(release) if g.capability == capability), None)
+
+
+def _serving(capability: str) -> list[str]:
+    """The supported releases without a gap for ``capability``."""
+    from .versions import SUPPORTED_SGLANG
+
+    return [r for r in SUPPORTED_SGLANG if not any(
+        g.capability == capability and g.release == r for g in GAPS)]
+
+
+class CapabilityUnavailable(RuntimeError):
+    """A feature's set-up was asked for a capability the installed release has a gap for."""
+
+
+def refuse(capability: str, asked_by: str) -> None:
+    """Raise ``CapabilityUnavailable`` when the installed SGLang has a gap for ``capability``
+    (a feature's check in the scheduler: the launchers refused it already)."""
+    found = gap(capability)
+    if found is not None:
+        raise CapabilityUnavailable(found.message(asked_by))
