@@ -112,6 +112,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts SGLang (a server, an Engine, a fleet); "
                             "the unit tier is `-m 'not server and not gpu and not kernels'` "
                             "(make test-unit)")
+    config.addinivalue_line("markers", "capability(name): tests a capability of "
+                            "sglang_pic.compat.gaps; skipped, with the gap's line, on a supported "
+                            "SGLang release that does not serve it yet (make test-latest)")
     config.addinivalue_line("markers", "kernels: runs Triton kernels (ours, or SGLang's beside "
                             "our torch twin), on CPU under the interpreter (test/kernels, and "
                             "tests parametrized with the kernel ops); make test-kernels")
@@ -244,12 +247,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.kernels)
         for name in _session_servers_used(item):
             _last_users[name] = item
+    _skip_gaps(items)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def skip_on_gap(capability: str) -> None:
+    """Skip the test (or the fixture's users) where the installed SGLang release has a gap for
+    ``capability`` (``compat.gaps``)."""
+    from sglang_pic.compat import gaps
+
+    found = gaps.gap(capability)
+    if found is not None:
+        pytest.skip(found.message("test"))
+
+
+def _skip_gaps(items: list) -> None:
+    """Skip the tests of a capability the installed SGLang release has a gap for
+    (``compat.gaps``): the launchers refuse it there, so its tests would test the refusal."""
+    from sglang_pic.compat import gaps
+
+    for item in items:
+        for mark in item.iter_markers("capability"):
+            found = gaps.gap(mark.args[0])
+            if found is not None:
+                item.add_marker(pytest.mark.skip(reason=found.message("test")))
 
 
 def _in_collection_order(config) -> bool:
@@ -589,7 +615,9 @@ span units are prefilled in several chunks), the span counters on ``/metrics``."
 @pytest.fixture(scope="session")
 def span_server(tmp_path_factory) -> Iterator[Server]:
     """A span-cache server (``SPAN_SERVER_FLAGS``), shared by test_spans_cpu and
-    test_http_security (their tests use their own documents and prompts)."""
+    test_http_security (their tests use their own documents and prompts). Its tests are
+    skipped, with the gap's line, on a release that does not serve spans yet."""
+    skip_on_gap("spans")
     log = tmp_path_factory.mktemp("spans") / "server.log"
     srv = _session_servers["span_server"] = start_server(SPAN_SERVER_FLAGS, log)
     yield srv

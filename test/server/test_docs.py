@@ -13,7 +13,8 @@ an HTML comment on the line before the block, or else by the block itself:
   ``127.0.0.1:30000``), skipped otherwise (nothing to check it against).
 
 The server is started once for the module with ``--enable-span-cache`` on a free port (a span
-server answers plain requests too), and ``:30000`` in a block is rewritten to it. It is given no
+server answers plain requests too; without it on a release that does not serve spans, whose span
+examples are skipped: ``ASKS_FOR``), and ``:30000`` in a block is rewritten to it. It is given no
 API key, so it generates one into its key file as ``make serve`` does, and the key file of port
 30000 the examples read (``~/.cache/sglang-pic/api-keys/30000``) is rewritten to that file, which
 is removed when the module ends. A block passes
@@ -112,11 +113,29 @@ def test_docs_check_comments_are_well_formed() -> None:
     assert not problems, "\n".join(problems)
 
 
+ASKS_FOR = {
+    "spans": re.compile(r'"spans"|--enable-span-cache|\bsgl\.span'),
+    "eviction": re.compile(r"benchmark\.eviction|--radix-eviction-policy +(?:auto|sae|gdsf|s3fifo|tlru)"),
+}
+"""What in a block asks for a capability a supported release may lack (``compat.gaps``): such a
+block is skipped there with the gap's line."""
+
+
+def _gap_of(block: Block):
+    from sglang_pic.compat import gaps
+
+    return next((found for capability, asks in ASKS_FOR.items()
+                 if asks.search(block.code) and (found := gaps.gap(capability)) is not None),
+                None)
+
+
 @pytest.fixture(scope="module")
 def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from sglang_pic.compat import gaps
+
     log = tmp_path_factory.mktemp("docs-server") / "server.log"
-    srv = start_server(["--enable-span-cache", "--max-total-tokens", "16384"], log,
-                       pass_key=False)
+    spans = [] if gaps.gap("spans") else ["--enable-span-cache"]
+    srv = start_server([*spans, "--max-total-tokens", "16384"], log, pass_key=False)
     key_file = use_generated_key(srv)
     yield srv
     stop_server(srv)
@@ -130,6 +149,8 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path)
         pytest.skip(f"{block.id}: marked: {directive.group('reason')}")
     if directive is None and not block.talks_to_server:
         pytest.skip(f"{block.id}: not a server example and not marked `docs-check: run`")
+    if (gap := _gap_of(block)) is not None:
+        pytest.skip(f"{block.id}: {gap.message('the example')}")
     code = block.code
     if block.talks_to_server:
         server: Server = request.getfixturevalue("docs_server")

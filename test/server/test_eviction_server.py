@@ -8,6 +8,8 @@ import json
 import pytest
 from conftest import HICACHE_CPU_FLAGS, start_server, stop_server, wait_for_host_memory
 
+pytestmark = pytest.mark.capability("eviction")
+
 
 @pytest.fixture(scope="module")
 def sae_server(tmp_path_factory):

@@ -14,6 +14,8 @@ import json
 import pytest
 from conftest import assert_top_logprobs_match, start_server, stop_server
 
+pytestmark = pytest.mark.capability("spans")  # its server serves spans
+
 PROMPTS = ["The capital of France is", "List three prime numbers:"]
 LAYERS = 8
 """The model's first layers only, on both sides (the server's ``--json-model-override-args``,

@@ -18,6 +18,8 @@ from conftest import SPAN_SERVER_FLAGS, assert_top_logprobs_match, start_servers
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt
 from sglang_pic.spans.segments import decode_pieces
 
+pytestmark = pytest.mark.capability("spans")
+
 PAGE = int(SPAN_SERVER_FLAGS[SPAN_SERVER_FLAGS.index("--page-size") + 1])  # 16
 NEW = 10
 SP = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}

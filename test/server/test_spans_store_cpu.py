@@ -32,6 +32,8 @@ from test_spans_cpu import (
     span_ids,
 )
 
+pytestmark = pytest.mark.capability("spans")
+
 __all__ = ["hf"]  # the HF reference fixture, shared with test_spans_cpu
 
 TOKEN = "span-store-test-token"

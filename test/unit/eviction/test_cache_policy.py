@@ -7,6 +7,8 @@ from array import array
 
 import pytest
 
+pytestmark = pytest.mark.capability("eviction")
+
 EVENTS = ("on_request", "on_lookup", "on_store", "on_match", "on_hit", "on_insert", "on_split",
           "on_evict", "on_demote", "begin_evict", "end_evict", "worth_host_copy")
 

@@ -18,6 +18,8 @@ from sglang_pic.eviction.estimators import (
     softmax_weights,
 )
 
+pytestmark = pytest.mark.capability("eviction")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def policies_registered():

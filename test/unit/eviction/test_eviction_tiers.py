@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = pytest.mark.capability("eviction")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def policies_registered():

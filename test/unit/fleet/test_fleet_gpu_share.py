@@ -27,14 +27,26 @@ def _sglang_pool_gib(monkeypatch, fraction: float, free_gib: float, weights: flo
     at ``fraction``."""
     from sglang.srt.mem_cache import kv_cache_configurator as kvc
 
+    ns = types.SimpleNamespace
     after_weights = free_gib - weights
-    monkeypatch.setattr(kvc, "get_available_gpu_memory", lambda *a, **k: after_weights)
-    monkeypatch.setattr(kvc, "get_world_group",
-                        lambda: types.SimpleNamespace(world_size=1, cpu_group=None))
-    monkeypatch.setattr(kvc, "get_schedule",
-                        lambda: types.SimpleNamespace(mem_fraction_static=fraction))
-    runner = types.SimpleNamespace(device="cuda", gpu_id=0, mambaish_config=None,
-                                   post_capture_kv_active=False)
+    settings = {
+        "get_available_gpu_memory": lambda *a, **k: after_weights,
+        "get_schedule": lambda: ns(mem_fraction_static=fraction, prefill_max_requests=None,
+                                   max_mamba_cache_size=None),
+    }
+    if hasattr(kvc, "get_world_group"):  # 0.5.17
+        settings["get_world_group"] = lambda: ns(world_size=1, cpu_group=None)
+    else:  # 0.5.23 reads its settings by group: one GPU, no graphs, no disaggregation
+        settings.update(
+            get_parallel=lambda: ns(launch_world_size=1, world_group=ns(cpu_group=None)),
+            get_exec=lambda: ns(graph=ns(cuda_graph_config=ns(
+                prefill=ns(full_prefill_max_req=None, backend=None)))),
+            get_disagg=lambda: ns(disaggregation_mode="null"),
+            get_mm=lambda: ns(mm_feature_transport=None))
+    for name, value in settings.items():
+        monkeypatch.setattr(kvc, name, value)
+    runner = ns(device="cuda", gpu_id=0, mambaish_config=None, post_capture_kv_active=False,
+                model_config=ns(is_multimodal=False))
     return kvc.KVCacheConfigurator._profile_available_bytes(runner, free_gib) / GIB
 
 

@@ -276,17 +276,26 @@ def test_serve_keeps_the_token_out_of_argv_and_the_extra_config(tmp_path, model_
     assert "token" not in config and config["servers"] == ["tcp://a:1"]
     assert os.environ[SERVE_TOKEN_ENV] == TOKEN  # inherited by SGLang's scheduler processes
 
-    monkeypatch.delenv(SERVE_TOKEN_ENV)
-    build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1", "--enable-span-cache",
-                "--ptstore-token-file", str(path)])
-    assert TOKEN not in os.environ[SPAN_STORE_ENV] and os.environ[SERVE_TOKEN_ENV] == TOKEN
-
     with pytest.raises(SystemExit, match="ps"):
         build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1",
                     "--ptstore-token", TOKEN])
     with pytest.raises(SystemExit, match="get_server_info"):
         build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1",
                     "--hicache-storage-backend-extra-config", json.dumps({"token": TOKEN})])
+
+
+@pytest.mark.capability("spans")
+def test_the_span_store_settings_keep_the_token_out_too(tmp_path, model_dir, monkeypatch):
+    """The span cache's store settings travel in a variable of their own: without the token."""
+    from sglang_pic.launcher.launch_server import SPAN_STORE_ENV, build_argv
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    for var in (SERVE_TOKEN_ENV, SPAN_STORE_ENV):  # build_argv sets them: undone after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    build_argv(["--model-path", str(model_dir), "--ptstore", "tcp://a:1", "--enable-span-cache",
+                "--ptstore-token-file", str(_token_file(tmp_path))])
+    assert TOKEN not in os.environ[SPAN_STORE_ENV] and os.environ[SERVE_TOKEN_ENV] == TOKEN
 
 
 def test_the_hicache_backend_authenticates_with_the_token_from_the_environment(server,

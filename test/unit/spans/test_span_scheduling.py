@@ -10,6 +10,8 @@ from __future__ import annotations
 from array import array
 from types import SimpleNamespace
 
+import pytest
+
 PAGE = 4
 
 
@@ -34,6 +36,7 @@ def _submitted_unit():
     return recv
 
 
+@pytest.mark.capability("spans")
 def test_a_span_prefill_is_a_prefill_only_request(monkeypatch):
     """A unit asks for no output token: SGLang then takes it as a prefill-only request, which
     finishes with its prefill, and a batch of units only is prefill-only, which the overlap

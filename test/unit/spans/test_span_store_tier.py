@@ -19,6 +19,8 @@ from sglang_pic.spans.store_tier import (
 from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.server import StoreServer
 
+pytestmark = pytest.mark.capability("spans")
+
 TOKEN = "span-store-tier-test-token"
 
 
