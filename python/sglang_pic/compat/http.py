@@ -29,6 +29,13 @@ ROWS: tuple[Seam, ...] = (
     Seam("sglang.srt.runtime_context.get_server_args", "sglang_pic.frontdoor.unauthorized:add_hint",
          "call", "front-door",
          why="the hint's key file is named by the server's port"),
+    Seam("sglang.srt.entrypoints.http_server._freeze_gc_after_server_warmup",
+         "sglang_pic.frontdoor.warmup:freeze_gc_in_process", "REPLACE", "front-door",
+         releases=("0.5.23",),
+         why="0.5.23's warm-up freezes the GC through its own `/freeze_gc`, an admin route "
+             "here: the same freeze in process"),
+    Seam("sglang.srt.entrypoints.http_server._global_state", None, "call", "front-door",
+         releases=("0.5.23",), why="the tokenizer manager the freeze runs on"),
     Seam(f"{_AUTH}.decide_request_auth", "sglang_pic.security.api_key:decide_auth", "AROUND", "api-key",
          why="a non-ASCII `Authorization` header is decided as none (401, not a 500 with a "
              "traceback); the admin routes of `frontdoor.endpoints` need the admin key; "
