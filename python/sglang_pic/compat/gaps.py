@@ -48,10 +48,6 @@ GAPS: tuple[Gap, ...] = (
     Gap("0.5.23", "eviction", "eviction",
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
         _UNIFIED + "; our policies learn from events hooked on RadixCache and HiRadixCache"),
-    Gap("0.5.23", "sparse_offload", "sparse-decode",
-        "sglang.srt.managers.schedule_policy.PrefillAdder.rem_total_token_offset",
-        "SGLang 0.5.23 keeps the prefill budget in PrefillAdder.memory_budget; admitting a "
-        "prompt longer than the pool charges the 0.5.17 budget"),
     Gap("0.5.23", "ptstore_trace", "hicache-storage",
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
         _UNIFIED + "; the trace line of a finished prefetch is hooked on HiRadixCache"),

@@ -171,6 +171,16 @@ def release_finished_slots(scheduler, running_batch) -> bool:
     return state.release_finished(live) > 0
 
 
+def _budget_offsets(adder) -> tuple[object, str, str]:
+    """Where ``PrefillAdder`` keeps the tokens its admitted requests will take from the pool:
+    the object and its (total, current) offsets. 0.5.17 keeps them on the adder, 0.5.23 on
+    its ``memory_budget`` (a ``PrefillBudget``)."""
+    budget = getattr(adder, "memory_budget", None)
+    if budget is not None:
+        return budget, "total_offset", "current_offset"
+    return adder, "rem_total_token_offset", "cur_rem_token_offset"
+
+
 def admit_offloaded_prompt(original, self, req, *args, **kwargs):
     """AROUND ``PrefillAdder.add_one_req(req, ...)``: a prompt that will offload its prefill is
     charged ``pool_need`` tokens, not its length, while a sparse slot is free for it (each such
@@ -191,13 +201,14 @@ def admit_offloaded_prompt(original, self, req, *args, **kwargs):
             credit = max(0, prompt - pool_need(cfg, chunk, prompt))
     if not credit:
         return original(self, req, *args, **kwargs)
-    self.rem_total_token_offset -= credit
-    self.cur_rem_token_offset -= credit
+    budget, total, current = _budget_offsets(self)
+    setattr(budget, total, getattr(budget, total) - credit)
+    setattr(budget, current, getattr(budget, current) - credit)
     try:
         result = original(self, req, *args, **kwargs)
     finally:
-        self.rem_total_token_offset += credit
-        self.cur_rem_token_offset += credit
+        setattr(budget, total, getattr(budget, total) + credit)
+        setattr(budget, current, getattr(budget, current) + credit)
     if req in self.can_run_list:
         _credited.add(req)
     return result
