@@ -8,6 +8,7 @@ last, stops it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -249,38 +250,48 @@ def test_flags_reach_sglangs_processes_as_variables(model_dir, monkeypatch):
 # ---- SGLang's own launcher takes our flags (plugin hooks) ------------------------------------------
 
 PLAIN = r"""
-import contextlib, io, os, sys
+import contextlib, io, json, os, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import prepare_server_args
+ours, variable, bad = json.loads(sys.argv[2])
 help_text = io.StringIO()
 with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
     prepare_server_args(["--help"])
 text = help_text.getvalue()
 print("ORDER", text.index("sglang-pic: span caching:") < text.index("\n  --tokenizer-path "))
 args = prepare_server_args(["--model-path", sys.argv[1], "--device", "cpu",
-                            "--attention-backend", "torch_native", "--enable-span-cache",
-                            "--span-schedule", "barrier"])
-print("ARGS", args.attention_backend, args.radix_cache_backend,
-      os.environ["SGLANG_PIC_SPAN_SCHEDULE"])
+                            "--attention-backend", "torch_native", *ours])
+print("ARGS", args.attention_backend, args.radix_cache_backend, os.environ[variable])
 try:
-    prepare_server_args(["--model-path", sys.argv[1], "--enable-span-cache",
-                         "--span-recompute-tokens", "abc"])
+    prepare_server_args(["--model-path", sys.argv[1], *bad])
 except SystemExit as e:
     print("EXIT", e.code)
 """
 
 
-@SPANS
-def test_sglangs_own_launcher_takes_our_flags(model_dir):
+@pytest.mark.parametrize("ours,variable,bad,translated,refused", [
+    pytest.param(["--enable-span-cache", "--span-schedule", "barrier"],
+                 "SGLANG_PIC_SPAN_SCHEDULE", ["--enable-span-cache", "--span-recompute-tokens",
+                                              "abc"],
+                 "pic_torch_native pic_span barrier", "--span-recompute-tokens: 'abc'",
+                 marks=SPANS, id="spans"),
+    pytest.param(["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-topk",
+                  "32"], "SGLANG_PIC_SPARSE_TOPK", ["--sparse-decode", "pariskv",
+                                                   "--sparse-topk", "abc"],
+                 "pariskv_torch_native None 32", "--sparse-topk: 'abc'", id="sparse"),
+])
+def test_sglangs_own_launcher_takes_our_flags(model_dir, ours, variable, bad, translated,
+                                               refused):
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", PLAIN, str(model_dir)], capture_output=True,
-                         text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-c", PLAIN, str(model_dir),
+                          json.dumps([ours, variable, bad])], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ORDER True" in out.stdout  # our groups before SGLang's flags in --help
-    assert "ARGS pic_torch_native pic_span barrier" in out.stdout
+    assert f"ARGS {translated}" in out.stdout
     assert "EXIT 2" in out.stdout
-    assert "sglang-pic: error: --span-recompute-tokens: 'abc' is not an integer" in out.stderr
+    assert f"sglang-pic: error: {refused} is not an integer" in out.stderr
 
 
 # ---- the server: cache report, then SIGTERM ----------------------------------------------------------
