@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Gap:
-    """``capability`` (a key of ``serve_conflicts.features_on``: what the command line asks
+    """``capability`` (a key of ``serve_conflicts._features_on``: what the command line asks
     for) is not served on SGLang ``release``: plugin feature ``feature`` has no rows there for
     ``symbol``, which that release moved or removed; ``why`` says what took its place."""
 
