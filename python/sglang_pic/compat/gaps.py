@@ -48,9 +48,6 @@ GAPS: tuple[Gap, ...] = (
     Gap("0.5.23", "eviction", "eviction",
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
         _UNIFIED + "; our policies learn from events hooked on RadixCache and HiRadixCache"),
-    Gap("0.5.23", "ptstore_trace", "hicache-storage",
-        "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
-        _UNIFIED + "; the trace line of a finished prefetch is hooked on HiRadixCache"),
 )
 """Every gap, by release. Closing one is writing its feature's rows for the release
 (``releases=(...)``) and deleting the gap; the tests of the capability then run on it."""

@@ -9,7 +9,7 @@ TITLE = "HiCache"
 
 _HR = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"
 # the releases with ``HiRadixCache`` (0.5.23 replaced it by ``UnifiedRadixCache``: the eviction
-# and prefetch-trace gaps of ``compat.gaps``)
+# gap of ``compat.gaps``)
 _HIRADIX_RELEASES = ("0.5.17",)
 _OVERRIDES = {  # HiRadixCache method -> our AROUND hook: it overrides RadixCache's without calling it
     "match_prefix": ("around_match_prefix", "hits, its host-tier part too"),
@@ -34,6 +34,11 @@ ROWS: tuple[Seam, ...] = (
          "hicache-storage", "ptstore_trace",
          why="a trace line when the scheduler takes a finished prefetch",
          releases=_HIRADIX_RELEASES),
+    Seam("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._handle_prefetch_result",
+         "sglang_pic.store.prefetch_trace:around_handle_prefetch_result", "AROUND",
+         "hicache-storage", "ptstore_trace", releases=("0.5.23",),
+         why="the same line on 0.5.23, where a finished prefetch goes into the tree (at the "
+             "cache controller's acknowledgement, before the scheduler checks)"),
     Seam("sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query",
          "sglang_pic.store.idle_yield:around_hit_query", "AROUND", "hicache-storage",
          "storage_idle_yield",

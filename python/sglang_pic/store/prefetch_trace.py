@@ -39,6 +39,18 @@ def around_check_prefetch_progress(original, self, req_id: str, *args, **kwargs)
     return done
 
 
+def around_handle_prefetch_result(original, self, operation, *args, **kwargs):
+    """SGLang 0.5.23's ``UnifiedRadixCache._handle_prefetch_result(operation)``, where a finished
+    prefetch goes into the tree (mostly when the cache controller acknowledges it, before the
+    scheduler asks ``check_prefetch_progress``); the same trace line, with the tokens it loaded
+    from storage."""
+    result = original(self, operation, *args, **kwargs)
+    handle = getattr(operation, "handle", None)
+    tokens = getattr(self, "prefetch_loaded_tokens_by_reqid", {}).get(handle, 0)
+    trace("prefetch_done", time.time(), f"{tokens} tokens")
+    return result
+
+
 def after_new_prefill_batch(plan, scheduler, *args, **kwargs):
     """A trace line for each prefill batch formed: wall clock, tokens computed (the batch's
     ``extend_num_tokens``) and requests. SGLang returns a ``NextBatchPlan`` whose

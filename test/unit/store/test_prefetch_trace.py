@@ -70,3 +70,26 @@ def test_prefill_batches_traced_and_a_cold_miss_split(capsys):
     ph = bench.cold_phases_in(lookups, prefills, 100.0, 0.3)
     assert ph == {"ttft_ms": 300.0, "prefill_batches": 2, "lookup_start_ms": 2.0,
                   "lookup_end_ms": 10.0, "first_prefill_ms": 12.0, "last_prefill_ms": 250.0}
+
+
+class _UnifiedCache:
+    """Like SGLang 0.5.23's UnifiedRadixCache: a finished prefetch goes into the tree in
+    ``_handle_prefetch_result``, which records what it loaded by request handle."""
+
+    def __init__(self) -> None:
+        self.prefetch_loaded_tokens_by_reqid: dict[object, int] = {}
+
+    def _handle_prefetch_result(self, operation) -> None:
+        self.prefetch_loaded_tokens_by_reqid[operation.handle] = 384
+
+
+def test_one_line_when_a_finished_prefetch_goes_into_the_tree(capsys):
+    from types import SimpleNamespace
+
+    cache = _UnifiedCache()
+    operation = SimpleNamespace(handle=("rid", 0))
+    assert prefetch_trace.around_handle_prefetch_result(
+        _UnifiedCache._handle_prefetch_result, cache, operation) is None
+    err = capsys.readouterr().err
+    bench = importlib.import_module("benchmark.store.bench_store_ttft")
+    assert [tokens for _, tokens in bench.TRACE_DONE.findall(err)] == ["384"]
