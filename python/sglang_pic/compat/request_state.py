@@ -3,10 +3,12 @@
 Our features read and write two of a request's fields: its ``req_to_token`` row
 (``req_pool_idx``) and how much of its sequence the prefix cache owns (``cache_protected_len``).
 SGLang 0.5.17 keeps them on the ``Req`` itself; 0.5.23 moved them into ``req.kv`` (a
-``ReqKvInfo``). They also read how long the request's matched prefix is (``matched_len``):
-0.5.17 keeps the matched indices (``prefix_indices``), 0.5.23 their count (``prefix_len``). Assigning the old name on a newer ``Req`` would not fail, it would add a stray
+``ReqKvInfo``). Assigning the old name on a newer ``Req`` would not fail, it would add a stray
 attribute SGLang never reads, so every read and write goes through here instead of
 ``req.<field>``. Adding a release that moves them again is an edit of ``_holder`` alone.
+
+They also read how long the request's matched prefix is (``matched_len``): 0.5.17 keeps the
+matched indices (``prefix_indices``), 0.5.23 their count (``prefix_len``).
 """
 
 from __future__ import annotations
