@@ -103,9 +103,8 @@ def test_serve_help_is_fast_quiet_and_lists_our_flags_with_defaults():
 
 
 SPANS = pytest.mark.capability("spans")
-OFFLOAD = pytest.mark.capability("sparse_offload")
-"""A combination the span cache (sparse offload) refuses: on a release without it
-(``compat.gaps``) the launcher refuses the capability itself first."""
+"""A combination the span cache refuses: on a release without spans (``compat.gaps``) the
+launcher refuses the span cache itself first."""
 
 
 @pytest.mark.parametrize("args,message", [
@@ -154,10 +153,9 @@ OFFLOAD = pytest.mark.capability("sparse_offload")
     (["--sparse-decode", "pariskv", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--sparse-decode", "pariskv", "--disaggregation-mode", "decode"], "--disaggregation-mode"),
     (["--sparse-decode", "pariskv", "--context-length", "8192"], "--context-length 8192"),
-    pytest.param(["--sparse-decode", "pariskv", "--sparse-offload", "--enable-mixed-chunk"],
-                 "--sparse-offload does not combine with --enable-mixed-chunk", marks=OFFLOAD),
-    pytest.param(["--sparse-decode", "pariskv", "--sparse-offload", "--page-size", "16"],
-                 "--page-size 16", marks=OFFLOAD),
+    (["--sparse-decode", "pariskv", "--sparse-offload", "--enable-mixed-chunk"],
+     "--sparse-offload does not combine with --enable-mixed-chunk"),
+    (["--sparse-decode", "pariskv", "--sparse-offload", "--page-size", "16"], "--page-size 16"),
     (["--ptstore", "tcp://a:1", "--ptstore-token", "x" * 40], "(ps)"),
     # SGLang's own values (issue 58: 4-24 s, accepted, or a traceback about repo ids)
     (["--port", "abc"], "--port: 'abc' is not an integer"),
@@ -200,9 +198,7 @@ def _gap_asked_for(args: list[str]):
 
     spans = "--enable-span-cache" in args or "pic_span" in args
     ours = any(p in args for p in ("auto", "sae", "gdsf", "s3fifo", "tlru"))
-    offload = "--sparse-offload" in args
-    return ((spans and gaps.gap("spans")) or (ours and gaps.gap("eviction"))
-            or (offload and gaps.gap("sparse_offload")) or None)
+    return (spans and gaps.gap("spans")) or (ours and gaps.gap("eviction")) or None
 
 
 def test_what_can_be_served_passes_the_checks():

@@ -14,8 +14,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import skip_on_gap, start_servers, stop_server
-from sglang_pic.compat import gaps
+from conftest import start_servers, stop_server
 from sglang_pic.launcher.launch_server import SPAN_OPTIONS, build_argv, our_flags_help
 
 SPARSE_FLAGS = ["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-local",
@@ -39,12 +38,12 @@ def sparse_servers(tmp_path_factory):
     # the offloading server's host region holds 4096 tokens per request, below SmolLM2's 8192:
     # longer requests are 400s; its pool (2048 tokens, 256-token chunks) is smaller than the
     # longest prompt it serves
-    wanted = {"sparse": (SPARSE_FLAGS, logs / "server.log")}
-    if gaps.gap("sparse_offload") is None:  # a release without it: its tests are skipped
-        wanted["offload"] = ([*SPARSE_FLAGS[:-3], "--max-total-tokens", "2048",
-                              "--enable-metrics", "--sparse-offload", "--sparse-max-context",
-                              "4096", "--chunked-prefill-size", "256"], logs / "offload.log")
-    servers = start_servers(wanted)
+    servers = start_servers({
+        "sparse": (SPARSE_FLAGS, logs / "server.log"),
+        "offload": ([*SPARSE_FLAGS[:-3], "--max-total-tokens", "2048", "--enable-metrics",
+                     "--sparse-offload", "--sparse-max-context", "4096",
+                     "--chunked-prefill-size", "256"], logs / "offload.log"),
+    })
     yield servers
     for srv in servers.values():
         stop_server(srv)
@@ -122,7 +121,6 @@ def test_the_next_turn_encodes_only_its_new_tokens_and_answers_like_dense(sparse
 
 @pytest.fixture(scope="module")
 def offload_server(sparse_servers):
-    skip_on_gap("sparse_offload")
     return sparse_servers["offload"]
 
 
@@ -190,10 +188,8 @@ def test_a_request_longer_than_the_host_region_is_refused_with_the_gib(offload_s
     (["--sparse-decode", "pariskv"], r"context length is 8192 tokens \(the model's config"),
     (["--sparse-decode", "pariskv", "--sparse-threshold", "8192"], "lower --sparse-threshold"),
     # issue 27: a host region larger than the host's memory is refused before SGLang starts
-    pytest.param(["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-offload",
-                  "--sparse-max-requests", "100000"],
-                 r"GiB of host memory for their KV .* are available",
-                 marks=pytest.mark.capability("sparse_offload")),
+    (["--sparse-decode", "pariskv", "--sparse-threshold", "700", "--sparse-offload",
+      "--sparse-max-requests", "100000"], r"GiB of host memory for their KV .* are available"),
 ])
 def test_bad_sparse_flags_are_refused_before_start(argv, message, model_dir):
     with pytest.raises(SystemExit, match=message):
@@ -209,7 +205,6 @@ def test_sparse_decode_picks_the_twin_backend(model_dir, monkeypatch):
     assert os.environ["SGLANG_PIC_SPARSE_TOPK"] == "32"
 
 
-@pytest.mark.capability("sparse_offload")
 def test_sparse_offload_turns_prefix_caching_off(model_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_PIC_SPARSE_OFFLOAD", "0")  # restored (unset) after the test
     argv = build_argv(["--model-path", str(model_dir), "--sparse-decode", "pariskv",

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, start_server, stop_server, wait_for_host_memory
-from sglang_pic.compat import gaps
 from sglang_pic.store.engine import StoreEngine
 from sglang_pic.store.server import StoreServer
 
@@ -60,8 +59,7 @@ def two_instances(store_cluster, instance_a, tmp_path):
     """A, and B for one test: B stops before the next test starts its own reader (three HiCache
     instances at once wait longer for SGLang's 10 GiB host reserve on a 24 GiB machine)."""
     wait_for_host_memory(0.5)  # again, with the first instance up
-    trace = [] if gaps.gap("ptstore_trace") else ["--ptstore-trace"]
-    b = start_server([*_instance_args(store_cluster, _token_file(tmp_path)), *trace],
+    b = start_server([*_instance_args(store_cluster, _token_file(tmp_path)), "--ptstore-trace"],
                      tmp_path / "b.log")
     yield instance_a, b
     stop_server(b)
@@ -94,11 +92,10 @@ def test_prefix_computed_by_one_instance_is_loaded_by_the_other(store_cluster, t
     details = second["meta_info"].get("cached_tokens_details") or {}
     assert details.get("storage", 0) >= 256, second["meta_info"]
     assert second["text"] == first["text"]
-    if gaps.gap("ptstore_trace") is None:
-        # --ptstore-trace: B's scheduler says when it took the finished prefetch, and its size
-        taken = re.findall(r"\[ptstore-trace\] prefetch_done at [0-9.]+: (\d+) tokens",
-                           Path(b.log).read_text(errors="replace"))
-        assert taken and int(taken[0]) >= 256, taken
+    # --ptstore-trace: B's scheduler says when it took the finished prefetch, and its size
+    taken = re.findall(r"\[ptstore-trace\] prefetch_done at [0-9.]+: (\d+) tokens",
+                       Path(b.log).read_text(errors="replace"))
+    assert taken and int(taken[0]) >= 256, taken
     # --ptstore puts B's host pool in shared memory: the servers (this process) wrote the
     # loaded blocks straight into it, K and V of each layer of each loaded page
     assert sum(s.pool_pages for s in store_cluster) >= 2 * 30 * 256 // 16

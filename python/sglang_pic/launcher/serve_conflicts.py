@@ -109,8 +109,6 @@ def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
         "sae": value_of(argv, "--radix-eviction-policy") == "sae",
         "tlru": value_of(argv, "--radix-eviction-policy") == "tlru",
         "eviction": value_of(argv, "--radix-eviction-policy") in OUR_POLICIES,
-        "ptstore_trace": "--ptstore-trace" in given,
-        "sparse_offload": "--sparse-offload" in given,
     }
 
 

@@ -47,19 +47,11 @@ OPTIONS = {  # sglang-pic serve flag -> SparseDecodeConfig field
 
 
 def register() -> None:
-    """The feature's set-up: our attention backends in SGLang's registry and choices; with
-    ``--sparse-offload`` handed over, a release that cannot serve it stops here
-    (``compat.gaps``: the launchers refused it already)."""
+    """The feature's set-up: our attention backends in SGLang's registry and choices."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.server_args import add_attention_backend_choices
 
-    from sglang_pic.compat import gaps
-    from sglang_pic.compat.conditions import holds
-
     from . import backends
-
-    if holds("sparse_offload"):
-        gaps.refuse("sparse_offload", "--sparse-offload")
 
     register_attention_backend("pariskv_triton")(backends.create_pariskv_triton)
     register_attention_backend("pariskv_flashinfer")(backends.create_pariskv_flashinfer)

@@ -84,21 +84,12 @@ def test_every_row_applies_with_every_condition_on():
     """With every condition on (CPU engine, sparse offload, span graphs, SAE statistics, store
     trace, idle yield), the plugin registers every row: each hook target patched, each other row
     checked, and the count of targets it announces is the table's."""
-    from sglang_pic.compat import gaps
-
     targets = {s.target for s in INSTALLED if s.kind in HOOK_KINDS}
-    conditions = dict(EVERY_CONDITION)
-    if gaps.gap("sparse_offload"):  # the release refuses it (test_compat_gaps)
-        conditions.pop("SGLANG_PIC_SPARSE_OFFLOAD")
-        targets = {s.target for s in INSTALLED if s.kind in HOOK_KINDS
-                   and s.condition != "sparse_offload"}
     out = run_python("from sglang.srt.plugins import load_plugins; load_plugins(); "
                "from sglang.srt.plugins.hook_registry import HookRegistry as H; "
-               "import os, sglang; from sglang_pic.compat import rows_for, HOOK_KINDS; "
+               "import sglang; from sglang_pic.compat import rows_for, HOOK_KINDS; "
                "print(sorted(s.target for s in rows_for(sglang.__version__) "
-               "if s.kind in HOOK_KINDS and s.target not in H._patched "
-               "and (s.condition != 'sparse_offload' or os.environ.get("
-               "'SGLANG_PIC_SPARSE_OFFLOAD'))))", conditions)
+               "if s.kind in HOOK_KINDS and s.target not in H._patched))", EVERY_CONDITION)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert f"features: {', '.join(plugin.FEATURES)}; {len(targets)} hooks verified" in out.stderr
