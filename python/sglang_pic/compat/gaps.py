@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import versions
+from .seam import release_numbers
+
 
 @dataclass(frozen=True)
 class Gap:
@@ -53,34 +56,24 @@ GAPS: tuple[Gap, ...] = (
 (``releases=(...)``) and deleting the gap; the tests of the capability then run on it."""
 
 
-def _release_numbers(version: str) -> tuple:
-    from .seam import release_numbers
-
-    return release_numbers(version)
-
-
 def gaps_for(release: str | None) -> tuple[Gap, ...]:
     """The gaps of SGLang ``release`` (a version string; None: not installed, none)."""
     if release is None:
         return ()
-    return tuple(g for g in GAPS if _release_numbers(g.release) == _release_numbers(release))
+    return tuple(g for g in GAPS if release_numbers(g.release) == release_numbers(release))
 
 
 def gap(capability: str, release: str | None = None) -> Gap | None:
     """The gap that keeps ``capability`` from SGLang ``release`` (None: the installed one), or
     None where the release serves it."""
     if release is None:
-        from .versions import installed_sglang
-
-        release = installed_sglang()
+        release = versions.installed_sglang()
     return next((g for g in gaps_for(release) if g.capability == capability), None)
 
 
 def _serving(capability: str) -> list[str]:
     """The supported releases without a gap for ``capability``."""
-    from .versions import SUPPORTED_SGLANG
-
-    return [r for r in SUPPORTED_SGLANG if not any(
+    return [r for r in versions.SUPPORTED_SGLANG if not any(
         g.capability == capability and g.release == r for g in GAPS)]
 
 
