@@ -164,7 +164,9 @@ launcher refuses the span cache itself first."""
     (["--mem-fraction-static", "2"], "--mem-fraction-static: 2 is not in (0, 1)"),
     (["--model-path", "/nonexistent"], "--model-path: '/nonexistent': no such file or folder"),
 ])
-def test_refused_in_one_line_before_anything_loads(args, message):
+def test_refused_in_one_line_before_anything_loads(args, message, model_dir):
+    # model_dir: the embedded model is prepared first (~10 s in a fresh cache, once), so the
+    # time measured is the refusal's alone, whatever ran before this test
     out, seconds = _serve(args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert seconds < 10, seconds
