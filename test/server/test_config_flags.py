@@ -199,8 +199,7 @@ def _gap_asked_for(args: list[str]):
     from sglang_pic.compat import gaps
 
     spans = "--enable-span-cache" in args or "pic_span" in args
-    ours = any(p in args for p in ("auto", "sae", "gdsf", "s3fifo", "tlru"))
-    return (spans and gaps.gap("spans")) or (ours and gaps.gap("eviction")) or None
+    return (spans and gaps.gap("spans")) or None
 
 
 def test_what_can_be_served_passes_the_checks():

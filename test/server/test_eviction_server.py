@@ -1,5 +1,6 @@
-"""The ``sae`` eviction policy inside a CPU server: correct outputs under cache pressure, and the
-policy fed by HiCache's tree (``HiRadixCache``) as by SGLang's plain radix cache."""
+"""The ``sae`` eviction policy inside a CPU server: correct outputs under cache pressure with the
+policy fed by the tree's events, by SGLang's plain radix cache and by HiCache's tree
+(``HiRadixCache``)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,25 @@ pytestmark = pytest.mark.capability("eviction")
 
 @pytest.fixture(scope="module")
 def sae_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("sae") / "server.log"
-    srv = start_server(["--radix-eviction-policy", "sae", "--max-total-tokens", "600"], log)
+    """A server on ``sae`` that writes what its policy saw to ``srv.stats``."""
+    folder = tmp_path_factory.mktemp("sae")
+    stats = folder / "sae.json"
+    srv = start_server(["--radix-eviction-policy", "sae", "--max-total-tokens", "400",
+                        "--sae-stats", str(stats)], folder / "server.log")
+    srv.stats = stats
     yield srv
     stop_server(srv)
 
 
 def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server, server):
-    """600-token pool: ~14 prompts of ~60 tokens force evictions; a system prompt shared by
-    all requests and a second round (prefix hits on what survived) must not change outputs.
-    Every other request sends no session: its application is guessed from its match, through
-    the server's contexts (one per insert, the guess carried by request id)."""
+    """400-token pool: 8 prompts of ~60 tokens (~45 their own, and 12 generated) force
+    evictions; a system prompt shared by all requests and a second round (prefix hits on what
+    survived) must not change outputs. Every other request sends no session: its application
+    is guessed from its match, through the server's contexts (one per insert, the guess
+    carried by request id)."""
     system = "You are a concise assistant who answers in one short sentence. "
-    prompts = [f"{system}Question {i}: name a fruit that is {c}."
+    prompts = [f"{system}Question {i}: name a fruit that is {c}. "
+               + f"It grows in garden {i}, and its taste is {c} too. " * 3
                for i, c in enumerate(["red", "yellow", "green", "orange", "purple", "brown",
                                       "blue", "pink"])]
     body = {"sampling_params": {"max_new_tokens": 12, "temperature": 0}}
@@ -44,8 +51,14 @@ def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server,
             cached += got.json()["meta_info"]["cached_tokens"]
     assert cached > 0  # the shared system prompt stayed cached through evictions
     assert sae_server.healthy()
+    # the policy saw the tree's events (on SGLang 0.5.23 the tree is RadixCache because the
+    # policy is ours: its default tree would never call it)
+    events = json.loads(sae_server.stats.read_text())["events"]
+    assert events.get("inserts", 0) > 10 and events.get("evictions", 0) > 0, events
+    assert events.get("hits", 0) > 0, events
 
 
+@pytest.mark.capability("eviction_with_hicache")
 def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
     """With HiCache, SGLang's tree is HiRadixCache, whose match/insert/split/evict do not call
     RadixCache's: the policy must still see inserts, hits and evictions (before the hooks were

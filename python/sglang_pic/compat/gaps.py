@@ -48,9 +48,10 @@ GAPS: tuple[Gap, ...] = (
     Gap("0.5.23", "spans", "spans",
         "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req",
         _CHECKPOINT + "; the span cache's per-segment insert is written for cache_finished_req"),
-    Gap("0.5.23", "eviction", "eviction",
+    Gap("0.5.23", "eviction_with_hicache", "eviction",
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
-        _UNIFIED + "; our policies learn from events hooked on RadixCache and HiRadixCache"),
+        _UNIFIED + "; our policies run on RadixCache there, whose events they learn from, and "
+        "HiCache's host tier is UnifiedRadixCache's alone"),
 )
 """Every gap, by release. Closing one is writing its feature's rows for the release
 (``releases=(...)``) and deleting the gap; the tests of the capability then run on it."""

@@ -28,12 +28,21 @@ _EVENTS = {  # RadixCache method -> our AROUND hook: the events learning policie
                               "`sample_size` leaves per pass"),
     "cache_finished_req": ("around_cache_req", "the request's context while it is cached"),
     "cache_unfinished_req": ("around_cache_req", "likewise, without counting its re-match"),
+    "checkpoint": ("around_cache_req", "the same on 0.5.23, which caches a request (finished or "
+                                       "a chunk of it) through `checkpoint(req, up_to=)`"),
 }
 
 # the releases whose scheduler caches a request through ``cache_finished_req`` /
-# ``cache_unfinished_req`` (0.5.23 calls ``checkpoint``: the spans and eviction gaps of
-# ``compat.gaps``)
+# ``cache_unfinished_req``; 0.5.23 calls ``checkpoint`` (for spans a gap of ``compat.gaps``)
 _CACHE_REQ_RELEASES = ("0.5.17",)
+_CHECKPOINT_RELEASES = ("0.5.23",)
+
+
+def _event_releases(method: str) -> tuple[str, ...] | None:
+    if method.startswith("cache_"):
+        return _CACHE_REQ_RELEASES
+    return _CHECKPOINT_RELEASES if method == "checkpoint" else None
+
 
 _SPAN_OVERRIDES = {  # RadixCache method -> what SpanRadixCache's override does
     "match_prefix": "a request with spans matches segment by segment",
@@ -51,20 +60,22 @@ ROWS: tuple[Seam, ...] = (
     *(Seam(f"{_R}.{method}", f"sglang_pic.spans.radix_cache:SpanRadixCache.{method}",
            "override", "spans",
            why=why + " (SGLang must still call this method, or the override is dead code)",
-           releases=_CACHE_REQ_RELEASES if method.startswith("cache_") else None)
+           releases=_event_releases(method))
       for method, why in _SPAN_OVERRIDES.items()),
     *(Seam(_POLICIES, factory, "registry", "eviction", key=name,
-           why="our policy in SGLang's eviction-policy table", releases=("0.5.17",))
+           why="our policy in SGLang's eviction-policy table")
       for name, factory in _OUR_POLICIES.items()),
-    *(Seam(_POLICIES, None, "registry", "eviction", key=name,
-           why="a factory that refuses with the release's eviction gap (`compat.gaps`)",
-           releases=("0.5.23",))
-      for name in _OUR_POLICIES),
+    Seam("sglang.srt.mem_cache.registry.default_radix_cache_factory",
+         "sglang_pic.eviction.tree:around_default_radix_cache_factory", "AROUND", "eviction",
+         releases=_CHECKPOINT_RELEASES,
+         why="a cache on one of our policies is a `RadixCache` (0.5.23's default tree orders "
+             "evictions natively, by policy name); settings that need the unified tree are "
+             "refused"),
     *(Seam(_POLICY_CHOICES, None, "registry", "eviction", key=name,
            why="a `--radix-eviction-policy` choice")
       for name in _OUR_POLICIES),
     *(Seam(f"{_R}.{method}", f"sglang_pic.eviction.hooks:{hook}", "AROUND", "eviction", why=why,
-           releases=_CACHE_REQ_RELEASES if method.startswith("cache_") else None)
+           releases=_event_releases(method))
       for method, (hook, why) in _EVENTS.items()),
     *(Seam(f"{_SPAN}.{method}", f"sglang_pic.eviction.hooks:{_EVENTS[method][0]}", "AROUND",
            "eviction",

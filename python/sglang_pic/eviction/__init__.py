@@ -9,7 +9,9 @@ In SGLang (the ``eviction`` rows of the seam table, ``sglang_pic.compat``):
    ``--radix-eviction-policy`` choices (``server_args.add_radix_eviction_policy_choices``);
 2. AROUND hooks on ``RadixCache`` (``hooks``) that feed hits, inserts and evictions to the
    cache's policy through ``policy.CachePolicy``; SGLang's own policies are seen through an
-   adapter whose events do nothing (``policy.as_policy``), so they are untouched.
+   adapter whose events do nothing (``policy.as_policy``), so they are untouched;
+3. on SGLang 0.5.23, whose default tree orders evictions natively, ``RadixCache`` as the tree of
+   a cache on one of our policies (``tree``).
 
 ``register()`` does the first; the plugin registers the hooks. A program that replays traces
 without a server calls ``sglang_pic.plugin.register_feature("eviction")``, which does both.
@@ -19,11 +21,6 @@ The trace-driven simulator that drives SGLang's real ``RadixCache`` with these p
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
-
-from sglang_pic.compat import gaps
 
 POLICIES = ("auto", "sae", "gdsf", "s3fifo", "tlru")
 
@@ -39,22 +36,9 @@ def register() -> None:
 
     ours = {"auto": AutoStrategy, "sae": SAEStrategy, "gdsf": GDSFStrategy,
             "s3fifo": S3FIFOStrategy, "tlru": TLRUStrategy}
-    unported = gaps.gap("eviction")
-    if unported is not None:  # the names stay choices; building one names the gap
-        ours = {name: _refusal(unported, name) for name in ours}
     cache_utils._EVICTION_POLICY_FACTORIES.update(ours)
     # SGLang's own table has fifo, mru and filo, which its CLI does not offer: every policy of
     # the table is a choice (the docs list them all)
     add_radix_eviction_policy_choices(
         [*POLICIES, *(p for p in cache_utils._EVICTION_POLICY_FACTORIES if p not in POLICIES)])
 
-
-def _refusal(gap: gaps.Gap, name: str) -> Callable[..., Any]:
-    """The factory of policy ``name`` on a release with an eviction ``gap``: SGLang building
-    the policy (an ``Engine`` asked for it; the launchers refused it already) stops with the
-    gap's line instead of running a policy that would see no cache events."""
-
-    def refuse(*_args: Any, **_kwargs: Any) -> Any:
-        raise gaps.CapabilityUnavailable(gap.message(f"--radix-eviction-policy {name}"))
-
-    return refuse

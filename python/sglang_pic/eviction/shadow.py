@@ -22,6 +22,8 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from sglang_pic.compat.prefix_match import matched_tokens
+
 DROPS = "_pic_shadow_drops"
 """Attribute on the real tree's nodes: the bit mask of shadows that no longer hold the node."""
 
@@ -90,7 +92,7 @@ class ShadowCache:
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, None)))
-        return len(match.device_indices)
+        return matched_tokens(match)
 
     def store(self, tokens: Any, capacity: int) -> list:
         """Cache ``tokens`` as the real cache does: with the prefix this cache already holds
@@ -120,7 +122,7 @@ class ShadowCache:
         ctx = current()
         with using(replace(ctx, count_hits=False) if ctx is not None else None):
             match = cache.match_prefix(MatchPrefixParams(key=key))
-        new = n - len(match.device_indices)
+        new = n - matched_tokens(match)
         if new == 0:
             return []
         cache.inc_lock_ref(match.last_device_node)

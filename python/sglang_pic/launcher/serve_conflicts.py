@@ -100,6 +100,7 @@ def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
 def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
     spans = SPAN_FLAG in given or value_of(argv, "--radix-cache-backend") == SPAN_BACKEND
     chosen = value_of(argv, "--attention-backend") or ""
+    ours = value_of(argv, "--radix-eviction-policy") in OUR_POLICIES
     return {
         "spans": spans,
         "position_free": spans or POSITION_FREE_FLAG in given or chosen.startswith("pic_"),
@@ -108,7 +109,8 @@ def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
         "sparse": "--sparse-decode" in given,
         "sae": value_of(argv, "--radix-eviction-policy") == "sae",
         "tlru": value_of(argv, "--radix-eviction-policy") == "tlru",
-        "eviction": value_of(argv, "--radix-eviction-policy") in OUR_POLICIES,
+        "eviction": ours,
+        "eviction_with_hicache": ours and bool(_hicache_flag(given, argv)),
     }
 
 
@@ -116,9 +118,18 @@ def _asked_by(capability: str, given: Mapping[str, Any], argv: list[str]) -> str
     """The flags that ask for ``capability``, as the user gave them (for a refusal)."""
     if capability == "spans":
         return SPAN_FLAG if SPAN_FLAG in given else f"--radix-cache-backend {SPAN_BACKEND}"
-    if capability == "eviction":
-        return f"--radix-eviction-policy {value_of(argv, '--radix-eviction-policy')}"
+    if capability.startswith("eviction"):
+        policy = f"--radix-eviction-policy {value_of(argv, '--radix-eviction-policy')}"
+        return policy if capability == "eviction" else f"{policy} with {_hicache_flag(given, argv)}"
     return f"--{capability.replace('_', '-')}"
+
+
+def _hicache_flag(given: Mapping[str, Any], argv: list[str]) -> str | None:
+    """The flag that puts HiCache's host tier under the prefix cache, if any (``--ptstore``
+    turns it on)."""
+    if "--enable-hierarchical-cache" in argv:
+        return "--enable-hierarchical-cache"
+    return "--ptstore" if "--ptstore" in given else None
 
 
 def _not_on_this_release(given: Mapping[str, Any], argv: list[str],

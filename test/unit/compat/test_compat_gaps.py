@@ -14,6 +14,7 @@ from sglang_pic.launcher.server_flags import UsageError
 ASKING = {  # capability -> flags that ask for it
     "spans": ["--enable-span-cache"],
     "eviction": ["--radix-eviction-policy", "sae"],
+    "eviction_with_hicache": ["--radix-eviction-policy", "sae", "--enable-hierarchical-cache"],
     "ptstore_trace": ["--ptstore", "tcp://127.0.0.1:1", "--ptstore-trace"],
     "sparse_offload": ["--sparse-decode", "pariskv", "--sparse-threshold", "700",
                        "--sparse-offload"],
@@ -59,19 +60,21 @@ def test_a_release_is_matched_by_its_numbers():
     assert gaps.gaps_for(None) == ()
 
 
+def test_the_launcher_names_the_flag_that_turns_hicache_on(monkeypatch):
+    with pytest.raises(UsageError, match="--radix-eviction-policy auto with --ptstore"):
+        _refuse(["--radix-eviction-policy", "auto", "--ptstore", "tcp://127.0.0.1:1"], "0.5.23",
+                monkeypatch)
+
+
 def test_the_scheduler_side_refusals_name_the_gap(monkeypatch):
-    """An ``Engine`` built without our launchers: the span cache's factory and our policies'
-    factories refuse on the gapped release (``gaps.refuse``, ``eviction._refusal``)."""
-    from sglang_pic import eviction
+    """An ``Engine`` built without our launchers: the span cache's factory refuses on the
+    gapped release (``gaps.refuse``)."""
     from sglang_pic.compat import versions
 
     spans = gaps.gap("spans", "0.5.23")
     monkeypatch.setattr(versions, "installed_sglang", lambda: "0.5.23")
     with pytest.raises(gaps.CapabilityUnavailable, match="RadixCache.cache_finished_req"):
         gaps.refuse("spans", "--radix-cache-backend pic_span")
-    refusing = eviction._refusal(gaps.gap("eviction"), "sae")
-    with pytest.raises(gaps.CapabilityUnavailable, match="--radix-eviction-policy sae"):
-        refusing(None)
     monkeypatch.setattr(versions, "installed_sglang", lambda: "0.5.17")
     gaps.refuse("spans", "--radix-cache-backend pic_span")  # served: no exception
     assert spans is not None

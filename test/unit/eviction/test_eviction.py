@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
+from sglang_pic.compat.prefix_match import matched_tokens
 from sglang_pic.eviction.estimators import (
     ClassRate,
     ContinuationModel,
@@ -585,6 +586,7 @@ def test_replay_under_pressure_stays_within_capacity(policy):
 
 
 
+@pytest.mark.capability("eviction_with_hicache")
 @pytest.mark.parametrize("policy", ["lru", "sae"])
 def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
     """The HiCache replay (SGLang's ``HiRadixCache`` on a counting controller) against the
@@ -610,26 +612,40 @@ def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
 @pytest.mark.parametrize("policy", ["lru", "sae"])
 def test_replays_leave_out_requests_longer_than_the_cache(policy):
     """A request whose prompt and output exceed the cache is refused, as a server refuses it:
-    both replays leave the same requests out of every count and report them apart, and the
-    two-tier replay still reduces to the one-tier one with no host room."""
+    the replay leaves it out of every count and reports it apart."""
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
+
+    trace = generate("mix", scale=12, seed=3)
+    long = [r for r in trace if len(r.prompt) + len(r.output) > _LONG_CAPACITY]
+    assert 0 < len(long) < len(trace)
+    one = replay(trace, policy, capacity=_LONG_CAPACITY).summary()
+    assert one["requests"] == len(trace) - len(long)
+    assert one["refused_requests"] == len(long)
+    assert one["refused_prompt_tokens"] == sum(len(r.prompt) for r in long)
+
+
+@pytest.mark.capability("eviction_with_hicache")
+@pytest.mark.parametrize("policy", ["lru", "sae"])
+def test_the_two_tier_replay_leaves_out_the_same_requests(policy):
+    """The two-tier replay refuses the same requests as the one-tier one, and still reduces to
+    it with no host room."""
     from sglang_pic.eviction.replay.simulator import replay
     from sglang_pic.eviction.replay.traces import generate
 
     from benchmark.eviction.two_tier import replay_two_tier
 
     trace = generate("mix", scale=12, seed=3)
-    capacity = 8_000
-    long = [r for r in trace if len(r.prompt) + len(r.output) > capacity]
-    assert 0 < len(long) < len(trace)
-    one = replay(trace, policy, capacity=capacity).summary()
-    assert one["requests"] == len(trace) - len(long)
-    assert one["refused_requests"] == len(long)
-    assert one["refused_prompt_tokens"] == sum(len(r.prompt) for r in long)
-    two = replay_two_tier(trace, policy, device_tokens=capacity, host_tokens=0)
+    long = [r for r in trace if len(r.prompt) + len(r.output) > _LONG_CAPACITY]
+    one = replay(trace, policy, capacity=_LONG_CAPACITY).summary()
+    two = replay_two_tier(trace, policy, device_tokens=_LONG_CAPACITY, host_tokens=0)
     assert two["refused_requests"] == len(long) and two["requests"] == one["requests"]
     assert two["prompt_tokens"] + two["refused_prompt_tokens"] == sum(len(r.prompt)
                                                                       for r in trace)
     assert two["token_hit_rate"] == one["token_hit_rate"]
+
+
+_LONG_CAPACITY = 8_000  # under the largest request of the "mix" trace at scale 12
 
 
 def test_sae_stats_time_the_policy_without_changing_its_choices(tmp_path, monkeypatch):
@@ -811,9 +827,9 @@ def test_hits_are_those_of_the_match_that_admitted_the_request():
                                   rid=rid)):
             cache.insert(InsertParams(key=RadixKey(array("q", ids), None), value=None))
 
-    assert len(match(shared + own).device_indices) == 0  # first round: nothing cached yet
+    assert matched_tokens(match(shared + own)) == 0  # first round: nothing cached yet
     insert("a", shared)  # another request caches the shared part meanwhile
-    assert len(match(shared + own).device_indices) == 64  # the round that admits "b"
+    assert matched_tokens(match(shared + own)) == 64  # the round that admits "b"
     assert sae.events["hits"] == 0  # nothing reported before "b" is cached
     insert("b", shared + own)
     assert sae.events["hits"] == 1
@@ -920,7 +936,7 @@ def test_blocks_shared_by_requests_outside_sessions_become_structural():
         key = RadixKey(array("q", ids), None)
         with using(RequestContext(app_type=app, segments=[(0, "user")], prompt_len=len(ids),
                                   rid=rid)):
-            hit = len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+            hit = matched_tokens(cache.match_prefix(MatchPrefixParams(key=key)))
             value = torch.arange(slot, slot + len(ids))
             slot += len(ids)
             cache.insert(InsertParams(key=key, value=value))
@@ -1260,7 +1276,7 @@ def _record_evictions(monkeypatch) -> list[list[tuple[int, int, int]]]:
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     runs: list[list[tuple[int, int, int]]] = [[]]
-    original = RadixCache._record_remove_event
+    original = RadixCache._delete_leaf
 
     def record(self, node, *args, **kwargs):
         depth, p = 0, node.parent
@@ -1270,7 +1286,7 @@ def _record_evictions(monkeypatch) -> list[list[tuple[int, int, int]]]:
         runs[-1].append((depth, node.key.token_ids[0], len(node.key)))
         return original(self, node, *args, **kwargs)
 
-    monkeypatch.setattr(RadixCache, "_record_remove_event", record)
+    monkeypatch.setattr(RadixCache, "_delete_leaf", record)
     return runs
 
 

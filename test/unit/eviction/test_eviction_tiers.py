@@ -134,6 +134,7 @@ def _resident(cache) -> list[list[int]]:
     return out
 
 
+@pytest.mark.capability("spans")
 def test_a_span_shared_by_many_prompts_is_reuse_and_outlives_a_cold_block(clock):
     """Six prompts, each with its own opening, read one document span (SSEP) and ask their own
     question. Then a one-off prompt arrives, and the pool must shrink to one block's worth.
@@ -168,6 +169,7 @@ def test_a_span_shared_by_many_prompts_is_reuse_and_outlives_a_cold_block(clock)
     assert _resident(cache) == [span]
 
 
+@pytest.mark.capability("spans")
 def test_the_prefill_a_span_was_made_for_is_not_counted_as_its_reuse(clock):
     """The planner caches a missing span with a unit request before the request that needs it
     runs; that request is the span's first user, not a second requester: the span stays
@@ -200,6 +202,7 @@ def test_the_prefill_a_span_was_made_for_is_not_counted_as_its_reuse(clock):
     assert cache.eviction_strategy.session_scored(own.queue, own)
 
 
+@pytest.mark.capability("spans")
 def test_span_segments_are_typed_where_they_sit_in_the_prompt(clock, monkeypatch):
     """A segment is cached under its own namespace from depth 0 of its tree; its token types
     come from where it sits in the prompt. Here the chat template types the prompt as a
@@ -308,6 +311,7 @@ def _host_tokens(cache) -> int:
     return n
 
 
+@pytest.mark.capability("eviction_with_hicache")
 def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, monkeypatch):
     """Two shared templates that live on HiCache's host tier between uses: ``a`` read by six
     requests a second apart (t = 90..95), ``b`` by three, 30 s apart (t = 40, 70, 100). The
@@ -339,6 +343,7 @@ def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, m
     assert sae.events["miss_after_eviction"] == 1
 
 
+@pytest.mark.capability("eviction_with_hicache")
 def test_hicache_write_back_drop_without_host_room_is_reported(clock, monkeypatch):
     """``write_back`` eviction that finds no host room drops the block and its subtree from
     both tiers (``_drop_subtree_no_host``): each dropped block is an eviction for the policy."""
@@ -369,6 +374,7 @@ def _hicache_insert(cache, rid: str, ids: list[int], segments, *, match: bool = 
 
 
 @pytest.mark.parametrize("policy", ["sae", "lru", "sae-copy-all"])
+@pytest.mark.capability("eviction_with_hicache")
 def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
         clock, monkeypatch, policy):
     """A request's prompt and its chain-of-thought reach HiCache's write-through. ``sae`` copies

@@ -1,6 +1,6 @@
 """Replay a request trace against SGLang's real ``RadixCache`` with a token capacity.
 
-The cache is SGLang 0.5.17's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` with the
+The cache is SGLang's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` with the
 eviction policy under test (SGLang's or ours, through the same policy table the server uses), a
 counting allocator instead of GPU memory, and a virtual clock: ``RadixCache`` stamps nodes with
 ``time.monotonic()``, so while a replay runs, the module's ``time`` is a proxy whose
@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from sglang_pic.compat.prefix_match import matched_indices, matched_tokens
 
 from ..baselines import TLRU_TUNED
 from ..policy import configure
@@ -433,7 +435,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
             with using(ctx):
                 key = RadixKey(token_ids=array("q", req.prompt), extra_key=None)
                 match = cache.match_prefix(MatchPrefixParams(key=key))
-                hit = len(match.device_indices)
+                hit = matched_tokens(match)
                 cache.inc_lock_ref(match.last_device_node)
                 full = array("q", req.prompt) + array("q", req.output)
                 need = len(full) - hit
@@ -448,7 +450,7 @@ def replay(trace: list[Request], policy: str, capacity: int, phases: int = 2,
                     if fast:
                         value = _slots(len(full))
                     else:
-                        value = torch.cat((match.device_indices.to(torch.int64),
+                        value = torch.cat((matched_indices(cache, match).to(torch.int64),
                                            torch.arange(next_slot, next_slot + need)))
                         next_slot += need
                     t0 = time.perf_counter()
