@@ -250,6 +250,10 @@ GRID_GRAPHS = "sglang-pic-span-graphs"  # the span server with --position-free-s
 # both sides with SGLang's default prefill CUDA graphs (bench_rag_grid --prefill-graphs): span
 # extends replay them too; the span server with --position-free-span-graphs only
 GRID_PREFILL_GRAPHS = "spans_rag_grid_prefill_graphs_h100.json"
+GRID_PREFILL_CELLS = (*GRID_CELLS, "varlen_k10_p1024_z11_t4")
+# --span-schedule isps (the default) and ready-first side by side, prefill graphs on both sides
+GRID_SCHEDULE = "spans_rag_grid_schedule_h100.json"
+GRID_READY_FIRST = "sglang-pic-span-graphs-ready-first"
 GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
 
 
@@ -590,7 +594,11 @@ SPAN_SERVER_PREFILL_GRAPHS = (f"{SPAN_SERVER_GRAPHS}; both sides with SGLang's d
                               "CUDA graphs (breakable: attention runs between the captured "
                               "pieces, so span extends replay them too)")
 GRID_PREFILL_NOTE = ("bench_rag_grid.py --prefill-graphs, aligned in bursts of 128 and "
-                     "varlen_k6_p256_z07_t4 in bursts of 48, back to back on one H100")
+                     "varlen_k6_p256_z07_t4 in bursts of 48, back to back on one H100; "
+                     "varlen_k10_p1024_z11_t4 in bursts of 48 in a later run on another H100 "
+                     "(each cell's two sides in one run)")
+GRID_SCHEDULE_NOTE = ("bench_rag_grid.py --prefill-graphs, cell varlen_k6_p256_z07_t4 in bursts "
+                      "of 48, vanilla and both schedules in one run on one H100")
 GRID_WORST_NOTE = ("over the cells of one run (aligned in bursts of 128, varlen_k6_p256_z07_t4 "
                    "in bursts of 48); varlen_k10_p1024_z11_t4 was not re-run with it; H100")
 SPAN_SERVER_SHARED = ("pic_flashinfer + pic_span, --span-copy-on-reuse off: span requests read "
@@ -668,12 +676,21 @@ CLAIMS: list[Claim] = [
     *[Claim(f"spans.rag_grid.prefill_graphs.{cell}", GRID_PREFILL_GRAPHS, "requests_per_s",
             higher_is_better=True, ours_variant=GRID_GRAPHS, path=SPAN_SERVER_PREFILL_GRAPHS,
             extract=_grid_cell(cell, ours=GRID_GRAPHS), note=f"{GRID_PREFILL_NOTE}: cell {cell}")
-      for cell in GRID_CELLS],
+      for cell in GRID_PREFILL_CELLS],
     *[Claim(f"spans.rag_grid.prefill_graphs.{cell}.stream_ttft_p50", GRID_PREFILL_GRAPHS,
             "stream_ttft_ms", ours_variant=GRID_GRAPHS, path=SPAN_SERVER_PREFILL_GRAPHS,
             extract=_grid_cell(cell, "stream_ttft_ms", GRID_GRAPHS),
             note=f"{GRID_PREFILL_NOTE}: cell {cell}; {GRID_STREAM_NOTE}")
-      for cell in GRID_CELLS],
+      for cell in GRID_PREFILL_CELLS],
+    *[Claim(f"spans.rag_grid.schedule.{name}{suffix}", GRID_SCHEDULE, metric,
+            higher_is_better=metric == "requests_per_s", ours_variant=variant,
+            path=f"{SPAN_SERVER_PREFILL_GRAPHS}; --span-schedule {flag}",
+            extract=_grid_cell("varlen_k6_p256_z07_t4", metric, variant),
+            note=GRID_SCHEDULE_NOTE + ("" if metric == "requests_per_s"
+                                       else f"; {GRID_STREAM_NOTE}"))
+      for name, flag, variant in (("isps", "isps (the default)", GRID_GRAPHS),
+                                  ("ready_first", "ready-first", GRID_READY_FIRST))
+      for metric, suffix in (("requests_per_s", ""), ("stream_ttft_ms", ".stream_ttft_p50"))],
     Claim("spans.rag_grid.prefill_graphs.worst_stream_ttft_p50", GRID_PREFILL_GRAPHS,
           "stream_ttft_ms", target=4.0, ours_variant=GRID_GRAPHS,
           path=SPAN_SERVER_PREFILL_GRAPHS, extract=_grid_worst("stream_ttft_ms", False,
