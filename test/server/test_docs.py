@@ -114,8 +114,9 @@ def test_docs_check_comments_are_well_formed() -> None:
 
 
 ASKS_FOR = {
-    "spans": re.compile(r'"spans"|--enable-span-cache|\bsgl\.span'),
-    "eviction": re.compile(r"benchmark\.eviction|--radix-eviction-policy +(?:auto|sae|gdsf|s3fifo|tlru)"),
+    "eviction_with_hicache": re.compile(
+        r"--radix-eviction-policy +(?:auto|sae|gdsf|s3fifo|tlru)\b.*"
+        r"(?:--enable-hierarchical-cache|--ptstore)", re.DOTALL),
 }
 """What in a block asks for a capability a supported release may lack (``compat.gaps``): such a
 block is skipped there with the gap's line."""

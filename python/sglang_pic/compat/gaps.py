@@ -6,8 +6,7 @@ still serves everything else, and the capability is a ``Gap``: the launchers ref
 that ask for it (``serve_conflicts.refuse``) in one line naming the feature and the SGLang
 symbol the release lacks, and the feature's own set-up refuses it again in the scheduler (for
 an ``Engine`` built without our launchers). Serving it anyway would be wrong without an error:
-a span cache whose per-segment insert SGLang never calls, a learned eviction policy that sees
-no cache events.
+a learned eviction policy that sees no cache events, say.
 
 Standard library only: the launcher reads it before SGLang or torch is imported.
 """
@@ -40,14 +39,9 @@ class Gap:
                 f"{', '.join(_serving(self.capability))} serves it")
 
 
-_CHECKPOINT = ("SGLang 0.5.23 caches a request's KV through RadixCache.checkpoint(req, up_to=)"
-               " from mem_cache.common")
 _UNIFIED = "SGLang 0.5.23 builds a UnifiedRadixCache for every prefix cache, HiCache included"
 
 GAPS: tuple[Gap, ...] = (
-    Gap("0.5.23", "spans", "spans",
-        "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req",
-        _CHECKPOINT + "; the span cache's per-segment insert is written for cache_finished_req"),
     Gap("0.5.23", "eviction_with_hicache", "eviction",
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
         _UNIFIED + "; our policies run on RadixCache there, whose events they learn from, and "
@@ -81,10 +75,3 @@ def _serving(capability: str) -> list[str]:
 class CapabilityUnavailable(RuntimeError):
     """A feature's set-up was asked for a capability the installed release has a gap for."""
 
-
-def refuse(capability: str, asked_by: str) -> None:
-    """Raise ``CapabilityUnavailable`` when the installed SGLang has a gap for ``capability``
-    (a feature's check in the scheduler: the launchers refused it already)."""
-    found = gap(capability)
-    if found is not None:
-        raise CapabilityUnavailable(found.message(asked_by))

@@ -33,7 +33,8 @@ _EVENTS = {  # RadixCache method -> our AROUND hook: the events learning policie
 }
 
 # the releases whose scheduler caches a request through ``cache_finished_req`` /
-# ``cache_unfinished_req``; 0.5.23 calls ``checkpoint`` (for spans a gap of ``compat.gaps``)
+# ``cache_unfinished_req``; 0.5.23 calls ``checkpoint``, reads a match's indices off its node
+# (``path_device_indices``) and calls ``on_release`` when it has freed a request's row
 _CACHE_REQ_RELEASES = ("0.5.17",)
 _CHECKPOINT_RELEASES = ("0.5.23",)
 
@@ -41,7 +42,9 @@ _CHECKPOINT_RELEASES = ("0.5.23",)
 def _event_releases(method: str) -> tuple[str, ...] | None:
     if method.startswith("cache_"):
         return _CACHE_REQ_RELEASES
-    return _CHECKPOINT_RELEASES if method == "checkpoint" else None
+    if method in ("checkpoint", "path_device_indices", "on_release"):
+        return _CHECKPOINT_RELEASES
+    return None
 
 
 _SPAN_OVERRIDES = {  # RadixCache method -> what SpanRadixCache's override does
@@ -51,6 +54,9 @@ _SPAN_OVERRIDES = {  # RadixCache method -> what SpanRadixCache's override does
     "resolve_node_handle": "the handle's last node for SGLang's bookkeeping",
     "cache_finished_req": "inserts a finished span request's KV per segment",
     "cache_unfinished_req": "the same for a chunk of a prefill still running",
+    "checkpoint": "the same on 0.5.23, for a chunk and for a finished request",
+    "path_device_indices": "a segmented match's indices, which 0.5.23 reads off the handle",
+    "on_release": "0.5.23: a released span request's turned copies go; the planner is told",
 }
 
 ROWS: tuple[Seam, ...] = (
@@ -78,10 +84,11 @@ ROWS: tuple[Seam, ...] = (
            releases=_event_releases(method))
       for method, (hook, why) in _EVENTS.items()),
     *(Seam(f"{_SPAN}.{method}", f"sglang_pic.eviction.hooks:{_EVENTS[method][0]}", "AROUND",
-           "eviction",
+           "eviction", releases=_event_releases(method),
            why="our span cache matches per segment and caches span requests itself: the same "
                "events, a segmented match reported once")
-      for method in ("match_prefix", "cache_finished_req", "cache_unfinished_req")),
+      for method in ("match_prefix", "cache_finished_req", "cache_unfinished_req",
+                     "checkpoint")),
     Seam(f"{_R}.evictable_leaves", "sglang_pic.eviction.hooks:_sampled_evict",
          "instance-patch", "eviction",
          why="swapped for a random sample during one `evict` pass (a policy with `sample_size`)"),

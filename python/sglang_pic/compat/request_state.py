@@ -8,7 +8,8 @@ attribute SGLang never reads, so every read and write goes through here instead 
 ``req.<field>``. Adding a release that moves them again is an edit of ``_holder`` alone.
 
 They also read how long the request's matched prefix is (``matched_len``): 0.5.17 keeps the
-matched indices (``prefix_indices``), 0.5.23 their count (``prefix_len``).
+matched indices (``prefix_indices``), 0.5.23 their count (``prefix_len``); and where its current
+extend ends (``extend_end``): 0.5.17's ``extend_range``, 0.5.23's ``extend_end``.
 """
 
 from __future__ import annotations
@@ -55,3 +56,12 @@ def matched_len(req: Any) -> int:
     """How many tokens of ``req``'s sequence its prefix match found in the cache."""
     indices = getattr(req, "prefix_indices", None)  # 0.5.17
     return len(indices) if indices is not None else req.prefix_len
+
+
+def extend_end(req: Any) -> int | None:
+    """Where ``req``'s current extend ends in its sequence (None: none scheduled): 0.5.17's
+    ``extend_range.end``, 0.5.23's ``extend_end``."""
+    if hasattr(req, "extend_end"):  # 0.5.23
+        return req.extend_end
+    extend = req.extend_range
+    return None if extend is None else extend.end

@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from sglang_pic.compat.prefix_match import matched_tokens
+from sglang_pic.compat.radix_api import matched_tokens
 
 DROPS = "_pic_shadow_drops"
 """Attribute on the real tree's nodes: the bit mask of shadows that no longer hold the node."""

@@ -31,9 +31,9 @@ batch's attention metadata is built):
   (in RAG, a document at the same place in the prompt) read one copy, reference-counted per run
   of pages with one shift; the copied slots record the positions they are read at, which are the
   same for every such request (shift = row index - stored position, the stored positions fixed);
-* ``SpanRadixCache.cache_finished_req`` (finish, abort, retraction) drops the request's
-  references (``release``) and frees a copy nobody reads any more; the shared pages stay in the
-  tree, locked by the request as before.
+* ``SpanRadixCache.cache_finished_req`` (SGLang 0.5.17) or ``on_release`` (0.5.23), at finish,
+  abort or retraction, drops the request's references (``release``) and frees a copy nobody
+  reads any more; the shared pages stay in the tree, locked by the request as before.
 
 Shapes: the pool's per-layer K and V buffers are ``[slots, kv_heads, D]``; a request's copy is
 ``MovedCopy.positions`` / ``slots``, int64 ``[n]`` (whole pages).

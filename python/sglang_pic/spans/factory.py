@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sglang_pic.compat import gaps
 from sglang_pic.metrics import counters_for_args
 from sglang_pic.position_free import BACKEND_FOR
 
@@ -24,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
     """Factory registered as ``--radix-cache-backend pic_span``; refuses what it cannot serve."""
-    gaps.refuse("spans", f"--radix-cache-backend {span_config.BACKEND}")
     args = ctx.server_args
     problems = []
     backends = {

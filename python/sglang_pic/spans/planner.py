@@ -52,7 +52,8 @@ import msgspec
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sglang_pic.compat.request_state import pool_row
+from sglang_pic.compat.radix_api import keep_running_request, matched_tokens
+from sglang_pic.compat.request_state import extend_end, pool_row
 
 from .config import SpanConfig
 from .load import SpanLoad
@@ -335,7 +336,7 @@ class SpanPlanner:
         result = RadixCache.match_prefix(
             self.cache, MatchPrefixParams(key=RadixKey(ids[start:end], namespace))
         )
-        return result.last_device_node if len(result.device_indices) == end - start else None
+        return result.last_device_node if matched_tokens(result) == end - start else None
 
     def _submit_unit(
         self, key: str, ids: Any, seg: Segment, prefix_segments: list[Segment]
@@ -462,9 +463,9 @@ class SpanPlanner:
             unit = self.unit_by_rid.get(req.rid)
             if (unit is None or any(req is c for c in continuing) or _ending(req)
                     or pool_row(req) is None or getattr(req, "is_retracted", False)
-                    or req.extend_range.end < len(req.origin_input_ids)):
+                    or (extend_end(req) or 0) < len(req.origin_input_ids)):
                 continue
-            self.cache.cache_unfinished_req(req, chunked=True)
+            keep_running_request(self.cache, req)
             self._finish_unit(unit, req=req, early=True)
 
     def on_request_cached(self, req: Req) -> None:

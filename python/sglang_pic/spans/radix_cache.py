@@ -14,13 +14,16 @@ Requests without a layout (plain prompts, and the internal span-prefill requests
 unchanged RadixCache paths. What is overridden, and why:
 
 * ``match_prefix``: segment-wise lookup; the returned node handle is a ``SpanPath`` (every
-  segment's last node) so that locking protects every segment;
-* ``inc_lock_ref`` / ``dec_lock_ref`` / ``resolve_node_handle``: accept a ``SpanPath``;
-* ``cache_finished_req`` / ``cache_unfinished_req``: insert each segment's own KV under its
-  namespace and free exactly the duplicate indices this request owns (and, on finishing, its
-  own turned copies of moved span pages: ``position_free.moved_copies``);
-* after a finished request is cached, the ``SpanPlanner`` is told (span prefills finishing is what
-  releases the requests waiting for them).
+  segment's last node, and the matched indices) so that locking protects every segment;
+* ``inc_lock_ref`` / ``dec_lock_ref`` / ``resolve_node_handle`` / ``path_device_indices``:
+  accept a ``SpanPath`` (SGLang 0.5.23 reads a request's matched indices off its handle);
+* caching a request: insert each segment's own KV under its namespace and free exactly the
+  duplicate indices this request owns (and, on finishing, its own turned copies of moved span
+  pages: ``position_free.moved_copies``). SGLang 0.5.17 calls ``cache_finished_req`` /
+  ``cache_unfinished_req``; 0.5.23 calls ``checkpoint(req, up_to=)`` for a chunk and for the
+  finished request alike, then frees the rest of the row itself and calls ``on_release``;
+* after a finished request is cached (0.5.23: released), the ``SpanPlanner`` is told (span
+  prefills finishing is what releases the requests waiting for them).
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefResult,
     IncLockRefResult,
-    InsertParams,
     MatchPrefixParams,
     MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sglang_pic.compat.radix_api import (
+    insert_params,
+    match_result,
+    matched_indices,
+)
 from sglang_pic.compat.request_state import pool_row, protected_len, set_protected_len
 from sglang_pic.eviction.context import segment_at
 from sglang_pic.position_free import moved_copies
@@ -54,16 +61,19 @@ logger = logging.getLogger(__name__)
 
 
 class SpanPath:
-    """Node handle of a segmented match: the last matched node of every segment, in order.
+    """Node handle of a segmented match: the last matched node of every segment, in order, and
+    the matched KV indices (int64 ``[matched tokens]``: each segment's part of its path).
 
     SGLang keeps one handle per request (``req.last_node``) and only passes it back to the cache
-    (lock/unlock, scheduling weight); attribute reads fall through to the deepest node.
+    (lock/unlock, scheduling weight, 0.5.23's ``path_device_indices``); attribute reads fall
+    through to the deepest node.
     """
 
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "indices")
 
-    def __init__(self, nodes: list[TreeNode]):
+    def __init__(self, nodes: list[TreeNode], indices: torch.Tensor):
         self.nodes = nodes
+        self.indices = indices
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.nodes[-1], name)
@@ -102,7 +112,7 @@ class SpanRadixCache(RadixCache):
             result = super().match_prefix(
                 MatchPrefixParams(key=RadixKey(token_ids[seg.key_start : key_end], seg.namespace))
             )
-            got = result.device_indices
+            got = matched_indices(self, result)
             offset = seg.start - seg.key_start
             usable = got[offset : offset + (end - seg.start)]
             if len(usable):
@@ -112,13 +122,8 @@ class SpanRadixCache(RadixCache):
                 break
         if not parts:
             return self._empty_match_result
-        handle: Any = nodes[0] if len(nodes) == 1 else SpanPath(nodes)
-        return MatchResult(
-            device_indices=torch.cat(parts),
-            last_device_node=handle,
-            last_host_node=handle,
-            best_match_node=handle,
-        )
+        indices = torch.cat(parts)
+        return match_result(indices, SpanPath(nodes, indices))
 
     # ---- locking ---------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -141,6 +146,11 @@ class SpanRadixCache(RadixCache):
         if isinstance(node_handle, SpanPath):
             return node_handle.nodes[-1]
         return super().resolve_node_handle(node_handle)
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        if isinstance(node, SpanPath):
+            return node.indices
+        return super().path_device_indices(node)
 
     # ---- insertion -------------------------------------------------------------------------
     def _insert_segments(
@@ -181,7 +191,7 @@ class SpanRadixCache(RadixCache):
                 values = kv_indices[seg.start : seg.start + klen].to(dtype=torch.int64, copy=True)
                 with segment_at(seg.start):  # eviction policies type the tokens where they sit
                     prefix_len = self.insert(
-                        InsertParams(key=key, value=values, priority=priority, chunked=chunked)
+                        insert_params(key=key, value=values, priority=priority, chunked=chunked)
                     ).prefix_len
             else:
                 prefix_len = klen
@@ -197,7 +207,7 @@ class SpanRadixCache(RadixCache):
         if segments_of(req) is None or self.disable:
             super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         else:
-            if self.disable_finished_insert:
+            if getattr(self, "disable_finished_insert", False):
                 is_insert = False
             token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
             kv_indices = self.req_to_token_pool.req_to_token[pool_row(req), : len(token_ids)]
@@ -217,18 +227,8 @@ class SpanRadixCache(RadixCache):
         segments = segments_of(req)
         if segments is None or self.disable:
             return super().cache_unfinished_req(req, chunked)
-        token_ids = req.get_fill_ids()
-        kv_indices = self.req_to_token_pool.req_to_token[pool_row(req), : len(token_ids)]
-        self.token_to_kv_pool_allocator.free_segments(
-            self._insert_segments(req, token_ids, kv_indices, chunked=chunked, finished=False)
-        )
-        match = self.match_segments(token_ids, len(token_ids), segments)
-        new_indices, new_last_node = match.device_indices, match.last_device_node
-        protected = protected_len(req)
-        self.req_to_token_pool.write(
-            (pool_row(req), slice(protected, len(new_indices))), new_indices[protected:]
-        )
-        set_protected_len(req, len(new_indices))
+        kv_indices, new_indices, new_last_node = self._keep_segments(
+            req, req.get_fill_ids(), segments, chunked)
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last_node)
         if len(new_indices) < len(kv_indices):
@@ -236,3 +236,46 @@ class SpanRadixCache(RadixCache):
         else:
             req.prefix_indices = new_indices
         req.last_node = new_last_node
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
+        """SGLang 0.5.23 caches a request's first ``up_to`` tokens here, between chunks and when
+        it finishes (then frees the row past the tree-owned part and calls ``on_release``): a
+        span request's segments go in as between chunks, and its lock moves to the new match."""
+        segments = segments_of(req)
+        if segments is None or self.disable:
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        _, _, new_last_node = self._keep_segments(
+            req, req.full_untruncated_fill_ids[:up_to], segments, chunked=not req.finished())
+        self.unlock(req.lock)
+        req.lock = self.lock(new_last_node)
+        req.last_node = new_last_node
+        return None
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        """SGLang 0.5.23: the request's row is freed and its lock dropped (finished, aborted or
+        retracted): its own turned copies go, and the planner is told."""
+        super().on_release(req, checkpointed=checkpointed)
+        if segments_of(req) is not None:
+            copier = moved_copies.copier()
+            if copier is not None:
+                copier.release(req)
+        if self.planner is not None:
+            self.planner.on_request_cached(req)
+
+    def _keep_segments(self, req: Req, token_ids: Any, segments: list[Segment],
+                       chunked: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Insert what a running span request computed in ``token_ids``, free its duplicates,
+        and point its row at the tree's pages of the segments now cached (which become its
+        protected prefix). Returns its row, the new matched indices and their handle."""
+        kv_indices = self.req_to_token_pool.req_to_token[pool_row(req), : len(token_ids)]
+        self.token_to_kv_pool_allocator.free_segments(
+            self._insert_segments(req, token_ids, kv_indices, chunked=chunked, finished=False)
+        )
+        match = self.match_segments(token_ids, len(token_ids), segments)
+        new_indices = matched_indices(self, match)
+        protected = protected_len(req)
+        self.req_to_token_pool.write(
+            (pool_row(req), slice(protected, len(new_indices))), new_indices[protected:]
+        )
+        set_protected_len(req, len(new_indices))
+        return kv_indices, new_indices, match.last_device_node

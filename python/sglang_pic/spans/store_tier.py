@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_pic import environment
+from sglang_pic.compat.radix_api import matched_indices
 from sglang_pic.position_free import stored_positions
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ class SpanStoreTier:
     def save(self, ids: Sequence[int], namespace: str | None, start: int, end: int) -> int:
         """Queue the cached blocks of key ``ids[start:end]`` in ``namespace`` for the store;
         returns how many blocks were queued (blocks known to be stored are skipped). Never
-        raises: it runs inside the scheduler's ``cache_finished_req``."""
+        raises: it runs inside the scheduler's caching of a finished request."""
         try:
             return self._save(ids, namespace, start, end)
         except Exception:  # noqa: BLE001 - the store is an optimisation, never a failure
@@ -286,9 +287,8 @@ class SpanStoreTier:
         n = (end - start) // self.page_size * self.page_size
         if n == 0:
             return 0
-        got = RadixCache.match_prefix(
-            self.cache, MatchPrefixParams(key=RadixKey(ids[start : start + n], namespace)),
-        ).device_indices
+        got = matched_indices(self.cache, RadixCache.match_prefix(
+            self.cache, MatchPrefixParams(key=RadixKey(ids[start : start + n], namespace))))
         if len(got) < n:  # evicted meanwhile: nothing to save that a load could use
             return 0
         keys = block_keys(ids[start : start + n], namespace, self.block_tokens, self.tag)
@@ -398,7 +398,7 @@ class SpanStoreTier:
               first_position: int) -> bool:
         key = RadixKey(ids[start:end], namespace)
         match = RadixCache.match_prefix(self.cache, MatchPrefixParams(key=key))
-        have = match.device_indices
+        have = matched_indices(self.cache, match)
         if len(have) == end - start:
             return True
         done = len(have) // self.block_tokens  # whole blocks the tree holds

@@ -55,8 +55,8 @@ def test_a_release_without_the_gap_takes_the_flags(capability, monkeypatch):
 
 
 def test_a_release_is_matched_by_its_numbers():
-    assert gaps.gap("spans", "0.5.23+cu130") is not None
-    assert gaps.gap("spans", "0.5.17") is None
+    assert gaps.gap("eviction_with_hicache", "0.5.23+cu130") is not None
+    assert gaps.gap("eviction_with_hicache", "0.5.17") is None
     assert gaps.gaps_for(None) == ()
 
 
@@ -65,16 +65,3 @@ def test_the_launcher_names_the_flag_that_turns_hicache_on(monkeypatch):
         _refuse(["--radix-eviction-policy", "auto", "--ptstore", "tcp://127.0.0.1:1"], "0.5.23",
                 monkeypatch)
 
-
-def test_the_scheduler_side_refusals_name_the_gap(monkeypatch):
-    """An ``Engine`` built without our launchers: the span cache's factory refuses on the
-    gapped release (``gaps.refuse``)."""
-    from sglang_pic.compat import versions
-
-    spans = gaps.gap("spans", "0.5.23")
-    monkeypatch.setattr(versions, "installed_sglang", lambda: "0.5.23")
-    with pytest.raises(gaps.CapabilityUnavailable, match="RadixCache.cache_finished_req"):
-        gaps.refuse("spans", "--radix-cache-backend pic_span")
-    monkeypatch.setattr(versions, "installed_sglang", lambda: "0.5.17")
-    gaps.refuse("spans", "--radix-cache-backend pic_span")  # served: no exception
-    assert spans is not None

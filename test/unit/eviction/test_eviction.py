@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
-from sglang_pic.compat.prefix_match import matched_tokens
+from sglang_pic.compat.radix_api import matched_tokens
 from sglang_pic.eviction.estimators import (
     ClassRate,
     ContinuationModel,

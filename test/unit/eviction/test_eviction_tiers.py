@@ -41,6 +41,9 @@ class _Pool:
     def __init__(self) -> None:
         self.req_to_token = torch.arange(64).unsqueeze(1) * 1000 + torch.arange(1000).unsqueeze(0)
 
+    def write(self, where, values) -> None:
+        self.req_to_token[where] = values
+
 
 def _span_cache(policy: str, clock):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -73,38 +76,62 @@ class _Server:
 
     def _req(self, rid, ids, segments=None, extra_key=None, session=None):
         self.slot_row += 1
-        return SimpleNamespace(
+        kv = SimpleNamespace(req_pool_idx=self.slot_row, cache_protected_len=0,
+                             cache_inserted_len=0, swa_evict_floor=0)
+        return SimpleNamespace(  # the KV fields where either release keeps them (request_state)
             rid=rid,
             origin_input_ids=list(ids),
+            full_untruncated_fill_ids=list(ids),
             output_ids=[],
             pic_segments=segments,
             extra_key=extra_key,
-            req_pool_idx=self.slot_row,
+            cache_salt=None,
+            kv=kv,
+            req_pool_idx=kv.req_pool_idx,
             cache_protected_len=0,
             last_node=None,
+            lock=None,
             priority=0,
             session_id=session,
             tokenizer=None,
             sampling_params=SimpleNamespace(custom_params=None),
+            finished=lambda: True,
         )
 
     def run(self, req) -> int:
+        """Match, lock and cache ``req`` as it finishes, as the installed SGLang's scheduler
+        does: 0.5.17 through ``cache_finished_req``; 0.5.23 through ``checkpoint``, then the
+        row past the tree-owned part freed, the lock dropped and ``on_release``."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        from sglang_pic.compat.radix_api import matched_tokens
+        from sglang_pic.compat.request_state import pool_row, protected_len, set_protected_len
 
         match = self.cache.match_prefix(
             MatchPrefixParams(key=RadixKey(req.origin_input_ids, req.extra_key), req=req)
         )
         req.last_node = match.last_device_node
-        req.cache_protected_len = len(match.device_indices)
-        self.cache.inc_lock_ref(req.last_node)
-        self.cache.cache_finished_req(req, kv_len_to_handle=len(req.origin_input_ids))
-        return req.cache_protected_len
+        matched = matched_tokens(match)
+        set_protected_len(req, matched)
+        n = len(req.origin_input_ids)
+        if hasattr(RadixCache, "cache_finished_req"):
+            self.cache.inc_lock_ref(req.last_node)
+            self.cache.cache_finished_req(req, kv_len_to_handle=n)
+            return matched
+        req.lock = self.cache.lock(req.last_node)
+        self.cache.checkpoint(req, up_to=n)
+        row = self.cache.req_to_token_pool.req_to_token[pool_row(req)]
+        done = protected_len(req)
+        self.cache.token_to_kv_pool_allocator.free_segments([(row[done:n], done)])
+        self.cache.unlock(req.lock)
+        self.cache.on_release(req, checkpointed=True)
+        return matched
 
     def serve(self, rid: str, pieces: list[tuple[bool, list[int]]], session=None) -> int:
         """A prompt laid out as ``(independent, tokens)`` pieces; returns its cached tokens."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang_pic.compat.radix_api import matched_tokens
         from sglang_pic.spans.request import UNIT_RID_PREFIX
         from sglang_pic.spans.segments import build_segments, pad_pieces
 
@@ -113,7 +140,7 @@ class _Server:
         for k, seg in enumerate(segments[:-1]):  # the planner's units
             key = RadixKey(ids[seg.key_start : seg.key_end], seg.namespace)
             got = self.cache.match_prefix(MatchPrefixParams(key=key))
-            if len(got.device_indices) < seg.key_end - seg.key_start:
+            if matched_tokens(got) < seg.key_end - seg.key_start:
                 self.run(
                     self._req(
                         f"{UNIT_RID_PREFIX}{rid}-{k}",

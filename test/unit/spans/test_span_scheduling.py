@@ -26,7 +26,9 @@ def _submitted_unit():
     handled: list = []
     planner = SpanPlanner(SimpleNamespace(page_size=PAGE), span_config.load())
     planner.scheduler, planner._handle = None, lambda scheduler, recv: handled.append(recv)
-    client = SamplingParams(max_new_tokens=64, min_new_tokens=8, temperature=0.7)
+    client = SamplingParams(max_new_tokens=64, temperature=0.7)
+    client.normalize(None)  # as SGLang's tokenizer manager hands a request to the scheduler
+    client.min_new_tokens = 8
     planner._template = SimpleNamespace(rid="client", input_ids=None, input_text=None,
                                         sampling_params=client, return_logprob=True, stream=True)
     span = Segment(4, 8, None, 4, 8, True)
@@ -79,9 +81,13 @@ class _Cache:
                                      save=lambda ids, ns, start, end: self.saved.append(
                                          tuple(ids[start:end])))
 
-    def cache_unfinished_req(self, req, chunked=False):
+    def cache_unfinished_req(self, req, chunked=False):  # SGLang 0.5.17
         self.stashed.append(req.rid)
         self.cached.add(tuple(req.origin_input_ids))
+
+    def checkpoint(self, req, *, up_to):  # SGLang 0.5.23
+        assert up_to == len(req.origin_input_ids)
+        self.cache_unfinished_req(req, chunked=True)
 
     def inc_lock_ref(self, node):
         self.locks += 1
@@ -119,7 +125,9 @@ def _waiting_request(monkeypatch):
     unit = SimpleNamespace(rid=recv.rid, origin_input_ids=list(recv.input_ids), extra_key=None,
                            req_pool_idx=3, is_retracted=False, to_finish=None,
                            finished=lambda: False, finished_reason=None,
-                           extend_range=SimpleNamespace(end=len(recv.input_ids)))
+                           extend_range=SimpleNamespace(end=len(recv.input_ids)),
+                           extend_end=len(recv.input_ids), skip_radix_cache_insert=False,
+                           prefix_len=0)
     return planner, cache, unit, enqueued
 
 

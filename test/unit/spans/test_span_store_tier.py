@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from conftest import free_port
+from sglang_pic.compat.radix_api import matched_indices
 from sglang_pic.spans.store_tier import (
     KEY_PREFIX,
     SpanStoreTier,
@@ -93,7 +94,8 @@ def _cached_rows(cache, ids, namespace=None):
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(ids), namespace))).device_indices
+    return matched_indices(cache, cache.match_prefix(MatchPrefixParams(key=RadixKey(list(ids),
+                                                                                  namespace))))
 
 
 def _wait_stored(tier, keys, limit_s=30.0):

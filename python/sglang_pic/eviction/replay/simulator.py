@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_pic.compat.prefix_match import matched_indices, matched_tokens
+from sglang_pic.compat.radix_api import matched_indices, matched_tokens
 
 from ..baselines import TLRU_TUNED
 from ..policy import configure
