@@ -56,6 +56,10 @@ class ShiftedTritonBackend(TritonAttnBackend):
         rope = model_check.rotary_table(model_runner)
         table = _slot_table(model_runner)
         super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
+        if hasattr(self, "enable_lean_attention"):
+            # SGLang 0.5.23's lean decode splits the KV over a persistent grid with its own
+            # partial-result buffers; our decode kernel splits it its own way
+            self.enable_lean_attention = False
         from sglang_pic_kernel.rotating_attention import (
             rotating_decode_attention_fwd,
             rotating_extend_attention_fwd,

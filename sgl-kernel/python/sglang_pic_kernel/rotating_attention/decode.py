@@ -211,6 +211,12 @@ def rotating_decode_attention_fwd(
     page_size: int = 1,
     score_mod=None,
     aux_tensors=None,
+    enable_lean: bool | None = None,
+    lean_Mp: torch.Tensor | None = None,  # noqa: N803 - SGLang's keyword names
+    lean_Lp: torch.Tensor | None = None,  # noqa: N803
+    lean_Op: torch.Tensor | None = None,  # noqa: N803
+    lean_locks: torch.Tensor | None = None,
+    uneven_batch: bool | None = None,
     *,
     rope: RotaryTable,
     stored_positions: torch.Tensor,
@@ -224,8 +230,11 @@ def rotating_decode_attention_fwd(
 
     The trailing SGLang arguments exist so the backend can call this exactly like
     ``decode_attention_fwd``; features the kernel does not implement (attention sinks, MLA,
-    score mods, xai temperature) are refused at server start by the backend, and asserted here.
+    score mods, xai temperature, SGLang 0.5.23's lean decode: the backend turns it off) are
+    refused at server start by the backend, and asserted here.
     """
+    assert not enable_lean, "rotating decode attention: lean decode is not supported"
+    del lean_Mp, lean_Lp, lean_Op, lean_locks, uneven_batch
     assert sinks is None and not has_mla and score_mod is None and xai_temperature_len <= 0, (
         "rotating decode attention: sinks / MLA / score_mod / xai temperature are not supported"
     )

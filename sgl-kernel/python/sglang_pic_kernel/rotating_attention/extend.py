@@ -275,6 +275,8 @@ def rotating_extend_attention_fwd(
     page_size: int = 1,
     score_mod=None,
     aux_tensors=None,
+    extend_seq_lens_cpu=None,
+    identity_kv_indices: bool = False,
     *,
     rope: RotaryTable,
     stored_positions: torch.Tensor,
@@ -288,13 +290,20 @@ def rotating_extend_attention_fwd(
     is cut in (default: :func:`prefix_splits`).
 
     Takes SGLang's ``extend_attention_fwd`` arguments; custom masks (speculative verify), sliding
-    windows, sinks, score mods and xai temperature are refused by the backend at start.
+    windows, sinks, score mods and xai temperature are refused by the backend at start. A
+    prefix gathered into a dense buffer (SGLang 0.5.23's ``identity_kv_indices``) is refused
+    here: its slots are the buffer's, not the pool's, so no stored position describes them.
+    ``extend_seq_lens_cpu`` (0.5.23: a host copy SGLang's kernel sizes its launch with) is not
+    needed.
     """
     assert custom_mask is None and sinks is None and score_mod is None, (
         "rotating extend attention: custom masks / sinks / score_mod are not supported"
     )
+    assert not identity_kv_indices, (
+        "rotating extend attention: a prefix in a dense buffer (identity_kv_indices) has no "
+        "stored positions")
     assert (sliding_window_size is None or sliding_window_size < 0) and xai_temperature_len <= 0
-    del mask_indptr, window_kv_offsets, page_size, aux_tensors
+    del mask_indptr, window_kv_offsets, page_size, aux_tensors, extend_seq_lens_cpu
     head_dim = q_extend.shape[-1]
     q_heads, kv_heads = q_extend.shape[1], k_extend.shape[1]
     lv = v_extend.shape[-1]
