@@ -8,6 +8,8 @@ drop-in replacement must be as fast as the SGLang it replaces on them. The workl
 ``repeats`` samples each (medians reported, every sample kept).
 
 Variants: ``vanilla`` (FlashInfer, the baseline), ``sglang-pic-spans`` (the span-cache server),
+``sglang-pic-spans-graphs`` (the same with ``--position-free-span-graphs``: a second decode
+CUDA graph set, captured for span batches, which batches without spans never replay),
 ``sglang-pic-spans-triton`` (the same on ``pic_triton``: our Triton kernels for every batch) and
 ``vanilla-triton`` (a second column).
 
@@ -29,8 +31,10 @@ from benchmark.bench_position_free import ENGINE_KWARGS, PARAMS
 SPAN_SERVER = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pic_span"}
 VARIANT_KWARGS = {
     "sglang-pic-spans": SPAN_SERVER,
+    "sglang-pic-spans-graphs": SPAN_SERVER,
     "sglang-pic-spans-triton": {**SPAN_SERVER, "attention_backend": "pic_triton"},
 }
+VARIANT_SETTINGS = {"sglang-pic-spans-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"}}
 # 128K prompts: every variant gets the longer context (the KV budget is unchanged)
 NONSPAN_ENGINE_KWARGS = {**ENGINE_KWARGS, "context_length": 131072}  # the model's maximum
 NONSPAN_PARAMS = {**PARAMS, "prefill_lengths": [1024, 8192, 32768, 131000]}
@@ -57,7 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default="vanilla,sglang-pic-spans",
-                    help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-triton, "
+                    help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-graphs, "
+                         "sglang-pic-spans-triton, "
                          "vanilla-triton")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every variant this many times, alternating which goes first "
@@ -85,7 +90,8 @@ def main() -> None:
     run_side_by_side(args.name, "bench_position_free", "workload",
                      NONSPAN_ENGINE_KWARGS,
                      params, out_dir=args.out, variants=tuple(args.variants.split(",")),
-                     variant_kwargs=VARIANT_KWARGS, timeout_s=590, rounds=args.rounds)
+                     variant_kwargs=VARIANT_KWARGS, timeout_s=590, rounds=args.rounds,
+                     variant_settings=VARIANT_SETTINGS)
 
 
 if __name__ == "__main__":

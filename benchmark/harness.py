@@ -242,6 +242,7 @@ def run_side_by_side(
     rounds: int = 1,
     variant_gpus: dict[str, str] | None = None,
     resume_from: str | None = None,
+    variant_settings: dict[str, dict[str, str]] | None = None,
 ) -> dict:
     """Run `module.func` once per variant and round, each in a fresh process; write and return
     the report.
@@ -255,7 +256,9 @@ def run_side_by_side(
     order alternates (A B, then B A, ...) so that neither side always runs first, and each
     variant's samples are pooled over its rounds (``merge_rounds``). ``variant_gpus`` pins a
     variant's process to GPUs (``CUDA_VISIBLE_DEVICES``), e.g. the instance that computes on one
-    GPU and the one that loads on another.
+    GPU and the one that loads on another. ``variant_settings`` adds variables to a variant's
+    process: the hand-offs of our serve flags the scheduler reads (e.g. ``--position-free-span-
+    graphs`` as ``SGLANG_PIC_SPAN_GRAPHS``), which an ``Engine`` takes no argument for.
     """
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     results: dict[str, dict] = {}
@@ -289,6 +292,7 @@ def run_side_by_side(
                 t0 = time.perf_counter()
                 env = variant_env(variant, site, (variant_gpus or {}).get(variant))
                 env[ROUND_ENV] = str(round_no)
+                env.update((variant_settings or {}).get(variant, {}))
                 proc = subprocess.run(
                     [sys.executable, "-m", "benchmark.harness", "--child", str(spec)], env=env,
                     cwd=REPO, timeout=timeout_s,
@@ -313,6 +317,7 @@ def run_side_by_side(
         "environment": environment(),
         "engine_kwargs": engine_kwargs,
         "variant_kwargs": variant_kwargs or {},
+        "variant_settings": variant_settings or {},
         "params": params,
         "rounds": first + rounds,
         "calls": calls,

@@ -109,6 +109,30 @@ def test_a_run_resumed_in_another_call_continues_the_alternation_and_pools(tmp_p
                                  resume_from=str(earlier), **kw)
 
 
+def test_variant_settings_reach_only_their_variants_process(tmp_path, monkeypatch):
+    """``variant_settings``: a flag's hand-off variable (``--position-free-span-graphs``) is set
+    in the process of the variant that asks for it, not in the others', and recorded."""
+    import json
+
+    seen: dict[str, str | None] = {}
+
+    def fake_run(cmd, env, cwd, timeout):
+        spec = json.loads(Path(cmd[-1]).read_text())
+        seen[env["SGLANG_PIC_BENCH_VARIANT"]] = env.get("SGLANG_PIC_SPAN_GRAPHS")
+        Path(spec["out"]).write_text(json.dumps({"x": 1.0, "x_all": [1.0]}))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.delenv("SGLANG_PIC_SPAN_GRAPHS", raising=False)
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    settings = {"sglang-pic-spans-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"}}
+    report = harness.run_side_by_side(
+        "e2e", "m", "f", {"device": "cpu"}, {"p": 1}, out_dir=str(tmp_path),
+        variants=("vanilla", "sglang-pic-spans", "sglang-pic-spans-graphs"),
+        variant_settings=settings)
+    assert seen == {"vanilla": None, "sglang-pic-spans": None, "sglang-pic-spans-graphs": "1"}
+    assert report["variant_settings"] == settings
+
+
 def test_a_reselect_variant_runs_its_sparse_variant_with_the_interval(tmp_path, monkeypatch):
     """``<sparse variant>-r<N>``: the process gets ``--sparse-reselect-interval N``'s variable and
     our paths; other names get neither and are not taken for one."""
