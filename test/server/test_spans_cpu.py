@@ -150,6 +150,30 @@ def test_span_is_hit_at_another_offset(span_server, hf):
     assert second["output_ids"] == reference(hf, ids)
 
 
+def test_a_cache_salt_keeps_span_pages_apart(span_server, hf):
+    """Requests with different ``cache_salt`` values never share span pages, and a salted span
+    request's span prefills land where its own later requests find them (SGLang 0.5.23 keys a
+    salt apart from the namespace: the span cache folds it into its namespaces)."""
+    import dataclasses
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if "cache_salt" not in {f.name for f in dataclasses.fields(GenerateReqInput)}:
+        pytest.skip("this SGLang release has no cache_salt")
+    tok = hf[0]
+    doc = DOCS[2] + " This paragraph is only in the salt test."
+    ids = span_ids(tok, "Salted prefix.", [doc])
+    want = reference(hf, ids)
+    doc_pages = len(tok(" " + doc, add_special_tokens=False)["input_ids"]) // PAGE * PAGE
+    first = generate(span_server, input_ids=ids, cache_salt="tenant-a")
+    other = generate(span_server, input_ids=ids, cache_salt="tenant-b")
+    again = generate(span_server, input_ids=ids, cache_salt="tenant-a")
+    assert first["output_ids"] == other["output_ids"] == again["output_ids"] == want
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert other["meta_info"]["cached_tokens"] == 0, "tenant-b read tenant-a's pages"
+    assert again["meta_info"]["cached_tokens"] >= doc_pages
+
+
 def test_pdep_pages_are_not_shared_across_contexts(span_server, hf):
     """The same question after different documents: its pages depend on the whole prompt."""
     tok = hf[0]

@@ -38,6 +38,8 @@ def _blocker(ctx: Any) -> str | None:
         ("--enable-unified-cache-external-linker",
          getattr(memory, "enable_unified_cache_external_linker", False)),
         ("--enable-session-radix-cache", ctx.params.enable_session_radix_cache),
+        ("--enable-streaming-session",  # its sessions live in the unified tree
+         getattr(ctx.server_args, "enable_streaming_session", False)),
         ("--disaggregation-decode-retraction-backup host_pool",
          getattr(get_disagg(), "disaggregation_decode_retraction_backup", None) == "host_pool"),
     ):

@@ -45,6 +45,9 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
         problems.append("prefill/decode disaggregation is not supported (transferred KV carries "
                         "no record of the positions its keys were computed at)")
+    if getattr(args, "enable_streaming_session", False):
+        problems.append("streaming sessions (--enable-streaming-session) are not supported: "
+                        "SGLang keeps them in its unified tree")
     if getattr(ctx.params, "is_eagle", False):
         problems.append("speculative decoding (EAGLE bigram keys) is not supported")
     if problems:

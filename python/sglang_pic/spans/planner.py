@@ -93,6 +93,15 @@ _UNIT_SAMPLING = {
 }
 
 
+def base_namespace(req: Any) -> str | None:
+    """The radix namespace a request's spans start from: its ``extra_key`` (a LoRA adapter or
+    the like: requests that must not share KV), with its ``cache_salt`` folded in where the
+    release keeps the salt apart (SGLang 0.5.23's ``RadixKey.cache_salt``; 0.5.17 folds it into
+    ``extra_key`` itself). Requests with different salts never share span pages."""
+    extra, salt = getattr(req, "extra_key", None), getattr(req, "cache_salt", None)
+    return f"{extra or ''}\x1fpic-salt:{salt}" if salt else extra
+
+
 @dataclass
 class Unit:
     """One missing segment being prefilled by an internal request."""
@@ -278,7 +287,7 @@ class SpanPlanner:
         req.pic_segments = build_segments(
             req.origin_input_ids,
             pieces,
-            req.extra_key,
+            base_namespace(req),
             page_size=self.cache.page_size,
             recompute_tokens=self.cfg.recompute_tokens,
         )
@@ -359,6 +368,11 @@ class SpanPlanner:
         self.unit_by_rid[unit.rid] = unit
         recv = copy.copy(self._template)
         recv.rid = unit.rid
+        # the unit's pages go under the client's span namespace, its salt included (SGLang
+        # 0.5.23 keys a salt apart from the namespace; the span lookups key by namespace only)
+        recv.extra_key = base_namespace(self._template)
+        if hasattr(recv, "cache_salt"):
+            recv.cache_salt = None
         recv.input_ids = array("q", tokens)
         recv.input_text = None
         recv.sampling_params = _unit_sampling(recv.sampling_params)

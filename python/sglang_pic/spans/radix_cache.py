@@ -76,6 +76,9 @@ class SpanPath:
         self.indices = indices
 
     def __getattr__(self, name: str) -> Any:
+        if name in SpanPath.__slots__ or name.startswith("__"):
+            # unset slot, or a protocol lookup (copy, pickle): not the deepest node's
+            raise AttributeError(name)
         return getattr(self.nodes[-1], name)
 
     def __repr__(self) -> str:
@@ -84,6 +87,18 @@ class SpanPath:
 
 def segments_of(req: Req | None) -> list[Segment] | None:
     return getattr(req, "pic_segments", None) if req is not None else None
+
+
+def _inserted_by(req: Req) -> dict[int, int]:
+    """How much of each of ``req``'s segments (by start) it inserted already: SGLang 0.5.23
+    counts a node's hit once per request, for the part of the key past ``inserted_len``, and
+    caches a request after its prefill, per chunk and at its end (0.5.17 skips chunks'
+    inserts instead: ``chunked``)."""
+    inserted = getattr(req, "pic_inserted", None)
+    if inserted is None:
+        inserted = {}
+        req.pic_inserted = inserted
+    return inserted
 
 
 class SpanRadixCache(RadixCache):
@@ -174,6 +189,7 @@ class SpanRadixCache(RadixCache):
         n = len(token_ids)
         protected = protected_len(req)
         priority = getattr(req, "priority", 0) or 0
+        inserted = _inserted_by(req)
         to_free: list[tuple[torch.Tensor, int]] = []
         for seg in segments_of(req) or ():
             if seg.start >= n:
@@ -189,10 +205,13 @@ class SpanRadixCache(RadixCache):
             klen = len(key)
             if is_insert and klen:
                 values = kv_indices[seg.start : seg.start + klen].to(dtype=torch.int64, copy=True)
+                done = inserted.get(seg.start, 0)
                 with segment_at(seg.start):  # eviction policies type the tokens where they sit
                     prefix_len = self.insert(
-                        insert_params(key=key, value=values, priority=priority, chunked=chunked)
+                        insert_params(key=key, value=values, priority=priority, chunked=chunked,
+                                      inserted_len=done)
                     ).prefix_len
+                inserted[seg.start] = max(done, klen)
             else:
                 prefix_len = klen
             lo, hi = max(seg.start, protected), seg.start + prefix_len

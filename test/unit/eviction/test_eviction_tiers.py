@@ -432,3 +432,39 @@ def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
     (tail,) = out.children.values()  # r1's own tokens, below the reused block
     assert out.backuped and out.sae.last_hit is not None and tail.backuped
     assert sae.events["host_writes_deferred"] == 2
+
+
+@pytest.mark.capability("spans")
+def test_a_span_request_counts_one_hit_per_node_however_often_it_is_cached(clock):
+    """SGLang 0.5.23 caches a request after its prefill and again when it finishes (and per
+    chunk), counting a node's hit only past what the request inserted already
+    (``inserted_len``): the span cache passes each segment's, so ``hit_count``, which ``gdsf``
+    and ``s3fifo`` rank by, is one per request, as on 0.5.17 (which skips chunks' counts)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang_pic.spans.segments import build_segments, pad_pieces
+
+    if hasattr(RadixCache, "cache_finished_req"):
+        pytest.skip("this SGLang caches a request once when it finishes (cache_finished_req)")
+    cache = _span_cache("lru", clock)
+    server = _Server(cache)
+    ids, layout = pad_pieces([(True, list(range(100, 132))), (False, list(range(200, 216)))],
+                             1, 0)
+    req = server._req("r", ids, build_segments(ids, layout, None))
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(ids, None), req=req))
+    req.last_node = match.last_device_node
+    req.lock = cache.lock(req.last_node)
+    for finished in (False, True):  # after its prefill, then at its end
+        req.finished = lambda finished=finished: finished
+        cache.checkpoint(req, up_to=len(ids))
+    counts = [node.hit_count for node in _nodes(cache)]
+    assert len(counts) >= 2 and set(counts) == {1}, counts
+
+
+def _nodes(cache) -> list:
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out

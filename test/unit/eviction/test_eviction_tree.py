@@ -47,8 +47,9 @@ def _ctx(policy: str, **flags):
                              token_to_kv_pool_allocator=None, page_size=1,
                              eviction_policy=policy,
                              enable_session_radix_cache=flags.pop("session", False))
+    server_args = SimpleNamespace(enable_streaming_session=flags.pop("streaming", False))
     base = dict(params=params, enable_hierarchical_cache=False, disable_radix_cache=False,
-                is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False)
+                is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False, server_args=server_args)
     return SimpleNamespace(**{**base, **flags})
 
 
@@ -78,6 +79,7 @@ def test_sglangs_own_policies_and_no_cache_keep_sglangs_tree(settings, ctx):
 @pytest.mark.parametrize("setting, flag", [
     ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
     ({"session": True}, "--enable-session-radix-cache"),
+    ({"streaming": True}, "--enable-streaming-session"),
     ({"is_hybrid_swa": True}, "a hybrid model"),
     ("lmcache", "--enable-lmcache"),
     ("retraction", "--disaggregation-decode-retraction-backup host_pool"),
