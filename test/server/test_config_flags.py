@@ -107,6 +107,16 @@ SPANS = pytest.mark.capability("spans")
 launcher refuses the span cache itself first."""
 
 
+def _streaming_sessions_in_unified_tree() -> bool:
+    from sglang_pic.compat.versions import streaming_sessions_need_unified_tree
+
+    return streaming_sessions_need_unified_tree()
+
+
+STREAMING = pytest.mark.skipif(not _streaming_sessions_in_unified_tree(),
+                               reason="this SGLang wraps any prefix tree for streaming sessions")
+
+
 @pytest.mark.parametrize("args,message", [
     # issue 26 item 8: these took 25-78 s and ended in a traceback
     (["--enable-span-cache", "--span-schedule", "bogus"], "--span-schedule: supports 'isps'"),
@@ -135,6 +145,11 @@ launcher refuses the span cache itself first."""
     # combinations the features refused only after the weights loaded
     pytest.param(["--enable-span-cache", "--enable-hierarchical-cache"],
                  "--enable-hierarchical-cache", marks=SPANS),
+    pytest.param(["--enable-span-cache", "--enable-streaming-session"],
+                 "--enable-span-cache does not combine with --enable-streaming-session",
+                 marks=STREAMING),
+    (["--radix-eviction-policy", "sae", "--enable-session-radix-cache"],
+     "--radix-eviction-policy sae does not combine with --enable-session-radix-cache"),
     pytest.param(["--enable-span-cache", "--radix-cache-backend", "radix"],
                  "drop --radix-cache-backend radix", marks=SPANS),
     pytest.param(["--enable-span-cache", "--disaggregation-mode", "decode"],

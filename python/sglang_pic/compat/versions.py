@@ -15,6 +15,19 @@ from .seam import release_numbers
 SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17", "0.5.23")
 """SGLang releases the seam table is written and tested against."""
 
+STREAMING_SESSIONS_IN_UNIFIED_TREE: tuple[str, ...] = ("0.5.23",)
+"""Releases whose ``--enable-streaming-session`` keeps its sessions in ``UnifiedRadixCache``
+(0.5.17 wraps any prefix tree in a ``StreamingSession``): the span cache and a cache on one of
+our eviction policies, both a ``RadixCache``, cannot serve them there."""
+
+
+def streaming_sessions_need_unified_tree(release: str | None = None) -> bool:
+    """Whether SGLang ``release`` (None: the installed one) keeps streaming sessions in its
+    unified tree."""
+    release = installed_sglang() if release is None else release
+    return release is not None and release_numbers(release) in {
+        release_numbers(v) for v in STREAMING_SESSIONS_IN_UNIFIED_TREE}
+
 
 class UnsupportedSGLang(RuntimeError):
     """The installed SGLang is not one of ``SUPPORTED_SGLANG`` (or is not installed)."""

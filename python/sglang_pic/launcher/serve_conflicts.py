@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sglang_pic.compat import gaps
+from sglang_pic.compat import gaps, versions
 from sglang_pic.compat.versions import installed_sglang
 from sglang_pic.launcher.server_flags import FEATURES, FLAGS, UsageError, setting
 from sglang_pic.sparse.config import (
@@ -75,6 +75,17 @@ EVICTION_POLICIES = (*OUR_POLICIES, "lru", "lfu", "fifo", "mru", "filo", "priori
 this list against the server's choices."""
 
 
+def _unified_tree_switches() -> dict[str, str]:
+    """SGLang's switches that need its unified tree, which the span cache and a cache on one of
+    our policies (``eviction.tree``) are not: session radix caching, and streaming sessions on
+    the releases that keep them there (``compat.versions``)."""
+    flags = ["--enable-session-radix-cache"]
+    if versions.streaming_sessions_need_unified_tree(installed_sglang()):
+        flags.append("--enable-streaming-session")
+    return {flag: "SGLang keeps these sessions in its UnifiedRadixCache; the span cache and our "
+                  "eviction policies run on RadixCache" for flag in flags}
+
+
 def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
     """Raise ``UsageError`` for the first combination of our flags (``given``: parsed, only
     those on the command line) and SGLang's (``argv``) that cannot be served."""
@@ -95,6 +106,8 @@ def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
         _spans(given, argv)
     if on["sparse"]:
         _sparse(given, argv)
+    if on["eviction"]:
+        _not_with(_asked_by("eviction", given, argv), argv, switches=_unified_tree_switches())
 
 
 def _features_on(given: Mapping[str, Any], argv: list[str]) -> dict[str, bool]:
@@ -210,6 +223,7 @@ def _spans(given: Mapping[str, Any], argv: list[str]) -> None:
         "--disable-radix-cache": "spans are found and shared in the radix tree",
         "--enable-hierarchical-cache": "HiCache does not take span pages yet; --ptstore stores "
                                        "them instead",
+        **_unified_tree_switches(),
     }, values={"--disaggregation-mode": lambda v: None if v == "null" else (
         "KV a prefill instance sends arrives without the positions its keys were computed at, "
         "which span requests need")})

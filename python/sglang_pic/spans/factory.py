@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang_pic.compat import versions
 from sglang_pic.metrics import counters_for_args
 from sglang_pic.position_free import BACKEND_FOR
 
@@ -45,7 +46,8 @@ def create_span_radix_cache(ctx: TreeCacheBuildContext) -> SpanRadixCache:
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
         problems.append("prefill/decode disaggregation is not supported (transferred KV carries "
                         "no record of the positions its keys were computed at)")
-    if getattr(args, "enable_streaming_session", False):
+    if (getattr(args, "enable_streaming_session", False)
+            and versions.streaming_sessions_need_unified_tree()):
         problems.append("streaming sessions (--enable-streaming-session) are not supported: "
                         "SGLang keeps them in its unified tree")
     if getattr(ctx.params, "is_eagle", False):
