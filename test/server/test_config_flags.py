@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import REPO, start_server, stop_server, use_generated_key
+from sglang_pic.compat.versions import streaming_sessions_need_unified_tree
 from sglang_pic.cpu.support import has_cuda
 from sglang_pic.launcher import serve_conflicts, server_flags
 from sglang_pic.launcher.server_flags import FLAGS, UsageError
@@ -107,13 +108,7 @@ SPANS = pytest.mark.capability("spans")
 launcher refuses the span cache itself first."""
 
 
-def _streaming_sessions_in_unified_tree() -> bool:
-    from sglang_pic.compat.versions import streaming_sessions_need_unified_tree
-
-    return streaming_sessions_need_unified_tree()
-
-
-STREAMING = pytest.mark.skipif(not _streaming_sessions_in_unified_tree(),
+STREAMING = pytest.mark.skipif(not streaming_sessions_need_unified_tree(),
                                reason="this SGLang wraps any prefix tree for streaming sessions")
 
 

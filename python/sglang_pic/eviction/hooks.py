@@ -39,8 +39,8 @@ With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_p
 ``RadixCache.match_prefix`` once per segment and whose ``cache_finished_req`` /
 ``cache_unfinished_req`` (0.5.23: ``checkpoint``) cache a span request's segments themselves:
 the match and caching hooks are registered on those too, a segmented match is reported once
-over every segment's path, and ``SpanRadixCache`` names each segment's start in the request (``context.segment_at``) so its
-tokens are typed where they sit. A span prefill (the planner's unit request) caches blocks on
+over every segment's path, and ``SpanRadixCache`` names each segment's start in the request
+(``context.segment_at``) so its tokens are typed where they sit. A span prefill (the planner's unit request) caches blocks on
 behalf of the requests waiting for them (``RequestContext.on_behalf``): its own matches are not
 reuses.
 

@@ -151,14 +151,19 @@ class _Server:
         return self.run(self._req(rid, ids, segments, session=session))
 
 
-def _resident(cache) -> list[list[int]]:
-    """The token runs of every cached node, root-first."""
+def _nodes(cache) -> list:
+    """Every cached node, root-first."""
     out, stack = [], list(cache.root_node.children.values())
     while stack:
         node = stack.pop()
-        out.append(list(node.key.token_ids))
+        out.append(node)
         stack.extend(node.children.values())
     return out
+
+
+def _resident(cache) -> list[list[int]]:
+    """The token runs of every cached node, root-first."""
+    return [list(node.key.token_ids) for node in _nodes(cache)]
 
 
 @pytest.mark.capability("spans")
@@ -459,12 +464,3 @@ def test_a_span_request_counts_one_hit_per_node_however_often_it_is_cached(clock
         cache.checkpoint(req, up_to=len(ids))
     counts = [node.hit_count for node in _nodes(cache)]
     assert len(counts) >= 2 and set(counts) == {1}, counts
-
-
-def _nodes(cache) -> list:
-    out, stack = [], list(cache.root_node.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
