@@ -457,6 +457,7 @@ def run_side(side: Side, params: dict, rates: dict, progress, cells: dict, save)
                                       rng))
             ok = [o["ttft"] for o in outs if o["error"] is None and o["ttft"] is not None]
             out["errors"] += len(outs) - len(ok)
+            out["stream_errors"] = [o["error"] for o in outs if o["error"]][:3]
             out["stream_rate"] = rates[name]
             out["stream_ttft_ms_all"] = [round(1000 * t, 2) for t in ok]
             if ok:
