@@ -103,6 +103,19 @@ HICACHE_CPU_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "dir
                      "--hicache-mem-layout", "layer_first", "--hicache-ratio", "4"]
 
 
+def _has_hiradix() -> bool:
+    """Whether the installed SGLang has ``HiRadixCache`` (0.5.17; 0.5.23 replaced it)."""
+    from importlib.util import find_spec
+
+    return find_spec("sglang.srt.mem_cache.hiradix_cache") is not None
+
+
+needs_hiradix = pytest.mark.skipif(
+    not _has_hiradix(), reason="drives SGLang 0.5.17's HiRadixCache itself; 0.5.23's HiCache "
+    "tree (UnifiedRadixCache) is tested in test/unit/eviction/test_eviction_tree.py and by "
+    "the sae HiCache server test")
+
+
 _config: pytest.Config | None = None
 """This run's config (set by ``pytest_configure``): the report hook below gets no item."""
 

@@ -58,12 +58,12 @@ def test_server_with_sae_under_cache_pressure_serves_correct_outputs(sae_server,
     assert events.get("hits", 0) > 0, events
 
 
-@pytest.mark.capability("eviction_with_hicache")
 def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
-    """With HiCache, SGLang's tree is HiRadixCache, whose match/insert/split/evict do not call
-    RadixCache's: the policy must still see inserts, hits and evictions (before the hooks were
-    registered on HiRadixCache it saw none and ranked blocks by recency only), and outputs stay
-    those of the plain server."""
+    """With HiCache, SGLang's tree is HiRadixCache (0.5.17) or UnifiedRadixCache on its Python
+    tree core (0.5.23), whose match/insert/split/evict do not call RadixCache's: the policy
+    must still see inserts, hits, evictions and demotions (before the hooks were registered on
+    those trees it saw none and ranked blocks by recency only), and outputs stay those of the
+    plain server."""
     stats = tmp_path / "sae.json"
     monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
     wait_for_host_memory(0.5)

@@ -39,14 +39,7 @@ class Gap:
                 f"{', '.join(_serving(self.capability))} serves it")
 
 
-_UNIFIED = "SGLang 0.5.23 builds a UnifiedRadixCache for every prefix cache, HiCache included"
-
-GAPS: tuple[Gap, ...] = (
-    Gap("0.5.23", "eviction_with_hicache", "eviction",
-        "sglang.srt.mem_cache.hiradix_cache.HiRadixCache",
-        _UNIFIED + "; our policies run on RadixCache there, whose events they learn from, and "
-        "HiCache's host tier is UnifiedRadixCache's alone"),
-)
+GAPS: tuple[Gap, ...] = ()
 """Every gap, by release. Closing one is writing its feature's rows for the release
 (``releases=(...)``) and deleting the gap; the tests of the capability then run on it."""
 

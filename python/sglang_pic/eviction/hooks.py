@@ -70,10 +70,20 @@ _last_step: list[float] = []
 def _learner(cache) -> CachePolicy | None:
     """The policy of ``cache`` the events go to: one of ours. None for SGLang's own policies
     (they take no events), so a server on ``lru`` pays for no hook beyond this call. The
-    cache's ``eviction_strategy`` is left as it is: SGLang orders evictions with its
-    ``get_priority``."""
+    cache's ``eviction_strategy`` (0.5.23's ``UnifiedRadixCache``: its tree core's) is left as
+    it is: SGLang orders evictions with its ``get_priority``."""
     strategy = getattr(cache, "eviction_strategy", None)
+    if strategy is None:
+        strategy = getattr(getattr(cache, "tree_core", None), "eviction_strategy", None)
     return strategy if isinstance(strategy, CachePolicy) else None
+
+
+def _node(cache, handle):
+    """The tree node of a match's or an insert's ``handle``: 0.5.23's ``UnifiedRadixCache``
+    returns node ids (``resolve_node_handle``); other trees return the node."""
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        return cache.resolve_node_handle(handle)
+    return handle
 
 
 def request_context(req) -> ctxmod.RequestContext:
@@ -126,6 +136,7 @@ def _matched_nodes(cache, result) -> list:
     HiCache's host tier (``last_host_node``: loaded back, not recomputed - a reuse too)."""
     ends = []
     for handle in (result.last_device_node, getattr(result, "last_host_node", None)):
+        handle = _node(cache, handle)
         if handle is not None:
             ends.extend(getattr(handle, "nodes", None) or [handle])
     seen, nodes = set(), []
@@ -232,7 +243,7 @@ def around_insert(original, self, params, *args, **kwargs):
     result = original(self, params, *args, **kwargs)
     strategy.on_store(params.key.token_ids, ctx, self.page_size,
                       self.evictable_size() + self.protected_size(), self.root_node)
-    last = result.last_device_node
+    last = _node(self, getattr(result, "last_device_node", None))
     if last is None:
         last = _end_of_path(self, params.key)
     offset = 0

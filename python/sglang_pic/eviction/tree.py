@@ -3,16 +3,21 @@ priority order (0.5.23).
 
 SGLang 0.5.23 builds a ``UnifiedRadixCache`` for every prefix cache. Its default tree core is
 native (Rust) and takes the eviction policy by name from a fixed list, so a policy object of
-ours would never be asked for a priority, and its events (``hooks``) come from ``RadixCache``
-methods that tree does not have. SGLang still ships ``RadixCache``, complete for the 0.5.23
-scheduler (``checkpoint``, ``lock``/``unlock``; its pure sliding-window and FlexKV trees are
-subclasses): with one of our policies asked for, the default factory builds that tree instead,
-the tree 0.5.17 builds for every device-only cache. Everything else is SGLang's choice, as
-before.
+ours would never be asked for a priority. With one of our policies asked for, the default
+factory builds instead:
 
-The trees a learning policy cannot run on there (HiCache's host tier, hybrid models' component
-trees, external linkers) are refused in one line naming the setting; the launchers refuse the
-HiCache case earlier, from the command line (``compat.gaps``).
+- for a device-only cache, SGLang's ``RadixCache`` (still shipped and complete for the 0.5.23
+  scheduler: ``checkpoint``, ``lock``/``unlock``), the tree 0.5.17 builds, whose events
+  ``hooks`` reports;
+- with HiCache's host tier (``--enable-hierarchical-cache``, which ``--ptstore`` turns on), and
+  for ``tlru`` (0.5.23 refuses that name on any other tree), ``UnifiedRadixCache`` on its
+  Python tree core (``tree_core_backend="python"``), which orders both tiers' evictions by the
+  policy's ``get_priority`` and whose events ``unified_hooks`` reports; access times there come
+  from the monotonic clock (``unified_hooks.use_clock``).
+
+Everything else is SGLang's choice, as before. The trees a learning policy cannot run on
+(hybrid models' component trees, LMCache, FlexKV, external linkers, session trees) are refused
+in one line naming the setting.
 """
 
 from __future__ import annotations
@@ -30,8 +35,6 @@ def _blocker(ctx: Any) -> str | None:
     from sglang.srt.runtime_context import get_disagg, get_memory
 
     memory = get_memory()
-    if ctx.enable_hierarchical_cache:
-        return "--enable-hierarchical-cache"
     for flag, on in (
         ("--enable-lmcache", getattr(memory, "enable_lmcache", False)),
         ("--enable-flexkv", getattr(memory, "enable_flexkv", False)),
@@ -51,18 +54,29 @@ def _blocker(ctx: Any) -> str | None:
 
 
 def around_default_radix_cache_factory(original, ctx, *args, **kwargs):
-    """SGLang's default tree, except for a cache on one of our policies: ``RadixCache``."""
+    """SGLang's default tree, except for a cache on one of our policies (module docstring)."""
     policy = (ctx.params.eviction_policy or "").lower()
     if policy not in POLICIES or ctx.disable_radix_cache:
         return original(ctx, *args, **kwargs)
     blocker = _blocker(ctx)
     if blocker is not None:
-        found = gaps.gap("eviction_with_hicache")
-        release = found.release if found is not None else "this SGLang"
         raise gaps.CapabilityUnavailable(
             f"--radix-eviction-policy {policy}: our eviction policies run on SGLang's "
-            f"RadixCache, and {blocker} needs SGLang {release}'s UnifiedRadixCache; use one of "
-            f"SGLang's own policies with it")
+            f"RadixCache or on UnifiedRadixCache's Python tree core, and {blocker} needs "
+            f"another tree; use one of SGLang's own policies with it")
+    if ctx.enable_hierarchical_cache or policy == "tlru":
+        from . import unified_hooks
+
+        ctx.params.tree_core_backend = "python"
+        unified_hooks.use_clock()
+        cache = original(ctx, *args, **kwargs)
+        core = getattr(cache, "tree_core", None)
+        if type(core).__name__ != "UnifiedTreeCore":
+            raise gaps.CapabilityUnavailable(
+                f"--radix-eviction-policy {policy}: SGLang built {type(cache).__name__} with "
+                f"tree core {type(core).__name__}, not the Python UnifiedTreeCore our policies "
+                "need")
+        return cache
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     return RadixCache(ctx.params)

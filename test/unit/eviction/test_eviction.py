@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, needs_hiradix
 from sglang_pic.compat.radix_api import matched_tokens
 from sglang_pic.eviction.estimators import (
     ClassRate,
@@ -586,7 +586,7 @@ def test_replay_under_pressure_stays_within_capacity(policy):
 
 
 
-@pytest.mark.capability("eviction_with_hicache")
+@needs_hiradix
 @pytest.mark.parametrize("policy", ["lru", "sae"])
 def test_two_tier_replay_reduces_to_one_tier_at_its_limits(policy):
     """The HiCache replay (SGLang's ``HiRadixCache`` on a counting controller) against the
@@ -625,7 +625,7 @@ def test_replays_leave_out_requests_longer_than_the_cache(policy):
     assert one["refused_prompt_tokens"] == sum(len(r.prompt) for r in long)
 
 
-@pytest.mark.capability("eviction_with_hicache")
+@needs_hiradix
 @pytest.mark.parametrize("policy", ["lru", "sae"])
 def test_the_two_tier_replay_leaves_out_the_same_requests(policy):
     """The two-tier replay refuses the same requests as the one-tier one, and still reduces to

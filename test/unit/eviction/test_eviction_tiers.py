@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import needs_hiradix
 
 pytestmark = pytest.mark.capability("eviction")
 
@@ -343,7 +344,7 @@ def _host_tokens(cache) -> int:
     return n
 
 
-@pytest.mark.capability("eviction_with_hicache")
+@needs_hiradix
 def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, monkeypatch):
     """Two shared templates that live on HiCache's host tier between uses: ``a`` read by six
     requests a second apart (t = 90..95), ``b`` by three, 30 s apart (t = 40, 70, 100). The
@@ -375,7 +376,7 @@ def test_hicache_host_tier_evicts_in_the_policys_order_with_its_signals(clock, m
     assert sae.events["miss_after_eviction"] == 1
 
 
-@pytest.mark.capability("eviction_with_hicache")
+@needs_hiradix
 def test_hicache_write_back_drop_without_host_room_is_reported(clock, monkeypatch):
     """``write_back`` eviction that finds no host room drops the block and its subtree from
     both tiers (``_drop_subtree_no_host``): each dropped block is an eviction for the policy."""
@@ -406,7 +407,7 @@ def _hicache_insert(cache, rid: str, ids: list[int], segments, *, match: bool = 
 
 
 @pytest.mark.parametrize("policy", ["sae", "lru", "sae-copy-all"])
-@pytest.mark.capability("eviction_with_hicache")
+@needs_hiradix
 def test_hicache_write_through_copies_what_the_policy_keeps_and_defers_the_rest(
         clock, monkeypatch, policy):
     """A request's prompt and its chain-of-thought reach HiCache's write-through. ``sae`` copies
