@@ -82,8 +82,8 @@ def _unified_tree_switches() -> dict[str, str]:
     flags = ["--enable-session-radix-cache"]
     if versions.streaming_sessions_need_unified_tree(installed_sglang()):
         flags.append("--enable-streaming-session")
-    return {flag: "SGLang keeps these sessions in its UnifiedRadixCache; the span cache and our "
-                  "eviction policies run on RadixCache" for flag in flags}
+    return {flag: "SGLang keeps these sessions in its UnifiedRadixCache's session tree; the span "
+                  "cache and our eviction policies run on other trees" for flag in flags}
 
 
 def refuse(given: Mapping[str, Any], argv: list[str]) -> None:
