@@ -428,13 +428,18 @@ def _sampled_evict(original, cache, params, k: int, rng):
 
 def around_split_node(original, self, key, child, split_len, *args, **kwargs):
     head = original(self, key, child, split_len, *args, **kwargs)
-    strategy = _learner(self)
+    report_split(_learner(self), head, child)
+    return head
+
+
+def report_split(strategy: CachePolicy | None, head, child) -> None:
+    """SGLang cut ``child`` in two: ``head`` (new, its parent now) and ``child`` (the tail).
+    Each half keeps its token offset; the policy re-derives what each holds (``on_split``)."""
     if strategy is not None:
         head._pic_seen = getattr(child, "_pic_seen", False)
         head._pic_offset = ctxmod.block_offset(child)
         child._pic_offset = head._pic_offset + len(head.key)
         strategy.on_split(head, child)
-    return head
 
 
 def around_cache_req(original, self, req, *args, **kwargs):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 
 from . import context as ctxmod
-from .hooks import _evict_pass, _learner
+from .hooks import _evict_pass, _learner, report_split
 
 _CLOCK = {"on": False, "last": 0.0}
 
@@ -64,12 +64,7 @@ def around_split_node(original, self, key, child, split_len, *args, **kwargs):
     """``UnifiedTreeCore._split_node``: ``child`` keeps its id as the tail; the new head is its
     parent now."""
     head, action = original(self, key, child, split_len, *args, **kwargs)
-    strategy = _learner(self)
-    if strategy is not None:
-        head._pic_seen = getattr(child, "_pic_seen", False)
-        head._pic_offset = ctxmod.block_offset(child)
-        child._pic_offset = head._pic_offset + len(head.key)
-        strategy.on_split(head, child)
+    report_split(_learner(self), head, child)
     return head, action
 
 
