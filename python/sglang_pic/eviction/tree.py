@@ -69,9 +69,11 @@ def around_default_radix_cache_factory(original, ctx, *args, **kwargs):
 
         ctx.params.tree_core_backend = "python"
         unified_hooks.use_clock()
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
         cache = original(ctx, *args, **kwargs)
         core = getattr(cache, "tree_core", None)
-        if type(core).__name__ != "UnifiedTreeCore":
+        if not isinstance(core, UnifiedTreeCore):
             raise gaps.CapabilityUnavailable(
                 f"--radix-eviction-policy {policy}: SGLang built {type(cache).__name__} with "
                 f"tree core {type(core).__name__}, not the Python UnifiedTreeCore our policies "
