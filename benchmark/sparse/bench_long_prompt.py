@@ -26,9 +26,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sparse.bench_e2e_decode import start_engine
-
 from benchmark import description, harness
+from benchmark.sparse.bench_e2e_decode import start_engine
 
 QWEN25_7B_SHAPE = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "hidden_size": 3584, "intermediate_size": 18944}

@@ -38,10 +38,9 @@ import json
 import time
 from pathlib import Path
 
-from sparse.bench_e2e_decode import start_engine
-from sparse.bench_long_prompt import QWEN25_7B_SHAPE
-
 from benchmark import description, harness
+from benchmark.sparse.bench_e2e_decode import start_engine
+from benchmark.sparse.bench_long_prompt import QWEN25_7B_SHAPE
 
 
 def workload(engine_kwargs: dict, params: dict) -> dict:
@@ -162,7 +161,8 @@ def main() -> None:
     if args.smoke:
         name, backend = "sparse_offload_cpu_smoke", "pariskv_torch_native"
         args.out = args.out or harness.smoke_dir()
-        engine_kwargs = harness.cpu_smoke_engine(max_total_tokens=1800, context_length=2048)
+        engine_kwargs = harness.cpu_smoke_engine(max_total_tokens=1800, context_length=2048,
+                                                 chunked_prefill_size=256)
         params.update(requests=2, tokens=1500, new=20, pool_tokens=1800, vocab=49000,
                       warm_tokens=800, sparse_env={**sparse_env, "SGLANG_PIC_SPARSE_MAX_CONTEXT":
                                                    2048, "SGLANG_PIC_SPARSE_THRESHOLD": 700,
