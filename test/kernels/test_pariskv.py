@@ -30,7 +30,10 @@ from sglang_pic_kernel.pariskv.select import PLANES, _popc, _topk_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the model-sized shape runs on the device (``make test-gpu``) and is skipped on CPU machines
-SHAPES = [(4, 2, 64, 150), pytest.param(32, 8, 128, 4096, marks=pytest.mark.gpu)]
+# query heads per KV head: 2, and Qwen2.5-7B's 7 (28 query heads over 4 KV heads), not a
+# power of two
+GROUPS = [(4, 2), (7, 1)]
+SHAPES = [(4, 2, 64, 150), (7, 1, 64, 150), pytest.param(32, 8, 128, 4096, marks=pytest.mark.gpu)]
 
 
 def _quantiser(d: int):
@@ -358,13 +361,14 @@ def test_popcount_fallback_counts_bits_of_negative_words():
     assert y.tolist() == want
 
 
+@pytest.mark.parametrize("hq,hk", GROUPS)
 @pytest.mark.parametrize("sel_chunk", [None, 8, 32])
-def test_sparse_attention_equals_dense_over_the_chosen_keys(sel_chunk):
+def test_sparse_attention_equals_dense_over_the_chosen_keys(sel_chunk, hq, hk):
     """Window rows and selected host rows against a dense softmax over the same keys, with the
     selected rows split one tile a program (``None``), in part-tiles (8 of a 16-row tile) and
     in two tiles a program (32)."""
     torch.manual_seed(3)
-    hq, hk, d, w, n, k = 4, 2, 64, 40, 120, 24
+    d, w, n, k = 64, 40, 120, 24
     dt = torch.float16
     q = torch.randn(2, hq, d, device=DEVICE).to(dt)
     kw, vw = (torch.randn(2, hk, w, d, device=DEVICE).to(dt) for _ in range(2))
@@ -641,11 +645,12 @@ def test_a_sequence_without_keys_selects_nothing_beside_one_with_keys(stride):
     assert [sorted(x) for x in got[0].tolist()] == [sorted(x) for x in want[0].tolist()]
 
 
-def test_layer_slides_tokens_to_host_and_full_selection_is_dense_attention():
+@pytest.mark.parametrize("hq,hk", GROUPS)
+def test_layer_slides_tokens_to_host_and_full_selection_is_dense_attention(hq, hk):
     """Prefill + decode through the window: tokens leave the window for the host region in
     ``update`` chunks; selecting every host token makes sparse attention exact."""
     torch.manual_seed(4)
-    hq, hk, d, batch = 4, 2, 64, 2
+    d, batch = 64, 2
     sink, local, update, cap = 4, 16, 8, 256
     layer = ParisKVLayer(batch, hq, hk, d, cap, k=cap, candidates=cap, sink=sink, local=local,
                          update=update, dtype=torch.float16, device=DEVICE)
