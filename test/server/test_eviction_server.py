@@ -1,6 +1,6 @@
 """The ``sae`` eviction policy inside a CPU server: correct outputs under cache pressure with the
 policy fed by the tree's events, by SGLang's plain radix cache and by HiCache's tree
-(``HiRadixCache``)."""
+(``HiRadixCache`` on 0.5.17, ``UnifiedRadixCache`` on 0.5.23), both of its tiers evicting."""
 
 from __future__ import annotations
 
@@ -67,12 +67,14 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
     stats = tmp_path / "sae.json"
     monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(stats))
     wait_for_host_memory(0.5)
-    srv = start_server([*HICACHE_CPU_FLAGS, "--radix-eviction-policy", "sae",
-                        "--max-total-tokens", "512", "--page-size", "16"], tmp_path / "log")
+    # a host tier of 2x the pool (1024 tokens): the later requests make it evict too
+    srv = start_server([*HICACHE_CPU_FLAGS, "--hicache-ratio", "2", "--radix-eviction-policy",
+                        "sae", "--max-total-tokens", "512", "--page-size", "16"],
+                       tmp_path / "log")
     try:
         system = "You are a concise assistant who answers in one short sentence. " * 2
         body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        for i in range(8):  # 8 x ~100 tokens (~70 unique each) through a 512-token pool
+        for i in range(16):  # 16 x ~100 tokens (~70 unique each) through a 512-token pool
             prompt = f"{system}Question {i}: " + f"describe detail {i} of the item. " * 8
             got = srv.post("/generate", json={"text": prompt, "session_id": f"s{i % 2}", **body})
             ref = server.post("/generate", json={"text": prompt, **body})
@@ -80,9 +82,10 @@ def test_sae_learns_from_hicache_tree_events(tmp_path, monkeypatch, server):
             assert got.json()["text"] == ref.json()["text"], i
         dumped = json.loads(stats.read_text())
         events = dumped["events"]
-        # write-through: each device eviction keeps the block on the host tier (a demotion;
-        # the host tier, 4x the pool, does not fill here, so nothing leaves both tiers)
+        # write-through: a device eviction keeps the block on the host tier (a demotion); the
+        # host tier fills too, and what it evicts has left both tiers (an eviction)
         assert events.get("inserts", 0) > 10 and events.get("demotions", 0) > 0, events
+        assert events.get("evictions", 0) > 0, events
         assert events.get("hits", 0) > 0, events  # the shared system prompt
         # with the stats file on, where the policy's time went and the scheduler's steps
         assert dumped["evict"]["passes"] > 0 and dumped["evict"]["seconds"] > 0, dumped
