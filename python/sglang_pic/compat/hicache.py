@@ -26,6 +26,7 @@ _OVERRIDES = {  # HiRadixCache method -> our AROUND hook: it overrides RadixCach
 
 _URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _UTC = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
+_FULL = "sglang.srt.mem_cache.unified_cache.components.full.FullComponent"
 _UNIFIED_RELEASES = ("0.5.23",)
 # 0.5.23: where the same events come from on UnifiedRadixCache's Python tree core, which our
 # policies run on with HiCache (``eviction.tree``; ``eviction.unified_hooks``)
@@ -44,6 +45,12 @@ _UNIFIED_EVENTS = {
                         "a device eviction that keeps the block on the host: `on_demote`"),
     f"{_UTC}._remove_leaf_from_parent": ("unified_hooks:around_remove_leaf",
                                          "a block leaves the tree: `on_evict`"),
+    f"{_FULL}._evict_device_start": (
+        "unified_hooks:around_evict_device_start",
+        "the device walk's heap over a sample of the leaves (a policy's `sample_size`)"),
+    f"{_FULL}._evict_device_next_node": (
+        "unified_hooks:around_evict_device_next_node",
+        "a new sample when the walk's runs dry before the pass freed what it needs"),
     "sglang.srt.mem_cache.unified_cache.unified_tree_core.get_and_increase_time_counter": (
         "unified_hooks:around_time_counter",
         "access times in seconds with our policies (`sae` scores the time since a block's use)"),

@@ -21,11 +21,16 @@ events a policy learns from, which 0.5.23 raises in other places than 0.5.17's `
   first block it declines (as ``hooks.around_write_backup`` does on 0.5.17);
 - ``unified_tree_core.get_and_increase_time_counter``: the core stamps access times from a
   counter; with one of our policies (``use_clock``) it is the monotonic clock, strictly
-  increasing, because ``sae`` scores a block by the seconds since its last use.
+  increasing, because ``sae`` scores a block by the seconds since its last use;
+- ``FullComponent._evict_device_start`` / ``_evict_device_next_node``: the device tier's walk
+  scores every evictable leaf into one heap; a policy with a ``sample_size`` (``--sae-sample``)
+  has it score a random sample of that many leaves instead, and a new sample when the heap runs
+  dry before the pass has freed what it needs (``hooks._sampled_evict`` on ``RadixCache``).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 
 from . import context as ctxmod
@@ -112,3 +117,45 @@ def around_kv_backup(original, self, action, *args, **kwargs):
     if not kept:
         return 0
     return original(self, type(action)(node_ids=kept), *args, **kwargs)
+
+
+def _sample_size(component) -> int:
+    strategy = _learner(component.tree_core)
+    return strategy.sample_size if strategy is not None else 0
+
+
+def _heap_from_sample(component, k: int) -> None:
+    """The walk's heap over a random sample of ``k`` evictable device leaves."""
+    leaves = component.tree_core.evictable_device_leaves
+    rng = _learner(component.tree_core).rng
+    sample = rng.sample(list(leaves), k) if len(leaves) > k else list(leaves)
+    component._evict_device_heap = [(component.session_ref_eviction_strategy(n), n)
+                                    for n in sample]
+    heapq.heapify(component._evict_device_heap)
+
+
+def around_evict_device_start(original, self, request_cnt, *args, **kwargs):
+    """``FullComponent._evict_device_start``: with a ``sample_size`` policy, the heap holds a
+    sample of the evictable leaves (SGLang's own start sets the walk's counters)."""
+    k = _sample_size(self)
+    leaves = self.tree_core.evictable_device_leaves
+    if not k or len(leaves) <= k:
+        return original(self, request_cnt, *args, **kwargs)
+    self.tree_core.evictable_device_leaves = set()  # SGLang's start scores none of them
+    try:
+        original(self, request_cnt, *args, **kwargs)
+    finally:
+        self.tree_core.evictable_device_leaves = leaves
+    _heap_from_sample(self, k)
+
+
+def around_evict_device_next_node(original, self, tracker, *args, **kwargs):
+    """``FullComponent._evict_device_next_node``: the sample ran out before the pass freed what
+    it asked for: a new sample, and the next node from it."""
+    node_id = original(self, tracker, *args, **kwargs)
+    k = _sample_size(self)
+    if (node_id is None and k and tracker[self.component_type] < self._evict_device_request_cnt
+            and self.tree_core.evictable_device_leaves):
+        _heap_from_sample(self, k)
+        node_id = original(self, tracker, *args, **kwargs)
+    return node_id

@@ -320,3 +320,33 @@ def test_write_through_copies_the_chain_up_to_the_first_block_the_policy_decline
     assert unified_hooks.around_kv_backup(sglangs, cache, BackupKV(node_ids=[2, 3]),
                                           write_back=True) == 8
     assert copied == [[2, 3]]
+
+
+@needs_python_tree_core
+def test_a_sampling_policy_scores_samples_and_still_frees_what_the_pass_needs(monkeypatch,
+                                                                              clock_on):
+    """``sae`` with a sample of 2 leaves over 6: the walk's heap starts from 2 scored leaves
+    (not all 6), and a pass that needs 4 leaves' tokens gets them from new samples when a
+    sample runs dry."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = _unified(_params("sae"))
+    strategy = cache.tree_core.eviction_strategy
+    strategy.sample_size = 2
+    for i in range(6):
+        _insert(cache, f"r{i}", [100 * i + j for j in range(4)], torch.arange(4 * i, 4 * i + 4))
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    full = cache.tree_core.components_by_type[ComponentType.FULL]
+    scored = []
+    real = strategy.get_priority
+    monkeypatch.setattr(strategy, "get_priority", lambda node: scored.append(node) or real(node))
+    full._ensure_eviction_strategy()
+    full.session_ref_eviction_strategy = None  # bound again, to the spy
+    full._evict_device_start(16)
+    assert len(scored) == 2 and len(full._evict_device_heap) == 2
+    full._evict_device_end()
+    scored.clear()
+    got = cache.evict(EvictParams(num_tokens=16))
+    assert got.num_tokens_evicted == 16 and cache.evictable_size() == 8
+    assert len(scored) == 4  # two samples of 2 (all 6 leaves without sampling)
