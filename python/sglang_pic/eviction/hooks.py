@@ -40,9 +40,9 @@ With ``--enable-span-cache`` the tree is our ``SpanRadixCache``, whose ``match_p
 ``cache_unfinished_req`` (0.5.23: ``checkpoint``) cache a span request's segments themselves:
 the match and caching hooks are registered on those too, a segmented match is reported once
 over every segment's path, and ``SpanRadixCache`` names each segment's start in the request
-(``context.segment_at``) so its tokens are typed where they sit. A span prefill (the planner's unit request) caches blocks on
-behalf of the requests waiting for them (``RequestContext.on_behalf``): its own matches are not
-reuses.
+(``context.segment_at``) so its tokens are typed where they sit. A span prefill (the planner's
+unit request) caches blocks on behalf of the requests waiting for them
+(``RequestContext.on_behalf``): its own matches are not reuses.
 
 In the server the request context comes from SGLang's ``Req`` (``request_context``); the trace
 simulator sets it itself (``context.using``).
@@ -356,16 +356,22 @@ def around_write_backup(original, self, node, *args, **kwargs):
     the device evict has chosen the block, and without a copy SGLang drops its subtree."""
     write_back = kwargs.get("write_back", args[0] if args else False)
     strategy = _learner(self)
-    if not write_back and strategy is not None:
-        offset = 0
-        if not getattr(node, "_pic_seen", False):  # a new block, not typed yet: its depth types it
-            up = node.parent
-            while up is not None and up is not self.root_node:
-                offset += len(up.key)
-                up = up.parent
-        if not strategy.worth_host_copy(node, ctxmod.current(), offset):
-            return 0
+    if not write_back and strategy is not None and not host_copy_wanted(self, strategy, node):
+        return 0
     return original(self, node, *args, **kwargs)
+
+
+def host_copy_wanted(cache, strategy: CachePolicy, node) -> bool:
+    """The policy's ``worth_host_copy`` for ``node``, asked while SGLang writes it through. A
+    new block is not typed yet (``on_insert`` comes after the write): its depth in the tree,
+    with the inserting request's context, types it."""
+    offset = 0
+    if not getattr(node, "_pic_seen", False):
+        up = node.parent
+        while up is not None and up is not cache.root_node:
+            offset += len(up.key)
+            up = up.parent
+    return strategy.worth_host_copy(node, ctxmod.current(), offset)
 
 
 def around_evict_host(original, self, num_tokens, *args, **kwargs):

@@ -33,8 +33,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from . import context as ctxmod
-from .hooks import _evict_pass, _learner, report_split
+from .hooks import _evict_pass, _learner, host_copy_wanted, report_split
 
 _CLOCK = {"on": False, "last": 0.0}
 
@@ -102,15 +101,8 @@ def around_kv_backup(original, self, action, *args, **kwargs):
     kept = []
     for node_id in action.node_ids:
         node = self.resolve_node_handle(node_id)
-        if not node.backuped:
-            offset = 0
-            if not getattr(node, "_pic_seen", False):  # not typed yet: its depth types it
-                up = node.parent
-                while up is not None and up is not self.root_node:
-                    offset += len(up.key)
-                    up = up.parent
-            if not strategy.worth_host_copy(node, ctxmod.current(), offset):
-                break
+        if not node.backuped and not host_copy_wanted(self, strategy, node):
+            break
         kept.append(node_id)
     if len(kept) == len(action.node_ids):
         return original(self, action, *args, **kwargs)
@@ -153,9 +145,11 @@ def around_evict_device_next_node(original, self, tracker, *args, **kwargs):
     """``FullComponent._evict_device_next_node``: the sample ran out before the pass freed what
     it asked for: a new sample, and the next node from it."""
     node_id = original(self, tracker, *args, **kwargs)
+    if node_id is not None or not self.tree_core.evictable_device_leaves \
+            or tracker[self.component_type] >= self._evict_device_request_cnt:
+        return node_id
     k = _sample_size(self)
-    if (node_id is None and k and tracker[self.component_type] < self._evict_device_request_cnt
-            and self.tree_core.evictable_device_leaves):
+    if k:
         _heap_from_sample(self, k)
         node_id = original(self, tracker, *args, **kwargs)
     return node_id
