@@ -74,23 +74,21 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             print(f"[bench] batch {i + 1}/{params['samples']}: {batches[-1][0]:.1f} s", flush=True)
     finally:
         engine.shutdown()
-    for key in ("makespan_s", "output_tokens_per_s", "max_decoding_at_once", "ttft_p50_s",
-                "ttft_p99_s"):
-        out[f"{key}_all"] = []
-    for makespan, reqs in batches:
+    def figures(makespan: float, reqs: list[dict]) -> dict[str, float]:
         spans = [(r["ttft_s"], r["finish_s"]) for r in reqs]
         ttfts = [a for a, _ in spans]
-        out["makespan_s_all"].append(makespan)
-        out["output_tokens_per_s_all"].append(params["requests"] * params["new"] / makespan)
-        out["max_decoding_at_once_all"].append(
-            max(sum(a <= t < b for a, b in spans) for t, _ in spans))
-        out["ttft_p50_s_all"].append(float(np.percentile(ttfts, 50)))
-        out["ttft_p99_s_all"].append(float(np.percentile(ttfts, 99)))
-    for key in ("makespan_s", "output_tokens_per_s", "max_decoding_at_once", "ttft_p50_s",
-                "ttft_p99_s"):
+        return {"makespan_s": makespan,
+                "output_tokens_per_s": params["requests"] * params["new"] / makespan,
+                "max_decoding_at_once": max(sum(a <= t < b for a, b in spans) for t, _ in spans),
+                "ttft_p50_s": float(np.percentile(ttfts, 50)),
+                "ttft_p99_s": float(np.percentile(ttfts, 99))}
+
+    per_batch = [figures(makespan, reqs) for makespan, reqs in batches]
+    for key in per_batch[0]:
+        out[f"{key}_all"] = [f[key] for f in per_batch]
         out[key] = float(np.median(out[f"{key}_all"]))
     # the last batch's requests, for the plot and the output check
-    makespan, reqs = batches[-1]
+    reqs = batches[-1][1]
     out["ttft_s"] = [round(r["ttft_s"], 3) for r in reqs]
     out["finish_s"] = [round(r["finish_s"], 3) for r in reqs]
     out["output_ids"] = [r["output_ids"] for r in reqs]
