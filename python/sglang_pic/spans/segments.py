@@ -30,6 +30,12 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_PIECES = 256
+"""Most pieces (spans and dependent pieces) one prompt may have. Each piece is planned as a cache
+unit of its own in the scheduler's queue hook, and a dependent piece's unit carries the prompt
+before it: without a bound one request of markers every few tokens holds the scheduler for
+minutes and its memory grows with the square of the piece count."""
+
 
 class SpanError(ValueError):
     """Bad span input; SGLang's HTTP layer turns a ValueError into HTTP 400 with this message."""
@@ -94,6 +100,11 @@ def split_pieces(
     pieces = [p for p in pieces if p[1]]
     if not pieces:
         raise SpanError("the prompt is empty once span markers are removed")
+    if len(pieces) > MAX_PIECES:
+        raise SpanError(
+            f"the prompt has {len(pieces)} pieces (spans and the text between them); at most "
+            f"{MAX_PIECES}"
+        )
     if pieces[-1][0]:
         raise SpanError(
             "the prompt ends inside an independent span; put what should read the spans (the "
@@ -150,34 +161,44 @@ def build_segments(
     """The cache segments of a prompt laid out as ``pieces`` (see the module docstring)."""
     link = -(-recompute_tokens // page_size) * page_size if recompute_tokens > 0 else 0
     segments: list[Segment] = []
+    chain = _Chain(base_namespace, ids)
+
+    def add(seg: Segment) -> None:
+        segments.append(seg)
+        chain.update(seg)
+
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
         end = None if last else p.end
         if not p.independent:
-            ns = (
-                base_namespace
-                if p.start == 0
-                else _dependent_namespace(base_namespace, ids, segments)
-            )
-            segments.append(Segment(p.start, end, ns, p.start, end, False))
+            ns = base_namespace if p.start == 0 else chain.namespace()
+            add(Segment(p.start, end, ns, p.start, end, False))
         elif link == 0 or link >= p.end - p.start:
             if link:  # the whole span is within the link: it is simply recomputed in context
-                ns = _dependent_namespace(base_namespace, ids, segments)
-                segments.append(Segment(p.start, end, ns, p.start, end, False))
+                add(Segment(p.start, end, chain.namespace(), p.start, end, False))
             else:
-                segments.append(Segment(p.start, end, base_namespace, p.start, end, True))
+                add(Segment(p.start, end, base_namespace, p.start, end, True))
         else:
             cut = p.start + link
-            ns = _dependent_namespace(base_namespace, ids, segments)
-            segments.append(Segment(p.start, cut, ns, p.start, cut, False))
-            segments.append(Segment(cut, end, base_namespace, p.start, p.end, True))
+            add(Segment(p.start, cut, chain.namespace(), p.start, cut, False))
+            add(Segment(cut, end, base_namespace, p.start, p.end, True))
     return segments
 
 
-def _dependent_namespace(base: str | None, ids: Sequence[int], before: Sequence[Segment]) -> str:
-    """Namespace of a dependent segment: digest of the tokens and structure that precede it."""
-    h = hashlib.sha256()
-    for s in before:
-        h.update(array("q", [s.start, s.end or -1, s.key_start, int(s.independent)]).tobytes())
-        h.update(array("q", ids[s.start : s.end]).tobytes())
-    return f"{base or ''}\x1fpic-dep:{h.hexdigest()[:32]}"
+class _Chain:
+    """The namespace of a dependent segment: a digest of the tokens and structure of every
+    segment before it, kept as one running hash (each segment hashed once: linear in the
+    prompt, whatever the number of segments)."""
+
+    def __init__(self, base: str | None, ids: Sequence[int]) -> None:
+        self.base = base or ""
+        self.ids = ids
+        self.hash = hashlib.sha256()
+
+    def update(self, s: Segment) -> None:
+        self.hash.update(
+            array("q", [s.start, s.end or -1, s.key_start, int(s.independent)]).tobytes())
+        self.hash.update(array("q", self.ids[s.start : s.end]).tobytes())
+
+    def namespace(self) -> str:
+        return f"{self.base}\x1fpic-dep:{self.hash.copy().hexdigest()[:32]}"

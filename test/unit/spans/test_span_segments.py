@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 from sglang_pic.spans.request import PDEP_ID, SSEP_ID, layout_prompt, spans_to_prompt
-from sglang_pic.spans.segments import SpanError, build_segments, decode_pieces, split_pieces
+from sglang_pic.spans.segments import (
+    MAX_PIECES,
+    SpanError,
+    build_segments,
+    decode_pieces,
+    split_pieces,
+)
 
 
 def test_split_drops_empty_dependent_pieces_and_rejects_bad_ones():
@@ -15,6 +21,22 @@ def test_split_drops_empty_dependent_pieces_and_rejects_bad_ones():
         split_pieces([1, SSEP_ID, PDEP_ID, 2], SSEP_ID, PDEP_ID)
     with pytest.raises(SpanError, match="ends inside"):
         split_pieces([1, SSEP_ID, 2], SSEP_ID, PDEP_ID)
+
+
+def test_a_prompt_of_too_many_pieces_is_refused():
+    """Markers every few tokens: each piece would be planned as a cache unit in the scheduler."""
+    def prompt(documents: int) -> list[int]:  # 1 + 2 x documents pieces
+        ids = [1]
+        for i in range(documents):
+            ids += [SSEP_ID, 10 + i, PDEP_ID, 2]
+        return ids
+
+    fits = (MAX_PIECES - 1) // 2
+    assert len(split_pieces(prompt(fits), SSEP_ID, PDEP_ID)) == 1 + 2 * fits
+    with pytest.raises(SpanError, match=f"{3 + 2 * fits} pieces .* at most {MAX_PIECES}"):
+        split_pieces(prompt(fits + 1), SSEP_ID, PDEP_ID)
+    with pytest.raises(SpanError, match="at most"):
+        layout_prompt(prompt(fits + 1), marker_ids=(SSEP_ID, PDEP_ID), page_size=1, pad_id=0)
 
 
 def test_padding_puts_every_piece_on_a_page_start():
@@ -39,6 +61,21 @@ def test_spans_share_a_namespace_dependent_pieces_depend_on_everything_before():
     assert a[2].namespace != b[2].namespace  # same question, other prefix
     assert a[2].namespace != c[2].namespace  # same question, other document
     assert a[-1].end is None and a[0].namespace is None
+
+
+def test_a_dependent_namespace_digests_every_segment_before_it():
+    """The namespace is the digest of the structure and tokens of all earlier segments (what
+    the store's keys and the radix tree's roots are made of): computed here from its
+    definition, for the question after two documents."""
+    import hashlib
+    from array import array
+
+    padded, segs = _segments([1, 2, SSEP_ID, 7, 8, SSEP_ID, 5, PDEP_ID, 9], base="t")
+    h = hashlib.sha256()
+    for s in segs[:-1]:
+        h.update(array("q", [s.start, s.end, s.key_start, int(s.independent)]).tobytes())
+        h.update(array("q", padded[s.start:s.end]).tobytes())
+    assert segs[-1].namespace == f"t\x1fpic-dep:{h.hexdigest()[:32]}"
 
 
 def test_link_recompute_splits_each_span():
