@@ -42,6 +42,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "the PTStore token of the store client (a file with --ptstore-token-file)"),
     Variable("SGLANG_PIC_STORE_TOKEN", "the user",
              "the PTStore server's token (`sglang-pic store`; a file with --token-file)"),
+    Variable("SGLANG_PIC_ROUTER_ADMIN_KEY", "our fleet launcher",
+             "the admin key of the fleet's router (its control plane: workers, tokenizers), "
+             "handed to the router's process and removed there"),
     Variable("SGLANG_PIC_SPAN_STORE", "our launcher",
              "the span store tier's PTStore configuration (JSON) for SGLang's scheduler"),
     Variable("SGLANG_PIC_LAUNCHER_PID", "our launcher",

@@ -52,6 +52,11 @@ class Fleet:
     key: str
 
     @property
+    def admin_key(self) -> str:
+        """The router's admin key (its control plane), which the fleet keeps for itself."""
+        return Path(self.state["router_admin_key_file"]).read_text().strip()
+
+    @property
     def url(self) -> str:
         return self.state["router"]["address"]
 
@@ -195,7 +200,24 @@ def test_killing_an_instance_mid_load_loses_no_request(fleet):
     # the other instance keeps serving, alone in the router's rotation
     assert fleet.generate("One more question: what is two plus two?").status_code == 200
     survivor = fleet.state["instances"][1]["address"]
-    assert router.healthy_workers(fleet.url, fleet.key) == {survivor}
+    assert router.healthy_workers(fleet.url, fleet.admin_key) == {survivor}
+
+
+def test_the_router_control_plane_takes_its_admin_key_only(fleet):
+    """The clients' key does not manage the router's workers: with it a client could add a
+    worker of its own (and receive other clients' prompts) or remove the fleet's instances."""
+    url, client = fleet.url + "/workers", {"Authorization": f"Bearer {fleet.key}"}
+    for method, body in (("GET", None), ("POST", {"url": "http://127.0.0.1:9"})):
+        r = requests.request(method, url, headers=client, json=body, timeout=10)
+        assert r.status_code in (401, 403), (method, r.status_code, r.text)
+    # the survivor of the test before, and not the worker the client tried to add
+    assert [w["url"] for w in router.workers(fleet.url, fleet.admin_key)] == [
+        fleet.state["instances"][1]["address"]]
+    assert Path(fleet.state["router_admin_key_file"]).stat().st_mode & 0o077 == 0
+    # the instances' body limit holds at the router (its own default is 512 MB)
+    big = requests.post(fleet.url + "/generate", headers=client, timeout=30,
+                        data=b'{"text": "' + b"a" * (17 << 20) + b'"}')
+    assert big.status_code == 413, big.status_code
 
 
 def test_sigterm_drains_and_stops_everything(fleet):
@@ -207,6 +229,7 @@ def test_sigterm_drains_and_stops_everything(fleet):
     assert not alive, [p.info for p in alive]
     assert "[fleet] stopped" in fleet.printed()
     assert not Path(fleet.state["store_token_file"]).exists()
+    assert not Path(fleet.state["router_admin_key_file"]).exists()
     port = int(fleet.url.rsplit(":", 1)[1])
     assert not api_key.port_taken("127.0.0.1", port)
 
@@ -260,6 +283,13 @@ def test_the_router_command_line():
     assert (args.prometheus_host, args.prometheus_port) == ("127.0.0.1", 29001)
     assert args.worker_urls == ["http://127.0.0.1:1"] and args.api_key is None
     assert args.health_check_interval_secs == 5
+    # the front door's default bounds: 16 MB bodies, 1024 connections an instance
+    assert (args.max_payload_size, args.max_concurrent_requests) == (16 << 20, 1024)
+    argv = router.router_argv("127.0.0.1", 30000, "cache_aware", ["http://127.0.0.1:1"] * 2,
+                              29001, ["--max-payload-size", "1000"], max_request_mb=2,
+                              max_connections=64)
+    args = router.parse_router_args(argv)
+    assert (args.max_payload_size, args.max_concurrent_requests) == (1000, 128)
     policy = next(a for a in router.parser()._actions if "--policy" in a.option_strings)
     assert set(config.POLICIES) == set(policy.choices)
 

@@ -43,9 +43,10 @@ from typing import Any
 from sglang_pic import environment
 from sglang_pic.fleet import gpu_share, router
 from sglang_pic.fleet.config import PROG, FleetConfig, help_text, parse
+from sglang_pic.fleet.router_process import CONTROL_ENV
 from sglang_pic.fleet.supervisor import Child, Supervisor, exit_text
 from sglang_pic.launcher.serve_conflicts import value_of
-from sglang_pic.launcher.server_flags import UsageError
+from sglang_pic.launcher.server_flags import UsageError, setting
 from sglang_pic.security import api_key
 
 STORE_READY = "PTStore server on"
@@ -94,6 +95,8 @@ class Fleet:
         self.key = ""
         self.key_source = ""
         self.token_file: Path | None = None
+        self.control_key = ""
+        self.control_key_file: Path | None = None
         self.log_dir = Path()
         self.stop_signal: int | None = None
         self.share_of_gpu: float | None = None
@@ -183,9 +186,13 @@ class Fleet:
         else:
             self.key, path = api_key.generate(c.port)
             self.key_source = str(path)
-        if c.stores:
-            from sglang_pic.security.secret_files import write_private
+        from sglang_pic.security.secret_files import write_private
 
+        # the router's admin key: its control plane (workers, tokenizers) is not the clients'
+        self.control_key = secrets.token_urlsafe(32)
+        self.control_key_file = write_private(self.log_dir, "router-admin.key",
+                                              self.control_key + "\n")
+        if c.stores:
             self.token_file = write_private(self.log_dir, "ptstore.token",
                                             secrets.token_urlsafe(32) + "\n")
 
@@ -193,7 +200,8 @@ class Fleet:
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
-               if k not in (api_key.ENV, "SGLANG_PIC_STORE_TOKEN", "SGLANG_PIC_PTSTORE_TOKEN")}
+               if k not in (api_key.ENV, CONTROL_ENV, "SGLANG_PIC_STORE_TOKEN",
+                            "SGLANG_PIC_PTSTORE_TOKEN")}
         return env | extra
 
     def store_child(self, i: int) -> Child:
@@ -238,15 +246,18 @@ class Fleet:
         url = _url(c.host, c.port)
         # every instance, also those that start after the router (on a shared GPU)
         instances = [self.instance_url(i) for i in range(c.instances)]
-        argv = router.router_argv(c.host, c.port, c.policy, instances, c.metrics_port,
-                                  c.router_args, c.start_timeout_s)
+        argv = router.router_argv(
+            c.host, c.port, c.policy, instances, c.metrics_port, c.router_args,
+            c.start_timeout_s, *(int(value_of(c.serve_args, flag) or setting(flag))
+                                 for flag in ("--max-request-mb", "--max-connections")))
 
         def ready(child: Child) -> bool:
             alive = {i.address for i in self.supervisor.of_kind("instance") if i.alive()}
-            return bool(alive) and alive <= router.healthy_workers(child.address, self.key)
+            return bool(alive) and alive <= router.healthy_workers(child.address,
+                                                                   self.control_key)
 
         return Child("router", "router", router.command(argv),
-                     self._env(**{api_key.ENV: self.key}),
+                     self._env(**{api_key.ENV: self.key, CONTROL_ENV: self.control_key}),
                      self.log_dir / "router.log", url, ready)
 
     def wait_ready(self, children: list[Child], timeout_s: float) -> bool:
@@ -301,8 +312,9 @@ class Fleet:
                 if any(c.alive() for c in children):
                     _say(f"stopping the {kind}{'s' if kind != 'router' else ''}")
                 s.stop(children, timeout)
-        if self.token_file is not None:
-            self.token_file.unlink(missing_ok=True)
+        for secret in (self.token_file, self.control_key_file):
+            if secret is not None:
+                secret.unlink(missing_ok=True)
         left = s.leftovers()
         if left:
             _error(f"still running after the stop: {', '.join(str(p.pid) for p in left)}")
@@ -325,6 +337,7 @@ class Fleet:
             "stores": [entry(ch) for ch in self.supervisor.of_kind("store")],
             "api_key": self.key_source,
             "store_token_file": str(self.token_file) if self.token_file else None,
+            "router_admin_key_file": str(self.control_key_file),
         }
         path = self.log_dir / "fleet.json"
         path.write_text(json.dumps(state, indent=2) + "\n")
@@ -345,6 +358,8 @@ class Fleet:
                    f"-H \"Authorization: Bearer $(cat {self.key_source})\"")
         lines = [f"{PROG}: ready in {time.monotonic() - self.started:.1f} s; pid {os.getpid()}",
                  *rows, key]
+        lines.append(f"  {'router admin':<11} {self.control_key_file} (the router's "
+                     "/workers API; not for clients)")
         if self.token_file is not None:
             lines.append(f"  {'store token':<11} {self.token_file}")
         lines += [f"  {'state':<11} {state}",
@@ -427,7 +442,8 @@ class Fleet:
                            f"{child.log} ends:\n{child.log_tail()}")
                     return 1
                 if child.kind == "instance":
-                    removed = router.remove_worker(router_child.address, self.key, child.address)
+                    removed = router.remove_worker(router_child.address, self.control_key,
+                                                    child.address)
                     _say(f"WARNING: {child.name} ({child.address}) exited ({how}); log "
                          f"{child.log}. The router retries its requests in flight on the "
                          f"others{' and no longer sends it any' if removed else ''}.")

@@ -14,7 +14,9 @@ the router's defaults do not suit a fleet on one machine, so the fleet sets them
   second of its first answer (``--worker-startup-timeout-secs`` follows the fleet's
   ``--start-timeout``).
 
-The key is not among the arguments: ``router_process`` gets it from the environment.
+The keys are not among the arguments: ``router_process`` gets them from the environment (the
+clients' API key, and the router's admin key for its control plane, which the fleet alone uses:
+``workers`` and ``remove_worker`` take it).
 
 The router re-serialises each request from its own typed schema: it adds ``model`` and
 ``background`` to ``/generate`` bodies (the front door accepts both, ``frontdoor/schemas.py``),
@@ -39,18 +41,30 @@ STARTUP_CHECK_INTERVAL_S = 1
 
 
 def router_argv(host: str, port: int, policy: str, worker_urls: list[str], metrics_port: int,
-                extra: list[str], start_timeout_s: float = 1800.0) -> list[str]:
+                extra: list[str], start_timeout_s: float = 1800.0, max_request_mb: int = 16,
+                max_connections: int = 1024) -> list[str]:
     """The argv of ``python -m sglang_pic.fleet.router_process`` (the router launcher's flags):
-    ours first, then the user's ``extra`` (checked not to repeat ours, ``config.ROUTER_OWNED``)."""
+    ours first, then the user's ``extra`` (checked not to repeat ours, ``config.ROUTER_OWNED``).
+
+    The front door's bounds hold at the router too, unless ``extra`` sets them: its largest
+    body is the instances' (``max_request_mb``: their ``--max-request-mb``; the router's own
+    default is 512 MB, read whole before it is forwarded), and it runs at most as many requests
+    at once as the instances admit connections together (``max_connections`` each: their
+    ``--max-connections``; the router's default is no bound)."""
+    given = {a.split("=", 1)[0] for a in extra}
     argv = ["--host", host, "--port", str(port), "--policy", policy,
             "--worker-urls", *worker_urls,
             "--worker-startup-check-interval", str(STARTUP_CHECK_INTERVAL_S),
             "--worker-startup-timeout-secs", str(int(start_timeout_s))]
-    if not any(a.split("=", 1)[0] == "--prometheus-host" for a in extra):
+    if "--prometheus-host" not in given:
         argv += ["--prometheus-host", "127.0.0.1"]
-    if not any(a.split("=", 1)[0] == "--prometheus-port" for a in extra):
+    if "--prometheus-port" not in given:
         argv += ["--prometheus-port", str(metrics_port)]
-    if policy == "manual" and not any(a.split("=", 1)[0] == "--assignment-mode" for a in extra):
+    if "--max-payload-size" not in given:
+        argv += ["--max-payload-size", str(max_request_mb << 20)]
+    if "--max-concurrent-requests" not in given:
+        argv += ["--max-concurrent-requests", str(max_connections * len(worker_urls))]
+    if policy == "manual" and "--assignment-mode" not in given:
         # a new routing key goes to the instance with the fewest keys in flight (the router's
         # default is a random one): span group keys (fleet.routing) spread under load
         argv += ["--assignment-mode", "min_group"]
