@@ -81,10 +81,16 @@ ADMIN_PATHS: dict[str, tuple[str, ...]] = {
     "/configure_logging": ("dump_requests_folder", "crash_dump_folder"),
     "/update_weights_from_disk": ("model_path",),
     "/load_lora_adapter": ("lora_path",),
-    "/add_external_corpus": ("corpus_path", "path"),
+    "/add_external_corpus": ("corpus_path", "path", "file_path"),
 }
 """Body fields of admin requests that name a file or folder on the server: each must lie in a
 folder named by ``--admin-path-root`` (none named: such a field is refused)."""
+
+ADMIN_NAMES: dict[str, tuple[str, ...]] = {
+    "/start_profile": ("profile_prefix", "profile_id"),
+}
+"""Body fields of admin requests that SGLang joins into a file name under a checked folder: each
+must be a plain name (no ``/``, no ``..``), or it would lead the file out of that folder."""
 
 
 def access(method: str, path: str) -> Access:

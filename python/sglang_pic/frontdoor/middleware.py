@@ -52,7 +52,8 @@ class FrontDoor:
     def __init__(self, app: Any, config: FrontDoorConfig) -> None:
         self.app = app
         self.config = config
-        self._health_running = 0
+        self._health_checks: dict[tuple[str, str], asyncio.Future] = {}
+        self._health_answers: dict[tuple[str, str], tuple[float, list[dict]]] = {}
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":
@@ -86,17 +87,47 @@ class FrontDoor:
         await _admin_call(self.app, scope, receive, send, path)
 
     async def _health(self, scope: dict, receive: Receive, send: Send) -> None:
-        """``/health`` needs no key (liveness probes) but generates a token when the server is
-        idle: at most ``MAX_HEALTH_CHECKS`` run at once, the rest get 503 at once, so probes
-        cannot hold every connection."""
-        if self._health_running >= MAX_HEALTH_CHECKS:
-            await send_error(send, 503, "too many health checks at once", openai=False)
-            return
-        self._health_running += 1
+        """``/health`` needs no key (liveness probes), and SGLang generates a token for it when
+        the server is idle. One check runs at a time per route and method; callers that arrive
+        meanwhile get its answer, and a passing answer serves for ``HEALTH_FRESH_S``: a client
+        sending probes without end costs one check a second, and a real probe is never turned
+        away for want of a slot."""
+        key = (scope.get("method", ""), _route_path(scope))
+        loop = asyncio.get_running_loop()
+        fresh = self._health_answers.get(key)
+        if fresh is not None and loop.time() - fresh[0] < HEALTH_FRESH_S:
+            messages = fresh[1]
+        else:
+            running = self._health_checks.get(key)
+            if running is None:
+                running = self._health_checks[key] = asyncio.ensure_future(
+                    self._check_health(key, scope))
+                running.add_done_callback(lambda _: self._health_checks.pop(key, None))
+            # shielded: a caller that hangs up does not cancel the others' check
+            messages = await asyncio.shield(running)
+        for message in messages:
+            await send(message)
+
+    async def _check_health(self, key: tuple[str, str], scope: dict) -> list[dict]:
+        """SGLang's answer to one health check, as the ASGI messages it sent (a 503 if it
+        raised); kept as the fresh answer when it passed."""
+        messages: list[dict] = []
+
+        async def no_body() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def keep(message: dict) -> None:
+            messages.append(message)
+
         try:
-            await self.app(scope, receive, send)
-        finally:
-            self._health_running -= 1
+            await self.app(scope, no_body, keep)
+        except Exception as e:  # answered as a failed check, to every caller waiting on it
+            messages.clear()
+            await send_error(keep, 503, f"health check failed: {type(e).__name__}",
+                             openai=False)
+        if messages and messages[0].get("status") == 200:
+            self._health_answers[key] = (asyncio.get_running_loop().time(), messages)
+        return messages
 
     async def _admit(self, scope: dict, method: str, path: str, access: Access,
                      receive: Receive) -> bytes | None:
@@ -112,9 +143,10 @@ class FrontDoor:
         raw = await read_body(scope, receive, self.config.max_body_bytes,
                               self.config.body_timeout_s)
         if access is Access.ADMIN:  # any method: SGLang's admin handlers parse GET bodies too
-            fields = endpoints.ADMIN_PATHS.get(path)
-            if fields:
-                paths.check_admin_body(raw, fields, self.config.admin_path_roots)
+            fields, names = endpoints.ADMIN_PATHS.get(path), endpoints.ADMIN_NAMES.get(path)
+            if fields or names:
+                paths.check_admin_body(raw, fields or (), self.config.admin_path_roots,
+                                       names or ())
             return raw
         return self._checked(path, raw)
 
@@ -197,14 +229,15 @@ def _with_session_hint(path: str, raw: bytes) -> bytes:
 
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw  # the schema says what is wrong
-    hinted = with_session_hint(body)
-    return raw if hinted is body else orjson.dumps(hinted)
+        hinted = with_session_hint(body)
+        return raw if hinted is body else orjson.dumps(hinted)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return raw  # the schema says what is wrong (not JSON, nested too deeply)
 
 
 HEALTH_ROUTES = frozenset({"/health", "/health_generate"})
-MAX_HEALTH_CHECKS = 4
+HEALTH_FRESH_S = 1.0
+"""How long a passing health check answers the probes after it."""
 ROUTING_HEADERS = (b"x-data-parallel-rank", b"x-smg-routing-key")
 """Request headers SGLang reads into fields the schema refuses or bounds in bodies (a DP rank,
 a routing key), dropped with every ``x-override-*`` header (SGLang's optional per-request

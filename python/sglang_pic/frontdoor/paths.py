@@ -1,10 +1,12 @@
 """Paths named in admin requests stay inside the folders the operator named at start.
 
 ``/start_profile``'s ``output_dir``, ``/configure_logging``'s dump folders,
-``/update_weights_from_disk``'s ``model_path`` and ``/load_lora_adapter``'s ``lora_path`` are
-paths on the server: with them the admin key could write request dumps or traces anywhere the
+``/update_weights_from_disk``'s ``model_path``, ``/load_lora_adapter``'s ``lora_path`` and
+``/add_external_corpus``'s paths are paths on the server: with them the admin key could write request dumps or traces anywhere the
 server's user can, or load files from anywhere. Each must resolve (symbolic links followed) to a
 folder named by ``--admin-path-root`` or below it; with none named, such a field is refused.
+Names SGLang joins to such a folder (``/start_profile``'s ``profile_prefix``, ``profile_id``) are
+plain names.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def confined(path: str, allowed: tuple[str, ...]) -> bool:
     return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in allowed)
 
 
-def check_admin_body(raw: bytes, fields: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+def check_admin_body(raw: bytes, fields: tuple[str, ...], allowed: tuple[str, ...],
+                     names: tuple[str, ...] = ()) -> None:
     """``Refused`` (400/403) unless every one of ``fields`` the JSON body ``raw`` sets is a path
-    inside ``allowed``. An empty body sets none."""
+    inside ``allowed``, and every one of ``names`` a plain file name. An empty body sets none."""
     if not raw.strip():
         return
     try:
@@ -53,3 +56,16 @@ def check_admin_body(raw: bytes, fields: tuple[str, ...], allowed: tuple[str, ..
         if not confined(value, allowed):
             raise Refused(403, f"{name!r}: {value!r} is outside the folders admin requests may "
                                "name (--admin-path-root)")
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not plain_name(value):
+            raise Refused(400, f"{name!r} must be a plain name (no '/', no '..'), got "
+                               f"{str(value)[:64]!r}")
+
+
+def plain_name(value: str) -> bool:
+    """Whether ``value`` names a file inside a folder it is joined to, and nothing else."""
+    return "/" not in value and "\x00" not in value and ".." not in value and \
+        os.sep not in value

@@ -35,7 +35,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from sglang_pic.security.request_validation import per_item
+from sglang_pic.eviction.context import APP_TYPES
+from sglang_pic.security.request_validation import MAX_TOP_LOGPROBS, per_item
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -44,12 +45,20 @@ MAX_BATCH = 1024
 tokenizer's event loop, without yielding."""
 MAX_N = 128
 """Most completions one request may ask for (OpenAI's limit)."""
-MAX_TOP_LOGPROBS = 1024
+MAX_NAMED_LOGPROBS = 1024
+"""Most tokens ``token_ids_logprob`` may name per prompt."""
 MAX_STOPS = 64
 """Stop strings or regexes per request (each is searched in every decoded step's text)."""
 MAX_STOP_CHARS = 1024
 MAX_ID_CHARS = 256
 """Longest ``rid``, ``extra_key``, label or name a client may send."""
+MAX_GRAMMAR_CHARS = 1 << 16
+"""Longest grammar a request may carry (``regex``, ``json_schema``, ``ebnf``,
+``structural_tag``; the OpenAI ``response_format``, ``tools`` and ``tool_choice`` as JSON):
+SGLang compiles it on a grammar thread that nothing cancels."""
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects an OpenAI or Anthropic body may have (a JSON schema in
+``response_format`` or a tool's parameters is the deepest legitimate part)."""
 
 
 class BodyError(ValueError):
@@ -73,6 +82,18 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 """A logit bias (OpenAI's range): past float32's range SGLang's scheduler raised on it, and large
 ones with a low temperature make NaN probabilities."""
+
+
+class CustomParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``custom_params``: what a client may put there, the eviction policy's hints
+    (docs/eviction.md). SGLang hands the dict to custom logit processors, which are refused;
+    anything else in it would only be stored per request (unbounded: one request of a 1 MB
+    ``session_id`` after another grew the session index by a megabyte each)."""
+
+    session_id: Name | None = None
+    app_type: Literal[APP_TYPES] | None = None
+
+
 MAX_STOP_REGEX_WIDTH = 256
 """Longest match a ``stop_regex`` may have: SGLang searches the decoded text's tail of that many
 characters at every step, on the scheduler's thread."""
@@ -89,6 +110,9 @@ SAMPLING_RANGES: dict[str, Any] = {
     "stop_token_ids": Annotated[list[Annotated[int, Meta(ge=0, le=INT32_MAX)]],
                                          Meta(max_length=1 << 20)] | None,
     "logit_bias": dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Bias] | None,
+    **dict.fromkeys(("regex", "json_schema", "ebnf", "structural_tag"),
+                    Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None),
+    "custom_params": CustomParams | None,
 }
 """Types of ``SamplingParams`` fields narrower than SGLang's own (None: refused)."""
 
@@ -127,7 +151,7 @@ CLIENT_FIELDS: dict[str, Any] = {
     "logprob_start_len": _per_request(LogprobStart),
     "top_logprobs_num": _per_request(TopLogprobs),
     "token_ids_logprob": Annotated[list[TokenId | Annotated[list[TokenId],
-                                                            Meta(max_length=MAX_TOP_LOGPROBS)]],
+                                                            Meta(max_length=MAX_NAMED_LOGPROBS)]],
                                    Meta(max_length=MAX_BATCH)] | None,
     "return_text_in_logprobs": bool,
     "return_flat_raw_top_logprobs": bool,
@@ -218,9 +242,15 @@ def _decode(raw: bytes, kind: type) -> Any:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
         message = str(e)
-        unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$`)?$", message)
-        if unknown:
+        unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `([^`]*)`)?$",
+                           message)
+        if unknown and unknown.group(2) in (None, "$"):
             raise BodyError(_unknown_message(unknown.group(1))) from None
+        if unknown and unknown.group(2).endswith(".custom_params"):
+            name = unknown.group(1)
+            reason = ("set by the server, not by clients" if name == "pic_spans" else
+                      "custom_params takes session_id and app_type (the eviction policy's hints)")
+            raise BodyError(f"custom_params.{name} is not accepted: {reason}") from None
         raise BodyError(f"invalid request body: {message}") from None
     except msgspec.DecodeError as e:
         raise BodyError(f"the request body is not valid JSON: {e}") from None
@@ -428,6 +458,7 @@ OPENAI_RANGES: dict[str, Any] = {
     "chat_template_kwargs": Annotated[dict[Literal[TEMPLATE_KWARGS], bool | Name],
                                       Meta(max_length=4)] | None,
     "session_id": Name | None,
+    "custom_params": CustomParams | None,
     "prompt": str | list[str | TokenId | list[TokenId]] | None,
     **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"), _Finite | None),
@@ -477,6 +508,9 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
     for name in data:
         if name in REFUSED_OPENAI_FIELDS:
             raise BodyError(f"field {name!r} is not accepted: {REFUSED_OPENAI_FIELDS[name]}")
+    _check_depth(data)
+    _check_grammar_sizes(data)
+    _refuse_media(path, data)
     _decode(raw, _ranges_struct(path))
     try:
         request = _openai_models()[path].model_validate(data)
@@ -502,6 +536,75 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
         raise BodyError(f"the request asks for {batch} prompts x n={data.get('n')} "
                         f"completions; at most {MAX_BATCH}")
     return data
+
+
+FLAT_FIELDS = ("prompt", "tokens", "input_ids")
+"""Top-level fields whose shape the schema bounds already (prompts, token ids): the depth walk
+skips them, so a 128K-token prompt is not walked id by id."""
+
+
+def _check_depth(data: dict) -> None:
+    """Refuse nesting deeper than ``MAX_DEPTH`` (SGLang re-serialises bodies with orjson, which
+    raises past 255 levels: a 500 and a traceback per request)."""
+    stack = [(v, 2) for k, v in data.items() if k not in FLAT_FIELDS and isinstance(v, dict | list)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise BodyError(f"the request body is nested deeper than {MAX_DEPTH} levels")
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
+
+
+GRAMMAR_FIELDS = ("response_format", "tools", "tool_choice", "regex", "json_schema", "ebnf",
+                  "structural_tag")
+
+
+def _check_grammar_sizes(data: dict) -> None:
+    import orjson
+
+    for name in GRAMMAR_FIELDS:
+        value = data.get(name)
+        if value is None:
+            continue
+        size = len(value) if isinstance(value, str) else len(orjson.dumps(value))
+        if size > MAX_GRAMMAR_CHARS:
+            raise BodyError(f"{name!r} is {size} characters long; at most {MAX_GRAMMAR_CHARS} "
+                            "(a grammar is compiled on a thread that nothing cancels)")
+
+
+TEXT_PARTS = {
+    "/v1/chat/completions": frozenset({"text"}),
+    "/v1/messages": frozenset({"text", "tool_use", "tool_result", "thinking",
+                               "redacted_thinking"}),
+    "/v1/messages/count_tokens": frozenset({"text", "tool_use", "tool_result", "thinking",
+                                            "redacted_thinking"}),
+}
+"""Content part types a message may hold, per route: text only. SGLang's loaders would fetch an
+``image_url`` / ``video_url`` / ``audio_url`` part's URL (any address the server reaches) or open
+a local file for a multimodal model; the models served here are text models."""
+
+
+def _refuse_media(path: str, data: dict) -> None:
+    allowed = TEXT_PARTS.get(path)
+    if allowed is None:
+        return
+    messages = data.get("messages")
+    parts = [(f"messages[{i}]", m.get("content")) for i, m in enumerate(messages)
+             if isinstance(m, dict)] if isinstance(messages, list) else []
+    parts.append(("system", data.get("system")))
+    while parts:
+        where, content = parts.pop()
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind not in allowed:
+                raise BodyError(f"{where}.content[{j}] is a {kind!r} part: only text is served "
+                                f"(parts of type {', '.join(sorted(allowed))})")
+            if kind == "tool_result":  # its own content: text parts
+                parts.append((f"{where}.content[{j}]", part.get("content")))
 
 
 def _check_vocab(name: str, ids: Any, vocab: int | None) -> None:

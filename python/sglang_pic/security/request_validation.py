@@ -162,9 +162,15 @@ def validate_sampling_ids(params: Any, vocab_size: int) -> None:
                                      f"[0, {vocab_size})")
 
 
-MAX_TOP_LOGPROBS = 1024
-"""Most alternatives per token ``top_logprobs_num`` may ask for (and never more than the
-vocabulary); ``token_ids_logprob`` is the way to ask for more, named, tokens."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token ``top_logprobs_num`` (OpenAI's ``top_logprobs``, ``logprobs``)
+may ask for, OpenAI's own bound (and never more than the vocabulary); ``token_ids_logprob`` is
+the way to ask for more, named, tokens."""
+MAX_INPUT_LOGPROB_ENTRIES = 1 << 22
+"""Most prompt logprob entries (prompt tokens from ``logprob_start_len`` on x (1 + the top
+alternatives + the named tokens), summed over a batch) one request may ask for: each is a Python
+object in the scheduler and again in the tokenizer, and a 128K-token prompt with 1024
+alternatives a token was 134 million of them."""
 
 CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """Sampling parameters that make SGLang constrain decoding with a grammar."""
@@ -226,6 +232,43 @@ def validate_logprob_params(obj: Any, vocab_size: int) -> None:
             raise ValueError(
                 f"token_ids_logprob lists {len(seq)} ids, more than the vocabulary ({vocab_size})"
             )
+    entries = input_logprob_entries(obj)
+    if entries > MAX_INPUT_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"the request asks for up to {entries} prompt logprob entries (prompt tokens from "
+            "logprob_start_len on x (1 + top_logprobs_num + named token ids)); at most "
+            f"{MAX_INPUT_LOGPROB_ENTRIES}: start the prompt logprobs later or ask for fewer "
+            "alternatives"
+        )
+
+
+def input_logprob_entries(obj: Any) -> int:
+    """An upper bound of the prompt logprob entries ``obj`` asks for, summed over its prompts.
+    A text prompt counts its UTF-8 bytes (a byte-level tokenizer makes at most one token of
+    each, and a handful of special tokens around them)."""
+    prompts = getattr(obj, "input_ids", None)
+    if prompts is None:
+        prompts = getattr(obj, "text", None)
+    if prompts is None:
+        return 0
+    batched = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+    prompts = prompts if batched else [prompts]
+
+    def at(name: str, i: int) -> Any:
+        value = getattr(obj, name, None)
+        return value[i] if isinstance(value, list) and batched else value
+
+    named = _id_lists(getattr(obj, "token_ids_logprob", None))
+    total = 0
+    for i, prompt in enumerate(prompts):
+        start = at("logprob_start_len", i)
+        if not at("return_logprob", i) or start is None or start < 0:
+            continue
+        tokens = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 16
+        per_token = 1 + (at("top_logprobs_num", i) or 0) + (
+            len(named[i]) if batched and i < len(named) else len(named[0]) if named else 0)
+        total += max(tokens - start, 0) * per_token
+    return total
 
 
 def constrained_field(params: Any) -> str | None:

@@ -137,7 +137,7 @@ def _req(**fields):
 
 
 @pytest.mark.parametrize("fields", [
-    {}, {"top_logprobs_num": 0}, {"top_logprobs_num": 20}, {"top_logprobs_num": [5, 1000]},
+    {}, {"top_logprobs_num": 0}, {"top_logprobs_num": 20}, {"top_logprobs_num": [5, 20]},
     {"token_ids_logprob": [0, 5, 999]}, {"token_ids_logprob": [[1], [2, 3]]},
 ])
 def test_logprob_params_pass(fields):
@@ -146,16 +146,46 @@ def test_logprob_params_pass(fields):
 
 @pytest.mark.parametrize("fields,needle", [
     ({"top_logprobs_num": 100000}, "top_logprobs_num"),
-    ({"top_logprobs_num": 1001}, r"\[0, 1000\]"),
+    ({"top_logprobs_num": 21}, r"\[0, 20\]"),
     ({"top_logprobs_num": -1}, "top_logprobs_num"),
     ({"top_logprobs_num": [1, 5000]}, "5000"),
+    ({"top_logprobs_num": 3}, r"\[0, 2\]"),  # with a vocabulary of 2 (below)
     ({"token_ids_logprob": [1, 999999]}, "token_ids_logprob.*999999"),
     ({"token_ids_logprob": [[1], [-4]]}, "-4"),
     ({"token_ids_logprob": [1] * 1001}, "more than the vocabulary"),
 ])
 def test_logprob_params_raise(fields, needle):
+    vocab = 2 if fields.get("top_logprobs_num") == 3 else VOCAB
     with pytest.raises(ValueError, match=needle):
-        validate_logprob_params(_req(**fields), VOCAB)
+        validate_logprob_params(_req(**fields), vocab)
+
+
+def test_prompt_logprobs_are_bounded_over_the_whole_batch():
+    """Prompt tokens from ``logprob_start_len`` on x (1 + top + named), summed over the batch;
+    a text prompt counts its UTF-8 bytes."""
+    from sglang_pic.security.request_validation import (
+        MAX_INPUT_LOGPROB_ENTRIES,
+        input_logprob_entries,
+    )
+
+    def req(**fields):
+        return _req(**{"return_logprob": True, "logprob_start_len": 0, "text": None,
+                       "input_ids": None, **fields})
+
+    assert input_logprob_entries(req(input_ids=[1] * 100, top_logprobs_num=4)) == 500
+    assert input_logprob_entries(req(input_ids=[1] * 100, logprob_start_len=-1)) == 0
+    assert input_logprob_entries(req(input_ids=[1] * 100, return_logprob=False)) == 0
+    assert input_logprob_entries(req(text="é" * 10, logprob_start_len=6)) == 20 + 16 - 6
+    batch = req(input_ids=[[1] * 10, [1] * 20], return_logprob=[True, False],
+                logprob_start_len=[2, 0], token_ids_logprob=[[1, 2], [3]])
+    assert input_logprob_entries(batch) == 8 * 3
+    tokens = MAX_INPUT_LOGPROB_ENTRIES // 21 + 1  # a prompt of this many, 20 alternatives each
+    validate_logprob_params(req(input_ids=[1] * (tokens - 1), top_logprobs_num=20), VOCAB)
+    with pytest.raises(ValueError, match="prompt logprob entries"):
+        validate_logprob_params(req(input_ids=[1] * tokens, top_logprobs_num=20), VOCAB)
+    with pytest.raises(ValueError, match="prompt logprob entries"):
+        validate_logprob_params(req(input_ids=[[1] * (tokens // 2 + 1)] * 2,
+                                    top_logprobs_num=[20, 20]), VOCAB)
 
 
 def test_top_logprobs_cap_applies_to_large_vocabularies():
