@@ -27,6 +27,11 @@ ROWS: tuple[Seam, ...] = (
     Seam(f"{_TM}._pic_span_resolver", "sglang_pic.spans.request:install_resolver", "attribute",
          "spans",
          why="the manager's span resolver"),
+    Seam(f"{_TM}._validate_one_request",
+         "sglang_pic.security.request_validation:check_tokenized_logprobs", "BEFORE",
+         "request-validation",
+         why="the logprob budget of a prompt once its tokens are known (a text prompt is "
+             "estimated from its bytes before), with the new tokens its context leaves"),
     Seam(f"{_TM}._validate_one_request", "sglang_pic.sparse.admission:check_request_length",
          "BEFORE", "sparse-decode",
          why="with `--sparse-offload`, a request longer than its host region is a 400 naming the "

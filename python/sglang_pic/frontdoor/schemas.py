@@ -54,11 +54,16 @@ MAX_ID_CHARS = 256
 """Longest ``rid``, ``extra_key``, label or name a client may send."""
 MAX_GRAMMAR_CHARS = 1 << 16
 """Longest grammar a request may carry (``regex``, ``json_schema``, ``ebnf``,
-``structural_tag``; the OpenAI ``response_format``, ``tools`` and ``tool_choice`` as JSON):
-SGLang compiles it on a grammar thread that nothing cancels."""
-MAX_DEPTH = 32
+``structural_tag``; the OpenAI ``response_format`` as JSON): SGLang compiles it on a grammar
+thread that nothing cancels."""
+MAX_TOOLS_CHARS = 1 << 20
+"""Most characters of tool definitions (``tools`` and ``tool_choice``, and the ``tools`` of
+system and developer messages, as JSON) a request may carry: agent clients send dozens of
+tools, and SGLang compiles them into one grammar when a call is required."""
+MAX_DEPTH = 128
 """Deepest nesting of arrays and objects an OpenAI or Anthropic body may have (a JSON schema in
-``response_format`` or a tool's parameters is the deepest legitimate part)."""
+``response_format`` or a tool's parameters is the deepest legitimate part; SGLang re-serialises
+bodies with orjson, which raises past 255)."""
 
 
 class BodyError(ValueError):
@@ -90,7 +95,7 @@ class CustomParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     anything else in it would only be stored per request (unbounded: one request of a 1 MB
     ``session_id`` after another grew the session index by a megabyte each)."""
 
-    session_id: Name | None = None
+    session_id: Name | Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)] | None = None
     app_type: Literal[APP_TYPES] | None = None
 
 
@@ -555,37 +560,45 @@ def _check_depth(data: dict) -> None:
         stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
 
 
-GRAMMAR_FIELDS = ("response_format", "tools", "tool_choice", "regex", "json_schema", "ebnf",
-                  "structural_tag")
+GRAMMAR_FIELDS = ("response_format", "regex", "json_schema", "ebnf", "structural_tag")
 
 
 def _check_grammar_sizes(data: dict) -> None:
     import orjson
 
+    def size(value: Any) -> int:
+        return 0 if value is None else len(value) if isinstance(value, str) else len(
+            orjson.dumps(value))
+
     for name in GRAMMAR_FIELDS:
-        value = data.get(name)
-        if value is None:
-            continue
-        size = len(value) if isinstance(value, str) else len(orjson.dumps(value))
-        if size > MAX_GRAMMAR_CHARS:
-            raise BodyError(f"{name!r} is {size} characters long; at most {MAX_GRAMMAR_CHARS} "
-                            "(a grammar is compiled on a thread that nothing cancels)")
+        if size(data.get(name)) > MAX_GRAMMAR_CHARS:
+            raise BodyError(f"{name!r} is {size(data.get(name))} characters long; at most "
+                            f"{MAX_GRAMMAR_CHARS} (a grammar is compiled on a thread that "
+                            "nothing cancels)")
+    messages = data.get("messages") if isinstance(data.get("messages"), list) else []
+    tools = size(data.get("tools")) + size(data.get("tool_choice")) + sum(
+        size(m.get("tools")) for m in messages if isinstance(m, dict))
+    if tools > MAX_TOOLS_CHARS:
+        raise BodyError(f"the request's tool definitions are {tools} characters long; at most "
+                        f"{MAX_TOOLS_CHARS}")
 
 
-TEXT_PARTS = {
-    "/v1/chat/completions": frozenset({"text"}),
-    "/v1/messages": frozenset({"text", "tool_use", "tool_result", "thinking",
-                               "redacted_thinking"}),
-    "/v1/messages/count_tokens": frozenset({"text", "tool_use", "tool_result", "thinking",
-                                            "redacted_thinking"}),
+MEDIA_FREE_PARTS = {
+    "/v1/chat/completions": frozenset({"text", "thinking", "reasoning", "tool_reference"}),
+    **dict.fromkeys(("/v1/messages", "/v1/messages/count_tokens"), frozenset({
+        "text", "thinking", "redacted_thinking", "tool_use", "tool_result", "search_result",
+        "tool_reference"})),
 }
-"""Content part types a message may hold, per route: text only. SGLang's loaders would fetch an
-``image_url`` / ``video_url`` / ``audio_url`` part's URL (any address the server reaches) or open
-a local file for a multimodal model; the models served here are text models."""
+"""Content part types a message may hold, per route: all SGLang takes but media. SGLang's
+loaders would fetch an ``image_url`` / ``video_url`` / ``audio_url`` part's URL (any address the
+server reaches), open a local file, or decode ``input_audio`` for a multimodal model; the models
+served here are text models."""
+NESTED_PARTS = ("tool_result", "search_result")
+"""Parts that hold content parts of their own."""
 
 
 def _refuse_media(path: str, data: dict) -> None:
-    allowed = TEXT_PARTS.get(path)
+    allowed = MEDIA_FREE_PARTS.get(path)
     if allowed is None:
         return
     messages = data.get("messages")
@@ -601,9 +614,9 @@ def _refuse_media(path: str, data: dict) -> None:
                 continue
             kind = part.get("type")
             if kind not in allowed:
-                raise BodyError(f"{where}.content[{j}] is a {kind!r} part: only text is served "
-                                f"(parts of type {', '.join(sorted(allowed))})")
-            if kind == "tool_result":  # its own content: text parts
+                raise BodyError(f"{where}.content[{j}] is a {kind!r} part: media are not served "
+                                f"(text models; parts of type {', '.join(sorted(allowed))})")
+            if kind in NESTED_PARTS:
                 parts.append((f"{where}.content[{j}]", part.get("content")))
 
 

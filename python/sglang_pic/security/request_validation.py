@@ -166,11 +166,16 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per token ``top_logprobs_num`` (OpenAI's ``top_logprobs``, ``logprobs``)
 may ask for, OpenAI's own bound (and never more than the vocabulary); ``token_ids_logprob`` is
 the way to ask for more, named, tokens."""
-MAX_INPUT_LOGPROB_ENTRIES = 1 << 22
-"""Most prompt logprob entries (prompt tokens from ``logprob_start_len`` on x (1 + the top
-alternatives + the named tokens), summed over a batch) one request may ask for: each is a Python
-object in the scheduler and again in the tokenizer, and a 128K-token prompt with 1024
-alternatives a token was 134 million of them."""
+MAX_LOGPROB_ENTRIES = 1 << 22
+"""Most logprob entries one request may ask for: each prompt token from ``logprob_start_len``
+on and each new token, times (1 + the top alternatives + the named tokens), times the copies
+``n`` makes, summed over a batch. Each entry is a Python object in the scheduler and again in
+the tokenizer; a 128K-token prompt with 1024 alternatives a token was 134 million of them."""
+DEFAULT_NEW_TOKENS = 128
+"""SGLang's ``SamplingParams.max_new_tokens`` when a request names none."""
+TEXT_BYTES_PER_TOKEN = 4
+"""Before tokenization a text prompt counts its UTF-8 bytes over this (a typical token); after,
+its exact tokens (``check_tokenized_logprobs``)."""
 
 CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """Sampling parameters that make SGLang constrain decoding with a grammar."""
@@ -232,20 +237,26 @@ def validate_logprob_params(obj: Any, vocab_size: int) -> None:
             raise ValueError(
                 f"token_ids_logprob lists {len(seq)} ids, more than the vocabulary ({vocab_size})"
             )
-    entries = input_logprob_entries(obj)
-    if entries > MAX_INPUT_LOGPROB_ENTRIES:
-        raise ValueError(
-            f"the request asks for up to {entries} prompt logprob entries (prompt tokens from "
-            "logprob_start_len on x (1 + top_logprobs_num + named token ids)); at most "
-            f"{MAX_INPUT_LOGPROB_ENTRIES}: start the prompt logprobs later or ask for fewer "
-            "alternatives"
-        )
+    entries = logprob_entries(obj)
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise ValueError(_too_many_logprobs(entries))
 
 
-def input_logprob_entries(obj: Any) -> int:
-    """An upper bound of the prompt logprob entries ``obj`` asks for, summed over its prompts.
-    A text prompt counts its UTF-8 bytes (a byte-level tokenizer makes at most one token of
-    each, and a handful of special tokens around them)."""
+def _too_many_logprobs(entries: int) -> str:
+    return (f"the request asks for about {entries} logprob entries (tokens from "
+            "logprob_start_len on and new tokens, x (1 + top_logprobs_num + named token ids), x "
+            f"the copies n makes); at most {MAX_LOGPROB_ENTRIES}: start the prompt logprobs "
+            "later, or ask for fewer alternatives, tokens or copies")
+
+
+def logprob_entries(obj: Any, tokens: list[int] | None = None,
+                    context_len: int | None = None) -> int:
+    """The logprob entries ``obj`` asks for, summed over its prompts. ``tokens``: each prompt's
+    token count once tokenized; without it a prompt given as ids counts its ids and a text
+    prompt its UTF-8 bytes over ``TEXT_BYTES_PER_TOKEN``, counted from its start (its
+    ``logprob_start_len`` is in tokens). New tokens count ``max_new_tokens`` (SGLang's default
+    when absent; with ``context_len`` at most what the context leaves, all of it when null), in
+    each of the ``n`` copies; the prompt is prefilled once more than ``n`` when ``n`` > 1."""
     prompts = getattr(obj, "input_ids", None)
     if prompts is None:
         prompts = getattr(obj, "text", None)
@@ -254,21 +265,46 @@ def input_logprob_entries(obj: Any) -> int:
     batched = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
     prompts = prompts if batched else [prompts]
 
-    def at(name: str, i: int) -> Any:
-        value = getattr(obj, name, None)
+    def at(name: str, i: int, source: Any = obj) -> Any:
+        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
         return value[i] if isinstance(value, list) and batched else value
 
     named = _id_lists(getattr(obj, "token_ids_logprob", None))
     total = 0
     for i, prompt in enumerate(prompts):
-        start = at("logprob_start_len", i)
-        if not at("return_logprob", i) or start is None or start < 0:
+        if not at("return_logprob", i):
             continue
-        tokens = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 16
+        params = at("sampling_params", i) or {}
+        n = params.get("n") if isinstance(params, dict) else getattr(params, "n", None)
+        n = n if isinstance(n, int) and n > 1 else 1
+        prefills = n + 1 if n > 1 else 1  # SGLang prefills the prompt once, then n copies
+        exact = tokens is not None or isinstance(prompt, list)
+        length = (tokens[i] if tokens is not None else len(prompt) if exact
+                  else len(prompt.encode()) // TEXT_BYTES_PER_TOKEN)
+        start = at("logprob_start_len", i)
+        from_prompt = 0 if start is None or start < 0 else (
+            max(length - start, 0) if exact else length)
+        new = (params.get("max_new_tokens", DEFAULT_NEW_TOKENS) if isinstance(params, dict)
+               else getattr(params, "max_new_tokens", DEFAULT_NEW_TOKENS))
+        if context_len is not None:
+            room = max(context_len - length, 0)
+            new = room if new is None else min(new, room)
         per_token = 1 + (at("top_logprobs_num", i) or 0) + (
             len(named[i]) if batched and i < len(named) else len(named[0]) if named else 0)
-        total += max(tokens - start, 0) * per_token
+        new = new if isinstance(new, int) else 0
+        total += (prefills * from_prompt + n * new) * per_token
     return total
+
+
+def check_tokenized_logprobs(self, obj, input_ids, *args, **kwargs) -> None:
+    """BEFORE hook for ``TokenizerManager._validate_one_request(self, obj, input_ids)``: the
+    logprob budget of one prompt, now that its tokens are known (a text prompt was estimated
+    before), with the new tokens the context leaves."""
+    if not getattr(obj, "return_logprob", False) or input_ids is None:
+        return
+    entries = logprob_entries(obj, [len(input_ids)], int(self.context_len))
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise ValueError(_too_many_logprobs(entries))
 
 
 def constrained_field(params: Any) -> str | None:

@@ -20,10 +20,10 @@ so SGLang's own launcher (which sets them after the plugin registered) is covere
 from __future__ import annotations
 
 from sglang_pic import environment
+from sglang_pic.security.request_validation import DEFAULT_NEW_TOKENS
 
 from .config import SparseDecodeConfig, host_kv_bytes
 
-DEFAULT_NEW_TOKENS = 128  # SGLang's SamplingParams.max_new_tokens when a request names none
 _HALF = ("bf16", "bfloat16", "fp16", "float16", "half")
 
 

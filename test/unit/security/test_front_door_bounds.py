@@ -9,9 +9,26 @@ import json
 import pytest
 from sglang_pic.frontdoor import paths
 from sglang_pic.frontdoor.refusal import Refused
-from sglang_pic.frontdoor.schemas import MAX_DEPTH, MAX_GRAMMAR_CHARS, BodyError, check_body
+from sglang_pic.frontdoor.schemas import (
+    MAX_DEPTH,
+    MAX_GRAMMAR_CHARS,
+    MAX_TOOLS_CHARS,
+    BodyError,
+    check_body,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "f", "description": "d" * 40, "parameters": {
+    "type": "object", "properties": {"a": {"type": "string"}}}}}
+"""A tool definition of about 140 characters."""
+
+
+def deep_schema(levels: int) -> dict:
+    """A JSON schema of ``levels`` nested nullable objects (4 levels of JSON each)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": {"anyOf": [schema, {"type": "null"}]}}}
+    return schema
 
 
 def check(path: str, body: dict) -> None:
@@ -43,6 +60,9 @@ def nested(levels: int) -> list:
     ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 21, "echo": True}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": nested(MAX_DEPTH)}, f"deeper than {MAX_DEPTH}"),
     ("/v1/chat/completions", {**CHAT, "tools": nested(300)}, f"deeper than {MAX_DEPTH}"),
+    ("/v1/chat/completions", {"model": "m", "tool_choice": "required", "messages": [
+        {"role": "system", "content": "s", "tools": [TOOL] * (MAX_TOOLS_CHARS // 100)},
+        {"role": "user", "content": "hi"}]}, "tool definitions are .* at most"),
     ("/v1/chat/completions", {**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "description": "d" * MAX_GRAMMAR_CHARS}}}},
@@ -50,13 +70,17 @@ def nested(levels: int) -> list:
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]}]},
-     r"messages\[0\].content\[1\] is a 'image_url' part"),
+     r"messages\[0\].content\[1\] is a 'image_url' part: media are not served"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": "file:///etc/passwd"}}]}]}, "video_url"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/"}}]}]}, "'image'"),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/"}}]}]}]},
+     r"content\[0\].content\[0\] is a 'image'"),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "search_result", "source": "s", "title": "t", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/"}}]}]}]},
      r"content\[0\].content\[0\] is a 'image'"),
 ])
@@ -76,7 +100,15 @@ def test_unbounded_or_media_fields_are_a_400(path, body, needle):
                                   "name": "f", "parameters": {"type": "object", "properties": {
                                       "a": {"type": "array", "items": {"type": "string"}}}}}}]}),
     ("/v1/chat/completions", {"model": "m", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"},
+                                          {"type": "text", "text": "hello"}]},
+        {"role": "user", "content": "and then?"}]}),
+    # an agent's many tools, and a strict schema of 12 nested nullable objects
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL] * 500}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": deep_schema(12)}}}),
+    ("/generate", {"text": "hi", "sampling_params": {"custom_params": {"session_id": 42}}}),
     ("/v1/messages", {"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "s"}],
                       "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
 ])

@@ -160,32 +160,51 @@ def test_logprob_params_raise(fields, needle):
         validate_logprob_params(_req(**fields), vocab)
 
 
-def test_prompt_logprobs_are_bounded_over_the_whole_batch():
-    """Prompt tokens from ``logprob_start_len`` on x (1 + top + named), summed over the batch;
-    a text prompt counts its UTF-8 bytes."""
+def test_logprob_entries_count_prompt_and_new_tokens_and_copies():
+    """Tokens from ``logprob_start_len`` on and new tokens, x (1 + top + named), x the copies
+    ``n`` makes (the prompt prefilled once more), summed over a batch; a text prompt counts its
+    UTF-8 bytes over 4 before tokenization, its tokens after."""
     from sglang_pic.security.request_validation import (
-        MAX_INPUT_LOGPROB_ENTRIES,
-        input_logprob_entries,
+        MAX_LOGPROB_ENTRIES,
+        check_tokenized_logprobs,
+        logprob_entries,
     )
 
     def req(**fields):
         return _req(**{"return_logprob": True, "logprob_start_len": 0, "text": None,
-                       "input_ids": None, **fields})
+                       "input_ids": None, "sampling_params": {"max_new_tokens": 0}, **fields})
 
-    assert input_logprob_entries(req(input_ids=[1] * 100, top_logprobs_num=4)) == 500
-    assert input_logprob_entries(req(input_ids=[1] * 100, logprob_start_len=-1)) == 0
-    assert input_logprob_entries(req(input_ids=[1] * 100, return_logprob=False)) == 0
-    assert input_logprob_entries(req(text="é" * 10, logprob_start_len=6)) == 20 + 16 - 6
+    assert logprob_entries(req(input_ids=[1] * 100, top_logprobs_num=4)) == 500
+    assert logprob_entries(req(input_ids=[1] * 100, logprob_start_len=-1)) == 0
+    assert logprob_entries(req(input_ids=[1] * 100, return_logprob=False)) == 0
+    assert logprob_entries(req(text="é" * 10, logprob_start_len=6)) == 5  # 20 bytes / 4
+    assert logprob_entries(req(input_ids=[1] * 10, sampling_params={"n": 4})) == 5 * 10 + 4 * 128
+    assert logprob_entries(req(input_ids=[1] * 10, sampling_params={"max_new_tokens": None}),
+                           context_len=50) == 10 + 40
     batch = req(input_ids=[[1] * 10, [1] * 20], return_logprob=[True, False],
-                logprob_start_len=[2, 0], token_ids_logprob=[[1, 2], [3]])
-    assert input_logprob_entries(batch) == 8 * 3
-    tokens = MAX_INPUT_LOGPROB_ENTRIES // 21 + 1  # a prompt of this many, 20 alternatives each
+                logprob_start_len=[2, 0], token_ids_logprob=[[1, 2], [3]],
+                sampling_params=[{"max_new_tokens": 3}, {}])
+    assert logprob_entries(batch) == (8 + 3) * 3
+    tokens = MAX_LOGPROB_ENTRIES // 21 + 1  # a prompt of this many, 20 alternatives each
     validate_logprob_params(req(input_ids=[1] * (tokens - 1), top_logprobs_num=20), VOCAB)
-    with pytest.raises(ValueError, match="prompt logprob entries"):
+    with pytest.raises(ValueError, match="logprob entries"):
         validate_logprob_params(req(input_ids=[1] * tokens, top_logprobs_num=20), VOCAB)
-    with pytest.raises(ValueError, match="prompt logprob entries"):
+    with pytest.raises(ValueError, match="logprob entries"):  # over a batch
         validate_logprob_params(req(input_ids=[[1] * (tokens // 2 + 1)] * 2,
                                     top_logprobs_num=[20, 20]), VOCAB)
+    with pytest.raises(ValueError, match="logprob entries"):  # n copies
+        validate_logprob_params(req(input_ids=[1] * (tokens // 100), top_logprobs_num=20,
+                                    sampling_params={"n": 128, "max_new_tokens": 0}), VOCAB)
+    # after tokenization: a text prompt's exact tokens, and what its context leaves for new ones
+    manager = SimpleNamespace(context_len=tokens + 10)
+    check_tokenized_logprobs(manager, req(text="x", logprob_start_len=tokens - 8,
+                                          top_logprobs_num=20), [1] * tokens)
+    with pytest.raises(ValueError, match="logprob entries"):
+        check_tokenized_logprobs(manager, req(text="x", top_logprobs_num=20), [1] * tokens)
+    with pytest.raises(ValueError, match="logprob entries"):
+        check_tokenized_logprobs(SimpleNamespace(context_len=10 * tokens), req(
+            text="x", top_logprobs_num=20, logprob_start_len=-1,
+            sampling_params={"max_new_tokens": None}), [1] * 8)
 
 
 def test_top_logprobs_cap_applies_to_large_vocabularies():
