@@ -14,7 +14,8 @@ some kill the scheduler process, which takes every other client's request and th
   ``response_format``/tools become these) needs accelerator memory in SGLang's xgrammar backend
   (crash on the CPU engine, unless ``cpu_grammar``'s hooks are registered);
 * a client ``rid`` that starts like our internal span sub-requests' (``pic-span-``) would have its
-  output hidden as one of theirs; one that is a prefix of theirs could abort them all;
+  output hidden as one of theirs; one that is a prefix of theirs could abort them all; any
+  client ``rid`` gets a random suffix (``unique_rids``), since SGLang aborts by id prefix;
 * span markers (``<|ssep|>`` / ``<|pdep|>``, or ``--span-markers``) in a prompt sent to a server
   without the span cache would be read as ordinary text, silently giving the model another prompt
   than the client meant: refused, naming ``--enable-span-cache``.
@@ -33,6 +34,7 @@ template and tokenizes before ``generate_request``, so the hook sees only token 
 from __future__ import annotations
 
 import math
+import secrets
 from functools import cache
 from typing import Any
 
@@ -352,6 +354,23 @@ def validate_rid(rid: Any) -> None:
             )
 
 
+RID_SUFFIX_BYTES = 8
+"""Random bytes (hex) appended to every client request id (``unique_rids``)."""
+
+
+def unique_rids(rid: Any) -> Any:
+    """Each client ``rid`` with ``-`` and random hex appended. SGLang aborts every request whose
+    id *starts with* the aborted one (a disconnect aborts the client's own ``rid``): a client
+    that sent ``rid: "0"`` and hung up aborted every request whose id starts with ``0``, other
+    clients' included (SGLang's own ids are hex). With a random suffix no client id is a prefix
+    of another's; the response's ``meta_info.id`` still starts with the id the client sent."""
+    if isinstance(rid, str):
+        return f"{rid}-{secrets.token_hex(RID_SUFFIX_BYTES)}"
+    if isinstance(rid, list):
+        return [unique_rids(r) for r in rid]
+    return rid
+
+
 def _marker_strings() -> tuple[str, str]:
     """The span marker strings this server's processes were given (``--span-markers``)."""
     from sglang_pic.spans import config as span_config
@@ -383,6 +402,7 @@ def check_generate_request(self, obj, *args, **kwargs) -> None:
     params = getattr(obj, "sampling_params", None)
     validate_sampling_params(params)
     validate_rid(getattr(obj, "rid", None))
+    obj.rid = unique_rids(getattr(obj, "rid", None))
     if not span_cache_enabled(self.server_args):
         refuse_span_markers("text", getattr(obj, "text", None))
     vocab_size = int(self.model_config.vocab_size)

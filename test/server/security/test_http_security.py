@@ -244,6 +244,32 @@ def test_disconnect_cancels_span_prefills(span_server):
     assert_survived(span_server)
 
 
+def test_a_client_hanging_up_aborts_only_its_own_request(server):
+    """SGLang aborts every request whose id starts with the aborted one, and a disconnect
+    aborts the client's own ``rid``: a client sending ``rid: "victim"`` and hanging up aborted
+    another client's ``victim-request`` in flight. Every client id gets a random suffix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    long = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        victim = pool.submit(server.post, "/generate", json={
+            "text": "Tell a long story.", "rid": "victim-request", "sampling_params": long})
+        time.sleep(1.0)  # the victim is running
+        with server.post("/generate", json={"text": "Count slowly.", "rid": "victim",
+                                            "stream": True, "sampling_params": long},
+                         stream=True, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # started; the connection closes here
+        answer = victim.result(timeout=300)
+    assert answer.status_code == 200, answer.text
+    meta = answer.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "length", meta["finish_reason"]
+    assert meta["completion_tokens"] == 48
+    assert meta["id"].startswith("victim-request-") and len(meta["id"]) == len(
+        "victim-request-") + 16
+    assert_survived(server)
+
+
 def test_abort_cancels_the_units_no_request_waits_for():
     """R waits on U1, U2 and the dependent unit D, which itself waits on U1; S waits on U2.
     Aborting R cancels D and, through D's abort, U1; U2 still has S and keeps running."""
