@@ -19,7 +19,8 @@ ROWS: tuple[Seam, ...] = (
     Seam("uvicorn.config.Config.load", "sglang_pic.frontdoor.connections:around_config_load",
          "AROUND", "front-door",
          why="uvicorn's HTTP protocol class, guarded: header deadline "
-             "(`--http-header-timeout-s`) and connection cap (`--max-connections`)"),
+             "(`--http-header-timeout-s`), connection cap (`--max-connections`) and write "
+             "deadline (`--http-write-timeout-s`)"),
     Seam("uvicorn.config.Config.http_protocol_class", "sglang_pic.frontdoor.connections:guarded",
          "instance-patch", "front-door",
          why="the loaded config's protocol class becomes its guarded subclass"),

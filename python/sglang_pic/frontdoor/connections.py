@@ -1,4 +1,4 @@
-"""Bounds on connections before any request exists: a header deadline and a connection cap.
+"""Bounds on connections: a header deadline, a connection cap and a write deadline.
 
 uvicorn (SGLang's HTTP server) times out idle keep-alive connections, but not a connection that
 has not sent a whole request head: about 20,000 connections that never finished their headers
@@ -10,7 +10,11 @@ subclasses uvicorn's HTTP protocol (h11 or httptools, whichever uvicorn picked):
   request runs (a long generation, a stream) no deadline applies;
 * past ``max_connections`` open connections, the connection that has waited longest for a
   request head is closed to make room (an idle flood gives way to new clients, whose heads
-  arrive at once); when every connection is running a request, the new one is closed instead.
+  arrive at once); when every connection is running a request, the new one is closed instead;
+* a response whose client stops reading (its socket's and the transport's buffers full, uvicorn
+  waiting to write) for ``write_timeout_s`` has its connection aborted, which aborts its
+  request: without it a client pipelining requests and never reading held its connection (and
+  its slot under the cap) for good, and 1024 such clients, no key needed, shut everyone out.
 
 An AROUND hook on ``uvicorn.config.Config.load`` swaps the protocol class in, for every way SGLang
 starts uvicorn (``uvicorn.run`` and ``Config``/``Server``); the limits come from our flags.
@@ -29,6 +33,7 @@ from typing import Any
 class ConnectionLimits:
     header_timeout_s: float
     max_connections: int
+    write_timeout_s: float = 60.0
 
 
 @cache
@@ -41,6 +46,7 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
     class Guarded(base):  # type: ignore[misc, valid-type]
         _pic_deadline: asyncio.TimerHandle | None = None
         _pic_cycle: Any = None
+        _pic_stall: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -67,7 +73,27 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._pic_disarm()
+            self._pic_unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._pic_stall is None:
+                self._pic_stall = self.loop.call_later(limits.write_timeout_s, self._pic_stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._pic_unstall()
+
+        def _pic_unstall(self) -> None:
+            if self._pic_stall is not None:
+                self._pic_stall.cancel()
+                self._pic_stall = None
+
+        def _pic_stalled(self) -> None:
+            self._pic_stall = None
+            if not self.transport.is_closing() or self.transport.get_write_buffer_size():
+                self.transport.abort()  # not close(): that would wait for the buffer to drain
 
         def _pic_arm(self) -> None:
             self._pic_disarm()
@@ -92,11 +118,13 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
 
 
 def connection_limits() -> ConnectionLimits:
-    """The limits of ``--http-header-timeout-s`` and ``--max-connections``."""
+    """The limits of ``--http-header-timeout-s``, ``--max-connections`` and
+    ``--http-write-timeout-s``."""
     from sglang_pic.launcher.server_flags import setting
 
     return ConnectionLimits(header_timeout_s=float(setting("--http-header-timeout-s")),
-                            max_connections=int(setting("--max-connections")))
+                            max_connections=int(setting("--max-connections")),
+                            write_timeout_s=float(setting("--http-write-timeout-s")))
 
 
 def around_config_load(original: Any, config: Any, *args: Any, **kwargs: Any) -> Any:

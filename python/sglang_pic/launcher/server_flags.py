@@ -273,6 +273,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "from each response's end; then it is closed",
          parse=integer(1, 600), default=10, range="1-600", metavar="S",
          env="SGLANG_PIC_HEADER_TIMEOUT_S"),
+    Flag("--http-write-timeout-s", "frontdoor",
+         "seconds a response may wait for its client to read (the connection's buffers full) "
+         "before the connection is closed and its request aborted",
+         parse=integer(1, 3600), default=60, range="1-3600", metavar="S",
+         env="SGLANG_PIC_WRITE_TIMEOUT_S"),
     Flag("--max-connections", "frontdoor",
          "open HTTP connections at most; a connection past it is closed at once",
          parse=integer(16, 1 << 20), default=1024, range="16-1048576", metavar="N",

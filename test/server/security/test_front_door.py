@@ -245,7 +245,7 @@ def test_secrets_leave_the_dumped_command_line():
 
 ADMIN_KEY = "admin-" + "k" * 26
 LIMITS = ["--max-request-mb", "1", "--http-header-timeout-s", "2", "--max-connections", "64",
-          "--request-body-timeout-s", "3"]
+          "--request-body-timeout-s", "3", "--http-write-timeout-s", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -422,6 +422,35 @@ def test_idle_and_slow_connections_are_closed(guarded):
     finally:
         for s in [*idle, slow]:
             s.close()
+    survived(guarded)
+
+
+def test_a_client_that_never_reads_loses_its_connection(guarded):
+    """Requests pipelined on a connection whose client never reads: once the responses fill
+    the buffers the server waits to write; after --http-write-timeout-s (2 s here) it aborts
+    the connection instead of holding it (and its slot under --max-connections) for good."""
+    port = int(guarded.url.rsplit(":", 1)[1])
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    sent = 2000
+    head = (f"GET /server_info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {guarded.api_key}"
+            "\r\n\r\n").encode()
+    try:
+        s.settimeout(10)
+        s.sendall(head * sent)
+        time.sleep(6)  # the write deadline passes while nothing is read
+        answers, data = 0, b""
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        answers = data.count(b"HTTP/1.1 200")
+    finally:
+        s.close()
+    assert 0 < answers < sent, answers
     survived(guarded)
 
 
