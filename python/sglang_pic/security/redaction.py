@@ -26,8 +26,10 @@ import copy
 import sys
 from typing import Any
 
-SECRET_FIELDS = ("api_key", "admin_api_key", "ssl_keyfile_password")
-"""``ServerArgs`` fields that hold secrets."""
+SECRET_FIELDS = ("api_key", "admin_api_key", "ssl_keyfile_password",
+                 "hicache_storage_backend_extra_config")
+"""``ServerArgs`` fields that hold secrets (a HiCache storage backend's extra config is the
+backend's own: a third-party backend's credentials go there)."""
 REDACTED = "<redacted>"
 
 
