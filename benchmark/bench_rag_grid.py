@@ -68,6 +68,8 @@ PIC_BACKEND = {"sglang-pic-triton": "pic_triton"}
 CELLS = {
     "aligned": ("fixed2048", 4, 32, 1.1, 1),
     "varlen_k6_p256_z07_t4": ("lognormal", 6, 256, 0.7, 4),
+    # variable lengths with much reuse: every request's documents at offsets of their own
+    "varlen_k6_p32_z11_t4": ("lognormal", 6, 32, 1.1, 4),
     "varlen_k10_p1024_z11_t4": ("lognormal", 10, 1024, 1.1, 4),
     "varlen_k10_p256_z11_t1": ("lognormal", 10, 256, 1.1, 1),
     "fixed_k6_p1024_z07_t4": ("fixed2048", 6, 1024, 0.7, 4),
