@@ -7,7 +7,9 @@ subclasses uvicorn's HTTP protocol (h11 or httptools, whichever uvicorn picked):
 
 * a connection must deliver a complete request head within ``header_timeout_s`` of opening, and
   of each response's end (the idle time of keep-alive counts too), else it is closed; while a
-  request runs (a long generation, a stream) no deadline applies;
+  request runs (a long generation, a stream) no deadline applies. A head still incomplete after
+  ``MAX_HEAD_BYTES`` is closed at once, whichever parser uvicorn runs (h11 stops at 16 KB;
+  httptools, which uvicorn prefers when it is installed, has no bound);
 * past ``max_connections`` open connections, the connection that has waited longest for a
   request head is closed to make room (an idle flood gives way to new clients, whose heads
   arrive at once); when every connection is running a request, the new one is closed instead;
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+MAX_HEAD_BYTES = 64 << 10
+"""Most bytes a connection may send before its request head is complete."""
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
@@ -47,6 +52,7 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
         _pic_deadline: asyncio.TimerHandle | None = None
         _pic_cycle: Any = None
         _pic_stall: asyncio.TimerHandle | None = None
+        _pic_head_bytes = 0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -63,6 +69,11 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
             super().data_received(data)
             if self._pic_deadline is not None and self.cycle is not self._pic_cycle:
                 self._pic_disarm()  # a request head arrived: it runs without a deadline
+            elif self._pic_deadline is not None:
+                self._pic_head_bytes += len(data)
+                if self._pic_head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self._pic_disarm()
+                    self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -98,6 +109,7 @@ def guarded(base: type, limits: ConnectionLimits) -> type:
         def _pic_arm(self) -> None:
             self._pic_disarm()
             self._pic_cycle = self.cycle
+            self._pic_head_bytes = 0
             self._pic_deadline = self.loop.call_later(limits.header_timeout_s, self._pic_expire)
             waiting[id(self)] = self
 
