@@ -267,8 +267,8 @@ def logprob_entries(obj: Any, tokens: list[int] | None = None,
     batched = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
     prompts = prompts if batched else [prompts]
 
-    def at(name: str, i: int, source: Any = obj) -> Any:
-        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+    def at(name: str, i: int) -> Any:  # prompt i's value of a per-request field
+        value = getattr(obj, name, None)
         return value[i] if isinstance(value, list) and batched else value
 
     named = _id_lists(getattr(obj, "token_ids_logprob", None))
