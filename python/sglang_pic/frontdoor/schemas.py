@@ -37,6 +37,7 @@ from msgspec import Meta
 
 from sglang_pic.eviction.context import APP_TYPES
 from sglang_pic.security.request_validation import MAX_TOP_LOGPROBS, per_item
+from sglang_pic.spans.request import LAYOUT_KEY
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -253,7 +254,7 @@ def _decode(raw: bytes, kind: type) -> Any:
             raise BodyError(_unknown_message(unknown.group(1))) from None
         if unknown and unknown.group(2).endswith(".custom_params"):
             name = unknown.group(1)
-            reason = ("set by the server, not by clients" if name == "pic_spans" else
+            reason = ("set by the server, not by clients" if name == LAYOUT_KEY else
                       "custom_params takes session_id and app_type (the eviction policy's hints)")
             raise BodyError(f"custom_params.{name} is not accepted: {reason}") from None
         raise BodyError(f"invalid request body: {message}") from None
