@@ -7,10 +7,10 @@ by our hooks).
 - ``gdsf`` (Greedy-Dual-Size-Frequency, Cherkasova 1998): ``H = L + F * C / S``; F = hits + 1,
   S = tokens, C = the block's recompute cost (linear layers plus attention over its offset), and
   the inflation L = the H of the last evicted block, so long-idle blocks age out.
-- ``s3fifo`` (S3-FIFO, Yang et al. SOSP'23): a small probationary FIFO for blocks never
-  re-accessed, a main FIFO for re-accessed ones or ones readmitted from the ghost queue of
-  recently evicted keys; small is drained first. Expressed as ``(segment, frequency, insertion
-  order)`` priorities over leaves.
+- ``s3fifo`` (S3-FIFO, Yang et al. SOSP'23): a small probationary FIFO (10 % of the cache) for
+  new blocks, a main FIFO with reinsertion for blocks reused on probation or readmitted from the
+  ghost queue of keys evicted from small; small is drained while it holds more than its share.
+  Its moves are made lazily, when a leaf is ranked (``S3FIFOStrategy``).
 - ``tlru`` (Tail-Optimized LRU, Zhang et al., NeurIPS'25, arXiv:2510.15152), ported from SGLang's
   ``TLRUStrategy`` (merged after 0.5.17): LRU that first drains the tail of each conversation
   that its next prefill does not need to stay under a TTFT budget.
@@ -58,30 +58,101 @@ class GDSFStrategy(CachePolicy):
 
 
 class S3FIFOStrategy(CachePolicy):
-    name = "s3fifo"
+    """S3-FIFO over the radix tree's leaves, with the paper's queue sizes and lazy moves.
 
-    def __init__(self, ghost_capacity: int = 65536) -> None:
-        self.ghost: OrderedDict[tuple, None] = OrderedDict()
-        self.ghost_capacity = ghost_capacity
+    Why lazy: SGLang's ``evict`` pops the lowest priority among the evictable leaves and offers
+    no hook to put a popped leaf back, while S3-FIFO moves blocks between queues as its hand
+    reaches them. Both moves are therefore made when a leaf is next ranked:
+
+    * ``small`` (probation, ``SMALL_SHARE`` of the cache's tokens) takes new blocks; a block
+      readmitted from the ghost set (the keys last evicted from ``small``, as many tokens as
+      ``main`` holds) goes to ``main`` at once.
+      A block reused while in ``small`` moves to ``main`` when it is ranked; one never reused is
+      evicted from ``small`` (and remembered in the ghost set) while ``small`` holds more than its
+      share.
+    * ``main`` is FIFO with reinsertion: each reuse adds one to a block's count (at most 3);
+      a block the hand has passed (inserted before the newest block evicted from ``main``)
+      with a count left goes to the tail with one less. Ranked now, blocks with a count come
+      after every block without one, in insertion order, which is where one sweep of the hand
+      leaves them.
+
+    Priorities: ``(queue drained first?, has a count, order)``; ``small`` is drained first only
+    while it holds more than its share (checked once per evict pass)."""
+
+    name = "s3fifo"
+    SMALL_SHARE = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self) -> None:
+        # keys evicted from small (and their tokens), as many tokens as main holds
+        self.ghost: OrderedDict[tuple, int] = OrderedDict()
+        self.ghost_tokens = 0
         self.counter = 0
+        self.small_tokens = 0
+        self.capacity = 0  # the most tokens the cache has held
+        self.hand = 0  # order of the newest block evicted from main
+        self.drain_small = False
+
+    def _to_main(self, node) -> None:
+        if not node.s3_main:
+            node.s3_main = True
+            self.small_tokens -= len(node.key)
+        self.counter += 1
+        node.s3_order = self.counter
+
+    def on_store(self, tokens, ctx, page_size: int, used: int, root=None) -> None:
+        self.capacity = max(self.capacity, used)
 
     def on_insert(self, node, ctx, offset: int, is_new: bool) -> None:
-        if not is_new:
+        if not is_new or hasattr(node, "s3_order"):
             return
         self.counter += 1
         node.s3_order = self.counter
-        node.s3_main = self.ghost.pop(block_key(node), False) is None
+        node.s3_freq = 0
+        ghosted = self.ghost.pop(block_key(node), None)
+        node.s3_main = ghosted is not None
+        if node.s3_main:
+            self.ghost_tokens -= ghosted
+        else:
+            self.small_tokens += len(node.key)
+
+    def on_hit(self, node, tokens: int, ctx) -> None:
+        if hasattr(node, "s3_order"):
+            node.s3_freq = min(node.s3_freq + 1, self.MAX_FREQ)
+
+    def on_split(self, head, tail) -> None:
+        if hasattr(tail, "s3_order"):  # both parts stay in the tail's queue, same tokens in all
+            head.s3_order, head.s3_freq, head.s3_main = tail.s3_order, tail.s3_freq, tail.s3_main
+
+    def begin_evict(self) -> None:
+        self.drain_small = self.small_tokens > self.SMALL_SHARE * self.capacity
 
     def get_priority(self, node) -> tuple:
-        order = getattr(node, "s3_order", 0)
-        in_main = getattr(node, "s3_main", False) or node.hit_count >= 1
-        return (1 if in_main else 0, min(node.hit_count, 3) if in_main else 0, order)
+        if not hasattr(node, "s3_order"):  # inserted before the policy saw it
+            return (0, 0, 0)
+        if not node.s3_main:
+            if node.s3_freq > 0:  # reused on probation: promoted
+                node.s3_freq = 0
+                self._to_main(node)
+            else:
+                return (0 if self.drain_small else 1, 0, node.s3_order)
+        if node.s3_freq > 0 and node.s3_order < self.hand:  # the hand passed it: reinserted
+            node.s3_freq -= 1
+            self._to_main(node)
+        return (1 if self.drain_small else 0, int(node.s3_freq > 0), node.s3_order)
 
     def on_evict(self, node) -> None:
-        if not (getattr(node, "s3_main", False) or node.hit_count >= 1):
-            self.ghost[block_key(node)] = None
-            if len(self.ghost) > self.ghost_capacity:
-                self.ghost.popitem(last=False)
+        if not hasattr(node, "s3_order"):
+            return
+        if node.s3_main:
+            self.hand = max(self.hand, node.s3_order)
+        else:
+            self.small_tokens -= len(node.key)
+            key = block_key(node)
+            self.ghost_tokens += len(node.key) - self.ghost.pop(key, 0)
+            self.ghost[key] = len(node.key)
+            while self.ghost and self.ghost_tokens > (1 - self.SMALL_SHARE) * self.capacity:
+                self.ghost_tokens -= self.ghost.popitem(last=False)[1]
 
 
 # ``--radix-eviction-policy tlru`` takes its settings from ``--tlru-threshold`` (the paper's xi,
