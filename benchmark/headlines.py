@@ -254,6 +254,9 @@ GRID_PREFILL_CELLS = (*GRID_CELLS, "varlen_k10_p1024_z11_t4")
 # --span-schedule isps (the default) and ready-first side by side, prefill graphs on both sides
 GRID_SCHEDULE = "spans_rag_grid_schedule_h100.json"
 GRID_READY_FIRST = "sglang-pic-span-graphs-ready-first"
+# the variable-length 6-of-32 cell (Zipf 1.1, 4 tenants), prefill graphs on both sides, alone
+GRID_K6_P32 = "spans_rag_grid_k6_p32_h100.json"
+GRID_K6_P32_CELL = "varlen_k6_p32_z11_t4"
 GRID_IDEAL_MIN = 3.0  # cells with less reuse than this cannot reach the 2.5x target
 GRID_K6 = "varlen_k6_p256_z07_t4"
 # the k6 cell's runs with prefill graphs on both sides (file, our variant): the first of
@@ -490,6 +493,11 @@ SPANS_SHARED = "spans_rag_h200_with_shared_pages.json"  # the run before the one
 NONSPAN = "nonspan_overhead_h200.json"
 NONSPAN_SPAN_GRAPHS = "nonspan_overhead_span_graphs_h100.json"  # --variants vanilla,...-graphs
 NONSPAN_RERUN = "nonspan_overhead_rerun_h200.json"  # bench_nonspan_overhead.py --name ... subset
+# --variants vanilla,sglang-pic-spans-graphs --decode-cases 256x1024 --rounds 2, a later H100
+NONSPAN_SPAN_GRAPHS_RERUN = "nonspan_overhead_span_graphs_rerun_h100.json"
+# the same pair at 1 x 4K and 32 x 4K and an 8K prefill, one round each, in both orders
+NONSPAN_SPAN_GRAPHS_4K = ("nonspan_overhead_span_graphs_small_h100.json",
+                          "nonspan_overhead_span_graphs_small_r2_h100.json")
 # decode cases where the KV fits the benchmark's 700K-token budget (b x (context + 40) tokens)
 NONSPAN_CASES = {
     "ttft_1k": "prefill_1024_ms", "ttft_8k": "prefill_8192_ms", "ttft_32k": "prefill_32768_ms",
@@ -730,6 +738,15 @@ CLAIMS: list[Claim] = [
           path=SPAN_SERVER_PREFILL_GRAPHS, extract=_grid_worst_pooled(
               "stream_ttft_ms", {GRID_K6: GRID_K6_RUNS}, ours=GRID_GRAPHS),
           note=f"the worst cell of all; {GRID_PREFILL_NOTE}; each run's two sides in one run"),
+    *[Claim(f"spans.rag_grid.prefill_graphs.{GRID_K6_P32_CELL}{suffix}", GRID_K6_P32, metric,
+            higher_is_better=metric == "requests_per_s", ours_variant=GRID_GRAPHS,
+            path=SPAN_SERVER_PREFILL_GRAPHS,
+            extract=_grid_cell(GRID_K6_P32_CELL, metric, GRID_GRAPHS),
+            note=f"bench_rag_grid.py --prefill-graphs, cell {GRID_K6_P32_CELL} alone in bursts "
+            "of 48, 64 output tokens; H100" + ("" if metric == "requests_per_s"
+                                                 else f"; {GRID_STREAM_NOTE}"))
+      for metric, suffix in (("requests_per_s", ""), ("ttft_p50_ms", ".ttft_p50"),
+                             ("stream_ttft_ms", ".stream_ttft_p50"))],
     Claim(f"spans.rag_grid.prefill_graphs.{GRID_K6}.rerun.stream_ttft_p50", GRID_K6_RUNS[2][0],
           "stream_ttft_ms", ours_variant=GRID_GRAPHS, path=SPAN_SERVER_PREFILL_GRAPHS,
           extract=_grid_cell(GRID_K6, "stream_ttft_ms", GRID_GRAPHS),
@@ -839,9 +856,21 @@ CLAIMS: list[Claim] = [
     *[Claim(f"spans.nonspan.span_graphs.{case}", NONSPAN_SPAN_GRAPHS, metric,
             ours_variant="sglang-pic-spans-graphs", target=0.98,
             path=f"{SPAN_SERVER}; --position-free-span-graphs",
+            reruns=(NONSPAN_SPAN_GRAPHS_RERUN,) if case == "tpot_b256_1k" else (),
             note="requests without spans on a --enable-span-cache --position-free-span-graphs "
             "server; H100")
       for case, metric in NONSPAN_CASES.items()],
+    *[Claim(f"spans.nonspan.span_graphs.{case}{'.rerun' if i else ''}", raw, metric,
+            ours_variant="sglang-pic-spans-graphs", target=0.98,
+            path=f"{SPAN_SERVER}; --position-free-span-graphs",
+            note="requests without spans on a --enable-span-cache --position-free-span-graphs "
+            "server, one round of 3 calls a side, " + ("ours first" if i else "vanilla first")
+            + "; decode_tpot_* is the decode steps alone; H100")
+      for i, raw in enumerate(NONSPAN_SPAN_GRAPHS_4K)
+      for case, metric in (("tpot_b1_4k", "tpot_b1_ctx4096_ms"),
+                           ("tpot_b32_4k", "tpot_b32_ctx4096_ms"),
+                           ("decode_tpot_b1_4k", "decode_tpot_b1_ctx4096_ms"),
+                           ("decode_tpot_b32_4k", "decode_tpot_b32_ctx4096_ms"))],
     Claim("quality.real_weights.nonspan_identical", "real_weights_h200.json", "identical_tokens",
           baseline_variant="vanilla-triton vs vanilla", ours_variant="sglang-pic-spans vs vanilla",
           higher_is_better=True, path="SmolLM2-135M-Instruct, bf16, 24 prompts x 64 greedy tokens",
