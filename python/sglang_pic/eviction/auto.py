@@ -280,6 +280,8 @@ class AutoStrategy(CachePolicy):
 
     def on_lookup(self, tokens, ctx, page_size: int) -> None:
         """A request's prompt: each shadow's hit, and the expert the real cache follows."""
+        for i, s in enumerate(self.policies):
+            s.on_lookup(tokens, self._expert_context(ctx, i), page_size)
         if self.selection != "shadow" or not len(tokens):
             return
         from .context import using
@@ -316,8 +318,11 @@ class AutoStrategy(CachePolicy):
 
     def on_store(self, tokens, ctx, page_size: int, used: int, root=None) -> None:
         """An insert into the real cache (``used``: its tokens after it; ``root``: its root
-        node): into every shadow, each evicting down to the real cache's size. What a shadow
-        evicts is marked on the real tree (``shadow.mark_dropped``)."""
+        node): to every expert (``s3fifo`` sizes its queues by it), and into every shadow, each
+        evicting down to the real cache's size. What a shadow evicts is marked on the real tree
+        (``shadow.mark_dropped``)."""
+        for i, s in enumerate(self.policies):
+            s.on_store(tokens, self._expert_context(ctx, i), page_size, used, root)
         if self.selection != "shadow" or not len(tokens):
             return
         from .context import using

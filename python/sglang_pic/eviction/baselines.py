@@ -32,9 +32,6 @@ ATTENTION_CROSSOVER_TOKENS = 30000.0
 
 class GDSFStrategy(CachePolicy):
     name = "gdsf"
-    # the hooks leave its inserted blocks unmarked: ``block_offset`` in its cost is the offset a
-    # split gave a block, else 0 (the attention term counts the block's own tokens)
-    records_offsets = False
 
     def __init__(self) -> None:
         self.inflation = 0.0

@@ -520,16 +520,18 @@ def test_auto_held_on_sae_caches_as_sae_alone_beside_an_expert_inferring_convers
     assert held.hit_tokens == alone["sae"], (held.hit_tokens, alone)
 
 
-def test_auto_started_and_held_on_lru_caches_as_lru_alone(monkeypatch):
+@pytest.mark.parametrize("expert", ["lru", "s3fifo", "gdsf", "tlru"])
+def test_auto_started_and_held_on_an_expert_caches_as_that_expert_alone(monkeypatch, expert):
     """``start`` picks the leader ``auto`` begins with (``auto-lru``): held there, its real
-    cache makes ``lru``'s own decisions, the same hits as ``lru`` alone, and not ``sae``'s (the
-    default start). An unknown expert is refused, naming the experts."""
+    cache makes that expert's own decisions, the same hits as the expert alone, and not
+    ``sae``'s (the default start): the expert sees every event the cache reports, its size
+    included (``s3fifo`` sizes its queues by it). An unknown expert is refused, naming the
+    experts."""
     from sglang_pic.eviction.auto import AutoStrategy
     from sglang_pic.eviction.replay import simulator
     from sglang_pic.eviction.replay.traces import generate
 
     trace = generate("chat", scale=12, seed=3)
-    expert = "lru"
     monkeypatch.setitem(simulator.ABLATIONS, "auto-held",
                         ("auto", {"start": expert, "confidence": 1e12}))
     held = simulator.replay(trace, "auto-held", capacity=4000).hit_tokens
