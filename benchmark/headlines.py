@@ -1041,20 +1041,10 @@ CLAIMS: list[Claim] = [
            "200-209 (first replayed after auto's paired test was fixed; some of their cells "
            "were then looked into)"),
           ("fresh", "eviction_sim_fresh_seeds",
-           "300-309 (replayed once, after sae-conv joined auto's experts)"))
+           "300-309 (nothing was chosen on them)"))
       for suffix, hints in (("", "none"), (".hints", "all"))
-      for policy in ("auto", "sae")],
-    *[Claim(f"eviction.replay.generated_tuning_seeds{suffix}.{policy}_worst_vs_best",
-            f"eviction_auto_start_tuning_seeds{'' if hints == 'all' else '_hints_none'}.json",
-            "token_hit_rate", baseline_variant="best baseline", ours_variant=policy,
-            higher_is_better=True, target=0.005, target_kind="points",
-            path="generated traffic of seeds 0-9, every workload of bench_eviction.py, "
-            + ("no client hints" if hints == "none" else "with client hints")
-            + f", replayed through SGLang's RadixCache (CPU): auto starting on "
-            f"{policy.split('-')[1]} instead of sae (an ablation), the worst workload and size",
-            extract=_generated_worst_cell(policy))
-      for suffix, hints in (("", "none"), (".hints", "all"))
-      for policy in ("auto-lru", "auto-gdsf")],
+      # auto with client hints waits for a re-run with its experts' current code
+      for policy in (("auto", "sae") if hints == "none" else ("sae",))],
     *[Claim(f"eviction.replay.generated_heldout_seeds.hints.mixed_{int(f * 100)}pct",
             "eviction_sim_heldout_seeds.json", "token_hit_rate",
             baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
