@@ -3,10 +3,10 @@
 ``/start_profile``'s ``output_dir``, ``/configure_logging``'s dump folders,
 ``/update_weights_from_disk``'s ``model_path``, ``/load_lora_adapter``'s ``lora_path`` and
 ``/add_external_corpus``'s paths are paths on the server: with them the admin key could write
-request dumps or traces anywhere the server's user can, or load files from anywhere. Each must resolve (symbolic links followed) to a
-folder named by ``--admin-path-root`` or below it; with none named, such a field is refused.
-Names SGLang joins to such a folder (``/start_profile``'s ``profile_prefix``, ``profile_id``) are
-plain names.
+request dumps or traces anywhere the server's user can, or load files from anywhere. Each must
+resolve (symbolic links followed) to a folder named by ``--admin-path-root`` or below it; with
+none named, such a field is refused. Names SGLang joins to such a folder (``/start_profile``'s
+``profile_prefix``, ``profile_id``) are plain names.
 """
 
 from __future__ import annotations
