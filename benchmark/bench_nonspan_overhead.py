@@ -9,7 +9,8 @@ drop-in replacement must be as fast as the SGLang it replaces on them. The workl
 
 Variants: ``vanilla`` (FlashInfer, the baseline), ``sglang-pic-spans`` (the span-cache server),
 ``sglang-pic-spans-graphs`` (the same with ``--position-free-span-graphs``: a second decode
-CUDA graph set, captured for span batches, which batches without spans never replay),
+CUDA graph set, captured for span batches, which batches without spans never replay;
+``sglang-pic-spans-graphs-r1`` captures it for one run per request),
 ``sglang-pic-spans-triton`` (the same on ``pic_triton``: our Triton kernels for every batch) and
 ``vanilla-triton`` (a second column).
 
@@ -32,9 +33,14 @@ SPAN_SERVER = {"attention_backend": "pic_flashinfer", "radix_cache_backend": "pi
 VARIANT_KWARGS = {
     "sglang-pic-spans": SPAN_SERVER,
     "sglang-pic-spans-graphs": SPAN_SERVER,
+    "sglang-pic-spans-graphs-r1": SPAN_SERVER,
     "sglang-pic-spans-triton": {**SPAN_SERVER, "attention_backend": "pic_triton"},
 }
-VARIANT_SETTINGS = {"sglang-pic-spans-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"}}
+VARIANT_SETTINGS = {
+    "sglang-pic-spans-graphs": {"SGLANG_PIC_SPAN_GRAPHS": "1"},
+    # the smallest second graph set: one run per request (--span-graph-runs 1)
+    "sglang-pic-spans-graphs-r1": {"SGLANG_PIC_SPAN_GRAPHS": "1", "SGLANG_PIC_SPAN_GRAPH_RUNS": "1"},
+}
 # 128K prompts: every variant gets the longer context (the KV budget is unchanged)
 NONSPAN_ENGINE_KWARGS = {**ENGINE_KWARGS, "context_length": 131072}  # the model's maximum
 NONSPAN_PARAMS = {**PARAMS, "prefill_lengths": [1024, 8192, 32768, 131000]}
@@ -62,8 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (default benchmark/results)")
     ap.add_argument("--variants", default="vanilla,sglang-pic-spans",
                     help="comma-separated, of vanilla, sglang-pic-spans, sglang-pic-spans-graphs, "
-                         "sglang-pic-spans-triton, "
-                         "vanilla-triton")
+                         "sglang-pic-spans-graphs-r1, sglang-pic-spans-triton, vanilla-triton")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every variant this many times, alternating which goes first "
                          "(samples pooled; 2 = A B B A)")

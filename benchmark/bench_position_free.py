@@ -76,8 +76,9 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
             sp = {**greedy, "max_new_tokens": steps, "ignore_eos": True}
             # tpot: the whole call (admission, a full prefix hit, the decode) per token, as a
             # client sees it; decode_tpot: the same call less one of a single token on the same
-            # cached prompts, per extra token, i.e. the decode steps alone
-            times, decode = [], []
+            # cached prompts, per extra token, i.e. the decode steps alone; fixed: that
+            # single-token call (admission, the one-token extend after a full prefix hit)
+            times, decode, fixed = [], [], []
             for _ in range(params["repeats"]):  # each a full prefix hit, then the decode
                 t = time.perf_counter()
                 engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
@@ -87,10 +88,13 @@ def workload(engine_kwargs: dict, params: dict) -> dict:
                 full = time.perf_counter() - t
                 times.append(1000 * full / steps)
                 decode.append(1000 * (full - one) / (steps - 1))
+                fixed.append(1000 * one)
             result[f"tpot_b{batch}_ctx{ctx}_ms"] = statistics.median(times)
             result[f"tpot_b{batch}_ctx{ctx}_ms_all"] = [round(t, 4) for t in times]
             result[f"decode_tpot_b{batch}_ctx{ctx}_ms"] = statistics.median(decode)
             result[f"decode_tpot_b{batch}_ctx{ctx}_ms_all"] = [round(t, 4) for t in decode]
+            result[f"fixed_b{batch}_ctx{ctx}_ms"] = statistics.median(fixed)
+            result[f"fixed_b{batch}_ctx{ctx}_ms_all"] = [round(t, 3) for t in fixed]
             engine.flush_cache()
     finally:
         engine.shutdown()
