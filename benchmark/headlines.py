@@ -1043,8 +1043,7 @@ CLAIMS: list[Claim] = [
           ("fresh", "eviction_sim_fresh_seeds",
            "300-309 (nothing was chosen on them)"))
       for suffix, hints in (("", "none"), (".hints", "all"))
-      # auto with client hints waits for a re-run with its experts' current code
-      for policy in (("auto", "sae") if hints == "none" else ("sae",))],
+      for policy in ("auto", "sae")],
     *[Claim(f"eviction.replay.generated_heldout_seeds.hints.mixed_{int(f * 100)}pct",
             "eviction_sim_heldout_seeds.json", "token_hit_rate",
             baseline_variant="best baseline", ours_variant="sae", higher_is_better=True,
