@@ -79,7 +79,7 @@ def main() -> None:
         merged = merge(json.loads(args.results.read_text()), json.loads(args.rerun.read_text()),
                        {"git_commit": commit, "command": args.command, "why": args.why},
                        tuple(args.drop))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"merge_rerun: {e}")
     args.results.write_text(json.dumps(merged, indent=1) + "\n")
     print(f"{args.results}: {', '.join(merged['reruns'][-1]['policies'])} merged, "
