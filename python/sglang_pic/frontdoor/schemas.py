@@ -514,7 +514,7 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
     for name in data:
         if name in REFUSED_OPENAI_FIELDS:
             raise BodyError(f"field {name!r} is not accepted: {REFUSED_OPENAI_FIELDS[name]}")
-    _check_depth(data)
+    _check_values(data)
     _check_grammar_sizes(data)
     _refuse_media(path, data)
     _decode(raw, _ranges_struct(path))
@@ -545,20 +545,33 @@ def check_openai(path: str, raw: bytes, vocab_size: Callable[[], int | None]) ->
 
 
 FLAT_FIELDS = ("prompt", "tokens", "input_ids")
-"""Top-level fields whose shape the schema bounds already (prompts, token ids): the depth walk
-skips them, so a 128K-token prompt is not walked id by id."""
+"""Top-level fields whose shape the schema bounds already (prompts, token ids, checked against
+the vocabulary): the walk of ``_check_values`` skips them, so a 128K-token prompt is not walked
+id by id."""
+
+JSON_INTS = (-(2**63), 2**64 - 1)
+"""Integers orjson writes (signed and unsigned 64-bit). A JSON number parses to any Python int;
+SGLang and our checks re-serialise bodies with orjson, which raises on one outside this range."""
 
 
-def _check_depth(data: dict) -> None:
-    """Refuse nesting deeper than ``MAX_DEPTH`` (SGLang re-serialises bodies with orjson, which
-    raises past 255 levels: a 500 and a traceback per request)."""
-    stack = [(v, 2) for k, v in data.items() if k not in FLAT_FIELDS and isinstance(v, dict | list)]
+def _check_values(data: dict) -> None:
+    """Refuse what orjson cannot write back, anywhere in the body (the fields typed ``Any`` -
+    a ``response_format``'s schema, ``tools``, ``metadata`` - included): nesting deeper than
+    ``MAX_DEPTH`` (orjson raises past 255 levels) and integers outside ``JSON_INTS``. Either
+    was a 500 and a traceback per request."""
+    low, high = JSON_INTS
+    stack = [(v, 1) for k, v in data.items() if k not in FLAT_FIELDS]
     while stack:
         value, depth = stack.pop()
-        if depth > MAX_DEPTH:
+        if isinstance(value, int) and not low <= value <= high:
+            raise BodyError(f"the request body holds the integer {str(value)[:40]}, outside "
+                            "the 64-bit range")
+        if not isinstance(value, dict | list):
+            continue
+        if depth + 1 > MAX_DEPTH:
             raise BodyError(f"the request body is nested deeper than {MAX_DEPTH} levels")
         items = value.values() if isinstance(value, dict) else value
-        stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
+        stack.extend((v, depth + 1) for v in items)
 
 
 GRAMMAR_FIELDS = ("response_format", "regex", "json_schema", "ebnf", "structural_tag")

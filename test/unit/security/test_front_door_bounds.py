@@ -116,6 +116,38 @@ def test_what_clients_send_passes(path, body):
     check(path, body)
 
 
+BIG = 2**64  # one past the unsigned 64-bit range; -(2**63) - 1 is one below the signed one
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/detokenize", {"tokens": [1, 2], "response_format": BIG}),  # found by the fuzzer
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "maximum": BIG}}}}),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "minimum": -(2**63) - 1}}}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "hi", "name": "n", "weight": BIG}]}),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "seed": BIG}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "metadata": {"n": [BIG]},
+                      "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_an_integer_orjson_cannot_write_is_a_400_wherever_it_is(path, body):
+    """orjson (SGLang's and our re-serialisation) raises on integers outside 64 bits: a body
+    holding one, in a field typed ``Any`` too, is refused instead of failing with a 500."""
+    import orjson
+
+    with pytest.raises(TypeError):
+        orjson.dumps(body)
+    with pytest.raises(BodyError, match="outside the 64-bit range"):
+        check(path, body)
+
+
+def test_the_64_bit_extremes_pass():
+    schema = {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}
+    check("/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+
+
 def test_profile_names_may_not_lead_out_of_the_output_folder(tmp_path):
     def body(**fields) -> bytes:
         return json.dumps({"output_dir": str(tmp_path), **fields}).encode()
