@@ -134,6 +134,28 @@ def _secret(prog: str, args: argparse.Namespace, read: Callable[[str | None, str
         return None, _fail(prog, str(e))
 
 
+OPEN_FILES_WANTED = 1 << 16
+
+
+def _raise_open_files() -> int:
+    """Raise this process's open-file limit towards its hard limit (``OPEN_FILES_WANTED`` at
+    most), and return the limit. Every connection holds a descriptor until it authenticates
+    or its handshake times out (``auth.HANDSHAKE_MS``): at the usual soft limit of 1024, a peer
+    opening silent connections faster than they time out would lock every new client out,
+    and the SSD tier out of its files."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # the kernel's own cap (fs.nr_open) is lower
+            pass
+    return soft
+
+
 def serve(argv: list[str]) -> int:
     import zmq
 
@@ -207,6 +229,7 @@ def serve(argv: list[str]) -> int:
                            "--insecure to serve anyone who reaches the endpoint")
     if tokens is not None and args.insecure:
         return _fail(prog, "--insecure and a token exclude each other")
+    open_files = _raise_open_files()
     try:
         engine = StoreEngine(int(args.memory_gb * (1 << 30)), args.replica_fraction,
                              args.ssd_dir, int(args.ssd_gb * (1 << 30)))
@@ -232,7 +255,8 @@ def serve(argv: list[str]) -> int:
         f"data plane on port {server.data.port}, "
         + ("TLS" if server.data.tls is not None else "plain TCP"))
     print(f"PTStore server on {args.endpoint} ({args.memory_gb} GB{ssd}, "
-          f"{len(engine.objects)} objects recovered; {auth}; {data})", flush=True)
+          f"{len(engine.objects)} objects recovered; {auth}; {data}; "
+          f"{open_files} open files)", flush=True)
     done.wait()
     engine.flush_to_ssd()
     server.stop()

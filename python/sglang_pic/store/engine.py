@@ -20,10 +20,10 @@ than twice their bytes plus ``JOURNAL_SLACK_BYTES``).
 
 The journal counts against the SSD budget: its bytes are taken from the pages' room (the SSD
 tier evicts pages for them), and it may take at most ``JOURNAL_FRACTION`` of the budget, so
-objects never crowd out every page. Live objects whose records would not fit that share lose
-their oldest (the heaviest tenant's first, as for the other object bounds), and an object whose
-record alone is larger than the share is refused (``ObjectRefused``); the file never grows past
-it. A damaged journal line (bad UTF-8, JSON Python cannot parse, a record of the wrong shape, a
+objects never crowd out every page. Live objects whose records would take more than half that
+share (``JOURNAL_LIVE_SHARE``: a rewrite then leaves room to append) lose their oldest (the
+heaviest tenant's first, as for the other object bounds), and an object whose record alone is
+larger than that half is refused (``ObjectRefused``); the file never grows past the share. A damaged journal line (bad UTF-8, JSON Python cannot parse, a record of the wrong shape, a
 line longer than the share) is skipped at start, counted in one warning, and the journal is
 rewritten without it.
 
@@ -61,6 +61,10 @@ OBJECT_BYTES, OBJECT_ID_BYTES = 200, 64
 JOURNAL = "objects.jsonl"
 JOURNAL_FRACTION = 0.25
 """The share of the SSD budget the object journal may take; the pages keep the rest."""
+JOURNAL_LIVE_SHARE = 0.5
+"""The part of the journal's share the live objects' records may take: a rewrite leaves the rest
+free for appends, so it comes at most once per that many bytes appended (with the live records
+up against the share itself, every put would rewrite the whole journal)."""
 JOURNAL_SLACK_BYTES = 1 << 20
 """Bytes of dead records the journal may hold beyond its live ones' before it is rewritten: with
 few live objects, "twice the live bytes" alone would rewrite the file on almost every put."""
@@ -165,6 +169,11 @@ class StoreEngine:
             self._recover_objects()
 
     @property
+    def journal_live_limit(self) -> int:
+        """The most bytes the live objects' journal records may take (``JOURNAL_LIVE_SHARE``)."""
+        return int(JOURNAL_LIVE_SHARE * self.journal_limit)
+
+    @property
     def ssd_used(self) -> int:
         return self.ssd.used if self.ssd is not None else 0
 
@@ -193,17 +202,29 @@ class StoreEngine:
     def get_tensors(self, tids: list[str]) -> list[bytes | None]:
         return [None if t is None else t[0] for t in self.get_tensors_checked(tids)]
 
-    def get_tensors_checked(self, tids: list[str]) -> list[tuple[bytes, int | None] | None]:
+    def get_tensors_checked(self, tids: list[str], max_bytes: int | None = None
+                            ) -> list[tuple[bytes, int | None] | None]:
         """``(bytes, checksum of exactly those bytes or None)`` per id; None when absent. A page
         from memory stored without a checksum has None (the caller computes it); a page from
-        SSD has the one kept in its file, verified against its bytes."""
+        SSD has the one kept in its file, verified against its bytes. ``max_bytes``: the most
+        the found pages may hold together; from the first page past it, every page is None
+        (and no more is read from SSD): a reply the server can hold, whatever was asked."""
         out: list[tuple[bytes, int | None] | None] = []
+        total = 0
         with self.lock:
             for tid in tids:
+                if max_bytes is not None and total > max_bytes:
+                    self.stats["misses"] += 1
+                    out.append(None)
+                    continue
                 e = self.owned.get_entry(tid) or self.replica.get_entry(tid)
                 found = (e.data, e.checksum) if e is not None else None
                 if found is None and self.ssd is not None:
                     found = self.ssd.read(tid)
+                if found is not None and max_bytes is not None:
+                    total += len(found[0])
+                    if total > max_bytes:
+                        found = None
                 self.stats["hits" if found is not None else "misses"] += 1
                 self.stats["bytes_out"] += len(found[0]) if found else 0
                 out.append(found)
@@ -220,10 +241,11 @@ class StoreEngine:
                 self._set_object(key, tids)
                 return
             line = _record(key, tids)
-            if len(line) > self.journal_limit:
+            if len(line) > self.journal_live_limit:
                 raise ObjectRefused(
                     f"object too large for the object journal ({len(line)} bytes of record; "
-                    f"the journal's share of the SSD budget is {self.journal_limit})")
+                    f"live records may take {self.journal_live_limit} bytes of the SSD "
+                    "budget)")
             self._set_object(key, tids, len(line))
             if key in self.objects:
                 self._journal(line)
@@ -248,7 +270,7 @@ class StoreEngine:
         while self.objects and (len(self.objects) > self.max_objects
                                 or self.object_bytes > self.max_object_bytes
                                 or (self.root is not None
-                                    and self.journal_live_bytes > self.journal_limit)):
+                                    and self.journal_live_bytes > self.journal_live_limit)):
             self._drop_object(self._victim(key))
 
     def _victim(self, keep: str) -> str:
@@ -346,7 +368,7 @@ class StoreEngine:
                     torn = not line.endswith(b"\n")
                     key, tids = rec
                     size = len(_record(key, tids))
-                    if size <= self.journal_limit:
+                    if size <= self.journal_live_limit:
                         self._set_object(key, tids, size)
                 self.journal_bytes = f.tell()
         except FileNotFoundError:

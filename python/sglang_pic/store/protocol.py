@@ -32,6 +32,11 @@ Requests carry no credentials: the connection is authenticated (CurveZMQ, ``auth
 and object keys are opaque strings of at most ``Limits.max_id_chars`` characters without NUL; they
 never name a file (the SSD tier names its files by a digest), so any other string is a valid id.
 A request naming an invalid id is refused as a whole.
+
+A header is validated whole against its op's schema (``Put`` ... ``Probe``, msgspec structs that
+refuse any field they do not declare and any value of another type) before anything reads it; the
+checks a schema cannot state (lengths that must agree, the configured limits) follow. A get names
+each id once: a repeated id would be read and sent again, one small request for a huge reply.
 """
 
 from __future__ import annotations
@@ -39,12 +44,11 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import re
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
+import msgspec
 import xxhash
-
-OPS = ("put", "get", "exists", "put_object", "get_object", "status", "probe")
 
 
 @dataclass(frozen=True)
@@ -78,124 +82,197 @@ def encode(header: dict, payloads: list[Buffer] | None = None) -> list[Buffer]:
     return [json.dumps(header).encode(), *(payloads or [])]
 
 
-def _bad_id(x, limits: Limits) -> bool:
-    return not isinstance(x, str) or len(x) > limits.max_id_chars or "\0" in x
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A length, offset, size, checksum or handle: an integer from 0 to 2**64 - 1 (not a bool)."""
+MAX_STREAMS = 64
+Streams = Annotated[int, msgspec.Meta(ge=1, le=MAX_STREAMS)]
+Nonce = Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{32}$")]
+Proof = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+
+
+class _Schema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A part of a request: exactly these fields, of these types; anything else is refused."""
+
+
+class PoolSpec(_Schema):
+    """A reader's host KV pool on the server's node (``shm.pool_spec``)."""
+
+    pid: Count
+    fd: Count
+    dev: Count
+    ino: Count
+    ticket: Count
+    proof: Proof
+
+
+class ShmSpec(_Schema):
+    """A get's or probe's shared memory: a staging segment (``name`` and ``nonce``) or a
+    reader's pool (``pool``); a get adds ``offsets`` and ``sizes`` (and ``until`` into a
+    pool)."""
+
+    name: str | None = None
+    nonce: Nonce | None = None
+    pool: PoolSpec | None = None
+    offsets: list[Count] | None = None
+    sizes: list[Count] | None = None
+    until: float | None = None
+
+
+class GetTcp(_Schema):
+    streams: Streams
+    sizes: list[Count] | None = None
+    tls: bool = False
+
+
+class PutTcp(_Schema):
+    streams: Streams
+    lengths: list[Count]
+    tls: bool = False
+
+
+class _Request(_Schema, tag_field="op"):
+    pass
+
+
+class Put(_Request, tag="put"):
+    sums: list[Count]
+    tids: list[str] = []
+    kind: Literal["owned", "replica"] | None = None
+    tcp: PutTcp | None = None
+
+
+class Get(_Request, tag="get"):
+    tids: list[str] = []
+    shm: ShmSpec | None = None
+    tcp: GetTcp | None = None
+
+
+class Exists(_Request, tag="exists"):
+    tids: list[str] = []
+
+
+class PutObject(_Request, tag="put_object"):
+    key: str
+    tids: list[str] = []
+
+
+class GetObject(_Request, tag="get_object"):
+    key: str
+
+
+class Status(_Request, tag="status"):
+    pass
+
+
+class Probe(_Request, tag="probe"):
+    shm: ShmSpec
+
+
+_DECODER = msgspec.json.Decoder(Put | Get | Exists | PutObject | GetObject | Status | Probe)
+OPS = ("put", "get", "exists", "put_object", "get_object", "status", "probe")
+
+
+def _bad_id(x: str, limits: Limits) -> bool:
+    return len(x) > limits.max_id_chars or "\0" in x
+
+
+def _refusal(e: msgspec.DecodeError) -> str:
+    """msgspec's reason, which names the offending field (as much of it as a reply carries)."""
+    why = str(e)
+    return why if len(why) <= 300 else why[:300] + "..."
 
 
 def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
-    """Validate a request; returns (header, payload frames) or raises ProtocolError."""
+    """Validate a request as a whole; returns (header, payload frames) or raises
+    ProtocolError. The header must be one of the ops' schemas exactly (``_DECODER``: no other
+    field, every value of its type); then the checks a schema cannot state (lengths that must
+    agree, the configured limits)."""
     if not frames:
         raise ProtocolError("empty message")
-    head = bytes(frames[0])
+    head = frames[0]
     if len(head) > limits.max_header_bytes:
         raise ProtocolError("header too large")
     try:
-        header = json.loads(head)
-    except (ValueError, RecursionError) as e:
-        # ValueError: bad UTF-8 or JSON, and integers past Python's 4300-digit limit;
-        # RecursionError: nesting deeper than the parser's stack
-        raise ProtocolError(f"malformed header: {type(e).__name__}") from None
-    if not isinstance(header, dict) or header.get("op") not in OPS:
-        raise ProtocolError(f"unknown op {header.get('op') if isinstance(header, dict) else None!r}")
+        request = _DECODER.decode(head)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid request: {_refusal(e)}") from None
+    except msgspec.DecodeError as e:  # not JSON (nor UTF-8)
+        raise ProtocolError(f"malformed header: {_refusal(e)}") from None
+    header = msgspec.to_builtins(request)
+    op = header["op"]
     tids = header.get("tids", [])
-    if not isinstance(tids, list) or len(tids) > limits.max_tensors:
-        raise ProtocolError("tids must be a list of at most "
-                            f"{limits.max_tensors} ids")
+    if len(tids) > limits.max_tensors:
+        raise ProtocolError(f"tids must be a list of at most {limits.max_tensors} ids")
     n = limits.max_id_chars
-    if not all(type(t) is str and len(t) <= n and "\0" not in t for t in tids):
+    if any(len(t) > n or "\0" in t for t in tids):
         raise ProtocolError(f"an id must be a string of at most {limits.max_id_chars} "
                             "characters without NUL")
-    if header["op"] in ("put_object", "get_object") and _bad_id(header.get("key"), limits):
+    if op in ("put_object", "get_object") and _bad_id(header["key"], limits):
         raise ProtocolError(f"an object key must be a string of at most {limits.max_id_chars} "
                             "characters without NUL")
+    if op == "get" and len(set(tids)) != len(tids):
+        # each repeat would be sent (or read from SSD) again: one small request, a huge reply
+        raise ProtocolError("a get names each tensor id once")
     payloads = frames[1:]
-    if header["op"] == "put" and "tcp" in header:
-        sums = header.get("sums")
-        if payloads or not isinstance(sums, list) or len(sums) != len(tids) \
-                or not all(map(_is_count, sums)):
-            raise ProtocolError("a put over the data plane carries one checksum per tensor id "
-                                "and no payload")
-    elif header["op"] == "put":
-        sums = header.get("sums")
-        if len(payloads) != len(tids) or not isinstance(sums, list) or len(sums) != len(tids):
-            raise ProtocolError("put needs one payload frame and one checksum per tensor id")
-        total = 0
-        for frame, c in zip(payloads, sums, strict=True):
-            n = len(frame)
-            total += n
-            if n > limits.max_tensor_bytes:
-                raise ProtocolError("tensor too large")
-            if checksum(frame) != c:
-                raise ProtocolError("checksum mismatch")
-        if total > limits.max_message_bytes:
-            raise ProtocolError("message too large")
+    if op == "put":
+        _check_put(header, tids, payloads, limits)
     elif payloads:
-        raise ProtocolError(f"{header['op']} takes no payload")
-    if "shm" in header or header["op"] == "probe":
+        raise ProtocolError(f"{op} takes no payload")
+    if "shm" in header:
+        if "tcp" in header:
+            raise ProtocolError("tcp: only a get without shm, or a put, asks for the data plane")
         _check_shm(header, tids)
-    if "tcp" in header:
-        _check_tcp(header, tids, limits)
+    if op == "get" and "tcp" in header:
+        sizes = header["tcp"].get("sizes")
+        if sizes is not None and len(sizes) != len(tids):
+            raise ProtocolError("tcp: sizes must be one size per tensor id")
     return header, payloads
 
 
-def _is_count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-MAX_STREAMS = 64
-
-
-def _check_tcp(header: dict, tids: list, limits: Limits) -> None:
-    tcp = header["tcp"]
-    if header["op"] not in ("get", "put") or "shm" in header or not isinstance(tcp, dict):
-        raise ProtocolError("tcp: only a get without shm, or a put, asks for the data plane")
-    if header["op"] == "put":
-        lengths = tcp.get("lengths")
-        if not (isinstance(lengths, list) and len(lengths) == len(tids)
-                and all(map(_is_count, lengths))):
+def _check_put(header: dict, tids: list, payloads: list, limits: Limits) -> None:
+    sums = header["sums"]
+    if "tcp" in header:
+        if payloads or len(sums) != len(tids):
+            raise ProtocolError("a put over the data plane carries one checksum per tensor id "
+                                "and no payload")
+        lengths = header["tcp"]["lengths"]
+        if len(lengths) != len(tids):
             raise ProtocolError("tcp: a put needs one length per tensor id")
         if any(n > limits.max_tensor_bytes for n in lengths):
             raise ProtocolError("tensor too large")
         if sum(lengths) > limits.max_message_bytes:
             raise ProtocolError("message too large")
-    streams = tcp.get("streams")
-    if not _is_count(streams) or not 1 <= streams <= MAX_STREAMS:
-        raise ProtocolError(f"tcp: streams must be 1..{MAX_STREAMS}")
-    sizes = tcp.get("sizes")
-    if sizes is not None and not (isinstance(sizes, list) and len(sizes) == len(tids)
-                                  and all(map(_is_count, sizes))):
-        raise ProtocolError("tcp: sizes must be one size per tensor id")
-    if not isinstance(tcp.get("tls", False), bool):
-        raise ProtocolError("tcp: tls must be a boolean")
-
-
-_HEX_NONCE = re.compile(r"[0-9a-fA-F]{32}")
+        return
+    if len(payloads) != len(tids) or len(sums) != len(tids):
+        raise ProtocolError("put needs one payload frame and one checksum per tensor id")
+    total = 0
+    for frame, c in zip(payloads, sums, strict=True):
+        n = len(frame)
+        total += n
+        if n > limits.max_tensor_bytes:
+            raise ProtocolError("tensor too large")
+        if checksum(frame) != c:
+            raise ProtocolError("checksum mismatch")
+    if total > limits.max_message_bytes:
+        raise ProtocolError("message too large")
 
 
 def _check_shm(header: dict, tids: list) -> None:
-    shm = header.get("shm")
-    if header["op"] not in ("get", "probe") or not isinstance(shm, dict) \
-            or not (isinstance(shm.get("name"), str) or isinstance(shm.get("pool"), dict)):
-        raise ProtocolError("shm: only get and probe name a segment")
+    shm = header["shm"]
+    if ("name" in shm) == ("pool" in shm):
+        raise ProtocolError("shm: a segment is named by 'name' or by 'pool', one of them")
+    if header["op"] == "probe":
+        if "name" in shm and "nonce" not in shm:
+            raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
+        return
     if "pool" in shm:
-        if not isinstance(shm["pool"], dict):
-            raise ProtocolError("shm: a pool is named by a spec object")
-        if header["op"] == "probe":
-            return
         until = shm.get("until")
-        if not isinstance(until, (int, float)) or isinstance(until, bool) \
-                or not math.isfinite(until):
+        if until is None or not math.isfinite(until):
             raise ProtocolError("a get into a pool needs a finite 'until'")
-    else:
+    elif "nonce" not in shm:
         # the segment's nonce (its first 16 bytes) proves the requester can read the segment:
         # its name alone is visible to anyone on the node (``ls /dev/shm``)
-        nonce = shm.get("nonce")
-        if not isinstance(nonce, str) or not _HEX_NONCE.fullmatch(nonce):
-            raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
-        if header["op"] == "probe":
-            return
+        raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
     offsets, sizes = shm.get("offsets"), shm.get("sizes")
-    if not (isinstance(offsets, list) and isinstance(sizes, list)
-            and len(offsets) == len(sizes) == len(tids)
-            and all(map(_is_count, offsets)) and all(map(_is_count, sizes))):
+    if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(tids):
         raise ProtocolError("shm get needs one offset and one size per tensor id")

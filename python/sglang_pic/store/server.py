@@ -26,6 +26,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +42,11 @@ logger = logging.getLogger(__name__)
 # bytes CurveZMQ adds to a message frame: a MESSAGE command's name, nonce and box (~33-40)
 CURVE_FRAME_OVERHEAD = 64
 DEFAULT_DATA_PLANE = DataPlaneConfig()  # plain TCP, on the control endpoint's host, any port
+REPLY_SHARE = 0.25
+"""The share of the memory budget that get replies waiting in the socket may hold together
+(pages read from SSD for them, and stored pages they keep alive), a tenant's at most half of it:
+a client that asks and never reads must not grow the server without bound, nor starve the other
+tenants. Past it, a get's pages are misses (a reader computes them again)."""
 
 
 def _checksum_of(data: bytes, known: int | None) -> int:
@@ -103,6 +109,9 @@ class StoreServer:
         self.ctx = zmq.Context()
         self.auth = ServerAuth(self.ctx, tokens)
         self.sock = self.ctx.socket(zmq.ROUTER)
+        # every frame zero-copy, so a reply's tracker (``_replies``) covers all its pages: pyzmq
+        # would copy those under 64 KiB into buffers of its own, out of sight
+        self.sock.copy_threshold = 0
         # per frame: the largest a request holds (a page, or the header), plus what CURVE adds
         # to a frame on the wire (zmq compares the encrypted frame): a page at the limit must
         # reach the protocol's checks, not be dropped with its connection
@@ -136,6 +145,11 @@ class StoreServer:
         self.copy_threads = max(1, copy_threads)
         self.copiers = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ptstore-copy")
         self.pool_pages = 0
+        # get replies zmq may still hold (their trackers and payload bytes), and their sum
+        self.reply_budget = max(int(REPLY_SHARE * engine.memory_bytes),
+                                2 * limits.max_tensor_bytes)
+        self._replies: deque[tuple[zmq.MessageTracker, int, str]] = deque()
+        self.reply_bytes = 0
         self.requests = 0
         self.rejected = 0
         self._stop = threading.Event()
@@ -181,7 +195,19 @@ class StoreServer:
             # the tenant ZAP named for this connection (its token's)
             tenant = frames[0].get("User-Id") if self.auth.secure else ""
             ident, body = frames[0], [f.buffer for f in frames[1:]]
-            self.sock.send_multipart([ident, *self.handle(body, tenant)], copy=False)
+            reply = self.handle(body, tenant)
+            pages = sum(len(f) for f in reply[1:])
+            try:
+                if pages:  # the routing frame as bytes: a received frame cannot be tracked
+                    tracker = self.sock.send_multipart([ident.bytes, *reply], copy=False,
+                                                       track=True)
+                    self._replies.append((tracker, pages, tenant))
+                    self.reply_bytes += pages
+                else:
+                    self.sock.send_multipart([ident, *reply], copy=False)
+            except (zmq.ZMQError, ValueError):  # one reply lost, never the server
+                logger.exception("PTStore: sending a reply failed")
+            del reply
             # a put's frames are its pages: freed now, not when the next request rebinds
             # these names (freeing a large put takes milliseconds the next lookup would wait)
             del frames, ident, body
@@ -231,7 +257,7 @@ class StoreServer:
                 and (self.data.tls is not None or not tcp.get("tls", False)):
             return self._get_over_tcp(tids, tcp, tenant)
         if op == "get":
-            got = eng.get_tensors_checked(tids)
+            got = eng.get_tensors_checked(tids, self.reply_room(tenant))
             return _pages_reply([g is not None for g in got], [g for g in got if g is not None])
         if op == "exists":
             return encode({"ok": True, "found": [eng.has(t) for t in tids]})
@@ -247,7 +273,7 @@ class StoreServer:
         when it names them); the pages go over the data listener. A server holding too much for
         outstanding transfers (offers not redeemed yet: another tenant's, perhaps) sends them
         over the socket instead, as a get without the data plane: slower, but no page lost."""
-        got = self.engine.get_tensors_checked(tids)
+        got = self.engine.get_tensors_checked(tids, self.limits.max_message_bytes)
         sizes = tcp.get("sizes")
         found = [g is not None and (sizes is None or len(g[0]) == sizes[i])
                  for i, g in enumerate(got)]
@@ -255,7 +281,13 @@ class StoreServer:
         offer = self.data.offer(tenant, [d for d, _ in pages], tcp["streams"])
         if offer is None:
             self.data._count("declined")
-            return _pages_reply(found, pages)
+            room, kept = self.reply_room(tenant), 0
+            for i, g in enumerate(got):  # over the socket: the pages that fit the reply room
+                if found[i]:
+                    room -= len(g[0])
+                    found[i] = room >= 0
+                    kept += found[i]
+            return _pages_reply(found, pages[:kept])
         return encode({"ok": True, "found": found, "sums": [_checksum_of(d, s) for d, s in pages],
                        "lengths": [len(d) for d, _ in pages], "tcp": offer})
 
@@ -288,7 +320,10 @@ class StoreServer:
             mm, base = self.segments.mapping(shm["pool"] if pool else shm["name"],
                                              _nonce_of(shm))
         except (OSError, ValueError) as e:
-            raise ProtocolError(f"shm segment unavailable: {e}") from None
+            # why stays here: the reasons (no such process, not its file, another file) would
+            # tell a tenant about the node's processes
+            logger.debug("PTStore: a get's shm segment is unavailable: %s", e)
+            raise ProtocolError("shm segment unavailable") from None
         offsets, sizes = shm["offsets"], shm["sizes"]
         low = 0 if pool else DATA_OFFSET  # a staging segment's nonce lives below DATA_OFFSET
         if any(o < low or o + n > len(mm) for o, n in zip(offsets, sizes, strict=True)):
@@ -310,6 +345,17 @@ class StoreServer:
         return encode({"ok": True, "found": found,
                        "sums": [_checksum_of(*got[i]) for i in range(len(tids)) if found[i]]})
 
+    def reply_room(self, tenant: str) -> int:
+        """The bytes a get of ``tenant`` answered over the socket may carry now: what is left of
+        the reply budget, and of the tenant's half of it, by the replies zmq still holds (each
+        until its tracker says zmq let its frames go: sent, or dropped with its connection)."""
+        if self._replies:
+            self._replies = deque(r for r in self._replies if not r[0].done)
+            self.reply_bytes = sum(n for _, n, _ in self._replies)
+        mine = sum(n for _, n, t in self._replies if t == tenant)
+        return max(0, min(self.reply_budget - self.reply_bytes, self.reply_budget // 2 - mine,
+                          self.limits.max_message_bytes))
+
     def status(self) -> dict:
         eng = self.engine
         return {**eng.stats, "requests": self.requests, "rejected": self.rejected,
@@ -319,6 +365,7 @@ class StoreServer:
                 "ssd_bytes": eng.ssd_used, "ssd_tensors": len(eng.ssd) if eng.ssd else 0,
                 "evictions": eng.owned.evictions + eng.replica.evictions,
                 "pool_pages": self.pool_pages,
+                "reply_bytes_held": self.reply_bytes,
                 "objects": len(eng.objects),
                 **({f"data_{k}": v for k, v in self.data.stats.items()}
                    if self.data is not None else {})}
