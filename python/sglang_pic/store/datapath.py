@@ -295,6 +295,10 @@ class DataServer:
     # -- data side --
     def _accept_loop(self) -> None:
         last_sweep = time.monotonic()
+        # poll, not select: select refuses descriptors past 1024, and the store raises its
+        # open-file limit far beyond (``cli._raise_open_files``)
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
             if now - last_sweep > 1.0:
@@ -302,11 +306,13 @@ class DataServer:
                     self._expire(now)
                 last_sweep = now
             try:
-                ready, _, _ = select.select([self.sock], [], [], 0.2)
-            except (OSError, ValueError):
-                return  # closed
+                ready = poller.poll(200)
+            except OSError:
+                return
             if not ready:
                 continue
+            if ready[0][1] & select.POLLNVAL:
+                return  # closed
             try:
                 conn, _ = self.sock.accept()
             except OSError:

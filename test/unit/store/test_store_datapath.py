@@ -94,6 +94,38 @@ def test_many_pages_travel_over_k_streams_into_the_buffer_verified(servers):
     client.close()
 
 
+def test_the_data_plane_serves_from_a_listening_descriptor_past_1024():
+    """``sglang-pic store`` raises its open-file limit far past 1024; the data listener's
+    accept loop used ``select``, which refuses such descriptors, and then ended without a word
+    (gets fell back to the socket)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no descriptor past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:  # the listener is opened past them
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        srv = _server()
+    finally:
+        for fd in held:
+            os.close(fd)
+    client = StoreClient([srv.endpoint], TOKEN, data_plane="tcp", data_streams=2)
+    try:
+        assert srv.data.sock.fileno() > 1024
+        pages = _pages("far", 8)
+        assert client.batch_set(pages) == 8 * PAGE
+        ok, got = _get_into(client, [t for t, _ in pages])
+        assert all(ok) and got == [d for _, d in pages]
+        assert client.stats["tcp_pages"] == 8
+    finally:
+        client.close()
+        srv.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_split_covers_every_page_once_balanced_by_bytes():
     for lengths, k in [([5] * 10, 4), ([100, 1, 1, 1, 1], 2), ([7], 4), ([3, 9, 1, 8, 2], 3)]:
         ranges = split(lengths, k)
