@@ -65,6 +65,8 @@ class FrontDoor:
             return
         method = scope.get("method", "")
         scope = _without_routing_headers(scope)
+        if path in KEYLESS_ROUTES:
+            send = _without_cors(send)
         if path in HEALTH_ROUTES:
             await self._health(scope, receive, send)
             return
@@ -242,6 +244,24 @@ ROUTING_HEADERS = (b"x-data-parallel-rank", b"x-smg-routing-key")
 """Request headers SGLang reads into fields the schema refuses or bounds in bodies (a DP rank,
 a routing key), dropped with every ``x-override-*`` header (SGLang's optional per-request
 overrides of internal fields)."""
+
+
+KEYLESS_ROUTES = frozenset({"/health", "/metrics"})
+"""Routes SGLang answers without a key. Their answers lose SGLang's CORS headers (it echoes
+any ``Origin`` and allows credentials): any web page open in a local browser could otherwise
+read ``/metrics`` (the model's path, the traffic's counters). Routes that need a key keep
+them: a page cannot send the key it does not have."""
+
+
+def _without_cors(send: Send) -> Send:
+    async def send_without_cors(message: dict) -> None:
+        if message.get("type") == "http.response.start":
+            message = {**message, "headers": [
+                (k, v) for k, v in message.get("headers", ())
+                if not bytes(k).lower().startswith(b"access-control-")]}
+        await send(message)
+
+    return send_without_cors
 
 
 def _without_routing_headers(scope: dict) -> dict:
