@@ -574,8 +574,12 @@ class StoreClient:
              have: Callable[[int], bool], data_of: Callable[[int], Buffer | None],
              nbytes: int | None = None, sizes: list[int] | None = None,
              addrs: list[int] | None = None) -> None:
+        # each id is asked for once (a server refuses a get naming one twice); a repeat takes
+        # its first's page
+        firsts: dict[str, int] = {}
+        repeats = [(j, firsts[t]) for j, t in enumerate(tids) if firsts.setdefault(t, j) != j]
         if self.local is not None:
-            near = [i for i, t in enumerate(tids) if t in self.replicated]
+            near = [i for i, t in enumerate(tids) if t in self.replicated and firsts[t] == i]
             if near:
                 self._fetch({self.local: near}, tids, sink, nbytes, sizes, addrs)
                 for i in near:
@@ -584,8 +588,16 @@ class StoreClient:
                     else:
                         self.stats["replica_hits"] += 1
         owners = [self.ring.owner(t) for t in tids]
-        missing = [i for i in range(len(tids)) if not have(i)]
+        missing = [i for i in range(len(tids)) if not have(i) and firsts[tids[i]] == i]
         self._fetch(self._by_owner(tids, owners, missing), tids, sink, nbytes, sizes, addrs)
+        if repeats:
+            for j, i in repeats:
+                if have(i):
+                    page = data_of(i)
+                    sink(j, memoryview(page), checksum(page))
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                flush()
         if self.local is not None:
             self._replicate_hot(tids, owners, [data_of(i) if have(i) else None
                                                for i in range(len(tids))])

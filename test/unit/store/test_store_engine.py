@@ -119,6 +119,23 @@ def test_batched_puts_and_gets_one_rpc_per_owner(cluster):
     client.close()
 
 
+def test_an_id_asked_for_twice_is_fetched_once_and_given_at_both_places(cluster):
+    """A server refuses a get naming an id twice (each repeat would be read and sent again);
+    the client asks for each id once and gives its page at every place it was asked."""
+    client = StoreClient([s.endpoint for s in cluster], TOKEN)
+    pages = _pages("r", 4)
+    assert client.batch_set(pages) == 4 * PAGE
+    tids = ["r0", "r1", "r0", "absent", "r3", "r1", "absent"]
+    want = {t: d for t, d in pages}
+    assert client.batch_get(tids) == [want.get(t) for t in tids]
+    dests = [memoryview(bytearray(PAGE)) for _ in tids]
+    assert client.batch_get_into(tids, dests) == [t in want for t in tids]
+    assert [bytes(d) for d, t in zip(dests, tids, strict=True) if t in want] == [
+        want[t] for t in tids if t in want]
+    assert sum(s.rejected for s in cluster) == 0
+    client.close()
+
+
 def test_a_prefix_lookup_asks_the_first_page_alone_first(cluster):
     """``leading_found`` (HiCache's lookup before a prefetch): a prefix whose first page is
     missing costs one RPC; otherwise the leading pages found, the first missing one ending it."""
