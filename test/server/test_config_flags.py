@@ -127,6 +127,8 @@ STREAMING = pytest.mark.skipif(not streaming_sessions_need_unified_tree(),
     (["--radix-eviction-policy", "sae", "--sae-predictor", "maybe"], "--sae-predictor: 'maybe'"),
     (["--radix-eviction-policy", "sae", "--sae-stats", "/no/such/dir/s.json"],
      "--sae-stats: '/no/such/dir/s.json': no writable directory"),
+    (["--radix-eviction-policy", "sae", "--sae-stats", "/dev/null"],
+     "--sae-stats: '/dev/null': not a regular file"),
     (["--enable-position-free-kv", "--position-free-decode-config", "64,3,3"],
      "--position-free-decode-config"),
     # knobs without their feature

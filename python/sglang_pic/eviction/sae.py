@@ -350,6 +350,11 @@ class SAEStrategy(CachePolicy):
                               "max_seconds": self.evict_max_seconds}
             stats["scheduler"] = dict(SCHEDULER_STEPS)
         tmp = f"{path}.tmp"
+        if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+            # replacing it would turn a device (``/dev/null``) or a link into this file
+            logger.warning("SGLANG_PIC_SAE_STATS: %s is not a regular file; stats off", path)
+            self.stats_path = None
+            return
         try:
             with open(tmp, "w") as f:
                 json.dump(stats, f)

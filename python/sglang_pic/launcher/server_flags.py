@@ -103,10 +103,14 @@ def decode_config(raw: str) -> tuple[int, int, int]:
 
 
 def in_writable_directory(path: str) -> None:
-    """A file the scheduler will (re)write: its directory must exist and be writable."""
+    """A file the scheduler will (re)write: its directory must exist and be writable, and the
+    path must not be anything but a regular file (each write replaces it: ``/dev/null`` would
+    become a file)."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise BadValue(f"{path!r}: no writable directory {directory}")
+    if os.path.lexists(path) and not os.path.isfile(path) or os.path.islink(path):
+        raise BadValue(f"{path!r}: not a regular file (each write replaces it)")
 
 
 def directories(raw: str) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -684,6 +685,25 @@ def test_unwritable_sae_stats_path_is_a_warning_not_a_crash(monkeypatch, caplog)
     assert res["evict_calls"] > 1
     warned = [r for r in caplog.records if "SGLANG_PIC_SAE_STATS" in r.getMessage()]
     assert len(warned) == 1
+
+def test_a_sae_stats_path_that_is_not_a_regular_file_is_left_alone(monkeypatch, caplog,
+                                                                     tmp_path):
+    """Each write replaces the stats file (a temporary file renamed over it): pointed at a
+    device or a pipe, that replaced it (``/dev/null`` became a regular file). It is left alone,
+    with one warning, and the stats are off."""
+    import stat
+
+    from sglang_pic.eviction.replay.simulator import replay
+    from sglang_pic.eviction.replay.traces import generate
+
+    fifo = tmp_path / "stats.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("SGLANG_PIC_SAE_STATS", str(fifo))
+    with caplog.at_level("WARNING"):
+        res = replay(generate("mix", scale=12, seed=3), "sae", capacity=4000).summary()
+    assert res["evict_calls"] > 1 and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sum("not a regular file" in r.getMessage() for r in caplog.records) == 1
+
 
 def test_belady_bound_keeps_what_is_needed_next_and_beats_every_policy():
     """The offline bound evicts the block needed farthest in the future: with room for two of
