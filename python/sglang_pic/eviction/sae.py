@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
-from sglang_pic.launcher.server_flags import setting
+from sglang_pic.launcher.server_flags import not_a_regular_file, setting
 
 from .context import APP_TYPES, TOKEN_TYPES, RequestContext, block_key, block_offset
 from .estimators import (
@@ -350,8 +350,7 @@ class SAEStrategy(CachePolicy):
                               "max_seconds": self.evict_max_seconds}
             stats["scheduler"] = dict(SCHEDULER_STEPS)
         tmp = f"{path}.tmp"
-        if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
-            # replacing it would turn a device (``/dev/null``) or a link into this file
+        if not_a_regular_file(path):
             logger.warning("SGLANG_PIC_SAE_STATS: %s is not a regular file; stats off", path)
             self.stats_path = None
             return

@@ -102,14 +102,20 @@ def decode_config(raw: str) -> tuple[int, int, int]:
     return block_n, warps, stages
 
 
+def not_a_regular_file(path: str) -> bool:
+    """Whether ``path`` exists as something other than a regular file (a device, a pipe, a
+    folder, a link): a file written by renaming a temporary one over it must not replace that
+    (``/dev/null`` would become a file)."""
+    return os.path.islink(path) or os.path.lexists(path) and not os.path.isfile(path)
+
+
 def in_writable_directory(path: str) -> None:
     """A file the scheduler will (re)write: its directory must exist and be writable, and the
-    path must not be anything but a regular file (each write replaces it: ``/dev/null`` would
-    become a file)."""
+    path must be a regular file or nothing yet (``not_a_regular_file``)."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise BadValue(f"{path!r}: no writable directory {directory}")
-    if os.path.lexists(path) and not os.path.isfile(path) or os.path.islink(path):
+    if not_a_regular_file(path):
         raise BadValue(f"{path!r}: not a regular file (each write replaces it)")
 
 

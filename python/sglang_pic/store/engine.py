@@ -20,12 +20,12 @@ than twice their bytes plus ``JOURNAL_SLACK_BYTES``).
 
 The journal counts against the SSD budget: its bytes are taken from the pages' room (the SSD
 tier evicts pages for them), and it may take at most ``JOURNAL_FRACTION`` of the budget, so
-objects never crowd out every page. Live objects whose records would take more than half that
-share (``JOURNAL_LIVE_SHARE``: a rewrite then leaves room to append) lose their oldest (the
-heaviest tenant's first, as for the other object bounds), and an object whose record alone is
-larger than that half is refused (``ObjectRefused``); the file never grows past the share. A damaged journal line (bad UTF-8, JSON Python cannot parse, a record of the wrong shape, a
-line longer than the share) is skipped at start, counted in one warning, and the journal is
-rewritten without it.
+objects never crowd out every page. Live objects whose records would take more than half that share
+(``JOURNAL_LIVE_SHARE``: a rewrite then leaves room to append) lose their oldest (the heaviest
+tenant's first, as for the other object bounds), and an object whose record alone is larger than
+that half is refused (``ObjectRefused``); the file never grows past the share. A damaged journal
+line (bad UTF-8, JSON Python cannot parse, a record of the wrong shape, a line longer than the
+share) is skipped at start, counted in one warning, and the journal is rewritten without it.
 
 Ids are opaque: the engine never interprets one (the server prefixes each with its tenant's
 name, ``tenant \0 id``, so tenants never see each other's pages).

@@ -169,7 +169,6 @@ class Probe(_Request, tag="probe"):
 
 
 _DECODER = msgspec.json.Decoder(Put | Get | Exists | PutObject | GetObject | Status | Probe)
-OPS = ("put", "get", "exists", "put_object", "get_object", "status", "probe")
 
 
 def _bad_id(x: str, limits: Limits) -> bool:
@@ -203,8 +202,7 @@ def decode_request(frames: list, limits: Limits) -> tuple[dict, list]:
     tids = header.get("tids", [])
     if len(tids) > limits.max_tensors:
         raise ProtocolError(f"tids must be a list of at most {limits.max_tensors} ids")
-    n = limits.max_id_chars
-    if any(len(t) > n or "\0" in t for t in tids):
+    if any(_bad_id(t, limits) for t in tids):
         raise ProtocolError(f"an id must be a string of at most {limits.max_id_chars} "
                             "characters without NUL")
     if op in ("put_object", "get_object") and _bad_id(header["key"], limits):
@@ -261,18 +259,16 @@ def _check_shm(header: dict, tids: list) -> None:
     shm = header["shm"]
     if ("name" in shm) == ("pool" in shm):
         raise ProtocolError("shm: a segment is named by 'name' or by 'pool', one of them")
+    if "name" in shm and "nonce" not in shm:
+        # the segment's nonce (its first 16 bytes) proves the requester can read the segment:
+        # its name alone is visible to anyone on the node (``ls /dev/shm``)
+        raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
     if header["op"] == "probe":
-        if "name" in shm and "nonce" not in shm:
-            raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
         return
     if "pool" in shm:
         until = shm.get("until")
         if until is None or not math.isfinite(until):
             raise ProtocolError("a get into a pool needs a finite 'until'")
-    elif "nonce" not in shm:
-        # the segment's nonce (its first 16 bytes) proves the requester can read the segment:
-        # its name alone is visible to anyone on the node (``ls /dev/shm``)
-        raise ProtocolError("a segment's probe and get need its 16-byte hex nonce")
     offsets, sizes = shm.get("offsets"), shm.get("sizes")
     if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(tids):
         raise ProtocolError("shm get needs one offset and one size per tensor id")
