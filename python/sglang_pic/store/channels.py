@@ -23,6 +23,7 @@ import json
 import threading
 import time
 import uuid
+import weakref
 
 import zmq
 
@@ -30,6 +31,32 @@ from .auth import secure_client
 from .protocol import Buffer, encode
 
 ZMQ_IO_THREADS_MAX = 4  # CURVE runs on these: one per server, so puts to each encrypt apart
+
+
+class _Sockets:
+    """The context and every socket of one ``ServerChannels``, closed together by ``release``.
+
+    Why apart from the channels: channels dropped without ``close`` must not leave their context
+    to the garbage collector. Collected in a reference cycle, a context's ``__del__`` finds its
+    socket set empty (weak references into the cycle are cleared first) and its ``term`` waits
+    for sockets that are never closed: the collecting thread hangs. The channels' finalizer
+    holds this object, so the sockets are closed, then the context terminated, before either
+    can be collected."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context | None = None
+        self.socks: list[zmq.Socket] = []
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        """Close every socket (linger 0: at once) and terminate the context."""
+        with self.lock:
+            for s in self.socks:
+                s.close(0)
+            self.socks.clear()
+            ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            ctx.term()
 
 
 class ServerChannels:
@@ -44,10 +71,9 @@ class ServerChannels:
         self._credentials = (token, server_key)
         self.timeout_ms = timeout_ms
         self.min_gbps = min_gbps
-        self._ctx: zmq.Context | None = None  # our own: ``ctx``
         self._local = threading.local()  # .socks: this thread's {server: socket}
-        self._all_socks: list[zmq.Socket] = []
-        self._socks_lock = threading.Lock()
+        self._owned = _Sockets()  # our context (``ctx``) and every thread's sockets
+        weakref.finalize(self, self._owned.release)
         self.rpcs = 0
 
     @property
@@ -64,10 +90,11 @@ class ServerChannels:
         ``ZMQ_IO_THREADS_MAX``. ZMQ encrypts and decrypts (CURVE) a socket's messages on its
         context's I/O thread: on the process-wide context, one thread encrypted every put to
         every server. Made on first use, and again after ``close``."""
-        with self._socks_lock:
-            if self._ctx is None:
-                self._ctx = zmq.Context(io_threads=min(len(self.servers), ZMQ_IO_THREADS_MAX))
-            return self._ctx
+        owned = self._owned
+        with owned.lock:
+            if owned.ctx is None:
+                owned.ctx = zmq.Context(io_threads=min(len(self.servers), ZMQ_IO_THREADS_MAX))
+            return owned.ctx
 
     def sock(self, server: str) -> zmq.Socket:
         s = self.socks.get(server)
@@ -81,8 +108,8 @@ class ServerChannels:
             secure_client(s, *self._credentials)
             s.connect(server)
             self.socks[server] = s
-            with self._socks_lock:
-                self._all_socks.append(s)
+            with self._owned.lock:
+                self._owned.socks.append(s)
         return s
 
     def send(self, server: str, header: dict, payloads: list[Buffer] | None = None) -> None:
@@ -95,8 +122,8 @@ class ServerChannels:
         sock = self.socks.pop(server, None)
         if sock is not None:
             sock.close(0)
-            with self._socks_lock:
-                self._all_socks.remove(sock)
+            with self._owned.lock:
+                self._owned.socks.remove(sock)
 
     def recv(self, server: str, deadline: float):
         """The reply of ``server`` as ``(header, payloads)``, or None past ``deadline`` or when
@@ -167,11 +194,5 @@ class ServerChannels:
     def close(self) -> None:
         """Close every thread's sockets and the context (linger 0: returns at once); the
         channels reopen on the next request."""
-        with self._socks_lock:
-            for s in self._all_socks:
-                s.close(0)
-            self._all_socks.clear()
-            ctx, self._ctx = self._ctx, None
+        self._owned.release()
         self._local = threading.local()
-        if ctx is not None:
-            ctx.term()

@@ -26,6 +26,7 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,16 @@ def _copy_pages(task: tuple[list[tuple[int, Buffer, int, int | None]], float, bo
     return done
 
 
+def _close_socket(sock: zmq.Socket, auth: ServerAuth, ctx: zmq.Context) -> None:
+    """Close the server's socket, stop its authenticator and terminate its context, in that
+    order: a context left to the garbage collector in a reference cycle hangs the collecting
+    thread (its ``term`` waits for sockets only the collector would close)."""
+    if not sock.closed:
+        sock.close(0)
+    auth.stop()
+    ctx.term()
+
+
 class StoreServer:
     """``tokens``: the accepted tokens, ``{token: tenant name}`` (a single token is a tenant
     named by its digest); None serves without authentication (``--insecure``). ``data_plane``:
@@ -117,13 +128,15 @@ class StoreServer:
         # reach the protocol's checks, not be dropped with its connection
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes + CURVE_FRAME_OVERHEAD)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # the socket, its authenticator and the context: closed by ``stop``, or when this
+        # server is collected without one
+        self._close_socket = weakref.finalize(self, _close_socket, self.sock, self.auth,
+                                              self.ctx)
         try:
             self.auth.apply(self.sock)
             self.sock.bind(endpoint)
         except BaseException:
-            self.sock.close(0)
-            self.auth.stop()
-            self.ctx.term()
+            self._close_socket()
             raise
         self.data: DataServer | None = None
         host = endpoint_host(endpoint)
@@ -136,9 +149,7 @@ class StoreServer:
                 logger.warning("PTStore: no TCP data plane (cannot listen on %s: %s); remote "
                                "readers get pages over the socket", data_plane.host or host, e)
             except BaseException:
-                self.sock.close(0)
-                self.auth.stop()
-                self.ctx.term()
+                self._close_socket()
                 raise
         self.segments = SegmentCache()  # readers' shared-memory segments on this node
         # copies into readers' memory: a memmove drops the GIL, so pages copy in parallel
@@ -167,9 +178,7 @@ class StoreServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.sock.close(0)
-        self.auth.stop()
-        self.ctx.term()
+        self._close_socket()
         self.copiers.shutdown(wait=True)
         self.segments.close()
         if self.data is not None:

@@ -852,3 +852,39 @@ def test_the_client_encrypts_on_its_own_io_threads_and_works_after_close(tmp_pat
         client.close()
         for s in servers:
             s.stop()
+
+
+_DROPPED_IN_A_CYCLE = """
+import gc, sys
+from sglang_pic.store.client import StoreClient
+from sglang_pic.store.engine import StoreEngine
+from sglang_pic.store.server import StoreServer
+
+folder = sys.argv[1]
+server = StoreServer(StoreEngine(1 << 20), f"ipc://{folder}/s.sock", "tok").start()
+client = StoreClient([server.endpoint], "tok")
+assert client.batch_set([("p", b"x" * 64)]) == 64
+assert client.batch_get(["p"]) == [b"x" * 64]
+client.me = client  # only the cycle collector can free it
+idle = StoreServer(StoreEngine(1 << 20), f"ipc://{folder}/idle.sock", "tok")  # never started
+idle.me = idle
+del client, idle
+gc.collect()
+server.stop()
+print("collected")
+"""
+
+
+def test_clients_and_servers_dropped_in_a_reference_cycle_are_collected(tmp_path):
+    """A store client or server dropped without ``close``/``stop`` inside a reference cycle is
+    collected: its sockets are closed and its ZMQ context terminated. Left to pyzmq, the
+    collector found the context's socket set already cleared and its ``term`` waited forever
+    for the sockets (a test run hung in an unrelated test's garbage collection). Run in a
+    child process: a hang fails this test at its time-out instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _DROPPED_IN_A_CYCLE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "collected"
