@@ -38,6 +38,9 @@ import statistics
 import time
 from pathlib import Path
 
+from sglang_pic.spans.request import PDEP_ID as PDEP  # the span markers' token ids
+from sglang_pic.spans.request import SSEP_ID as SSEP
+
 from benchmark import description
 from benchmark.harness import (
     LLAMA3_8B_DUMMY,
@@ -47,7 +50,6 @@ from benchmark.harness import (
     stream_generate,
 )
 
-SSEP, PDEP = -1, -2
 SPAN_SWITCHES = {  # variants of the span server: the settings they change
     "sglang-pic": {},
     "sglang-pic-copy": {"SGLANG_PIC_SPAN_COPY": "on"},  # turned copies of moved spans

@@ -37,6 +37,9 @@ import os
 import statistics
 import time
 
+from sglang_pic.spans.request import PDEP_ID as PDEP  # the span markers' token ids
+from sglang_pic.spans.request import SSEP_ID as SSEP
+
 from benchmark import description
 from benchmark.harness import (
     LLAMA3_8B_DUMMY,
@@ -46,7 +49,6 @@ from benchmark.harness import (
     stream_generate,
 )
 
-SSEP, PDEP = -1, -2
 SCHEDULE = {"sglang-pic": "isps", "sglang-pic-barrier": "barrier"}
 # variants of the span server beyond its schedule: the switches they turn on
 SPAN_SWITCHES = {
