@@ -73,7 +73,8 @@ class ServerChannels:
         self.min_gbps = min_gbps
         self._local = threading.local()  # .socks: this thread's {server: socket}
         self._owned = _Sockets()  # our context (``ctx``) and every thread's sockets
-        weakref.finalize(self, self._owned.release)
+        # not at exit: a daemon thread may still be polling one of the sockets then
+        weakref.finalize(self, self._owned.release).atexit = False
         self.rpcs = 0
 
     @property

@@ -132,6 +132,7 @@ class StoreServer:
         # server is collected without one
         self._close_socket = weakref.finalize(self, _close_socket, self.sock, self.auth,
                                               self.ctx)
+        self._close_socket.atexit = False  # the serving thread may still be polling then
         try:
             self.auth.apply(self.sock)
             self.sock.bind(endpoint)
