@@ -96,7 +96,9 @@ TOKEN = "s3cret"
 
 @pytest.fixture
 def cluster(tmp_path):
-    servers = [StoreServer(StoreEngine(256 * PAGE), f"ipc://{tmp_path}/s{i}.sock", TOKEN,
+    # 1024 pages each: a get's reply may carry a tenant's half of a quarter of a server's memory
+    # (128 pages), above any one owner's share of the reads here, wherever the ring puts them
+    servers = [StoreServer(StoreEngine(1024 * PAGE), f"ipc://{tmp_path}/s{i}.sock", TOKEN,
                            Limits(max_tensor_bytes=4 * PAGE)).start() for i in range(3)]
     yield servers
     for s in servers:
