@@ -880,9 +880,9 @@ print("collected")
 def test_clients_and_servers_dropped_in_a_reference_cycle_are_collected(tmp_path):
     """A store client or server dropped without ``close``/``stop`` inside a reference cycle is
     collected: its sockets are closed and its ZMQ context terminated. Left to pyzmq, the
-    collector found the context's socket set already cleared and its ``term`` waited forever
-    for the sockets (a test run hung in an unrelated test's garbage collection). Run in a
-    child process: a hang fails this test at its time-out instead of hanging the suite."""
+    collector finds the context's socket set already cleared and its ``term`` waits forever for
+    the sockets, hanging whatever test the collection runs in. Run in a child process: a hang
+    fails this test at its time-out instead of hanging the suite."""
     import subprocess
     import sys
 
